@@ -1,0 +1,220 @@
+"""Demo models: deterministic random weights, a small trained BPE tokenizer and a chat template.
+
+Tests, the quickstart and the benchmarks all make their models with ``make_demo_model``;
+nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from .demo_templates import TEMPLATES
+from .errors import UsageError
+
+ARCHES = ("dense", "hybrid", "sliding")
+SIZES = ("tiny", "qwen3-0.6b")
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<s>", "</s>", "[INST]", "[/INST]", "<think>", "</think>"]
+DEMO_VOCAB = 2048
+QWEN3_06B_VOCAB = 151936
+CONTEXT = 32768
+
+# Shapes per (architecture, size). qwen3-0.6b is Qwen3-0.6B's shape, for benchmarks.
+_SHAPES = {
+    ("dense", "tiny"): dict(hidden_size=128, num_hidden_layers=4, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64),
+    ("dense", "qwen3-0.6b"): dict(hidden_size=1024, num_hidden_layers=28, intermediate_size=3072, num_attention_heads=16, num_key_value_heads=8, head_dim=128),
+    ("hybrid", "tiny"): dict(hidden_size=128, num_hidden_layers=4, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64),
+    ("hybrid", "qwen3-0.6b"): dict(hidden_size=1024, num_hidden_layers=24, intermediate_size=3072, num_attention_heads=16, num_key_value_heads=8, head_dim=128),
+    ("sliding", "tiny"): dict(hidden_size=128, num_hidden_layers=4, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64),
+    ("sliding", "qwen3-0.6b"): dict(hidden_size=1024, num_hidden_layers=26, intermediate_size=3072, num_attention_heads=8, num_key_value_heads=4, head_dim=128),
+}
+
+_CORPUS_WORDS = (
+    "you are a helpful code assistant reviewer planner agent that reads writes tests and explains "
+    "python rust function class module error value return import file path server request response "
+    "the of to in and for with on by from as is are be this that it not or if then else when while "
+    "please answer briefly carefully always never use tools call search open list check fix build run "
+    "system user assistant message content token prompt cache model layer state snapshot warm cold "
+    "hello world question first second next number data time day week plan task step goal review code "
+    "中文 内容 你好 世界 模型 缓存 0 1 2 3 4 5 6 7 8 9 42 100 2026 ! ? . , : ; ' \" ( ) [ ] { } < > / - _ = + * # @ $ % & "
+).split()
+
+
+@dataclass(frozen=True)
+class DemoSpec:
+    arch: str = "dense"
+    size: str = "tiny"
+    template: str = "chatml"
+    quantize_bits: int | None = None
+    seed: int = 0
+    sliding_window: int = 64
+
+    def check(self) -> None:
+        if self.arch not in ARCHES:
+            raise UsageError(f"--arch {self.arch!r} is not a demo architecture; use one of {', '.join(ARCHES)}")
+        if self.size not in SIZES:
+            raise UsageError(f"--size {self.size!r} is not a demo size; use one of {', '.join(SIZES)}")
+        if self.template not in TEMPLATES:
+            raise UsageError(f"--template {self.template!r} is not a demo template; use one of {', '.join(TEMPLATES)}")
+        if self.quantize_bits not in (None, 4, 8):
+            raise UsageError(f"--quantize {self.quantize_bits} is not supported; use 4 or 8 (or leave it out for fp32)")
+
+
+def _corpus(seed: int) -> list[str]:
+    rng = random.Random(seed)
+    lines = []
+    for _ in range(3000):
+        words = [rng.choice(_CORPUS_WORDS) for _ in range(rng.randint(3, 16))]
+        sep = rng.choice([" ", " ", " ", "\n", "\n\n", "\t", ", "])
+        lines.append(sep.join(words))
+    return lines
+
+
+def train_tokenizer(out_dir: Path, template: str, seed: int = 0, vocab_size: int = DEMO_VOCAB) -> int:
+    """Train a byte-level BPE tokenizer and write tokenizer.json + tokenizer_config.json."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(seed), trainer=trainer)
+    tok.save(str(out_dir / "tokenizer.json"))
+    eos = "</s>" if template == "mistral" else "<|im_end|>"
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<s>",
+        "eos_token": eos,
+        "pad_token": "<|endoftext|>",
+        "unk_token": None,
+        "model_max_length": CONTEXT,
+        "clean_up_tokenization_spaces": False,
+        "chat_template": TEMPLATES[template],
+    }
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False))
+    return tok.get_vocab_size(), tok.token_to_id(eos)
+
+
+def _model_config(spec: DemoSpec, vocab_size: int, eos_id: int) -> dict:
+    shape = dict(_SHAPES[(spec.arch, spec.size)])
+    common = dict(
+        vocab_size=vocab_size,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=CONTEXT,
+        tie_word_embeddings=True,
+        eos_token_id=eos_id,
+        torch_dtype="float32",
+        **shape,
+    )
+    if spec.arch == "dense":
+        return dict(model_type="qwen3", rope_theta=1_000_000.0, **common)
+    if spec.arch == "hybrid":
+        layers = shape["num_hidden_layers"]
+        return dict(
+            model_type="qwen3_next",
+            rope_theta=1_000_000.0,
+            partial_rotary_factor=0.25,
+            full_attention_interval=2,
+            linear_num_value_heads=4,
+            linear_num_key_heads=2,
+            linear_key_head_dim=32,
+            linear_value_head_dim=32,
+            linear_conv_kernel_dim=4,
+            # Dense MLPs everywhere: the hybrid cache is what matters, not MoE routing.
+            num_experts=4,
+            num_experts_per_tok=2,
+            decoder_sparse_step=1,
+            shared_expert_intermediate_size=shape["intermediate_size"],
+            moe_intermediate_size=shape["intermediate_size"] // 2,
+            mlp_only_layers=list(range(layers)),
+            norm_topk_prob=True,
+            **common,
+        )
+    return dict(
+        model_type="gemma3_text",
+        rope_theta=1_000_000.0,
+        rope_local_base_freq=10_000.0,
+        query_pre_attn_scalar=shape["head_dim"],
+        sliding_window=spec.sliding_window,
+        sliding_window_pattern=2,
+        **common,
+    )
+
+
+def _randomize(model, seed: int, used_vocab: int) -> None:
+    """Seeded Gaussian weights, scaled so outputs depend strongly on the context."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten, tree_unflatten
+
+    new = []
+    for i, (name, value) in enumerate(tree_flatten(model.parameters())):
+        key = mx.random.key(seed * 100_003 + i)
+        if value.ndim < 2 or "conv1d" in name:
+            if "conv1d" in name:
+                value = mx.random.normal(value.shape, key=key) * 0.5
+            new.append((name, value.astype(mx.float32)))
+            continue
+        fan_in = value.shape[-1]
+        if "embed_tokens" in name:
+            w = mx.random.normal(value.shape, key=key)
+            if used_vocab < value.shape[0]:
+                # Ids the tokenizer never produces get zero logits, so greedy never picks them.
+                w = mx.concatenate([w[:used_vocab], mx.zeros((value.shape[0] - used_vocab, value.shape[1]))])
+        else:
+            w = mx.random.normal(value.shape, key=key) * (1.5 / fan_in**0.5)
+        new.append((name, w.astype(mx.float32)))
+    model.update(tree_unflatten(new))
+    mx.eval(model.parameters())
+
+
+def make_demo_model(out_dir: str | Path, spec: DemoSpec = DemoSpec(), force: bool = False) -> Path:
+    """Write a loadable mlx-lm model directory for ``spec`` (atomically) and return its path.
+
+    An existing directory is kept unless ``force``: the weights are deterministic anyway.
+    """
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import _get_classes
+
+    spec.check()
+    out = Path(out_dir)
+    if out.exists() and not force:
+        if (out / "config.json").exists():
+            return out
+        raise UsageError(f"{out} exists and is not a model directory; choose another path or pass --force")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        vocab, eos_id = train_tokenizer(tmp, spec.template, seed=spec.seed)
+        model_vocab = QWEN3_06B_VOCAB if spec.size == "qwen3-0.6b" else vocab
+        config = _model_config(spec, model_vocab, eos_id)
+        model_cls, args_cls = _get_classes(config)
+        mx.random.seed(spec.seed)
+        model = model_cls(args_cls.from_dict(config))
+        _randomize(model, spec.seed, vocab)
+        if spec.quantize_bits:
+            group = 64
+            nn.quantize(model, group_size=group, bits=spec.quantize_bits, class_predicate=lambda p, m: hasattr(m, "to_quantized") and m.weight.shape[-1] % group == 0)
+            config["quantization"] = {"group_size": group, "bits": spec.quantize_bits}
+        weights = dict(tree_flatten(model.parameters()))
+        mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})
+        config["kvsnap_demo"] = {"arch": spec.arch, "size": spec.size, "template": spec.template, "seed": spec.seed}
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out

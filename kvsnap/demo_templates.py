@@ -1,0 +1,38 @@
+"""Chat templates of the demo models: one per way a template can place the system prompt."""
+
+from __future__ import annotations
+
+# ChatML (Qwen style); tools are listed at the end of the system turn.
+CHATML = (
+    r"{% for message in messages %}"
+    r"{{ '<|im_start|>' + message['role'] + '\n' + message['content'] }}"
+    r"{% if loop.first and message['role'] == 'system' and tools %}"
+    r"{{ '\n\n# Tools\n' }}{% for tool in tools %}{{ tool | tojson }}{{ '\n' }}{% endfor %}"
+    r"{% endif %}"
+    r"{{ '<|im_end|>\n' }}"
+    r"{% endfor %}"
+    r"{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
+    r"{% if enable_thinking is defined and not enable_thinking %}{{ '<think>\n\n</think>\n\n' }}{% endif %}"
+    r"{% endif %}"
+)
+
+# Mistral style: the system prompt is joined to the first user turn by a space,
+# so the rendered string cut before the user text ends in a bare space token.
+MISTRAL = (
+    r"{{ bos_token }}{% set ns = namespace(system='') %}"
+    r"{% for message in messages %}"
+    r"{% if message['role'] == 'system' %}{% set ns.system = message['content'] + ' ' %}"
+    r"{% elif message['role'] == 'user' %}{{ '[INST] ' + ns.system + message['content'] + ' [/INST]' }}{% set ns.system = '' %}"
+    r"{% elif message['role'] == 'assistant' %}{{ ' ' + message['content'] + eos_token }}"
+    r"{% endif %}"
+    r"{% endfor %}"
+)
+
+# ChatML with a default system prompt when the conversation brings none.
+DEFAULT_SYSTEM = (
+    r"{% if messages[0]['role'] != 'system' %}"
+    r"{{ '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' }}"
+    r"{% endif %}" + CHATML
+)
+
+TEMPLATES = {"chatml": CHATML, "mistral": MISTRAL, "default-system": DEFAULT_SYSTEM}

@@ -1,0 +1,379 @@
+"""Warm-prompt files, message normalisation, request rendering and the token-level strict prefix.
+
+No mlx here: the tokenizer is anything with ``apply_chat_template`` and ``encode``
+(a Hugging Face tokenizer or mlx-lm's ``TokenizerWrapper``).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Protocol, Sequence
+
+from .errors import MessageError, TemplateError, WarmPromptError
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+ENTRY_KEYS = ("name", "messages", "tools", "chat_template_kwargs")
+MESSAGE_KEYS = ("role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content")
+
+# Probe user turns whose first characters differ in every way a BPE merge can
+# care about: letter, space, newlines, tab, digit, CJK, punctuation, markup.
+PROBE_CONTENTS = (
+    "Hello there",
+    " leading space",
+    "\nnewline first",
+    "\r\ncarriage return",
+    "\ttab first",
+    "42 is a number",
+    "中文内容",
+    "!? punctuation",
+    "<b>markup</b>",
+    "'quoted'",
+)
+COVERAGE_WARN_BELOW = 0.90
+
+
+class ChatTokenizer(Protocol):
+    def apply_chat_template(self, conversation: Any, **kwargs: Any) -> Any: ...
+
+    def encode(self, text: str, **kwargs: Any) -> list[int]: ...
+
+
+@dataclass(frozen=True)
+class WarmPrompt:
+    """One entry of a warm-prompt file: the leading messages of future requests."""
+
+    index: int
+    name: str
+    messages: tuple[dict, ...]
+    tools: tuple[dict, ...] | None = None
+    chat_template_kwargs: dict | None = None
+
+    def as_json(self) -> dict:
+        return {
+            "name": self.name,
+            "messages": list(self.messages),
+            "tools": list(self.tools) if self.tools is not None else None,
+            "chat_template_kwargs": self.chat_template_kwargs,
+        }
+
+
+@dataclass(frozen=True)
+class EntryProblem:
+    index: int
+    message: str
+
+    def __str__(self) -> str:
+        return f"entry {self.index}: {self.message}"
+
+
+@dataclass
+class WarmPromptSet:
+    source: str
+    entries: list[WarmPrompt] = field(default_factory=list)
+    problems: list[EntryProblem] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class WarmPrefix:
+    """The tokens every real request that starts with ``prompt.messages`` begins with."""
+
+    prompt: WarmPrompt
+    tokens: tuple[int, ...]
+    entry_tokens: int
+    warnings: tuple[str, ...] = ()
+
+    @property
+    def coverage(self) -> float:
+        if self.entry_tokens <= 0:
+            return 1.0
+        return min(1.0, len(self.tokens) / self.entry_tokens)
+
+
+# --- messages -----------------------------------------------------------------
+
+
+def _content_to_text(content: Any, where: str) -> str | None:
+    if content is None or isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for i, part in enumerate(content):
+            here = f"{where}[{i}]"
+            if isinstance(part, str):
+                texts.append(part)
+                continue
+            if not isinstance(part, dict):
+                raise MessageError(here, f"content part is a {type(part).__name__}", 'use {"type": "text", "text": "..."}')
+            kind = part.get("type", "text")
+            if kind not in ("text", "input_text"):
+                raise MessageError(here + ".type", f"content part type {kind!r} is not supported", 'only "text" parts can be served by a text model')
+            text = part.get("text")
+            if not isinstance(text, str):
+                raise MessageError(here + ".text", f"expected a string, got {type(text).__name__}", "give the part's text as a string")
+            texts.append(text)
+        return "".join(texts)
+    raise MessageError(where, f"content is a {type(content).__name__}", "give a string or a list of text parts")
+
+
+def normalize_message(message: Any, where: str) -> dict:
+    """One message → a plain dict: text content, ``developer`` folded into ``system``."""
+    if not isinstance(message, dict):
+        raise MessageError(where, f"a message must be an object, got {type(message).__name__}", 'write {"role": ..., "content": ...}')
+    role = message.get("role")
+    if role not in ROLES:
+        raise MessageError(where + ".role", f"unknown role {role!r}", f"use one of {', '.join(ROLES)}")
+    unknown = sorted(set(message) - set(MESSAGE_KEYS))
+    if unknown:
+        raise MessageError(where, f"unknown field(s) {', '.join(map(repr, unknown))}", f"a message may only have {', '.join(MESSAGE_KEYS)}")
+    content = _content_to_text(message.get("content"), where + ".content")
+    if content is None and not (role == "assistant" and message.get("tool_calls")):
+        raise MessageError(where + ".content", "content is missing", "give the message's text as a string")
+    out: dict = {"role": "system" if role == "developer" else role, "content": content if content is not None else ""}
+    for key in ("name", "tool_call_id", "reasoning_content"):
+        if key in message and message[key] is not None:
+            if not isinstance(message[key], str):
+                raise MessageError(f"{where}.{key}", f"expected a string, got {type(message[key]).__name__}", f"give {key} as a string")
+            out[key] = message[key]
+    if message.get("tool_calls") is not None:
+        calls = message["tool_calls"]
+        if not isinstance(calls, list) or not all(isinstance(c, dict) for c in calls):
+            raise MessageError(where + ".tool_calls", "expected a list of objects", "use OpenAI's tool_calls shape")
+        out["tool_calls"] = calls
+    return out
+
+
+def normalize_messages(messages: Any, where: str = "messages") -> list[dict]:
+    """The one normaliser used by warm-prompt files and by the server's request path."""
+    if not isinstance(messages, list):
+        raise MessageError(where, f"expected a list of messages, got {type(messages).__name__}", "give a JSON list of chat messages")
+    if not messages:
+        raise MessageError(where, "the message list is empty", "give at least one message")
+    return [normalize_message(m, f"{where}[{i}]") for i, m in enumerate(messages)]
+
+
+def _check_tools(tools: Any, where: str) -> tuple[dict, ...] | None:
+    if tools is None:
+        return None
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise MessageError(where, f"expected a list of tool objects, got {json.dumps(tools)[:60]}", "use OpenAI's tools shape")
+    return tuple(tools)
+
+
+def _check_kwargs(kwargs: Any, where: str) -> dict | None:
+    if kwargs is None:
+        return None
+    if not isinstance(kwargs, dict):
+        raise MessageError(where, f"expected an object, got {type(kwargs).__name__}", 'e.g. {"enable_thinking": false}')
+    return dict(kwargs)
+
+
+# --- warm-prompt files ----------------------------------------------------------
+
+
+def parse_entry(raw: Any, index: int) -> WarmPrompt:
+    where = f"entries[{index}]"
+    name = f"agent-{index}"
+    tools = kwargs = None
+    if isinstance(raw, dict):
+        unknown = sorted(set(raw) - set(ENTRY_KEYS))
+        if unknown:
+            raise MessageError(where, f"unknown field(s) {', '.join(map(repr, unknown))}", f"an entry object may only have {', '.join(ENTRY_KEYS)}")
+        if "name" in raw:
+            if not isinstance(raw["name"], str) or not raw["name"].strip():
+                raise MessageError(where + ".name", f"expected a non-empty string, got {raw['name']!r}", "name the agent, e.g. \"reviewer\"")
+            name = raw["name"].strip()
+        if "messages" not in raw:
+            raise MessageError(where + ".messages", "missing", "give the leading chat messages of this agent's requests")
+        messages = normalize_messages(raw["messages"], where + ".messages")
+        tools = _check_tools(raw.get("tools"), where + ".tools")
+        kwargs = _check_kwargs(raw.get("chat_template_kwargs"), where + ".chat_template_kwargs")
+        where_last = f"{where}.messages[{len(messages) - 1}].role"
+    elif isinstance(raw, list):
+        messages = normalize_messages(raw, where)
+        where_last = f"{where}[{len(messages) - 1}].role"
+    else:
+        raise MessageError(where, f"an entry must be a list of messages or an object, got {type(raw).__name__}", 'write [{"role": "system", "content": "..."}]')
+    last = messages[-1]["role"]
+    if last in ("user", "tool"):
+        raise MessageError(
+            where_last,
+            f"the entry ends with a {last!r} message, so the next message of a real request would be an assistant turn the server does not know",
+            "end the entry with its system prompt or with an assistant turn (drop the trailing user message)",
+        )
+    return WarmPrompt(index=index, name=name, messages=tuple(messages), tools=tools, chat_template_kwargs=kwargs)
+
+
+def parse_warm_prompts(data: Any, source: str = "<warm prompts>") -> WarmPromptSet:
+    """Parse the decoded JSON of a warm-prompt file. Invalid entries are reported, the rest kept."""
+    if not isinstance(data, list):
+        raise WarmPromptError(f"{source}: the top level must be a JSON list of entries, got {type(data).__name__}; wrap the entries in [ ... ]")
+    result = WarmPromptSet(source=source)
+    seen: dict[str, int] = {}
+    for index, raw in enumerate(data):
+        try:
+            entry = parse_entry(raw, index)
+        except MessageError as exc:
+            result.problems.append(EntryProblem(index, str(exc)))
+            continue
+        if entry.name in seen:
+            result.problems.append(EntryProblem(index, f"entries[{index}].name: {entry.name!r} is already used by entry {seen[entry.name]}; give every agent its own name"))
+            continue
+        seen[entry.name] = index
+        result.entries.append(entry)
+    return result
+
+
+def load_warm_prompts(path: str | Path) -> WarmPromptSet:
+    """Read and parse a warm-prompt file; a file with no valid entry is an error."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise WarmPromptError(f"{path}: no such warm-prompt file; check the path") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise WarmPromptError(f"{path}: cannot be read ({exc}); give a readable UTF-8 JSON file") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise WarmPromptError(f"{path}: not valid JSON at line {exc.lineno} column {exc.colno} ({exc.msg}); fix the JSON") from None
+    result = parse_warm_prompts(data, str(path))
+    if not result.entries:
+        detail = "; ".join(str(p) for p in result.problems[:3]) or "the list is empty"
+        raise WarmPromptError(f"{path}: no valid warm-prompt entry ({detail})")
+    return result
+
+
+# --- rendering ------------------------------------------------------------------
+
+
+def resolve_chat_template(tokenizer: Any, tools: Sequence[dict] | None = None) -> str:
+    """The template text that will actually render: a named one when the tokenizer has several."""
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, dict):
+        if tools and "tool_use" in template:
+            return template["tool_use"]
+        return template.get("default") or next(iter(template.values()))
+    if not template:
+        raise TemplateError("the tokenizer has no chat template; add one to tokenizer_config.json (\"chat_template\") or chat_template.jinja")
+    return template
+
+
+def render_messages(
+    tokenizer: ChatTokenizer,
+    messages: Sequence[dict],
+    tools: Sequence[dict] | None = None,
+    chat_template_kwargs: dict | None = None,
+    add_generation_prompt: bool = True,
+) -> str:
+    """Render normalised messages to the prompt string with the tokenizer's own template."""
+    kwargs = dict(chat_template_kwargs or {})
+    try:
+        text = tokenizer.apply_chat_template(
+            list(messages),
+            tools=list(tools) if tools else None,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            **kwargs,
+        )
+    except Exception as exc:  # jinja raises many types; all mean the template refused these messages
+        raise TemplateError(f"the chat template failed to render the messages ({type(exc).__name__}: {exc}); check the roles and order of the messages") from exc
+    if not isinstance(text, str):
+        raise TemplateError(f"apply_chat_template returned {type(text).__name__}, not a string; this tokenizer is not supported")
+    return text
+
+
+def encode_prompt(tokenizer: ChatTokenizer, text: str) -> list[int]:
+    """Tokenize a rendered prompt. The template carries BOS itself, as in Hugging Face's tokenize=True."""
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def request_tokens(
+    tokenizer: ChatTokenizer,
+    messages: Sequence[dict],
+    tools: Sequence[dict] | None = None,
+    chat_template_kwargs: dict | None = None,
+) -> list[int]:
+    """The tokens of a chat request: the one function both warm-up and the request path use."""
+    return encode_prompt(tokenizer, render_messages(tokenizer, messages, tools, chat_template_kwargs))
+
+
+# --- strict prefix --------------------------------------------------------------
+
+
+def common_prefix_length(sequences: Iterable[Sequence[int]]) -> int:
+    seqs = list(sequences)
+    if not seqs:
+        return 0
+    n = min(len(s) for s in seqs)
+    first = seqs[0]
+    for i in range(n):
+        tok = first[i]
+        if any(s[i] != tok for s in seqs[1:]):
+            return i
+    return n
+
+
+def probe_conversations(prompt: WarmPrompt) -> list[list[dict]]:
+    """Plausible continuations of an entry: one user turn per probe, plus a longer exchange."""
+    base = list(prompt.messages)
+    convs = [base + [{"role": "user", "content": c}] for c in PROBE_CONTENTS]
+    convs.append(
+        base
+        + [
+            {"role": "user", "content": "First question"},
+            {"role": "assistant", "content": "First answer."},
+            {"role": "user", "content": "Second question"},
+        ]
+    )
+    return convs
+
+
+def _date_stamps(today: _dt.date) -> list[str]:
+    return [today.isoformat(), today.strftime("%d %b %Y"), today.strftime("%B %d, %Y"), today.strftime("%d %B %Y")]
+
+
+def warm_prefix(tokenizer: ChatTokenizer, prompt: WarmPrompt) -> WarmPrefix:
+    """The longest token prefix shared by every probe continuation of ``prompt``.
+
+    Cutting the rendered *string* is not enough: BPE can merge the text before
+    the cut with the user's first characters, so the cut is made on tokens.
+    """
+    renders = [render_messages(tokenizer, conv, prompt.tools, prompt.chat_template_kwargs) for conv in probe_conversations(prompt)]
+    token_lists = [encode_prompt(tokenizer, text) for text in renders]
+    n = common_prefix_length(token_lists)
+    tokens = tuple(token_lists[0][:n])
+
+    warnings = []
+    try:
+        alone = render_messages(tokenizer, prompt.messages, prompt.tools, prompt.chat_template_kwargs, add_generation_prompt=False)
+        entry_tokens = len(encode_prompt(tokenizer, alone))
+    except TemplateError:
+        # Some templates refuse a conversation without a user turn; measure the content instead.
+        entry_tokens = sum(len(encode_prompt(tokenizer, m["content"])) for m in prompt.messages)
+    coverage = 1.0 if entry_tokens <= 0 else min(1.0, n / entry_tokens)
+    if coverage < COVERAGE_WARN_BELOW:
+        warnings.append(
+            f"{prompt.name}: the warm prefix covers only {coverage:.0%} of the entry's {entry_tokens} tokens "
+            "(the template changes the text before the next user turn, e.g. it moves the system prompt into the last user message)"
+        )
+    today = _dt.date.today()
+    if any(stamp in renders[0] for stamp in _date_stamps(today)):
+        warnings.append(
+            f"{prompt.name}: the chat template stamps today's date into the prompt, so this snapshot goes stale tomorrow; "
+            "pass a fixed date through chat_template_kwargs (e.g. date_string) or rebuild daily"
+        )
+    if n == 0:
+        warnings.append(f"{prompt.name}: no token is shared by every continuation of this entry; nothing can be warmed")
+    return WarmPrefix(prompt=prompt, tokens=tokens, entry_tokens=entry_tokens, warnings=tuple(warnings))
+
+
+def string_cut_tokens(tokenizer: ChatTokenizer, prompt: WarmPrompt) -> list[int]:
+    """The naive warm-up: cut the rendered string where two probe renders diverge, then tokenize.
+
+    Kept only to show (in tests and docs) why kvsnap cuts on tokens instead.
+    """
+    text = render_messages(tokenizer, list(prompt.messages) + [{"role": "user", "content": "__PROBE_A__"}], prompt.tools, prompt.chat_template_kwargs)
+    return encode_prompt(tokenizer, text[: text.index("__PROBE_A__")])
