@@ -139,7 +139,7 @@ class DigestCache:
 
 
 def weight_files(model_dir: Path) -> list[Path]:
-    files = sorted(model_dir.glob("*.safetensors"))
+    files = sorted(model_dir.glob("model*.safetensors")) or sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise ModelError(f"{model_dir}: no *.safetensors weight files; give an mlx-lm model directory (convert with mlx_lm.convert)")
     return files

@@ -1,0 +1,186 @@
+"""The build pipeline: warm prompts -> keys -> prefill -> snapshot files in a store."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Sequence
+
+from . import __version__
+from .errors import KvsnapError, SnapshotError, TemplateError
+from .key import DigestCache, KVSettings, ModelIdentity, package_version, prompt_identity, snapshot_key, tokens_digest
+from .modeling import LoadedModel
+from .prompts import WarmPrompt, WarmPromptSet, resolve_chat_template, warm_prefix
+from .snapfile import FORMAT_VERSION
+from .store import Store, record_id, utc_now
+
+Progress = Callable[[str, str], None]  # (event, entry name)
+
+
+@dataclass
+class EntryResult:
+    name: str
+    status: str  # built | reused | failed
+    key: str = ""
+    n_tokens: int = 0
+    entry_tokens: int = 0
+    coverage: float = 0.0
+    nbytes: int = 0
+    seconds: float = 0.0
+    error: str = ""
+    warnings: tuple[str, ...] = ()
+
+
+@dataclass
+class BuildReport:
+    store: Path
+    model_digest: str
+    entries: list[EntryResult] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def count(self, status: str) -> int:
+        return sum(1 for e in self.entries if e.status == status)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems and self.count("failed") == 0
+
+
+def prefill(lm: LoadedModel, tokens: Sequence[int]) -> list:
+    """Run the model over exactly ``tokens`` in the shared step size, as the server's prefill does."""
+    import mlx.core as mx
+    from mlx_lm.generate import maybe_quantize_kv_cache
+
+    s = lm.settings
+    cache = lm.make_cache()
+    for start in range(0, len(tokens), s.prefill_step_size):
+        chunk = mx.array(list(tokens[start : start + s.prefill_step_size]), dtype=mx.int32)[None]
+        lm.model(chunk, cache=cache)
+        maybe_quantize_kv_cache(cache, s.quantized_kv_start, s.kv_group_size, s.kv_bits)
+        mx.eval([c.state for c in cache])
+    return cache
+
+
+def recorded_fields(settings: KVSettings) -> dict:
+    import mlx.core as mx
+
+    return {
+        "prefill_step_size": settings.prefill_step_size,
+        "backend": "gpu" if mx.default_device() == mx.gpu else "cpu",
+        "mlx": package_version("mlx"),
+        "mlx_lm": package_version("mlx-lm"),
+        "kvsnap": __version__,
+        "created": utc_now(),
+    }
+
+
+def snapshot_metadata(identity: ModelIdentity, prompt: WarmPrompt, prompt_digest: str, key: str, tokens: Sequence[int], layers: list, recorded: dict) -> dict[str, str]:
+    return {
+        "kvsnap.format": str(FORMAT_VERSION),
+        "kvsnap.key": key,
+        "kvsnap.name": prompt.name,
+        "kvsnap.model": json.dumps(identity.as_dict(), sort_keys=True),
+        "kvsnap.model_digest": identity.digest,
+        "kvsnap.prompt_digest": prompt_digest,
+        "kvsnap.n_tokens": str(len(tokens)),
+        "kvsnap.tokens_digest": tokens_digest(tokens),
+        "kvsnap.layers": json.dumps(layers),
+        "kvsnap.recorded": json.dumps(recorded, sort_keys=True),
+    }
+
+
+def capture_snapshot(lm: LoadedModel, store: Store, identity: ModelIdentity, prompt: WarmPrompt, prompt_digest: str, tokens: Sequence[int]) -> Path:
+    """Prefill ``tokens``, check the state holds exactly them, and commit the file. Returns its path."""
+    from .snapshot import encode_cache, to_out_tensors
+
+    key = snapshot_key(identity, prompt_digest, tokens)
+    cache = prefill(lm, tokens)
+    store.fault("after-prefill")
+    arrays, layers = encode_cache(cache, tokens)
+    metadata = snapshot_metadata(identity, prompt, prompt_digest, key, tokens, layers, recorded_fields(lm.settings))
+    with store.lock():
+        return store.put(key, to_out_tensors(arrays), metadata)
+
+
+def _manifest_entry(result: EntryResult, prompt_digest: str) -> dict:
+    return {
+        "name": result.name,
+        "key": result.key,
+        "file": f"snapshots/{result.key}.safetensors",
+        "n_tokens": result.n_tokens,
+        "coverage": round(result.coverage, 4),
+        "prompt_digest": prompt_digest,
+    }
+
+
+def build_snapshots(
+    lm: LoadedModel,
+    prompts: WarmPromptSet,
+    store: Store,
+    agents_file: str,
+    force: bool = False,
+    progress: Progress | None = None,
+    digests: DigestCache | None = None,
+) -> BuildReport:
+    """Build (or reuse) one snapshot per valid warm prompt; never raises for one bad entry."""
+    progress = progress or (lambda event, name: None)
+    started = time.perf_counter()
+    identity = lm.identity(digests)
+    report = BuildReport(store=store.root, model_digest=identity.digest, problems=[str(p) for p in prompts.problems])
+    rid = record_id(identity.digest, agents_file)
+
+    def upsert(entry: dict) -> Callable[[dict], dict]:
+        def apply(record: dict) -> dict:
+            entries = [e for e in record.get("entries", []) if e.get("name") != entry["name"]]
+            return {
+                "model_digest": identity.digest,
+                "model_path": str(lm.path),
+                "agents_file": str(Path(agents_file).resolve()),
+                "kv_settings": {"kv_bits": lm.settings.kv_bits, "kv_group_size": lm.settings.kv_group_size, "quantized_kv_start": lm.settings.quantized_kv_start, "max_kv_size": lm.settings.max_kv_size},
+                "updated": utc_now(),
+                "entries": sorted(entries + [entry], key=lambda e: e["name"]),
+            }
+
+        return apply
+
+    for prompt in prompts.entries:
+        t0 = time.perf_counter()
+        progress("start", prompt.name)
+        result = EntryResult(name=prompt.name, status="failed")
+        try:
+            prefix = warm_prefix(lm.tokenizer, prompt)
+            tokens = prefix.tokens
+            result = EntryResult(name=prompt.name, status="failed", n_tokens=len(tokens), entry_tokens=prefix.entry_tokens, coverage=prefix.coverage, warnings=prefix.warnings)
+            if not tokens:
+                raise TemplateError(f"{prompt.name}: the chat template leaves no token shared by every continuation; nothing to snapshot")
+            prompt_digest = prompt_identity(resolve_chat_template(lm.tokenizer, prompt.tools), prompt.chat_template_kwargs, prompt.tools)
+            result.key = snapshot_key(identity, prompt_digest, tokens)
+            path = store.path_for(result.key)
+            reusable = False
+            if path.exists() and not force:
+                try:
+                    store.verify_file(path, identity)
+                    reusable = True
+                except SnapshotError as exc:
+                    result.warnings += (f"{prompt.name}: replacing a bad snapshot ({exc.reason})",)
+            if not reusable:
+                path = capture_snapshot(lm, store, identity, prompt, prompt_digest, tokens)
+            result.status = "reused" if reusable else "built"
+            result.nbytes = path.stat().st_size
+            store.update_record(rid, upsert(_manifest_entry(result, prompt_digest)))
+        except KvsnapError as exc:
+            result.status, result.error = "failed", str(exc)
+        result.seconds = time.perf_counter() - t0
+        report.entries.append(result)
+        progress(result.status, prompt.name)
+
+    # Drop records of entries that left the agents file (their files become gc-able),
+    # but keep entries that merely failed this time.
+    current = {p.name for p in prompts.entries}
+    if rid in store.read_manifest()["records"]:
+        store.update_record(rid, lambda r: {**r, "entries": [e for e in r.get("entries", []) if e.get("name") in current]})
+    report.seconds = time.perf_counter() - started
+    return report

@@ -1,0 +1,284 @@
+"""The `kvsnap` command. Heavy imports (mlx, mlx-lm) happen inside the subcommands that need them.
+
+Exit codes: 0 success; 1 a check found bad files (verify) or some entries failed (build);
+2 a usage or input error, printed as one line naming the problem and the fix.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+from . import __version__
+from .errors import KvsnapError
+
+log = logging.getLogger("kvsnap")
+
+EXIT_OK, EXIT_BAD, EXIT_USAGE = 0, 1, 2
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{value} must be a positive integer")
+    return value
+
+
+def _add_kv_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("KV cache settings (build and serve must agree)")
+    g.add_argument("--kv-bits", type=int, choices=(2, 3, 4, 5, 6, 8), default=None, help="quantize the KV cache to this many bits (default: off)")
+    g.add_argument("--kv-group-size", type=_positive_int, default=64, help="KV quantization group size; must divide the head dim (default: 64)")
+    g.add_argument("--quantized-kv-start", type=int, default=0, help="quantize the KV once a prompt reaches this many tokens (default: 0)")
+    g.add_argument("--max-kv-size", type=_positive_int, default=None, help="rotating KV cache of this many tokens for models without their own cache layout")
+    g.add_argument("--prefill-step-size", type=_positive_int, default=None, help="prefill chunk size (default: 512; recorded, not keyed)")
+
+
+def _kv_settings(args: argparse.Namespace):
+    from .key import DEFAULT_PREFILL_STEP, KVSettings
+
+    return KVSettings(
+        kv_bits=args.kv_bits,
+        kv_group_size=args.kv_group_size,
+        quantized_kv_start=args.quantized_kv_start,
+        max_kv_size=args.max_kv_size,
+        prefill_step_size=args.prefill_step_size or DEFAULT_PREFILL_STEP,
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvsnap", description="Persistent, shippable warm prefix caches for LLM serving on MLX.")
+    parser.add_argument("--version", action="version", version=f"kvsnap {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log more")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    p = sub.add_parser("demo-model", help="write a small random-weight mlx-lm model (no download)")
+    p.add_argument("out", help="model directory to create")
+    p.add_argument("--arch", default="dense", choices=("dense", "hybrid", "sliding"), help="dense (qwen3), hybrid SSM (qwen3_next) or sliding window (gemma3_text)")
+    p.add_argument("--size", default="tiny", choices=("tiny", "qwen3-0.6b"), help="tiny for tests, qwen3-0.6b (fp32) for benchmarks")
+    p.add_argument("--template", default="chatml", choices=("chatml", "mistral", "default-system"), help="chat template")
+    p.add_argument("--quantize", type=int, choices=(4, 8), default=None, help="quantize the weights to 4 or 8 bits")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--force", action="store_true", help="overwrite an existing directory")
+
+    p = sub.add_parser("build", help="prefill warm prompts once and write their snapshots")
+    p.add_argument("agents", help="warm-prompt file (JSON list of message lists or {name, messages, tools, chat_template_kwargs})")
+    p.add_argument("--model", required=True, help="local mlx-lm model directory")
+    p.add_argument("--out", required=True, help="snapshot store directory (created if absent)")
+    p.add_argument("--force", action="store_true", help="re-prefill and rewrite every snapshot")
+    _add_kv_options(p)
+
+    p = sub.add_parser("ls", help="list the snapshots in a store (headers only)")
+    p.add_argument("store")
+    p.add_argument("--json", action="store_true", help="print JSON")
+
+    p = sub.add_parser("inspect", help="show one snapshot file's header")
+    p.add_argument("file")
+
+    p = sub.add_parser("verify", help="check every snapshot (exit 1 if any is bad)")
+    p.add_argument("store")
+    p.add_argument("--model", help="also reject snapshots not built for this model (imports mlx)")
+    _add_kv_options(p)
+
+    p = sub.add_parser("gc", help="remove temp files and snapshots no manifest record uses (dry run unless --yes)")
+    p.add_argument("store")
+    p.add_argument("--yes", action="store_true", help="really delete")
+    return parser
+
+
+def _console():
+    from rich.console import Console
+
+    return Console(stderr=False, highlight=False)
+
+
+def _human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def cmd_demo_model(args) -> int:
+    from .demo import DemoSpec, make_demo_model
+    from .blas import preload_openblas
+
+    preload_openblas()
+    path = make_demo_model(args.out, DemoSpec(arch=args.arch, size=args.size, template=args.template, quantize_bits=args.quantize, seed=args.seed), force=args.force)
+    print(f"demo model ({args.arch}, {args.size}, {args.template}{', q' + str(args.quantize) if args.quantize else ''}) in {path}")
+    return EXIT_OK
+
+
+def cmd_build(args) -> int:
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.table import Table
+
+    from .build import build_snapshots
+    from .faults import FaultHook
+    from .modeling import check_model_dir, default_digest_cache, load_model
+    from .prompts import load_warm_prompts
+    from .store import Store
+
+    prompts = load_warm_prompts(args.agents)
+    check_model_dir(args.model)
+    store = Store.open(args.out, create=True, fault=FaultHook.from_env())
+    console = _console()
+    for problem in prompts.problems:
+        console.print(f"[yellow]skipped[/] {problem}", markup=True)
+    lm = load_model(args.model, _kv_settings(args))
+    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(), console=console, transient=True) as bar:
+        task = bar.add_task("prefilling", total=len(prompts.entries))
+
+        def progress(event: str, name: str) -> None:
+            if event == "start":
+                bar.update(task, description=f"{name}")
+            else:
+                bar.advance(task)
+
+        report = build_snapshots(lm, prompts, store, args.agents, force=args.force, progress=progress, digests=default_digest_cache())
+
+    table = Table(title=f"kvsnap build → {report.store}")
+    for col in ("agent", "status", "tokens", "coverage", "bytes", "seconds"):
+        table.add_column(col, justify="left" if col in ("agent", "status") else "right")
+    for e in report.entries:
+        table.add_row(e.name, e.status, str(e.n_tokens), f"{e.coverage:.0%}", _human_bytes(e.nbytes), f"{e.seconds:.2f}")
+    console.print(table)
+    for e in report.entries:
+        for w in e.warnings:
+            console.print(f"warning: {w}", markup=False)
+        if e.error:
+            console.print(f"failed: {e.error}", markup=False)
+    total_tokens = sum(e.n_tokens for e in report.entries if e.status != "failed")
+    total_bytes = sum(e.nbytes for e in report.entries)
+    console.print(
+        f"{report.count('built')} built, {report.count('reused')} reused, {report.count('failed')} failed, "
+        f"{len(report.problems)} invalid; {total_tokens} tokens, {_human_bytes(total_bytes)} in {report.seconds:.1f}s",
+        markup=False,
+    )
+    return EXIT_OK if report.ok else EXIT_BAD
+
+
+def cmd_ls(args) -> int:
+    from .store import Store
+
+    store = Store.open(args.store, readonly=True)
+    good, bad = store.scan()
+    if args.json:
+        print(json.dumps({"snapshots": [{"key": i.key, "name": i.name, "file": i.relpath, "n_tokens": i.n_tokens, "bytes": i.nbytes, "model_digest": i.model_digest, "created": i.recorded.get("created")} for i in good], "problems": [{"file": str(p.path), "reason": p.reason} for p in bad]}, indent=1))
+        return EXIT_OK
+    from rich.table import Table
+
+    table = Table(title=f"{store.root}: {len(good)} snapshot(s)")
+    for col in ("key", "agent", "tokens", "size", "model", "created"):
+        table.add_column(col)
+    for i in good:
+        table.add_row(i.key[:12], i.name, str(i.n_tokens), _human_bytes(i.nbytes), i.model_digest[:12], i.recorded.get("created", "?"))
+    console = _console()
+    console.print(table)
+    for p in bad:
+        console.print(f"unreadable: {p}", markup=False)
+    return EXIT_OK
+
+
+def cmd_inspect(args) -> int:
+    from .errors import SnapshotError
+    from .snapfile import FormatError, read_header
+    from .store import inspect_header
+
+    path = Path(args.file)
+    if not path.is_file():
+        raise KvsnapError(f"{path}: no such snapshot file; give a path like STORE/snapshots/<key>.safetensors")
+    try:
+        header = read_header(path)
+        info = inspect_header(path, header)
+    except FormatError as exc:
+        raise SnapshotError(str(path), str(exc)) from None
+    out = {
+        "file": str(path),
+        "key": info.key,
+        "name": info.name,
+        "n_tokens": info.n_tokens,
+        "bytes": info.nbytes,
+        "model_digest": info.model_digest,
+        "model": info.model,
+        "prompt_digest": info.prompt_digest,
+        "recorded": info.recorded,
+        "layers": info.layers,
+        "tensors": {n: {"dtype": t.dtype, "shape": list(t.shape)} for n, t in sorted(header.tensors.items())},
+    }
+    print(json.dumps(out, indent=1))
+    return EXIT_OK
+
+
+def cmd_verify(args) -> int:
+    from .errors import SnapshotError
+    from .store import Store
+
+    store = Store.open(args.store, readonly=True)
+    expected = None
+    if args.model:
+        from .modeling import default_digest_cache, load_model
+
+        expected = load_model(args.model, _kv_settings(args)).identity(default_digest_cache())
+    bad = 0
+    files = store.snapshot_files()
+    for path in files:
+        try:
+            info = store.verify_file(path, expected)
+            print(f"ok   {info.relpath}  {info.name}  {info.n_tokens} tokens")
+        except SnapshotError as exc:
+            bad += 1
+            print(f"BAD  {exc.path}: {exc.reason}")
+    present = {f"snapshots/{p.name}" for p in files}
+    for ref in sorted(store.referenced() - present):
+        bad += 1
+        print(f"BAD  {store.root / ref}: listed in the manifest but missing; run `kvsnap build` again")
+    for tmp in store.temp_files():
+        print(f"note {tmp}: leftover temp file of an interrupted write (harmless; `kvsnap gc --yes` removes it)")
+    print(f"{len(files) - min(bad, len(files))} ok, {bad} bad")
+    return EXIT_BAD if bad else EXIT_OK
+
+
+def cmd_gc(args) -> int:
+    from .store import Store
+
+    store = Store.open(args.store)
+    doomed, freed = store.gc(apply=args.yes)
+    verb = "removed" if args.yes else "would remove"
+    for p in doomed:
+        print(f"{verb} {p}")
+    print(f"{verb} {len(doomed)} file(s), {_human_bytes(freed)}" + ("" if args.yes else "; run again with --yes to delete"))
+    return EXIT_OK
+
+
+COMMANDS = {
+    "demo-model": cmd_demo_model,
+    "build": cmd_build,
+    "ls": cmd_ls,
+    "inspect": cmd_inspect,
+    "verify": cmd_verify,
+    "gc": cmd_gc,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(message)s")
+    if not args.command:
+        parser.print_help()
+        return EXIT_USAGE
+    try:
+        return COMMANDS[args.command](args)
+    except KvsnapError as exc:
+        print(f"kvsnap {args.command}: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print(f"kvsnap {args.command}: interrupted", file=sys.stderr)
+        return 130

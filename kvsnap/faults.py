@@ -1,0 +1,41 @@
+"""Named fault points in the write path, for crash tests. Inert unless asked for.
+
+``KVSNAP_FAULT=point[,point...]`` with an action per point (``point=kill`` by default,
+or ``point=enospc``); ``KVSNAP_FAULT_LOG=FILE`` appends every point reached, so a test
+can assert the point was really hit before the process died.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+from dataclasses import dataclass, field
+
+POINTS = ("after-prefill", "mid-write", "after-write", "after-fsync", "after-rename")
+
+
+@dataclass
+class FaultHook:
+    actions: dict[str, str] = field(default_factory=dict)
+    log_path: str | None = None
+
+    @classmethod
+    def from_env(cls, environ=os.environ) -> "FaultHook":
+        actions = {}
+        for item in filter(None, (environ.get("KVSNAP_FAULT") or "").split(",")):
+            point, _, action = item.partition("=")
+            actions[point.strip()] = (action or "kill").strip()
+        return cls(actions=actions, log_path=environ.get("KVSNAP_FAULT_LOG"))
+
+    def __call__(self, point: str) -> None:
+        if self.log_path:
+            with open(self.log_path, "a") as f:
+                f.write(point + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+        action = self.actions.get(point)
+        if action == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif action == "enospc":
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))

@@ -1,0 +1,195 @@
+"""The snapshot file on disk: safetensors with a checksum over the data bytes. No mlx here.
+
+Writing streams the tensors once, hashing them as they go; the checksum lives in the
+header, which is written first with a fixed-width placeholder and patched in place
+before the file is synced. Reading the header and checking the data needs no mlx,
+so ``verify`` handles bf16 and runs without importing it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from dataclasses import dataclass
+from typing import BinaryIO, Callable, Iterable
+
+import xxhash
+
+FORMAT_VERSION = 1
+MAX_HEADER_BYTES = 64 << 20
+CHECKSUM_PLACEHOLDER = "0" * 32
+CHECKSUM_KEY = "kvsnap.data_xxh3_128"
+READ_CHUNK = 8 << 20
+
+DTYPE_SIZES = {
+    "BOOL": 1, "U8": 1, "I8": 1, "U16": 2, "I16": 2, "F16": 2, "BF16": 2,
+    "U32": 4, "I32": 4, "F32": 4, "U64": 8, "I64": 8, "F64": 8,
+}
+
+
+class FormatError(ValueError):
+    """The bytes are not a well-formed kvsnap snapshot file; the message says what is wrong."""
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    start: int  # offset within the data section
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class Header:
+    header_len: int
+    metadata: dict[str, str]
+    tensors: dict[str, TensorEntry]
+    file_size: int
+
+    @property
+    def data_start(self) -> int:
+        return 8 + self.header_len
+
+    @property
+    def data_len(self) -> int:
+        return self.file_size - self.data_start
+
+
+def _entry(name: str, raw: object) -> TensorEntry:
+    if not isinstance(raw, dict):
+        raise FormatError(f"tensor {name!r}: header entry is not an object")
+    dtype = raw.get("dtype")
+    shape = raw.get("shape")
+    offsets = raw.get("data_offsets")
+    if dtype not in DTYPE_SIZES:
+        raise FormatError(f"tensor {name!r}: unknown dtype {dtype!r}")
+    if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
+        raise FormatError(f"tensor {name!r}: bad shape {shape!r}")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) and o >= 0 for o in offsets)):
+        raise FormatError(f"tensor {name!r}: bad data_offsets {offsets!r}")
+    start, end = offsets
+    expected = math.prod(shape) * DTYPE_SIZES[dtype]
+    if end - start != expected:
+        raise FormatError(f"tensor {name!r}: data_offsets span {end - start} bytes but dtype and shape need {expected}")
+    return TensorEntry(name, dtype, tuple(shape), start, end)
+
+
+def parse_header(f: BinaryIO, file_size: int) -> Header:
+    """Read and check the safetensors header: sizes, offsets inside the file, no gaps or overlaps."""
+    if file_size < 8:
+        raise FormatError(f"file is {file_size} bytes, too short for a safetensors header")
+    f.seek(0)
+    (header_len,) = struct.unpack("<Q", f.read(8))
+    if header_len > MAX_HEADER_BYTES:
+        raise FormatError(f"declared header size {header_len} exceeds the {MAX_HEADER_BYTES}-byte limit")
+    if 8 + header_len > file_size:
+        raise FormatError(f"declared header size {header_len} runs past the end of the {file_size}-byte file (truncated?)")
+    raw = f.read(header_len)
+    try:
+        doc = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise FormatError(f"header is not valid JSON ({exc})") from None
+    if not isinstance(doc, dict):
+        raise FormatError("header is not a JSON object")
+    metadata = doc.pop("__metadata__", {})
+    if not isinstance(metadata, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+        raise FormatError("__metadata__ must map strings to strings")
+    tensors = {name: _entry(name, value) for name, value in doc.items()}
+    data_len = file_size - 8 - header_len
+    cursor = 0
+    for entry in sorted(tensors.values(), key=lambda e: e.start):
+        if entry.start != cursor:
+            raise FormatError(f"tensor {entry.name!r} starts at {entry.start}, expected {cursor} (gap or overlap)")
+        cursor = entry.end
+    if cursor != data_len:
+        raise FormatError(f"tensors cover {cursor} data bytes but the file holds {data_len} (truncated or padded)")
+    return Header(header_len, metadata, tensors, file_size)
+
+
+def read_header(path: str | os.PathLike) -> Header:
+    with open(path, "rb") as f:
+        return parse_header(f, os.fstat(f.fileno()).st_size)
+
+
+def data_checksum(path: str | os.PathLike, header: Header) -> str:
+    h = xxhash.xxh3_128()
+    with open(path, "rb") as f:
+        f.seek(header.data_start)
+        while chunk := f.read(READ_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def check_data(path: str | os.PathLike, header: Header) -> None:
+    """Raise FormatError unless the data bytes hash to the checksum in the header."""
+    recorded = header.metadata.get(CHECKSUM_KEY)
+    if not recorded or recorded == CHECKSUM_PLACEHOLDER:
+        raise FormatError("the header has no data checksum (written by something other than kvsnap, or never finished)")
+    actual = data_checksum(path, header)
+    if actual != recorded:
+        raise FormatError(f"data checksum mismatch (header says {recorded}, data hashes to {actual}): the file is corrupt")
+
+
+def tensor_bytes(path: str | os.PathLike, header: Header, name: str) -> bytes:
+    entry = header.tensors[name]
+    with open(path, "rb") as f:
+        f.seek(header.data_start + entry.start)
+        return f.read(entry.nbytes)
+
+
+@dataclass(frozen=True)
+class OutTensor:
+    """A tensor to write: its safetensors dtype, shape and a C-contiguous buffer."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    data: memoryview
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.nbytes
+
+
+def write_snapshot(
+    f: BinaryIO,
+    tensors: Iterable[OutTensor],
+    metadata: dict[str, str],
+    on_progress: Callable[[str], None] | None = None,
+) -> str:
+    """Write a complete snapshot to an open file; return the data checksum.
+
+    ``on_progress("mid-write")`` fires after the first tensor, for fault injection.
+    """
+    tensors = sorted(tensors, key=lambda t: t.name)
+    header: dict = {"__metadata__": {**metadata, CHECKSUM_KEY: CHECKSUM_PLACEHOLDER}}
+    offset = 0
+    for t in tensors:
+        if t.dtype not in DTYPE_SIZES or t.nbytes != math.prod(t.shape) * DTYPE_SIZES[t.dtype]:
+            raise ValueError(f"tensor {t.name!r}: {t.nbytes} bytes do not match {t.dtype}{list(t.shape)}")
+        header[t.name] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [offset, offset + t.nbytes]}
+        offset += t.nbytes
+    encoded = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    encoded += b" " * (-len(encoded) % 8)  # 8-byte alignment, like the safetensors library
+    marker = f'"{CHECKSUM_KEY}":"'.encode()
+    placeholder_at = encoded.index(marker + CHECKSUM_PLACEHOLDER.encode()) + len(marker)
+    f.write(struct.pack("<Q", len(encoded)))
+    f.write(encoded)
+    h = xxhash.xxh3_128()
+    for i, t in enumerate(tensors):
+        f.write(t.data)
+        h.update(t.data)
+        if i == 0 and on_progress:
+            on_progress("mid-write")
+    checksum = h.hexdigest()
+    f.seek(8 + placeholder_at)
+    f.write(checksum.encode())
+    f.seek(0, os.SEEK_END)
+    return checksum

@@ -1,0 +1,389 @@
+"""The snapshot store on disk: atomic writes, header-only scans, verification, manifest, gc, lock.
+
+Layout (every path relative to the root, so the folder can be moved or shipped)::
+
+    ROOT/manifest.json               what each build produced: one record per (model, agents file)
+    ROOT/snapshots/<key>.safetensors one file per warm prefix, named by its content key
+    ROOT/.lock                       writers hold an exclusive flock on it
+
+Only ``load_arrays`` imports mlx.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as _dt
+import errno
+import fcntl
+import json
+import os
+import re
+import stat
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+from .errors import SnapshotError, StoreError
+from .key import ModelIdentity, canonical_json, hexdigest, snapshot_key, tokens_digest
+from .snapfile import FORMAT_VERSION, FormatError, Header, OutTensor, check_data, read_header, tensor_bytes, write_snapshot
+
+MANIFEST = "manifest.json"
+SNAPSHOTS = "snapshots"
+LOCK = ".lock"
+SUFFIX = ".safetensors"
+TMP_PREFIX = ".tmp-"
+KEY_RE = re.compile(r"^[0-9a-f]{32}$")
+FILE_MODE = 0o600
+DIR_MODE = 0o700
+REQUIRED_META = ("kvsnap.format", "kvsnap.key", "kvsnap.model", "kvsnap.model_digest", "kvsnap.prompt_digest", "kvsnap.n_tokens", "kvsnap.tokens_digest", "kvsnap.layers")
+
+FaultFn = Callable[[str], None]
+
+
+def _no_fault(point: str) -> None:
+    return None
+
+
+@dataclass(frozen=True)
+class SnapshotInfo:
+    """What a snapshot's header says, after the checks that need no data read."""
+
+    path: Path
+    key: str
+    name: str
+    model_digest: str
+    model: dict
+    prompt_digest: str
+    n_tokens: int
+    layers: list
+    recorded: dict
+    nbytes: int
+
+    @property
+    def relpath(self) -> str:
+        return f"{SNAPSHOTS}/{self.path.name}"
+
+
+@dataclass
+class Problem:
+    path: Path
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.path}: {self.reason}"
+
+
+def expected_tensor_names(layers: list, prefix: str = "") -> set[str]:
+    names: set[str] = set()
+    for i, meta in enumerate(layers):
+        path = f"{prefix}{i}"
+        cls = meta.get("class")
+        if meta.get("empty"):
+            continue
+        if cls in ("KVCache", "RotatingKVCache", "ChunkedKVCache"):
+            names |= {f"{path}.keys", f"{path}.values"}
+        elif cls == "QuantizedKVCache":
+            names |= {f"{path}.{kv}.{j}" for kv in ("keys", "values") for j in range(int(meta["parts"]))}
+        elif cls == "ArraysCache":
+            names |= {f"{path}.state.{j}" for j in meta["present"]}
+        elif cls == "CacheList":
+            names |= expected_tensor_names(meta["caches"], f"{path}.")
+        else:
+            raise FormatError(f"layer {path}: unknown cache class {cls!r}")
+    return names
+
+
+def inspect_header(path: Path, header: Header) -> SnapshotInfo:
+    """Check a header's identity fields against themselves and the tokens; no checksum yet."""
+    meta = header.metadata
+    missing = [k for k in REQUIRED_META if k not in meta]
+    if missing:
+        raise FormatError(f"not a kvsnap snapshot: metadata lacks {', '.join(missing)}")
+    if meta["kvsnap.format"] != str(FORMAT_VERSION):
+        raise FormatError(f"snapshot format version {meta['kvsnap.format']!r} is not the supported {FORMAT_VERSION}; rebuild it with this kvsnap")
+    try:
+        model = json.loads(meta["kvsnap.model"])
+        layers = json.loads(meta["kvsnap.layers"])
+        recorded = json.loads(meta.get("kvsnap.recorded", "{}"))
+        n_tokens = int(meta["kvsnap.n_tokens"])
+        identity = ModelIdentity.from_dict(model)
+    except (ValueError, TypeError, KeyError) as exc:
+        raise FormatError(f"identity metadata cannot be read ({exc})") from None
+    if identity.digest != meta["kvsnap.model_digest"]:
+        raise FormatError("model identity does not hash to the recorded model digest (edited header?)")
+    tok = header.tensors.get("tokens")
+    if tok is None or tok.dtype != "I32" or tok.shape != (n_tokens,):
+        raise FormatError(f"tokens tensor missing or not int32[{n_tokens}]")
+    raw = tensor_bytes(path, header, "tokens")
+    tokens = [int.from_bytes(raw[i : i + 4], "little", signed=True) for i in range(0, len(raw), 4)]
+    if tokens_digest(tokens) != meta["kvsnap.tokens_digest"]:
+        raise FormatError("tokens do not match the recorded tokens digest")
+    key = snapshot_key(identity, meta["kvsnap.prompt_digest"], tokens)
+    if key != meta["kvsnap.key"]:
+        raise FormatError("tokens and identity do not hash to the recorded key")
+    if path.name != key + SUFFIX:
+        raise FormatError(f"file name does not match its key {key} (renamed or copied over another snapshot)")
+    names = set(header.tensors) - {"tokens"}
+    expected = expected_tensor_names(layers)
+    if names != expected:
+        raise FormatError(f"tensors do not match the layer list (missing {sorted(expected - names)[:3]}, extra {sorted(names - expected)[:3]})")
+    return SnapshotInfo(
+        path=path,
+        key=key,
+        name=meta.get("kvsnap.name", ""),
+        model_digest=meta["kvsnap.model_digest"],
+        model=model,
+        prompt_digest=meta["kvsnap.prompt_digest"],
+        n_tokens=n_tokens,
+        layers=layers,
+        recorded=recorded,
+        nbytes=header.file_size,
+    )
+
+
+def identity_mismatch(expected: ModelIdentity, found: dict) -> str:
+    """Which identity fields differ, in words, for 'built for another model' messages."""
+    mine = expected.as_dict()
+    fields = [k for k in sorted(set(mine) | set(found)) if mine.get(k) != found.get(k)]
+    return ", ".join(fields) or "nothing"
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@dataclass
+class Store:
+    root: Path
+    readonly: bool = False
+    fault: FaultFn = _no_fault
+    fsync: Callable[[int], None] = os.fsync  # a seam: tests spy on it
+    _lock_depth: int = field(default=0, repr=False)
+    _lock_fd: int | None = field(default=None, repr=False)
+
+    # --- opening ----------------------------------------------------------------
+
+    @classmethod
+    def open(cls, root: str | os.PathLike, create: bool = False, readonly: bool = False, fault: FaultFn | None = None) -> "Store":
+        path = Path(root).expanduser()
+        if path.exists() and not path.is_dir():
+            raise StoreError(f"snapshot store {str(root)!r} is a file, not a directory; give a folder")
+        if not path.exists():
+            if not create:
+                raise StoreError(f"snapshot store {str(root)!r} does not exist; build one with `kvsnap build agents.json --model M --out {root}`")
+            path.mkdir(parents=True, mode=DIR_MODE)
+            os.chmod(path, DIR_MODE)
+        store = cls(root=path.resolve(), readonly=readonly, fault=fault or _no_fault)
+        if create and not readonly:
+            snaps = store.root / SNAPSHOTS
+            if not snaps.exists():
+                snaps.mkdir(mode=DIR_MODE)
+                os.chmod(snaps, DIR_MODE)
+        return store
+
+    @property
+    def snapshots_dir(self) -> Path:
+        return self.root / SNAPSHOTS
+
+    def path_for(self, key: str) -> Path:
+        if not KEY_RE.match(key):
+            raise StoreError(f"snapshot key {key!r} is not 32 lowercase hex digits")
+        return self.snapshots_dir / f"{key}{SUFFIX}"
+
+    def _inside(self, path: Path) -> bool:
+        try:
+            path.resolve().relative_to(self.root)
+            return True
+        except ValueError:
+            return False
+
+    # --- locking ----------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def lock(self) -> Iterator[None]:
+        """Exclusive writer lock (re-entrant in one process); blocks while another writer holds it."""
+        if self.readonly:
+            raise StoreError(f"{self.root}: the store is read-only here; writes are disabled")
+        if self._lock_depth == 0:
+            fd = os.open(self.root / LOCK, os.O_RDWR | os.O_CREAT, FILE_MODE)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            self._lock_fd = fd
+        self._lock_depth += 1
+        try:
+            yield
+        finally:
+            self._lock_depth -= 1
+            if self._lock_depth == 0 and self._lock_fd is not None:
+                fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+                os.close(self._lock_fd)
+                self._lock_fd = None
+
+    # --- writing ----------------------------------------------------------------
+
+    def _atomic_write(self, target: Path, write: Callable[[Any], None]) -> None:
+        """Temp file in the same directory, fsync, rename, fsync the directory."""
+        target.parent.mkdir(parents=True, exist_ok=True, mode=DIR_MODE)
+        fd, tmp = tempfile.mkstemp(prefix=TMP_PREFIX + target.name + ".", dir=target.parent)
+        try:
+            os.fchmod(fd, FILE_MODE)
+            with os.fdopen(fd, "wb") as f:
+                write(f)
+                f.flush()
+                self.fault("after-write")
+                self.fsync(f.fileno())
+            self.fault("after-fsync")
+            os.replace(tmp, target)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            raise
+        dfd = os.open(target.parent, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+        try:
+            self.fsync(dfd)
+        finally:
+            os.close(dfd)
+
+    def put(self, key: str, tensors: list[OutTensor], metadata: dict[str, str]) -> Path:
+        """Write one snapshot atomically. The caller holds the lock."""
+        target = self.path_for(key)
+        try:
+            self._atomic_write(target, lambda f: write_snapshot(f, tensors, metadata, on_progress=self.fault))
+        except OSError as exc:
+            hint = "free some disk space" if exc.errno == errno.ENOSPC else "check the folder's permissions"
+            raise StoreError(f"cannot write snapshot {target} ({exc.strerror or exc}); the store is unchanged; {hint}") from exc
+        self.fault("after-rename")
+        return target
+
+    # --- manifest ---------------------------------------------------------------
+
+    def read_manifest(self) -> dict:
+        path = self.root / MANIFEST
+        try:
+            data = json.loads(path.read_text())
+        except FileNotFoundError:
+            return {"format": FORMAT_VERSION, "records": {}}
+        except (OSError, ValueError) as exc:
+            raise StoreError(f"{path} cannot be read ({exc}); restore it from a backup or delete it and rebuild") from None
+        if not isinstance(data, dict) or not isinstance(data.get("records"), dict):
+            raise StoreError(f"{path} is not a kvsnap manifest; delete it and rebuild")
+        return data
+
+    def update_record(self, record_id: str, update: Callable[[dict], dict]) -> None:
+        """Read-modify-write one manifest record, atomically, under the lock."""
+        with self.lock():
+            manifest = self.read_manifest()
+            manifest["records"][record_id] = update(manifest["records"].get(record_id, {}))
+            text = json.dumps(manifest, indent=1, sort_keys=True).encode()
+            try:
+                self._atomic_write(self.root / MANIFEST, lambda f: f.write(text))
+            except OSError as exc:
+                raise StoreError(f"cannot write {self.root / MANIFEST} ({exc.strerror or exc}); the previous manifest is intact") from exc
+
+    # --- reading ----------------------------------------------------------------
+
+    def snapshot_files(self) -> list[Path]:
+        if not self.snapshots_dir.is_dir():
+            return []
+        return sorted(p for p in self.snapshots_dir.iterdir() if p.name.endswith(SUFFIX) and not p.name.startswith(TMP_PREFIX))
+
+    def temp_files(self) -> list[Path]:
+        found = []
+        for folder in (self.root, self.snapshots_dir):
+            if folder.is_dir():
+                found += [p for p in folder.iterdir() if p.name.startswith(TMP_PREFIX)]
+        return sorted(found)
+
+    def inspect(self, path: Path) -> SnapshotInfo:
+        """Header checks only (cheap); raises SnapshotError naming the file and the reason."""
+        if path.is_symlink():
+            where = "outside" if not self._inside(path) else "inside"
+            raise SnapshotError(str(path), f"is a symbolic link (pointing {where} the store); snapshots must be regular files", "replace it with the real file or delete it")
+        try:
+            st = path.lstat()
+        except FileNotFoundError:
+            raise SnapshotError(str(path), "does not exist") from None
+        if not stat.S_ISREG(st.st_mode):
+            raise SnapshotError(str(path), "is not a regular file", "delete it")
+        try:
+            header = read_header(path)
+            return inspect_header(path, header)
+        except FormatError as exc:
+            raise SnapshotError(str(path), str(exc)) from None
+        except OSError as exc:
+            raise SnapshotError(str(path), f"cannot be read ({exc.strerror or exc})", "check the file's permissions") from None
+
+    def verify_file(self, path: Path, expected: ModelIdentity | None = None) -> SnapshotInfo:
+        """Full check: header, identity, tokens, data checksum, and (optionally) the model."""
+        info = self.inspect(path)
+        try:
+            check_data(path, read_header(path))
+        except FormatError as exc:
+            raise SnapshotError(str(path), str(exc)) from None
+        if expected is not None and info.model_digest != expected.digest:
+            raise SnapshotError(str(path), f"built for another model or KV setting (differs in: {identity_mismatch(expected, info.model)})", "rebuild it for this model, or run `kvsnap gc` to drop it")
+        return info
+
+    def scan(self, expected: ModelIdentity | None = None) -> tuple[list[SnapshotInfo], list[Problem]]:
+        """Header-only scan of every snapshot; foreign ones are problems only when ``expected`` is given."""
+        good, bad = [], []
+        for path in self.snapshot_files():
+            try:
+                info = self.inspect(path)
+            except SnapshotError as exc:
+                bad.append(Problem(path, exc.reason))
+                continue
+            if expected is not None and info.model_digest != expected.digest:
+                bad.append(Problem(path, f"built for another model or KV setting (differs in: {identity_mismatch(expected, info.model)})"))
+                continue
+            good.append(info)
+        return good, bad
+
+    def load_arrays(self, info: SnapshotInfo) -> dict:
+        """Checksum the data, then read the tensors with mlx (parallel pread, no mmap)."""
+        import mlx.core as mx
+
+        try:
+            check_data(info.path, read_header(info.path))
+        except FormatError as exc:
+            raise SnapshotError(str(info.path), str(exc)) from None
+        except OSError as exc:
+            raise SnapshotError(str(info.path), f"cannot be read ({exc.strerror or exc})") from None
+        arrays = mx.load(str(info.path))
+        mx.eval(list(arrays.values()))
+        return arrays
+
+    # --- garbage collection -----------------------------------------------------
+
+    def referenced(self) -> set[str]:
+        files = set()
+        for record in self.read_manifest()["records"].values():
+            for entry in record.get("entries", []):
+                files.add(entry.get("file", ""))
+        return files
+
+    def gc(self, apply: bool) -> tuple[list[Path], int]:
+        """Temp files and snapshots no manifest record refers to; removed only when ``apply``."""
+        with self.lock():
+            live = self.referenced()
+            doomed = self.temp_files() + [p for p in self.snapshot_files() if f"{SNAPSHOTS}/{p.name}" not in live]
+            freed = sum(p.lstat().st_size for p in doomed)
+            if apply:
+                for p in doomed:
+                    p.unlink()
+                if doomed:
+                    _fsync_dir(self.snapshots_dir if self.snapshots_dir.exists() else self.root)
+            return doomed, freed
+
+
+def record_id(model_digest: str, agents_file: str) -> str:
+    """One manifest record per (model identity, agents file)."""
+    return hexdigest(canonical_json({"model": model_digest, "agents": os.path.abspath(agents_file)}).encode())[:16]
+
+
+def utc_now() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
