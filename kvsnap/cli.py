@@ -73,6 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="re-prefill and rewrite every snapshot")
     _add_kv_options(p)
 
+    p = sub.add_parser("quickstart", help="make a demo model, build snapshots for example agents, verify them")
+    p.add_argument("--dir", default=".kvsnap-demo", help="working folder (default: ./.kvsnap-demo)")
+
     p = sub.add_parser("ls", help="list the snapshots in a store (headers only)")
     p.add_argument("store")
     p.add_argument("--json", action="store_true", help="print JSON")
@@ -257,7 +260,14 @@ def cmd_gc(args) -> int:
     return EXIT_OK
 
 
+def cmd_quickstart(args) -> int:
+    from .quickstart import run_quickstart
+
+    return run_quickstart(Path(args.dir))
+
+
 COMMANDS = {
+    "quickstart": cmd_quickstart,
     "demo-model": cmd_demo_model,
     "build": cmd_build,
     "ls": cmd_ls,

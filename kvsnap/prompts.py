@@ -347,12 +347,14 @@ def warm_prefix(tokenizer: ChatTokenizer, prompt: WarmPrompt) -> WarmPrefix:
     tokens = tuple(token_lists[0][:n])
 
     warnings = []
+    # The entry's size: its own render, or its content when the template drops or moves
+    # the system prompt (a system-only render can be just BOS), whichever is larger.
+    content_tokens = sum(len(encode_prompt(tokenizer, m["content"])) for m in prompt.messages)
     try:
         alone = render_messages(tokenizer, prompt.messages, prompt.tools, prompt.chat_template_kwargs, add_generation_prompt=False)
-        entry_tokens = len(encode_prompt(tokenizer, alone))
+        entry_tokens = max(len(encode_prompt(tokenizer, alone)), content_tokens)
     except TemplateError:
-        # Some templates refuse a conversation without a user turn; measure the content instead.
-        entry_tokens = sum(len(encode_prompt(tokenizer, m["content"])) for m in prompt.messages)
+        entry_tokens = content_tokens
     coverage = 1.0 if entry_tokens <= 0 else min(1.0, n / entry_tokens)
     if coverage < COVERAGE_WARN_BELOW:
         warnings.append(
@@ -360,7 +362,8 @@ def warm_prefix(tokenizer: ChatTokenizer, prompt: WarmPrompt) -> WarmPrefix:
             "(the template changes the text before the next user turn, e.g. it moves the system prompt into the last user message)"
         )
     today = _dt.date.today()
-    if any(stamp in renders[0] for stamp in _date_stamps(today)):
+    own_text = "".join(m["content"] for m in prompt.messages)
+    if any(stamp in renders[0] and stamp not in own_text for stamp in _date_stamps(today)):
         warnings.append(
             f"{prompt.name}: the chat template stamps today's date into the prompt, so this snapshot goes stale tomorrow; "
             "pass a fixed date through chat_template_kwargs (e.g. date_string) or rebuild daily"

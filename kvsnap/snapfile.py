@@ -1,9 +1,11 @@
-"""The snapshot file on disk: safetensors with a checksum over the data bytes. No mlx here.
+"""The snapshot file on disk: safetensors with a checksum over every byte. No mlx here.
 
-Writing streams the tensors once, hashing them as they go; the checksum lives in the
-header, which is written first with a fixed-width placeholder and patched in place
-before the file is synced. Reading the header and checking the data needs no mlx,
-so ``verify`` handles bf16 and runs without importing it.
+The checksum covers the 8-byte length, the whole JSON header (with the checksum value
+itself replaced by its placeholder) and the data, so one flipped byte anywhere -- a
+layer's offset in the metadata as much as a KV value -- is caught. Writing streams the
+tensors once, hashing them as they go; the header is written first with a fixed-width
+placeholder that is patched in place before the file is synced. Reading the header and
+checking the file needs no mlx, so ``verify`` handles bf16 and runs without importing it.
 """
 
 from __future__ import annotations
@@ -17,10 +19,11 @@ from typing import BinaryIO, Callable, Iterable
 
 import xxhash
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # v2: the checksum covers the header too (v1 covered only the data)
 MAX_HEADER_BYTES = 64 << 20
 CHECKSUM_PLACEHOLDER = "0" * 32
-CHECKSUM_KEY = "kvsnap.data_xxh3_128"
+CHECKSUM_KEY = "kvsnap.xxh3_128"
+CHECKSUM_MARKER = f'"{CHECKSUM_KEY}":"'.encode()
 READ_CHUNK = 8 << 20
 
 DTYPE_SIZES = {
@@ -52,6 +55,7 @@ class Header:
     metadata: dict[str, str]
     tensors: dict[str, TensorEntry]
     file_size: int
+    raw: bytes = b""  # the header bytes as stored, for the checksum
 
     @property
     def data_start(self) -> int:
@@ -62,6 +66,20 @@ class Header:
         return self.file_size - self.data_start
 
 
+def _is_count(x: object) -> bool:
+    return type(x) is int and x >= 0  # not bool: JSON true is no size
+
+
+def _unique_keys(pairs: list) -> dict:
+    """A repeated key would let two readers see two different headers: refuse it."""
+    out: dict = {}
+    for k, v in pairs:
+        if k in out:
+            raise FormatError(f"header repeats the key {k!r}")
+        out[k] = v
+    return out
+
+
 def _entry(name: str, raw: object) -> TensorEntry:
     if not isinstance(raw, dict):
         raise FormatError(f"tensor {name!r}: header entry is not an object")
@@ -70,9 +88,9 @@ def _entry(name: str, raw: object) -> TensorEntry:
     offsets = raw.get("data_offsets")
     if dtype not in DTYPE_SIZES:
         raise FormatError(f"tensor {name!r}: unknown dtype {dtype!r}")
-    if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
+    if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
         raise FormatError(f"tensor {name!r}: bad shape {shape!r}")
-    if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) and o >= 0 for o in offsets)):
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_count(o) for o in offsets)):
         raise FormatError(f"tensor {name!r}: bad data_offsets {offsets!r}")
     start, end = offsets
     expected = math.prod(shape) * DTYPE_SIZES[dtype]
@@ -88,12 +106,12 @@ def parse_header(f: BinaryIO, file_size: int) -> Header:
     f.seek(0)
     (header_len,) = struct.unpack("<Q", f.read(8))
     if header_len > MAX_HEADER_BYTES:
-        raise FormatError(f"declared header size {header_len} exceeds the {MAX_HEADER_BYTES}-byte limit")
+        raise FormatError(f"declared header size {header_len} exceeds the {MAX_HEADER_BYTES}-byte limit (not a safetensors file, or a corrupt one)")
     if 8 + header_len > file_size:
-        raise FormatError(f"declared header size {header_len} runs past the end of the {file_size}-byte file (truncated?)")
+        raise FormatError(f"declared header size {header_len} runs past the end of the {file_size}-byte file (truncated, or not a safetensors file)")
     raw = f.read(header_len)
     try:
-        doc = json.loads(raw.decode("utf-8"))
+        doc = json.loads(raw.decode("utf-8"), object_pairs_hook=_unique_keys)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise FormatError(f"header is not valid JSON ({exc})") from None
     if not isinstance(doc, dict):
@@ -110,7 +128,7 @@ def parse_header(f: BinaryIO, file_size: int) -> Header:
         cursor = entry.end
     if cursor != data_len:
         raise FormatError(f"tensors cover {cursor} data bytes but the file holds {data_len} (truncated or padded)")
-    return Header(header_len, metadata, tensors, file_size)
+    return Header(header_len, metadata, tensors, file_size, raw)
 
 
 def read_header(path: str | os.PathLike) -> Header:
@@ -118,8 +136,21 @@ def read_header(path: str | os.PathLike) -> Header:
         return parse_header(f, os.fstat(f.fileno()).st_size)
 
 
-def data_checksum(path: str | os.PathLike, header: Header) -> str:
+def _hashed_header(header: Header) -> bytes:
+    """The header bytes as the writer hashed them: the checksum value back to its placeholder."""
+    recorded = header.metadata.get(CHECKSUM_KEY)
+    if not recorded or recorded == CHECKSUM_PLACEHOLDER:
+        raise FormatError("the header has no checksum (written by something other than kvsnap, or never finished)")
+    if header.raw.count(CHECKSUM_MARKER) != 1 or CHECKSUM_MARKER + recorded.encode() not in header.raw:
+        raise FormatError("the checksum field is not where kvsnap writes it (the header was rewritten by another tool)")
+    return header.raw.replace(CHECKSUM_MARKER + recorded.encode(), CHECKSUM_MARKER + CHECKSUM_PLACEHOLDER.encode())
+
+
+def file_checksum(path: str | os.PathLike, header: Header) -> str:
+    """xxh3-128 of the length prefix, the header (placeholder in place) and the data."""
     h = xxhash.xxh3_128()
+    h.update(struct.pack("<Q", header.header_len))
+    h.update(_hashed_header(header))
     with open(path, "rb") as f:
         f.seek(header.data_start)
         while chunk := f.read(READ_CHUNK):
@@ -128,13 +159,11 @@ def data_checksum(path: str | os.PathLike, header: Header) -> str:
 
 
 def check_data(path: str | os.PathLike, header: Header) -> None:
-    """Raise FormatError unless the data bytes hash to the checksum in the header."""
+    """Raise FormatError unless the file's bytes (header and data) hash to the recorded checksum."""
     recorded = header.metadata.get(CHECKSUM_KEY)
-    if not recorded or recorded == CHECKSUM_PLACEHOLDER:
-        raise FormatError("the header has no data checksum (written by something other than kvsnap, or never finished)")
-    actual = data_checksum(path, header)
+    actual = file_checksum(path, header)
     if actual != recorded:
-        raise FormatError(f"data checksum mismatch (header says {recorded}, data hashes to {actual}): the file is corrupt")
+        raise FormatError(f"checksum mismatch (header says {recorded}, the file hashes to {actual}): the file is corrupt")
 
 
 def tensor_bytes(path: str | os.PathLike, header: Header, name: str) -> bytes:
@@ -164,7 +193,7 @@ def write_snapshot(
     metadata: dict[str, str],
     on_progress: Callable[[str], None] | None = None,
 ) -> str:
-    """Write a complete snapshot to an open file; return the data checksum.
+    """Write a complete snapshot to an open file; return its checksum.
 
     ``on_progress("mid-write")`` fires after the first tensor, for fault injection.
     """
@@ -178,11 +207,13 @@ def write_snapshot(
         offset += t.nbytes
     encoded = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
     encoded += b" " * (-len(encoded) % 8)  # 8-byte alignment, like the safetensors library
-    marker = f'"{CHECKSUM_KEY}":"'.encode()
-    placeholder_at = encoded.index(marker + CHECKSUM_PLACEHOLDER.encode()) + len(marker)
-    f.write(struct.pack("<Q", len(encoded)))
+    placeholder_at = encoded.index(CHECKSUM_MARKER + CHECKSUM_PLACEHOLDER.encode()) + len(CHECKSUM_MARKER)
+    prefix = struct.pack("<Q", len(encoded))
+    f.write(prefix)
     f.write(encoded)
     h = xxhash.xxh3_128()
+    h.update(prefix)
+    h.update(encoded)
     for i, t in enumerate(tensors):
         f.write(t.data)
         h.update(t.data)

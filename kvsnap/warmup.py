@@ -1,0 +1,217 @@
+"""The loading policy: which snapshots become pinned prefix entries, which are prefilled, and why.
+
+Runs on the engine thread (it touches mlx). Snapshots matching the model are indexed from
+their headers; pinned ones load into memory up to the cache budget, the rest load on first
+hit; warm prompts without a valid snapshot are prefilled and written back when the store
+is writable.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .build import commit_snapshot, prefill
+from .errors import KvsnapError, SnapshotError, StoreError
+from .key import DigestCache, ModelIdentity, prompt_identity, snapshot_key
+from .modeling import LoadedModel
+from .prefix import Entry, PrefixCache
+from .prompts import WarmPromptSet, resolve_chat_template, warm_prefix
+from .snapshot import cache_nbytes_of, decode_cache, is_trimmable
+from .store import SnapshotInfo, Store
+
+log = logging.getLogger("kvsnap.warmup")
+
+
+@dataclass
+class SnapshotCounts:
+    indexed: int = 0
+    loaded: int = 0
+    prefilled: int = 0
+    written: int = 0
+    rejected: list[dict] = field(default_factory=list)
+    write_back: bool = False
+    write_back_note: str = ""
+
+    def reject(self, path: str, reason: str) -> None:
+        self.rejected.append({"file": path, "reason": reason})
+        log.warning("[kvsnap] rejected snapshot %s: %s; falling back to prefill", path, reason)
+
+    def as_dict(self) -> dict:
+        return {
+            "indexed": self.indexed,
+            "loaded": self.loaded,
+            "prefilled": self.prefilled,
+            "written": self.written,
+            "rejected": len(self.rejected),
+            "rejected_reasons": list(self.rejected),
+            "write_back": self.write_back,
+            "write_back_note": self.write_back_note,
+        }
+
+
+@dataclass
+class WarmTarget:
+    name: str
+    tokens: tuple[int, ...] | None  # None: read from the snapshot
+    info: SnapshotInfo | None
+    prompt_digest: str = ""
+    prompt: object = None
+
+
+@dataclass
+class WarmupReport:
+    completed: int = 0
+    skipped: int = 0
+    from_snapshots: int = 0
+    prefilled: int = 0
+    prompt_tokens: int = 0
+    seconds: float = 0.0
+    problems: list[str] = field(default_factory=list)
+
+    def summary(self, counts: SnapshotCounts) -> str:
+        why = ""
+        if counts.rejected:
+            reasons = "; ".join(f"{Path(r['file']).name}: {r['reason']}" for r in counts.rejected[:3])
+            why = f"; {len(counts.rejected)} snapshot(s) rejected ({reasons})"
+        if self.problems:
+            why += f"; {len(self.problems)} warm prompt(s) invalid"
+        return (
+            f"[lifespan] Warm-up done (strict-prefix): {self.completed} completed, {self.skipped} skipped, "
+            f"{self.prompt_tokens} prompt tokens in {self.seconds:.2f}s "
+            f"({self.from_snapshots} from snapshots, {self.prefilled} prefilled){why}"
+        )
+
+
+def open_store(path: str, write_back: bool, counts: SnapshotCounts) -> Store | None:
+    p = Path(path).expanduser()
+    if not p.exists():
+        if not write_back:
+            counts.write_back_note = f"{p} does not exist and write-back is off"
+            return None
+        try:
+            return Store.open(p, create=True)
+        except (OSError, StoreError) as exc:
+            counts.write_back_note = f"cannot create {p}: {exc}"
+            return None
+    writable = write_back and os.access(p, os.W_OK) and os.access(p / "snapshots", os.W_OK) if (p / "snapshots").exists() else write_back and os.access(p, os.W_OK)
+    store = Store.open(p, create=writable, readonly=not writable)
+    if not writable:
+        counts.write_back_note = f"{p} is not writable here: prefilled warm prompts are not written back" if write_back else "write-back disabled"
+    return store
+
+
+def make_entry(lm: LoadedModel, store: Store, info: SnapshotInfo, pinned: bool) -> Entry:
+    """A prefix entry for a snapshot; loaded now when pinned within budget, else on first hit."""
+    tokens = tuple(store.read_tokens(info))
+
+    def load():
+        arrays = store.load_arrays(info)
+        state = decode_cache(arrays, info.layers)
+        return state, cache_nbytes_of(state)
+
+    return Entry(tokens=tokens, state=None, nbytes=info.nbytes, trimmable=all(is_trimmable_meta(m) for m in info.layers), pinned=pinned, source="snapshot", name=info.name, key=info.key, loader=load)
+
+
+def is_trimmable_meta(meta: dict) -> bool:
+    cls = meta.get("class")
+    if cls == "CacheList":
+        return all(is_trimmable_meta(m) for m in meta["caches"])
+    if cls == "ArraysCache":
+        return False
+    if cls == "RotatingKVCache":
+        return int(meta.get("offset", 0)) < int(meta.get("max_size", 0))
+    return True
+
+
+def run_warmup(
+    lm: LoadedModel,
+    prefix: PrefixCache,
+    identity: ModelIdentity,
+    counts: SnapshotCounts,
+    store: Store | None,
+    prompts: WarmPromptSet | None,
+    agents_file: str | None,
+    budget_bytes: int,
+    allow_prefill: bool = True,
+) -> WarmupReport:
+    t0 = time.perf_counter()
+    report = WarmupReport(problems=[str(p) for p in (prompts.problems if prompts else [])])
+    good: dict[str, SnapshotInfo] = {}
+    if store is not None:
+        infos, bad = store.scan(identity)
+        for problem in bad:
+            counts.reject(str(problem.path), problem.reason)
+        good = {i.key: i for i in infos}
+        counts.indexed = len(good)
+
+    targets: list[WarmTarget] = []
+    if prompts is not None:
+        for p in prompts.entries:
+            try:
+                wp = warm_prefix(lm.tokenizer, p)
+            except KvsnapError as exc:
+                report.skipped += 1
+                report.problems.append(f"{p.name}: {exc}")
+                continue
+            if not wp.tokens:
+                report.skipped += 1
+                continue
+            digest = prompt_identity(resolve_chat_template(lm.tokenizer, p.tools), p.chat_template_kwargs, p.tools)
+            key = snapshot_key(identity, digest, wp.tokens)
+            info = good.get(key)
+            if info is None:
+                stale = [i for i in good.values() if i.name == p.name]
+                for i in stale:
+                    counts.reject(str(i.path), f"stale: no longer matches warm prompt {p.name!r} (its tokens changed)")
+            targets.append(WarmTarget(p.name, wp.tokens, info, digest, p))
+    else:
+        targets = [WarmTarget(i.name, None, i) for i in good.values()]
+
+    used = prefix.current_bytes
+    to_prefill: list[WarmTarget] = []
+    for t in targets:
+        if t.info is None:
+            to_prefill.append(t)
+            continue
+        try:
+            entry = make_entry(lm, store, t.info, pinned=True)
+            if used + t.info.nbytes <= budget_bytes:
+                entry.state, entry.nbytes = entry.loader()
+                used += entry.nbytes
+                counts.loaded += 1
+            prefix.add(entry)
+            report.from_snapshots += 1
+            report.completed += 1
+            report.prompt_tokens += len(entry.tokens)
+        except SnapshotError as exc:
+            counts.reject(exc.path, exc.reason)
+            if t.tokens is not None:
+                to_prefill.append(t)
+            else:
+                report.skipped += 1
+
+    for t in to_prefill:
+        if not allow_prefill:
+            report.skipped += 1
+            continue
+        cache = prefill(lm, t.tokens)
+        nbytes = cache_nbytes_of(cache)
+        prefix.add(Entry(tokens=t.tokens, state=cache, nbytes=nbytes, trimmable=is_trimmable(cache), pinned=True, source="prefill", name=t.name))
+        counts.prefilled += 1
+        report.prefilled += 1
+        report.completed += 1
+        report.prompt_tokens += len(t.tokens)
+        if store is not None and not store.readonly and agents_file:
+            try:
+                commit_snapshot(lm, store, identity, t.prompt, t.prompt_digest, t.tokens, cache, agents_file)
+                counts.written += 1
+            except (StoreError, OSError) as exc:
+                counts.write_back_note = f"write-back failed: {exc}"
+                log.warning("[kvsnap] %s", counts.write_back_note)
+    counts.write_back = store is not None and not store.readonly and bool(agents_file)
+    report.seconds = time.perf_counter() - t0
+    return report

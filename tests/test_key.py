@@ -1,0 +1,104 @@
+"""Snapshot identity: every input that changes the KV bytes changes the key; float noise does not."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+
+from kvsnap.key import DigestCache, KVSettings, model_identity, prompt_identity, snapshot_key
+from kvsnap.prompts import parse_entry, resolve_chat_template, warm_prefix
+
+SYSTEM = [{"role": "system", "content": "You are a planner. Plan each step."}]
+
+
+def _key(model_dir, settings=KVSettings(), layout=("KVCache",) * 4, tokens=(1, 2, 3), template_digest="t"):
+    identity = model_identity(model_dir, "float32", layout, settings, DigestCache())
+    return snapshot_key(identity, template_digest, tokens)
+
+
+@pytest.fixture()
+def model_copy(demo_models, tmp_path):
+    dst = tmp_path / "copy"
+    shutil.copytree(demo_models.path("dense"), dst)
+    return dst
+
+
+def _flip_byte(path, offset):
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def test_flipping_a_weight_byte_changes_the_key(model_copy):
+    before = _key(model_copy)
+    weights = model_copy / "model.safetensors"
+    _flip_byte(weights, weights.stat().st_size - 7)
+    assert _key(model_copy) != before
+
+
+def test_flipping_a_tokenizer_byte_changes_the_key(model_copy):
+    before = _key(model_copy)
+    tok = model_copy / "tokenizer.json"
+    text = tok.read_text()
+    tok.write_text(text.replace('"<|im_end|>"', '"<|im_eNd|>"', 1))
+    assert _key(model_copy) != before
+
+
+def test_editing_the_template_changes_the_key_through_the_tokens_and_the_template_digest(model_copy):
+    from kvsnap.modeling import load_model
+
+    def key_of(path):
+        lm = load_model(path)
+        entry = parse_entry(SYSTEM, 0)
+        tokens = warm_prefix(lm.tokenizer, entry).tokens
+        digest = prompt_identity(resolve_chat_template(lm.tokenizer), None, None)
+        return digest, _key(path, tokens=tokens, template_digest=digest)
+
+    digest_before, before = key_of(model_copy)
+    cfg_path = model_copy / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["chat_template"] = cfg["chat_template"].replace("<|im_start|>", "<|im_start|> ", 1)
+    cfg_path.write_text(json.dumps(cfg))
+    digest_after, after = key_of(model_copy)
+    assert digest_after != digest_before and after != before
+
+
+def test_config_kv_settings_layout_and_tokens_are_keyed(model_copy):
+    base = _key(model_copy)
+    assert _key(model_copy, settings=KVSettings(kv_bits=8)) != base
+    assert _key(model_copy, settings=KVSettings(kv_bits=8, kv_group_size=32)) != _key(model_copy, settings=KVSettings(kv_bits=8))
+    assert _key(model_copy, settings=KVSettings(kv_bits=8, quantized_kv_start=100)) != _key(model_copy, settings=KVSettings(kv_bits=8))
+    assert _key(model_copy, settings=KVSettings(max_kv_size=128)) != base
+    assert _key(model_copy, layout=("KVCache", "RotatingKVCache") * 2) != base
+    assert _key(model_copy, tokens=(1, 2, 4)) != base
+    assert _key(model_copy, template_digest="u") != base
+    cfg = model_copy / "config.json"
+    cfg.write_text(cfg.read_text().replace('"rms_norm_eps": 1e-06', '"rms_norm_eps": 1e-05'))
+    assert _key(model_copy) != base
+
+
+def test_recorded_only_fields_do_not_change_the_key(model_copy):
+    base = _key(model_copy)
+    assert _key(model_copy, settings=KVSettings(prefill_step_size=128)) == base
+    # Without KV quantization, group size and start do not matter.
+    assert _key(model_copy, settings=KVSettings(kv_group_size=32, quantized_kv_start=9)) == base
+
+
+def test_weight_digest_is_cached_by_inode_size_and_mtime(model_copy, tmp_path):
+    cache = DigestCache(tmp_path / "digests.json")
+    identity = lambda c: model_identity(model_copy, "float32", ("KVCache",), KVSettings(), c)  # noqa: E731
+    first = identity(cache)
+    assert cache.misses == 1 and cache.hits == 0
+    # A new process reads the cache file and does not re-hash.
+    again = DigestCache(tmp_path / "digests.json")
+    assert identity(again) == first and again.hits == 1 and again.misses == 0
+    # Same size, new bytes, new mtime: re-hashed, new digest.
+    weights = model_copy / "model.safetensors"
+    _flip_byte(weights, weights.stat().st_size - 3)
+    st = weights.stat()
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
+    third = DigestCache(tmp_path / "digests.json")
+    assert identity(third).weights != first.weights and third.misses == 1
