@@ -92,8 +92,20 @@ def snapshot_metadata(identity: ModelIdentity, prompt: WarmPrompt, prompt_digest
     }
 
 
-def capture_snapshot(lm: LoadedModel, store: Store, identity: ModelIdentity, prompt: WarmPrompt, prompt_digest: str, tokens: Sequence[int]) -> Path:
-    """Prefill ``tokens``, check the state holds exactly them, and commit the file. Returns its path."""
+def capture_snapshot(
+    lm: LoadedModel,
+    store: Store,
+    identity: ModelIdentity,
+    prompt: WarmPrompt,
+    prompt_digest: str,
+    tokens: Sequence[int],
+    on_commit: Callable[[Path], None] | None = None,
+) -> Path:
+    """Prefill ``tokens``, check the state holds exactly them, and commit the file. Returns its path.
+
+    ``on_commit(path)`` runs under the store lock right after the file lands, so a
+    manifest record written there is in place before a concurrent ``gc`` can look.
+    """
     from .snapshot import encode_cache, to_out_tensors
 
     key = snapshot_key(identity, prompt_digest, tokens)
@@ -102,7 +114,10 @@ def capture_snapshot(lm: LoadedModel, store: Store, identity: ModelIdentity, pro
     arrays, layers = encode_cache(cache, tokens)
     metadata = snapshot_metadata(identity, prompt, prompt_digest, key, tokens, layers, recorded_fields(lm.settings))
     with store.lock():
-        return store.put(key, to_out_tensors(arrays), metadata)
+        path = store.put(key, to_out_tensors(arrays), metadata)
+        if on_commit is not None:
+            on_commit(path)
+        return path
 
 
 def _manifest_entry(result: EntryResult, prompt_digest: str) -> dict:
@@ -128,6 +143,7 @@ def build_snapshots(
     """Build (or reuse) one snapshot per valid warm prompt; never raises for one bad entry."""
     progress = progress or (lambda event, name: None)
     started = time.perf_counter()
+    store.read_manifest()  # a damaged manifest stops the build before any prefill (StoreError)
     identity = lm.identity(digests)
     report = BuildReport(store=store.root, model_digest=identity.digest, problems=[str(p) for p in prompts.problems])
     rid = record_id(identity.digest, agents_file)
@@ -159,18 +175,24 @@ def build_snapshots(
             prompt_digest = prompt_identity(resolve_chat_template(lm.tokenizer, prompt.tools), prompt.chat_template_kwargs, prompt.tools)
             result.key = snapshot_key(identity, prompt_digest, tokens)
             path = store.path_for(result.key)
-            reusable = False
-            if path.exists() and not force:
-                try:
-                    store.verify_file(path, identity)
-                    reusable = True
-                except SnapshotError as exc:
-                    result.warnings += (f"{prompt.name}: replacing a bad snapshot ({exc.reason})",)
-            if not reusable:
-                path = capture_snapshot(lm, store, identity, prompt, prompt_digest, tokens)
-            result.status = "reused" if reusable else "built"
-            result.nbytes = path.stat().st_size
-            store.update_record(rid, upsert(_manifest_entry(result, prompt_digest)))
+
+            def commit(written: Path, status: str) -> None:
+                # Under the store lock: the file and its manifest record appear together for gc.
+                result.status, result.nbytes = status, written.stat().st_size
+                store.update_record(rid, upsert(_manifest_entry(result, prompt_digest)))
+
+            reused = False
+            if not force:
+                with store.lock():
+                    if path.exists() or path.is_symlink():
+                        try:
+                            store.verify_file(path, identity)
+                            commit(path, "reused")
+                            reused = True
+                        except SnapshotError as exc:
+                            result.warnings += (f"{prompt.name}: replacing a bad snapshot ({exc.reason})",)
+            if not reused:
+                capture_snapshot(lm, store, identity, prompt, prompt_digest, tokens, on_commit=lambda written: commit(written, "built"))
         except KvsnapError as exc:
             result.status, result.error = "failed", str(exc)
         result.seconds = time.perf_counter() - t0
@@ -178,9 +200,42 @@ def build_snapshots(
         progress(result.status, prompt.name)
 
     # Drop records of entries that left the agents file (their files become gc-able),
-    # but keep entries that merely failed this time.
+    # but keep entries that merely failed this time; rewrite only when one really left.
     current = {p.name for p in prompts.entries}
-    if rid in store.read_manifest()["records"]:
+    record = store.read_manifest()["records"].get(rid)
+    if record and any(e.get("name") not in current for e in record.get("entries", [])):
         store.update_record(rid, lambda r: {**r, "entries": [e for e in r.get("entries", []) if e.get("name") in current]})
     report.seconds = time.perf_counter() - started
     return report
+
+
+def record_upsert(lm: LoadedModel, identity: ModelIdentity, agents_file: str, entry: dict) -> Callable[[dict], dict]:
+    """A manifest update that puts ``entry`` into this (model, agents file) record."""
+
+    def apply(record: dict) -> dict:
+        entries = [e for e in record.get("entries", []) if e.get("name") != entry["name"]]
+        s = lm.settings
+        return {
+            "model_digest": identity.digest,
+            "model_path": str(lm.path),
+            "agents_file": str(Path(agents_file).resolve()),
+            "kv_settings": {"kv_bits": s.kv_bits, "kv_group_size": s.kv_group_size, "quantized_kv_start": s.quantized_kv_start, "max_kv_size": s.max_kv_size},
+            "updated": utc_now(),
+            "entries": sorted(entries + [entry], key=lambda e: e["name"]),
+        }
+
+    return apply
+
+
+def commit_snapshot(lm: LoadedModel, store: Store, identity: ModelIdentity, prompt: WarmPrompt, prompt_digest: str, tokens: Sequence[int], cache: list, agents_file: str) -> Path:
+    """Write an already-prefilled warm state back to the store (the server's write-back)."""
+    from .snapshot import encode_cache, to_out_tensors
+
+    key = snapshot_key(identity, prompt_digest, tokens)
+    arrays, layers = encode_cache(cache, tokens)
+    metadata = snapshot_metadata(identity, prompt, prompt_digest, key, tokens, layers, recorded_fields(lm.settings))
+    with store.lock():
+        path = store.put(key, to_out_tensors(arrays), metadata)
+        entry = {"name": prompt.name, "key": key, "file": f"snapshots/{key}.safetensors", "n_tokens": len(tokens), "coverage": None, "prompt_digest": prompt_digest}
+        store.update_record(record_id(identity.digest, agents_file), record_upsert(lm, identity, agents_file, entry))
+    return path

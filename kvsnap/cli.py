@@ -1,7 +1,9 @@
 """The `kvsnap` command. Heavy imports (mlx, mlx-lm) happen inside the subcommands that need them.
 
-Exit codes: 0 success; 1 a check found bad files (verify) or some entries failed (build);
-2 a usage or input error, printed as one line naming the problem and the fix.
+Exit codes: 0 success; 1 a check found bad files (verify), or some warm-prompt entries
+were invalid or failed to build (build: the valid ones are still built and the table
+says which); 2 a usage or input error, printed as one line on stderr naming the problem
+and the fix.
 """
 
 from __future__ import annotations
@@ -201,7 +203,9 @@ def cmd_inspect(args) -> int:
         header = read_header(path)
         info = inspect_header(path, header)
     except FormatError as exc:
-        raise SnapshotError(str(path), str(exc)) from None
+        raise SnapshotError(str(path), str(exc), "give a kvsnap snapshot file (STORE/snapshots/<key>.safetensors); `kvsnap verify STORE` checks them all") from None
+    except OSError as exc:
+        raise SnapshotError(str(path), f"cannot be read ({exc.strerror or exc})", "check the file's permissions") from None
     out = {
         "file": str(path),
         "key": info.key,
@@ -223,37 +227,52 @@ def cmd_verify(args) -> int:
     from .errors import SnapshotError
     from .store import Store
 
+    from .errors import StoreError
+
     store = Store.open(args.store, readonly=True)
+    if not store.is_initialized():
+        raise StoreError(f"{store.root} is not a kvsnap store (no manifest.json, no snapshots/); give the folder passed to `kvsnap build --out`")
     expected = None
     if args.model:
         from .modeling import default_digest_cache, load_model
 
         expected = load_model(args.model, _kv_settings(args)).identity(default_digest_cache())
-    bad = 0
+    ok = bad = 0
     files = store.snapshot_files()
     for path in files:
         try:
             info = store.verify_file(path, expected)
+            ok += 1
             print(f"ok   {info.relpath}  {info.name}  {info.n_tokens} tokens")
         except SnapshotError as exc:
             bad += 1
-            print(f"BAD  {exc.path}: {exc.reason}")
+            print(f"BAD  {exc.path}: {exc.reason}; {exc.fix}")
+    try:
+        referenced = store.referenced()
+    except StoreError as exc:
+        bad += 1
+        referenced = set()
+        print(f"BAD  {exc}")
     present = {f"snapshots/{p.name}" for p in files}
-    for ref in sorted(store.referenced() - present):
+    for ref in sorted(referenced - present):
         bad += 1
         print(f"BAD  {store.root / ref}: listed in the manifest but missing; run `kvsnap build` again")
     for tmp in store.temp_files():
         print(f"note {tmp}: leftover temp file of an interrupted write (harmless; `kvsnap gc --yes` removes it)")
-    print(f"{len(files) - min(bad, len(files))} ok, {bad} bad")
+    print(f"{ok} ok, {bad} bad")
     return EXIT_BAD if bad else EXIT_OK
 
 
 def cmd_gc(args) -> int:
     from .store import Store
 
+    from .store import MANIFEST
+
     store = Store.open(args.store)
     doomed, freed = store.gc(apply=args.yes)
     verb = "removed" if args.yes else "would remove"
+    if not (store.root / MANIFEST).exists() and store.snapshot_files():
+        print(f"note {store.root} has no manifest.json, so no snapshot is known to be unused; only temp files are removed")
     for p in doomed:
         print(f"{verb} {p}")
     print(f"{verb} {len(doomed)} file(s), {_human_bytes(freed)}" + ("" if args.yes else "; run again with --yes to delete"))

@@ -114,6 +114,8 @@ def parse_header(f: BinaryIO, file_size: int) -> Header:
         doc = json.loads(raw.decode("utf-8"), object_pairs_hook=_unique_keys)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise FormatError(f"header is not valid JSON ({exc})") from None
+    except RecursionError:
+        raise FormatError("header JSON is nested too deeply") from None
     if not isinstance(doc, dict):
         raise FormatError("header is not a JSON object")
     metadata = doc.pop("__metadata__", {})

@@ -222,3 +222,22 @@ def copy_cache(cache: Sequence[Any]) -> list:
 
 def cache_nbytes(arrays: dict[str, mx.array]) -> int:
     return sum(a.nbytes for a in arrays.values())
+
+
+def is_trimmable(cache: Sequence[Any]) -> bool:
+    return all(c.is_trimmable() for c in cache)
+
+
+def trim_cache(cache: list, n: int) -> list:
+    """Drop the last ``n`` tokens of a private copy (only for trimmable caches)."""
+    for c in cache:
+        c.trim(n)
+    return cache
+
+
+def cache_nbytes_of(cache: Sequence[Any]) -> int:
+    """Bytes of the live state (sliced to the tokens held), as a snapshot would store them."""
+    arrays: dict[str, mx.array] = {}
+    for i, c in enumerate(cache):
+        encode_layer(c, str(i), arrays)
+    return sum(a.nbytes for a in arrays.values())

@@ -33,7 +33,7 @@ SNAPSHOTS = "snapshots"
 LOCK = ".lock"
 SUFFIX = ".safetensors"
 TMP_PREFIX = ".tmp-"
-KEY_RE = re.compile(r"^[0-9a-f]{32}$")
+KEY_RE = re.compile(r"[0-9a-f]{32}")  # used with fullmatch: `$` would let a trailing newline through
 FILE_MODE = 0o600
 DIR_MODE = 0o700
 REQUIRED_META = ("kvsnap.format", "kvsnap.key", "kvsnap.model", "kvsnap.model_digest", "kvsnap.prompt_digest", "kvsnap.n_tokens", "kvsnap.tokens_digest", "kvsnap.layers")
@@ -76,8 +76,12 @@ class Problem:
 
 def expected_tensor_names(layers: list, prefix: str = "") -> set[str]:
     names: set[str] = set()
+    if not isinstance(layers, list):
+        raise FormatError(f"layer list {prefix or 'kvsnap.layers'} is not a JSON list")
     for i, meta in enumerate(layers):
         path = f"{prefix}{i}"
+        if not isinstance(meta, dict):
+            raise FormatError(f"layer {path}: metadata is not a JSON object")
         cls = meta.get("class")
         if meta.get("empty"):
             continue
@@ -125,7 +129,12 @@ def inspect_header(path: Path, header: Header) -> SnapshotInfo:
     if path.name != key + SUFFIX:
         raise FormatError(f"file name does not match its key {key} (renamed or copied over another snapshot)")
     names = set(header.tensors) - {"tokens"}
-    expected = expected_tensor_names(layers)
+    try:
+        expected = expected_tensor_names(layers)
+    except (KeyError, TypeError, ValueError) as exc:
+        if isinstance(exc, FormatError):
+            raise
+        raise FormatError(f"layer metadata cannot be read ({type(exc).__name__}: {exc})") from None
     if names != expected:
         raise FormatError(f"tensors do not match the layer list (missing {sorted(expected - names)[:3]}, extra {sorted(names - expected)[:3]})")
     return SnapshotInfo(
@@ -147,14 +156,6 @@ def identity_mismatch(expected: ModelIdentity, found: dict) -> str:
     mine = expected.as_dict()
     fields = [k for k in sorted(set(mine) | set(found)) if mine.get(k) != found.get(k)]
     return ", ".join(fields) or "nothing"
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 @dataclass
@@ -191,9 +192,13 @@ class Store:
         return self.root / SNAPSHOTS
 
     def path_for(self, key: str) -> Path:
-        if not KEY_RE.match(key):
+        if not isinstance(key, str) or not KEY_RE.fullmatch(key):
             raise StoreError(f"snapshot key {key!r} is not 32 lowercase hex digits")
         return self.snapshots_dir / f"{key}{SUFFIX}"
+
+    def is_initialized(self) -> bool:
+        """Whether the folder looks like a store (a manifest or a snapshots folder)."""
+        return (self.root / MANIFEST).is_file() or self.snapshots_dir.is_dir()
 
     def _inside(self, path: Path) -> bool:
         try:
@@ -242,11 +247,7 @@ class Store:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
             raise
-        dfd = os.open(target.parent, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-        try:
-            self.fsync(dfd)
-        finally:
-            os.close(dfd)
+        self._fsync_dir(target.parent)
 
     def put(self, key: str, tensors: list[OutTensor], metadata: dict[str, str]) -> Path:
         """Write one snapshot atomically. The caller holds the lock."""
@@ -343,18 +344,33 @@ class Store:
             good.append(info)
         return good, bad
 
-    def load_arrays(self, info: SnapshotInfo) -> dict:
-        """Checksum the data, then read the tensors with mlx (parallel pread, no mmap)."""
-        import mlx.core as mx
-
+    def read_tokens(self, info: SnapshotInfo) -> list[int]:
+        """The token ids a snapshot holds, from its ``tokens`` tensor (no mlx)."""
         try:
-            check_data(info.path, read_header(info.path))
-        except FormatError as exc:
-            raise SnapshotError(str(info.path), str(exc)) from None
+            raw = tensor_bytes(info.path, read_header(info.path), "tokens")
+        except (FormatError, KeyError) as exc:
+            raise SnapshotError(str(info.path), f"tokens cannot be read ({exc})") from None
         except OSError as exc:
             raise SnapshotError(str(info.path), f"cannot be read ({exc.strerror or exc})") from None
-        arrays = mx.load(str(info.path))
-        mx.eval(list(arrays.values()))
+        return [int.from_bytes(raw[i : i + 4], "little", signed=True) for i in range(0, len(raw), 4)]
+
+    def load_arrays(self, info: SnapshotInfo, expected: ModelIdentity | None = None) -> dict:
+        """Check the file again (it may have changed since ``info`` was read), then load it with mlx.
+
+        The file must still be a regular file named by its key, hold the same snapshot as
+        ``info``, match ``expected`` when given, and pass the checksum. mlx reads with
+        parallel pread, no mmap.
+        """
+        import mlx.core as mx
+
+        current = self.verify_file(info.path, expected)
+        if current.key != info.key or current.layers != info.layers or current.n_tokens != info.n_tokens:
+            raise SnapshotError(str(info.path), f"now holds another snapshot (key {current.key}) than the one indexed ({info.key})", "restart, or rebuild it with `kvsnap build`")
+        try:
+            arrays = mx.load(str(info.path))
+            mx.eval(list(arrays.values()))
+        except (RuntimeError, ValueError, OSError) as exc:
+            raise SnapshotError(str(info.path), f"mlx cannot load it ({exc})") from None
         return arrays
 
     # --- garbage collection -----------------------------------------------------
@@ -367,17 +383,32 @@ class Store:
         return files
 
     def gc(self, apply: bool) -> tuple[list[Path], int]:
-        """Temp files and snapshots no manifest record refers to; removed only when ``apply``."""
+        """Temp files and snapshots no manifest record refers to; removed only when ``apply``.
+
+        Without a manifest nothing says which snapshots are in use (a store copied
+        without it, or written only by a server), so only temp files go. Folders are
+        never removed; a symbolic link is removed, never what it points to.
+        """
         with self.lock():
             live = self.referenced()
-            doomed = self.temp_files() + [p for p in self.snapshot_files() if f"{SNAPSHOTS}/{p.name}" not in live]
+            candidates = self.temp_files()
+            if (self.root / MANIFEST).exists():
+                candidates += [p for p in self.snapshot_files() if f"{SNAPSHOTS}/{p.name}" not in live]
+            doomed = [p for p in candidates if not stat.S_ISDIR(p.lstat().st_mode)]
             freed = sum(p.lstat().st_size for p in doomed)
             if apply:
                 for p in doomed:
                     p.unlink()
-                if doomed:
-                    _fsync_dir(self.snapshots_dir if self.snapshots_dir.exists() else self.root)
+                for folder in sorted({p.parent for p in doomed}):
+                    self._fsync_dir(folder)
             return doomed, freed
+
+    def _fsync_dir(self, folder: Path) -> None:
+        fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+        try:
+            self.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def record_id(model_digest: str, agents_file: str) -> str:
@@ -387,3 +418,10 @@ def record_id(model_digest: str, agents_file: str) -> str:
 
 def utc_now() -> str:
     return _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def read_tokens(info: SnapshotInfo) -> list[int]:
+    """The prefix tokens of a snapshot, read from its header's tokens tensor (no mlx)."""
+    header = read_header(info.path)
+    raw = tensor_bytes(info.path, header, "tokens")
+    return [int.from_bytes(raw[i : i + 4], "little", signed=True) for i in range(0, len(raw), 4)]

@@ -21,7 +21,7 @@ from .modeling import LoadedModel
 from .prefix import Entry, PrefixCache
 from .prompts import WarmPromptSet, resolve_chat_template, warm_prefix
 from .snapshot import cache_nbytes_of, decode_cache, is_trimmable
-from .store import SnapshotInfo, Store
+from .store import SnapshotInfo, Store, read_tokens
 
 log = logging.getLogger("kvsnap.warmup")
 

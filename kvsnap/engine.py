@@ -1,0 +1,509 @@
+"""The engine: model + prefix cache + continuous batching (mlx-lm's BatchGenerator) on one thread.
+
+Every mlx call happens on the engine thread. Callers submit requests from any thread
+and receive events through the callback they pass; the callback runs on the engine
+thread and must only hand the event over (e.g. ``loop.call_soon_threadsafe``).
+
+Per request: tokens -> longest cached strict prefix (a private copy) -> only the suffix
+is inserted into the batch -> tokens stream back. The prompt minus its last token is
+captured before any decode step and kept in an LRU for multi-turn reuse.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from .key import DigestCache, KVSettings
+from .prompts import WarmPromptSet
+
+log = logging.getLogger("kvsnap.engine")
+
+EventFn = Callable[["RequestState", str, Any], None]  # (state, "token"|"done"|"error", payload)
+
+
+@dataclass
+class EngineConfig:
+    model: str
+    settings: KVSettings = field(default_factory=KVSettings)
+    warm_prompts: WarmPromptSet | None = None
+    warm_prompts_file: str | None = None
+    snapshots: str | None = None
+    write_back: bool = True
+    warm_prompts_concurrency: int = 1
+    cache_memory_mb: float = 2048.0
+    continuous_batching: bool = True
+    max_batch_size: int = 8
+    prefill_batch_size: int = 4
+    digest_cache: DigestCache | None = None
+
+
+@dataclass
+class GenerationRequest:
+    tokens: list[int]
+    max_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+
+
+@dataclass
+class RequestState:
+    id: int
+    request: GenerationRequest
+    on_event: EventFn
+    cached_tokens: int = 0
+    computed_tokens: int = 0
+    completion_tokens: int = 0
+    finish_reason: str | None = None
+    text: str = ""
+    t_submit: float = field(default_factory=time.perf_counter)
+    t_first_token: float | None = None
+    t_done: float | None = None
+    cache_source: str = ""
+    uid: int | None = None
+    detok: Any = None
+    capture: bool = False
+    held_text: str = ""
+    done: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.request.tokens)
+
+
+class Engine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.lm = None
+        self.identity = None
+        self.prefix = None
+        self.counts = None
+        self.store = None
+        self.warmup_report = None
+        self.warm = threading.Event()
+        self.loaded = threading.Event()
+        self.failed: BaseException | None = None
+        self._commands: queue.Queue = queue.Queue()
+        self._ids = itertools.count(1)
+        self._active: dict[int, RequestState] = {}  # uid -> state
+        self._pending: list[RequestState] = []  # waiting for a sequential slot
+        self._gen = None
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._max_batch_seen = 0
+        self._started_requests = 0
+        self._tokens_prompt = 0
+        self._tokens_cached = 0
+        self._computed_measured = 0
+        self._gen_counter_base = 0
+        self.rewarms = 0
+
+    # --- lifecycle ------------------------------------------------------------
+
+    def start(self) -> None:
+        """Load the model here, then warm up and serve on the engine thread (returns at once).
+
+        Loading happens on the caller's thread: mlx-lm's tokenizer loader, run on another
+        thread, leaves a native thread that aborts the process at exit.
+        """
+        self._load()
+        self.loaded.set()
+        self._thread = threading.Thread(target=self._main, name="kvsnap-engine", daemon=True)
+        self._thread.start()
+
+    def wait_warm(self, timeout: float | None = None) -> bool:
+        ok = self.warm.wait(timeout)
+        if self.failed:
+            raise self.failed
+        return ok
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._stopping = True
+        self._commands.put(("stop",))
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    # --- public API (any thread) ---------------------------------------------
+
+    def submit(self, request: GenerationRequest, on_event: EventFn) -> RequestState:
+        state = RequestState(id=next(self._ids), request=request, on_event=on_event)
+        self._commands.put(("submit", state))
+        return state
+
+    def cancel(self, state: RequestState) -> None:
+        self._commands.put(("cancel", state))
+
+    def clear_prefix_cache(self, rewarm: bool = True) -> None:
+        self._commands.put(("clear", rewarm))
+
+    def call(self, fn: Callable[[], Any], timeout: float = 300.0) -> Any:
+        """Run ``fn`` on the engine thread (for tests and admin) and return its result."""
+        box: dict = {}
+        done = threading.Event()
+        self._commands.put(("call", fn, box, done))
+        if not done.wait(timeout):
+            raise TimeoutError("engine call timed out")
+        if "error" in box:
+            raise box["error"]
+        return box["value"]
+
+    @property
+    def batch_size(self) -> int:
+        return len(self._active)
+
+    def status(self) -> dict:
+        p = self.prefix
+        st = p.stats if p else None
+        lookups = (st.hits + st.misses) if st else 0
+        cache = {
+            "entry_count": len(p) if p else 0,
+            "hits": st.hits if st else 0,
+            "misses": st.misses if st else 0,
+            "hit_rate": round(st.hits / lookups, 4) if lookups else 0.0,
+            "tokens_saved": st.tokens_saved if st else 0,
+            "current_memory_mb": round(p.current_bytes / 2**20, 3) if p else 0.0,
+            "max_memory_mb": self.config.cache_memory_mb,
+            "evictions": st.evictions if st else 0,
+            "lazy_loads": st.loads if st else 0,
+        }
+        return {
+            "warm": self.warm.is_set(),
+            "model": str(self.config.model),
+            "batch_size": self.batch_size,
+            "max_batch_size_seen": self._max_batch_seen,
+            "waiting": len(self._pending),
+            "requests": [
+                {"id": s.id, "prompt_tokens": s.prompt_tokens, "cached_tokens": s.cached_tokens, "completion_tokens": s.completion_tokens}
+                for s in list(self._active.values())
+            ],
+            "cache": cache,
+            "snapshots": self.counts.as_dict() if self.counts else {},
+            "tokens": {"prompt": self._tokens_prompt, "cached": self._tokens_cached, "computed": self._computed_tokens()},
+            "requests_started": self._started_requests,
+            "rewarms": self.rewarms,
+            "warmup": self.warmup_report.__dict__ if self.warmup_report else None,
+        }
+
+    # --- engine thread ---------------------------------------------------------
+
+    def _main(self) -> None:
+        try:
+            self._warm_up()
+            self.warm.set()
+        except BaseException as exc:  # reported to the server, which exits non-zero
+            self.failed = exc
+            log.error("[kvsnap] engine failed to warm up: %s", exc)
+            self.warm.set()
+            return
+        while not self._stopping:
+            busy = bool(self._active) or bool(self._pending)
+            self._drain(block=not busy)
+            if self._stopping:
+                break
+            try:
+                self._step()
+            except Exception as exc:  # a failed step fails its requests, never the server
+                log.exception("[kvsnap] generation step failed")
+                for state in list(self._active.values()) + self._pending:
+                    self._finish(state, "error", str(exc))
+                self._active.clear()
+                self._pending.clear()
+                self._gen = None
+
+    def _load(self) -> None:
+        from .modeling import load_model
+        from .prefix import PrefixCache
+        from .snapshot import copy_cache, trim_cache
+        from .warmup import SnapshotCounts
+
+        cfg = self.config
+        self.lm = load_model(cfg.model, cfg.settings)
+        self.identity = self.lm.identity(cfg.digest_cache)
+        self.prefix = PrefixCache(max_bytes=int(cfg.cache_memory_mb * 2**20), copy_state=copy_cache, trim_state=trim_cache)
+        self.counts = SnapshotCounts()
+        eos = getattr(self.lm.tokenizer, "eos_token_ids", None) or {self.lm.tokenizer.eos_token_id}
+        self._stop_tokens = [[int(t)] for t in eos if t is not None]
+
+    def _warm_up(self, allow_prefill: bool = True) -> None:
+        from .warmup import open_store, run_warmup
+
+        cfg = self.config
+        if self.store is None and cfg.snapshots:
+            self.store = open_store(cfg.snapshots, cfg.write_back, self.counts)
+        report = run_warmup(
+            self.lm,
+            self.prefix,
+            self.identity,
+            self.counts,
+            self.store,
+            cfg.warm_prompts,
+            cfg.warm_prompts_file,
+            budget_bytes=int(cfg.cache_memory_mb * 2**20),
+            allow_prefill=allow_prefill,
+        )
+        self.warmup_report = report
+        log.info(report.summary(self.counts))
+
+    def _drain(self, block: bool) -> None:
+        try:
+            cmd = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._handle(cmd)
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _handle(self, cmd: tuple) -> None:
+        kind = cmd[0]
+        if kind == "submit":
+            self._pending.append(cmd[1])
+        elif kind == "cancel":
+            self._cancel(cmd[1])
+        elif kind == "clear":
+            self.prefix.clear()
+            if cmd[1]:
+                self.rewarms += 1
+                self._warm_up(allow_prefill=True)
+        elif kind == "call":
+            _, fn, box, done = cmd
+            try:
+                box["value"] = fn()
+            except BaseException as exc:
+                box["error"] = exc
+            done.set()
+        elif kind == "stop":
+            self._stopping = True
+
+    # --- scheduling ------------------------------------------------------------
+
+    def _batching(self) -> bool:
+        # mlx-lm's batch caches cannot hold a quantized KV: run those one at a time.
+        return self.config.continuous_batching and self.lm.settings.kv_bits is None
+
+    def _step(self) -> None:
+        if self._batching():
+            self._admit_batched()
+            if self._active:
+                self._step_batched()
+        else:
+            if not self._active and self._pending:
+                self._run_sequential(self._pending.pop(0))
+
+    def _prepare(self, state: RequestState):
+        """Fetch the longest cached prefix (a private copy) and account for it."""
+        tokens = state.request.tokens
+        cache, n_cached, match = self.prefix.fetch(tokens)
+        if cache is None:
+            cache = self.lm.make_cache()
+        state.cached_tokens = n_cached
+        state.cache_source = match.entry.source if match else ""
+        state.computed_tokens = len(tokens) - n_cached
+        state.detok = self.lm.tokenizer.detokenizer
+        state.detok.reset()
+        self._started_requests += 1
+        self._tokens_prompt += len(tokens)
+        self._tokens_cached += n_cached
+        return cache, tokens[n_cached:]
+
+    def _ensure_gen(self):
+        if self._gen is None:
+            import mlx.core as mx
+            from mlx_lm.generate import BatchGenerator
+
+            cfg = self.config
+            # An ordinary stream of our own: mlx-lm's default thread-local stream aborts
+            # the process at exit when it was used from a non-main thread.
+            self._gen = BatchGenerator(
+                self.lm.model,
+                stop_tokens=self._stop_tokens,
+                completion_batch_size=cfg.max_batch_size,
+                prefill_batch_size=min(cfg.prefill_batch_size, cfg.max_batch_size),
+                prefill_step_size=self.lm.settings.prefill_step_size,
+                max_kv_size=self.lm.settings.max_kv_size,
+                stream=mx.new_stream(mx.default_device()),
+            )
+            self._gen_counter_base = self._gen_prompt_counter()
+        return self._gen
+
+    def _gen_prompt_counter(self) -> int:
+        gen = self._gen
+        if gen is None:
+            return 0
+        counters = getattr(gen, "_counters", None)  # mlx-lm 0.32
+        if counters is not None:
+            return int(counters.prompt_tokens)
+        return int(getattr(gen, "_prompt_tokens_counter", 0))  # mlx-lm 0.31
+
+    def _computed_tokens(self) -> int:
+        """Prompt tokens the model really ran: mlx-lm's own prefill counter + each request's last token."""
+        return self._computed_measured + (self._gen_prompt_counter() - self._gen_counter_base if self._gen is not None else 0)
+
+    def _admit_batched(self) -> None:
+        from .sampling import make_request_sampler
+
+        if not self._pending:
+            return
+        gen = self._ensure_gen()
+        room = self.config.max_batch_size - len(self._active)
+        while self._pending and room > 0:
+            state = self._pending.pop(0)
+            cache, suffix = self._prepare(state)
+            r = state.request
+            uid = gen.insert([list(suffix)], max_tokens=[r.max_tokens], caches=[cache], samplers=[make_request_sampler(r.temperature, r.top_p, r.seed)])[0]
+            state.uid = uid
+            state.capture = len(suffix) > 1
+            self._computed_measured += 1  # the last prompt token runs in the first decode step
+            self._active[uid] = state
+            room -= 1
+        self._max_batch_seen = max(self._max_batch_seen, len(self._active))
+
+    def _step_batched(self) -> None:
+        gen = self._gen
+        prompt_responses, generation_responses = gen.next()
+        self._max_batch_seen = max(self._max_batch_seen, len(self._active))
+        for r in prompt_responses:
+            state = self._active.get(r.uid)
+            if state is not None and state.capture and r.end_of_segment and not r.end_of_prompt:
+                self._capture(state, gen.extract_cache([r.uid])[r.uid][0])
+        for r in generation_responses:
+            state = self._active.get(r.uid)
+            if state is None:
+                continue
+            self._on_token(state, r.token, r.finish_reason)
+            if state.finish_reason is not None:
+                self._active.pop(r.uid, None)
+                if r.finish_reason is None:  # stopped by a stop string: free the slot now
+                    gen.remove([r.uid])
+
+    def _capture(self, state: RequestState, cache: list) -> None:
+        """Keep the prompt minus its last token for multi-turn reuse; captured before any decode."""
+        from .prefix import Entry
+        from .snapshot import CaptureError, cache_nbytes_of, check_captured_at, copy_cache, is_trimmable
+
+        state.capture = False
+        tokens = tuple(state.request.tokens[:-1])
+        try:
+            check_captured_at(cache, len(tokens))
+        except CaptureError as exc:
+            log.debug("[kvsnap] not capturing request %d: %s", state.id, exc)
+            return
+        own = copy_cache(cache)
+        self.prefix.add(Entry(tokens=tokens, state=own, nbytes=cache_nbytes_of(own), trimmable=is_trimmable(own), pinned=False, source="request"))
+
+    def _on_token(self, state: RequestState, token: int, finish_reason: str | None) -> None:
+        if state.t_first_token is None:
+            state.t_first_token = time.perf_counter()
+        state.completion_tokens += 1
+        if finish_reason == "stop":
+            state.detok.finalize()
+            self._emit_text(state, state.detok.last_segment, final=True)
+            self._finish(state, "stop")
+            return
+        state.detok.add_token(token)
+        self._emit_text(state, state.detok.last_segment, final=False)
+        if state.finish_reason is None and finish_reason is not None:
+            state.detok.finalize()
+            self._emit_text(state, state.detok.last_segment, final=True)
+            self._finish(state, finish_reason)
+
+    def _emit_text(self, state: RequestState, segment: str, final: bool) -> None:
+        """Send text, holding back a tail that could still become a stop string."""
+        if state.finish_reason is not None:
+            return
+        text = state.held_text + segment
+        stops = state.request.stop
+        if stops:
+            hits = [(text.find(s), s) for s in stops if s and s in text]
+            if hits:
+                at = min(h[0] for h in hits)
+                self._send(state, text[:at])
+                state.held_text = ""
+                self._finish(state, "stop")
+                return
+            keep = 0 if final else max((len(s) - 1 for s in stops if s), default=0)
+            keep = min(keep, len(text))
+            out, state.held_text = (text[: len(text) - keep], text[len(text) - keep :]) if keep else (text, "")
+        else:
+            out, state.held_text = text, ""
+        self._send(state, out)
+
+    def _send(self, state: RequestState, text: str) -> None:
+        if text:
+            state.text += text
+            state.on_event(state, "token", text)
+
+    def _finish(self, state: RequestState, reason: str, error: str | None = None) -> None:
+        if state.finish_reason is not None and reason != "error":
+            return
+        if state.held_text and reason != "error":
+            self._send(state, state.held_text)
+            state.held_text = ""
+        state.finish_reason = reason
+        state.t_done = time.perf_counter()
+        state.on_event(state, "error" if reason == "error" else "done", error)
+        state.done.set()
+
+    def _cancel(self, state: RequestState) -> None:
+        if state in self._pending:
+            self._pending.remove(state)
+        elif state.uid is not None and state.uid in self._active:
+            self._active.pop(state.uid)
+            if self._gen is not None:
+                self._gen.remove([state.uid])
+        if state.finish_reason is None:
+            self._finish(state, "cancelled")
+
+    # --- sequential path (quantized KV, or --continuous-batching off) ------------
+
+    def _run_sequential(self, state: RequestState) -> None:
+        import mlx.core as mx
+        from mlx_lm.generate import maybe_quantize_kv_cache
+
+        from .sampling import make_request_sampler
+
+        s = self.lm.settings
+        model = self.lm.model
+        cache, suffix = self._prepare(state)
+        sampler = make_request_sampler(state.request.temperature, state.request.top_p, state.request.seed)
+        self._active[-state.id] = state
+        self._max_batch_seen = max(self._max_batch_seen, 1)
+        try:
+            body, last = list(suffix[:-1]), suffix[-1]
+            for start in range(0, len(body), s.prefill_step_size):
+                chunk = body[start : start + s.prefill_step_size]
+                model(mx.array(chunk, dtype=mx.int32)[None], cache=cache)
+                maybe_quantize_kv_cache(cache, s.quantized_kv_start, s.kv_group_size, s.kv_bits)
+                mx.eval([c.state for c in cache])
+                self._computed_measured += len(chunk)
+            if body:
+                state.capture = True
+                self._capture(state, cache)
+            token = mx.array([[last]], dtype=mx.int32)
+            self._computed_measured += 1
+            eos = {t[0] for t in self._stop_tokens}
+            for i in range(state.request.max_tokens):
+                logits = model(token, cache=cache)[:, -1, :]
+                maybe_quantize_kv_cache(cache, s.quantized_kv_start, s.kv_group_size, s.kv_bits)
+                logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+                nxt = sampler(logprobs)
+                tok = int(nxt.item())
+                reason = "stop" if tok in eos else ("length" if i + 1 >= state.request.max_tokens else None)
+                self._on_token(state, tok, reason)
+                if state.finish_reason is not None:
+                    break
+                self._drain(block=False)  # lets a cancel (or a disconnect) end this request early
+                if state.finish_reason is not None:
+                    break
+                token = nxt.reshape(1, 1)
+        finally:
+            self._active.pop(-state.id, None)
