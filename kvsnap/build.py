@@ -120,6 +120,10 @@ def capture_snapshot(
         return path
 
 
+def _without_time(record: dict) -> dict:
+    return {k: v for k, v in record.items() if k != "updated"}
+
+
 def _manifest_entry(result: EntryResult, prompt_digest: str) -> dict:
     return {
         "name": result.name,
@@ -179,7 +183,10 @@ def build_snapshots(
             def commit(written: Path, status: str) -> None:
                 # Under the store lock: the file and its manifest record appear together for gc.
                 result.status, result.nbytes = status, written.stat().st_size
-                store.update_record(rid, upsert(_manifest_entry(result, prompt_digest)))
+                update = upsert(_manifest_entry(result, prompt_digest))
+                current = store.read_manifest()["records"].get(rid, {})
+                if _without_time(update(current)) != _without_time(current):  # an unchanged rebuild writes nothing
+                    store.update_record(rid, update)
 
             reused = False
             if not force:

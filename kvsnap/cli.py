@@ -75,6 +75,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="re-prefill and rewrite every snapshot")
     _add_kv_options(p)
 
+    p = sub.add_parser("serve", help="OpenAI-compatible server that starts warm from snapshots")
+    p.add_argument("model", help="local mlx-lm model directory")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default: 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
+    p.add_argument("--continuous-batching", action="store_true", help="batch concurrent requests (mlx-lm BatchGenerator); without it requests run one at a time")
+    p.add_argument("--warm-prompts", metavar="FILE", help="warm-prompt file: these prefixes are warm before /health says ok")
+    p.add_argument("--kv-snapshots", metavar="DIR", help="snapshot store to start warm from (prefilled warm prompts are written back when writable)")
+    p.add_argument("--no-write-back", action="store_true", help="never write prefilled warm prompts back to the store")
+    p.add_argument("--warm-prompts-concurrency", type=_positive_int, default=1, help="at most N warm-prompt prefills at once (default: 1)")
+    p.add_argument("--cache-memory-mb", type=float, default=2048.0, help="prefix cache budget in MiB: pinned snapshots load up to it, the rest on first hit (default: 2048)")
+    p.add_argument("--max-batch-size", type=_positive_int, default=8, help="most requests decoding at once (default: 8)")
+    p.add_argument("--max-tokens", type=_positive_int, default=256, help="default max_tokens of a request (default: 256)")
+    p.add_argument("--served-model-name", help="model id clients send (default: the model folder's name)")
+    _add_kv_options(p)
+
     p = sub.add_parser("quickstart", help="make a demo model, build snapshots for example agents, verify them")
     p.add_argument("--dir", default=".kvsnap-demo", help="working folder (default: ./.kvsnap-demo)")
 
@@ -279,6 +294,46 @@ def cmd_gc(args) -> int:
     return EXIT_OK
 
 
+def cmd_serve(args) -> int:
+    import uvicorn
+
+    from .engine import Engine, EngineConfig
+    from .modeling import check_model_dir, default_digest_cache
+    from .prompts import load_warm_prompts
+    from .server import ServerConfig, create_app
+
+    model_dir = check_model_dir(args.model)
+    prompts = load_warm_prompts(args.warm_prompts) if args.warm_prompts else None
+    for problem in prompts.problems if prompts else []:
+        log.warning("[kvsnap] skipped warm prompt %s", problem)
+    engine = Engine(
+        EngineConfig(
+            model=str(model_dir),
+            settings=_kv_settings(args),
+            warm_prompts=prompts,
+            warm_prompts_file=args.warm_prompts,
+            snapshots=args.kv_snapshots,
+            write_back=not args.no_write_back,
+            warm_prompts_concurrency=args.warm_prompts_concurrency,
+            cache_memory_mb=args.cache_memory_mb,
+            continuous_batching=args.continuous_batching,
+            max_batch_size=args.max_batch_size if args.continuous_batching else 1,
+            digest_cache=default_digest_cache(),
+        )
+    )
+    config_json = json.loads((model_dir / "config.json").read_text())
+    name = args.served_model_name or model_dir.name
+    server_config = ServerConfig(
+        served_model_name=name,
+        model_aliases=(args.model, str(model_dir)),
+        default_max_tokens=args.max_tokens,
+        context_length=config_json.get("max_position_embeddings"),
+    )
+    engine.start()  # load the model on the main thread, before the port opens
+    uvicorn.run(create_app(engine, server_config), host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=5)
+    return EXIT_BAD if engine.failed else EXIT_OK
+
+
 def cmd_quickstart(args) -> int:
     from .quickstart import run_quickstart
 
@@ -286,6 +341,7 @@ def cmd_quickstart(args) -> int:
 
 
 COMMANDS = {
+    "serve": cmd_serve,
     "quickstart": cmd_quickstart,
     "demo-model": cmd_demo_model,
     "build": cmd_build,
@@ -299,7 +355,8 @@ COMMANDS = {
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(message)s")
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(asctime)s %(levelname)s %(message)s" if args.command == "serve" else "%(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per HTTP call drowns the output
     if not args.command:
         parser.print_help()
         return EXIT_USAGE

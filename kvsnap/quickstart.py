@@ -38,31 +38,57 @@ def write_example_agents(path: Path) -> Path:
     return path
 
 
+COLD_AGENT = [{"role": "system", "content": "You are a translator agent. Translate each message, check the words, explain hard ones. " * 5}]
+
+
 def run_quickstart(workdir: Path, print_fn=print) -> int:
-    """Make the demo model, write example agents, build and verify their snapshots."""
+    """Demo model -> example agents -> build + verify -> serve -> a cold and a warm request."""
+    import httpx
+
     from .blas import preload_openblas
 
     preload_openblas()
     from .build import build_snapshots
+    from .client import stream_chat
     from .demo import DemoSpec, make_demo_model
     from .key import DigestCache
     from .modeling import load_model
     from .prompts import load_warm_prompts
+    from .serverproc import start_server
     from .store import Store
 
+    workdir = workdir.resolve()
     workdir.mkdir(parents=True, exist_ok=True)
     model_dir = make_demo_model(workdir / "model", DemoSpec())
     agents = write_example_agents(workdir / "agents.json")
-    print_fn(f"[1/3] demo model: {model_dir}")
-    print_fn(f"      agents file: {agents}")
+    print_fn(f"[1/4] demo model {model_dir}; agents file {agents}")
+    digests = DigestCache(workdir / "digests.json")
     lm = load_model(model_dir)
     store = Store.open(workdir / "snaps", create=True)
-    report = build_snapshots(lm, load_warm_prompts(agents), store, str(agents), digests=DigestCache(workdir / "digests.json"))
+    report = build_snapshots(lm, load_warm_prompts(agents), store, str(agents), digests=digests)
     for e in report.entries:
-        print_fn(f"[2/3] {e.name}: {e.status}, {e.n_tokens} tokens ({e.coverage:.0%} of the entry), {e.nbytes} bytes, {e.seconds:.2f}s")
-    bad = 0
-    identity = lm.identity(DigestCache(workdir / "digests.json"))
+        print_fn(f"[2/4] build {e.name}: {e.status}, {e.n_tokens} tokens ({e.coverage:.0%} of the entry), {e.nbytes} bytes, {e.seconds:.2f}s")
+    identity = lm.identity(digests)
     for path in store.snapshot_files():
         store.verify_file(path, identity)
-    print_fn(f"[3/3] verified {len(store.snapshot_files())} snapshot(s) in {store.root}")
-    return 0 if report.ok and not bad else 1
+    print_fn(f"      verified {len(store.snapshot_files())} snapshot(s) in {store.root}")
+
+    server = start_server(model_dir, ["--continuous-batching", "--warm-prompts", str(agents), "--kv-snapshots", str(store.root)], workdir / "server.log", env={"KVSNAP_CACHE_DIR": str(workdir)}, limit_s=300)
+    try:
+        ready = server.wait_ready(timeout=120)
+        summary = next((l for l in server.log().splitlines() if "Warm-up done" in l), "")
+        print_fn(f"[3/4] server warm {ready:.2f}s after launch at {server.url}")
+        if summary:
+            print_fn("      " + summary.split("INFO ", 1)[-1])
+        agents_data = json.loads(agents.read_text())
+        question = {"role": "user", "content": "Please check the server function and explain the fix."}
+        with httpx.Client(timeout=120) as client:
+            cold = stream_chat(client, server.url, "model", COLD_AGENT + [question], max_tokens=16)
+            warm = stream_chat(client, server.url, "model", agents_data[0]["messages"] + [question], max_tokens=16)
+        print_fn(f"[4/4] cold request (agent not in agents.json): TTFT {cold.ttft_s * 1000:.1f} ms, cached_tokens {cold.cached_tokens} of {cold.usage.get('prompt_tokens')}")
+        print_fn(f"      warm request (agent '{agents_data[0]['name']}'):        TTFT {warm.ttft_s * 1000:.1f} ms, cached_tokens {warm.cached_tokens} of {warm.usage.get('prompt_tokens')}")
+        ok = report.ok and warm.cached_tokens > 0
+    finally:
+        server.stop()
+    print_fn("done: the server was stopped. Next: `kvsnap serve` your own model with --kv-snapshots (docs/server.md).")
+    return 0 if ok else 1

@@ -1,0 +1,121 @@
+"""OpenAI wire types: request validation and response shapes. No mlx, no engine."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, field_validator
+
+MAX_STOP_SEQUENCES = 8
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: StrictBool = False
+
+
+class _Sampling(BaseModel):
+    # Clients send many optional OpenAI fields kvsnap does not use; ignore those, type-check ours.
+    model_config = ConfigDict(extra="ignore")
+
+    model: StrictStr
+    max_tokens: Optional[StrictInt] = Field(default=None, ge=1)
+    temperature: Union[StrictFloat, StrictInt] = Field(default=1.0, ge=0, le=2)
+    top_p: Union[StrictFloat, StrictInt] = Field(default=1.0, gt=0, le=1)
+    stream: StrictBool = False
+    stream_options: Optional[StreamOptions] = None
+    stop: Optional[Union[StrictStr, list[StrictStr]]] = None
+    seed: Optional[StrictInt] = None
+    n: StrictInt = Field(default=1, ge=1, le=1)
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_list(cls, v):
+        if v is None:
+            return []
+        stops = [v] if isinstance(v, str) else v
+        if len(stops) > MAX_STOP_SEQUENCES:
+            raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences are allowed")
+        return [s for s in stops if s]
+
+    @property
+    def stop_list(self) -> list[str]:
+        return list(self.stop or [])
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[Any]  # checked by prompts.normalize_messages, shared with warm-prompt files
+    max_completion_tokens: Optional[StrictInt] = Field(default=None, ge=1)
+    tools: Optional[list[dict]] = None
+    tool_choice: Optional[Any] = None
+    chat_template_kwargs: Optional[dict] = None
+
+    @property
+    def requested_max_tokens(self) -> Optional[int]:
+        return self.max_completion_tokens or self.max_tokens
+
+
+class CompletionRequest(_Sampling):
+    prompt: Union[StrictStr, list[StrictInt]]
+    max_tokens: Optional[StrictInt] = Field(default=16, ge=1)
+
+    @property
+    def requested_max_tokens(self) -> Optional[int]:
+        return self.max_tokens
+
+
+def error_body(message: str, type_: str = "invalid_request_error", param: Optional[str] = None, code: Optional[str] = None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+        "tokens_saved": cached_tokens,
+    }
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def chat_response(rid: str, model: str, text: str, finish_reason: str, usage_: dict) -> dict:
+    return {
+        "id": rid,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish_reason, "logprobs": None}],
+        "usage": usage_,
+    }
+
+
+def chat_chunk(rid: str, model: str, delta: dict, finish_reason: Optional[str] = None, usage_: Optional[dict] = None) -> dict:
+    chunk = {
+        "id": rid,
+        "object": "chat.completion.chunk",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}],
+    }
+    if usage_ is not None:
+        chunk["usage"] = usage_
+    return chunk
+
+
+def completion_response(rid: str, model: str, text: str, finish_reason: Optional[str], usage_: Optional[dict], obj: Literal["text_completion"] = "text_completion") -> dict:
+    body = {
+        "id": rid,
+        "object": obj,
+        "created": int(time.time()),
+        "model": model,
+        "choices": [{"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}],
+    }
+    if usage_ is not None:
+        body["usage"] = usage_
+    return body

@@ -1,0 +1,73 @@
+"""Start and stop a `kvsnap serve` process on loopback (quickstart, tests, benchmarks)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class ServerProcess:
+    proc: subprocess.Popen
+    url: str
+    log_path: Path
+    launched_at: float
+
+    def wait_ready(self, timeout: float = 120.0) -> float:
+        """Poll /health until 200 (warm); returns seconds since launch. Raises if the process died."""
+        deadline = time.monotonic() + timeout
+        with httpx.Client(timeout=2.0) as client:
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"kvsnap serve exited with {self.proc.returncode}:\n{self.log()[-3000:]}")
+                try:
+                    if client.get(f"{self.url}/health").status_code == 200:
+                        return time.perf_counter() - self.launched_at
+                except httpx.TransportError:
+                    pass
+                time.sleep(0.05)
+        raise TimeoutError(f"kvsnap serve not warm after {timeout}s:\n{self.log()[-3000:]}")
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    def stop(self, timeout: float = 15.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        return self.proc.returncode
+
+
+def start_server(model: str | Path, args: list[str], log_path: Path, port: int | None = None, env: dict | None = None, limit_s: int = 900) -> ServerProcess:
+    """Launch `kvsnap serve` under `timeout -k` so it can never outlive ``limit_s``."""
+    port = port or free_port()
+    cmd = [sys.executable, "-m", "kvsnap", "serve", str(model), "--host", "127.0.0.1", "--port", str(port), *args]
+    if os.path.exists("/usr/bin/timeout"):
+        cmd = ["/usr/bin/timeout", "-k", "5", str(limit_s), *cmd]
+    full_env = {**os.environ, **(env or {})}
+    log_file = open(log_path, "wb")
+    launched = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=full_env)
+    log_file.close()
+    return ServerProcess(proc=proc, url=f"http://127.0.0.1:{port}", log_path=log_path, launched_at=launched)
