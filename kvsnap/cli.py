@@ -322,7 +322,7 @@ def cmd_serve(args) -> int:
         )
     )
     config_json = json.loads((model_dir / "config.json").read_text())
-    name = args.served_model_name or model_dir.name
+    name = args.served_model_name or Path(args.model).expanduser().name or model_dir.name
     server_config = ServerConfig(
         served_model_name=name,
         model_aliases=(args.model, str(model_dir)),
