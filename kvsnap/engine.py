@@ -70,6 +70,7 @@ class RequestState:
     uid: int | None = None
     detok: Any = None
     capture: bool = False
+    last_token_counted: bool = False
     held_text: str = ""
     done: threading.Event = field(default_factory=threading.Event)
 
@@ -89,6 +90,7 @@ class Engine:
         self.warmup_report = None
         self.warm = threading.Event()
         self.loaded = threading.Event()
+        self.stopped = threading.Event()  # set when the engine loop has ended
         self.failed: BaseException | None = None
         self._commands: queue.Queue = queue.Queue()
         self._ids = itertools.count(1)
@@ -101,8 +103,11 @@ class Engine:
         self._started_requests = 0
         self._tokens_prompt = 0
         self._tokens_cached = 0
-        self._computed_measured = 0
+        self._computed_measured = 0  # sequential prefill + each request's last token
         self._gen_counter_base = 0
+        self._gen_counted = 0  # prompt tokens counted by generators already dropped
+        self._batched_expected = 0  # what a batched prefill should count: the fallback source
+        self._stream = None
         self.rewarms = 0
 
     # --- lifecycle ------------------------------------------------------------
@@ -115,7 +120,12 @@ class Engine:
         """
         self._load()
         self.loaded.set()
-        self._thread = threading.Thread(target=self._main, name="kvsnap-engine", daemon=True)
+        self.start_serving()
+
+    def start_serving(self) -> None:
+        """Start the engine thread (warm-up, then serving) on an already loaded engine."""
+        self._thread = threading.Thread(target=_engine_thread, args=([self._main],), name="kvsnap-engine", daemon=True)
+        self._thread.parks = True
         self._thread.start()
 
     def wait_warm(self, timeout: float | None = None) -> bool:
@@ -125,9 +135,14 @@ class Engine:
         return ok
 
     def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the engine loop; requests still running end with finish_reason "cancelled"."""
         self._stopping = True
         self._commands.put(("stop",))
-        if self._thread is not None:
+        if self._thread is None:
+            return
+        if getattr(self._thread, "parks", False):
+            self.stopped.wait(timeout)  # the thread itself stays parked, see _engine_thread
+        else:
             self._thread.join(timeout)
 
     # --- public API (any thread) ---------------------------------------------
@@ -172,6 +187,8 @@ class Engine:
             "max_memory_mb": self.config.cache_memory_mb,
             "evictions": st.evictions if st else 0,
             "lazy_loads": st.loads if st else 0,
+            "unloads": st.unloads if st else 0,
+            "load_errors": st.load_errors if st else 0,
         }
         return {
             "warm": self.warm.is_set(),
@@ -180,12 +197,17 @@ class Engine:
             "max_batch_size_seen": self._max_batch_seen,
             "waiting": len(self._pending),
             "requests": [
-                {"id": s.id, "prompt_tokens": s.prompt_tokens, "cached_tokens": s.cached_tokens, "completion_tokens": s.completion_tokens}
+                {"id": s.id, "prompt_tokens": s.prompt_tokens, "cached_tokens": s.cached_tokens, "computed_tokens": s.computed_tokens, "completion_tokens": s.completion_tokens}
                 for s in list(self._active.values())
             ],
             "cache": cache,
             "snapshots": self.counts.as_dict() if self.counts else {},
-            "tokens": {"prompt": self._tokens_prompt, "cached": self._tokens_cached, "computed": self._computed_tokens()},
+            "tokens": {
+                "prompt": self._tokens_prompt,
+                "cached": self._tokens_cached,
+                "computed": self._computed_tokens(),
+                "computed_source": self._computed_source(),
+            },
             "requests_started": self._started_requests,
             "rewarms": self.rewarms,
             "warmup": self.warmup_report.__dict__ if self.warmup_report else None,
@@ -194,6 +216,12 @@ class Engine:
     # --- engine thread ---------------------------------------------------------
 
     def _main(self) -> None:
+        try:
+            self._serve()
+        finally:
+            self.stopped.set()
+
+    def _serve(self) -> None:
         try:
             self._warm_up()
             self.warm.set()
@@ -215,7 +243,12 @@ class Engine:
                     self._finish(state, "error", str(exc))
                 self._active.clear()
                 self._pending.clear()
-                self._gen = None
+                self._drop_gen()
+        for state in list(self._active.values()) + self._pending:
+            self._finish(state, "cancelled")
+        self._active.clear()
+        self._pending.clear()
+        self._drop_gen()
 
     def _load(self) -> None:
         from .modeling import load_model
@@ -226,10 +259,23 @@ class Engine:
         cfg = self.config
         self.lm = load_model(cfg.model, cfg.settings)
         self.identity = self.lm.identity(cfg.digest_cache)
-        self.prefix = PrefixCache(max_bytes=int(cfg.cache_memory_mb * 2**20), copy_state=copy_cache, trim_state=trim_cache)
+        from .errors import SnapshotError
+
         self.counts = SnapshotCounts()
+        self.prefix = PrefixCache(
+            max_bytes=int(cfg.cache_memory_mb * 2**20),
+            copy_state=copy_cache,
+            trim_state=trim_cache,
+            load_errors=(SnapshotError, OSError),
+            on_load_error=self._on_load_error,
+        )
         eos = getattr(self.lm.tokenizer, "eos_token_ids", None) or {self.lm.tokenizer.eos_token_id}
         self._stop_tokens = [[int(t)] for t in eos if t is not None]
+
+    def _on_load_error(self, entry, exc: BaseException) -> None:
+        """A snapshot indexed at start failed to load on first hit: report it, serve without it."""
+        path = getattr(exc, "path", "") or entry.name or entry.key
+        self.counts.reject(str(path), getattr(exc, "reason", None) or str(exc))
 
     def _warm_up(self, allow_prefill: bool = True) -> None:
         from .warmup import open_store, run_warmup
@@ -247,6 +293,8 @@ class Engine:
             cfg.warm_prompts_file,
             budget_bytes=int(cfg.cache_memory_mb * 2**20),
             allow_prefill=allow_prefill,
+            prefill_many=self._prefill_many,
+            concurrency=self._prefill_concurrency(),
         )
         self.warmup_report = report
         log.info(report.summary(self.counts))
@@ -315,38 +363,59 @@ class Engine:
         self._tokens_cached += n_cached
         return cache, tokens[n_cached:]
 
+    def stream(self):
+        """The engine's own mlx stream: mlx-lm's default thread-local one aborts the
+        process at exit when it was used from a non-main thread."""
+        if self._stream is None:
+            import mlx.core as mx
+
+            self._stream = mx.new_stream(mx.default_device())
+        return self._stream
+
+    def _new_generator(self, batch_size: int, prefill_batch_size: int):
+        from mlx_lm.generate import BatchGenerator
+
+        return BatchGenerator(
+            self.lm.model,
+            stop_tokens=self._stop_tokens,
+            completion_batch_size=batch_size,
+            prefill_batch_size=min(prefill_batch_size, batch_size),
+            prefill_step_size=self.lm.settings.prefill_step_size,
+            max_kv_size=self.lm.settings.max_kv_size,
+            stream=self.stream(),
+        )
+
     def _ensure_gen(self):
         if self._gen is None:
-            import mlx.core as mx
-            from mlx_lm.generate import BatchGenerator
-
-            cfg = self.config
-            # An ordinary stream of our own: mlx-lm's default thread-local stream aborts
-            # the process at exit when it was used from a non-main thread.
-            self._gen = BatchGenerator(
-                self.lm.model,
-                stop_tokens=self._stop_tokens,
-                completion_batch_size=cfg.max_batch_size,
-                prefill_batch_size=min(cfg.prefill_batch_size, cfg.max_batch_size),
-                prefill_step_size=self.lm.settings.prefill_step_size,
-                max_kv_size=self.lm.settings.max_kv_size,
-                stream=mx.new_stream(mx.default_device()),
-            )
-            self._gen_counter_base = self._gen_prompt_counter()
+            self._gen = self._new_generator(self.config.max_batch_size, self.config.prefill_batch_size)
+            self._gen_counter_base = _prompt_counter(self._gen) or 0
         return self._gen
 
-    def _gen_prompt_counter(self) -> int:
-        gen = self._gen
-        if gen is None:
-            return 0
-        counters = getattr(gen, "_counters", None)  # mlx-lm 0.32
-        if counters is not None:
-            return int(counters.prompt_tokens)
-        return int(getattr(gen, "_prompt_tokens_counter", 0))  # mlx-lm 0.31
+    def _drop_gen(self) -> None:
+        """Forget the generator, keeping the prompt tokens it counted."""
+        if self._gen is not None:
+            counted = _prompt_counter(self._gen)
+            if counted is not None:
+                self._gen_counted += counted - self._gen_counter_base
+            self._gen = None
+
+    def _computed_source(self) -> str:
+        if self._gen is not None and _prompt_counter(self._gen) is None:
+            return "engine count (this mlx-lm's BatchGenerator has no prompt token counter)"
+        return "measured: mlx-lm BatchGenerator prompt counter + sequential prefill + 1 per started decode"
 
     def _computed_tokens(self) -> int:
-        """Prompt tokens the model really ran: mlx-lm's own prefill counter + each request's last token."""
-        return self._computed_measured + (self._gen_prompt_counter() - self._gen_counter_base if self._gen is not None else 0)
+        """Prompt tokens the model really ran: mlx-lm's own prefill counter, the sequential
+        path's chunks, and each request's last prompt token (counted when its first decode
+        step has run)."""
+        gen = self._gen
+        batched = self._gen_counted
+        if gen is not None:
+            counted = _prompt_counter(gen)
+            if counted is None:
+                return self._computed_measured + self._batched_expected
+            batched += counted - self._gen_counter_base
+        return self._computed_measured + batched
 
     def _admit_batched(self) -> None:
         from .sampling import make_request_sampler
@@ -362,7 +431,7 @@ class Engine:
             uid = gen.insert([list(suffix)], max_tokens=[r.max_tokens], caches=[cache], samplers=[make_request_sampler(r.temperature, r.top_p, r.seed)])[0]
             state.uid = uid
             state.capture = len(suffix) > 1
-            self._computed_measured += 1  # the last prompt token runs in the first decode step
+            self._batched_expected += len(suffix) - 1  # mlx-lm runs the last token in the first decode step
             self._active[uid] = state
             room -= 1
         self._max_batch_seen = max(self._max_batch_seen, len(self._active))
@@ -379,6 +448,9 @@ class Engine:
             state = self._active.get(r.uid)
             if state is None:
                 continue
+            if not state.last_token_counted:
+                state.last_token_counted = True
+                self._computed_measured += 1  # the decode step that produced this token ran the last prompt token
             self._on_token(state, r.token, r.finish_reason)
             if state.finish_reason is not None:
                 self._active.pop(r.uid, None)
@@ -390,6 +462,8 @@ class Engine:
         from .prefix import Entry
         from .snapshot import CaptureError, cache_nbytes_of, check_captured_at, copy_cache, is_trimmable
 
+        import mlx.core as mx
+
         state.capture = False
         tokens = tuple(state.request.tokens[:-1])
         try:
@@ -398,6 +472,7 @@ class Engine:
             log.debug("[kvsnap] not capturing request %d: %s", state.id, exc)
             return
         own = copy_cache(cache)
+        mx.eval([a for c in own for a in _arrays_of(c)])
         self.prefix.add(Entry(tokens=tokens, state=own, nbytes=cache_nbytes_of(own), trimmable=is_trimmable(own), pinned=False, source="request"))
 
     def _on_token(self, state: RequestState, token: int, finish_reason: str | None) -> None:
@@ -489,10 +564,11 @@ class Engine:
                 state.capture = True
                 self._capture(state, cache)
             token = mx.array([[last]], dtype=mx.int32)
-            self._computed_measured += 1
             eos = {t[0] for t in self._stop_tokens}
             for i in range(state.request.max_tokens):
                 logits = model(token, cache=cache)[:, -1, :]
+                if i == 0:
+                    self._computed_measured += 1  # the last prompt token
                 maybe_quantize_kv_cache(cache, s.quantized_kv_start, s.kv_group_size, s.kv_bits)
                 logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
                 nxt = sampler(logprobs)
@@ -502,8 +578,101 @@ class Engine:
                 if state.finish_reason is not None:
                     break
                 self._drain(block=False)  # lets a cancel (or a disconnect) end this request early
+                if self._stopping:
+                    self._finish(state, "cancelled")
                 if state.finish_reason is not None:
                     break
                 token = nxt.reshape(1, 1)
         finally:
             self._active.pop(-state.id, None)
+
+    # --- warm-up prefill -------------------------------------------------------------
+
+    def _prefill_concurrency(self) -> int:
+        """At most this many warm prompts are prefilled at once (batched); 1 without batching."""
+        n = max(1, int(self.config.warm_prompts_concurrency or 1))
+        return min(n, self.config.max_batch_size) if self._batching() else 1
+
+    def _prefill_many(self, token_lists) -> list:
+        """Prefill warm prefixes: one alone exactly as ``kvsnap build`` does, several as one batch."""
+        from .build import prefill
+
+        if len(token_lists) <= 1 or not self._batching():
+            return [prefill(self.lm, tokens) for tokens in token_lists]
+        return self._prefill_batched(token_lists)
+
+    def _prefill_batched(self, token_lists) -> list:
+        """Run several warm prefixes through one BatchGenerator prompt batch and take each
+        state exactly at the end of its tokens (a dummy last segment is never run)."""
+        import mlx.core as mx
+
+        from .snapshot import check_captured_at, copy_cache
+
+        n = len(token_lists)
+        gen = self._new_generator(n, n)
+        uids = gen.insert_segments([[list(t), [0]] for t in token_lists], max_tokens=[1] * n)
+        index = {uid: i for i, uid in enumerate(uids)}
+        out: list = [None] * n
+        try:
+            while any(c is None for c in out):
+                prompt_responses, generation_responses = gen.next()
+                if generation_responses:  # cannot happen: each sequence is removed at its boundary
+                    raise RuntimeError("warm-up prefill reached a decode step")
+                for r in prompt_responses:
+                    i = index.get(r.uid)
+                    if i is None or out[i] is not None or not r.end_of_segment or r.end_of_prompt:
+                        continue
+                    cache = copy_cache(gen.extract_cache([r.uid])[r.uid][0])
+                    mx.eval([a for c in cache for a in _arrays_of(c)])
+                    check_captured_at(cache, len(token_lists[i]))
+                    out[i] = cache
+                    gen.remove([r.uid])
+        finally:
+            gen.close()
+        return out
+
+
+def _arrays_of(cache) -> list:
+    """The arrays a (private, single-sequence) cache layer holds, for mx.eval."""
+    if type(cache).__name__ == "CacheList":
+        return [a for sub in cache.caches for a in _arrays_of(sub)]
+    out = []
+    for name in ("keys", "values"):
+        v = getattr(cache, name, None)
+        if isinstance(v, (tuple, list)):
+            out += [a for a in v if a is not None]
+        elif v is not None:
+            out.append(v)
+    if type(cache).__name__ == "ArraysCache":
+        out += [a for a in cache.cache if a is not None]
+    return out
+
+
+def _prompt_counter(gen) -> int | None:
+    """mlx-lm's own count of prompt tokens its BatchGenerator has run (padding excluded).
+
+    0.32: ``_counters.prompt_tokens``, added per prefill chunk as the real lengths of the
+    sequences in it (the last prompt token runs in the first decode step and is not in it).
+    """
+    counters = getattr(gen, "_counters", None)
+    if counters is not None and hasattr(counters, "prompt_tokens"):
+        return int(counters.prompt_tokens)
+    legacy = getattr(gen, "_prompt_tokens_counter", None)  # an older layout, if present
+    return int(legacy) if legacy is not None else None
+
+
+def _engine_thread(box: list) -> None:
+    """Run the engine loop, then park this daemon thread for good instead of ending it.
+
+    mlx keeps a compile cache per thread; its destructor runs when the thread ends and
+    needs the GIL. A thread ending while the interpreter finalizes (right after
+    ``shutdown``) then aborts the process ("terminate called without an active
+    exception"). A parked daemon thread never runs that destructor; the process exits
+    around it.
+    """
+    main = box.pop()
+    try:
+        main()
+    finally:
+        del main
+        threading.Event().wait()

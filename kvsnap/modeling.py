@@ -58,10 +58,25 @@ class LoadedModel:
         return model_identity(self.path, self.kv_dtype, self.layout, self.settings, digests)
 
 
+def check_kv_settings(config: dict, settings: KVSettings) -> None:
+    """KV quantization groups run along the head dim: the group size must divide it."""
+    if settings.kv_bits is None:
+        return
+    text = config.get("text_config") or config
+    head_dim = text.get("head_dim") or (text.get("hidden_size", 0) // max(1, text.get("num_attention_heads", 1)))
+    if head_dim and head_dim % settings.kv_group_size:
+        divisors = [g for g in (32, 64, 128) if head_dim % g == 0]
+        raise ModelError(
+            f"--kv-group-size {settings.kv_group_size} does not divide this model's head dim {head_dim}; "
+            f"use --kv-group-size {divisors[-1] if divisors else 'a divisor of ' + str(head_dim)}"
+        )
+
+
 def load_model(path: str | os.PathLike, settings: KVSettings = KVSettings()) -> LoadedModel:
     """Load model and tokenizer from a local directory, never from a hub."""
     model_dir = check_model_dir(path)
     config = read_config(model_dir)
+    check_kv_settings(config, settings)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     preload_openblas()

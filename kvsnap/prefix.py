@@ -3,6 +3,14 @@
 No mlx here: cache states are opaque values, copied and trimmed through the two functions
 the engine passes in, so the policy is testable without a model. Every fetch returns a
 private copy; the stored state is never handed out.
+
+Entries:
+- pinned: a warm prompt's prefix; never removed from the index (``clear`` aside).
+- resident: kept in memory for good (warm entries loaded within the budget at start).
+- loader: a snapshot file backs the entry; it loads on first hit and, when not resident,
+  may be unloaded again under budget pressure (it stays indexed).
+Under pressure the least recently used non-resident loaded entries go first: request
+prefixes are dropped, snapshot-backed ones only unloaded.
 """
 
 from __future__ import annotations
@@ -15,6 +23,7 @@ from typing import Any, Callable, Sequence
 CopyFn = Callable[[Any], Any]
 TrimFn = Callable[[Any, int], Any]
 LoadFn = Callable[[], tuple[Any, int]]
+LoadErrorFn = Callable[["Entry", BaseException], None]
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -37,6 +46,7 @@ class Entry:
     key: str = ""
     loader: LoadFn | None = None
     last_used: int = 0
+    resident: bool = False
 
     @property
     def loaded(self) -> bool:
@@ -54,8 +64,10 @@ class PrefixStats:
     hits: int = 0
     misses: int = 0
     tokens_saved: int = 0
-    evictions: int = 0
-    loads: int = 0
+    evictions: int = 0  # request prefixes dropped for the budget
+    unloads: int = 0  # snapshot-backed entries unloaded for the budget (still indexed)
+    loads: int = 0  # snapshot-backed entries loaded on first hit
+    load_errors: int = 0
 
 
 @dataclass
@@ -63,6 +75,10 @@ class PrefixCache:
     max_bytes: int
     copy_state: CopyFn
     trim_state: TrimFn
+    # Exceptions a loader may raise for a bad file: the entry is dropped and the
+    # lookup falls back to the next best entry (or a cold prefill).
+    load_errors: tuple[type[BaseException], ...] = ()
+    on_load_error: LoadErrorFn | None = None
     stats: PrefixStats = field(default_factory=PrefixStats)
     _entries: dict[tuple[int, ...], Entry] = field(default_factory=dict)
     _clock: Any = field(default_factory=itertools.count)
@@ -81,34 +97,53 @@ class PrefixCache:
             return sum(e.nbytes for e in self._entries.values() if e.loaded)
 
     def __len__(self) -> int:
-        return len(self._entries)
+        with self._lock:
+            return len(self._entries)
+
+    def get(self, tokens: Sequence[int]) -> Entry | None:
+        with self._lock:
+            return self._entries.get(tuple(tokens))
 
     def add(self, entry: Entry) -> bool:
-        """Insert or replace; unpinned entries may be refused or evict older unpinned ones."""
+        """Insert or replace; returns whether the entry is in the cache afterwards.
+
+        A request prefix that cannot fit in the budget (after evicting older ones) is
+        refused; a pinned entry is never replaced by an unpinned one.
+        """
         with self._lock:
             old = self._entries.get(entry.tokens)
             if old is not None and old.pinned and not entry.pinned:
                 return False  # never demote a warm entry to an evictable one
             entry.last_used = next(self._clock)
             self._entries[entry.tokens] = entry
-            if not entry.pinned:
-                self._evict_to_budget(keep=entry.tokens)
-                return entry.tokens in self._entries
-            return True
+            if entry.loaded and not entry.resident:
+                self._evict_to_budget(keep=entry)
+                if self.current_bytes > self.max_bytes and entry.loaded and self._evictable(entry):
+                    self._drop(entry)  # it alone does not fit
+            return entry.tokens in self._entries
 
-    def _evict_to_budget(self, keep: tuple[int, ...] | None = None) -> None:
+    @staticmethod
+    def _evictable(e: Entry) -> bool:
+        return e.loaded and not e.resident and (e.loader is not None or not e.pinned)
+
+    def _drop(self, e: Entry) -> None:
+        """Free an entry's memory: unload a snapshot-backed one, forget a request prefix."""
+        if e.loader is not None:
+            e.state, self.stats.unloads = None, self.stats.unloads + 1
+        else:
+            del self._entries[e.tokens]
+            self.stats.evictions += 1
+
+    def _evict_to_budget(self, keep: Entry | None = None) -> None:
         over = self.current_bytes - self.max_bytes
         if over <= 0:
             return
-        victims = sorted((e for e in self._entries.values() if not e.pinned and e.loaded), key=lambda e: e.last_used)
+        victims = sorted((e for e in self._entries.values() if self._evictable(e) and e is not keep), key=lambda e: e.last_used)
         for victim in victims:
             if over <= 0:
                 break
-            if victim.tokens == keep and len(victims) > 1:
-                continue
-            del self._entries[victim.tokens]
             over -= victim.nbytes
-            self.stats.evictions += 1
+            self._drop(victim)
 
     def clear(self) -> int:
         with self._lock:
@@ -122,10 +157,20 @@ class PrefixCache:
         """The entry that saves the most tokens; strict prefix only, trimming where allowed.
 
         At least one request token is always left to compute, so a prompt equal to an
-        untrimmable entry falls back to a shorter entry (or a cold prefill).
+        untrimmable entry falls back to a shorter entry (or a cold prefill). There is no
+        minimum length: one shared token is a hit.
         """
         tokens = tuple(tokens)
         best: Match | None = None
+
+        def better(entry: Entry, usable: int) -> bool:
+            if best is None or usable > best.n_cached:
+                return True
+            if usable < best.n_cached:
+                return False
+            # Ties: a warm entry, then one already in memory.
+            return (entry.pinned, entry.loaded) > (best.entry.pinned, best.entry.loaded)
+
         with self._lock:
             for entry in self._entries.values():
                 n = len(entry.tokens)
@@ -135,27 +180,38 @@ class PrefixCache:
                     usable = min(common_prefix(entry.tokens, tokens), len(tokens) - 1)
                 else:
                     continue
-                if usable > 0 and (best is None or usable > best.n_cached or (usable == best.n_cached and entry.pinned and not best.entry.pinned)):
+                if usable > 0 and better(entry, usable):
                     best = Match(entry, usable)
         return best
 
     def fetch(self, tokens: Sequence[int]) -> tuple[Any, int, Match | None]:
-        """A private cache state for ``tokens`` and how many tokens it already holds."""
-        match = self.lookup(tokens)
+        """A private cache state for ``tokens`` and how many tokens it already holds.
+
+        A snapshot that fails to load is dropped from the index (reported through
+        ``on_load_error``) and the next best entry is tried.
+        """
         with self._lock:
-            if match is None:
-                self.stats.misses += 1
-                return None, 0, None
-            entry = match.entry
-            if not entry.loaded:
-                entry.state, entry.nbytes = entry.loader()
-                self.stats.loads += 1
-            entry.last_used = next(self._clock)
-            state = self.copy_state(entry.state)
-            if match.n_cached < len(entry.tokens):
-                state = self.trim_state(state, len(entry.tokens) - match.n_cached)
-            self.stats.hits += 1
-            self.stats.tokens_saved += match.n_cached
-            if not entry.pinned:
-                self._evict_to_budget(keep=entry.tokens)
-            return state, match.n_cached, match
+            while True:
+                match = self.lookup(tokens)
+                if match is None:
+                    self.stats.misses += 1
+                    return None, 0, None
+                entry = match.entry
+                if not entry.loaded:
+                    try:
+                        entry.state, entry.nbytes = entry.loader()
+                    except self.load_errors as exc:
+                        self._entries.pop(entry.tokens, None)
+                        self.stats.load_errors += 1
+                        if self.on_load_error is not None:
+                            self.on_load_error(entry, exc)
+                        continue
+                    self.stats.loads += 1
+                    self._evict_to_budget(keep=entry)
+                entry.last_used = next(self._clock)
+                state = self.copy_state(entry.state)
+                if match.n_cached < len(entry.tokens):
+                    state = self.trim_state(state, len(entry.tokens) - match.n_cached)
+                self.stats.hits += 1
+                self.stats.tokens_saved += match.n_cached
+                return state, match.n_cached, match

@@ -13,6 +13,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable, Sequence
 
 from .build import commit_snapshot, prefill
 from .errors import KvsnapError, SnapshotError, StoreError
@@ -37,8 +38,16 @@ class SnapshotCounts:
     write_back_note: str = ""
 
     def reject(self, path: str, reason: str) -> None:
-        self.rejected.append({"file": path, "reason": reason})
+        item = {"file": path, "reason": reason}
+        if item in self.rejected:
+            return
+        self.rejected.append(item)
         log.warning("[kvsnap] rejected snapshot %s: %s; falling back to prefill", path, reason)
+
+    def begin_warmup(self) -> None:
+        """Counts describe the latest warm-up (a re-warm starts over); ``written`` adds up."""
+        self.indexed = self.loaded = self.prefilled = 0
+        self.rejected = []
 
     def as_dict(self) -> dict:
         return {
@@ -70,6 +79,7 @@ class WarmupReport:
     prefilled: int = 0
     prompt_tokens: int = 0
     seconds: float = 0.0
+    prefill_concurrency: int = 1  # at most this many warm prompts were prefilled at once
     problems: list[str] = field(default_factory=list)
 
     def summary(self, counts: SnapshotCounts) -> str:
@@ -105,7 +115,7 @@ def open_store(path: str, write_back: bool, counts: SnapshotCounts) -> Store | N
 
 
 def make_entry(lm: LoadedModel, store: Store, info: SnapshotInfo, pinned: bool) -> Entry:
-    """A prefix entry for a snapshot; loaded now when pinned within budget, else on first hit."""
+    """A prefix entry for a snapshot, only indexed: it loads when pinned within budget, else on first hit."""
     tokens = tuple(store.read_tokens(info))
 
     def load():
@@ -127,6 +137,9 @@ def is_trimmable_meta(meta: dict) -> bool:
     return True
 
 
+PrefillFn = Callable[[Sequence[Sequence[int]]], list]  # token lists -> one cache per list
+
+
 def run_warmup(
     lm: LoadedModel,
     prefix: PrefixCache,
@@ -137,18 +150,30 @@ def run_warmup(
     agents_file: str | None,
     budget_bytes: int,
     allow_prefill: bool = True,
+    prefill_many: PrefillFn | None = None,
+    concurrency: int = 1,
 ) -> WarmupReport:
+    """Index the store, pin the warm entries, prefill (at most ``concurrency`` at once) what has no snapshot.
+
+    ``prefill_many`` runs one group of warm prefixes; by default one after another with
+    build's own ``prefill``, so a written-back snapshot holds the bytes ``kvsnap build``
+    would write.
+    """
     t0 = time.perf_counter()
-    report = WarmupReport(problems=[str(p) for p in (prompts.problems if prompts else [])])
+    counts.begin_warmup()
+    concurrency = max(1, int(concurrency))
+    report = WarmupReport(problems=[str(p) for p in (prompts.problems if prompts else [])], prefill_concurrency=concurrency)
     good: dict[str, SnapshotInfo] = {}
     if store is not None:
         infos, bad = store.scan(identity)
         for problem in bad:
             counts.reject(str(problem.path), problem.reason)
         good = {i.key: i for i in infos}
-        counts.indexed = len(good)
+        if store.readonly and not counts.write_back_note:
+            counts.write_back_note = f"{store.root} is opened read-only: prefilled warm prompts are not written back"
 
     targets: list[WarmTarget] = []
+    stale_keys: set[str] = set()
     if prompts is not None:
         for p in prompts.entries:
             try:
@@ -164,15 +189,17 @@ def run_warmup(
             key = snapshot_key(identity, digest, wp.tokens)
             info = good.get(key)
             if info is None:
-                stale = [i for i in good.values() if i.name == p.name]
-                for i in stale:
-                    counts.reject(str(i.path), f"stale: no longer matches warm prompt {p.name!r} (its tokens changed)")
+                for i in good.values():
+                    if i.name == p.name:
+                        stale_keys.add(i.key)
+                        counts.reject(str(i.path), f"stale: no longer matches warm prompt {p.name!r} (its tokens changed); rebuild with `kvsnap build`")
             targets.append(WarmTarget(p.name, wp.tokens, info, digest, p))
     else:
         targets = [WarmTarget(i.name, None, i) for i in good.values()]
 
     used = prefix.current_bytes
     to_prefill: list[WarmTarget] = []
+    pinned_keys: set[str] = set()
     for t in targets:
         if t.info is None:
             to_prefill.append(t)
@@ -181,9 +208,11 @@ def run_warmup(
             entry = make_entry(lm, store, t.info, pinned=True)
             if used + t.info.nbytes <= budget_bytes:
                 entry.state, entry.nbytes = entry.loader()
+                entry.resident = True
                 used += entry.nbytes
                 counts.loaded += 1
             prefix.add(entry)
+            pinned_keys.add(t.info.key)
             report.from_snapshots += 1
             report.completed += 1
             report.prompt_tokens += len(entry.tokens)
@@ -194,24 +223,39 @@ def run_warmup(
             else:
                 report.skipped += 1
 
-    for t in to_prefill:
-        if not allow_prefill:
-            report.skipped += 1
+    # Snapshots of this model that no warm prompt names: indexed, loaded on first hit.
+    for info in good.values():
+        if info.key in pinned_keys or info.key in stale_keys:
             continue
-        cache = prefill(lm, t.tokens)
-        nbytes = cache_nbytes_of(cache)
-        prefix.add(Entry(tokens=t.tokens, state=cache, nbytes=nbytes, trimmable=is_trimmable(cache), pinned=True, source="prefill", name=t.name))
-        counts.prefilled += 1
-        report.prefilled += 1
-        report.completed += 1
-        report.prompt_tokens += len(t.tokens)
-        if store is not None and not store.readonly and agents_file:
-            try:
-                commit_snapshot(lm, store, identity, t.prompt, t.prompt_digest, t.tokens, cache, agents_file)
-                counts.written += 1
-            except (StoreError, OSError) as exc:
-                counts.write_back_note = f"write-back failed: {exc}"
-                log.warning("[kvsnap] %s", counts.write_back_note)
-    counts.write_back = store is not None and not store.readonly and bool(agents_file)
+        try:
+            prefix.add(make_entry(lm, store, info, pinned=False))
+        except SnapshotError as exc:
+            counts.reject(exc.path, exc.reason)
+    counts.indexed = sum(1 for e in prefix.entries if e.loader is not None)
+
+    writable = store is not None and not store.readonly and bool(agents_file)
+    if store is not None and not store.readonly and not agents_file and to_prefill:
+        counts.write_back_note = "no warm-prompt file was given, so prefilled warm prompts are not written back (the manifest records the file)"
+    if not allow_prefill:
+        report.skipped += len(to_prefill)
+        to_prefill = []
+    prefill_many = prefill_many or (lambda group: [prefill(lm, tokens) for tokens in group])
+    for start in range(0, len(to_prefill), concurrency):
+        group = to_prefill[start : start + concurrency]
+        caches = prefill_many([t.tokens for t in group])
+        for t, cache in zip(group, caches):
+            prefix.add(Entry(tokens=t.tokens, state=cache, nbytes=cache_nbytes_of(cache), trimmable=is_trimmable(cache), pinned=True, source="prefill", name=t.name, resident=True))
+            counts.prefilled += 1
+            report.prefilled += 1
+            report.completed += 1
+            report.prompt_tokens += len(t.tokens)
+            if writable:
+                try:
+                    commit_snapshot(lm, store, identity, t.prompt, t.prompt_digest, t.tokens, cache, agents_file)
+                    counts.written += 1
+                except (StoreError, SnapshotError, OSError) as exc:
+                    counts.write_back_note = f"write-back failed: {exc}"
+                    log.warning("[kvsnap] %s", counts.write_back_note)
+    counts.write_back = writable
     report.seconds = time.perf_counter() - t0
     return report

@@ -1,0 +1,167 @@
+"""Start-up benchmark: cold vs --warm-prompts vs --kv-snapshots servers, launched interleaved.
+
+Each launch is measured from the moment the process starts: time to warm-ready
+(/health 200), the warm-up phase the server itself logs (model loaded -> warm), the
+first agent request's TTFT and time per output token, and the server's resident memory.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import re
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+MODES = ("cold", "warm-prompts", "kv-snapshots")
+WARMUP_RE = re.compile(r"Warm-up done \(strict-prefix\): .* in ([0-9.]+)s")
+FILLER = (
+    "You are an agent that reviews code, plans tasks and calls tools. Read the request, check the data, "
+    "list the steps, explain each fix briefly and never answer without checking the tests first. "
+)
+
+
+@dataclass
+class Launch:
+    mode: str
+    rep: int
+    prompt_tokens: int
+    agents: int
+    ready_s: float = 0.0
+    warmup_s: float = 0.0
+    ttft_s: float = 0.0
+    tpot_s: float = 0.0
+    first_token_from_launch_s: float = 0.0
+    rss_mb: float = 0.0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+
+
+def system_prompt_of(tokenizer, n_tokens: int, salt: str = "") -> str:
+    """Text whose encoding is about ``n_tokens`` tokens (distinct per salt)."""
+    text = salt + " "
+    while len(tokenizer.encode(text, add_special_tokens=False)) < n_tokens:
+        text += FILLER
+    ids = tokenizer.encode(text, add_special_tokens=False)[:n_tokens]
+    return tokenizer.decode(ids)
+
+
+def child_rss_mb(pid: int) -> float:
+    """RSS of the server: the python child under `timeout`, else the process itself."""
+    def rss(p: int) -> float:
+        try:
+            for line in Path(f"/proc/{p}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+        except OSError:
+            return 0.0
+        return 0.0
+
+    try:
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    except OSError:
+        children = []
+    return max([rss(pid)] + [rss(int(c)) for c in children])
+
+
+def mode_args(mode: str, agents_file: Path, store: Path) -> list[str]:
+    args = ["--continuous-batching"]
+    if mode == "warm-prompts":
+        args += ["--warm-prompts", str(agents_file)]
+    elif mode == "kv-snapshots":
+        args += ["--warm-prompts", str(agents_file), "--kv-snapshots", str(store), "--no-write-back"]
+    return args
+
+
+def launch_once(mode: str, rep: int, model: Path, agents_file: Path, store: Path, first_messages: list, prompt_tokens: int, n_agents: int, workdir: Path, max_tokens: int = 16, env: dict | None = None) -> Launch:
+    import httpx
+
+    from .client import stream_chat
+    from .serverproc import start_server
+
+    row = Launch(mode=mode, rep=rep, prompt_tokens=prompt_tokens, agents=n_agents)
+    server = start_server(model, mode_args(mode, agents_file, store), workdir / f"{mode}-{rep}.log", env=env, limit_s=3600)
+    try:
+        row.ready_s = server.wait_ready(timeout=3000)
+        found = WARMUP_RE.search(server.log())
+        row.warmup_s = float(found.group(1)) if found else 0.0
+        row.rss_mb = child_rss_mb(server.proc.pid)
+        with httpx.Client(timeout=3000) as client:
+            res = stream_chat(client, server.url, model.name, first_messages, max_tokens=max_tokens)
+        row.ttft_s = res.ttft_s
+        row.completion_tokens = int(res.usage.get("completion_tokens", 0))
+        row.cached_tokens = res.cached_tokens
+        row.tpot_s = (res.total_s - res.ttft_s) / max(1, row.completion_tokens - 1)
+        row.first_token_from_launch_s = time.perf_counter() - server.launched_at - (res.total_s - res.ttft_s)
+        row.rss_mb = max(row.rss_mb, child_rss_mb(server.proc.pid))
+    finally:
+        server.stop()
+    return row
+
+
+@dataclass
+class SweepPoint:
+    model: Path
+    prompt_tokens: int
+    agents: int
+    reps: int = 5
+    rows: list[Launch] = field(default_factory=list)
+
+
+def prepare_point(point: SweepPoint, workdir: Path, env: dict) -> tuple[Path, Path, list]:
+    """Write the agents file for this point and build its snapshots (timed separately)."""
+    from transformers import AutoTokenizer
+
+    from .cli import main as kvsnap_main
+
+    tok = AutoTokenizer.from_pretrained(str(point.model))
+    agents = [{"name": f"agent-{i}", "messages": [{"role": "system", "content": system_prompt_of(tok, point.prompt_tokens, salt=f"Agent {i}.")}]} for i in range(point.agents)]
+    tag = f"{point.model.name}-{point.prompt_tokens}t-{point.agents}a"
+    agents_file = workdir / f"agents-{tag}.json"
+    agents_file.write_text(json.dumps(agents))
+    store = workdir / f"snaps-{tag}"
+    if kvsnap_main(["build", str(agents_file), "--model", str(point.model), "--out", str(store)]) != 0:
+        raise RuntimeError(f"build failed for {tag}")
+    first = agents[0]["messages"] + [{"role": "user", "content": "Please review the function and explain the fix."}]
+    return agents_file, store, first
+
+
+def run_point(point: SweepPoint, workdir: Path, deadline: float, env: dict, log: Callable[[str], None] = print) -> list[Launch]:
+    agents_file, store, first = prepare_point(point, workdir, env)
+    for rep in range(point.reps):
+        for mode in MODES:  # interleaved, so drift on a shared machine hits every mode alike
+            if time.monotonic() > deadline:
+                log(f"budget reached: stopping {point.model.name} {point.prompt_tokens}t at rep {rep}")
+                return point.rows
+            row = launch_once(mode, rep, point.model, agents_file, store, first, point.prompt_tokens, point.agents, workdir, env=env)
+            point.rows.append(row)
+            log(f"{point.model.name} {point.prompt_tokens:>5}t x{point.agents:<3} {mode:<13} rep {rep}: ready {row.ready_s:7.2f}s warm-up {row.warmup_s:7.2f}s TTFT {row.ttft_s * 1000:8.1f} ms TPOT {row.tpot_s * 1000:6.1f} ms RSS {row.rss_mb:7.0f} MB cached {row.cached_tokens}")
+    return point.rows
+
+
+def medians(rows: list[Launch]) -> list[dict]:
+    out = []
+    keys = sorted({(r.prompt_tokens, r.agents, r.mode) for r in rows}, key=lambda k: (k[0], k[1], MODES.index(k[2])))
+    for pt, ag, mode in keys:
+        sel = [r for r in rows if (r.prompt_tokens, r.agents, r.mode) == (pt, ag, mode)]
+        med = {"prompt_tokens": pt, "agents": ag, "mode": mode, "launches": len(sel)}
+        for f in ("ready_s", "warmup_s", "ttft_s", "tpot_s", "first_token_from_launch_s", "rss_mb", "cached_tokens"):
+            med[f] = statistics.median(getattr(r, f) for r in sel)
+        out.append(med)
+    return out
+
+
+def write_csv(path: Path, rows: list[dict]) -> None:
+    if not rows:
+        return
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+
+
+def write_raw(path: Path, rows: list[Launch]) -> None:
+    write_csv(path, [asdict(r) for r in rows])
