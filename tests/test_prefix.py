@@ -1,0 +1,262 @@
+"""The prefix cache policy: longest strict prefix, private copies, LRU within a byte budget, pinned entries.
+
+Most tests use plain lists as cache states (the policy never looks inside them); the
+copy-isolation tests use real mlx-lm caches of the tiny demo models.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kvsnap.prefix import Entry, PrefixCache
+
+
+def list_cache(max_bytes: int = 1000, **kwargs) -> PrefixCache:
+    return PrefixCache(max_bytes=max_bytes, copy_state=list, trim_state=lambda s, n: s[: len(s) - n], **kwargs)
+
+
+def entry(tokens, nbytes=10, pinned=False, trimmable=True, resident=None, loader=None, loaded=True, source="request") -> Entry:
+    tokens = tuple(tokens)
+    return Entry(
+        tokens=tokens,
+        state=list(tokens) if loaded else None,
+        nbytes=nbytes,
+        trimmable=trimmable,
+        pinned=pinned,
+        source=source,
+        loader=loader,
+        resident=pinned and loaded if resident is None else resident,
+    )
+
+
+# --- lookup -----------------------------------------------------------------------
+
+
+def test_longest_strict_prefix_wins_and_state_is_a_copy():
+    cache = list_cache()
+    cache.add(entry([1, 2]))
+    cache.add(entry([1, 2, 3, 4]))
+    cache.add(entry([9, 9, 9, 9, 9]))
+    state, n, match = cache.fetch([1, 2, 3, 4, 5, 6])
+    assert n == 4 and state == [1, 2, 3, 4] and match.entry.tokens == (1, 2, 3, 4)
+    state.append(99)  # the caller's copy; the stored state is untouched
+    assert cache.get([1, 2, 3, 4]).state == [1, 2, 3, 4]
+    assert cache.stats.hits == 1 and cache.stats.tokens_saved == 4
+
+
+def test_no_minimum_prefix_length():
+    cache = list_cache()
+    cache.add(entry([7]))
+    state, n, _ = cache.fetch([7, 8])
+    assert (state, n) == ([7], 1)
+
+
+def test_miss_is_counted_and_returns_nothing():
+    cache = list_cache()
+    cache.add(entry([1, 2, 3]))
+    assert cache.fetch([5, 6]) == (None, 0, None)
+    assert cache.stats.misses == 1
+
+
+def test_trimmable_entry_is_trimmed_to_the_common_prefix_leaving_one_token():
+    cache = list_cache()
+    cache.add(entry([1, 2, 3, 4, 5]))
+    state, n, _ = cache.fetch([1, 2, 3, 8, 9])  # diverges after 3
+    assert (state, n) == ([1, 2, 3], 3)
+    state, n, _ = cache.fetch([1, 2, 3, 4, 5])  # equal prompt: one token must stay to compute
+    assert (state, n) == ([1, 2, 3, 4], 4)
+    assert cache.get([1, 2, 3, 4, 5]).state == [1, 2, 3, 4, 5]
+
+
+def test_prompt_equal_to_untrimmable_entry_falls_back_to_a_shorter_entry_or_cold():
+    cache = list_cache()
+    cache.add(entry([1, 2, 3, 4], trimmable=False))
+    assert cache.fetch([1, 2, 3, 4]) == (None, 0, None)  # nothing shorter: cold prefill
+    assert cache.fetch([1, 2, 3, 5]) == (None, 0, None)  # diverges inside an untrimmable state
+    cache.add(entry([1, 2], trimmable=False))
+    state, n, _ = cache.fetch([1, 2, 3, 4])
+    assert (state, n) == ([1, 2], 2)
+
+
+def test_ties_prefer_the_pinned_warm_entry():
+    cache = list_cache()
+    cache.add(entry([1, 2, 3, 4, 5, 6], source="request"))  # trimmable to 3 below
+    cache.add(entry([1, 2, 3], pinned=True, source="snapshot"))
+    _, n, match = cache.fetch([1, 2, 3, 9])
+    assert n == 3 and match.entry.pinned
+
+
+# --- budget -----------------------------------------------------------------------
+
+
+def test_lru_evicts_request_prefixes_within_budget_and_never_pinned_entries():
+    cache = list_cache(max_bytes=100)
+    cache.add(entry([50, 1], nbytes=60, pinned=True))  # warm, resident: outside the LRU
+    cache.add(entry([1, 1], nbytes=20))
+    cache.add(entry([2, 2], nbytes=20))
+    assert cache.current_bytes == 100 and cache.stats.evictions == 0
+    cache.fetch([1, 1, 5])  # [1, 1] is now more recent than [2, 2]
+    cache.add(entry([3, 3], nbytes=20))
+    assert cache.get([2, 2]) is None, "the least recently used request prefix goes first"
+    assert cache.get([1, 1]) is not None and cache.get([3, 3]) is not None
+    assert cache.current_bytes <= 100 and cache.stats.evictions == 1
+    cache.add(entry([4, 4], nbytes=40))  # needs both remaining request prefixes gone
+    assert cache.get([1, 1]) is None and cache.get([3, 3]) is None and cache.get([4, 4]) is not None
+    assert cache.get([50, 1]) is not None, "a pinned entry is never evicted"
+    assert cache.current_bytes <= 100 and cache.stats.evictions == 3
+
+
+def test_a_request_prefix_larger_than_the_budget_is_refused():
+    cache = list_cache(max_bytes=100)
+    cache.add(entry([1], nbytes=30))
+    assert cache.add(entry([2], nbytes=500)) is False
+    assert cache.get([2]) is None and cache.current_bytes <= 100
+
+
+def test_pinned_entries_beyond_the_budget_refuse_request_prefixes_but_stay():
+    cache = list_cache(max_bytes=50)
+    assert cache.add(entry([1, 2, 3], nbytes=80, pinned=True))
+    assert cache.add(entry([5, 6], nbytes=10)) is False
+    assert cache.get([1, 2, 3]).loaded
+
+
+def test_a_pinned_entry_is_never_replaced_by_a_request_prefix():
+    cache = list_cache()
+    cache.add(entry([1, 2, 3], pinned=True, source="snapshot"))
+    assert cache.add(entry([1, 2, 3], source="request")) is False
+    assert cache.get([1, 2, 3]).pinned and cache.get([1, 2, 3]).source == "snapshot"
+
+
+def test_lazy_snapshot_entry_loads_on_first_hit_and_unloads_under_pressure_but_stays_indexed():
+    loads = []
+
+    def loader():
+        loads.append(1)
+        return [1, 2, 3], 40
+
+    cache = list_cache(max_bytes=50)
+    cache.add(entry([1, 2, 3], nbytes=40, pinned=True, loaded=False, resident=False, loader=loader))
+    assert cache.current_bytes == 0 and len(cache) == 1
+    state, n, _ = cache.fetch([1, 2, 3, 4])
+    assert (state, n) == ([1, 2, 3], 3) and cache.stats.loads == 1 and cache.current_bytes == 40
+    cache.add(entry([7, 7], nbytes=30))  # over budget: the snapshot is unloaded, not forgotten
+    lazy = cache.get([1, 2, 3])
+    assert lazy is not None and not lazy.loaded and cache.stats.unloads == 1
+    state, n, _ = cache.fetch([1, 2, 3, 9])
+    assert n == 3 and len(loads) == 2 and cache.stats.loads == 2
+
+
+def test_a_snapshot_that_fails_to_load_is_dropped_and_the_next_best_entry_serves():
+    class BadFile(Exception):
+        pass
+
+    def loader():
+        raise BadFile("checksum mismatch")
+
+    reported = []
+    cache = list_cache(load_errors=(BadFile,), on_load_error=lambda e, exc: reported.append((e.tokens, str(exc))))
+    cache.add(entry([1, 2], pinned=True))
+    cache.add(entry([1, 2, 3, 4], pinned=True, loaded=False, resident=False, loader=loader))
+    state, n, _ = cache.fetch([1, 2, 3, 4, 5])
+    assert (state, n) == ([1, 2], 2)
+    assert reported == [((1, 2, 3, 4), "checksum mismatch")]
+    assert cache.get([1, 2, 3, 4]) is None and cache.stats.load_errors == 1
+
+
+def test_other_loader_errors_propagate():
+    def loader():
+        raise KeyError("a bug, not a bad file")
+
+    cache = list_cache(load_errors=(OSError,))
+    cache.add(entry([1, 2], loaded=False, loader=loader))
+    with pytest.raises(KeyError):
+        cache.fetch([1, 2, 3])
+
+
+def test_clear_empties_everything():
+    cache = list_cache()
+    cache.add(entry([1], pinned=True))
+    cache.add(entry([2]))
+    assert cache.clear() == 2 and len(cache) == 0 and cache.current_bytes == 0
+
+
+# --- real mlx caches ------------------------------------------------------------------
+
+
+def _prefill(lm, tokens):
+    from kvsnap.build import prefill
+
+    return prefill(lm, tokens)
+
+
+def _live(cache) -> dict:
+    """Each layer's live arrays (KV sliced to the tokens held) and metadata, as a snapshot stores them."""
+    from kvsnap.snapshot import encode_layer
+
+    arrays: dict = {}
+    metas = [encode_layer(c, str(i), arrays) for i, c in enumerate(cache)]
+    return {"meta": metas, "arrays": arrays}
+
+
+def _assert_same(a, b):
+    import mlx.core as mx
+
+    x, y = _live(a), _live(b)
+    assert x["meta"] == y["meta"] and sorted(x["arrays"]) == sorted(y["arrays"]) and x["arrays"]
+    for name, v in x["arrays"].items():
+        w = y["arrays"][name]
+        assert v.shape == w.shape and v.dtype == w.dtype and mx.array_equal(v, w).item(), name
+
+
+def _run(lm, cache, tokens):
+    """Extend a fetched copy in place, as a request's prefill and decode would."""
+    import mlx.core as mx
+
+    lm.model(mx.array([list(tokens)], dtype=mx.int32), cache=cache)
+    mx.eval([c.state for c in cache])
+
+
+@pytest.mark.parametrize("name", ["dense", "hybrid"])
+def test_fetching_a_pinned_entry_three_times_through_a_trim_leaves_it_unchanged(demo_models, name):
+    from kvsnap.snapshot import cache_nbytes_of, copy_cache, is_trimmable, trim_cache
+
+    lm = demo_models.load(name)
+    tokens = tuple(range(40, 70))
+    state = _prefill(lm, tokens)
+    reference = copy_cache(state)
+    cache = PrefixCache(max_bytes=1 << 30, copy_state=copy_cache, trim_state=trim_cache)
+    cache.add(Entry(tokens=tokens, state=state, nbytes=cache_nbytes_of(state), trimmable=is_trimmable(state), pinned=True, source="snapshot", resident=True))
+
+    first, n1, _ = cache.fetch(tokens + (5, 6))
+    assert n1 == len(tokens)
+    _run(lm, first, [5, 6])  # the first request extends its copy
+    if is_trimmable(state):
+        second, n2, _ = cache.fetch(tokens[:20] + (9, 9, 9))  # served through a trim
+        assert n2 == 20 and all(c.offset == 20 for c in second)
+        _run(lm, second, [9, 9, 9])  # and writes into the trimmed buffer
+    else:
+        second, n2, _ = cache.fetch(tokens + (9,))
+        assert n2 == len(tokens)
+        _run(lm, second, [9])  # advances the copy's SSM state
+    third, n3, _ = cache.fetch(tokens + (5, 6))
+    assert n3 == len(tokens)
+    fresh, _, _ = cache.fetch(tokens + (1,))
+    _assert_same(third, reference)
+    _assert_same(fresh, reference)
+    _assert_same(cache.get(tokens).state, reference)
+
+
+def test_a_trimmed_copy_extended_matches_a_fresh_prefill(demo_models):
+    """Trim + extend of a private copy gives the state a prefill of those tokens gives."""
+    import mlx.core as mx
+
+    from kvsnap.snapshot import copy_cache, trim_cache
+
+    lm = demo_models.load("dense")
+    base = _prefill(lm, list(range(40, 70)))
+    copy = trim_cache(copy_cache(base), 10)
+    _run(lm, copy, [3, 4, 5])
+    direct = _prefill(lm, list(range(40, 60)) + [3, 4, 5])
+    for a, b in zip(copy, direct):
+        assert a.offset == b.offset == 23
+        assert mx.allclose(a.keys[..., :23, :], b.keys[..., :23, :], atol=1e-5).item()
