@@ -90,6 +90,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", help="model id clients send (default: the model folder's name)")
     _add_kv_options(p)
 
+    p = sub.add_parser("bench-serve", help="measure TTFT, TPOT, latency and throughput of a running server")
+    p.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL (default: http://127.0.0.1:8000)")
+    p.add_argument("--prompts", default="short,medium,long", help="built-in sets short,medium,long and/or files (JSON list or one prompt per line)")
+    p.add_argument("--concurrency", default="1,4,8", help="comma-separated concurrency levels (default: 1,4,8)")
+    p.add_argument("--system-prompt-file", help="system prompt prepended to every request (nothing is sent that could warm it first)")
+    p.add_argument("--max-tokens", type=_positive_int, default=64)
+    p.add_argument("--repetitions", type=_positive_int, default=3, help="rounds per configuration (default: 3)")
+    p.add_argument("--warmup", type=int, default=0, help="requests sent before measuring (default: 0, so a cold server stays cold)")
+    p.add_argument("--tag", default="", help="label for this run's rows")
+    p.add_argument("--output", help="also write the results to this file")
+    p.add_argument("--format", choices=("table", "csv", "json"), default="table")
+
     p = sub.add_parser("quickstart", help="make a demo model, build snapshots for example agents, verify them")
     p.add_argument("--dir", default=".kvsnap-demo", help="working folder (default: ./.kvsnap-demo)")
 
@@ -239,10 +251,8 @@ def cmd_inspect(args) -> int:
 
 
 def cmd_verify(args) -> int:
-    from .errors import SnapshotError
+    from .errors import SnapshotError, StoreError
     from .store import Store
-
-    from .errors import StoreError
 
     store = Store.open(args.store, readonly=True)
     if not store.is_initialized():
@@ -279,9 +289,7 @@ def cmd_verify(args) -> int:
 
 
 def cmd_gc(args) -> int:
-    from .store import Store
-
-    from .store import MANIFEST
+    from .store import MANIFEST, Store
 
     store = Store.open(args.store)
     doomed, freed = store.gc(apply=args.yes)
@@ -334,6 +342,41 @@ def cmd_serve(args) -> int:
     return EXIT_BAD if engine.failed else EXIT_OK
 
 
+def cmd_bench_serve(args) -> int:
+    import asyncio
+
+    import httpx
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from .bench_serve import load_prompt_set, render, run_bench
+
+    sets = load_prompt_set(args.prompts)
+    try:
+        concurrencies = [int(c) for c in args.concurrency.split(",") if c.strip()]
+    except ValueError:
+        raise KvsnapError(f"--concurrency {args.concurrency!r} must be comma-separated integers, e.g. 1,4,8") from None
+    if not concurrencies or min(concurrencies) < 1:
+        raise KvsnapError(f"--concurrency {args.concurrency!r} must list positive integers, e.g. 1,4,8")
+    system = None
+    if args.system_prompt_file:
+        path = Path(args.system_prompt_file)
+        if not path.is_file():
+            raise KvsnapError(f"--system-prompt-file {path}: no such file")
+        system = path.read_text()
+    total = len(sets) * sum(concurrencies) * args.repetitions
+    with Progress(TextColumn("bench-serve"), BarColumn(), TextColumn("{task.completed}/{task.total} requests"), TimeElapsedColumn(), transient=True) as bar:
+        task = bar.add_task("requests", total=total)
+        try:
+            results = asyncio.run(run_bench(args.url, sets, concurrencies, args.max_tokens, args.repetitions, args.warmup, system, args.tag, on_done=lambda n: bar.advance(task, n)))
+        except (OSError, RuntimeError, httpx.HTTPError) as exc:
+            raise KvsnapError(f"benchmark against {args.url} failed ({type(exc).__name__}: {exc}); is `kvsnap serve` running there?") from None
+    text = render(results, args.format)
+    print(text)
+    if args.output:
+        Path(args.output).write_text(render(results, "csv" if args.format == "table" else args.format))
+    return EXIT_OK
+
+
 def cmd_quickstart(args) -> int:
     from .quickstart import run_quickstart
 
@@ -343,6 +386,7 @@ def cmd_quickstart(args) -> int:
 COMMANDS = {
     "serve": cmd_serve,
     "quickstart": cmd_quickstart,
+    "bench-serve": cmd_bench_serve,
     "demo-model": cmd_demo_model,
     "build": cmd_build,
     "ls": cmd_ls,

@@ -229,13 +229,15 @@ def store_copy(base_store, tmp_path) -> Store:
 
 
 class FsyncSpy:
+    """Records what each fsync hit: file or folder, its inode, and whether ``watch`` existed yet."""
+
     def __init__(self, watch: Path):
         self.watch = watch
-        self.calls: list[tuple[str, str, bool]] = []
+        self.calls: list[tuple[str, int, bool]] = []
 
     def __call__(self, fd: int) -> None:
-        kind = "dir" if stat.S_ISDIR(os.fstat(fd).st_mode) else "file"
-        self.calls.append((kind, os.readlink(f"/proc/self/fd/{fd}"), self.watch.exists()))
+        st = os.fstat(fd)
+        self.calls.append(("dir" if stat.S_ISDIR(st.st_mode) else "file", st.st_ino, self.watch.exists()))
         os.fsync(fd)
 
 
@@ -245,23 +247,23 @@ def test_put_fsyncs_the_temp_file_then_renames_then_fsyncs_the_directory(tmp_pat
     store.fsync = spy = FsyncSpy(target)
     with store.lock():
         assert store.put(KEY, raw_tensors(), {"a": "b"}) == target
-    (kind1, path1, existed1), (kind2, path2, existed2) = spy.calls
-    assert kind1 == "file" and Path(path1).parent == store.snapshots_dir
-    assert Path(path1).name.startswith(TMP_PREFIX + target.name) and not existed1  # synced before the rename
-    assert (kind2, path2, existed2) == ("dir", str(store.snapshots_dir), True)  # the rename made durable
+    # the very file now at target was synced before it got its name, then the folder after
+    assert spy.calls == [("file", target.stat().st_ino, False), ("dir", store.snapshots_dir.stat().st_ino, True)]
     assert store.temp_files() == [] and sorted(os.listdir(store.snapshots_dir)) == [target.name]
 
 
-def test_manifest_update_fsyncs_the_file_and_the_root(tmp_path):
+def test_manifest_updates_fsync_the_file_and_the_root(tmp_path):
     store = Store.open(tmp_path / "s", create=True)
     manifest = store.root / MANIFEST
-    store.fsync = spy = FsyncSpy(manifest)
-    store.update_record("r1", lambda r: {"entries": [{"name": "a", "file": f"{SNAPSHOTS}/{KEY}.safetensors"}]})
-    (kind1, path1, existed1), (kind2, path2, existed2) = spy.calls
-    assert kind1 == "file" and Path(path1).parent == store.root and Path(path1).name.startswith(TMP_PREFIX) and not existed1
-    assert (kind2, path2, existed2) == ("dir", str(store.root), True)
-    assert json.loads(manifest.read_text())["records"]["r1"]["entries"][0]["name"] == "a"
-    assert store.temp_files() == []
+    for n in (1, 2):  # creating it, then replacing it
+        old_ino = manifest.stat().st_ino if manifest.exists() else None
+        store.fsync = spy = FsyncSpy(manifest)
+        store.update_record(f"r{n}", lambda r: {"entries": [{"name": "a", "file": f"{SNAPSHOTS}/{KEY}.safetensors"}]})
+        new_ino = manifest.stat().st_ino
+        assert new_ino != old_ino
+        assert spy.calls == [("file", new_ino, n == 2), ("dir", store.root.stat().st_ino, True)]
+        assert sorted(json.loads(manifest.read_text())["records"]) == [f"r{i}" for i in range(1, n + 1)]
+        assert store.temp_files() == []
 
 
 def test_files_are_0600_and_folders_0700_whatever_the_umask(tmp_path):
