@@ -109,6 +109,7 @@ class Engine:
         self._batched_expected = 0  # what a batched prefill should count: the fallback source
         self._stream = None
         self.rewarms = 0
+        self.rewarm_error = ""
 
     # --- lifecycle ------------------------------------------------------------
 
@@ -149,6 +150,9 @@ class Engine:
 
     def submit(self, request: GenerationRequest, on_event: EventFn) -> RequestState:
         state = RequestState(id=next(self._ids), request=request, on_event=on_event)
+        if self._stopping or self.stopped.is_set():
+            self._finish(state, "error", "the engine is shut down")
+            return state
         self._commands.put(("submit", state))
         return state
 
@@ -174,21 +178,21 @@ class Engine:
         return len(self._active)
 
     def status(self) -> dict:
-        p = self.prefix
-        st = p.stats if p else None
-        lookups = (st.hits + st.misses) if st else 0
+        p = self.prefix  # an empty PrefixCache is falsy (it has __len__): test for None
+        st = p.stats if p is not None else None
+        lookups = (st.hits + st.misses) if st is not None else 0
         cache = {
-            "entry_count": len(p) if p else 0,
-            "hits": st.hits if st else 0,
-            "misses": st.misses if st else 0,
+            "entry_count": len(p) if p is not None else 0,
+            "hits": st.hits if st is not None else 0,
+            "misses": st.misses if st is not None else 0,
             "hit_rate": round(st.hits / lookups, 4) if lookups else 0.0,
-            "tokens_saved": st.tokens_saved if st else 0,
-            "current_memory_mb": round(p.current_bytes / 2**20, 3) if p else 0.0,
+            "tokens_saved": st.tokens_saved if st is not None else 0,
+            "current_memory_mb": round(p.current_bytes / 2**20, 3) if p is not None else 0.0,
             "max_memory_mb": self.config.cache_memory_mb,
-            "evictions": st.evictions if st else 0,
-            "lazy_loads": st.loads if st else 0,
-            "unloads": st.unloads if st else 0,
-            "load_errors": st.load_errors if st else 0,
+            "evictions": st.evictions if st is not None else 0,
+            "lazy_loads": st.loads if st is not None else 0,
+            "unloads": st.unloads if st is not None else 0,
+            "load_errors": st.load_errors if st is not None else 0,
         }
         return {
             "warm": self.warm.is_set(),
@@ -210,6 +214,7 @@ class Engine:
             },
             "requests_started": self._started_requests,
             "rewarms": self.rewarms,
+            "rewarm_error": self.rewarm_error,
             "warmup": self.warmup_report.__dict__ if self.warmup_report else None,
         }
 
@@ -232,23 +237,29 @@ class Engine:
             return
         while not self._stopping:
             busy = bool(self._active) or bool(self._pending)
-            self._drain(block=not busy)
-            if self._stopping:
-                break
             try:
+                self._drain(block=not busy)
+                if self._stopping:
+                    break
                 self._step()
             except Exception as exc:  # a failed step fails its requests, never the server
                 log.exception("[kvsnap] generation step failed")
-                for state in list(self._active.values()) + self._pending:
-                    self._finish(state, "error", str(exc))
-                self._active.clear()
-                self._pending.clear()
+                self._finish_all("error", str(exc))
                 self._drop_gen()
-        for state in list(self._active.values()) + self._pending:
-            self._finish(state, "cancelled")
+        self._finish_all("cancelled")
+        self._drop_gen()
+
+    def _finish_all(self, reason: str, error: str | None = None) -> None:
+        states = list(self._active.values()) + self._pending
         self._active.clear()
         self._pending.clear()
-        self._drop_gen()
+        for state in states:
+            if state.finish_reason is not None and reason != "error":
+                continue
+            try:
+                self._finish(state, reason, error)
+            except Exception:  # a broken callback must not keep the others waiting
+                log.exception("[kvsnap] request %d: event callback failed", state.id)
 
     def _load(self) -> None:
         from .modeling import load_model
@@ -321,7 +332,11 @@ class Engine:
             self.prefix.clear()
             if cmd[1]:
                 self.rewarms += 1
-                self._warm_up(allow_prefill=True)
+                try:
+                    self._warm_up(allow_prefill=True)
+                except Exception as exc:  # serve on (cold) rather than die; status says why
+                    self.rewarm_error = f"{type(exc).__name__}: {exc}"
+                    log.exception("[kvsnap] re-warm failed")
         elif kind == "call":
             _, fn, box, done = cmd
             try:
@@ -426,9 +441,15 @@ class Engine:
         room = self.config.max_batch_size - len(self._active)
         while self._pending and room > 0:
             state = self._pending.pop(0)
-            cache, suffix = self._prepare(state)
             r = state.request
-            uid = gen.insert([list(suffix)], max_tokens=[r.max_tokens], caches=[cache], samplers=[make_request_sampler(r.temperature, r.top_p, r.seed)])[0]
+            try:
+                _check_request(r)
+                cache, suffix = self._prepare(state)
+                uid = gen.insert([list(suffix)], max_tokens=[r.max_tokens], caches=[cache], samplers=[make_request_sampler(r.temperature, r.top_p, r.seed)])[0]
+            except Exception as exc:  # this request fails; the batch goes on
+                log.warning("[kvsnap] request %d failed to start: %s", state.id, exc)
+                self._finish(state, "error", f"{type(exc).__name__}: {exc}")
+                continue
             state.uid = uid
             state.capture = len(suffix) > 1
             self._batched_expected += len(suffix) - 1  # mlx-lm runs the last token in the first decode step
@@ -548,11 +569,12 @@ class Engine:
 
         s = self.lm.settings
         model = self.lm.model
-        cache, suffix = self._prepare(state)
-        sampler = make_request_sampler(state.request.temperature, state.request.top_p, state.request.seed)
         self._active[-state.id] = state
         self._max_batch_seen = max(self._max_batch_seen, 1)
         try:
+            _check_request(state.request)
+            cache, suffix = self._prepare(state)
+            sampler = make_request_sampler(state.request.temperature, state.request.top_p, state.request.seed)
             body, last = list(suffix[:-1]), suffix[-1]
             for start in range(0, len(body), s.prefill_step_size):
                 chunk = body[start : start + s.prefill_step_size]
@@ -583,21 +605,28 @@ class Engine:
                 if state.finish_reason is not None:
                     break
                 token = nxt.reshape(1, 1)
+        except Exception as exc:  # this request fails; the engine goes on
+            log.exception("[kvsnap] request %d failed", state.id)
+            if state.finish_reason is None:
+                self._finish(state, "error", f"{type(exc).__name__}: {exc}")
         finally:
             self._active.pop(-state.id, None)
 
     # --- warm-up prefill -------------------------------------------------------------
 
     def _prefill_concurrency(self) -> int:
-        """At most this many warm prompts are prefilled at once (batched); 1 without batching."""
+        """At most this many warm prompts are prefilled at once, as one batch.
+
+        1 with a quantized KV: mlx-lm's batch caches cannot hold one.
+        """
         n = max(1, int(self.config.warm_prompts_concurrency or 1))
-        return min(n, self.config.max_batch_size) if self._batching() else 1
+        return n if self.lm.settings.kv_bits is None else 1
 
     def _prefill_many(self, token_lists) -> list:
         """Prefill warm prefixes: one alone exactly as ``kvsnap build`` does, several as one batch."""
         from .build import prefill
 
-        if len(token_lists) <= 1 or not self._batching():
+        if len(token_lists) <= 1 or self.lm.settings.kv_bits is not None:
             return [prefill(self.lm, tokens) for tokens in token_lists]
         return self._prefill_batched(token_lists)
 
@@ -630,6 +659,13 @@ class Engine:
         finally:
             gen.close()
         return out
+
+
+def _check_request(r: GenerationRequest) -> None:
+    if not r.tokens:
+        raise ValueError("the prompt has no tokens")
+    if r.max_tokens < 1:
+        raise ValueError(f"max_tokens must be at least 1, got {r.max_tokens}")
 
 
 def _arrays_of(cache) -> list:

@@ -45,9 +45,9 @@ class SnapshotCounts:
         log.warning("[kvsnap] rejected snapshot %s: %s; falling back to prefill", path, reason)
 
     def begin_warmup(self) -> None:
-        """Counts describe the latest warm-up (a re-warm starts over); ``written`` adds up."""
-        self.indexed = self.loaded = self.prefilled = 0
-        self.rejected = []
+        """loaded / prefilled / written add up over re-warms (a re-warm shows as a rise in
+        ``loaded``); ``indexed`` is the latest warm-up's; a rejection is listed once."""
+        self.indexed = 0
 
     def as_dict(self) -> dict:
         return {
