@@ -107,6 +107,7 @@ class Engine:
         self._gen_counter_base = 0
         self._gen_counted = 0  # prompt tokens counted by generators already dropped
         self._batched_expected = 0  # what a batched prefill should count: the fallback source
+        self._counter_missing = False
         self._stream = None
         self.rewarms = 0
         self.rewarm_error = ""
@@ -117,7 +118,8 @@ class Engine:
         """Load the model here, then warm up and serve on the engine thread (returns at once).
 
         Loading happens on the caller's thread: mlx-lm's tokenizer loader, run on another
-        thread, leaves a native thread that aborts the process at exit.
+        thread, leaves a native thread that aborts the process at exit. The engine thread
+        itself never ends (see ``_engine_thread``).
         """
         self._load()
         self.loaded.set()
@@ -164,6 +166,8 @@ class Engine:
 
     def call(self, fn: Callable[[], Any], timeout: float = 300.0) -> Any:
         """Run ``fn`` on the engine thread (for tests and admin) and return its result."""
+        if self.stopped.is_set():
+            raise RuntimeError("the engine is shut down")
         box: dict = {}
         done = threading.Event()
         self._commands.put(("call", fn, box, done))
@@ -248,6 +252,21 @@ class Engine:
                 self._drop_gen()
         self._finish_all("cancelled")
         self._drop_gen()
+        self._refuse_queued()
+
+    def _refuse_queued(self) -> None:
+        """Commands that raced with the stop: requests end cancelled, calls get an error."""
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if cmd[0] == "submit" and cmd[1].finish_reason is None:
+                self._pending.append(cmd[1])
+                self._finish_all("cancelled")
+            elif cmd[0] == "call":
+                cmd[2]["error"] = RuntimeError("the engine is shut down")
+                cmd[3].set()
 
     def _finish_all(self, reason: str, error: str | None = None) -> None:
         states = list(self._active.values()) + self._pending
@@ -267,11 +286,11 @@ class Engine:
         from .snapshot import copy_cache, trim_cache
         from .warmup import SnapshotCounts
 
+        from .errors import SnapshotError
+
         cfg = self.config
         self.lm = load_model(cfg.model, cfg.settings)
         self.identity = self.lm.identity(cfg.digest_cache)
-        from .errors import SnapshotError
-
         self.counts = SnapshotCounts()
         self.prefix = PrefixCache(
             max_bytes=int(cfg.cache_memory_mb * 2**20),
@@ -378,7 +397,7 @@ class Engine:
         self._tokens_cached += n_cached
         return cache, tokens[n_cached:]
 
-    def stream(self):
+    def _mx_stream(self):
         """The engine's own mlx stream: mlx-lm's default thread-local one aborts the
         process at exit when it was used from a non-main thread."""
         if self._stream is None:
@@ -397,13 +416,15 @@ class Engine:
             prefill_batch_size=min(prefill_batch_size, batch_size),
             prefill_step_size=self.lm.settings.prefill_step_size,
             max_kv_size=self.lm.settings.max_kv_size,
-            stream=self.stream(),
+            stream=self._mx_stream(),
         )
 
     def _ensure_gen(self):
         if self._gen is None:
             self._gen = self._new_generator(self.config.max_batch_size, self.config.prefill_batch_size)
-            self._gen_counter_base = _prompt_counter(self._gen) or 0
+            base = _prompt_counter(self._gen)
+            self._counter_missing = base is None
+            self._gen_counter_base = base or 0
         return self._gen
 
     def _drop_gen(self) -> None:
@@ -415,7 +436,7 @@ class Engine:
             self._gen = None
 
     def _computed_source(self) -> str:
-        if self._gen is not None and _prompt_counter(self._gen) is None:
+        if self._counter_missing:
             return "engine count (this mlx-lm's BatchGenerator has no prompt token counter)"
         return "measured: mlx-lm BatchGenerator prompt counter + sequential prefill + 1 per started decode"
 
@@ -423,13 +444,12 @@ class Engine:
         """Prompt tokens the model really ran: mlx-lm's own prefill counter, the sequential
         path's chunks, and each request's last prompt token (counted when its first decode
         step has run)."""
+        if self._counter_missing:
+            return self._computed_measured + self._batched_expected
         gen = self._gen
         batched = self._gen_counted
         if gen is not None:
-            counted = _prompt_counter(gen)
-            if counted is None:
-                return self._computed_measured + self._batched_expected
-            batched += counted - self._gen_counter_base
+            batched += (_prompt_counter(gen) or 0) - self._gen_counter_base
         return self._computed_measured + batched
 
     def _admit_batched(self) -> None:

@@ -17,12 +17,12 @@ from typing import Callable, Sequence
 
 from .build import commit_snapshot, prefill
 from .errors import KvsnapError, SnapshotError, StoreError
-from .key import DigestCache, ModelIdentity, prompt_identity, snapshot_key
+from .key import ModelIdentity, prompt_identity, snapshot_key
 from .modeling import LoadedModel
 from .prefix import Entry, PrefixCache
 from .prompts import WarmPromptSet, resolve_chat_template, warm_prefix
 from .snapshot import cache_nbytes_of, decode_cache, is_trimmable
-from .store import SnapshotInfo, Store, read_tokens
+from .store import SnapshotInfo, Store
 
 log = logging.getLogger("kvsnap.warmup")
 

@@ -185,8 +185,6 @@ def test_a_client_that_disconnects_mid_stream_frees_its_slot(servers):
 
 def test_health_is_503_until_warm_then_200(demo_models, tmp_path, monkeypatch):
     """In-process: the engine is loaded but its warm-up thread is held back, then released."""
-    import threading
-
     from fastapi.testclient import TestClient
 
     from kvsnap.engine import Engine, EngineConfig
@@ -202,8 +200,7 @@ def test_health_is_503_until_warm_then_200(demo_models, tmp_path, monkeypatch):
     with TestClient(app) as client:
         r = client.get("/health")
         assert r.status_code == 503 and r.json()["warm"] is False
-        engine._thread = threading.Thread(target=engine._main, daemon=True)
-        engine._thread.start()
+        engine.start_serving()
         assert engine.wait_warm(60)
         r = client.get("/health")
         assert r.status_code == 200 and r.json()["warm"] is True
