@@ -9,7 +9,11 @@ from __future__ import annotations
 import random
 from typing import Callable
 
-import mlx.core as mx
+from .blas import preload_openblas
+
+preload_openblas()  # must precede the first mlx import, or mlx keeps its slow reference BLAS
+
+import mlx.core as mx  # noqa: E402
 
 Sampler = Callable[[mx.array], mx.array]
 
