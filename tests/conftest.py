@@ -15,6 +15,12 @@ from kvsnap.blas import preload_openblas  # noqa: E402
 
 preload_openblas()
 
+if os.environ.get("KVSNAP_EXPECT_MLX_LM"):
+    # Set by test_mlx_lm_minors.py: prove the subprocess really runs the other mlx-lm.
+    from importlib.metadata import version as _version
+
+    assert _version("mlx-lm") == os.environ["KVSNAP_EXPECT_MLX_LM"], _version("mlx-lm")
+
 LONG_SYSTEM = (
     "You are a meticulous code reviewer for a python and rust server. Always read the tests first, "
     "then check every function and class for error handling, return values and file paths. "
