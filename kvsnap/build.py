@@ -149,6 +149,7 @@ def build_snapshots(
     started = time.perf_counter()
     store.read_manifest()  # a damaged manifest stops the build before any prefill (StoreError)
     identity = lm.identity(digests)
+    store.fault("model-loaded")  # marks the start of the window crash tests kill in
     report = BuildReport(store=store.root, model_digest=identity.digest, problems=[str(p) for p in prompts.problems])
     rid = record_id(identity.digest, agents_file)
 

@@ -312,7 +312,9 @@ class Engine:
 
         cfg = self.config
         if self.store is None and cfg.snapshots:
-            self.store = open_store(cfg.snapshots, cfg.write_back, self.counts)
+            from .faults import FaultHook
+
+            self.store = open_store(cfg.snapshots, cfg.write_back, self.counts, fault=FaultHook.from_env())
         report = run_warmup(
             self.lm,
             self.prefix,

@@ -1,7 +1,8 @@
 """Named fault points in the write path, for crash tests. Inert unless asked for.
 
 ``KVSNAP_FAULT=point[,point...]`` with an action per point (``point=kill`` by default,
-or ``point=enospc``); ``KVSNAP_FAULT_LOG=FILE`` appends every point reached, so a test
+``point=enospc`` or ``point=erofs``; the server's ``write-probe`` point with ``erofs``
+simulates a read-only store, which root cannot get from chmod); ``KVSNAP_FAULT_LOG=FILE`` appends every point reached, so a test
 can assert the point was really hit before the process died.
 """
 
@@ -12,7 +13,9 @@ import os
 import signal
 from dataclasses import dataclass, field
 
-POINTS = ("after-prefill", "mid-write", "after-write", "after-fsync", "after-rename")
+# In write order. "model-loaded" is only logged (a marker for kills at random times).
+POINTS = ("model-loaded", "after-prefill", "mid-write", "after-write", "after-fsync", "after-rename")
+KILL_POINTS = POINTS[1:]
 
 
 @dataclass
@@ -39,3 +42,5 @@ class FaultHook:
             os.kill(os.getpid(), signal.SIGKILL)
         elif action == "enospc":
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        elif action == "erofs":
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS))

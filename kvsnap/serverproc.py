@@ -59,10 +59,10 @@ class ServerProcess:
         return self.proc.returncode
 
 
-def start_server(model: str | Path, args: list[str], log_path: Path, port: int | None = None, env: dict | None = None, limit_s: int = 900) -> ServerProcess:
+def start_server(model: str | Path, args: list[str], log_path: Path, port: int | None = None, env: dict | None = None, limit_s: int = 900, prefix: list[str] | None = None) -> ServerProcess:
     """Launch `kvsnap serve` under `timeout -k` so it can never outlive ``limit_s``."""
     port = port or free_port()
-    cmd = [sys.executable, "-m", "kvsnap", "serve", str(model), "--host", "127.0.0.1", "--port", str(port), *args]
+    cmd = [*(prefix or []), sys.executable, "-m", "kvsnap", "serve", str(model), "--host", "127.0.0.1", "--port", str(port), *args]
     if os.path.exists("/usr/bin/timeout"):
         cmd = ["/usr/bin/timeout", "-k", "5", str(limit_s), *cmd]
     full_env = {**os.environ, **(env or {})}

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -79,7 +80,9 @@ class WarmupReport:
     prefilled: int = 0
     prompt_tokens: int = 0
     seconds: float = 0.0
-    prefill_concurrency: int = 1  # at most this many warm prompts were prefilled at once
+    prefill_concurrency: int = 1  # the configured bound
+    max_inflight_prefills: int = 0  # the most warm prompts actually prefilled at once
+    over_budget: int = 0  # prefilled but not kept in memory: the cache budget was full
     problems: list[str] = field(default_factory=list)
 
     def summary(self, counts: SnapshotCounts) -> str:
@@ -89,6 +92,8 @@ class WarmupReport:
             why = f"; {len(counts.rejected)} snapshot(s) rejected ({reasons})"
         if self.problems:
             why += f"; {len(self.problems)} warm prompt(s) invalid"
+        if self.over_budget:
+            why += f"; {self.over_budget} over the cache budget (indexed, load on first hit)" if counts.write_back else f"; {self.over_budget} over the cache budget and not kept"
         return (
             f"[lifespan] Warm-up done (strict-prefix): {self.completed} completed, {self.skipped} skipped, "
             f"{self.prompt_tokens} prompt tokens in {self.seconds:.2f}s "
@@ -96,22 +101,44 @@ class WarmupReport:
         )
 
 
-def open_store(path: str, write_back: bool, counts: SnapshotCounts) -> Store | None:
+def probe_writable(folder: Path, fault=None) -> str | None:
+    """None if a file can really be created in ``folder``, else why not.
+
+    A real create-and-delete, not ``os.access``: root passes every access check, and a
+    read-only mount or a full disk only shows up when writing.
+    """
+    try:
+        if fault is not None:
+            fault("write-probe")
+        fd, tmp = tempfile.mkstemp(prefix=".tmp-probe-", dir=folder)
+        os.close(fd)
+        os.unlink(tmp)
+        return None
+    except OSError as exc:
+        return exc.strerror or str(exc)
+
+
+def open_store(path: str, write_back: bool, counts: SnapshotCounts, fault=None) -> Store | None:
     p = Path(path).expanduser()
     if not p.exists():
         if not write_back:
             counts.write_back_note = f"{p} does not exist and write-back is off"
             return None
         try:
-            return Store.open(p, create=True)
+            return Store.open(p, create=True, fault=fault)
         except (OSError, StoreError) as exc:
             counts.write_back_note = f"cannot create {p}: {exc}"
             return None
-    writable = write_back and os.access(p, os.W_OK) and os.access(p / "snapshots", os.W_OK) if (p / "snapshots").exists() else write_back and os.access(p, os.W_OK)
-    store = Store.open(p, create=writable, readonly=not writable)
-    if not writable:
-        counts.write_back_note = f"{p} is not writable here: prefilled warm prompts are not written back" if write_back else "write-back disabled"
-    return store
+    if not write_back:
+        counts.write_back_note = "write-back disabled (--no-write-back)"
+        return Store.open(p, readonly=True)
+    folder = p / "snapshots" if (p / "snapshots").is_dir() else p
+    why = probe_writable(folder, fault)
+    if why is not None:
+        counts.write_back_note = f"{p} is not writable here ({why}): prefilled warm prompts are served but not written back"
+        log.warning("[kvsnap] %s", counts.write_back_note)
+        return Store.open(p, readonly=True)
+    return Store.open(p, create=True, fault=fault)
 
 
 def make_entry(lm: LoadedModel, store: Store, info: SnapshotInfo, pinned: bool) -> Entry:
@@ -242,20 +269,34 @@ def run_warmup(
     prefill_many = prefill_many or (lambda group: [prefill(lm, tokens) for tokens in group])
     for start in range(0, len(to_prefill), concurrency):
         group = to_prefill[start : start + concurrency]
+        report.max_inflight_prefills = max(report.max_inflight_prefills, len(group))
         caches = prefill_many([t.tokens for t in group])
         for t, cache in zip(group, caches):
-            prefix.add(Entry(tokens=t.tokens, state=cache, nbytes=cache_nbytes_of(cache), trimmable=is_trimmable(cache), pinned=True, source="prefill", name=t.name, resident=True))
             counts.prefilled += 1
             report.prefilled += 1
             report.completed += 1
             report.prompt_tokens += len(t.tokens)
+            written = None
             if writable:
                 try:
-                    commit_snapshot(lm, store, identity, t.prompt, t.prompt_digest, t.tokens, cache, agents_file)
+                    written = commit_snapshot(lm, store, identity, t.prompt, t.prompt_digest, t.tokens, cache, agents_file)
                     counts.written += 1
                 except (StoreError, SnapshotError, OSError) as exc:
                     counts.write_back_note = f"write-back failed: {exc}"
                     log.warning("[kvsnap] %s", counts.write_back_note)
+            nbytes = cache_nbytes_of(cache)
+            if prefix.current_bytes + nbytes <= budget_bytes:
+                prefix.add(Entry(tokens=t.tokens, state=cache, nbytes=nbytes, trimmable=is_trimmable(cache), pinned=True, source="prefill", name=t.name, resident=True))
+                continue
+            # Over the memory budget: keep it indexed from the file just written (loads on
+            # first hit), or, with nowhere to reload it from, let it go.
+            report.over_budget += 1
+            if written is not None:
+                try:
+                    prefix.add(make_entry(lm, store, store.inspect(written), pinned=True))
+                except SnapshotError as exc:
+                    counts.reject(exc.path, exc.reason)
+            del cache
     counts.write_back = writable
     report.seconds = time.perf_counter() - t0
     return report
