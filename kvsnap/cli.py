@@ -120,6 +120,25 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("gc", help="remove temp files and snapshots no manifest record uses (dry run unless --yes)")
     p.add_argument("store")
     p.add_argument("--yes", action="store_true", help="really delete")
+
+    plain = "plain HTTP instead of HTTPS (the default for localhost and 127.0.0.1; or set KVSNAP_REGISTRY_PLAIN_HTTP=1)"
+    p = sub.add_parser("push", help="verify a store and upload it to an OCI registry (blobs the registry has are not sent again)")
+    p.add_argument("store", help="snapshot store directory")
+    p.add_argument("ref", help="oci://HOST[:PORT]/REPO:TAG")
+    p.add_argument("--plain-http", action="store_true", default=None, help=plain)
+
+    p = sub.add_parser("pull", help="download a store from an OCI registry (only missing files), verify it, install it atomically")
+    p.add_argument("ref", help="oci://HOST[:PORT]/REPO:TAG or oci://HOST/REPO@sha256:…")
+    p.add_argument("store", help="snapshot store directory (created if absent; files already there are reused)")
+    p.add_argument("--plain-http", action="store_true", default=None, help=plain)
+
+    p = sub.add_parser("pack", help="verify a store and write it to a tarball (.tar, .tar.gz, .tar.xz)")
+    p.add_argument("store", help="snapshot store directory")
+    p.add_argument("-o", "--output", required=True, help="archive file to write")
+
+    p = sub.add_parser("unpack", help="unpack a tarball made by `kvsnap pack`, verify it, install it atomically")
+    p.add_argument("archive", help="archive file")
+    p.add_argument("store", help="snapshot store directory (created if absent)")
     return parser
 
 
@@ -307,6 +326,7 @@ def cmd_serve(args) -> int:
 
     from .engine import Engine, EngineConfig
     from .modeling import check_model_dir, default_digest_cache
+    from .oci import resolve_kv_snapshots
     from .prompts import load_warm_prompts
     from .server import ServerConfig, create_app
 
@@ -314,6 +334,7 @@ def cmd_serve(args) -> int:
     prompts = load_warm_prompts(args.warm_prompts) if args.warm_prompts else None
     for problem in prompts.problems if prompts else []:
         log.warning("[kvsnap] skipped warm prompt %s", problem)
+    args.kv_snapshots = resolve_kv_snapshots(args.kv_snapshots)  # oci://… is pulled into a local cache folder first
     engine = Engine(
         EngineConfig(
             model=str(model_dir),
@@ -377,6 +398,40 @@ def cmd_bench_serve(args) -> int:
     return EXIT_OK
 
 
+def cmd_push(args) -> int:
+    from .oci import Reference, push
+
+    report = push(args.store, Reference.parse(args.ref), plain_http=args.plain_http)
+    print(f"pushed {args.store} to {report.ref} ({report.manifest_digest})")
+    print(f"{len(report.uploaded)} blob(s) uploaded ({_human_bytes(report.uploaded_bytes)}), {len(report.skipped)} already in the registry")
+    return EXIT_OK
+
+
+def cmd_pull(args) -> int:
+    from .oci import Reference, pull
+
+    report = pull(Reference.parse(args.ref), args.store, plain_http=args.plain_http)
+    print(f"pulled {report.ref} ({report.manifest_digest}) into {report.dest}")
+    print(f"{len(report.downloaded)} file(s) downloaded ({_human_bytes(report.downloaded_bytes)}), {len(report.present)} already there; all verified")
+    return EXIT_OK
+
+
+def cmd_pack(args) -> int:
+    from .archive import pack
+
+    report = pack(args.store, args.output)
+    print(f"packed {len(report.files)} file(s), {_human_bytes(report.nbytes)}, from {args.store} into {report.archive}")
+    return EXIT_OK
+
+
+def cmd_unpack(args) -> int:
+    from .archive import unpack
+
+    report = unpack(args.archive, args.store)
+    print(f"unpacked {len(report.files)} file(s), {_human_bytes(report.nbytes)}, from {args.archive} into {report.dest}; all verified")
+    return EXIT_OK
+
+
 def cmd_quickstart(args) -> int:
     from .quickstart import run_quickstart
 
@@ -393,6 +448,10 @@ COMMANDS = {
     "inspect": cmd_inspect,
     "verify": cmd_verify,
     "gc": cmd_gc,
+    "push": cmd_push,
+    "pull": cmd_pull,
+    "pack": cmd_pack,
+    "unpack": cmd_unpack,
 }
 
 

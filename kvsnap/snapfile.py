@@ -160,6 +160,20 @@ def file_checksum(path: str | os.PathLike, header: Header) -> str:
     return h.hexdigest()
 
 
+def verify_checksum(header: Header, data: memoryview | bytes) -> None:
+    """Check the checksum over a header and data bytes already in memory (one read, no second pass)."""
+    recorded = header.metadata.get(CHECKSUM_KEY)
+    if not recorded or recorded == CHECKSUM_PLACEHOLDER:
+        raise FormatError("the header has no checksum (written by something other than kvsnap, or never finished)")
+    h = xxhash.xxh3_128()
+    h.update(struct.pack("<Q", header.header_len))
+    h.update(_hashed_header(header))
+    h.update(data)
+    actual = h.hexdigest()
+    if actual != recorded:
+        raise FormatError(f"checksum mismatch (header says {recorded}, the file hashes to {actual}): the file is corrupt")
+
+
 def check_data(path: str | os.PathLike, header: Header) -> None:
     """Raise FormatError unless the file's bytes (header and data) hash to the recorded checksum."""
     recorded = header.metadata.get(CHECKSUM_KEY)

@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterator
 
 from .errors import SnapshotError, StoreError
 from .key import ModelIdentity, canonical_json, hexdigest, snapshot_key, tokens_digest
-from .snapfile import FORMAT_VERSION, FormatError, Header, OutTensor, check_data, read_header, tensor_bytes, write_snapshot
+from .snapfile import FORMAT_VERSION, FormatError, Header, OutTensor, check_data, parse_header, read_header, tensor_bytes, verify_checksum, write_snapshot
 
 MANIFEST = "manifest.json"
 SNAPSHOTS = "snapshots"
@@ -355,22 +355,44 @@ class Store:
         return [int.from_bytes(raw[i : i + 4], "little", signed=True) for i in range(0, len(raw), 4)]
 
     def load_arrays(self, info: SnapshotInfo, expected: ModelIdentity | None = None) -> dict:
-        """Check the file again (it may have changed since ``info`` was read), then load it with mlx.
+        """Read the file once into mlx memory, checksum exactly those bytes, and view the tensors.
 
-        The file must still be a regular file named by its key, hold the same snapshot as
-        ``info``, match ``expected`` when given, and pass the checksum. mlx reads with
-        parallel pread, no mmap.
+        One open file, one copy: the header is parsed and the data read through the same
+        descriptor straight into an mlx buffer (nothing is memory-mapped), the checksum is
+        computed over those very bytes, and the tensors are zero-copy views of the buffer.
+        So what is verified is what is served, even if the file is replaced meanwhile.
         """
         import mlx.core as mx
 
-        current = self.verify_file(info.path, expected)
-        if current.key != info.key or current.layers != info.layers or current.n_tokens != info.n_tokens:
-            raise SnapshotError(str(info.path), f"now holds another snapshot (key {current.key}) than the one indexed ({info.key})", "restart, or rebuild it with `kvsnap build`")
+        path = info.path
+        self.inspect(path)  # a regular file inside the store, a sane header: named reasons
         try:
-            arrays = mx.load(str(info.path))
-            mx.eval(list(arrays.values()))
-        except (RuntimeError, ValueError, OSError) as exc:
-            raise SnapshotError(str(info.path), f"mlx cannot load it ({exc})") from None
+            with open(path, "rb") as f:
+                header = parse_header(f, os.fstat(f.fileno()).st_size)
+                current = inspect_header(path, header)
+                buf = mx.zeros((max(1, header.data_len),), dtype=mx.uint8)
+                mx.eval(buf)
+                view = memoryview(buf)[: header.data_len]
+                f.seek(header.data_start)
+                done = 0
+                while done < header.data_len:
+                    n = f.readinto(view[done:])
+                    if not n:
+                        raise FormatError(f"file ended after {done} of {header.data_len} data bytes (truncated while reading)")
+                    done += n
+            verify_checksum(header, view)
+            if current.key != info.key or current.layers != info.layers or current.n_tokens != info.n_tokens:
+                raise SnapshotError(str(path), f"now holds another snapshot (key {current.key}) than the one indexed ({info.key})", "restart, or rebuild it with `kvsnap build`")
+            if expected is not None and current.model_digest != expected.digest:
+                raise SnapshotError(str(path), f"built for another model or KV setting (differs in: {identity_mismatch(expected, current.model)})", "rebuild it for this model, or run `kvsnap gc` to drop it")
+        except FormatError as exc:
+            raise SnapshotError(str(path), str(exc)) from None
+        except OSError as exc:
+            raise SnapshotError(str(path), f"cannot be read ({exc.strerror or exc})", "check the file's permissions") from None
+        arrays = {}
+        for name, entry in header.tensors.items():
+            arrays[name] = buf[entry.start : entry.end].view(_MX_DTYPES[entry.dtype]()).reshape(entry.shape)
+        mx.eval(list(arrays.values()))
         return arrays
 
     # --- garbage collection -----------------------------------------------------
@@ -409,6 +431,22 @@ class Store:
             self.fsync(fd)
         finally:
             os.close(fd)
+
+
+def _dtype(name: str):
+    def get():
+        import mlx.core as mx
+
+        return getattr(mx, name)
+
+    return get
+
+
+_MX_DTYPES = {
+    "BOOL": _dtype("bool_"), "U8": _dtype("uint8"), "I8": _dtype("int8"), "U16": _dtype("uint16"), "I16": _dtype("int16"),
+    "F16": _dtype("float16"), "BF16": _dtype("bfloat16"), "U32": _dtype("uint32"), "I32": _dtype("int32"),
+    "F32": _dtype("float32"), "U64": _dtype("uint64"), "I64": _dtype("int64"), "F64": _dtype("float64"),
+}
 
 
 def record_id(model_digest: str, agents_file: str) -> str:

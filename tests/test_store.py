@@ -444,7 +444,7 @@ def test_an_unchanged_rebuild_prefills_nothing_and_rewrites_no_snapshot(dense, f
     report = build(dense, agents_file, store.root, fault=rec)
     assert statuses(report) == {"alpha": "reused", "beta": "reused", "gamma": "reused"} and report.ok
     assert keys(report) == keys(first)
-    assert prefills == [] and rec.points == []  # no prefill, no snapshot write, no manifest write
+    assert prefills == [] and rec.points == ["model-loaded"]  # a marker only: no prefill, no snapshot write, no manifest write
     assert stamps(store) == before
     assert (store.root / MANIFEST).read_bytes() == manifest_before
 

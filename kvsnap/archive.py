@@ -1,0 +1,399 @@
+"""A store as a set of files to ship: the checked file list, a staged atomic install, plain tarballs.
+
+Shipping moves exactly two kinds of file, by their path relative to the store root:
+``manifest.json`` and ``snapshots/<key>.safetensors``. Nothing else is packed, pushed,
+unpacked or pulled, so a name from an archive or a registry can never point outside the
+store (``../x``, ``/etc/x``, ``snapshots/../../x`` are refused), nor at ``.lock`` or a
+temp file.
+
+Installs are staged: files are written (``0600``) into a temp folder next to the store
+(``.kvsnap-stage-<name>-*``, ``0700``), checked — every snapshot's own checksum, the
+manifest's JSON — and only then moved in: a new store by renaming the whole folder, an
+existing one file by file (snapshots first, the manifest last) under the store's writer
+lock. A failed install removes the temp folder and leaves the store as it was.
+
+No mlx here: pack, unpack, push and pull never import it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import json
+import lzma
+import os
+import re
+import shutil
+import stat
+import tarfile
+import tempfile
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import BinaryIO, Iterator
+
+from .errors import KvsnapError, SnapshotError, StoreError
+from .store import DIR_MODE, FILE_MODE, MANIFEST, SNAPSHOTS, SUFFIX, Store
+
+SNAPSHOT_REL_RE = re.compile(rf"{SNAPSHOTS}/[0-9a-f]{{32}}{re.escape(SUFFIX)}")
+STAGE_PREFIX = ".kvsnap-stage-"
+CHUNK = 1 << 20
+
+
+class ShipError(KvsnapError):
+    """A store that cannot be shipped, or shipped content that cannot be installed."""
+
+
+class ArchiveError(ShipError):
+    """A tarball that cannot be read, or holds an entry kvsnap refuses to unpack."""
+
+
+# --- which paths may be shipped -----------------------------------------------------------
+
+
+def is_store_relpath(name: str) -> bool:
+    return name == MANIFEST or bool(SNAPSHOT_REL_RE.fullmatch(name))
+
+
+def check_relpath(name: str, where: str) -> str:
+    """``name`` if it is a store file path; else a ShipError saying why (escape or unknown)."""
+    if not isinstance(name, str) or not name:
+        raise ShipError(f"{where}: empty file name; refusing it")
+    if is_store_relpath(name):
+        return name
+    parts = name.replace("\\", "/").split("/")
+    if name.startswith(("/", "\\")) or re.match(r"[A-Za-z]:", name) or ".." in parts or "\x00" in name:
+        raise ShipError(f"{where}: {name!r} escapes the store folder; refusing it (only manifest.json and snapshots/<key>.safetensors are shipped)")
+    raise ShipError(f"{where}: {name!r} is not a store file (only manifest.json and snapshots/<key>.safetensors are shipped); refusing it")
+
+
+# --- the files of a local store -----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StoreFile:
+    relpath: str
+    path: Path
+    size: int
+    ino: tuple[int, int]  # (st_dev, st_ino) when checked: a file replaced since is noticed
+
+
+def check_manifest_bytes(data: bytes, where: str) -> None:
+    try:
+        manifest = json.loads(data)
+    except ValueError as exc:
+        raise ShipError(f"{where}: manifest.json is not valid JSON ({exc}); refusing it") from None
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("records"), dict):
+        raise ShipError(f"{where}: manifest.json is not a kvsnap manifest; refusing it")
+
+
+def collect_store(root: str | os.PathLike) -> list[StoreFile]:
+    """Every file of the store to ship, each fully verified; refuses a store with any bad file."""
+    store = Store.open(root, readonly=True)
+    if not store.is_initialized():
+        raise StoreError(f"{store.root} is not a kvsnap store (no manifest.json, no snapshots/); give the folder passed to `kvsnap build --out`")
+    files: list[StoreFile] = []
+    for path in store.snapshot_files():
+        try:
+            store.verify_file(path)
+        except SnapshotError as exc:
+            raise ShipError(f"{exc.path}: {exc.reason}; refusing to ship a store with a bad snapshot ({exc.fix}, or remove it; `kvsnap verify {store.root}` lists them)") from None
+        st = path.stat()
+        files.append(StoreFile(f"{SNAPSHOTS}/{path.name}", path, st.st_size, (st.st_dev, st.st_ino)))
+    manifest = store.root / MANIFEST
+    if manifest.exists() or manifest.is_symlink():
+        st = manifest.lstat()
+        if not stat.S_ISREG(st.st_mode):
+            raise ShipError(f"{manifest}: not a regular file; refusing to ship it")
+        present = {f.relpath for f in files}
+        missing = sorted(store.referenced() - present)  # read_manifest raises StoreError for a bad one
+        if missing:
+            raise ShipError(f"{store.root / missing[0]}: listed in the manifest but missing; run `kvsnap build` again (or `kvsnap verify {store.root}`) before shipping")
+        files.append(StoreFile(MANIFEST, manifest, st.st_size, (st.st_dev, st.st_ino)))
+    if not files:
+        raise ShipError(f"{store.root}: the store is empty; build it first with `kvsnap build`")
+    return files
+
+
+@contextlib.contextmanager
+def open_checked(f: StoreFile) -> Iterator[BinaryIO]:
+    """Open a collected file, refusing it if it was replaced since it was verified."""
+    fh = open(f.path, "rb")
+    try:
+        st = os.fstat(fh.fileno())
+        if (st.st_dev, st.st_ino) != f.ino or st.st_size != f.size:
+            raise ShipError(f"{f.path}: changed while shipping (a build or gc running?); run the command again")
+        yield fh
+    finally:
+        fh.close()
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while chunk := fh.read(CHUNK):
+            h.update(chunk)
+    return "sha256:" + h.hexdigest()
+
+
+def present_with_digest(path: Path, size: int, digest: str) -> bool:
+    """A regular file (not a link) of that size and sha256."""
+    try:
+        st = path.lstat()
+    except OSError:
+        return False
+    if not stat.S_ISREG(st.st_mode) or st.st_size != size:
+        return False
+    try:
+        return sha256_file(path) == digest
+    except OSError:
+        return False
+
+
+# --- staged, atomic install ---------------------------------------------------------------
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def check_destination(dest: str | os.PathLike) -> Path:
+    """The absolute install folder; refuses a file, or a non-empty folder that is not a store."""
+    path = Path(dest).expanduser().absolute()
+    if path.is_symlink() and not path.exists():
+        raise ShipError(f"{path}: a dangling symbolic link; give a folder")
+    if path.exists():
+        if not path.is_dir():
+            raise StoreError(f"snapshot store {str(dest)!r} is a file, not a directory; give a folder")
+        if any(path.iterdir()) and not Store(root=path).is_initialized():
+            raise ShipError(f"{path} is not empty and not a kvsnap store; give an empty or new folder, or a store")
+    return path
+
+
+@dataclass
+class StagedInstall:
+    """Write files into a temp folder beside ``dest``, verify them, then move them in."""
+
+    dest: Path
+    tmp: Path | None = None
+    staged: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.dest = check_destination(self.dest)
+        try:
+            os.makedirs(self.dest.parent, mode=DIR_MODE, exist_ok=True)
+            self.tmp = Path(tempfile.mkdtemp(prefix=f"{STAGE_PREFIX}{self.dest.name}-", dir=self.dest.parent))
+            os.chmod(self.tmp, DIR_MODE)
+            (self.tmp / SNAPSHOTS).mkdir(mode=DIR_MODE)
+            os.chmod(self.tmp / SNAPSHOTS, DIR_MODE)
+        except OSError as exc:
+            self.cleanup()
+            raise ShipError(f"cannot make a temp folder next to {self.dest} ({exc.strerror or exc}); check the parent folder's permissions") from None
+
+    def __enter__(self) -> "StagedInstall":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.cleanup()
+
+    @contextlib.contextmanager
+    def open(self, relpath: str) -> Iterator[BinaryIO]:
+        """A new ``0600`` file at ``relpath`` in the temp folder, fsynced when the block ends."""
+        assert self.tmp is not None and is_store_relpath(relpath), relpath
+        if relpath in self.staged:
+            raise ShipError(f"{relpath}: given twice; refusing it")
+        target = self.tmp / relpath
+        fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), FILE_MODE)
+        os.fchmod(fd, FILE_MODE)
+        with os.fdopen(fd, "wb") as fh:
+            yield fh
+            fh.flush()
+            os.fsync(fh.fileno())
+        self.staged.append(relpath)
+
+    def verify(self, source: str) -> None:
+        """Every staged snapshot's own checks (header, key, checksum) and the manifest's JSON."""
+        assert self.tmp is not None
+        store = Store(root=self.tmp.resolve(), readonly=True)
+        for relpath in self.staged:
+            path = store.root / relpath
+            if relpath == MANIFEST:
+                check_manifest_bytes(path.read_bytes(), source)
+                continue
+            try:
+                store.verify_file(path)
+            except SnapshotError as exc:
+                raise ShipError(f"{source}: {relpath}: {exc.reason}; refusing it (nothing was changed in {self.dest})") from None
+
+    def commit(self) -> None:
+        """Move the staged files into ``dest``: all at once for a new store, else one by one under the lock."""
+        assert self.tmp is not None
+        if not self.staged:  # everything was already in place: leave the store untouched
+            self.cleanup()
+            return
+        for folder in (self.tmp / SNAPSHOTS, self.tmp):
+            _fsync_dir(folder)
+        if not self.dest.exists():
+            try:
+                os.rename(self.tmp, self.dest)
+            except OSError as exc:
+                if exc.errno not in (errno.EEXIST, errno.ENOTEMPTY):
+                    raise ShipError(f"cannot move the new store into {self.dest} ({exc.strerror or exc})") from None
+            else:
+                self.tmp = None
+                _fsync_dir(self.dest.parent)
+                return
+        try:
+            store = Store.open(self.dest, create=True)
+            with store.lock():
+                snaps = [r for r in self.staged if r != MANIFEST]
+                for relpath in snaps:
+                    os.replace(self.tmp / relpath, store.root / relpath)
+                if snaps:
+                    _fsync_dir(store.snapshots_dir)
+                if MANIFEST in self.staged:
+                    os.replace(self.tmp / MANIFEST, store.root / MANIFEST)
+                    _fsync_dir(store.root)
+        except OSError as exc:
+            raise ShipError(f"cannot move files into {self.dest} ({exc.strerror or exc}); check its permissions") from None
+        finally:
+            self.cleanup()
+
+    def cleanup(self) -> None:
+        if self.tmp is not None:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            self.tmp = None
+
+
+# --- tarballs -----------------------------------------------------------------------------
+
+
+@dataclass
+class PackReport:
+    archive: Path
+    files: list[str]
+    nbytes: int
+
+
+@dataclass
+class UnpackReport:
+    dest: Path
+    files: list[str]
+    nbytes: int
+
+
+def _tar_mode(name: str, write: bool) -> str:
+    if not write:
+        return "r:*"
+    lower = name.lower()
+    for suffixes, comp in (((".tar.gz", ".tgz"), "gz"), ((".tar.bz2", ".tbz2"), "bz2"), ((".tar.xz", ".txz"), "xz")):
+        if lower.endswith(suffixes):
+            return f"w:{comp}"
+    return "w"
+
+
+def pack(root: str | os.PathLike, out: str | os.PathLike) -> PackReport:
+    """Verify the store, then write its manifest and snapshots to a tarball (atomically, ``0600``)."""
+    files = collect_store(root)
+    out_path = Path(out).expanduser().absolute()
+    store_root = Path(root).expanduser().resolve()
+    if out_path.resolve() == store_root or store_root in out_path.resolve().parents:
+        raise ArchiveError(f"{out_path}: the archive would be written inside the store {store_root}; write it elsewhere")
+    if out_path.is_dir():
+        raise ArchiveError(f"{out_path} is a folder; give a file name like snaps.tar")
+    if not out_path.parent.is_dir():
+        raise ArchiveError(f"{out_path.parent}: no such folder; create it first")
+    fd, tmp = tempfile.mkstemp(prefix=f".tmp-{out_path.name}.", dir=out_path.parent)
+    total = 0
+    try:
+        os.fchmod(fd, FILE_MODE)
+        with os.fdopen(fd, "wb") as raw:
+            with tarfile.open(fileobj=raw, mode=_tar_mode(out_path.name, True), format=tarfile.PAX_FORMAT) as tar:
+                for f in files:
+                    with open_checked(f) as fh:
+                        info = tarfile.TarInfo(f.relpath)
+                        info.size = f.size
+                        info.mode = FILE_MODE
+                        info.mtime = int(os.fstat(fh.fileno()).st_mtime)
+                        info.uid = info.gid = 0
+                        info.uname = info.gname = ""
+                        tar.addfile(info, fh)
+                        total += f.size
+            raw.flush()
+            os.fsync(raw.fileno())
+        os.replace(tmp, out_path)
+    except BaseException as exc:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        if isinstance(exc, OSError):
+            raise ArchiveError(f"cannot write {out_path} ({exc.strerror or exc})") from None
+        raise
+    _fsync_dir(out_path.parent)
+    return PackReport(out_path, [f.relpath for f in files], total)
+
+
+def _member_name(member: tarfile.TarInfo) -> str:
+    name = member.name
+    while name.startswith("./"):
+        name = name[2:]
+    return name.rstrip("/") if member.isdir() else name
+
+
+def _check_name(name: str, where: str) -> None:
+    try:
+        check_relpath(name, where)
+    except ShipError as exc:
+        raise ArchiveError(str(exc)) from None
+
+
+def unpack(archive: str | os.PathLike, dest: str | os.PathLike) -> UnpackReport:
+    """Unpack a tarball made by ``pack`` into ``dest``: checked entry by entry, verified, installed atomically."""
+    path = Path(archive).expanduser()
+    if not path.is_file():
+        raise ArchiveError(f"{path}: no such archive file; make one with `kvsnap pack STORE -o {path}`")
+    where = str(path)
+    check_destination(dest)  # before reading anything: a bad destination is a usage error
+    try:
+        tar = tarfile.open(path, _tar_mode(path.name, False))
+    except (tarfile.TarError, OSError, EOFError, zlib.error, lzma.LZMAError) as exc:
+        first = (str(exc).splitlines() or [type(exc).__name__])[0].rstrip(":")
+        raise ArchiveError(f"{path}: not a readable tar archive (.tar, .tar.gz, .tar.bz2, .tar.xz: {first}); make one with `kvsnap pack`") from None
+    total = 0
+    with tar, StagedInstall(Path(dest)) as staging:
+        try:
+            for member in tar:  # streaming: one entry at a time, nothing extracted by tarfile itself
+                name = _member_name(member)
+                label = f"{where}: entry {member.name!r}"
+                if member.issym() or member.islnk():
+                    raise ArchiveError(f"{label} is a {'symbolic' if member.issym() else 'hard'} link (to {member.linkname!r}); refusing it (a store holds only regular files)")
+                if member.isdir():
+                    if name in ("", ".", SNAPSHOTS):
+                        continue
+                    _check_name(name, where)  # says escape or unknown
+                    raise ArchiveError(f"{label}: unexpected folder; refusing it")
+                if not member.isreg():
+                    kind = "device" if (member.ischr() or member.isblk()) else "FIFO" if member.isfifo() else "special file"
+                    raise ArchiveError(f"{label} is a {kind}; refusing it (a store holds only regular files)")
+                _check_name(name, where)
+                if name in staging.staged:
+                    raise ArchiveError(f"{label} appears twice; refusing the archive")
+                src = tar.extractfile(member)
+                assert src is not None
+                with staging.open(name) as out:
+                    shutil.copyfileobj(src, out, CHUNK)
+                total += member.size
+            if not staging.staged:
+                raise ArchiveError(f"{where}: no store files inside (no manifest.json, no snapshots/); make the archive with `kvsnap pack`")
+        except (tarfile.TarError, EOFError, zlib.error, lzma.LZMAError) as exc:
+            raise ArchiveError(f"{where}: archive is truncated or corrupt ({exc}); nothing was changed in {staging.dest}") from None
+        except OSError as exc:
+            raise ArchiveError(f"{where}: cannot unpack ({exc.strerror or exc}); nothing was changed in {staging.dest}") from None
+        staging.verify(where)
+        files = list(staging.staged)
+        staging.commit()
+        return UnpackReport(staging.dest, files, total)
