@@ -96,6 +96,7 @@ class Engine:
         self._ids = itertools.count(1)
         self._active: dict[int, RequestState] = {}  # uid -> state
         self._pending: list[RequestState] = []  # waiting for a sequential slot
+        self._deferred_evals: list = []  # captured prefix copies, evaluated after the next decode step
         self._gen = None
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -479,6 +480,13 @@ class Engine:
             room -= 1
         self._max_batch_seen = max(self._max_batch_seen, len(self._active))
 
+    def _flush_deferred(self) -> None:
+        if self._deferred_evals:
+            import mlx.core as mx
+
+            pending, self._deferred_evals = self._deferred_evals, []
+            mx.eval(pending)
+
     def _step_batched(self) -> None:
         gen = self._gen
         prompt_responses, generation_responses = gen.next()
@@ -486,7 +494,7 @@ class Engine:
         for r in prompt_responses:
             state = self._active.get(r.uid)
             if state is not None and state.capture and r.end_of_segment and not r.end_of_prompt:
-                self._capture(state, gen.extract_cache([r.uid])[r.uid][0])
+                self._capture(state, gen.extract_cache([r.uid])[r.uid][0], defer=True)
         for r in generation_responses:
             state = self._active.get(r.uid)
             if state is None:
@@ -499,8 +507,10 @@ class Engine:
                 self._active.pop(r.uid, None)
                 if r.finish_reason is None:  # stopped by a stop string: free the slot now
                     gen.remove([r.uid])
+        if generation_responses:
+            self._flush_deferred()
 
-    def _capture(self, state: RequestState, cache: list) -> None:
+    def _capture(self, state: RequestState, cache: list, defer: bool = False) -> None:
         """Keep the prompt minus its last token for multi-turn reuse; captured before any decode."""
         from .prefix import Entry
         from .snapshot import CaptureError, cache_nbytes_of, check_captured_at, copy_cache, is_trimmable
@@ -515,7 +525,13 @@ class Engine:
             log.debug("[kvsnap] not capturing request %d: %s", state.id, exc)
             return
         own = copy_cache(cache)
-        mx.eval([a for c in own for a in _arrays_of(c)])
+        arrays = [a for c in own for a in _arrays_of(c)]
+        if defer:
+            # Evaluated right after the next decode step, so the copy is not on the
+            # critical path of this request's first token.
+            self._deferred_evals.extend(arrays)
+        else:
+            mx.eval(arrays)
         self.prefix.add(Entry(tokens=tokens, state=own, nbytes=cache_nbytes_of(own), trimmable=is_trimmable(own), pinned=False, source="request"))
 
     def _on_token(self, state: RequestState, token: int, finish_reason: str | None) -> None:
