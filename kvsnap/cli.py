@@ -81,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
     p.add_argument("--continuous-batching", action="store_true", help="batch concurrent requests (mlx-lm BatchGenerator); without it requests run one at a time")
     p.add_argument("--warm-prompts", metavar="FILE", help="warm-prompt file: these prefixes are warm before /health says ok")
-    p.add_argument("--kv-snapshots", metavar="DIR", help="snapshot store to start warm from (prefilled warm prompts are written back when writable)")
+    p.add_argument("--kv-snapshots", metavar="DIR_OR_OCI", help="snapshot store to start warm from: a folder, or oci://HOST[:PORT]/REPO:TAG (pulled into a local cache first); prefilled warm prompts are written back when writable")
     p.add_argument("--no-write-back", action="store_true", help="never write prefilled warm prompts back to the store")
     p.add_argument("--warm-prompts-concurrency", type=_positive_int, default=1, help="at most N warm-prompt prefills at once (default: 1)")
     p.add_argument("--cache-memory-mb", type=float, default=2048.0, help="prefix cache budget in MiB: pinned snapshots load up to it, the rest on first hit (default: 2048)")

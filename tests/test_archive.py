@@ -267,3 +267,12 @@ def test_pack_refuses_a_bad_store_and_writes_nothing(built, tmp_path):
     assert not (tmp_path / "out.tar").exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]
     r = run_kvsnap("pack", built, "-o", built / "inside.tar")
     assert r.returncode == 2 and "inside the store" in r.stderr
+
+
+def test_shipping_modules_do_not_import_mlx():
+    import subprocess
+    import sys
+
+    code = "import sys, kvsnap.archive, kvsnap.oci, kvsnap.cli; heavy = [m for m in sys.modules if m.split('.')[0] in ('mlx', 'mlx_lm', 'transformers')]; assert not heavy, heavy"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr

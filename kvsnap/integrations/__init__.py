@@ -1,0 +1,1 @@
+"""Adapters that put kvsnap snapshots into other servers' prefix caches."""

@@ -1,0 +1,508 @@
+"""`kvsnap push / pull` and `serve --kv-snapshots oci://…` against a real registry on 127.0.0.1.
+
+The registry is Debian's `docker-registry` (the CNCF distribution registry), started by a
+session fixture with filesystem storage under a temp folder; `.ci/run` installs it. Tests
+skip, saying why, only when its binary is missing.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from conftest import run_kvsnap
+from kvsnap.oci import (
+    ARTIFACT_TYPE,
+    EMPTY_CONFIG,
+    OCI_MANIFEST,
+    TITLE,
+    Credentials,
+    DigestMismatchError,
+    Reference,
+    RegistryClient,
+    RegistryUnreachableError,
+    find_credentials,
+    pull,
+    push,
+    resolve_kv_snapshots,
+)
+from kvsnap.serverproc import free_port, start_server
+from kvsnap.store import MANIFEST, Store
+from test_archive import AGENTS, build_store, flip_byte, no_stage_dirs, store_files, tree
+
+REGISTRY_BIN = shutil.which("docker-registry") or "/usr/bin/docker-registry"
+UPLOAD_RE = re.compile(r'"PUT /v2/(\S+)/blobs/uploads/\S*digest=(sha256(?::|%3A)[0-9a-f]{64})\S* HTTP/1\.[01]" 201')
+
+
+class Registry:
+    """A `docker-registry serve CONFIG` process on 127.0.0.1 with its storage folder and access log."""
+
+    def __init__(self, tmp: Path, htpasswd: Path | None = None):
+        self.tmp = tmp
+        self.port = free_port()
+        self.host = f"127.0.0.1:{self.port}"
+        self.root = tmp / "storage"
+        self.log_path = tmp / "registry.log"
+        auth = f"auth:\n  htpasswd:\n    realm: kvsnap-test\n    path: {htpasswd}\n" if htpasswd else ""
+        config = tmp / "config.yml"
+        config.write_text(f"version: 0.1\nlog:\n  level: warn\nstorage:\n  filesystem:\n    rootdirectory: {self.root}\nhttp:\n  addr: {self.host}\n{auth}")
+        cmd = [REGISTRY_BIN, "serve", str(config)]
+        if os.path.exists("/usr/bin/timeout"):
+            cmd = ["/usr/bin/timeout", "-k", "5", "1800", *cmd]  # never outlives a stuck session
+        with open(self.log_path, "wb") as log:
+            # Its own process group, so stop() kills the registry and not only the `timeout` wrapper.
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + 20
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"docker-registry exited with {self.proc.returncode}:\n{self.log()[-2000:]}")
+            try:
+                if httpx.get(f"http://{self.host}/v2/", timeout=1).status_code in (200, 401):
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise TimeoutError(f"docker-registry not answering on {self.host} after 20 s:\n{self.log()[-2000:]}")
+            time.sleep(0.1)
+
+    def ref(self, repo: str, tag: str = "v1") -> str:
+        return f"oci://{self.host}/{repo}:{tag}"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def log_size(self) -> int:
+        return self.log_path.stat().st_size
+
+    def uploads(self, since: int = 0) -> list[str]:
+        """Digests of the blob uploads the registry completed since a log offset (its own access log)."""
+        with open(self.log_path, "rb") as f:
+            f.seek(since)
+            text = f.read().decode(errors="replace")
+        return [m.group(2).replace("%3A", ":") for m in UPLOAD_RE.finditer(text)]
+
+    def blob_data(self, digest: str) -> Path:
+        hexd = digest.split(":", 1)[1]
+        return self.root / "docker/registry/v2/blobs/sha256" / hexd[:2] / hexd / "data"
+
+    def manifest(self, repo: str, tag: str, auth=None) -> httpx.Response:
+        return httpx.get(f"http://{self.host}/v2/{repo}/manifests/{tag}", headers={"Accept": OCI_MANIFEST}, auth=auth, timeout=10)
+
+    def stop(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(10)
+
+
+@pytest.fixture(scope="session")
+def registry(tmp_path_factory):
+    if not os.path.exists(REGISTRY_BIN):
+        pytest.skip("docker-registry is not installed (apt-get install docker-registry; .ci/run does)")
+    reg = Registry(tmp_path_factory.mktemp("registry"))
+    yield reg
+    reg.stop()
+
+
+@pytest.fixture(scope="session")
+def auth_registry(tmp_path_factory):
+    if not os.path.exists(REGISTRY_BIN):
+        pytest.skip("docker-registry is not installed (apt-get install docker-registry; .ci/run does)")
+    bcrypt = pytest.importorskip("bcrypt", reason="python bcrypt is needed to write an htpasswd file")
+    tmp = tmp_path_factory.mktemp("auth-registry")
+    htpasswd = tmp / "htpasswd"
+    htpasswd.write_text("alice:" + bcrypt.hashpw(b"s3cret-pw", bcrypt.gensalt(rounds=4)).decode() + "\n")
+    reg = Registry(tmp, htpasswd=htpasswd)
+    yield reg
+    reg.stop()
+
+
+@pytest.fixture(autouse=True)
+def no_ambient_credentials(monkeypatch, tmp_path):
+    """Only the credentials a test gives: no user docker config, no KVSNAP_REGISTRY_* from outside."""
+    for name in ("KVSNAP_REGISTRY_USER", "KVSNAP_REGISTRY_PASSWORD", "KVSNAP_REGISTRY_PLAIN_HTTP"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("DOCKER_CONFIG", str(tmp_path / "no-docker-config"))
+    monkeypatch.setenv("KVSNAP_CACHE_DIR", str(tmp_path / "kvsnap-cache"))
+
+
+@pytest.fixture(scope="module")
+def lm(demo_models):
+    return demo_models.load("dense")
+
+
+@pytest.fixture(scope="module")
+def built(lm, tmp_path_factory) -> Path:
+    return build_store(lm, tmp_path_factory.mktemp("oci-store") / "snaps", AGENTS)
+
+
+def one_line_error(r: subprocess.CompletedProcess, command: str) -> str:
+    assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"kvsnap {command}: error: "), r.stderr
+    return lines[0]
+
+
+def sha256(path: Path) -> str:
+    return "sha256:" + hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+# --- references and credentials (no registry) ------------------------------------------------
+
+
+def test_references_parse_and_map_to_a_cache_folder(tmp_path):
+    ref = Reference.parse("oci://registry.example.com:5000/team/kv-snaps:v1.2")
+    assert (ref.host, ref.repo, ref.tag, ref.digest) == ("registry.example.com:5000", "team/kv-snaps", "v1.2", None)
+    assert str(ref) == "oci://registry.example.com:5000/team/kv-snaps:v1.2"
+    assert ref.cache_dir(tmp_path) == tmp_path / "registry.example.com_5000" / "team/kv-snaps" / "v1.2"
+    pinned = Reference.parse("oci://ghcr.io/org/snaps@sha256:" + "a" * 64)
+    assert pinned.digest == "sha256:" + "a" * 64 and pinned.tag is None and pinned.cache_dir(tmp_path).name == "sha256_" + "a" * 64
+    assert str(Reference.parse("oci://localhost/snaps:latest").cache_dir()).startswith(str(tmp_path / "kvsnap-cache" / "oci"))
+    for bad, says in (
+        ("registry.example.com/team/snaps:v1", "is not an OCI reference"),
+        ("oci://registry.example.com/team/snaps", "has no tag"),
+        ("oci://registry.example.com/Team/snaps:v1", "is not a repository name"),
+        ("oci://registry.example.com/team/snaps:bad tag", "is not a valid tag"),
+        ("oci://registry.example.com/team/snaps@sha256:abc", "is not a sha256 digest"),
+        ("oci:///team/snaps:v1", "is not a registry host"),
+    ):
+        with pytest.raises(Exception, match=says):
+            Reference.parse(bad)
+
+
+def test_credentials_come_from_the_environment_or_docker_config_and_are_never_shown(monkeypatch, tmp_path):
+    assert find_credentials("reg.example.com") is None
+    config = tmp_path / "docker"
+    config.mkdir()
+    auth = base64.b64encode(b"bob:pa:ss").decode()
+    (config / "config.json").write_text(json.dumps({"auths": {"https://reg.example.com/v1/": {"auth": auth}, "other.example.com": {"username": "u", "password": "p"}}}))
+    monkeypatch.setenv("DOCKER_CONFIG", str(config))
+    creds = find_credentials("reg.example.com")
+    assert (creds.username, creds.password, creds.source) == ("bob", "pa:ss", "docker config.json")
+    assert "pa:ss" not in repr(creds) and "bob" not in repr(creds)
+    assert find_credentials("other.example.com").password == "p"
+    assert find_credentials("third.example.com") is None
+    monkeypatch.setenv("KVSNAP_REGISTRY_USER", "env-user")
+    monkeypatch.setenv("KVSNAP_REGISTRY_PASSWORD", "env-pw")
+    creds = find_credentials("reg.example.com")
+    assert (creds.username, creds.password) == ("env-user", "env-pw") and "KVSNAP_REGISTRY_USER" in creds.source
+
+
+def test_bearer_token_flow(built, tmp_path):
+    """A registry that answers 401 Bearer: kvsnap asks the realm for a token (Basic-authenticated) and retries with it."""
+    blobs: dict[str, bytes] = {}
+    manifests: dict[str, bytes] = {}
+    token_calls = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        url = request.url
+        if url.host == "auth.example.com":
+            token_calls.append(url.params.multi_items())
+            if request.headers.get("Authorization") != Credentials("ci", "tok-pw").basic():
+                return httpx.Response(401)
+            return httpx.Response(200, json={"token": "T0K"})
+        if request.headers.get("Authorization") != "Bearer T0K":
+            scope = "repository:team/snaps:pull"
+            return httpx.Response(401, headers={"WWW-Authenticate": f'Bearer realm="https://auth.example.com/token",service="reg.example.com",scope="{scope}"'})
+        path = url.path
+        if "/blobs/uploads/" in path and request.method == "POST":
+            return httpx.Response(202, headers={"Location": "/v2/team/snaps/blobs/uploads/abc?_state=x"})
+        if "/blobs/uploads/" in path and request.method == "PUT":
+            data = request.read()
+            assert "sha256:" + hashlib.sha256(data).hexdigest() == url.params["digest"] and url.params["_state"] == "x"
+            blobs[url.params["digest"]] = data
+            return httpx.Response(201)
+        if "/blobs/" in path:
+            digest = path.rsplit("/", 1)[1]
+            if digest not in blobs:
+                return httpx.Response(404)
+            return httpx.Response(200, content=b"" if request.method == "HEAD" else blobs[digest])
+        if "/manifests/" in path:
+            tag = path.rsplit("/", 1)[1]
+            if request.method == "PUT":
+                manifests[tag] = request.read()
+                return httpx.Response(201)
+            return httpx.Response(200, content=manifests[tag]) if tag in manifests else httpx.Response(404, json={"errors": [{"code": "MANIFEST_UNKNOWN"}]})
+        return httpx.Response(500)
+
+    ref = Reference.parse("oci://reg.example.com/team/snaps:v1")
+    transport = httpx.MockTransport(handler)
+    report = push(built, ref, credentials=Credentials("ci", "tok-pw", "test"), transport=transport)
+    assert len(report.uploaded) == 4  # empty config + 2 snapshots + manifest.json
+    assert ("service", "reg.example.com") in token_calls[0] and ("scope", "repository:team/snaps:pull,push") in token_calls[0]
+    pulled = pull(ref, tmp_path / "pulled", credentials=Credentials("ci", "tok-pw", "test"), transport=transport)
+    assert len(pulled.downloaded) == 3 and store_files(tmp_path / "pulled") == store_files(built)
+    with pytest.raises(Exception, match=r"refused the credentials from test \(HTTP 401\)"):
+        pull(ref, tmp_path / "again", credentials=Credentials("ci", "wrong", "test"), transport=transport)
+    with pytest.raises(Exception, match=r"needs credentials \(HTTP 401\); set KVSNAP_REGISTRY_USER"):
+        pull(ref, tmp_path / "again", credentials=None, transport=transport)
+    assert not (tmp_path / "again").exists()
+
+
+# --- push, pull, verify ----------------------------------------------------------------------
+
+
+def test_push_pull_verify_round_trip(registry, built, tmp_path):
+    ref = registry.ref("team/snaps")
+    pushed = run_kvsnap("push", built, ref)
+    assert pushed.returncode == 0, pushed.stdout + pushed.stderr
+    assert "4 blob(s) uploaded" in pushed.stdout and "0 already in the registry" in pushed.stdout
+
+    # The artifact: an OCI image manifest of type kvsnap store, the empty config, one layer per file.
+    doc = registry.manifest("team/snaps", "v1").json()
+    assert doc["mediaType"] == OCI_MANIFEST and doc["artifactType"] == ARTIFACT_TYPE and doc["config"] == EMPTY_CONFIG
+    layers = {l["annotations"][TITLE]: l for l in doc["layers"]}
+    assert set(layers) == set(store_files(built))
+    for rel, layer in layers.items():
+        assert layer["digest"] == sha256(built / rel) and layer["size"] == (built / rel).stat().st_size
+
+    out = tmp_path / "pulled"
+    r = run_kvsnap("pull", ref, out)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "3 file(s) downloaded" in r.stdout and "0 already there" in r.stdout
+    assert store_files(out) == store_files(built)
+    assert sorted(os.listdir(out)) == [MANIFEST, "snapshots"]  # a new store appears whole: no .lock, no temp files
+    assert oct(out.stat().st_mode & 0o777) == "0o700" and oct((out / "snapshots").stat().st_mode & 0o777) == "0o700"
+    assert {oct(p.stat().st_mode & 0o777) for p in [out / MANIFEST, *(out / "snapshots").iterdir()]} == {"0o600"}
+    v = run_kvsnap("verify", out)
+    assert v.returncode == 0 and "2 ok, 0 bad" in v.stdout, v.stdout
+    assert no_stage_dirs(tmp_path)
+
+    # Again: nothing to download, nothing touched; re-push: nothing uploaded, same manifest digest.
+    before = tree(out)
+    r = run_kvsnap("pull", ref, out)
+    assert r.returncode == 0 and "0 file(s) downloaded" in r.stdout and "3 already there" in r.stdout
+    assert tree(out) == before
+    since = registry.log_size()
+    r2 = run_kvsnap("push", built, ref)
+    assert r2.returncode == 0 and "0 blob(s) uploaded" in r2.stdout and "4 already in the registry" in r2.stdout
+    assert registry.uploads(since) == []
+    digest = re.compile(r"\((sha256:[0-9a-f]{64})\)")
+    assert digest.search(r2.stdout).group(1) == digest.search(pushed.stdout).group(1)  # same manifest digest
+
+
+def test_repush_after_changing_one_agent_uploads_one_new_snapshot_blob(registry, lm, tmp_path):
+    agents_file = tmp_path / "agents.json"
+    agents = [dict(a) for a in AGENTS]
+    store = build_store(lm, tmp_path / "snaps", agents, agents_file)
+    ref = Reference.parse(registry.ref("ci/agents"))
+    first = push(store, ref)
+    replica = tmp_path / "replica"
+    assert len(pull(ref, replica).downloaded) == 3
+
+    # CI edits one agent, rebuilds the same store, pushes the same tag.
+    agents[1] = {"name": "planner", "messages": [{"role": "system", "content": "You are a planner agent. Plan briefly, then list the steps."}]}
+    build_store(lm, store, agents, agents_file)
+    new_snaps = sorted(set(store_files(store)) - set(store_files(replica)))
+    assert len(new_snaps) == 1
+    since = registry.log_size()
+    report = push(store, ref)
+    assert report.uploaded == [new_snaps[0], MANIFEST]  # the new snapshot and the changed manifest.json only
+    assert len(report.skipped) == 3 and report.manifest_digest != first.manifest_digest
+    uploaded = registry.uploads(since)  # counted by the registry itself
+    assert sorted(uploaded) == sorted([sha256(store / new_snaps[0]), sha256(store / MANIFEST)])
+
+    # A replica pulls only what it lacks.
+    again = pull(ref, replica)
+    assert sorted(again.downloaded) == sorted([new_snaps[0], MANIFEST]) and len(again.present) == 2
+    assert store_files(replica) == store_files(store)
+    assert run_kvsnap("verify", replica).returncode == 0
+
+
+def test_serve_from_oci_pulls_into_the_cache_and_the_first_request_hits(registry, built, demo_models, tmp_path, monkeypatch):
+    from kvsnap.client import stream_chat
+
+    ref = registry.ref("serve/snaps", "prod")
+    assert run_kvsnap("push", built, ref).returncode == 0
+    agents = tmp_path / "agents.json"
+    agents.write_text(json.dumps(AGENTS))
+    cache = tmp_path / "cache"
+    server = start_server(demo_models.path("dense"), ["--served-model-name", "m", "--warm-prompts", str(agents), "--kv-snapshots", ref], tmp_path / "serve.log", env={"KVSNAP_CACHE_DIR": str(cache)}, limit_s=300)
+    try:
+        server.wait_ready(120)
+        log = server.log()
+        pulled = cache / "oci" / registry.host.replace(":", "_") / "serve/snaps/prod"
+        assert f"pulled {ref}" in log and "3 file(s) downloaded" in log, log[-2000:]
+        assert "(2 from snapshots, 0 prefilled)" in log, log[-2000:]
+        assert store_files(pulled) == store_files(built)
+        with httpx.Client(timeout=120) as client:
+            messages = AGENTS[1]["messages"] + [{"role": "user", "content": "Plan the release."}]
+            result = stream_chat(client, server.url, "m", messages, max_tokens=4)
+        assert result.cached_tokens > 0, result.usage
+    finally:
+        server.stop()
+    # The next start reuses the cached files: resolving again downloads nothing.
+    monkeypatch.setenv("KVSNAP_CACHE_DIR", str(cache))
+    before = tree(pulled)
+    assert resolve_kv_snapshots(ref) == str(pulled)
+    assert {k: v for k, v in tree(pulled).items() if k != ".lock"} == {k: v for k, v in before.items() if k != ".lock"}
+
+
+def test_serve_resolution_leaves_folders_alone_and_falls_back_to_an_earlier_pull(built, tmp_path, caplog):
+    assert resolve_kv_snapshots(None) is None and resolve_kv_snapshots(str(built)) == str(built)
+    ref = f"oci://127.0.0.1:{free_port()}/team/snaps:v1"  # nothing listens there
+    with pytest.raises(RegistryUnreachableError, match="cannot reach registry"):
+        resolve_kv_snapshots(ref)
+    cached = Reference.parse(ref).cache_dir()
+    shutil.copytree(built, cached)
+    with caplog.at_level("WARNING", logger="kvsnap"):
+        assert resolve_kv_snapshots(ref) == str(cached)
+    assert "starting from the copy pulled earlier" in caplog.text
+
+
+# --- refused input: clear error, local store unchanged ----------------------------------------
+
+
+def test_tampered_blob_is_refused_and_the_local_store_is_unchanged(registry, lm, tmp_path):
+    # A store of its own, so the blob tampered with here is in no other test's artifact.
+    agents_file = tmp_path / "agents.json"
+    agents = [{"name": "tamper-a", "messages": [{"role": "system", "content": "You are the agent whose blob gets tampered with."}]}]
+    store = build_store(lm, tmp_path / "snaps", agents, agents_file)
+    ref_v1 = registry.ref("tamper/snaps", "v1")
+    assert run_kvsnap("push", store, ref_v1).returncode == 0
+    local = tmp_path / "local"
+    assert run_kvsnap("pull", ref_v1, local).returncode == 0
+    agents.append({"name": "tamper-b", "messages": [{"role": "system", "content": "You are the second agent, added for v2."}]})
+    build_store(lm, store, agents, agents_file)
+    ref_v2 = registry.ref("tamper/snaps", "v2")
+    assert run_kvsnap("push", store, ref_v2).returncode == 0
+    new_rel = (set(store_files(store)) - set(store_files(local))).pop()
+    blob = registry.blob_data(sha256(store / new_rel))
+
+    flip_byte(blob, blob.stat().st_size // 2)  # same size, other bytes
+    before = tree(local)
+    for dest in (local, tmp_path / "fresh"):
+        line = one_line_error(run_kvsnap("pull", ref_v2, dest), "pull")
+        assert f"({new_rel}) hashes to sha256:" in line and "tampered or corrupt in the registry" in line and "nothing was changed" in line
+    assert tree(local) == before and not (tmp_path / "fresh").exists() and no_stage_dirs(tmp_path)
+
+    blob.write_bytes(blob.read_bytes()[:-10])  # truncated
+    line = one_line_error(run_kvsnap("pull", ref_v2, local), "pull")
+    assert "not the" in line and "tampered or corrupt" in line
+    assert tree(local) == before and no_stage_dirs(tmp_path)
+    with pytest.raises(DigestMismatchError):
+        pull(Reference.parse(ref_v2), local)
+
+
+def test_a_blob_with_the_right_digest_but_a_bad_snapshot_checksum_is_refused(registry, built, tmp_path):
+    """The registry's digest only proves the bytes are what was pushed; each snapshot's own checksum is checked too."""
+    good = Store.open(built).snapshot_files()[0]
+    bad = bytearray(good.read_bytes())
+    bad[len(bad) // 2] ^= 1
+    ref = Reference.parse(registry.ref("forged/snaps"))
+    _push_raw(ref, {f"snapshots/{good.name}": bytes(bad), MANIFEST: (built / MANIFEST).read_bytes()})
+    dest = tmp_path / "dest"
+    shutil.copytree(built, dest)
+    (dest / "snapshots" / good.name).unlink()
+    before = tree(dest)
+    line = one_line_error(run_kvsnap("pull", str(ref), dest), "pull")
+    assert f"snapshots/{good.name}: checksum mismatch" in line and "nothing was changed" in line
+    assert tree(dest) == before and no_stage_dirs(tmp_path)
+
+
+def _push_raw(ref: Reference, files: dict[str, bytes]) -> None:
+    """Push an artifact as-is, bypassing every local check (what a broken or hostile pusher could do)."""
+    from kvsnap.oci import Layer, artifact_manifest
+
+    with RegistryClient(ref, push=True) as client:
+        client.upload_blob(EMPTY_CONFIG["digest"], 2, lambda: _Opener(b"{}"))
+        layers = []
+        for title, data in files.items():
+            digest = "sha256:" + hashlib.sha256(data).hexdigest()
+            if not client.blob_exists(digest):
+                client.upload_blob(digest, len(data), lambda data=data: _Opener(data))
+            layers.append(Layer(title, digest, len(data)))
+        client.put_manifest(ref.tag, artifact_manifest(layers))
+
+
+class _Opener:
+    def __init__(self, data: bytes):
+        self.data = data
+
+    def __enter__(self):
+        import io
+
+        return io.BytesIO(self.data)
+
+    def __exit__(self, *exc):
+        return None
+
+
+@pytest.mark.parametrize("title", ["../evil.safetensors", "/tmp/kvsnap-evil-abs", "snapshots/../../evil.safetensors", ".lock", "snapshots/notakey.safetensors"])
+def test_layer_titles_that_escape_or_are_not_store_files_are_refused(registry, built, tmp_path, title):
+    ref = Reference.parse(registry.ref("escape/snaps", re.sub(r"[^a-z]", "", title) or "x"))
+    _push_raw(ref, {title: b"evil bytes", MANIFEST: (built / MANIFEST).read_bytes()})
+    dest = tmp_path / "work" / "dest"
+    line = one_line_error(run_kvsnap("pull", str(ref), dest), "pull")
+    assert "escapes the store folder" in line or "is not a store file" in line
+    assert not dest.exists() and not (tmp_path / "work").exists()
+    assert not list(tmp_path.rglob("evil*")) and not Path("/tmp/kvsnap-evil-abs").exists()
+
+
+def test_missing_tag_and_missing_repository_are_clear_errors(registry, built, tmp_path):
+    dest = tmp_path / "dest"
+    shutil.copytree(built, dest)
+    before = tree(dest)
+    line = one_line_error(run_kvsnap("pull", registry.ref("team/snaps", "no-such-tag"), dest), "pull")
+    assert "tag no-such-tag not found in" in line and "kvsnap push" in line
+    line = one_line_error(run_kvsnap("pull", registry.ref("no/such-repo", "v1"), tmp_path / "new"), "pull")
+    assert "not found" in line or "no repository" in line
+    assert tree(dest) == before and not (tmp_path / "new").exists()
+
+
+def test_unreachable_registry_is_a_clear_error(built, tmp_path):
+    ref = f"oci://127.0.0.1:{free_port()}/team/snaps:v1"
+    dest = tmp_path / "dest"
+    shutil.copytree(built, dest)
+    before = tree(dest)
+    for args, command in ((["pull", ref, dest], "pull"), (["push", built, ref], "push")):
+        line = one_line_error(run_kvsnap(*args), command)
+        assert re.search(r"cannot reach registry 127\.0\.0\.1:\d+ \(ConnectError: .*refused\); check the address", line), line
+    assert tree(dest) == before
+
+
+def test_push_refuses_a_bad_store_and_uploads_nothing(registry, built, tmp_path):
+    bad = tmp_path / "bad"
+    shutil.copytree(built, bad)
+    victim = Store.open(bad).snapshot_files()[0]
+    flip_byte(victim, victim.stat().st_size // 2)
+    since = registry.log_size()
+    line = one_line_error(run_kvsnap("push", bad, registry.ref("bad/snaps")), "push")
+    assert victim.name in line and "checksum mismatch" in line and "refusing to ship" in line
+    assert registry.uploads(since) == [] and registry.manifest("bad/snaps", "v1").status_code == 404
+
+
+def test_401_needs_or_refused_credentials_and_docker_config_login(auth_registry, built, tmp_path, monkeypatch):
+    ref = auth_registry.ref("private/snaps")
+    dest = tmp_path / "dest"
+    for args, command in ((["push", built, ref], "push"), (["pull", ref, dest], "pull")):
+        line = one_line_error(run_kvsnap(*args), command)
+        assert f"registry {auth_registry.host} needs credentials (HTTP 401); set KVSNAP_REGISTRY_USER and KVSNAP_REGISTRY_PASSWORD" in line
+    wrong = {"KVSNAP_REGISTRY_USER": "alice", "KVSNAP_REGISTRY_PASSWORD": "not-the-pw"}
+    r = run_kvsnap("push", built, ref, env=wrong)
+    line = one_line_error(r, "push")
+    assert "refused the credentials from $KVSNAP_REGISTRY_USER/$KVSNAP_REGISTRY_PASSWORD (HTTP 401)" in line
+    assert "not-the-pw" not in r.stdout + r.stderr
+    assert not dest.exists() and auth_registry.manifest("private/snaps", "v1", auth=("alice", "s3cret-pw")).status_code == 404
+
+    r = run_kvsnap("push", built, ref, env={"KVSNAP_REGISTRY_USER": "alice", "KVSNAP_REGISTRY_PASSWORD": "s3cret-pw"})
+    assert r.returncode == 0 and "s3cret-pw" not in r.stdout + r.stderr, r.stderr
+    docker = tmp_path / "docker"
+    docker.mkdir()
+    (docker / "config.json").write_text(json.dumps({"auths": {auth_registry.host: {"auth": base64.b64encode(b"alice:s3cret-pw").decode()}}}))
+    r = run_kvsnap("pull", ref, dest, env={"DOCKER_CONFIG": str(docker)})
+    assert r.returncode == 0 and "s3cret-pw" not in r.stdout + r.stderr, r.stderr
+    assert store_files(dest) == store_files(built)
