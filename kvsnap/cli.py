@@ -139,6 +139,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("unpack", help="unpack a tarball made by `kvsnap pack`, verify it, install it atomically")
     p.add_argument("archive", help="archive file")
     p.add_argument("store", help="snapshot store directory (created if absent)")
+
+    p = sub.add_parser(
+        "vllm-mlx",
+        help="run vllm-mlx's own server warm from a store: kvsnap vllm-mlx serve MODEL [its flags] --kv-snapshots DIR",
+        description="Run vllm-mlx's own server (installed beside kvsnap) with the store's snapshots of MODEL in its prefix cache before it accepts requests. "
+        "Every argument but --kv-snapshots goes to `vllm-mlx serve` unchanged; `kvsnap vllm-mlx serve --help` shows both. See docs/vllm-mlx.md.",
+    )
+    p.add_argument("vllm_mlx_args", nargs=argparse.REMAINDER, metavar="serve MODEL [vllm-mlx flags] --kv-snapshots DIR")
     return parser
 
 
@@ -432,6 +440,14 @@ def cmd_unpack(args) -> int:
     return EXIT_OK
 
 
+def cmd_vllm_mlx(args) -> int:
+    from .integrations.vllm_mlx import main as vllm_mlx_main
+
+    # vllm-mlx logs through the root logger: give its lines a time, level and source, like `serve`.
+    logging.basicConfig(force=True, level=logging.DEBUG if args.verbose else logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return vllm_mlx_main(args.vllm_mlx_args)
+
+
 def cmd_quickstart(args) -> int:
     from .quickstart import run_quickstart
 
@@ -452,6 +468,7 @@ COMMANDS = {
     "pull": cmd_pull,
     "pack": cmd_pack,
     "unpack": cmd_unpack,
+    "vllm-mlx": cmd_vllm_mlx,
 }
 
 
