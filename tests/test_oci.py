@@ -428,17 +428,7 @@ def _push_raw(ref: Reference, files: dict[str, bytes]) -> None:
         client.put_manifest(ref.tag, artifact_manifest(layers))
 
 
-class _Opener:
-    def __init__(self, data: bytes):
-        self.data = data
-
-    def __enter__(self):
-        import io
-
-        return io.BytesIO(self.data)
-
-    def __exit__(self, *exc):
-        return None
+from kvsnap.oci import _BytesOpener as _Opener  # noqa: E402  (the same in-memory opener push uses)
 
 
 @pytest.mark.parametrize("title", ["../evil.safetensors", "/tmp/kvsnap-evil-abs", "snapshots/../../evil.safetensors", ".lock", "snapshots/notakey.safetensors"])
