@@ -22,8 +22,7 @@ import logging
 import sys
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 from ..errors import KvsnapError, SnapshotError, StoreError, UsageError
 
@@ -44,7 +43,8 @@ cache (~/.cache/vllm-mlx/prefix_cache) is neither read nor written in such a run
 
 kvsnap's option:
   {OPTION} DIR   a store made by `kvsnap build` run under the same mlx-lm minor as
-                      vllm-mlx (0.31.x for vllm-mlx 0.6); needs --continuous-batching
+                      vllm-mlx (0.31.x for vllm-mlx 0.6), or oci://HOST/REPO:TAG to pull
+                      one first (see docs/deploy.md); needs --continuous-batching
 
 Every other argument goes to `vllm-mlx serve` unchanged. See docs/vllm-mlx.md.
 """
@@ -179,7 +179,7 @@ def insert_snapshots(prefix_cache: Any, model: Any, tokenizer: Any, model_path: 
             continue
         used = float(getattr(prefix_cache, "memory_usage_mb", 0.0)) * 2**20
         if used + info.nbytes > limit:
-            report.skip(info.path, f"does not fit vllm-mlx's prefix-cache budget ({used / 2**20:.1f} of {limit / 2**20:.1f} MB used, needs {info.nbytes / 2**20:.1f} MB); raise --cache-memory-mb")
+            report.skip(info.path, f"does not fit vllm-mlx's prefix-cache budget ({used / 2**20:.1f} of {limit / 2**20:.1f} MiB used, needs {info.nbytes / 2**20:.1f} MiB); raise --cache-memory-mb")
             continue
         try:
             arrays = store.load_arrays(info, identity)
@@ -210,7 +210,7 @@ def scheduler_of(engine: Any) -> Any:
     return getattr(core, "scheduler", None)
 
 
-def install(server: Any, store: Any, digests: Any = None, on_report: Callable[[InsertReport], None] | None = None) -> None:
+def install(server: Any, store: Any, digests: Any = None) -> None:
     """Replace vllm-mlx's disk-cache load and save with the snapshot loader and a no-op."""
 
     async def load_kvsnap_snapshots(engine: Any = None) -> None:
@@ -237,8 +237,6 @@ def install(server: Any, store: Any, digests: Any = None, on_report: Callable[[I
             log.error("[kvsnap] no snapshots loaded (%s: %s); vllm-mlx starts cold", type(exc).__name__, exc, exc_info=True)
             return
         log.info("%s", report.summary())
-        if on_report is not None:
-            on_report(report)
 
     async def skip_disk_cache_save(engine: Any = None) -> None:
         log.info("[kvsnap] vllm-mlx's prefix cache is not saved to ~/.cache/vllm-mlx/prefix_cache in a --kv-snapshots run (the kvsnap store is the warm state)")
@@ -282,6 +280,16 @@ def open_store(path: str) -> Any:
     return store
 
 
+def parse_serve_args(cli: Any, rest: list[str]) -> Any:
+    """vllm-mlx's own parser on the arguments; its usage errors exit 2 here, named as vllm-mlx's."""
+    saved = sys.argv
+    sys.argv = ["vllm-mlx", "serve", *rest]
+    try:
+        return cli.create_parser().parse_args(["serve", *rest])
+    finally:
+        sys.argv = saved
+
+
 def run_vllm_mlx(cli: Any, args: list[str]) -> int:
     """vllm-mlx's own ``main``, as if run as ``vllm-mlx ARGS``; its exit status is returned."""
     saved = sys.argv
@@ -315,8 +323,12 @@ def main(argv: Sequence[str]) -> int:
     if store_dir is None:
         log.info("[kvsnap] no %s: running vllm-mlx %s unchanged", OPTION, version)
         return run_vllm_mlx(cli, ["serve", *rest])
-    ns = cli.create_parser().parse_args(["serve", *rest])  # vllm-mlx's own usage errors exit 2 here
+    ns = parse_serve_args(cli, rest)
     check_serve_args(ns)
+    if store_dir.startswith("oci://"):
+        from ..oci import resolve_kv_snapshots
+
+        store_dir = resolve_kv_snapshots(store_dir)  # pulled into kvsnap's cache folder first, as `kvsnap serve` does
     store = open_store(store_dir)
     if getattr(ns, "warm_prompts", None):
         log.warning("[kvsnap] --warm-prompts with %s: vllm-mlx still prefills every warm prompt after the snapshots are in; drop --warm-prompts to start with no prefill", OPTION)

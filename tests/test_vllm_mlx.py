@@ -1,0 +1,345 @@
+"""`kvsnap vllm-mlx serve`: vllm-mlx's own server, warm from a kvsnap store.
+
+The fast tests run here, without vllm-mlx: argument handling and the insertion into a
+stand-in for vllm-mlx's prefix cache. The end-to-end test installs vllm-mlx 0.6.0 (which
+pins mlx-lm 0.31) into its own cached virtual environment (~/.cache/kvsnap-tests, or
+$KVSNAP_TEST_CACHE), builds snapshots there, and runs vllm-mlx's real server twice: once
+through kvsnap with the snapshots and once plain, cold. Skipped only when the package index
+cannot be reached.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import httpx
+import pytest
+
+from conftest import LONG_SYSTEM, run_kvsnap
+from kvsnap.errors import UsageError
+from kvsnap.integrations.vllm_mlx import check_serve_args, insert_snapshots, prepended_special_tokens, split_argv
+from kvsnap.key import mlx_lm_minor
+
+ROOT = Path(__file__).resolve().parents[1]
+AGENTS = [{"name": "reviewer", "messages": [{"role": "system", "content": LONG_SYSTEM}]}]
+
+
+# --- arguments ------------------------------------------------------------------------
+
+
+def test_split_argv_takes_only_kv_snapshots_and_keeps_the_rest_in_order():
+    assert split_argv(["M", "--continuous-batching", "--kv-snapshots", "s", "--port", "9"]) == ("s", ["M", "--continuous-batching", "--port", "9"])
+    assert split_argv(["M", "--kv-snapshots=./a b"]) == ("./a b", ["M"])
+    assert split_argv(["M", "--kv-cache-quantization"]) == (None, ["M", "--kv-cache-quantization"])
+    for bad in (["M", "--kv-snapshots"], ["M", "--kv-snapshots", "--port", "1"], ["M", "--kv-snapshots="], ["--kv-snapshots", "a", "--kv-snapshots", "b"]):
+        with pytest.raises(UsageError, match="--kv-snapshots"):
+            split_argv(bad)
+
+
+def test_serve_options_that_bypass_the_memory_aware_cache_are_refused():
+    ok = dict(models_config=None, continuous_batching=True, disable_prefix_cache=False, no_memory_aware_cache=False, use_paged_cache=False, mllm=False, max_kv_size=None)
+    check_serve_args(SimpleNamespace(**ok))
+    for change, words in [
+        ({"continuous_batching": False}, "--continuous-batching"),
+        ({"disable_prefix_cache": True}, "--disable-prefix-cache"),
+        ({"no_memory_aware_cache": True}, "--no-memory-aware-cache"),
+        ({"use_paged_cache": True}, "--use-paged-cache"),
+        ({"max_kv_size": 512}, "--max-kv-size"),
+        ({"models_config": "m.yaml"}, "--models-config"),
+    ]:
+        with pytest.raises(UsageError, match=re.escape(words)):
+            check_serve_args(SimpleNamespace(**{**ok, **change}))
+
+
+def test_without_vllm_mlx_installed_the_command_says_so_and_exits_2(tmp_path):
+    try:
+        import vllm_mlx  # noqa: F401
+
+        pytest.skip("vllm-mlx is installed in this environment")
+    except ImportError:
+        pass
+    r = run_kvsnap("vllm-mlx", "serve", tmp_path, "--continuous-batching", "--kv-snapshots", tmp_path)
+    assert r.returncode == 2, r.stderr
+    assert "vllm-mlx is not installed" in r.stderr and "docs/vllm-mlx.md" in r.stderr
+
+
+# --- insertion, against a stand-in for vllm-mlx's MemoryAwarePrefixCache ----------------
+
+
+class FakePrefixCache:
+    """The part of vllm-mlx's MemoryAwarePrefixCache the loader uses."""
+
+    def __init__(self, min_prefix_tokens: int = 128, limit_mb: float = 1000.0):
+        self._config = SimpleNamespace(min_prefix_tokens=min_prefix_tokens)
+        self.memory_limit_mb = limit_mb
+        self.memory_usage_mb = 0.0
+        self.entries: dict[tuple, list] = {}
+
+    def store(self, tokens, cache, evict_prefixes=True):
+        assert evict_prefixes is False, "a snapshot must never evict another that is its prefix"
+        self.entries[tuple(tokens)] = cache
+        self.memory_usage_mb += sum(c.keys.nbytes + c.values.nbytes for c in cache) / 2**20
+        return True
+
+
+@pytest.fixture(scope="module")
+def dense_store(tmp_path_factory, demo_models):
+    from kvsnap.build import build_snapshots
+    from kvsnap.key import DigestCache
+    from kvsnap.prompts import parse_warm_prompts
+    from kvsnap.store import Store
+
+    root = tmp_path_factory.mktemp("vllm-mlx-store")
+    agents = root / "agents.json"
+    agents.write_text(json.dumps(AGENTS))
+    store = Store.open(root / "snaps", create=True)
+    for name in ("dense", "sliding"):  # sliding: another model, so a foreign snapshot
+        report = build_snapshots(demo_models.load(name), parse_warm_prompts(AGENTS, str(agents)), store, str(agents), digests=DigestCache())
+        assert report.ok, report
+    return store
+
+
+def test_insert_puts_exactly_the_snapshot_state_into_the_cache_and_skips_foreign_ones(dense_store, demo_models):
+    import mlx.core as mx
+
+    from kvsnap.build import prefill
+
+    lm = demo_models.load("dense")
+    cache = FakePrefixCache()
+    report = insert_snapshots(cache, lm.model, lm.tokenizer, str(lm.path), dense_store)
+    assert report.inserted == 1 and len(cache.entries) == 1
+    assert len(report.skipped) == 1 and "built for another model" in report.skipped[0][1]
+    (tokens, state), = cache.entries.items()
+    assert report.tokens == len(tokens) > 128
+    fresh = prefill(lm, tokens)
+    for got, want in zip(state, fresh):
+        assert got.offset == len(tokens)
+        assert mx.array_equal(got.keys, want.keys[..., : len(tokens), :]) and mx.array_equal(got.values, want.values[..., : len(tokens), :])
+
+
+def test_insert_respects_vllm_mlx_minimum_prefix_and_memory_budget(dense_store, demo_models):
+    lm = demo_models.load("dense")
+    short = insert_snapshots(FakePrefixCache(min_prefix_tokens=100_000), lm.model, lm.tokenizer, str(lm.path), dense_store)
+    assert short.inserted == 0 and any("minimum reusable prefix" in why for _, why in short.skipped)
+    small = insert_snapshots(FakePrefixCache(limit_mb=0.01), lm.model, lm.tokenizer, str(lm.path), dense_store)
+    assert small.inserted == 0 and any("--cache-memory-mb" in why for _, why in small.skipped)
+
+
+class BosTokenizer:
+    """A tokenizer whose default encode prepends a BOS, as Llama's does."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def encode(self, text, add_special_tokens=True):
+        plain = list(self.inner.encode(text, add_special_tokens=False))
+        return [1, *plain] if add_special_tokens else plain
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def test_a_tokenizer_that_prepends_bos_on_encode_makes_every_snapshot_unmatchable(dense_store, demo_models):
+    lm = demo_models.load("dense")
+    assert prepended_special_tokens(lm.tokenizer) == []
+    assert prepended_special_tokens(BosTokenizer(lm.tokenizer)) == [1]
+    report = insert_snapshots(FakePrefixCache(), lm.model, BosTokenizer(lm.tokenizer), str(lm.path), dense_store)
+    assert report.inserted == 0 and any("special tokens" in why for _, why in report.skipped)
+
+
+# --- end to end, in vllm-mlx's own environment ------------------------------------------
+
+VLLM_MLX = "vllm-mlx==0.6.0"
+# What vllm-mlx's text server imports (its full dependency list pulls gradio, opencv, torchvision).
+SERVER_DEPS = [
+    "mlx[cpu]" if sys.platform.startswith("linux") else "mlx",
+    "mlx-lm>=0.31.3,<0.32", "fastapi", "uvicorn", "python-multipart", "mcp", "transformers", "tokenizers",
+    "pyyaml", "psutil", "prometheus-client", "jsonschema", "tabulate", "requests", "tqdm", "numpy", "pillow",
+    "pytz", "httpx", "safetensors", "xxhash", "rich",
+]
+SPEC = json.dumps({"no_deps": VLLM_MLX, "deps": SERVER_DEPS})
+UNREACHABLE = ("Could not find a version", "No matching distribution", "Failed to establish a new connection", "Temporary failure in name resolution", "Network is unreachable", "ConnectionError", "Max retries exceeded")
+
+
+def _cache_root() -> Path:
+    return Path(os.environ.get("KVSNAP_TEST_CACHE") or Path.home() / ".cache" / "kvsnap-tests")
+
+
+def _pip(venv: Path, *args: str) -> None:
+    r = subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--disable-pip-version-check", *args], capture_output=True, text=True, timeout=900)
+    if r.returncode != 0:
+        shutil.rmtree(venv, ignore_errors=True)
+        text = r.stdout + r.stderr
+        last = [line for line in text.strip().splitlines() if line.strip()][-1:]
+        if any(marker in text for marker in UNREACHABLE):
+            pytest.skip(f"cannot install {args[-1]} from the package index: {last}")
+        pytest.fail(f"pip install {' '.join(args)} failed:\n{text[-3000:]}")
+
+
+@pytest.fixture(scope="session")
+def vllm_mlx_python() -> Path:
+    """The python of a cached venv holding vllm-mlx 0.6.0 and its text server's imports.
+
+    kvsnap itself is not installed there: the tests put this checkout first on PYTHONPATH.
+    """
+    root = _cache_root()
+    root.mkdir(parents=True, exist_ok=True)
+    venv = root / "vllm-mlx-venv"
+    marker = venv / ".kvsnap-spec"
+    with open(root / ".vllm-mlx-venv.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # two sessions never build it at once
+        if not (marker.is_file() and marker.read_text() == SPEC):
+            shutil.rmtree(venv, ignore_errors=True)
+            subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
+            _pip(venv, "--no-deps", VLLM_MLX)
+            _pip(venv, *SERVER_DEPS)
+            marker.write_text(SPEC)
+    return venv / "bin" / "python"
+
+
+def _venv_env(home: Path) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "LD_PRELOAD")}
+    env.update(HOME=str(home), KVSNAP_CACHE_DIR=str(home / "kvsnap-cache"), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
+    return env
+
+
+def _venv_kvsnap(python: Path, home: Path, *args) -> subprocess.CompletedProcess:
+    r = subprocess.run([str(python), "-m", "kvsnap", *map(str, args)], capture_output=True, text=True, env=_venv_env(home), timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return r
+
+
+@pytest.fixture(scope="module")
+def world(vllm_mlx_python, tmp_path_factory):
+    """Demo models and one store, built in vllm-mlx's environment (mlx-lm 0.31)."""
+    root = tmp_path_factory.mktemp("vllm-mlx-e2e")
+    home = root / "build-home"
+    home.mkdir()
+    agents = root / "agents.json"
+    agents.write_text(json.dumps(AGENTS))
+    models = {}
+    for name, extra in {"dense": [], "hybrid": ["--arch", "hybrid"], "other": ["--seed", "7"]}.items():
+        models[name] = root / name
+        _venv_kvsnap(vllm_mlx_python, home, "demo-model", models[name], *extra)
+        _venv_kvsnap(vllm_mlx_python, home, "build", agents, "--model", models[name], "--out", root / "snaps")
+    # One more, built under this suite's mlx-lm: foreign to vllm-mlx when the minors differ.
+    r = run_kvsnap("build", agents, "--model", models["dense"], "--out", root / "snaps", env={"KVSNAP_CACHE_DIR": str(home / "kvsnap-cache")})
+    assert r.returncode == 0, r.stdout + r.stderr
+    manifest = json.loads((root / "snaps" / "manifest.json").read_text())
+    n_tokens = {Path(rec["model_path"]).name: rec["entries"][0]["n_tokens"] for rec in manifest["records"].values()}
+    venv_minor = subprocess.run([str(vllm_mlx_python), "-c", "from kvsnap.key import mlx_lm_minor; print(mlx_lm_minor())"], capture_output=True, text=True, env=_venv_env(home), check=True).stdout.strip()
+    return SimpleNamespace(root=root, python=vllm_mlx_python, models=models, store=root / "snaps", n_tokens=n_tokens, venv_minor=venv_minor)
+
+
+def _launch(cmd: list[str], home: Path, log: Path, extra_env: dict | None = None):
+    from kvsnap.serverproc import ServerProcess, free_port
+
+    port = free_port()
+    full = [*cmd, "--host", "127.0.0.1", "--port", str(port)]
+    if os.path.exists("/usr/bin/timeout"):  # a hard limit, so a hung server never outlives the test
+        full = ["/usr/bin/timeout", "-k", "5", "300", *full]
+    env = {**_venv_env(home), **(extra_env or {})}
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(full, stdout=out, stderr=subprocess.STDOUT, env=env)
+    return ServerProcess(proc=proc, url=f"http://127.0.0.1:{port}", log_path=log, launched_at=time.perf_counter())
+
+
+def _ask(server, model: str, user: str, max_tokens: int = 200) -> dict:
+    """One greedy chat request; /v1/status is polled while it runs for the request's own cache figures."""
+    body = {"model": model, "messages": [AGENTS[0]["messages"][0], {"role": "user", "content": user}], "max_tokens": max_tokens, "temperature": 0}
+    result: dict = {}
+
+    def send():
+        with httpx.Client(timeout=120) as c:
+            result["response"] = c.post(f"{server.url}/v1/chat/completions", json=body).json()
+
+    thread = threading.Thread(target=send)
+    seen = []
+    with httpx.Client(timeout=10) as c:
+        thread.start()
+        while thread.is_alive():
+            seen += c.get(f"{server.url}/v1/status").json()["requests"]
+            time.sleep(0.01)
+    thread.join()
+    assert seen, "the request never showed in /v1/status"
+    assert len({r["request_id"] for r in seen}) == 1
+    return {"text": result["response"]["choices"][0]["message"]["content"], "prompt_tokens": seen[-1]["prompt_tokens"], "cached_tokens": seen[-1]["cached_tokens"], "hit": seen[-1]["cache_hit_type"]}
+
+
+def _scheduled(log: str) -> list[tuple[int, int, int]]:
+    """(prompt_tokens, tokens_to_prefill, cached) from vllm-mlx's own [schedule] log lines."""
+    return [(int(a), int(b), int(c or 0)) for a, b, c in re.findall(r"\[schedule\] request=\S+ uid=\d+ prompt_tokens=(\d+) tokens_to_prefill=(\d+)(?:, (\d+) cached)?", log)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["dense", "hybrid"])
+def test_vllm_mlx_starts_warm_from_snapshots_and_answers_like_a_cold_vllm_mlx(world, arch, tmp_path):
+    from kvsnap.blas import find_openblas
+
+    model = str(world.models[arch])
+    users = ["Please review the server code.", "Another question, about rust"]
+    n = world.n_tokens[arch]
+    assert n > 128  # vllm-mlx ignores shorter prefixes
+
+    # kvsnap vllm-mlx serve ... --kv-snapshots: the snapshot is in the cache before the port opens.
+    home = tmp_path / "home-kvsnap"
+    home.mkdir()
+    warm = _launch([str(world.python), "-m", "kvsnap", "vllm-mlx", "serve", model, "--continuous-batching", "--kv-snapshots", str(world.store)], home, tmp_path / "kvsnap.log")
+    try:
+        ready_s = warm.wait_ready(180)
+        status = httpx.get(f"{warm.url}/v1/status", timeout=10).json()
+        warm_answers = [_ask(warm, model, u) for u in users]
+    finally:
+        assert warm.stop() == 0, warm.log()[-3000:]
+    log = warm.log()
+    # No warm-up prefill at start: no step ran, no prompt token was computed, one entry is cached.
+    assert (status["steps_executed"], status["total_prompt_tokens"], status["total_requests_processed"]) == (0, 0, 0), status
+    assert status["cache"]["entry_count"] == 1 and status["cache"]["hits"] == 0, status["cache"]
+    assert "Warming prefix cache" not in log
+    assert re.search(r"\[kvsnap\] Warm start from .*: 1 snapshot\(s\) inserted .*0 tokens prefilled", log), log[-3000:]
+    # The other snapshots in the store are skipped, with the reason.
+    assert log.count("skipped snapshot") >= 2 and "built for another model" in log
+    if world.venv_minor != mlx_lm_minor():
+        assert "mlx_lm_minor" in log  # the one built under this suite's mlx-lm
+    # The requests' own figures: the snapshot's tokens were not computed.
+    for answer in warm_answers:
+        assert answer["cached_tokens"] == n and answer["hit"] == "prefix", answer
+    assert [(p, p - n, n) for p in (a["prompt_tokens"] for a in warm_answers)] == _scheduled(log)
+    # vllm-mlx's disk cache was neither read nor written.
+    assert "not saved to ~/.cache/vllm-mlx/prefix_cache" in log
+    assert not (home / ".cache" / "vllm-mlx").exists()
+
+    # Plain vllm-mlx, cold, same BLAS: the same greedy answers from a full prefill.
+    cold_home = tmp_path / "home-cold"
+    cold_home.mkdir()
+    blas = find_openblas()
+    cold = _launch([str(world.python), "-m", "vllm_mlx.cli", "serve", model, "--continuous-batching"], cold_home, tmp_path / "cold.log", {"LD_PRELOAD": blas} if blas else None)
+    try:
+        cold_ready_s = cold.wait_ready(180)
+        cold_answers = [_ask(cold, model, u) for u in users]
+    finally:
+        cold.stop()
+    assert cold_answers[0]["cached_tokens"] == 0
+    assert _scheduled(cold.log())[0] == (cold_answers[0]["prompt_tokens"], cold_answers[0]["prompt_tokens"], 0)
+    assert [a["text"] for a in warm_answers] == [a["text"] for a in cold_answers]
+    assert [a["prompt_tokens"] for a in warm_answers] == [a["prompt_tokens"] for a in cold_answers]
+    # What the launcher keeps out of the user's home: plain vllm-mlx saves its cache there on shutdown.
+    assert (cold_home / ".cache" / "vllm-mlx" / "prefix_cache").is_dir()
+    print(f"\n{arch}: ready {ready_s:.1f}s warm vs {cold_ready_s:.1f}s cold; warm {[(a['prompt_tokens'], a['cached_tokens']) for a in warm_answers]}, cold {[(a['prompt_tokens'], a['cached_tokens']) for a in cold_answers]}")
+
+
+@pytest.mark.slow
+def test_kv_snapshots_without_continuous_batching_is_a_usage_error(world, tmp_path):
+    r = subprocess.run([str(world.python), "-m", "kvsnap", "vllm-mlx", "serve", str(world.models["dense"]), "--kv-snapshots", str(world.store)], capture_output=True, text=True, env=_venv_env(tmp_path), timeout=120)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "add --continuous-batching" in r.stderr
