@@ -38,9 +38,10 @@ def main() -> int:
     fig, axes = plt.subplots(1, len(PANELS), figsize=(5 * len(PANELS), 4))
     for ax, (field, label) in zip(axes, PANELS):
         for mode in MODES:
-            pts = sorted((float(r[args.x]), float(r[field])) for r in rows if r["mode"] == mode)
+            # A cold server has no warm-up phase (0 s): nothing to draw on a log axis.
+            pts = sorted((float(r[args.x]), float(r[field])) for r in rows if r["mode"] == mode and float(r[field]) > 0)
             if pts:
-                ax.plot([p[0] for p in pts], [max(p[1], 1e-3) for p in pts], "o-", label=mode, color=COLORS[mode])
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=mode, color=COLORS[mode])
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("system-prompt tokens" if args.x == "prompt_tokens" else "agents")
