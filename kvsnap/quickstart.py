@@ -62,7 +62,7 @@ def run_quickstart(workdir: Path, print_fn=print) -> int:
     model_dir = make_demo_model(workdir / "model", DemoSpec())
     agents = write_example_agents(workdir / "agents.json")
     print_fn(f"[1/4] demo model {model_dir}; agents file {agents}")
-    digests = DigestCache(workdir / "digests.json")
+    digests = DigestCache(workdir / "file-digests.json")
     lm = load_model(model_dir)
     store = Store.open(workdir / "snaps", create=True)
     report = build_snapshots(lm, load_warm_prompts(agents), store, str(agents), digests=digests)
