@@ -16,68 +16,13 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from .key import DigestCache, KVSettings
-from .prompts import WarmPromptSet
+from .engine_types import EngineConfig, EventFn, GenerationRequest, RequestState, check_request
+
+__all__ = ["Engine", "EngineConfig", "EventFn", "GenerationRequest", "RequestState"]
 
 log = logging.getLogger("kvsnap.engine")
-
-EventFn = Callable[["RequestState", str, Any], None]  # (state, "token"|"done"|"error", payload)
-
-
-@dataclass
-class EngineConfig:
-    model: str
-    settings: KVSettings = field(default_factory=KVSettings)
-    warm_prompts: WarmPromptSet | None = None
-    warm_prompts_file: str | None = None
-    snapshots: str | None = None
-    write_back: bool = True
-    warm_prompts_concurrency: int = 1
-    cache_memory_mb: float = 2048.0
-    continuous_batching: bool = True
-    max_batch_size: int = 8
-    prefill_batch_size: int = 4
-    digest_cache: DigestCache | None = None
-
-
-@dataclass
-class GenerationRequest:
-    tokens: list[int]
-    max_tokens: int
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-
-
-@dataclass
-class RequestState:
-    id: int
-    request: GenerationRequest
-    on_event: EventFn
-    cached_tokens: int = 0
-    computed_tokens: int = 0
-    completion_tokens: int = 0
-    finish_reason: str | None = None
-    text: str = ""
-    t_submit: float = field(default_factory=time.perf_counter)
-    t_first_token: float | None = None
-    t_done: float | None = None
-    cache_source: str = ""
-    uid: int | None = None
-    detok: Any = None
-    capture: bool = False
-    last_token_counted: bool = False
-    held_text: str = ""
-    done: threading.Event = field(default_factory=threading.Event)
-
-    @property
-    def prompt_tokens(self) -> int:
-        return len(self.request.tokens)
-
 
 class Engine:
     def __init__(self, config: EngineConfig):
@@ -466,7 +411,7 @@ class Engine:
             state = self._pending.pop(0)
             r = state.request
             try:
-                _check_request(r)
+                check_request(r)
                 cache, suffix = self._prepare(state)
                 uid = gen.insert([list(suffix)], max_tokens=[r.max_tokens], caches=[cache], samplers=[make_request_sampler(r.temperature, r.top_p, r.seed)])[0]
             except Exception as exc:  # this request fails; the batch goes on
@@ -513,7 +458,7 @@ class Engine:
     def _capture(self, state: RequestState, cache: list, defer: bool = False) -> None:
         """Keep the prompt minus its last token for multi-turn reuse; captured before any decode."""
         from .prefix import Entry
-        from .snapshot import CaptureError, cache_nbytes_of, check_captured_at, copy_cache, is_trimmable
+        from .snapshot import CaptureError, cache_arrays, cache_nbytes_of, check_captured_at, copy_cache, is_trimmable
 
         import mlx.core as mx
 
@@ -525,7 +470,7 @@ class Engine:
             log.debug("[kvsnap] not capturing request %d: %s", state.id, exc)
             return
         own = copy_cache(cache)
-        arrays = [a for c in own for a in _arrays_of(c)]
+        arrays = [a for c in own for a in cache_arrays(c)]
         if defer:
             # Evaluated right after the next decode step, so the copy is not on the
             # critical path of this request's first token.
@@ -610,7 +555,7 @@ class Engine:
         self._active[-state.id] = state
         self._max_batch_seen = max(self._max_batch_seen, 1)
         try:
-            _check_request(state.request)
+            check_request(state.request)
             cache, suffix = self._prepare(state)
             sampler = make_request_sampler(state.request.temperature, state.request.top_p, state.request.seed)
             body, last = list(suffix[:-1]), suffix[-1]
@@ -666,60 +611,9 @@ class Engine:
 
         if len(token_lists) <= 1 or self.lm.settings.kv_bits is not None:
             return [prefill(self.lm, tokens) for tokens in token_lists]
-        return self._prefill_batched(token_lists)
+        from .batch_prefill import prefill_batched
 
-    def _prefill_batched(self, token_lists) -> list:
-        """Run several warm prefixes through one BatchGenerator prompt batch and take each
-        state exactly at the end of its tokens (a dummy last segment is never run)."""
-        import mlx.core as mx
-
-        from .snapshot import check_captured_at, copy_cache
-
-        n = len(token_lists)
-        gen = self._new_generator(n, n)
-        uids = gen.insert_segments([[list(t), [0]] for t in token_lists], max_tokens=[1] * n)
-        index = {uid: i for i, uid in enumerate(uids)}
-        out: list = [None] * n
-        try:
-            while any(c is None for c in out):
-                prompt_responses, generation_responses = gen.next()
-                if generation_responses:  # cannot happen: each sequence is removed at its boundary
-                    raise RuntimeError("warm-up prefill reached a decode step")
-                for r in prompt_responses:
-                    i = index.get(r.uid)
-                    if i is None or out[i] is not None or not r.end_of_segment or r.end_of_prompt:
-                        continue
-                    cache = copy_cache(gen.extract_cache([r.uid])[r.uid][0])
-                    mx.eval([a for c in cache for a in _arrays_of(c)])
-                    check_captured_at(cache, len(token_lists[i]))
-                    out[i] = cache
-                    gen.remove([r.uid])
-        finally:
-            gen.close()
-        return out
-
-
-def _check_request(r: GenerationRequest) -> None:
-    if not r.tokens:
-        raise ValueError("the prompt has no tokens")
-    if r.max_tokens < 1:
-        raise ValueError(f"max_tokens must be at least 1, got {r.max_tokens}")
-
-
-def _arrays_of(cache) -> list:
-    """The arrays a (private, single-sequence) cache layer holds, for mx.eval."""
-    if type(cache).__name__ == "CacheList":
-        return [a for sub in cache.caches for a in _arrays_of(sub)]
-    out = []
-    for name in ("keys", "values"):
-        v = getattr(cache, name, None)
-        if isinstance(v, (tuple, list)):
-            out += [a for a in v if a is not None]
-        elif v is not None:
-            out.append(v)
-    if type(cache).__name__ == "ArraysCache":
-        out += [a for a in cache.cache if a is not None]
-    return out
+        return prefill_batched(self._new_generator(len(token_lists), len(token_lists)), token_lists)
 
 
 def _prompt_counter(gen) -> int | None:

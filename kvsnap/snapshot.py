@@ -250,3 +250,19 @@ def cache_nbytes_of(cache: Sequence[Any]) -> int:
     for i, c in enumerate(cache):
         encode_layer(c, str(i), arrays)
     return sum(a.nbytes for a in arrays.values())
+
+
+def cache_arrays(cache) -> list:
+    """The arrays a (private, single-sequence) cache layer holds, for mx.eval."""
+    if type(cache).__name__ == "CacheList":
+        return [a for sub in cache.caches for a in cache_arrays(sub)]
+    out = []
+    for name in ("keys", "values"):
+        v = getattr(cache, name, None)
+        if isinstance(v, (tuple, list)):
+            out += [a for a in v if a is not None]
+        elif v is not None:
+            out.append(v)
+    if type(cache).__name__ == "ArraysCache":
+        out += [a for a in cache.cache if a is not None]
+    return out

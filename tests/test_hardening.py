@@ -6,7 +6,6 @@ import json
 import os
 import random
 import re
-import shutil
 import signal
 import subprocess
 import sys

@@ -1,0 +1,72 @@
+"""The engine's public types: its configuration, a generation request and a request's live state."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from .key import DigestCache, KVSettings
+from .prompts import WarmPromptSet
+
+EventFn = Callable[["RequestState", str, Any], None]  # (state, "token"|"done"|"error", payload)
+
+
+@dataclass
+class EngineConfig:
+    model: str
+    settings: KVSettings = field(default_factory=KVSettings)
+    warm_prompts: WarmPromptSet | None = None
+    warm_prompts_file: str | None = None
+    snapshots: str | None = None
+    write_back: bool = True
+    warm_prompts_concurrency: int = 1
+    cache_memory_mb: float = 2048.0
+    continuous_batching: bool = True
+    max_batch_size: int = 8
+    prefill_batch_size: int = 4
+    digest_cache: DigestCache | None = None
+
+
+@dataclass
+class GenerationRequest:
+    tokens: list[int]
+    max_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+
+
+@dataclass
+class RequestState:
+    id: int
+    request: GenerationRequest
+    on_event: EventFn
+    cached_tokens: int = 0
+    computed_tokens: int = 0
+    completion_tokens: int = 0
+    finish_reason: str | None = None
+    text: str = ""
+    t_submit: float = field(default_factory=time.perf_counter)
+    t_first_token: float | None = None
+    t_done: float | None = None
+    cache_source: str = ""
+    uid: int | None = None
+    detok: Any = None
+    capture: bool = False
+    last_token_counted: bool = False
+    held_text: str = ""
+    done: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.request.tokens)
+
+
+def check_request(r: GenerationRequest) -> None:
+    if not r.tokens:
+        raise ValueError("the prompt has no tokens")
+    if r.max_tokens < 1:
+        raise ValueError(f"max_tokens must be at least 1, got {r.max_tokens}")
