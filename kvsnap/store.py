@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from .errors import SnapshotError, StoreError
-from .key import ModelIdentity, canonical_json, hexdigest, snapshot_key, tokens_digest
+from .key import ModelIdentity, canonical_json, hexdigest, snapshot_key, tokens_digest, unpack_tokens
 from .snapfile import FORMAT_VERSION, FormatError, Header, OutTensor, check_data, parse_header, read_header, tensor_bytes, verify_checksum, write_snapshot
 
 MANIFEST = "manifest.json"
@@ -120,7 +120,7 @@ def inspect_header(path: Path, header: Header) -> SnapshotInfo:
     if tok is None or tok.dtype != "I32" or tok.shape != (n_tokens,):
         raise FormatError(f"tokens tensor missing or not int32[{n_tokens}]")
     raw = tensor_bytes(path, header, "tokens")
-    tokens = [int.from_bytes(raw[i : i + 4], "little", signed=True) for i in range(0, len(raw), 4)]
+    tokens = unpack_tokens(raw)
     if tokens_digest(tokens) != meta["kvsnap.tokens_digest"]:
         raise FormatError("tokens do not match the recorded tokens digest")
     key = snapshot_key(identity, meta["kvsnap.prompt_digest"], tokens)
@@ -352,7 +352,7 @@ class Store:
             raise SnapshotError(str(info.path), f"tokens cannot be read ({exc})") from None
         except OSError as exc:
             raise SnapshotError(str(info.path), f"cannot be read ({exc.strerror or exc})") from None
-        return [int.from_bytes(raw[i : i + 4], "little", signed=True) for i in range(0, len(raw), 4)]
+        return unpack_tokens(raw)
 
     def load_arrays(self, info: SnapshotInfo, expected: ModelIdentity | None = None) -> dict:
         """Read the file once into mlx memory, checksum exactly those bytes, and view the tensors.
@@ -462,4 +462,4 @@ def read_tokens(info: SnapshotInfo) -> list[int]:
     """The prefix tokens of a snapshot, read from its header's tokens tensor (no mlx)."""
     header = read_header(info.path)
     raw = tensor_bytes(info.path, header, "tokens")
-    return [int.from_bytes(raw[i : i + 4], "little", signed=True) for i in range(0, len(raw), 4)]
+    return unpack_tokens(raw)

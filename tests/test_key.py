@@ -102,3 +102,12 @@ def test_weight_digest_is_cached_by_inode_size_and_mtime(model_copy, tmp_path):
     os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
     third = DigestCache(tmp_path / "digests.json")
     assert identity(third).weights != first.weights and third.misses == 1
+
+
+def test_tokens_digest_is_stable_across_implementations():
+    """Golden value: a faster packing must not change any existing snapshot's key."""
+    from kvsnap.key import tokens_digest, unpack_tokens, pack_tokens
+
+    tokens = [1, -5, 70000, 2**31 - 1]
+    assert tokens_digest(tokens) == "1c9788522fb1a72c87a3613666e3d4f1"
+    assert unpack_tokens(pack_tokens(tokens)) == tokens
