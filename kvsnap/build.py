@@ -154,18 +154,7 @@ def build_snapshots(
     rid = record_id(identity.digest, agents_file)
 
     def upsert(entry: dict) -> Callable[[dict], dict]:
-        def apply(record: dict) -> dict:
-            entries = [e for e in record.get("entries", []) if e.get("name") != entry["name"]]
-            return {
-                "model_digest": identity.digest,
-                "model_path": str(lm.path),
-                "agents_file": str(Path(agents_file).resolve()),
-                "kv_settings": {"kv_bits": lm.settings.kv_bits, "kv_group_size": lm.settings.kv_group_size, "quantized_kv_start": lm.settings.quantized_kv_start, "max_kv_size": lm.settings.max_kv_size},
-                "updated": utc_now(),
-                "entries": sorted(entries + [entry], key=lambda e: e["name"]),
-            }
-
-        return apply
+        return record_upsert(lm, identity, agents_file, entry)
 
     for prompt in prompts.entries:
         t0 = time.perf_counter()

@@ -456,10 +456,3 @@ def record_id(model_digest: str, agents_file: str) -> str:
 
 def utc_now() -> str:
     return _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def read_tokens(info: SnapshotInfo) -> list[int]:
-    """The prefix tokens of a snapshot, read from its header's tokens tensor (no mlx)."""
-    header = read_header(info.path)
-    raw = tensor_bytes(info.path, header, "tokens")
-    return unpack_tokens(raw)
