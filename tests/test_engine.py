@@ -395,6 +395,19 @@ def test_prompt_equal_to_a_cached_untrimmable_prefix_still_works(worlds, engines
     assert_accounting(engine, states)
 
 
+def test_a_request_differing_from_an_untrimmable_snapshot_only_at_its_last_token_is_prefilled(worlds, engines, oracle):
+    """Regression (mutation run): strict prefix at lookup, end to end on the hybrid model, whose snapshots cannot be trimmed."""
+    world = worlds("hybrid")
+    engine = engines.start(world)
+    warm = world.warm_tokens(0)
+    tokens = world.request(0, QUESTIONS[0])
+    tokens[len(warm) - 1] = 100 if warm[-1] != 100 else 101  # same prompt, other token at the snapshot's last position
+    st = serve(engine, tokens)
+    assert st.cached_tokens == 0 and st.cache_source != "snapshot", (st.cached_tokens, st.cache_source)
+    assert answer_of(st) == oracle(world, tokens)
+    assert_accounting(engine, [st])
+
+
 def test_one_shared_token_is_enough_for_a_hit(worlds, engines, oracle):
     world = worlds("dense")
     engine = engines.start(world, warm=False, snapshots=None)

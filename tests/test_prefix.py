@@ -78,6 +78,23 @@ def test_prompt_equal_to_untrimmable_entry_falls_back_to_a_shorter_entry_or_cold
     assert (state, n) == ([1, 2], 2)
 
 
+def test_an_untrimmable_entry_that_differs_only_at_its_last_token_is_not_used():
+    """Regression (mutation run): a lookup that skipped the entry's last token served (1,2,3) to [1,2,4,5] with 3 cached."""
+    cache = list_cache()
+    cache.add(entry([1, 2, 3], trimmable=False))
+    assert cache.lookup([1, 2, 4, 5]) is None
+    assert cache.fetch([1, 2, 4, 5]) == (None, 0, None)
+    cache.add(entry([1, 2], trimmable=False))
+    assert cache.fetch([1, 2, 4, 5])[:2] == ([1, 2], 2)  # the shorter strict prefix serves instead
+    assert cache.fetch([1, 2, 3, 5])[:2] == ([1, 2, 3], 3)  # and the full entry where it is a strict prefix
+
+
+def test_a_trimmable_entry_that_differs_only_at_its_last_token_is_trimmed_before_it():
+    cache = list_cache()
+    cache.add(entry([1, 2, 3]))
+    assert cache.fetch([1, 2, 4, 5])[:2] == ([1, 2], 2)
+
+
 def test_ties_prefer_the_pinned_warm_entry():
     cache = list_cache()
     cache.add(entry([1, 2, 3, 4, 5, 6], source="request"))  # trimmable to 3 below
