@@ -21,7 +21,7 @@ from .errors import ModelError
 
 CODEC_FORMAT_VERSION = 1
 DEFAULT_PREFILL_STEP = 512  # CPU attention is fastest in 512-row chunks; one shared default
-DIGEST_CHUNK = 8 << 20
+DIGEST_CHUNK = 8 << 20  # read size only: a digest covers every byte of the file, whatever the chunk
 
 # Files that decide how text becomes tokens (and how messages become text).
 TOKENIZER_FILES = (
@@ -88,10 +88,13 @@ def default_cache_dir() -> Path:
     return Path(base) / "kvsnap"
 
 
-def hash_file(path: Path) -> str:
+def hash_file(path: Path, chunk_size: int = DIGEST_CHUNK) -> str:
+    """xxh3-128 of the whole file, read ``chunk_size`` bytes at a time (tests shrink it; the digest is the same)."""
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive number of bytes, got {chunk_size}")
     h = xxhash.xxh3_128()
     with open(path, "rb") as f:
-        while chunk := f.read(DIGEST_CHUNK):
+        while chunk := f.read(chunk_size):
             h.update(chunk)
     return h.hexdigest()
 
@@ -106,6 +109,7 @@ class DigestCache:
     path: Path | None = None
     hits: int = 0
     misses: int = 0
+    chunk_size: int = DIGEST_CHUNK
     _entries: dict = field(default_factory=dict)
     _loaded: bool = False
 
@@ -142,7 +146,7 @@ class DigestCache:
             self.hits += 1
             return entry["digest"]
         self.misses += 1
-        value = hash_file(path)
+        value = hash_file(path, self.chunk_size)
         self._entries[real] = {"stamp": stamp, "digest": value}
         self._save()
         return value

@@ -8,14 +8,14 @@ import shutil
 
 import pytest
 
-from kvsnap.key import DigestCache, KVSettings, model_identity, prompt_identity, snapshot_key
+from kvsnap.key import DIGEST_CHUNK, DigestCache, KVSettings, hash_file, model_identity, prompt_identity, snapshot_key
 from kvsnap.prompts import parse_entry, resolve_chat_template, warm_prefix
 
 SYSTEM = [{"role": "system", "content": "You are a planner. Plan each step."}]
 
 
-def _key(model_dir, settings=KVSettings(), layout=("KVCache",) * 4, tokens=(1, 2, 3), template_digest="t"):
-    identity = model_identity(model_dir, "float32", layout, settings, DigestCache())
+def _key(model_dir, settings=KVSettings(), layout=("KVCache",) * 4, tokens=(1, 2, 3), template_digest="t", digests=None):
+    identity = model_identity(model_dir, "float32", layout, settings, digests or DigestCache())
     return snapshot_key(identity, template_digest, tokens)
 
 
@@ -37,6 +37,38 @@ def test_flipping_a_weight_byte_changes_the_key(model_copy):
     weights = model_copy / "model.safetensors"
     _flip_byte(weights, weights.stat().st_size - 7)
     assert _key(model_copy) != before
+
+
+def test_a_weight_byte_past_the_first_digest_chunk_changes_the_key(model_copy):
+    """Regression (mutation run): hashing only the first chunk of each weight file kept the old key.
+
+    The demo weights (3.5 MB) fit in one default 8 MiB chunk, so the chunk is shrunk here.
+    """
+    chunk = 4096
+    weights = model_copy / "model.safetensors"
+    assert weights.stat().st_size > 3 * chunk
+    before = _key(model_copy, digests=DigestCache(chunk_size=chunk))
+    assert before == _key(model_copy), "the read size must not change the key"
+    _flip_byte(weights, 2 * chunk + 17)
+    assert _key(model_copy, digests=DigestCache(chunk_size=chunk)) != before
+
+
+def test_a_byte_past_the_default_digest_chunk_changes_the_file_digest(tmp_path):
+    """The default read size too: a weight file longer than DIGEST_CHUNK, changed only past it."""
+    weights = tmp_path / "model-00001-of-00002.safetensors"
+    weights.write_bytes(bytes(DIGEST_CHUNK + 4096))
+    before = hash_file(weights)
+    _flip_byte(weights, DIGEST_CHUNK + 100)
+    assert hash_file(weights) != before
+
+
+def test_file_digests_do_not_depend_on_the_read_size(tmp_path):
+    """Golden value: keys of existing stores stay the same whatever chunk size reads the weights."""
+    blob = tmp_path / "blob"
+    blob.write_bytes(bytes(range(256)) * 4099)
+    assert {hash_file(blob, size) for size in (1000, 4096, 65537, DIGEST_CHUNK)} == {"3eb413071bb36356ebd7da7da24295f8"}
+    with pytest.raises(ValueError, match="chunk_size must be a positive number of bytes, got 0"):
+        hash_file(blob, 0)
 
 
 def test_flipping_a_tokenizer_byte_changes_the_key(model_copy):
