@@ -73,6 +73,73 @@ def isolated_cache(tmp_path, monkeypatch):
     return tmp_path / "kvsnap-cache"
 
 
+# --- CI runs what it claims: a skip fails the run unless tests/allowed_skips.txt lists it ----------
+
+ALLOWED_SKIPS = Path(__file__).with_name("allowed_skips.txt")
+_ALLOWED_KEY = pytest.StashKey[list]()
+
+
+def in_ci(environ=os.environ) -> bool:
+    return environ.get("CI", "").strip().lower() in ("true", "1", "yes")
+
+
+def read_allowed_skips(path: Path = ALLOWED_SKIPS) -> list[tuple[str, str]]:
+    """(node id, reason fragment) pairs from lines ``NODE_ID | REASON FRAGMENT``; ``#`` starts a comment."""
+    entries = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        line = line.split("#", 1)[0].strip()
+        if not line:
+            continue
+        node, sep, reason = (part.strip() for part in line.partition(" | "))
+        if not (sep and node and reason):
+            raise pytest.UsageError(f"{path}:{number}: {line!r} is not 'NODE_ID | REASON FRAGMENT'; fix the line")
+        entries.append((node, reason))
+    return entries
+
+
+def skip_allowed(nodeid: str, reason: str, entries: list[tuple[str, str]]) -> bool:
+    """A node id matches itself and its parametrized variants; the reason must contain the fragment."""
+    return any((nodeid == node or nodeid.startswith(node + "[")) and fragment in reason for node, fragment in entries)
+
+
+def _skip_reason(report) -> str:
+    longrepr = report.longrepr
+    if isinstance(longrepr, tuple) and len(longrepr) == 3:
+        return str(longrepr[2]).removeprefix("Skipped: ")
+    return str(longrepr)
+
+
+def _fail_unallowed_skip(report, config) -> None:
+    if not (report.skipped and in_ci()) or hasattr(report, "wasxfail"):
+        return
+    reason = _skip_reason(report)
+    if skip_allowed(report.nodeid, reason, config.stash[_ALLOWED_KEY]):
+        return
+    report.outcome = "failed"
+    report.longrepr = (
+        f"skipped under CI=true, and not on {ALLOWED_SKIPS.name}: {reason}\n"
+        f"Install what the test needs in .ci/run, or add '{report.nodeid} | <reason fragment>' with a why to tests/{ALLOWED_SKIPS.name}."
+    )
+
+
+def pytest_configure(config):
+    config.stash[_ALLOWED_KEY] = read_allowed_skips()  # a malformed list stops the run at once, CI or not
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    _fail_unallowed_skip(report, item.config)
+    return report
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_make_collect_report(collector):
+    report = yield
+    _fail_unallowed_skip(report, collector.config)
+    return report
+
+
 def run_kvsnap(*args, env=None, cwd=None, timeout=300):
     import subprocess
 
