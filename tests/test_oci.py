@@ -30,6 +30,7 @@ from kvsnap.oci import (
     Credentials,
     DigestMismatchError,
     Reference,
+    RegistryAuthError,
     RegistryClient,
     RegistryUnreachableError,
     find_credentials,
@@ -37,6 +38,7 @@ from kvsnap.oci import (
     push,
     resolve_kv_snapshots,
 )
+from kvsnap.errors import UsageError
 from kvsnap.serverproc import free_port, start_server
 from kvsnap.store import MANIFEST, Store
 from test_archive import AGENTS, build_store, flip_byte, no_stage_dirs, store_files, tree
@@ -179,7 +181,7 @@ def test_references_parse_and_map_to_a_cache_folder(tmp_path):
         ("oci://registry.example.com/team/snaps@sha256:abc", "is not a sha256 digest"),
         ("oci:///team/snaps:v1", "is not a registry host"),
     ):
-        with pytest.raises(Exception, match=says):
+        with pytest.raises(UsageError, match=says):
             Reference.parse(bad)
 
 
@@ -245,9 +247,9 @@ def test_bearer_token_flow(built, tmp_path):
     assert ("service", "reg.example.com") in token_calls[0] and ("scope", "repository:team/snaps:pull,push") in token_calls[0]
     pulled = pull(ref, tmp_path / "pulled", credentials=Credentials("ci", "tok-pw", "test"), transport=transport)
     assert len(pulled.downloaded) == 3 and store_files(tmp_path / "pulled") == store_files(built)
-    with pytest.raises(Exception, match=r"refused the credentials from test \(HTTP 401\)"):
+    with pytest.raises(RegistryAuthError, match=r"refused the credentials from test \(HTTP 401\)"):
         pull(ref, tmp_path / "again", credentials=Credentials("ci", "wrong", "test"), transport=transport)
-    with pytest.raises(Exception, match=r"needs credentials \(HTTP 401\); set KVSNAP_REGISTRY_USER"):
+    with pytest.raises(RegistryAuthError, match=r"needs credentials \(HTTP 401\); set KVSNAP_REGISTRY_USER"):
         pull(ref, tmp_path / "again", credentials=None, transport=transport)
     assert not (tmp_path / "again").exists()
 

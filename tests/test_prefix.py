@@ -277,3 +277,7 @@ def test_a_trimmed_copy_extended_matches_a_fresh_prefill(demo_models):
     for a, b in zip(copy, direct):
         assert a.offset == b.offset == 23
         assert mx.allclose(a.keys[..., :23, :], b.keys[..., :23, :], atol=1e-5).item()
+        assert mx.allclose(a.values[..., :23, :], b.values[..., :23, :], atol=1e-5).item()
+    # The 20 kept tokens are the original prefill's, untouched by the trim: bitwise.
+    for a, b in zip(copy, base):
+        assert mx.array_equal(a.keys[..., :20, :], b.keys[..., :20, :]).item() and mx.array_equal(a.values[..., :20, :], b.values[..., :20, :]).item()

@@ -207,3 +207,45 @@ def test_health_is_503_until_warm_then_200(demo_models, tmp_path, monkeypatch):
         status = client.get("/v1/status").json()
         # No snapshots existed: both warm prompts were prefilled and written back.
         assert status["snapshots"]["prefilled"] == 2 and status["snapshots"]["written"] == 2
+
+
+@pytest.mark.parametrize("name", ["dense", "sliding"])
+def test_answers_over_http_come_from_the_exact_snapshot_state(name, demo_models, tmp_path, monkeypatch):
+    """In process (the real app and engine, through HTTP), so the served state can be read.
+
+    Equal greedy text against a cold engine is not enough (a zeroed key in one layer kept it):
+    the warm state, its private copy, the first-token logits and the KV each request
+    attended to are checked too (``assert_served_from_the_exact_snapshot_state``).
+    """
+    from fastapi.testclient import TestClient
+
+    from kvsnap.engine import Engine, EngineConfig
+    from kvsnap.prompts import parse_warm_prompts, request_tokens, warm_prefix
+    from kvsnap.server import ServerConfig, create_app
+    from test_engine import assert_served_from_the_exact_snapshot_state
+
+    monkeypatch.setenv("KVSNAP_CACHE_DIR", str(tmp_path / "cache"))
+    model = demo_models.path(name)
+    agents = tmp_path / "agents.json"
+    agents.write_text(json.dumps(AGENTS))
+    store = tmp_path / "snaps"
+    _build(model, agents, store)
+    prompts = parse_warm_prompts(AGENTS, str(agents))
+    warm_engine = Engine(EngineConfig(model=str(model), warm_prompts=prompts, warm_prompts_file=str(agents), snapshots=str(store), write_back=False))
+    cold_engine = Engine(EngineConfig(model=str(model), cache_memory_mb=0))
+    config = ServerConfig(served_model_name="m")
+    with TestClient(create_app(warm_engine, config)) as warm, TestClient(create_app(cold_engine, config)) as cold:
+        assert warm_engine.wait_warm(120) and cold_engine.wait_warm(120)
+        assert warm_engine.status()["snapshots"]["loaded"] == 2
+        for i, agent in enumerate(AGENTS):
+            messages = agent["messages"] + [QUESTION]
+            body = {"model": "m", "messages": messages, "max_tokens": N_GEN, "temperature": 0}
+            got, want = warm.post("/v1/chat/completions", json=body), cold.post("/v1/chat/completions", json=body)
+            assert got.status_code == want.status_code == 200, (got.text, want.text)
+            got, want = got.json(), want.json()
+            warm_tokens = warm_prefix(warm_engine.lm.tokenizer, prompts.entries[i]).tokens
+            assert got["usage"]["prompt_tokens_details"]["cached_tokens"] == len(warm_tokens)
+            assert want["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+            assert got["choices"][0]["message"]["content"] == want["choices"][0]["message"]["content"]
+            assert got["usage"]["completion_tokens"] == want["usage"]["completion_tokens"] == N_GEN
+            assert_served_from_the_exact_snapshot_state(warm_engine, warm_tokens, request_tokens(warm_engine.lm.tokenizer, messages))
