@@ -88,6 +88,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batch-size", type=_positive_int, default=8, help="most requests decoding at once (default: 8)")
     p.add_argument("--max-tokens", type=_positive_int, default=256, help="default max_tokens of a request (default: 256)")
     p.add_argument("--served-model-name", help="model id clients send (default: the model folder's name)")
+    g = p.add_argument_group("security and limits (docs/server.md#security)")
+    g.add_argument("--api-key", action="append", metavar="KEY", help="require `Authorization: Bearer KEY` on every endpoint but /health; repeatable. Prefer KVSNAP_API_KEY (comma-separated): arguments show in `ps`")
+    g.add_argument("--admin-api-key", action="append", metavar="KEY", help="only these keys may DELETE /v1/cache/prefix and see every request in /v1/status; repeatable; or KVSNAP_ADMIN_API_KEY")
+    g.add_argument("--max-request-bytes", type=_positive_int, default=8 * 2**20, help="larger request bodies get 413 (default: 8 MiB)")
+    g.add_argument("--max-queued-requests", type=int, default=64, help="requests waiting beyond --max-batch-size before new ones get 429 (default: 64)")
+    g.add_argument("--no-request-prefix-cache", action="store_true", help="never keep request prompts for reuse; only warm prompts are cached")
+    g.add_argument("--cached-tokens-granularity", type=_positive_int, default=128, help="partial matches on prefixes shared between clients report cached_tokens in these steps (default: 128, as OpenAI; 1 = exact)")
     _add_kv_options(p)
 
     p = sub.add_parser("bench-serve", help="measure TTFT, TPOT, latency and throughput of a running server")
@@ -333,12 +340,22 @@ def cmd_serve(args) -> int:
     import uvicorn
 
     from .engine import Engine, EngineConfig
+    from .http_guard import Auth
     from .modeling import check_model_dir, default_digest_cache
     from .oci import resolve_kv_snapshots
     from .prompts import load_warm_prompts
+    from .request_limits import context_length
+    from .serve_watch import exit_when_warm_up_fails, is_loopback
     from .server import ServerConfig, create_app
 
     model_dir = check_model_dir(args.model)
+    auth = Auth.from_flags(args.api_key, args.admin_api_key)
+    if args.max_queued_requests < 0:
+        raise KvsnapError(f"--max-queued-requests {args.max_queued_requests} must be 0 or more")
+    if not auth.enabled and not is_loopback(args.host):
+        log.warning("[kvsnap] serving on %s without API keys: anyone who can reach this port can use and clear the cache; set KVSNAP_API_KEY", args.host)
+    if args.kv_snapshots and "://" not in args.kv_snapshots and Path(args.kv_snapshots).expanduser().is_file():
+        raise KvsnapError(f"--kv-snapshots {args.kv_snapshots}: is a file; give the store folder made by `kvsnap build --out` (or oci://…)")
     prompts = load_warm_prompts(args.warm_prompts) if args.warm_prompts else None
     for problem in prompts.problems if prompts else []:
         log.warning("[kvsnap] skipped warm prompt %s", problem)
@@ -360,15 +377,26 @@ def cmd_serve(args) -> int:
     )
     config_json = json.loads((model_dir / "config.json").read_text())
     name = args.served_model_name or Path(args.model).expanduser().name or model_dir.name
+    max_batch = args.max_batch_size if args.continuous_batching else 1
     server_config = ServerConfig(
         served_model_name=name,
         model_aliases=(args.model, str(model_dir)),
         default_max_tokens=args.max_tokens,
-        context_length=config_json.get("max_position_embeddings"),
+        context_length=context_length(config_json),
+        auth=auth,
+        max_request_bytes=args.max_request_bytes,
+        max_inflight=max_batch + args.max_queued_requests,
+        request_prefix_cache=not args.no_request_prefix_cache,
+        cached_tokens_granularity=args.cached_tokens_granularity,
     )
     engine.start()  # load the model on the main thread, before the port opens
-    uvicorn.run(create_app(engine, server_config), host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=5)
-    return EXIT_BAD if engine.failed else EXIT_OK
+    server = uvicorn.Server(uvicorn.Config(create_app(engine, server_config), host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=5))
+    exit_when_warm_up_fails(engine, server)
+    server.run()
+    if engine.failed:
+        print(f"kvsnap serve: error: warm-up failed: {engine.failed}", file=sys.stderr)
+        return EXIT_BAD
+    return EXIT_OK
 
 
 def cmd_bench_serve(args) -> int:

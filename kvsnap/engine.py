@@ -56,7 +56,9 @@ class Engine:
         self._counter_missing = False
         self._stream = None
         self.rewarms = 0
+        self.rewarms_coalesced = 0
         self.rewarm_error = ""
+        self._rewarm = None  # a RewarmJob while a re-warm runs
 
     # --- lifecycle ------------------------------------------------------------
 
@@ -127,7 +129,8 @@ class Engine:
     def batch_size(self) -> int:
         return len(self._active)
 
-    def status(self) -> dict:
+    def status(self, tenant: str | None = None) -> dict:
+        """Engine state; with ``tenant``, only that tenant's requests are listed."""
         p = self.prefix  # an empty PrefixCache is falsy (it has __len__): test for None
         st = p.stats if p is not None else None
         lookups = (st.hits + st.misses) if st is not None else 0
@@ -152,7 +155,8 @@ class Engine:
             "waiting": len(self._pending),
             "requests": [
                 {"id": s.id, "prompt_tokens": s.prompt_tokens, "cached_tokens": s.cached_tokens, "computed_tokens": s.computed_tokens, "completion_tokens": s.completion_tokens}
-                for s in list(self._active.values())
+                for s in list(self._active.values()) + list(self._pending)
+                if tenant is None or s.request.tenant == tenant
             ],
             "cache": cache,
             "snapshots": self.counts.as_dict() if self.counts else {},
@@ -164,6 +168,8 @@ class Engine:
             },
             "requests_started": self._started_requests,
             "rewarms": self.rewarms,
+            "rewarms_coalesced": self.rewarms_coalesced,
+            "rewarm_in_progress": self._rewarm is not None,
             "rewarm_error": self.rewarm_error,
             "warmup": self.warmup_report.__dict__ if self.warmup_report else None,
         }
@@ -186,7 +192,7 @@ class Engine:
             self.warm.set()
             return
         while not self._stopping:
-            busy = bool(self._active) or bool(self._pending)
+            busy = bool(self._active) or bool(self._pending) or self._rewarm is not None
             try:
                 self._drain(block=not busy)
                 if self._stopping:
@@ -296,14 +302,7 @@ class Engine:
         elif kind == "cancel":
             self._cancel(cmd[1])
         elif kind == "clear":
-            self.prefix.clear()
-            if cmd[1]:
-                self.rewarms += 1
-                try:
-                    self._warm_up(allow_prefill=True)
-                except Exception as exc:  # serve on (cold) rather than die; status says why
-                    self.rewarm_error = f"{type(exc).__name__}: {exc}"
-                    log.exception("[kvsnap] re-warm failed")
+            self._clear(cmd[1])
         elif kind == "call":
             _, fn, box, done = cmd
             try:
@@ -328,15 +327,52 @@ class Engine:
         else:
             if not self._active and self._pending:
                 self._run_sequential(self._pending.pop(0))
+        if self._rewarm is not None:
+            self._rewarm_step()
+
+    # --- re-warm after DELETE /v1/cache/prefix ---------------------------------------
+
+    def _clear(self, rewarm: bool) -> None:
+        """Drop request prefixes; re-warm in steps between serving. At most one re-warm runs:
+        a clear during one only drops request prefixes again (coalesced, never queued)."""
+        from .rewarm import start_rewarm
+
+        if self._rewarm is not None:
+            self.rewarms_coalesced += 1
+            self.prefix.drop_request_prefixes()
+            return
+        if not rewarm:
+            self.prefix.clear()
+            return
+        self.rewarms += 1
+        self.rewarm_error = ""
+        self._rewarm = start_rewarm(self.prefix, self.lm)
+        if self._rewarm.finished:
+            self._rewarm = None
+
+    def _rewarm_step(self) -> None:
+        from .rewarm import rewarm_step
+
+        try:
+            rewarm_step(self._rewarm, self.prefix, self.counts)
+        except Exception as exc:  # serve on (cold for what is left) rather than die; status says why
+            self.rewarm_error = f"{type(exc).__name__}: {exc}"
+            log.exception("[kvsnap] re-warm failed")
+            self._rewarm = None
+            return
+        if self._rewarm.finished:
+            self._rewarm = None
 
     def _prepare(self, state: RequestState):
         """Fetch the longest cached prefix (a private copy) and account for it."""
         tokens = state.request.tokens
-        cache, n_cached, match = self.prefix.fetch(tokens)
+        cache, n_cached, match = self.prefix.fetch(tokens, state.request.namespace)
         if cache is None:
             cache = self.lm.make_cache()
         state.cached_tokens = n_cached
         state.cache_source = match.entry.source if match else ""
+        # A partial match on an entry shared with others tells how far the prompts agree.
+        state.cache_shared_partial = bool(match) and n_cached < len(match.entry.tokens) and (match.entry.namespace is None or match.entry.namespace == "")
         state.computed_tokens = len(tokens) - n_cached
         state.detok = self.lm.tokenizer.detokenizer
         state.detok.reset()
@@ -463,6 +499,8 @@ class Engine:
         import mlx.core as mx
 
         state.capture = False
+        if not state.request.capture:
+            return
         tokens = tuple(state.request.tokens[:-1])
         try:
             check_captured_at(cache, len(tokens))
@@ -477,7 +515,7 @@ class Engine:
             self._deferred_evals.extend(arrays)
         else:
             mx.eval(arrays)
-        self.prefix.add(Entry(tokens=tokens, state=own, nbytes=cache_nbytes_of(own), trimmable=is_trimmable(own), pinned=False, source="request"))
+        self.prefix.add(Entry(tokens=tokens, state=own, nbytes=cache_nbytes_of(own), trimmable=is_trimmable(own), pinned=False, source="request", namespace=state.request.namespace))
 
     def _on_token(self, state: RequestState, token: int, finish_reason: str | None) -> None:
         if state.t_first_token is None:
@@ -565,6 +603,11 @@ class Engine:
                 maybe_quantize_kv_cache(cache, s.quantized_kv_start, s.kv_group_size, s.kv_bits)
                 mx.eval([c.state for c in cache])
                 self._computed_measured += len(chunk)
+                self._drain(block=False)  # a cancel (or a disconnect) ends a long prefill early
+                if self._stopping and state.finish_reason is None:
+                    self._finish(state, "cancelled")
+                if state.finish_reason is not None:
+                    return
             if body:
                 state.capture = True
                 self._capture(state, cache)
@@ -607,7 +650,7 @@ class Engine:
 
     def _prefill_many(self, token_lists) -> list:
         """Prefill warm prefixes: one alone exactly as ``kvsnap build`` does, several as one batch."""
-        from .build import prefill
+        from .prefill import prefill
 
         if len(token_lists) <= 1 or self.lm.settings.kv_bits is not None:
             return [prefill(self.lm, tokens) for tokens in token_lists]

@@ -37,6 +37,9 @@ class GenerationRequest:
     top_p: float = 1.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    namespace: str = ""  # request prefixes are captured and matched only within this scope
+    tenant: str = ""  # who sent it, for /v1/status (a key's fingerprint; "" when open)
+    capture: bool = True  # keep this prompt's prefix for later requests of the namespace
 
 
 @dataclass
@@ -53,6 +56,7 @@ class RequestState:
     t_first_token: float | None = None
     t_done: float | None = None
     cache_source: str = ""
+    cache_shared_partial: bool = False  # matched part of an entry this request's namespace does not own
     uid: int | None = None
     detok: Any = None
     capture: bool = False

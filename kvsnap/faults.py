@@ -1,7 +1,7 @@
 """Named fault points in the write path, for crash tests. Inert unless asked for.
 
 ``KVSNAP_FAULT=point[,point...]`` with an action per point (``point=kill`` by default,
-``point=enospc`` or ``point=erofs``; the server's ``write-probe`` point with ``erofs``
+``point=enospc``, ``point=erofs`` or ``point=crash`` (a RuntimeError); the server's ``write-probe`` point with ``erofs``
 simulates a read-only store, which root cannot get from chmod); ``KVSNAP_FAULT_LOG=FILE`` appends every point reached, so a test
 can assert the point was really hit before the process died.
 """
@@ -44,3 +44,5 @@ class FaultHook:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         elif action == "erofs":
             raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+        elif action == "crash":  # an unexpected error, not an I/O one
+            raise RuntimeError(f"injected fault at {point}")

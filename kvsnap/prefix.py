@@ -11,6 +11,13 @@ Entries:
   may be unloaded again under budget pressure (it stays indexed).
 Under pressure the least recently used non-resident loaded entries go first: request
 prefixes are dropped, snapshot-backed ones only unloaded.
+
+Namespaces: warm entries (``namespace=None``) are the operator's and every request may use
+them; a request prefix belongs to the namespace of the request that made it (its API key
+and ``cache_salt``) and only requests of that namespace ever match it.
+
+No file I/O under the lock: a lazy snapshot load runs with the lock released, so status
+and admin calls (taken on the server's event loop) never wait on a disk read.
 """
 
 from __future__ import annotations
@@ -47,6 +54,11 @@ class Entry:
     loader: LoadFn | None = None
     last_used: int = 0
     resident: bool = False
+    namespace: str | None = None  # None: shared (warm); else the owning request namespace
+
+    @property
+    def slot(self) -> tuple:
+        return (self.namespace, self.tokens)
 
     @property
     def loaded(self) -> bool:
@@ -80,7 +92,7 @@ class PrefixCache:
     load_errors: tuple[type[BaseException], ...] = ()
     on_load_error: LoadErrorFn | None = None
     stats: PrefixStats = field(default_factory=PrefixStats)
-    _entries: dict[tuple[int, ...], Entry] = field(default_factory=dict)
+    _entries: dict[tuple, Entry] = field(default_factory=dict)  # (namespace, tokens) -> entry
     _clock: Any = field(default_factory=itertools.count)
     _lock: threading.RLock = field(default_factory=threading.RLock)
 
@@ -100,9 +112,9 @@ class PrefixCache:
         with self._lock:
             return len(self._entries)
 
-    def get(self, tokens: Sequence[int]) -> Entry | None:
+    def get(self, tokens: Sequence[int], namespace: str | None = None) -> Entry | None:
         with self._lock:
-            return self._entries.get(tuple(tokens))
+            return self._entries.get((namespace, tuple(tokens)))
 
     def add(self, entry: Entry) -> bool:
         """Insert or replace; returns whether the entry is in the cache afterwards.
@@ -111,16 +123,19 @@ class PrefixCache:
         refused; a pinned entry is never replaced by an unpinned one.
         """
         with self._lock:
-            old = self._entries.get(entry.tokens)
+            old = self._entries.get(entry.slot)
             if old is not None and old.pinned and not entry.pinned:
                 return False  # never demote a warm entry to an evictable one
+            shared = self._entries.get((None, entry.tokens))
+            if entry.namespace is not None and shared is not None:
+                return False  # a warm entry already holds exactly these tokens for everyone
             entry.last_used = next(self._clock)
-            self._entries[entry.tokens] = entry
+            self._entries[entry.slot] = entry
             if entry.loaded and not entry.resident:
                 self._evict_to_budget(keep=entry)
                 if self.current_bytes > self.max_bytes and entry.loaded and self._evictable(entry):
                     self._drop(entry)  # it alone does not fit
-            return entry.tokens in self._entries
+            return entry.slot in self._entries
 
     @staticmethod
     def _evictable(e: Entry) -> bool:
@@ -131,7 +146,7 @@ class PrefixCache:
         if e.loader is not None:
             e.state, self.stats.unloads = None, self.stats.unloads + 1
         else:
-            del self._entries[e.tokens]
+            del self._entries[e.slot]
             self.stats.evictions += 1
 
     def _evict_to_budget(self, keep: Entry | None = None) -> None:
@@ -151,14 +166,23 @@ class PrefixCache:
             self._entries.clear()
             return n
 
+    def drop_request_prefixes(self) -> int:
+        """Forget every entry no warm prompt or snapshot file backs; returns how many."""
+        with self._lock:
+            doomed = [slot for slot, e in self._entries.items() if not e.pinned and e.loader is None]
+            for slot in doomed:
+                del self._entries[slot]
+            return len(doomed)
+
     # --- lookup ----------------------------------------------------------------
 
-    def lookup(self, tokens: Sequence[int]) -> Match | None:
+    def lookup(self, tokens: Sequence[int], namespace: str = "") -> Match | None:
         """The entry that saves the most tokens; strict prefix only, trimming where allowed.
 
         At least one request token is always left to compute, so a prompt equal to an
         untrimmable entry falls back to a shorter entry (or a cold prefill). There is no
-        minimum length: one shared token is a hit.
+        minimum length: one shared token is a hit. Only shared entries and those of
+        ``namespace`` are candidates.
         """
         tokens = tuple(tokens)
         best: Match | None = None
@@ -173,6 +197,8 @@ class PrefixCache:
 
         with self._lock:
             for entry in self._entries.values():
+                if entry.namespace is not None and entry.namespace != namespace:
+                    continue
                 n = len(entry.tokens)
                 if n < len(tokens) and tokens[:n] == entry.tokens:
                     usable = n
@@ -184,34 +210,57 @@ class PrefixCache:
                     best = Match(entry, usable)
         return best
 
-    def fetch(self, tokens: Sequence[int]) -> tuple[Any, int, Match | None]:
+    def fetch(self, tokens: Sequence[int], namespace: str = "") -> tuple[Any, int, Match | None]:
         """A private cache state for ``tokens`` and how many tokens it already holds.
 
         A snapshot that fails to load is dropped from the index (reported through
         ``on_load_error``) and the next best entry is tried.
         """
-        with self._lock:
-            while True:
-                match = self.lookup(tokens)
+        while True:
+            with self._lock:
+                match = self.lookup(tokens, namespace)
                 if match is None:
                     self.stats.misses += 1
                     return None, 0, None
-                entry = match.entry
-                if not entry.loaded:
-                    try:
-                        entry.state, entry.nbytes = entry.loader()
-                    except self.load_errors as exc:
-                        self._entries.pop(entry.tokens, None)
-                        self.stats.load_errors += 1
-                        if self.on_load_error is not None:
-                            self.on_load_error(entry, exc)
-                        continue
-                    self.stats.loads += 1
-                    self._evict_to_budget(keep=entry)
-                entry.last_used = next(self._clock)
-                state = self.copy_state(entry.state)
-                if match.n_cached < len(entry.tokens):
-                    state = self.trim_state(state, len(entry.tokens) - match.n_cached)
-                self.stats.hits += 1
-                self.stats.tokens_saved += match.n_cached
-                return state, match.n_cached, match
+                if match.entry.loaded:
+                    return self._serve(match)
+            if self.load(match.entry):
+                with self._lock:
+                    if match.entry.loaded and self._entries.get(match.entry.slot) is match.entry:
+                        return self._serve(match)
+            # Failed, or cleared while it loaded: look again.
+
+    def load(self, entry: Entry, resident: bool = False) -> bool:
+        """Load an indexed entry from its file, outside the lock; False if the file is bad
+        (the entry is then dropped from the index and reported). ``resident``: a warm
+        entry loaded for good (a re-warm), not a first-hit load."""
+        if entry.loaded:
+            return True
+        try:
+            state, nbytes = entry.loader()
+        except self.load_errors as exc:
+            with self._lock:
+                if self._entries.get(entry.slot) is entry:
+                    del self._entries[entry.slot]
+                self.stats.load_errors += 1
+            if self.on_load_error is not None:
+                self.on_load_error(entry, exc)
+            return False
+        with self._lock:
+            if self._entries.get(entry.slot) is not entry:
+                return False  # cleared or replaced meanwhile: its state is not wanted
+            entry.state, entry.nbytes = state, nbytes
+            entry.resident = entry.resident or resident
+            self.stats.loads += 0 if resident else 1
+            self._evict_to_budget(keep=entry)
+        return True
+
+    def _serve(self, match: Match) -> tuple[Any, int, Match]:
+        entry = match.entry
+        entry.last_used = next(self._clock)
+        state = self.copy_state(entry.state)
+        if match.n_cached < len(entry.tokens):
+            state = self.trim_state(state, len(entry.tokens) - match.n_cached)
+        self.stats.hits += 1
+        self.stats.tokens_saved += match.n_cached
+        return state, match.n_cached, match

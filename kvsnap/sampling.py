@@ -27,7 +27,8 @@ def make_request_sampler(temperature: float, top_p: float = 1.0, seed: int | Non
         return greedy
     from mlx_lm.sample_utils import apply_top_p
 
-    key = mx.random.key(seed if seed is not None else random.getrandbits(31))
+    # mlx takes a uint64 seed; a negative int64 seed maps onto it one to one.
+    key = mx.random.key(seed % 2**64 if seed is not None else random.getrandbits(31))
 
     def sample(logprobs: mx.array) -> mx.array:
         nonlocal key

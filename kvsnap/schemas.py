@@ -9,6 +9,8 @@ from typing import Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, field_validator
 
 MAX_STOP_SEQUENCES = 8
+MAX_STOP_LENGTH = 1024
+MAX_TOKENS_LIMIT = 2**31 - 1  # beyond any context; keeps absurd values out of mlx-lm's int fields
 
 
 class StreamOptions(BaseModel):
@@ -21,14 +23,15 @@ class _Sampling(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: StrictStr
-    max_tokens: Optional[StrictInt] = Field(default=None, ge=1)
+    max_tokens: Optional[StrictInt] = Field(default=None, ge=1, le=MAX_TOKENS_LIMIT)
     temperature: Union[StrictFloat, StrictInt] = Field(default=1.0, ge=0, le=2)
     top_p: Union[StrictFloat, StrictInt] = Field(default=1.0, gt=0, le=1)
     stream: StrictBool = False
     stream_options: Optional[StreamOptions] = None
     stop: Optional[Union[StrictStr, list[StrictStr]]] = None
-    seed: Optional[StrictInt] = None
+    seed: Optional[StrictInt] = Field(default=None, ge=-(2**63), le=2**64 - 1)  # OpenAI's int64, and uint64
     n: StrictInt = Field(default=1, ge=1, le=1)
+    cache_salt: Optional[StrictStr] = Field(default=None, min_length=1, max_length=256)  # vLLM's name: scopes cached prefixes
 
     @field_validator("stop")
     @classmethod
@@ -38,6 +41,8 @@ class _Sampling(BaseModel):
         stops = [v] if isinstance(v, str) else v
         if len(stops) > MAX_STOP_SEQUENCES:
             raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences are allowed")
+        if any(len(s) > MAX_STOP_LENGTH for s in stops):
+            raise ValueError(f"a stop sequence may be at most {MAX_STOP_LENGTH} characters")
         return [s for s in stops if s]
 
     @property
@@ -47,7 +52,7 @@ class _Sampling(BaseModel):
 
 class ChatCompletionRequest(_Sampling):
     messages: list[Any]  # checked by prompts.normalize_messages, shared with warm-prompt files
-    max_completion_tokens: Optional[StrictInt] = Field(default=None, ge=1)
+    max_completion_tokens: Optional[StrictInt] = Field(default=None, ge=1, le=MAX_TOKENS_LIMIT)
     tools: Optional[list[dict]] = None
     tool_choice: Optional[Any] = None
     chat_template_kwargs: Optional[dict] = None
@@ -59,7 +64,7 @@ class ChatCompletionRequest(_Sampling):
 
 class CompletionRequest(_Sampling):
     prompt: Union[StrictStr, list[StrictInt]]
-    max_tokens: Optional[StrictInt] = Field(default=16, ge=1)
+    max_tokens: Optional[StrictInt] = Field(default=16, ge=1, le=MAX_TOKENS_LIMIT)
 
     @property
     def requested_max_tokens(self) -> Optional[int]:

@@ -16,10 +16,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
-from .build import commit_snapshot, prefill
+from .build import commit_snapshot
 from .errors import KvsnapError, SnapshotError, StoreError
 from .key import ModelIdentity, prompt_identity, snapshot_key
 from .modeling import LoadedModel
+from .prefill import prefill
 from .prefix import Entry, PrefixCache
 from .prompts import WarmPromptSet, resolve_chat_template, warm_prefix
 from .snapshot import cache_nbytes_of, decode_cache, is_trimmable
@@ -151,6 +152,15 @@ def make_entry(lm: LoadedModel, store: Store, info: SnapshotInfo, pinned: bool) 
         return state, cache_nbytes_of(state)
 
     return Entry(tokens=tokens, state=None, nbytes=info.nbytes, trimmable=all(is_trimmable_meta(m) for m in info.layers), pinned=pinned, source="snapshot", name=info.name, key=info.key, loader=load)
+
+
+def _file_loader(store: Store, path: Path) -> Callable[[], tuple]:
+    def load():
+        info = store.inspect(path)
+        state = decode_cache(store.load_arrays(info), info.layers)
+        return state, cache_nbytes_of(state)
+
+    return load
 
 
 def is_trimmable_meta(meta: dict) -> bool:
@@ -286,7 +296,10 @@ def run_warmup(
                     log.warning("[kvsnap] %s", counts.write_back_note)
             nbytes = cache_nbytes_of(cache)
             if prefix.current_bytes + nbytes <= budget_bytes:
-                prefix.add(Entry(tokens=t.tokens, state=cache, nbytes=nbytes, trimmable=is_trimmable(cache), pinned=True, source="prefill", name=t.name, resident=True))
+                entry = Entry(tokens=t.tokens, state=cache, nbytes=nbytes, trimmable=is_trimmable(cache), pinned=True, source="prefill", name=t.name, resident=True)
+                if written is not None:
+                    entry.loader = _file_loader(store, written)  # a re-warm reads it back instead of prefilling again
+                prefix.add(entry)
                 continue
             # Over the memory budget: keep it indexed from the file just written (loads on
             # first hit), or, with nowhere to reload it from, let it go.

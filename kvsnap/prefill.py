@@ -1,0 +1,51 @@
+"""Prefill of a warm prefix, one chunk at a time, so the engine can serve between chunks.
+
+``prefill`` runs a cursor to its end: the bytes ``kvsnap build`` writes. The engine's
+background re-warm advances a cursor one ``prefill_step_size`` chunk per loop turn, so a
+re-warm never holds up serving for longer than one chunk.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+
+@dataclass
+class PrefillCursor:
+    lm: Any  # a LoadedModel
+    tokens: tuple[int, ...]
+    done_tokens: int = 0
+    cache: list = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.tokens = tuple(self.tokens)
+        if not self.cache:
+            self.cache = self.lm.make_cache()
+
+    @property
+    def finished(self) -> bool:
+        return self.done_tokens >= len(self.tokens)
+
+    def step(self) -> int:
+        """Run the next chunk; returns how many tokens it ran (0 once finished)."""
+        import mlx.core as mx
+        from mlx_lm.generate import maybe_quantize_kv_cache
+
+        s = self.lm.settings
+        chunk = self.tokens[self.done_tokens : self.done_tokens + s.prefill_step_size]
+        if not chunk:
+            return 0
+        self.lm.model(mx.array(list(chunk), dtype=mx.int32)[None], cache=self.cache)
+        maybe_quantize_kv_cache(self.cache, s.quantized_kv_start, s.kv_group_size, s.kv_bits)
+        mx.eval([c.state for c in self.cache])
+        self.done_tokens += len(chunk)
+        return len(chunk)
+
+
+def prefill(lm: Any, tokens: Sequence[int]) -> list:
+    """Run the model over exactly ``tokens`` in the shared step size, as the server's prefill does."""
+    cursor = PrefillCursor(lm, tuple(tokens))
+    while cursor.step():
+        pass
+    return cursor.cache
