@@ -21,7 +21,7 @@ from .engine import Engine, GenerationRequest, RequestState
 from .errors import KvsnapError, MessageError, TemplateError
 from .http_guard import Auth, GuardMiddleware
 from .prompts import encode_prompt, normalize_messages, request_tokens
-from .request_limits import RequestRejected, allowed_template_kwargs, check_template_kwargs, check_token_ids, find_lone_surrogate, vocab_bound
+from .request_limits import RequestRejected, allowed_template_kwargs, check_template_kwargs, check_token_ids, context_length, find_lone_surrogate, vocab_bound
 from .schemas import ChatCompletionRequest, CompletionRequest, chat_chunk, chat_response, completion_response, error_body, new_id, usage
 
 log = logging.getLogger("kvsnap.server")
@@ -111,6 +111,7 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
         if not limits:
             limits["vocab"] = vocab_bound(engine.lm.model, engine.lm.config)
             limits["template_kwargs"] = allowed_template_kwargs(getattr(engine.lm.tokenizer, "chat_template", None))
+            limits["context"] = config.context_length or context_length(engine.lm.config)
         return limits
 
     @app.exception_handler(RequestValidationError)
@@ -161,7 +162,7 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
             raise APIError(503, f"the engine failed to start: {engine.failed}", None, "engine_failed", "server_error")
 
     def resolve_max_tokens(requested: Optional[int], prompt_len: int) -> int:
-        ctx = config.context_length
+        ctx = model_limits()["context"]
         max_tokens = requested if requested is not None else config.default_max_tokens
         if ctx is not None:
             if prompt_len >= ctx:
