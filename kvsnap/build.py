@@ -12,7 +12,7 @@ from . import __version__
 from .errors import KvsnapError, SnapshotError, TemplateError
 from .key import DigestCache, KVSettings, ModelIdentity, package_version, prompt_identity, snapshot_key, tokens_digest
 from .modeling import LoadedModel
-from .prompts import WarmPrompt, WarmPromptSet, resolve_chat_template, warm_prefix
+from .prompts import Tokenization, WarmPrompt, WarmPromptSet, resolve_chat_template, warm_prefix
 from .snapfile import FORMAT_VERSION
 from .store import Store, record_id, utc_now
 
@@ -64,10 +64,16 @@ def prefill(lm: LoadedModel, tokens: Sequence[int]) -> list:
     return cache
 
 
-def recorded_fields(settings: KVSettings) -> dict:
+def recorded_fields(settings: KVSettings, tokenization: dict | None = None) -> dict:
+    """Recorded, not keyed (the key has its own copy of the tokenization profile, here as canonical JSON text:
+    recorded values are scalars)."""
     import mlx.core as mx
 
+    from .key import canonical_json
+
+    extra = {"tokenization": canonical_json(tokenization)} if tokenization is not None else {}
     return {
+        **extra,
         "prefill_step_size": settings.prefill_step_size,
         "backend": "gpu" if mx.default_device() == mx.gpu else "cpu",
         "mlx": package_version("mlx"),
@@ -100,6 +106,7 @@ def capture_snapshot(
     prompt_digest: str,
     tokens: Sequence[int],
     on_commit: Callable[[Path], None] | None = None,
+    tokenization: dict | None = None,
 ) -> Path:
     """Prefill ``tokens``, check the state holds exactly them, and commit the file. Returns its path.
 
@@ -112,7 +119,7 @@ def capture_snapshot(
     cache = prefill(lm, tokens)
     store.fault("after-prefill")
     arrays, layers = encode_cache(cache, tokens)
-    metadata = snapshot_metadata(identity, prompt, prompt_digest, key, tokens, layers, recorded_fields(lm.settings))
+    metadata = snapshot_metadata(identity, prompt, prompt_digest, key, tokens, layers, recorded_fields(lm.settings, tokenization))
     with store.lock():
         path = store.put(key, to_out_tensors(arrays), metadata)
         if on_commit is not None:
@@ -124,8 +131,10 @@ def _without_time(record: dict) -> dict:
     return {k: v for k, v in record.items() if k != "updated"}
 
 
-def _manifest_entry(result: EntryResult, prompt_digest: str) -> dict:
+def _manifest_entry(result: EntryResult, prompt_digest: str, tokenization: dict | None = None) -> dict:
+    extra = {"tokenization": tokenization} if tokenization is not None else {}
     return {
+        **extra,
         "name": result.name,
         "key": result.key,
         "file": f"snapshots/{result.key}.safetensors",
@@ -143,15 +152,21 @@ def build_snapshots(
     force: bool = False,
     progress: Progress | None = None,
     digests: DigestCache | None = None,
+    tokenization: Tokenization | None = None,
 ) -> BuildReport:
-    """Build (or reuse) one snapshot per valid warm prompt; never raises for one bad entry."""
+    """Build (or reuse) one snapshot per valid warm prompt; never raises for one bad entry.
+
+    ``tokenization``: the request path of the server the snapshots are for (default:
+    kvsnap's own; ``kvsnap build --for vllm-mlx`` passes vllm-mlx's).
+    """
     progress = progress or (lambda event, name: None)
     started = time.perf_counter()
     store.read_manifest()  # a damaged manifest stops the build before any prefill (StoreError)
     identity = lm.identity(digests)
     store.fault("model-loaded")  # marks the start of the window crash tests kill in
     report = BuildReport(store=store.root, model_digest=identity.digest, problems=[str(p) for p in prompts.problems])
-    rid = record_id(identity.digest, agents_file)
+    profile = tokenization.descriptor() if tokenization is not None else None
+    rid = profile_record_id(identity.digest, agents_file, profile)
 
     def upsert(entry: dict) -> Callable[[dict], dict]:
         return record_upsert(lm, identity, agents_file, entry)
@@ -161,19 +176,19 @@ def build_snapshots(
         progress("start", prompt.name)
         result = EntryResult(name=prompt.name, status="failed")
         try:
-            prefix = warm_prefix(lm.tokenizer, prompt)
+            prefix = warm_prefix(lm.tokenizer, prompt, tokenization)
             tokens = prefix.tokens
             result = EntryResult(name=prompt.name, status="failed", n_tokens=len(tokens), entry_tokens=prefix.entry_tokens, coverage=prefix.coverage, warnings=prefix.warnings)
             if not tokens:
                 raise TemplateError(f"{prompt.name}: the chat template leaves no token shared by every continuation; nothing to snapshot")
-            prompt_digest = prompt_identity(resolve_chat_template(lm.tokenizer, prompt.tools), prompt.chat_template_kwargs, prompt.tools)
+            prompt_digest = prompt_identity(resolve_chat_template(lm.tokenizer, prompt.tools), prompt.chat_template_kwargs, prompt.tools, profile)
             result.key = snapshot_key(identity, prompt_digest, tokens)
             path = store.path_for(result.key)
 
             def commit(written: Path, status: str) -> None:
                 # Under the store lock: the file and its manifest record appear together for gc.
                 result.status, result.nbytes = status, written.stat().st_size
-                update = upsert(_manifest_entry(result, prompt_digest))
+                update = upsert(_manifest_entry(result, prompt_digest, profile))
                 current = store.read_manifest()["records"].get(rid, {})
                 if _without_time(update(current)) != _without_time(current):  # an unchanged rebuild writes nothing
                     store.update_record(rid, update)
@@ -189,7 +204,7 @@ def build_snapshots(
                         except SnapshotError as exc:
                             result.warnings += (f"{prompt.name}: replacing a bad snapshot ({exc.reason})",)
             if not reused:
-                capture_snapshot(lm, store, identity, prompt, prompt_digest, tokens, on_commit=lambda written: commit(written, "built"))
+                capture_snapshot(lm, store, identity, prompt, prompt_digest, tokens, on_commit=lambda written: commit(written, "built"), tokenization=profile)
         except KvsnapError as exc:
             result.status, result.error = "failed", str(exc)
         result.seconds = time.perf_counter() - t0
@@ -204,6 +219,13 @@ def build_snapshots(
         store.update_record(rid, lambda r: {**r, "entries": [e for e in r.get("entries", []) if e.get("name") in current]})
     report.seconds = time.perf_counter() - started
     return report
+
+
+def profile_record_id(model_digest: str, agents_file: str, tokenization: dict | None) -> str:
+    """One manifest record per (model, agents file, server profile); kvsnap's own keeps its old id."""
+    if tokenization is None:
+        return record_id(model_digest, agents_file)
+    return record_id(f"{model_digest}|{tokenization['server']}", agents_file)
 
 
 def record_upsert(lm: LoadedModel, identity: ModelIdentity, agents_file: str, entry: dict) -> Callable[[dict], dict]:
@@ -224,15 +246,26 @@ def record_upsert(lm: LoadedModel, identity: ModelIdentity, agents_file: str, en
     return apply
 
 
-def commit_snapshot(lm: LoadedModel, store: Store, identity: ModelIdentity, prompt: WarmPrompt, prompt_digest: str, tokens: Sequence[int], cache: list, agents_file: str) -> Path:
+def commit_snapshot(
+    lm: LoadedModel,
+    store: Store,
+    identity: ModelIdentity,
+    prompt: WarmPrompt,
+    prompt_digest: str,
+    tokens: Sequence[int],
+    cache: list,
+    agents_file: str,
+    tokenization: dict | None = None,
+) -> Path:
     """Write an already-prefilled warm state back to the store (the server's write-back)."""
     from .snapshot import encode_cache, to_out_tensors
 
     key = snapshot_key(identity, prompt_digest, tokens)
     arrays, layers = encode_cache(cache, tokens)
-    metadata = snapshot_metadata(identity, prompt, prompt_digest, key, tokens, layers, recorded_fields(lm.settings))
+    metadata = snapshot_metadata(identity, prompt, prompt_digest, key, tokens, layers, recorded_fields(lm.settings, tokenization))
     with store.lock():
         path = store.put(key, to_out_tensors(arrays), metadata)
-        entry = {"name": prompt.name, "key": key, "file": f"snapshots/{key}.safetensors", "n_tokens": len(tokens), "coverage": None, "prompt_digest": prompt_digest}
-        store.update_record(record_id(identity.digest, agents_file), record_upsert(lm, identity, agents_file, entry))
+        extra = {"tokenization": tokenization} if tokenization is not None else {}
+        entry = {"name": prompt.name, "key": key, "file": f"snapshots/{key}.safetensors", "n_tokens": len(tokens), "coverage": None, "prompt_digest": prompt_digest, **extra}
+        store.update_record(profile_record_id(identity.digest, agents_file, tokenization), record_upsert(lm, identity, agents_file, entry))
     return path

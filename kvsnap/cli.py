@@ -73,6 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, help="local mlx-lm model directory")
     p.add_argument("--out", required=True, help="snapshot store directory (created if absent)")
     p.add_argument("--force", action="store_true", help="re-prefill and rewrite every snapshot")
+    p.add_argument("--for", dest="for_server", choices=("kvsnap", "vllm-mlx"), default="kvsnap", help="the server whose requests the snapshots must match: kvsnap serve (default) or vllm-mlx (it encodes with the tokenizer's special tokens and its own enable_thinking); see docs/vllm-mlx.md")
+    p.add_argument("--served-model-name", metavar="NAME", help="with --for vllm-mlx: the MODEL name vllm-mlx serve is started with, from which it picks enable_thinking (false when the name contains 'coder'); default: --model")
     _add_kv_options(p)
 
     p = sub.add_parser("serve", help="OpenAI-compatible server that starts warm from snapshots")
@@ -181,6 +183,23 @@ def cmd_demo_model(args) -> int:
     return EXIT_OK
 
 
+def _build_tokenization(args):
+    """The request path `build --for` names (None: kvsnap's own); bad combinations are usage errors."""
+    from .errors import UsageError
+
+    if args.for_server != "vllm-mlx":
+        if args.served_model_name is not None:
+            raise UsageError(f"--served-model-name {args.served_model_name!r} only applies with --for vllm-mlx; add --for vllm-mlx or drop it")
+        return None
+    kv = {"--kv-bits": args.kv_bits, "--max-kv-size": args.max_kv_size}
+    given = [f"{flag} {value}" for flag, value in kv.items() if value is not None]
+    if given:
+        raise UsageError(f"--for vllm-mlx with {', '.join(given)}: vllm-mlx's live KV cache is never quantized or bounded, so it could not use these snapshots; drop {', '.join(f.split()[0] for f in given)}")
+    from .integrations.vllm_mlx_profile import vllm_mlx_tokenization
+
+    return vllm_mlx_tokenization(args.served_model_name or args.model)
+
+
 def cmd_build(args) -> int:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
     from rich.table import Table
@@ -191,6 +210,7 @@ def cmd_build(args) -> int:
     from .prompts import load_warm_prompts
     from .store import Store
 
+    tokenization = _build_tokenization(args)
     prompts = load_warm_prompts(args.agents)
     check_model_dir(args.model)
     store = Store.open(args.out, create=True, fault=FaultHook.from_env())
@@ -207,7 +227,7 @@ def cmd_build(args) -> int:
             else:
                 bar.advance(task)
 
-        report = build_snapshots(lm, prompts, store, args.agents, force=args.force, progress=progress, digests=default_digest_cache())
+        report = build_snapshots(lm, prompts, store, args.agents, force=args.force, progress=progress, digests=default_digest_cache(), tokenization=tokenization)
 
     table = Table(title=f"kvsnap build → {report.store}")
     for col in ("agent", "status", "tokens", "coverage", "bytes", "seconds"):
@@ -238,13 +258,15 @@ def cmd_ls(args) -> int:
     if args.json:
         print(json.dumps({"snapshots": [{"key": i.key, "name": i.name, "file": i.relpath, "n_tokens": i.n_tokens, "bytes": i.nbytes, "model_digest": i.model_digest, "created": i.recorded.get("created")} for i in good], "problems": [{"file": str(p.path), "reason": p.reason} for p in bad]}, indent=1))
         return EXIT_OK
+    from rich.markup import escape
     from rich.table import Table
 
-    table = Table(title=f"{store.root}: {len(good)} snapshot(s)")
+    # Names and dates come from the files: data, never rich markup ("[/bold]" would raise).
+    table = Table(title=escape(f"{store.root}: {len(good)} snapshot(s)"))
     for col in ("key", "agent", "tokens", "size", "model", "created"):
         table.add_column(col)
     for i in good:
-        table.add_row(i.key[:12], i.name, str(i.n_tokens), _human_bytes(i.nbytes), i.model_digest[:12], i.recorded.get("created", "?"))
+        table.add_row(i.key[:12], escape(i.name), str(i.n_tokens), _human_bytes(i.nbytes), i.model_digest[:12], escape(i.recorded.get("created", "?")))
     console = _console()
     console.print(table)
     for p in bad:

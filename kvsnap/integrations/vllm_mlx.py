@@ -1,6 +1,6 @@
 """vllm-mlx's own server, warm from a kvsnap store.
 
-    kvsnap vllm-mlx serve MODEL [vllm-mlx's flags] --kv-snapshots DIR
+    kvsnap vllm-mlx serve MODEL [vllm-mlx's flags] --kv-snapshots DIR [--warm-prompts FILE]
 
 vllm-mlx 0.6 has no plugin hook in its command line, so kvsnap launches it instead of
 adding a flag to it: it takes ``--kv-snapshots DIR`` out of the arguments, checks the rest
@@ -14,6 +14,12 @@ it checks every snapshot against the running model's identity, decodes the match
 and hands them to vllm-mlx's memory-aware prefix cache through the cache's own ``store``.
 Nothing is prefilled. vllm-mlx's disk cache (``~/.cache/vllm-mlx/prefix_cache``) is
 neither read nor written in such a run: the kvsnap store is the warm state.
+
+With ``--kv-snapshots``, kvsnap also takes ``--warm-prompts FILE`` out of the arguments:
+vllm-mlx's own warm-up never runs; ``vllm_mlx_warm`` serves each entry from the store and
+prefills (and writes back) only what the store lacks. ``vllm_mlx_session`` glues this to
+vllm-mlx's lifespan and its ``DELETE /v1/cache/prefix``; ``vllm_mlx_pin`` keeps the warm
+entries from eviction; ``vllm_mlx_profile`` says how vllm-mlx tokenizes.
 """
 
 from __future__ import annotations
@@ -29,22 +35,27 @@ from ..errors import KvsnapError, SnapshotError, StoreError, UsageError
 log = logging.getLogger("kvsnap.vllm_mlx")
 
 OPTION = "--kv-snapshots"
+WARM_OPTION = "--warm-prompts"
 TESTED_VLLM_MLX = ("0.6.0",)
 HOOKS = ("_load_prefix_cache_from_disk", "_save_prefix_cache_to_disk", "_engine")
 PROBE_TEXT = "kvsnap probe: hello"
 
 USAGE = f"""\
-usage: kvsnap vllm-mlx serve MODEL [vllm-mlx serve options] {OPTION} DIR
+usage: kvsnap vllm-mlx serve MODEL [vllm-mlx serve options] {OPTION} DIR [{WARM_OPTION} FILE]
 
 Runs vllm-mlx's own OpenAI-compatible server with the kvsnap snapshots of MODEL in its
 prefix cache before it accepts requests (no warm-up prefill). Snapshots built for another
 model, KV setting or mlx-lm minor are skipped with a warning. vllm-mlx's own disk prefix
-cache (~/.cache/vllm-mlx/prefix_cache) is neither read nor written in such a run.
+cache (~/.cache/vllm-mlx/prefix_cache) is neither read nor written in such a run. The
+snapshots are kept from eviction, and DELETE /v1/cache/prefix puts them back.
 
-kvsnap's option:
-  {OPTION} DIR   a store made by `kvsnap build` run under the same mlx-lm minor as
-                      vllm-mlx (0.31.x for vllm-mlx 0.6), or oci://HOST/REPO:TAG to pull
-                      one first (see docs/deploy.md); needs --continuous-batching
+kvsnap's options:
+  {OPTION} DIR   a store made by `kvsnap build --for vllm-mlx` run under the same mlx-lm
+                      minor as vllm-mlx (0.31.x for vllm-mlx 0.6), or oci://HOST/REPO:TAG
+                      to pull one first (see docs/deploy.md); needs --continuous-batching
+  {WARM_OPTION} FILE  with {OPTION}: warm exactly these entries (vllm-mlx's file shape or
+                      kvsnap's), each from its snapshot, or prefilled once and written back
+                      to the store when it is writable; vllm-mlx's own warm-up does not run
 
 Every other argument goes to `vllm-mlx serve` unchanged. See docs/vllm-mlx.md.
 """
@@ -53,8 +64,8 @@ Every other argument goes to `vllm-mlx serve` unchanged. See docs/vllm-mlx.md.
 # --- arguments -----------------------------------------------------------------------
 
 
-def split_argv(argv: Sequence[str]) -> tuple[str | None, list[str]]:
-    """Take ``--kv-snapshots DIR`` (or ``--kv-snapshots=DIR``) out; the rest go to vllm-mlx in order."""
+def split_argv(argv: Sequence[str], option: str = OPTION, what: str = "a directory, e.g. --kv-snapshots ./snaps") -> tuple[str | None, list[str]]:
+    """Take ``OPTION VALUE`` (or ``OPTION=VALUE``) out; the rest go to vllm-mlx in order."""
     found: str | None = None
     rest: list[str] = []
     i = 0
@@ -63,20 +74,20 @@ def split_argv(argv: Sequence[str]) -> tuple[str | None, list[str]]:
         if arg == "--":
             rest.extend(argv[i:])
             break
-        if arg == OPTION:
+        if arg == option:
             if i + 1 >= len(argv) or argv[i + 1].startswith("-"):
-                raise UsageError(f"{OPTION} needs a directory, e.g. {OPTION} ./snaps")
+                raise UsageError(f"{option} needs {what}")
             value, i = argv[i + 1], i + 2
-        elif arg.startswith(OPTION + "="):
-            value, i = arg[len(OPTION) + 1 :], i + 1
+        elif arg.startswith(option + "="):
+            value, i = arg[len(option) + 1 :], i + 1
         else:
             rest.append(arg)
             i += 1
             continue
         if not value:
-            raise UsageError(f"{OPTION} needs a directory, e.g. {OPTION} ./snaps")
+            raise UsageError(f"{option} needs {what}")
         if found is not None:
-            raise UsageError(f"{OPTION} given twice ({found!r} and {value!r}); give one store directory")
+            raise UsageError(f"{option} given twice ({found!r} and {value!r}); give it once")
         found = value
     return found, rest
 
@@ -119,6 +130,11 @@ class InsertReport:
         self.skipped.append((str(path), reason))
         log.warning("[kvsnap] skipped snapshot %s: %s", path, reason)
 
+    def as_dict(self) -> dict:
+        from dataclasses import asdict
+
+        return asdict(self)
+
     def summary(self) -> str:
         return (
             f"[kvsnap] Warm start from {self.store}: {self.inserted} snapshot(s) inserted into vllm-mlx's prefix cache "
@@ -147,14 +163,29 @@ def prepended_special_tokens(tokenizer: Any) -> list[int]:
     return full[: max(0, len(full) - len(plain))]
 
 
-def insert_snapshots(prefix_cache: Any, model: Any, tokenizer: Any, model_path: str, store: Any, digests: Any = None) -> InsertReport:
+def reads_enable_thinking(tokenizer: Any) -> bool:
+    """Whether the chat template renders differently with ``enable_thinking`` on and off."""
+    from ..prompts import render_messages
+
+    probe = [{"role": "user", "content": "hi"}]
+    try:
+        return render_messages(tokenizer, probe, None, {"enable_thinking": True}) != render_messages(tokenizer, probe, None, {"enable_thinking": False})
+    except KvsnapError:
+        return False
+
+
+def insert_snapshots(prefix_cache: Any, model: Any, tokenizer: Any, model_path: str, store: Any, digests: Any = None, pins: Any = None, enable_thinking: bool = True) -> InsertReport:
     """Put every snapshot of this model into vllm-mlx's ``MemoryAwarePrefixCache``; never prefills.
 
-    Runs on the thread that owns the model (mlx arrays belong to a thread's stream).
+    ``pins``: where inserted keys are pinned against eviction (``vllm_mlx_pin``).
+    ``enable_thinking``: what this vllm-mlx renders with, for the warning on snapshots
+    built for kvsnap serve's rendering. Runs on the thread that owns the model (mlx
+    arrays belong to a thread's stream).
     """
     from ..key import KVSettings, read_config
     from ..modeling import LoadedModel, check_model_dir
     from ..snapshot import cache_nbytes_of, decode_cache
+    from .vllm_mlx_profile import recorded_tokenization
 
     t0 = time.perf_counter()
     report = InsertReport(store=str(store.root))
@@ -166,10 +197,23 @@ def insert_snapshots(prefix_cache: Any, model: Any, tokenizer: Any, model_path: 
     for problem in bad:
         report.skip(problem.path, problem.reason)
     lead = prepended_special_tokens(tokenizer)
-    if lead:
-        for info in good:
-            report.skip(info.path, f"vllm-mlx encodes every prompt with the tokenizer's special tokens, which puts {lead} in front of the template's own; kvsnap snapshots hold the template's tokens only, so no request could match")
-        good = []
+    thinking_matters = None
+    usable = []
+    for info in good:
+        built_for = recorded_tokenization(info.recorded)
+        if built_for is not None and built_for.get("server") == "vllm-mlx":
+            usable.append(info)
+            continue
+        # Built for kvsnap serve's rendering: template tokens only, the entry's own kwargs.
+        if lead:
+            report.skip(info.path, f"built for kvsnap serve's tokenization (template tokens only), but vllm-mlx encodes every prompt with the tokenizer's special tokens, which puts {lead} in front of the template's own, so no request could match; rebuild with `kvsnap build … --for vllm-mlx`")
+            continue
+        if thinking_matters is None:
+            thinking_matters = reads_enable_thinking(tokenizer)
+        if thinking_matters:
+            log.warning("[kvsnap] snapshot %s (%s) was built for kvsnap serve's rendering; this vllm-mlx renders with enable_thinking=%s, so it matches only if the agents file set that in chat_template_kwargs; build with `kvsnap build … --for vllm-mlx` to be sure", info.path.name, info.name or "unnamed", enable_thinking)
+        usable.append(info)
+    good = usable
     config = getattr(prefix_cache, "_config", None)
     min_tokens = int(getattr(config, "min_prefix_tokens", 1) or 1)
     limit = float(getattr(prefix_cache, "memory_limit_mb", float("inf"))) * 2**20
@@ -194,6 +238,8 @@ def insert_snapshots(prefix_cache: Any, model: Any, tokenizer: Any, model_path: 
         if not prefix_cache.store(list(tokens), state, evict_prefixes=False):
             report.skip(info.path, "vllm-mlx's prefix cache refused it (its log line above says why)")
             continue
+        if pins is not None:
+            pins.add(tokens)
         report.inserted += 1
         report.tokens += len(tokens)
         report.nbytes += nbytes
@@ -204,45 +250,16 @@ def insert_snapshots(prefix_cache: Any, model: Any, tokenizer: Any, model_path: 
     return report
 
 
-def scheduler_of(engine: Any) -> Any:
-    """BatchedEngine -> AsyncEngineCore -> EngineCore -> Scheduler, or None."""
-    core = getattr(getattr(engine, "_engine", None), "engine", None)
-    return getattr(core, "scheduler", None)
-
-
-def install(server: Any, store: Any, digests: Any = None) -> None:
-    """Replace vllm-mlx's disk-cache load and save with the snapshot loader and a no-op."""
-
-    async def load_kvsnap_snapshots(engine: Any = None) -> None:
-        target = engine or server._engine
-        if target is None:
-            return
-        scheduler = scheduler_of(target)
-        prefix_cache = getattr(scheduler, "memory_aware_cache", None)
-        if prefix_cache is None:
-            log.warning("[kvsnap] no snapshots loaded: this vllm-mlx engine (%s) has no memory-aware prefix cache; it starts cold", type(target).__name__)
-            return
-        model_path = getattr(target, "_model_path", None) or getattr(server, "_model_path", None)
-
-        def work() -> InsertReport:
-            return insert_snapshots(prefix_cache, scheduler.model, scheduler.tokenizer, model_path, store, digests)
-
-        try:
-            run = getattr(target, "_run_on_generation_worker", None)
-            report = await run(work) if run is not None else work()
-        except KvsnapError as exc:
-            log.warning("[kvsnap] no snapshots loaded (%s); vllm-mlx starts cold", exc)
-            return
-        except Exception as exc:  # a broken store must not stop vllm-mlx from serving
-            log.error("[kvsnap] no snapshots loaded (%s: %s); vllm-mlx starts cold", type(exc).__name__, exc, exc_info=True)
-            return
-        log.info("%s", report.summary())
+def install(server: Any, session: Any) -> None:
+    """Replace vllm-mlx's disk-cache load and save with the session's warm start and a no-op; extend its routes."""
+    from .vllm_mlx_session import install_routes
 
     async def skip_disk_cache_save(engine: Any = None) -> None:
         log.info("[kvsnap] vllm-mlx's prefix cache is not saved to ~/.cache/vllm-mlx/prefix_cache in a --kv-snapshots run (the kvsnap store is the warm state)")
 
-    server._load_prefix_cache_from_disk = load_kvsnap_snapshots
+    server._load_prefix_cache_from_disk = session.load
     server._save_prefix_cache_to_disk = skip_disk_cache_save
+    install_routes(server, session)
 
 
 # --- the launcher -----------------------------------------------------------------------
@@ -271,13 +288,71 @@ def import_vllm_mlx() -> tuple[Any, Any, str]:
     return cli, server, version
 
 
-def open_store(path: str) -> Any:
+def open_store(path: str, want_write: bool = False) -> tuple[Any, bool]:
+    """The store, and whether warm prompts prefilled here can be written back to it.
+
+    Writable is decided by really creating a file (root passes every access check; a
+    read-only mount shows only when writing). A missing folder is created only when
+    there is something to write back (``want_write``).
+    """
+    import os
+    import tempfile
+    from pathlib import Path
+
     from ..store import Store
 
-    store = Store.open(path, readonly=True)
+    folder = Path(path).expanduser()
+    if want_write and not folder.exists():
+        try:
+            return Store.open(folder, create=True), True
+        except (OSError, StoreError) as exc:
+            raise StoreError(f"{folder} does not exist and cannot be created ({exc}); give the folder passed to `kvsnap build --out`") from None
+    store = Store.open(folder, readonly=True)
     if not store.is_initialized():
         raise StoreError(f"{store.root} is not a kvsnap store (no manifest.json, no snapshots/); give the folder passed to `kvsnap build --out`")
-    return store
+    if not want_write:
+        return store, False
+    probe_dir = store.snapshots_dir if store.snapshots_dir.is_dir() else store.root
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=".tmp-probe-", dir=probe_dir)
+        os.close(fd)
+        os.unlink(tmp)
+    except OSError as exc:
+        log.warning("[kvsnap] %s is not writable here (%s): warm prompts without a snapshot are prefilled at every start and not written back", store.root, exc.strerror or exc)
+        return store, False
+    return Store.open(folder, create=True), True
+
+
+def load_warm_prompt_file(path: str) -> Any:
+    """A warm-prompt file in vllm-mlx's shape (lists of messages) or kvsnap's (objects).
+
+    vllm-mlx lets a list entry end with a user message and warms the text before that
+    user's content; kvsnap's probes start a user turn after the entry, which is the same
+    prefix, so that trailing user message is dropped here (and said so).
+    """
+    import json
+    from pathlib import Path
+
+    from ..errors import WarmPromptError
+    from ..prompts import load_warm_prompts, parse_warm_prompts
+
+    file = Path(path).expanduser()
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return load_warm_prompts(file)  # its named errors: missing, unreadable, bad JSON
+    if isinstance(data, list):
+        for i, entry in enumerate(data):
+            if isinstance(entry, list) and len(entry) > 1 and isinstance(entry[-1], dict) and entry[-1].get("role") == "user":
+                log.info("[kvsnap] %s entry %d ends with a user message: warming the text before it, as vllm-mlx does", file, i)
+                data[i] = entry[:-1]
+    result = parse_warm_prompts(data, str(file))
+    if not result.entries:
+        detail = "; ".join(str(p) for p in result.problems[:3]) or "the list is empty"
+        raise WarmPromptError(f"{file}: no valid warm-prompt entry ({detail})")
+    for problem in result.problems:
+        log.warning("[kvsnap] %s: skipped warm prompt %s", file, problem)
+    return result
 
 
 def parse_serve_args(cli: Any, rest: list[str]) -> Any:
@@ -323,17 +398,21 @@ def main(argv: Sequence[str]) -> int:
     if store_dir is None:
         log.info("[kvsnap] no %s: running vllm-mlx %s unchanged", OPTION, version)
         return run_vllm_mlx(cli, ["serve", *rest])
+    # --warm-prompts is kvsnap's in such a run: vllm-mlx never sees it, so its own warm-up never runs.
+    warm_file, rest = split_argv(rest, WARM_OPTION, "a file, e.g. --warm-prompts agents.json")
     ns = parse_serve_args(cli, rest)
     check_serve_args(ns)
+    prompts = load_warm_prompt_file(warm_file) if warm_file else None
     if store_dir.startswith("oci://"):
         from ..oci import resolve_kv_snapshots
 
         store_dir = resolve_kv_snapshots(store_dir)  # pulled into kvsnap's cache folder first, as `kvsnap serve` does
-    store = open_store(store_dir)
-    if getattr(ns, "warm_prompts", None):
-        log.warning("[kvsnap] --warm-prompts with %s: vllm-mlx still prefills every warm prompt after the snapshots are in; drop --warm-prompts to start with no prefill", OPTION)
+    store, writable = open_store(store_dir, want_write=prompts is not None)
     from ..modeling import default_digest_cache
+    from .vllm_mlx_session import Session
 
-    install(server, store, default_digest_cache())
-    log.info("[kvsnap] vllm-mlx %s: snapshots from %s go into its prefix cache at start-up", version, store.root)
+    session = Session(server=server, store=store, writable=writable, prompts=prompts, agents_file=str(warm_file or ""), digests=default_digest_cache())
+    install(server, session)
+    what = f"warm prompts of {warm_file} from" if prompts is not None else "snapshots from"
+    log.info("[kvsnap] vllm-mlx %s: %s %s go into its prefix cache at start-up%s", version, what, store.root, " (write-back on)" if writable else "")
     return run_vllm_mlx(cli, ["serve", *rest])

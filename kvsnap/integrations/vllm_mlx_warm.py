@@ -1,0 +1,152 @@
+"""``--warm-prompts`` under ``kvsnap vllm-mlx serve --kv-snapshots``: warm prefixes from the store.
+
+For each warm-prompt entry: the warm prefix as vllm-mlx tokenizes that agent's requests
+(``EngineTokenization``), its key, the store's snapshot when it has one, else one prefill
+with kvsnap's ``prefill`` on the model vllm-mlx loaded, captured exactly at the prefix
+boundary and written back when the store is writable. Every warm entry goes into
+vllm-mlx's prefix cache through its own ``store`` and is pinned there. The same pass runs
+at start and for each re-warm after ``DELETE /v1/cache/prefix``.
+
+Runs on the thread that owns the model (mlx arrays belong to a thread's stream).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from ..errors import KvsnapError, SnapshotError, StoreError
+from ..prompts import Tokenization, WarmPromptSet
+
+log = logging.getLogger("kvsnap.vllm_mlx")
+
+
+@dataclass
+class AgentResult:
+    name: str
+    source: str  # snapshot | prefilled | skipped
+    tokens: int = 0
+    key: str = ""
+    written: bool = False
+    reason: str = ""
+
+
+@dataclass
+class WarmReport:
+    """What one warm-up (or re-warm) did; tests and ``GET /v1/kvsnap/status`` read this, not the log."""
+
+    completed: int = 0
+    skipped: int = 0
+    from_snapshots: int = 0
+    prefilled: int = 0
+    written: int = 0
+    prompt_tokens: int = 0
+    seconds: float = 0.0
+    agents: list[AgentResult] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+    def summary(self) -> str:
+        return (
+            f"[lifespan] Warm-up done (strict-prefix): {self.completed} completed, {self.skipped} skipped, "
+            f"{self.prompt_tokens} prompt tokens in {self.seconds:.2f}s "
+            f"({self.from_snapshots} from snapshots, {self.prefilled} prefilled)"
+        )
+
+    def warn(self, text: str) -> None:
+        self.warnings.append(text)
+        log.warning("[kvsnap] %s", text)
+
+    def skip(self, name: str, reason: str, tokens: int = 0) -> None:
+        self.skipped += 1
+        self.agents.append(AgentResult(name=name, source="skipped", tokens=tokens, reason=reason))
+        log.warning("[kvsnap] warm prompt %s skipped: %s", name, reason)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class WarmPlan:
+    """Everything a warm-up needs, fixed at start; ``run`` may be called again for each re-warm."""
+
+    prefix_cache: Any  # vllm-mlx's MemoryAwarePrefixCache
+    pins: Any  # vllm_mlx_pin.Pins, or None where the cache cannot be pinned
+    lm: Any  # kvsnap LoadedModel around the model vllm-mlx loaded
+    identity: Any  # its ModelIdentity
+    store: Any  # kvsnap Store
+    writable: bool
+    prompts: WarmPromptSet
+    agents_file: str
+    tokenization: Tokenization
+
+    def run(self) -> WarmReport:
+        from ..build import commit_snapshot, prefill
+        from ..key import prompt_identity, snapshot_key
+        from ..prompts import resolve_chat_template, warm_prefix
+        from ..snapshot import check_captured_at, decode_cache
+        from .vllm_mlx_profile import describe, recorded_tokenization
+
+        t0 = time.perf_counter()
+        report = WarmReport()
+        for problem in self.prompts.problems:
+            report.skip(f"entry {problem.index}", str(problem))
+        descriptor = self.tokenization.descriptor()
+        infos, _bad = self.store.scan(self.identity)  # foreign and broken files: not ours to report per entry
+        by_key = {info.key: info for info in infos}
+        config = getattr(self.prefix_cache, "_config", None)
+        min_tokens = int(getattr(config, "min_prefix_tokens", 1) or 1)
+        tokenizer = self.lm.tokenizer
+        for prompt in self.prompts.entries:
+            try:
+                prefix = warm_prefix(tokenizer, prompt, self.tokenization)
+                digest = prompt_identity(resolve_chat_template(tokenizer, prompt.tools), prompt.chat_template_kwargs, prompt.tools, descriptor)
+            except KvsnapError as exc:
+                report.skip(prompt.name, str(exc))
+                continue
+            tokens = prefix.tokens
+            if len(tokens) < min_tokens:
+                report.skip(prompt.name, f"its warm prefix holds {len(tokens)} tokens, under vllm-mlx's minimum reusable prefix of {min_tokens} tokens", len(tokens))
+                continue
+            key = snapshot_key(self.identity, digest, tokens)
+            state, source, written = None, "snapshot", False
+            info = by_key.get(key)
+            if info is not None:
+                try:
+                    state = decode_cache(self.store.load_arrays(info, self.identity), info.layers)
+                except SnapshotError as exc:
+                    report.warn(f"{prompt.name}: snapshot {exc.path} cannot be used ({exc.reason}); prefilling instead")
+            if state is None:
+                for other in infos:
+                    if other.name == prompt.name and other.key != key:
+                        report.warn(
+                            f"{prompt.name}: snapshot {other.path.name} was built for a rendering vllm-mlx will not use "
+                            f"({describe(recorded_tokenization(other.recorded))}; this server tokenizes as {describe(descriptor)}); "
+                            "prefilling instead; build for it with `kvsnap build … --for vllm-mlx`"
+                        )
+                state, source = prefill(self.lm, tokens), "prefilled"
+                check_captured_at(state, len(tokens))
+                report.prefilled += 1
+                if self.writable:
+                    try:
+                        commit_snapshot(self.lm, self.store, self.identity, prompt, digest, tokens, state, self.agents_file, tokenization=descriptor)
+                        written = True
+                        report.written += 1
+                    except (StoreError, SnapshotError, OSError) as exc:
+                        report.warn(f"{prompt.name}: write-back to {self.store.root} failed ({exc}); served from memory only")
+            # vllm-mlx's own insert copies the arrays; evict_prefixes=False: never evict another warm entry.
+            if not self.prefix_cache.store(list(tokens), state, evict_prefixes=False):
+                report.skip(prompt.name, f"vllm-mlx's prefix cache refused it ({len(tokens)} tokens; {self.prefix_cache.memory_usage_mb:.1f} of {self.prefix_cache.memory_limit_mb:.1f} MiB used): raise --cache-memory-mb", len(tokens))
+                continue
+            if self.pins is not None:
+                self.pins.add(tokens)
+            report.completed += 1
+            report.prompt_tokens += len(tokens)
+            if source == "snapshot":
+                report.from_snapshots += 1
+            report.agents.append(AgentResult(name=prompt.name, source=source, tokens=len(tokens), key=key, written=written))
+            log.info("[kvsnap] warm prompt %s: %d tokens %s", prompt.name, len(tokens), "from snapshot " + key if source == "snapshot" else "prefilled" + (", written back as " + key if written else ""))
+            del state
+        report.seconds = time.perf_counter() - t0
+        return report
