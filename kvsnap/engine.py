@@ -24,6 +24,8 @@ __all__ = ["Engine", "EngineConfig", "EventFn", "GenerationRequest", "RequestSta
 
 log = logging.getLogger("kvsnap.engine")
 
+MIN_SHARED_TOKENS_TO_COMPUTE = 32  # a shared prefix mostly cached already is not computed again
+
 class Engine:
     def __init__(self, config: EngineConfig):
         self.config = config
@@ -59,6 +61,8 @@ class Engine:
         self.rewarms_coalesced = 0
         self.rewarm_error = ""
         self._rewarm = None  # a RewarmJob while a re-warm runs
+        self._shared_prefills = 0  # shared prefixes of requests admitted together, computed once
+        self._discard_after_admit: list = []
 
     # --- lifecycle ------------------------------------------------------------
 
@@ -167,6 +171,7 @@ class Engine:
                 "computed_source": self._computed_source(),
             },
             "requests_started": self._started_requests,
+            "shared_prefills": self._shared_prefills,
             "rewarms": self.rewarms,
             "rewarms_coalesced": self.rewarms_coalesced,
             "rewarm_in_progress": self._rewarm is not None,
@@ -443,6 +448,7 @@ class Engine:
             return
         gen = self._ensure_gen()
         room = self.config.max_batch_size - len(self._active)
+        self._prefill_shared_prefixes(self._pending[:room])
         while self._pending and room > 0:
             state = self._pending.pop(0)
             r = state.request
@@ -459,7 +465,42 @@ class Engine:
             self._batched_expected += len(suffix) - 1  # mlx-lm runs the last token in the first decode step
             self._active[uid] = state
             room -= 1
+        while self._discard_after_admit:
+            self.prefix.discard(self._discard_after_admit.pop())
         self._max_batch_seen = max(self._max_batch_seen, len(self._active))
+
+    def _prefill_shared_prefixes(self, batch: list[RequestState]) -> None:
+        """Requests admitted together that share an uncached prefix: compute it once, as a
+        prefix entry of their namespace that each of them then hits."""
+        from .prefix import Entry
+        from .prefill import PrefillCursor
+        from .shared_prefix import shared_groups
+        from .snapshot import CaptureError, cache_nbytes_of, check_captured_at, is_trimmable
+
+        if len(batch) < 2:
+            return
+        for group in shared_groups([s.request.tokens for s in batch], [s.request.namespace for s in batch]):
+            first = batch[group.members[0]].request
+            shared = tuple(first.tokens[: group.length])
+            match = self.prefix.lookup(first.tokens[: group.length + 1], first.namespace)
+            start = match.n_cached if match else 0
+            if group.length - start < MIN_SHARED_TOKENS_TO_COMPUTE:
+                continue  # the cache already holds (nearly) all of it
+            try:
+                cache, start, _ = self.prefix.fetch(first.tokens[: group.length + 1], first.namespace)
+                cursor = PrefillCursor(self.lm, shared, done_tokens=start, cache=cache or self.lm.make_cache())
+                while cursor.step():
+                    pass
+                check_captured_at(cursor.cache, group.length)
+            except (CaptureError, ValueError, RuntimeError) as exc:  # the members then prefill on their own
+                log.warning("[kvsnap] shared prefix of %d requests not computed: %s", len(group.members), exc)
+                continue
+            self._computed_measured += group.length - start
+            self._shared_prefills += 1
+            entry = Entry(tokens=shared, state=cursor.cache, nbytes=cache_nbytes_of(cursor.cache), trimmable=is_trimmable(cursor.cache), pinned=False, source="shared", namespace=first.namespace)
+            self.prefix.add(entry)
+            if not first.capture:
+                self._discard_after_admit.append(entry)  # serves this batch only: request prefixes are off
 
     def _flush_deferred(self) -> None:
         if self._deferred_evals:

@@ -166,6 +166,11 @@ class PrefixCache:
             self._entries.clear()
             return n
 
+    def discard(self, entry: Entry) -> None:
+        with self._lock:
+            if self._entries.get(entry.slot) is entry:
+                del self._entries[entry.slot]
+
     def drop_request_prefixes(self) -> int:
         """Forget every entry no warm prompt or snapshot file backs; returns how many."""
         with self._lock:
