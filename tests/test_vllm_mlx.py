@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import math
 import os
 import re
 import shutil
@@ -187,13 +188,38 @@ def test_a_tokenizer_that_prepends_bos_on_encode_makes_every_snapshot_unmatchabl
 
 # --- tokenization profiles ----------------------------------------------------------------
 
-PLANNER = {"name": "planner", "messages": [{"role": "system", "content": "You plan the work of a small infrastructure team. " * 12}]}
+PLANNER = {"name": "planner", "messages": [{"role": "system", "content": "You plan the work of a small infrastructure team, step by step, with owners and risks. " * 12}]}
 
 
 def _vllm_mlx_request_tokens(tokenizer, messages, model_name="demo"):
     """vllm-mlx 0.6's request path, written out: render with its kwargs, then encode with the tokenizer's defaults."""
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, enable_thinking="coder" not in model_name.lower())
     return list(tokenizer.encode(text))
+
+
+def make_llama3_model(out: Path) -> Path:
+    """A tiny random-weight Llama model with the real Llama-3 tokenizer and chat template."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import _get_classes
+
+    from kvsnap.demo import _randomize
+
+    if (out / "config.json").exists():
+        return out
+    llama3_tokenizer_files(out)
+    vocab = 128256
+    config = dict(
+        model_type="llama", hidden_size=128, num_hidden_layers=4, intermediate_size=256, num_attention_heads=4, num_key_value_heads=4,
+        head_dim=32, vocab_size=vocab, rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=True, max_position_embeddings=8192,
+        bos_token_id=128000, eos_token_id=[128001, 128009], torch_dtype="float32",
+    )
+    model_cls, args_cls = _get_classes(config)
+    model = model_cls(args_cls.from_dict(config))
+    _randomize(model, 0, vocab)
+    mx.save_safetensors(str(out / "model.safetensors"), dict(tree_flatten(model.parameters())), metadata={"format": "mlx"})
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return out
 
 
 def test_kvsnap_profile_keeps_todays_prompt_digest_and_vllm_mlx_profile_changes_it():
@@ -461,6 +487,7 @@ def world(vllm_mlx_python, tmp_path_factory):
         models[name] = root / name
         _venv_kvsnap(vllm_mlx_python, home, "demo-model", models[name], *extra)
         _venv_kvsnap(vllm_mlx_python, home, "build", agents, "--model", models[name], "--out", root / "snaps")
+    models["llama3"] = make_llama3_model(root / "llama3")  # weights and tokenizer files only: no store entry here
     # One more, built under this suite's mlx-lm: foreign to vllm-mlx when the minors differ.
     r = run_kvsnap("build", agents, "--model", models["dense"], "--out", root / "snaps", env={"KVSNAP_CACHE_DIR": str(home / "kvsnap-cache")})
     assert r.returncode == 0, r.stdout + r.stderr
@@ -483,18 +510,18 @@ def _launch(cmd: list[str], home: Path, log: Path, extra_env: dict | None = None
     return ServerProcess(proc=proc, url=f"http://127.0.0.1:{port}", log_path=log, launched_at=time.perf_counter())
 
 
-def _ask(server, model: str, user: str, max_tokens: int = 200) -> dict:
+def _ask(server, model: str, user: str, max_tokens: int = 200, system: dict | None = None, headers: dict | None = None) -> dict:
     """One greedy chat request; /v1/status is polled while it runs for the request's own cache figures."""
-    body = {"model": model, "messages": [AGENTS[0]["messages"][0], {"role": "user", "content": user}], "max_tokens": max_tokens, "temperature": 0}
+    body = {"model": model, "messages": [system or AGENTS[0]["messages"][0], {"role": "user", "content": user}], "max_tokens": max_tokens, "temperature": 0}
     result: dict = {}
 
     def send():
-        with httpx.Client(timeout=120) as c:
+        with httpx.Client(timeout=120, headers=headers) as c:
             result["response"] = c.post(f"{server.url}/v1/chat/completions", json=body).json()
 
     thread = threading.Thread(target=send)
     seen = []
-    with httpx.Client(timeout=10) as c:
+    with httpx.Client(timeout=10, headers=headers) as c:
         thread.start()
         while thread.is_alive():
             seen += c.get(f"{server.url}/v1/status").json()["requests"]
@@ -572,3 +599,150 @@ def test_kv_snapshots_without_continuous_batching_is_a_usage_error(world, tmp_pa
     r = subprocess.run([str(world.python), "-m", "kvsnap", "vllm-mlx", "serve", str(world.models["dense"]), "--kv-snapshots", str(world.store)], capture_output=True, text=True, env=_venv_env(tmp_path), timeout=120)
     assert r.returncode == 2, r.stdout + r.stderr
     assert "add --continuous-batching" in r.stderr
+
+
+PIN_CHECK = """
+import json
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache
+from vllm_mlx.memory_cache import MemoryAwarePrefixCache, MemoryCacheConfig
+from kvsnap.integrations.vllm_mlx_pin import pin
+
+
+def layers(n):  # one KV layer of n tokens: 1 KiB per token
+    c = KVCache()
+    k = mx.ones((1, 2, n, 64))
+    c.update_and_fetch(k, k)
+    return [c]
+
+
+def run(pinned):
+    cache = MemoryAwarePrefixCache(model=None, config=MemoryCacheConfig(max_memory_mb=1, min_prefix_tokens=1))
+    pins = pin(cache) if pinned else None
+    snap = list(range(300))
+    assert cache.store(snap, layers(300), evict_prefixes=False)
+    if pins:
+        pins.add(snap)
+    out = {}
+    for i in range(5):  # LRU pressure: five 300-token entries through a 1,024-token budget
+        cache.store([1000 + i] * 300, layers(300))
+    out["lru"] = tuple(snap) in cache._entries
+    cache.store([2000] * 10, layers(10))  # an unpinned prefix of the next entry
+    cache.store(snap + [7] * 100, layers(400), evict_prefixes=True)  # a prompt entry past the snapshot
+    cache.store([2000] * 10 + [3] * 5, layers(15), evict_prefixes=True)
+    out["prefix_evict"] = tuple(snap) in cache._entries
+    out["unpinned_prefix_evicted"] = (2000,) * 10 not in cache._entries
+    cache.remove(snap)  # a chunked prefill dropping its previous intermediate entry
+    out["remove"] = tuple(snap) in cache._entries
+    out["big_stored"] = cache.store([5] * 1000, layers(1000))  # fits only if the snapshot goes
+    out["big"] = tuple(snap) in cache._entries
+    out["accounting"] = cache._current_memory == sum(e.memory_bytes for e in cache._entries.values()) <= cache._max_memory
+    cache.clear()
+    out["cleared"] = len(cache._entries) == 0 and (pins is None or not pins.keys)
+    return out
+
+
+print(json.dumps({"pinned": run(True), "plain": run(False)}))
+"""
+
+
+@pytest.mark.slow
+def test_pinned_snapshots_survive_vllm_mlx_lru_prefix_eviction_and_remove(vllm_mlx_python, tmp_path):
+    """On vllm-mlx's own MemoryAwarePrefixCache; the same sequence without the pin loses the snapshot."""
+    r = subprocess.run([str(vllm_mlx_python), "-c", PIN_CHECK], capture_output=True, text=True, env=_venv_env(tmp_path), timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    result = json.loads(r.stdout.strip().splitlines()[-1])
+    assert result["pinned"] == {"lru": True, "prefix_evict": True, "unpinned_prefix_evicted": True, "remove": True, "big_stored": False, "big": True, "accounting": True, "cleared": True}
+    assert result["plain"] == {"lru": False, "prefix_evict": False, "unpinned_prefix_evicted": True, "remove": False, "big_stored": True, "big": False, "accounting": True, "cleared": True}
+    assert "PinnedCacheFull" in r.stderr  # vllm-mlx's own log line for the refused entry
+
+
+def _kvsnap_status(server, headers=None) -> dict:
+    return httpx.get(f"{server.url}/v1/kvsnap/status", headers=headers, timeout=10).json()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["dense", "hybrid", "llama3"])
+def test_warm_prompts_come_from_the_store_and_survive_restart_eviction_and_delete(world, arch, tmp_path):
+    from kvsnap.blas import find_openblas
+
+    model = str(world.models[arch])
+    home = tmp_path / "home"
+    home.mkdir()
+    agents = tmp_path / "agents.json"
+    agents.write_text(json.dumps([[*AGENTS[0]["messages"]], [*PLANNER["messages"]]]))  # vllm-mlx's own file shape
+    only_first = tmp_path / "first.json"
+    only_first.write_text(json.dumps([[*AGENTS[0]["messages"]]]))
+    store = tmp_path / "snaps"
+    _venv_kvsnap(world.python, home, "build", only_first, "--model", model, "--out", store, "--for", "vllm-mlx")
+    reviewer, planner = AGENTS[0]["messages"][0], PLANNER["messages"][0]
+    questions = [(reviewer, "Please review the server code."), (planner, "Plan the database migration.")]
+    serve = [str(world.python), "-m", "kvsnap", "vllm-mlx", "serve", model, "--continuous-batching", "--kv-snapshots", str(store), "--warm-prompts", str(agents)]
+
+    # First start: the reviewer from its snapshot, the planner prefilled once and written back.
+    first = _launch(serve, home, tmp_path / "first.log")
+    try:
+        first.wait_ready(180)
+        report, status = _kvsnap_status(first), httpx.get(f"{first.url}/v1/status", timeout=10).json()
+        answers = [_ask(first, model, user, 24, system) for system, user in questions]
+    finally:
+        assert first.stop() == 0, first.log()[-3000:]
+    log = first.log()
+    last = report["last"]
+    assert (last["completed"], last["from_snapshots"], last["prefilled"], last["written"], last["skipped"]) == (2, 1, 1, 1, 0), report
+    assert [(a["name"], a["source"], a["written"]) for a in last["agents"]] == [("agent-0", "snapshot", False), ("agent-1", "prefilled", True)]
+    assert re.search(r"\[lifespan\] Warm-up done \(strict-prefix\): 2 completed, 0 skipped, \d+ prompt tokens in [\d.]+s \(1 from snapshots, 1 prefilled\)", log)
+    assert "Warming prefix cache" not in log  # vllm-mlx's own warm-up never ran
+    assert (status["steps_executed"], status["total_prompt_tokens"], status["cache"]["entry_count"]) == (0, 0, 2), status
+    warm_tokens = {a["name"]: a["tokens"] for a in last["agents"]}
+    assert [a["cached_tokens"] for a in answers] == [warm_tokens["agent-0"], warm_tokens["agent-1"]], answers
+    assert len(list((store / "snapshots").iterdir())) == 2
+    if arch == "llama3":  # vllm-mlx's requests start with two BOS, and so do the snapshots now
+        from kvsnap.store import Store
+
+        assert all(Store.open(store, readonly=True).read_tokens(i)[:2] == [128000, 128000] for i in Store.open(store, readonly=True).scan()[0])
+
+    # Second start, behind vllm-mlx's own --api-key and with a small cache: nothing prefilled.
+    key = {"Authorization": "Bearer kvsnap-test-key"}
+    # Room for the snapshots and one other entry the size of the reviewer's, not two.
+    per_token_mib = report["pinned_mib"] / sum(warm_tokens.values())
+    budget = math.ceil(report["pinned_mib"] + per_token_mib * (warm_tokens["agent-0"] + 24))
+    second = _launch([*serve, "--api-key", "kvsnap-test-key", "--cache-memory-mb", str(budget)], home, tmp_path / "second.log")
+    try:
+        second.wait_ready(180)
+        assert httpx.get(f"{second.url}/v1/kvsnap/status", timeout=10).status_code == 401
+        assert httpx.delete(f"{second.url}/v1/cache/prefix", timeout=10).status_code == 401
+        again = _kvsnap_status(second, key)["last"]
+        # Eviction pressure: other agents' requests fill the cache past --cache-memory-mb.
+        for i in range(5):
+            _ask(second, model, f"Question {i}", 4, {"role": "system", "content": f"Agent {i}. " + LONG_SYSTEM}, key)
+        pressure = httpx.get(f"{second.url}/v1/status", headers=key, timeout=10).json()["cache"]
+        after_pressure = _ask(second, model, "Please review the client code.", 8, reviewer, key)
+        cleared = httpx.delete(f"{second.url}/v1/cache/prefix", headers=key, timeout=10).json()
+        deadline = time.monotonic() + 60
+        while (s := _kvsnap_status(second, key))["rewarms"] < 1 or s["rewarm_running"]:
+            assert time.monotonic() < deadline, s
+            time.sleep(0.05)
+        after_delete = _ask(second, model, "Plan the next release.", 8, planner, key)
+    finally:
+        assert second.stop() == 0, second.log()[-3000:]
+    assert (again["from_snapshots"], again["prefilled"]) == (2, 0), again
+    if arch != "hybrid":  # a hybrid request's prompt+output entry is useless to vllm-mlx, so it keeps none to evict
+        assert pressure["evictions"] > 0, pressure
+    assert after_pressure["cached_tokens"] == warm_tokens["agent-0"], after_pressure
+    assert cleared == {"status": "cleared", "rewarm_scheduled": True}
+    assert (s["last"]["from_snapshots"], s["last"]["prefilled"], s["pinned"]) == (2, 0, 2), s
+    assert after_delete["cached_tokens"] == warm_tokens["agent-1"], after_delete
+
+    # Plain vllm-mlx, cold: the same answers.
+    blas = find_openblas()
+    cold_home = tmp_path / "home-cold"
+    cold_home.mkdir()
+    cold = _launch([str(world.python), "-m", "vllm_mlx.cli", "serve", model, "--continuous-batching"], cold_home, tmp_path / "cold.log", {"LD_PRELOAD": blas} if blas else None)
+    try:
+        cold.wait_ready(180)
+        cold_answers = [_ask(cold, model, user, 24, system) for system, user in questions]
+    finally:
+        cold.stop()
+    assert [a["cached_tokens"] for a in cold_answers] == [0, 0]
+    assert [(a["text"], a["prompt_tokens"]) for a in answers] == [(a["text"], a["prompt_tokens"]) for a in cold_answers]
