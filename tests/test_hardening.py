@@ -89,29 +89,75 @@ def test_build_killed_at_each_fault_point_leaves_a_sound_store_that_resumes(poin
     assert len(record["entries"]) == N_AGENTS
 
 
-def test_build_killed_at_ten_random_times_always_resumes(model, tmp_path, env):
+def _temp_files(store: Path) -> list[Path]:
+    """Temp files a killed write leaves behind (snapshots and the manifest are both written through one)."""
+    return [p for folder in (store, store / "snapshots") if folder.is_dir() for p in folder.iterdir() if p.name.startswith(".tmp-")]
+
+
+def _wait_for_point(log: Path, point: str, count: int, proc: subprocess.Popen, deadline: float) -> bool:
+    """Poll the fault log until ``point`` was logged ``count`` times; False if the build ended first."""
+    while True:
+        if log.exists() and log.read_text().split().count(point) >= count:
+            return True
+        if proc.poll() is not None:
+            return False
+        assert time.monotonic() < deadline, f"build never reached {point} #{count}"
+        time.sleep(0.001)
+
+
+def test_build_killed_at_random_times_always_resumes_and_at_least_five_kills_interrupt_a_write(model, tmp_path, env):
+    """SIGKILL at random times until five kills have landed inside a write; the fault log says where each landed.
+
+    A third of the draws are anywhere after the model loaded; the rest just after a random
+    snapshot's first tensor was written, where the writes are. A kill interrupted a write when it left a temp file behind;
+    the log must agree with the files (a kill logged mid-write left one; committed snapshots
+    equal the renames logged). A kill that came after the build exited is not counted.
+    """
     rng = random.Random(20261130)
     agents = _agents(tmp_path)
-    for i in range(10):
+    landings, interrupted, kills = [], 0, 0
+    for i in range(40):  # bounded; stops as soon as enough kills have landed where they must
+        if interrupted >= 5 and kills >= 8:
+            break
         store, log = tmp_path / f"snaps-{i}", tmp_path / f"faults-{i}.log"
         cmd = [sys.executable, "-m", "kvsnap", "build", str(agents), "--model", str(model), "--out", str(store)]
         proc = subprocess.Popen(cmd, env={**os.environ, **env, "KVSNAP_FAULT_LOG": str(log)}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
             deadline = time.monotonic() + 60
-            while not (log.exists() and "model-loaded" in log.read_text()):
-                assert proc.poll() is None and time.monotonic() < deadline, "build ended before loading the model"
-                time.sleep(0.005)
-            time.sleep(rng.uniform(0, 0.4))
+            assert _wait_for_point(log, "model-loaded", 1, proc, deadline), "build ended before loading the model"
+            if i % 3:
+                _wait_for_point(log, "mid-write", rng.randint(1, N_AGENTS), proc, deadline)
+                time.sleep(rng.uniform(0, 0.004))  # a tiny model's write lasts a few milliseconds
+            else:
+                time.sleep(rng.uniform(0, 0.8))
             proc.send_signal(signal.SIGKILL)
         finally:
             proc.wait(30)
+        points = log.read_text().split()
+        if proc.returncode != -signal.SIGKILL:
+            assert proc.returncode == 0, f"draw {i}: build exited with {proc.returncode}"
+            landings.append(f"draw {i}: after the build exited")
+            continue
+        kills += 1
+        last, renames = points[-1], points.count("after-rename")
+        temps, committed = _temp_files(store), _committed(store)
+        # The log and the files agree on where the kill landed.
+        assert len(committed) == renames or (last == "after-fsync" and len(committed) == renames + 1), (i, points, committed)
+        if last in ("mid-write", "after-write"):
+            assert temps, f"draw {i}: killed after {last}, yet no temp file was left"
+        if temps:
+            assert last != "model-loaded", f"draw {i}: a temp file before any write: {temps}"
+            interrupted += 1
+        landings.append(f"draw {i}: after {last} ({renames} renamed, {len(temps)} temp file(s) left)")
+
         _assert_store_sound(store, env)
-        committed = _committed(store)
         r = run_kvsnap("build", agents, "--model", model, "--out", store, env=env)
         assert r.returncode == 0, r.stdout + r.stderr
         counts = _counts(r.stdout)
         assert counts["built"] + counts["reused"] == N_AGENTS and counts["built"] == N_AGENTS - len(committed)
         _assert_store_sound(store, env)
+    print("\n".join(landings))  # where each kill landed, for -s / -rA
+    assert interrupted >= 5 and kills >= 8, "\n".join(landings)
 
 
 # --- concurrency -----------------------------------------------------------------------
