@@ -50,13 +50,13 @@ UPLOAD_RE = re.compile(r'"PUT /v2/(\S+)/blobs/uploads/\S*digest=(sha256(?::|%3A)
 class Registry:
     """A `docker-registry serve CONFIG` process on 127.0.0.1 with its storage folder and access log."""
 
-    def __init__(self, tmp: Path, htpasswd: Path | None = None):
+    def __init__(self, tmp: Path, htpasswd: Path | None = None, auth_yaml: str = ""):
         self.tmp = tmp
         self.port = free_port()
         self.host = f"127.0.0.1:{self.port}"
         self.root = tmp / "storage"
         self.log_path = tmp / "registry.log"
-        auth = f"auth:\n  htpasswd:\n    realm: kvsnap-test\n    path: {htpasswd}\n" if htpasswd else ""
+        auth = f"auth:\n  htpasswd:\n    realm: kvsnap-test\n    path: {htpasswd}\n" if htpasswd else auth_yaml
         config = tmp / "config.yml"
         config.write_text(f"version: 0.1\nlog:\n  level: warn\nstorage:\n  filesystem:\n    rootdirectory: {self.root}\nhttp:\n  addr: {self.host}\n{auth}")
         cmd = [REGISTRY_BIN, "serve", str(config)]
@@ -132,6 +132,22 @@ def auth_registry(tmp_path_factory):
     reg.stop()
 
 
+@pytest.fixture(scope="session")
+def token_registry(tmp_path_factory):
+    """docker-registry with Bearer-token auth, trusting the signing certificate of a token service on 127.0.0.1."""
+    if not os.path.exists(REGISTRY_BIN):
+        pytest.skip("docker-registry is not installed (apt-get install docker-registry; .ci/run does)")
+    from registry_token_service import TokenService
+
+    tmp = tmp_path_factory.mktemp("token-registry")
+    tokens = TokenService(users={"ci": "tok-pw"})
+    reg = Registry(tmp, auth_yaml=tokens.registry_auth_yaml(tokens.write_bundle(tmp / "token-ca.pem")))
+    reg.tokens = tokens
+    yield reg
+    reg.stop()
+    tokens.stop()
+
+
 @pytest.fixture(autouse=True)
 def no_ambient_credentials(monkeypatch, tmp_path):
     """Only the credentials a test gives: no user docker config, no KVSNAP_REGISTRY_* from outside."""
@@ -203,55 +219,42 @@ def test_credentials_come_from_the_environment_or_docker_config_and_are_never_sh
     assert (creds.username, creds.password) == ("env-user", "env-pw") and "KVSNAP_REGISTRY_USER" in creds.source
 
 
-def test_bearer_token_flow(built, tmp_path):
-    """A registry that answers 401 Bearer: kvsnap asks the realm for a token (Basic-authenticated) and retries with it."""
-    blobs: dict[str, bytes] = {}
-    manifests: dict[str, bytes] = {}
-    token_calls = []
+def test_bearer_token_flow_against_a_real_registry(token_registry, built, tmp_path):
+    """How ghcr.io and Docker Hub authenticate: the registry answers 401 Bearer, kvsnap asks the
+    realm for a token with Basic credentials and retries with it. The registry checks the token's
+    signature, issuer, audience and granted actions itself."""
+    from registry_token_service import SERVICE, SigningKey, claims_for
 
-    def handler(request: httpx.Request) -> httpx.Response:
-        url = request.url
-        if url.host == "auth.example.com":
-            token_calls.append(url.params.multi_items())
-            if request.headers.get("Authorization") != Credentials("ci", "tok-pw").basic():
-                return httpx.Response(401)
-            return httpx.Response(200, json={"token": "T0K"})
-        if request.headers.get("Authorization") != "Bearer T0K":
-            scope = "repository:team/snaps:pull"
-            return httpx.Response(401, headers={"WWW-Authenticate": f'Bearer realm="https://auth.example.com/token",service="reg.example.com",scope="{scope}"'})
-        path = url.path
-        if "/blobs/uploads/" in path and request.method == "POST":
-            return httpx.Response(202, headers={"Location": "/v2/team/snaps/blobs/uploads/abc?_state=x"})
-        if "/blobs/uploads/" in path and request.method == "PUT":
-            data = request.read()
-            assert "sha256:" + hashlib.sha256(data).hexdigest() == url.params["digest"] and url.params["_state"] == "x"
-            blobs[url.params["digest"]] = data
-            return httpx.Response(201)
-        if "/blobs/" in path:
-            digest = path.rsplit("/", 1)[1]
-            if digest not in blobs:
-                return httpx.Response(404)
-            return httpx.Response(200, content=b"" if request.method == "HEAD" else blobs[digest])
-        if "/manifests/" in path:
-            tag = path.rsplit("/", 1)[1]
-            if request.method == "PUT":
-                manifests[tag] = request.read()
-                return httpx.Response(201)
-            return httpx.Response(200, content=manifests[tag]) if tag in manifests else httpx.Response(404, json={"errors": [{"code": "MANIFEST_UNKNOWN"}]})
-        return httpx.Response(500)
-
-    ref = Reference.parse("oci://reg.example.com/team/snaps:v1")
-    transport = httpx.MockTransport(handler)
-    report = push(built, ref, credentials=Credentials("ci", "tok-pw", "test"), transport=transport)
+    tokens = token_registry.tokens
+    ref = Reference.parse(token_registry.ref("team/snaps"))
+    creds = Credentials("ci", "tok-pw", "test")
+    first_call = len(tokens.calls)
+    report = push(built, ref, credentials=creds)
     assert len(report.uploaded) == 4  # empty config + 2 snapshots + manifest.json
-    assert ("service", "reg.example.com") in token_calls[0] and ("scope", "repository:team/snaps:pull,push") in token_calls[0]
-    pulled = pull(ref, tmp_path / "pulled", credentials=Credentials("ci", "tok-pw", "test"), transport=transport)
+    user, query = tokens.calls[first_call]
+    assert user == "ci" and ("service", SERVICE) in query and ("scope", "repository:team/snaps:pull,push") in query, query
+    pulled = pull(ref, tmp_path / "pulled", credentials=creds)
     assert len(pulled.downloaded) == 3 and store_files(tmp_path / "pulled") == store_files(built)
+    r = run_kvsnap("pull", str(ref), tmp_path / "cli-pulled", env={"KVSNAP_REGISTRY_USER": "ci", "KVSNAP_REGISTRY_PASSWORD": "tok-pw"})
+    assert r.returncode == 0 and "tok-pw" not in r.stdout + r.stderr, r.stdout + r.stderr
+    assert store_files(tmp_path / "cli-pulled") == store_files(built)
+
     with pytest.raises(RegistryAuthError, match=r"refused the credentials from test \(HTTP 401\)"):
-        pull(ref, tmp_path / "again", credentials=Credentials("ci", "wrong", "test"), transport=transport)
+        pull(ref, tmp_path / "again", credentials=Credentials("ci", "wrong", "test"))
     with pytest.raises(RegistryAuthError, match=r"needs credentials \(HTTP 401\); set KVSNAP_REGISTRY_USER"):
-        pull(ref, tmp_path / "again", credentials=None, transport=transport)
+        pull(ref, tmp_path / "again", credentials=None)
     assert not (tmp_path / "again").exists()
+
+    # Negative control: the registry really checks tokens (a permissive one would pass the above).
+    url = f"http://{token_registry.host}/v2/team/snaps/manifests/v1"
+    pull_claims = claims_for("ci", ["repository:team/snaps:pull"])
+    for token, status in (
+        (tokens.signer.jwt(pull_claims), 200),
+        (SigningKey.make("a forger").jwt(pull_claims), 401),  # signed by a key outside the rootcertbundle
+        (tokens.signer.jwt(claims_for("ci", ["repository:other/repo:pull"])), 401),  # granted another repository
+        (tokens.signer.jwt(claims_for("ci", ["repository:team/snaps:pull"], service="another-registry")), 401),  # wrong audience
+    ):
+        assert httpx.get(url, headers={"Accept": OCI_MANIFEST, "Authorization": f"Bearer {token}"}, timeout=10).status_code == status
 
 
 # --- push, pull, verify ----------------------------------------------------------------------
