@@ -119,7 +119,7 @@ def capture_snapshot(
     cache = prefill(lm, tokens)
     store.fault("after-prefill")
     arrays, layers = encode_cache(cache, tokens)
-    metadata = snapshot_metadata(identity, prompt, prompt_digest, key, tokens, layers, recorded_fields(lm.settings, tokenization))
+    metadata = snapshot_metadata(identity, prompt, prompt_digest, key, tokens, layers, recorded_fields(lm.settings, tokenization) | lm.origin_fields())
     with store.lock():
         path = store.put(key, to_out_tensors(arrays), metadata)
         if on_commit is not None:
@@ -262,7 +262,7 @@ def commit_snapshot(
 
     key = snapshot_key(identity, prompt_digest, tokens)
     arrays, layers = encode_cache(cache, tokens)
-    metadata = snapshot_metadata(identity, prompt, prompt_digest, key, tokens, layers, recorded_fields(lm.settings, tokenization))
+    metadata = snapshot_metadata(identity, prompt, prompt_digest, key, tokens, layers, recorded_fields(lm.settings, tokenization) | lm.origin_fields())
     with store.lock():
         path = store.put(key, to_out_tensors(arrays), metadata)
         extra = {"tokenization": tokenization} if tokenization is not None else {}

@@ -70,7 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("build", help="prefill warm prompts once and write their snapshots")
     p.add_argument("agents", help="warm-prompt file (JSON list of message lists or {name, messages, tools, chat_template_kwargs})")
-    p.add_argument("--model", required=True, help="local mlx-lm model directory")
+    p.add_argument("--model", required=True, help="hub id (org/name, from the Hugging Face cache as mlx-lm resolves it) or local mlx-lm model folder")
+    p.add_argument("--revision", metavar="REV", help="hub revision: branch, tag or commit (default: main); only with a hub id")
     p.add_argument("--out", required=True, help="snapshot store directory (created if absent)")
     p.add_argument("--force", action="store_true", help="re-prefill and rewrite every snapshot")
     p.add_argument("--for", dest="for_server", choices=("kvsnap", "vllm-mlx"), default="kvsnap", help="the server whose requests the snapshots must match: kvsnap serve (default) or vllm-mlx (it encodes with the tokenizer's special tokens and its own enable_thinking); see docs/vllm-mlx.md")
@@ -78,7 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_kv_options(p)
 
     p = sub.add_parser("serve", help="OpenAI-compatible server that starts warm from snapshots")
-    p.add_argument("model", help="local mlx-lm model directory")
+    p.add_argument("model", help="hub id (org/name, from the Hugging Face cache as mlx-lm resolves it) or local mlx-lm model folder")
+    p.add_argument("--revision", metavar="REV", help="hub revision: branch, tag or commit (default: main); only with a hub id")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
     p.add_argument("--continuous-batching", action="store_true", help="batch concurrent requests (mlx-lm BatchGenerator); without it requests run one at a time")
@@ -89,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cache-memory-mb", type=float, default=2048.0, help="prefix cache budget in MiB: pinned snapshots load up to it, the rest on first hit (default: 2048)")
     p.add_argument("--max-batch-size", type=_positive_int, default=8, help="most requests decoding at once (default: 8)")
     p.add_argument("--max-tokens", type=_positive_int, default=256, help="default max_tokens of a request (default: 256)")
-    p.add_argument("--served-model-name", help="model id clients send (default: the model folder's name)")
+    p.add_argument("--served-model-name", help="model id clients send (default: the hub id, else the model folder's name)")
     g = p.add_argument_group("security and limits (docs/server.md#security)")
     g.add_argument("--api-key", action="append", metavar="KEY", help="require `Authorization: Bearer KEY` on every endpoint but /health; repeatable. Prefer KVSNAP_API_KEY (comma-separated): arguments show in `ps`")
     g.add_argument("--admin-api-key", action="append", metavar="KEY", help="only these keys may DELETE /v1/cache/prefix and see every request in /v1/status; repeatable; or KVSNAP_ADMIN_API_KEY")
@@ -123,7 +125,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("verify", help="check every snapshot (exit 1 if any is bad)")
     p.add_argument("store")
-    p.add_argument("--model", help="also reject snapshots not built for this model (imports mlx)")
+    p.add_argument("--model", help="also reject snapshots not built for this model: hub id or local folder (imports mlx)")
+    p.add_argument("--revision", metavar="REV", help="hub revision: branch, tag or commit (default: main); only with a hub id")
     _add_kv_options(p)
 
     p = sub.add_parser("gc", help="remove temp files and snapshots no manifest record uses (dry run unless --yes)")
@@ -206,18 +209,18 @@ def cmd_build(args) -> int:
 
     from .build import build_snapshots
     from .faults import FaultHook
-    from .modeling import check_model_dir, default_digest_cache, load_model
+    from .modeling import default_digest_cache, load_model, resolve_model
     from .prompts import load_warm_prompts
     from .store import Store
 
     tokenization = _build_tokenization(args)
     prompts = load_warm_prompts(args.agents)
-    check_model_dir(args.model)
+    source = resolve_model(args.model, args.revision)  # a bad id or folder fails before the store is created
     store = Store.open(args.out, create=True, fault=FaultHook.from_env())
     console = _console()
     for problem in prompts.problems:
         console.print(f"[yellow]skipped[/] {problem}", markup=True)
-    lm = load_model(args.model, _kv_settings(args))
+    lm = load_model(source, _kv_settings(args))
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(), console=console, transient=True) as bar:
         task = bar.add_task("prefilling", total=len(prompts.entries))
 
@@ -314,10 +317,12 @@ def cmd_verify(args) -> int:
     if not store.is_initialized():
         raise StoreError(f"{store.root} is not a kvsnap store (no manifest.json, no snapshots/); give the folder passed to `kvsnap build --out`")
     expected = None
+    if args.revision and not args.model:
+        raise KvsnapError(f"--revision {args.revision!r} needs --model (a hub id); add --model ORG/NAME or drop --revision")
     if args.model:
         from .modeling import default_digest_cache, load_model
 
-        expected = load_model(args.model, _kv_settings(args)).identity(default_digest_cache())
+        expected = load_model(args.model, _kv_settings(args), args.revision).identity(default_digest_cache())
     ok = bad = 0
     files = store.snapshot_files()
     for path in files:
@@ -363,14 +368,15 @@ def cmd_serve(args) -> int:
 
     from .engine import Engine, EngineConfig
     from .http_guard import Auth
-    from .modeling import check_model_dir, default_digest_cache
+    from .modeling import default_digest_cache, resolve_model
     from .oci import resolve_kv_snapshots
     from .prompts import load_warm_prompts
     from .request_limits import context_length
     from .serve_watch import exit_when_warm_up_fails, is_loopback
     from .server import ServerConfig, create_app
 
-    model_dir = check_model_dir(args.model)
+    source = resolve_model(args.model, args.revision)
+    model_dir = source.path
     auth = Auth.from_flags(args.api_key, args.admin_api_key)
     if args.max_queued_requests < 0:
         raise KvsnapError(f"--max-queued-requests {args.max_queued_requests} must be 0 or more")
@@ -398,7 +404,7 @@ def cmd_serve(args) -> int:
         )
     )
     config_json = json.loads((model_dir / "config.json").read_text())
-    name = args.served_model_name or Path(args.model).expanduser().name or model_dir.name
+    name = args.served_model_name or source.repo_id or Path(args.model).expanduser().name or model_dir.name
     max_batch = args.max_batch_size if args.continuous_batching else 1
     server_config = ServerConfig(
         served_model_name=name,

@@ -6,8 +6,10 @@ the model identity alone is the store's namespace for "snapshots of this model".
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import re
 import struct
 import tempfile
 from dataclasses import asdict, dataclass, field
@@ -99,16 +101,45 @@ def hash_file(path: Path, chunk_size: int = DIGEST_CHUNK) -> str:
     return h.hexdigest()
 
 
+# A Hugging Face cache stores LFS files (all weights) as models--ORG--NAME/blobs/<sha256 of the bytes>;
+# small git files are named by their git blob sha1 (40 hex) and never match this.
+HUB_BLOB_NAME = re.compile(r"[0-9a-f]{64}")
+
+
+def hub_blob_sha256(path: Path) -> str | None:
+    """The sha256 that names ``path``'s bytes when it is (a link into) a Hugging Face cache blob; else None."""
+    real = path.resolve()
+    if real.parent.name != "blobs" or not real.parent.parent.name.startswith("models--"):
+        return None
+    return real.name if HUB_BLOB_NAME.fullmatch(real.name) else None
+
+
+def hash_file_and_sha256(path: Path, chunk_size: int = DIGEST_CHUNK) -> tuple[str, str]:
+    """(xxh3-128, sha256) of the whole file in one read: the sha256 checks a blob's name once."""
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive number of bytes, got {chunk_size}")
+    h, sha = xxhash.xxh3_128(), hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(chunk_size):
+            h.update(chunk)
+            sha.update(chunk)
+    return h.hexdigest(), sha.hexdigest()
+
+
 @dataclass
 class DigestCache:
     """Remembers file digests so a server start does not re-hash gigabytes of weights.
 
     An entry is reused only while the file's inode, size and mtime_ns are unchanged.
+    Hugging Face cache blobs are also remembered by their name (the sha256 of their bytes,
+    checked when first hashed), so a new copy of the same cache (another machine, an image
+    layer, a re-download) needs no re-hash either: see docs/format.md.
     """
 
     path: Path | None = None
     hits: int = 0
     misses: int = 0
+    blob_hits: int = 0
     chunk_size: int = DIGEST_CHUNK
     _entries: dict = field(default_factory=dict)
     _loaded: bool = False
@@ -119,6 +150,8 @@ class DigestCache:
         self._loaded = True
         try:
             self._entries = json.loads(self.path.read_text())
+            if not isinstance(self._entries, dict):
+                self._entries = {}
         except FileNotFoundError:
             self._entries = {}
         except (OSError, ValueError):
@@ -142,11 +175,22 @@ class DigestCache:
         stamp = [st.st_ino, st.st_size, st.st_mtime_ns]
         real = str(path.resolve())
         entry = self._entries.get(real)
-        if entry and entry.get("stamp") == stamp:
+        if isinstance(entry, dict) and entry.get("stamp") == stamp and isinstance(entry.get("digest"), str):
             self.hits += 1
             return entry["digest"]
-        self.misses += 1
-        value = hash_file(path, self.chunk_size)
+        blob = hub_blob_sha256(path)
+        known = self._entries.get(f"sha256:{blob}") if blob else None
+        if isinstance(known, dict) and known.get("size") == st.st_size and isinstance(known.get("digest"), str):
+            self.blob_hits += 1
+            value = known["digest"]
+        elif blob:
+            self.misses += 1
+            value, sha256 = hash_file_and_sha256(path, self.chunk_size)
+            if sha256 == blob:  # only bytes that really are the named blob teach the name
+                self._entries[f"sha256:{blob}"] = {"size": st.st_size, "digest": value}
+        else:
+            self.misses += 1
+            value = hash_file(path, self.chunk_size)
         self._entries[real] = {"stamp": stamp, "digest": value}
         self._save()
         return value

@@ -1,4 +1,4 @@
-"""Loading an mlx-lm model offline and describing the cache it builds."""
+"""Loading an mlx-lm model (a local folder or a resolved hub id) and describing the cache it builds."""
 
 from __future__ import annotations
 
@@ -11,18 +11,9 @@ from typing import Any
 from .blas import preload_openblas
 from .errors import ModelError
 from .key import DigestCache, KVSettings, ModelIdentity, model_identity, read_config
+from .model_source import ResolvedModel, check_model_dir, hub_snapshot_origin, resolve_model
 
-
-def check_model_dir(path: str | os.PathLike) -> Path:
-    """A local model directory; mlx-lm would take a missing path for a hub repo id and download it."""
-    p = Path(path).expanduser()
-    if not p.exists():
-        raise ModelError(f"model directory {str(path)!r} does not exist; give a local mlx-lm model directory (make one with `kvsnap demo-model DIR`)")
-    if not p.is_dir():
-        raise ModelError(f"model {str(path)!r} is a file, not a directory; give the folder holding config.json and *.safetensors")
-    if not (p / "config.json").is_file():
-        raise ModelError(f"{p}: no config.json; give an mlx-lm model directory (make one with `kvsnap demo-model DIR`)")
-    return p.resolve()
+__all__ = ["LoadedModel", "ResolvedModel", "check_model_dir", "load_model", "resolve_model", "default_digest_cache"]
 
 
 @dataclass
@@ -57,6 +48,10 @@ class LoadedModel:
     def identity(self, digests: DigestCache | None = None) -> ModelIdentity:
         return model_identity(self.path, self.kv_dtype, self.layout, self.settings, digests)
 
+    def origin_fields(self) -> dict:
+        """Hub repo id and commit when the folder is a Hugging Face cache snapshot: recorded for people, not keyed."""
+        return ResolvedModel(self.path, *hub_snapshot_origin(self.path)).recorded_fields()
+
 
 def check_kv_settings(config: dict, settings: KVSettings) -> None:
     """KV quantization groups run along the head dim: the group size must divide it."""
@@ -72,17 +67,17 @@ def check_kv_settings(config: dict, settings: KVSettings) -> None:
         )
 
 
-def load_model(path: str | os.PathLike, settings: KVSettings = KVSettings()) -> LoadedModel:
-    """Load model and tokenizer from a local directory, never from a hub."""
-    model_dir = check_model_dir(path)
+def load_model(model_ref: str | os.PathLike | ResolvedModel, settings: KVSettings = KVSettings(), revision: str | None = None) -> LoadedModel:
+    """Load model and tokenizer from a local folder or a hub id (resolved first; see model_source)."""
+    source = model_ref if isinstance(model_ref, ResolvedModel) else resolve_model(model_ref, revision)
+    model_dir = source.path
     config = read_config(model_dir)
     check_kv_settings(config, settings)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     preload_openblas()
     from mlx_lm import load
 
     try:
+        # A folder that exists: mlx-lm loads it as is and never asks the hub.
         model, tokenizer = load(str(model_dir))
     except (ValueError, FileNotFoundError, KeyError) as exc:
         raise ModelError(f"{model_dir}: mlx-lm cannot load this model ({exc}); check that it is a complete mlx-lm model directory") from exc

@@ -38,7 +38,8 @@ sys.exit(main())
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory) -> dict:
-    return {"KVSNAP_CACHE_DIR": str(tmp_path_factory.mktemp("digest-cache")), "HF_HUB_OFFLINE": "1", "COLUMNS": "200"}
+    # An empty Hugging Face cache: a hub id must never find the user's own downloads here.
+    return {"KVSNAP_CACHE_DIR": str(tmp_path_factory.mktemp("digest-cache")), "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path_factory.mktemp("hf-home")), "COLUMNS": "200"}
 
 
 @pytest.fixture(scope="module")
@@ -119,7 +120,7 @@ def inputs(tmp_path_factory, base) -> dict:
 ERRORS = {
     # name: (argv with placeholders, what the one line must say)
     "missing-model-dir": (["build", "{agents}", "--model", "{dir}/no-model", "--out", "{dir}/out1"], r"model directory '.*/no-model' does not exist; give a local mlx-lm model directory"),
-    "hub-id-is-not-downloaded": (["build", "{agents}", "--model", "Qwen/Qwen3-0.6B", "--out", "{dir}/out2"], r"model directory 'Qwen/Qwen3-0.6B' does not exist"),
+    "hub-id-is-not-downloaded": (["build", "{agents}", "--model", "Qwen/Qwen3-0.6B", "--out", "{dir}/out2"], r"model 'Qwen/Qwen3-0.6B' is not a local folder, and the Hugging Face cache .* has no complete snapshot .*HF_HUB_OFFLINE is set.*`hf download Qwen/Qwen3-0.6B`"),
     "missing-agents-file": (["build", "{dir}/nope.json", "--model", "{model}", "--out", "{dir}/out3"], r"nope.json: no such warm-prompt file; check the path"),
     "invalid-json-agents": (["build", "{dir}/bad.json", "--model", "{model}", "--out", "{dir}/out4"], r"bad.json: not valid JSON at line 1 column \d+ .*; fix the JSON"),
     "no-valid-entry": (["build", "{dir}/none-valid.json", "--model", "{model}", "--out", "{dir}/out5"], r"none-valid.json: no valid warm-prompt entry \(entry 0: .*\)"),
