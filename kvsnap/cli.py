@@ -259,7 +259,7 @@ def cmd_ls(args) -> int:
     store = Store.open(args.store, readonly=True)
     good, bad = store.scan()
     if args.json:
-        print(json.dumps({"snapshots": [{"key": i.key, "name": i.name, "file": i.relpath, "n_tokens": i.n_tokens, "bytes": i.nbytes, "model_digest": i.model_digest, "created": i.recorded.get("created")} for i in good], "problems": [{"file": str(p.path), "reason": p.reason} for p in bad]}, indent=1))
+        print(json.dumps({"snapshots": [{"key": i.key, "name": i.name, "file": i.relpath, "n_tokens": i.n_tokens, "bytes": i.nbytes, "model_digest": i.model_digest, "model_repo": i.recorded.get("model_repo"), "model_commit": i.recorded.get("model_commit"), "created": i.recorded.get("created")} for i in good], "problems": [{"file": str(p.path), "reason": p.reason} for p in bad]}, indent=1))
         return EXIT_OK
     from rich.markup import escape
     from rich.table import Table
@@ -269,7 +269,8 @@ def cmd_ls(args) -> int:
     for col in ("key", "agent", "tokens", "size", "model", "created"):
         table.add_column(col)
     for i in good:
-        table.add_row(i.key[:12], escape(i.name), str(i.n_tokens), _human_bytes(i.nbytes), i.model_digest[:12], escape(i.recorded.get("created", "?")))
+        origin = f" {i.recorded['model_repo']}@{str(i.recorded.get('model_commit', '?'))[:7]}" if i.recorded.get("model_repo") else ""  # hub builds only
+        table.add_row(i.key[:12], escape(i.name), str(i.n_tokens), _human_bytes(i.nbytes), escape(i.model_digest[:12] + origin), escape(i.recorded.get("created", "?")))
     console = _console()
     console.print(table)
     for p in bad:

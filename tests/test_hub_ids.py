@@ -268,6 +268,10 @@ def test_the_header_records_repo_and_commit_for_people_not_in_the_key(built, env
     assert (by_id["recorded"]["model_repo"], by_id["recorded"]["model_commit"]) == (REPO, COMMIT_A)
     assert "model_repo" not in by_path["recorded"] and "model_commit" not in by_path["recorded"]
     assert by_id["key"] == by_path["key"] and by_id["model"] == by_path["model"]
+    listed = json.loads(run_kvsnap("ls", built["by_id"], "--json", env=env).stdout)["snapshots"]
+    assert [(s["model_repo"], s["model_commit"]) for s in listed] == [(REPO, COMMIT_A)]
+    table = run_kvsnap("ls", built["by_id"], env=env).stdout
+    assert f"{REPO}@{COMMIT_A[:7]}" in table, table
 
 
 def test_verify_by_id_and_revision(built, env):
