@@ -152,6 +152,23 @@ def test_a_download_that_cannot_connect_is_one_line_too(tmp_path):
     assert re.search(r"kvsnap serve: error: model 'org/not-cached' is not a local folder, the Hugging Face cache .*empty-hf/hub has no complete snapshot of it \(revision main\), and the download failed \(.*\); fetch it with `hf download org/not-cached`", line), line
 
 
+def test_a_cached_id_resolves_online_without_a_network_call(hf_home):
+    """Cache first: with HF_HUB_OFFLINE unset, a cached snapshot is used as is (no hub round trip at every start)."""
+    script = f"""
+import sys
+def guard(event, args):
+    if event in ("socket.connect", "socket.getaddrinfo"):
+        raise RuntimeError(f"network use: {{event}} {{args[:2]}}")
+sys.addaudithook(guard)
+from kvsnap.model_source import resolve_model
+print(resolve_model({REPO!r}, "v2").commit)
+"""
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
+    env["HF_HOME"] = str(hf_home)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=60)
+    assert proc.returncode == 0 and proc.stdout.strip() == COMMIT_B, proc.stderr[-3000:]
+
+
 def test_loading_never_sets_hf_hub_offline_nor_touches_the_network(models):
     """kvsnap no longer forces offline mode; loading a folder (what an id resolves to) opens no socket anyway."""
     script = f"""
