@@ -44,15 +44,20 @@ class Pins:
         self._remove = cache.remove
         self._clear = cache.clear
 
+    # The pins change on the model's thread and are read from the event loop (status): under the cache's lock.
+
     def add(self, tokens: Iterable[int]) -> None:
-        self.keys.add(tuple(tokens))
+        with self.cache._memory_lock:
+            self.keys.add(tuple(tokens))
 
     def present(self) -> int:
         """How many pinned keys the cache holds right now."""
-        return sum(1 for k in self.keys if k in self.cache._entries)
+        with self.cache._memory_lock:
+            return sum(1 for k in self.keys if k in self.cache._entries)
 
     def nbytes(self) -> int:
-        return sum(self.cache._entries[k].memory_bytes for k in self.keys if k in self.cache._entries)
+        with self.cache._memory_lock:
+            return sum(self.cache._entries[k].memory_bytes for k in self.keys if k in self.cache._entries)
 
     # --- the wrapped methods ---------------------------------------------------------
 
@@ -102,8 +107,9 @@ class Pins:
 
     def clear(self) -> None:
         """vllm-mlx's ``clear``; the pins go with the entries (a re-warm pins again)."""
-        self._clear()
-        self.keys.clear()
+        with self.cache._memory_lock:
+            self._clear()
+            self.keys.clear()
 
 
 def pin(cache: Any) -> Pins:

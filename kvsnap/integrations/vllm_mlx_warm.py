@@ -105,6 +105,9 @@ class WarmPlan:
             except KvsnapError as exc:
                 report.skip(prompt.name, str(exc))
                 continue
+            except Exception as exc:  # vllm-mlx's own rendering raises jinja's and its own types; one entry must not stop the rest
+                report.skip(prompt.name, f"vllm-mlx cannot render it ({type(exc).__name__}: {exc})")
+                continue
             tokens = prefix.tokens
             if len(tokens) < min_tokens:
                 report.skip(prompt.name, f"its warm prefix holds {len(tokens)} tokens, under vllm-mlx's minimum reusable prefix of {min_tokens} tokens", len(tokens))
