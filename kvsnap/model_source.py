@@ -70,11 +70,11 @@ def hub_snapshot_origin(folder: Path) -> tuple[str | None, str | None]:
 
 def looks_like_repo_id(name: str) -> bool:
     """What huggingface_hub accepts as a repo id; './x', '/x', '~/x' and 'a/b/c' are paths."""
+    if name.startswith((".", "/", "~")) or "\\" in name:
+        return False
     from huggingface_hub.errors import HFValidationError
     from huggingface_hub.utils import validate_repo_id
 
-    if name.startswith((".", "/", "~")) or "\\" in name:
-        return False
     try:
         validate_repo_id(name)
     except HFValidationError:
