@@ -412,6 +412,41 @@ def test_warm_plan_skips_prefixes_vllm_mlx_would_never_reuse(demo_models, tmp_pa
     assert store.snapshot_files() == []
 
 
+def test_deletes_during_a_running_rewarm_coalesce_into_one_more_pass(tmp_path):
+    import asyncio
+
+    from kvsnap.integrations.vllm_mlx_session import Session
+    from kvsnap.integrations.vllm_mlx_warm import WarmReport
+
+    running, most, passes = [0], [0], []
+    release = threading.Event()
+
+    def work():
+        running[0] += 1
+        most[0] = max(most[0], running[0])
+        release.wait(10)
+        passes.append(len(passes))
+        running[0] -= 1
+        return WarmReport(completed=1, from_snapshots=1)
+
+    async def scenario():
+        session = Session(server=None, store=SimpleNamespace(root=tmp_path), writable=False)
+        assert session.schedule_rewarm() is False  # nothing warmed yet: nothing to re-warm
+        session._work, session._run = work, asyncio.to_thread
+        assert session.schedule_rewarm() is True
+        await asyncio.sleep(0.05)
+        assert [session.schedule_rewarm() for _ in range(3)] == [True, True, True]  # three DELETEs while it runs
+        assert session.status()["rewarm_running"] is True
+        release.set()
+        while session.status()["rewarm_running"]:
+            await asyncio.sleep(0.01)
+        return session.status()
+
+    status = asyncio.run(scenario())
+    assert passes == [0, 1] and most[0] == 1  # one more pass for all three, never two at once
+    assert status["rewarms"] == 2 and status["last"]["from_snapshots"] == 1
+
+
 # --- end to end, in vllm-mlx's own environment ------------------------------------------
 
 VLLM_MLX = "vllm-mlx==0.6.0"
