@@ -183,7 +183,28 @@ def test_a_tokenizer_that_prepends_bos_on_encode_makes_every_snapshot_unmatchabl
     assert prepended_special_tokens(lm.tokenizer) == []
     assert prepended_special_tokens(BosTokenizer(lm.tokenizer)) == [1]
     report = insert_snapshots(FakePrefixCache(), lm.model, BosTokenizer(lm.tokenizer), str(lm.path), dense_store)
-    assert report.inserted == 0 and any("special tokens" in why for _, why in report.skipped)
+    assert report.inserted == 0 and any("special tokens" in why and "--for vllm-mlx" in why for _, why in report.skipped)
+
+
+def test_snapshots_built_for_vllm_mlx_go_in_with_their_bos(demo_models, tmp_path):
+    from kvsnap.build import build_snapshots
+    from kvsnap.integrations.vllm_mlx_profile import vllm_mlx_tokenization
+    from kvsnap.key import DigestCache
+    from kvsnap.prompts import parse_warm_prompts, warm_prefix
+    from kvsnap.store import Store
+
+    lm = demo_models.load("dense")
+    bos = BosTokenizer(lm.tokenizer)
+    store = Store.open(tmp_path / "snaps", create=True)
+    from kvsnap.modeling import LoadedModel
+
+    as_vllm = LoadedModel(path=lm.path, model=lm.model, tokenizer=bos, config=lm.config, settings=lm.settings)
+    assert build_snapshots(as_vllm, parse_warm_prompts(AGENTS, "a.json"), store, "a.json", digests=DigestCache(), tokenization=vllm_mlx_tokenization("demo")).ok
+    cache = FakePrefixCache()
+    report = insert_snapshots(cache, lm.model, bos, str(lm.path), store)
+    assert report.inserted == 1 and report.skipped == []
+    (tokens,) = cache.entries
+    assert tokens == (1, *warm_prefix(lm.tokenizer, parse_warm_prompts(AGENTS).entries[0]).tokens)  # encode's BOS, then the template's tokens
 
 
 # --- tokenization profiles ----------------------------------------------------------------

@@ -202,6 +202,9 @@ def insert_snapshots(prefix_cache: Any, model: Any, tokenizer: Any, model_path: 
     for info in good:
         built_for = recorded_tokenization(info.recorded)
         if built_for is not None and built_for.get("server") == "vllm-mlx":
+            built_thinking = (built_for.get("template_defaults") or {}).get("enable_thinking")
+            if built_thinking is not None and built_thinking != enable_thinking:
+                log.warning("[kvsnap] snapshot %s (%s) was built for vllm-mlx rendering with enable_thinking=%s, this vllm-mlx renders with %s: it matches only where the template ignores it; rebuild with the MODEL name you serve (`kvsnap build … --for vllm-mlx --served-model-name NAME`)", info.path.name, info.name or "unnamed", built_thinking, enable_thinking)
             usable.append(info)
             continue
         # Built for kvsnap serve's rendering: template tokens only, the entry's own kwargs.
