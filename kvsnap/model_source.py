@@ -8,6 +8,7 @@ huggingface_hub's progress bar) happens only when the snapshot is not cached and
 
 from __future__ import annotations
 
+import importlib
 import os
 import re
 from dataclasses import dataclass
@@ -105,6 +106,17 @@ def fetch_command(repo_id: str, revision: str | None) -> str:
     return f"hf download {repo_id}" + (f" --revision {revision}" if revision else "")
 
 
+def _transport_errors() -> tuple[type[BaseException], ...]:
+    """The HTTP client's own error base (httpx2, httpx or requests by huggingface_hub version): not all are OSErrors."""
+    found: list[type[BaseException]] = []
+    for module, name in (("httpx2", "HTTPError"), ("httpx", "HTTPError"), ("requests", "RequestException")):
+        try:
+            found.append(getattr(importlib.import_module(module), name))
+        except (ImportError, AttributeError):
+            continue
+    return tuple(found)
+
+
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0][:200] if text else ''}"
@@ -113,7 +125,7 @@ def _first_line(exc: BaseException) -> str:
 def _hub_snapshot(repo_id: str, revision: str | None, cache_dir: str | os.PathLike | None) -> Path:
     """The cached snapshot folder of ``repo_id`` at ``revision``; downloaded first when online and not cached."""
     from huggingface_hub import constants, is_offline_mode, snapshot_download
-    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError
+    from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError, RevisionNotFoundError
 
     cache = Path(cache_dir or constants.HF_HUB_CACHE)
     where = f"the Hugging Face cache {cache} has no complete snapshot of it (revision {revision or 'main'})"
@@ -123,15 +135,15 @@ def _hub_snapshot(repo_id: str, revision: str | None, cache_dir: str | os.PathLi
         folder = Path(snapshot_download(repo_id, revision=revision, allow_patterns=patterns, cache_dir=cache, local_files_only=True))
         if _is_complete(folder):
             return check_model_dir(folder)
-    except LocalEntryNotFoundError:
-        pass  # not cached (or incomplete): download below when allowed
+    except OSError:
+        pass  # not cached, incomplete (LocalEntryNotFoundError) or unreadable: download below when allowed
     if is_offline_mode():
         raise ModelError(f"model {repo_id!r} is not a local folder, and {where}; HF_HUB_OFFLINE is set, so nothing is downloaded; {fix}")
     try:
         folder = Path(snapshot_download(repo_id, revision=revision, allow_patterns=patterns, cache_dir=cache))
     except (RepositoryNotFoundError, RevisionNotFoundError) as exc:
         raise ModelError(f"model {repo_id!r} is not a local folder and the hub has no such repo or revision ({_first_line(exc)}); {where}; check the id (`hf auth login` for a private or gated repo), or {fix}") from None
-    except (HfHubHTTPError, LocalEntryNotFoundError, OSError) as exc:
+    except (HfHubHTTPError, OSError, *_transport_errors()) as exc:  # LocalEntryNotFoundError is an OSError
         raise ModelError(f"model {repo_id!r} is not a local folder, {where}, and the download failed ({_first_line(exc)}); {fix}") from None
     if not _is_complete(folder):
         raise ModelError(f"model {repo_id!r}: the hub snapshot {folder} has no config.json or no *.safetensors weights, so it is not an mlx-lm model; pick an MLX conversion (e.g. an mlx-community/… repo) or convert it with mlx_lm.convert")

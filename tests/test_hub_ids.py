@@ -152,6 +152,35 @@ def test_a_download_that_cannot_connect_is_one_line_too(tmp_path):
     assert re.search(r"kvsnap serve: error: model 'org/not-cached' is not a local folder, the Hugging Face cache .*empty-hf/hub has no complete snapshot of it \(revision main\), and the download failed \(.*\); fetch it with `hf download org/not-cached`", line), line
 
 
+def test_a_proxy_that_refuses_is_one_line_too(tmp_path):
+    """huggingface_hub re-raises proxy errors as the HTTP client's own type (not an OSError)."""
+    import socket
+    import threading
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+
+    def refuse() -> None:
+        for _ in range(8):
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            with conn:
+                conn.recv(65536)
+                conn.sendall(b"HTTP/1.1 407 Proxy Authentication Required\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+
+    threading.Thread(target=refuse, daemon=True).start()
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
+    env.update(HF_HOME=str(tmp_path / "empty-hf"), HTTPS_PROXY=f"http://127.0.0.1:{port}", HF_ENDPOINT="https://hub.invalid")
+    try:
+        proc = subprocess.run([sys.executable, "-m", "kvsnap", "serve", "org/behind-proxy"], capture_output=True, text=True, env=env, timeout=60)
+    finally:
+        listener.close()
+    line = one_error_line(proc)
+    assert re.search(r"model 'org/behind-proxy' is not a local folder, .*and the download failed \(ProxyError: .*\); fetch it with `hf download org/behind-proxy`", line), line
+
+
 def test_a_cached_id_resolves_online_without_a_network_call(hf_home):
     """Cache first: with HF_HUB_OFFLINE unset, a cached snapshot is used as is (no hub round trip at every start)."""
     script = f"""
