@@ -1,0 +1,326 @@
+"""Why was a --kv-snapshots server slower than a --warm-prompts one on the same cached prefix?
+
+Issue 14 saw TTFT p50 3.5 s (warm-prompts) vs 4.8 s (snapshots), 2,663 cached tokens in
+both, one repetition each, over HTTP. This reproduces the cell in process, without HTTP:
+one demo qwen3 (hidden 512, 8 layers, fp32), a ~2,660-token system prompt, two engines in
+this process, one with the warm prompt prefilled at start and one with it restored from a
+snapshot built by ``kvsnap.build.build_snapshots``. Requests (system prompt + a distinct
+user message) alternate between the engines; request prefixes are dropped before each so
+every timed request hits only the warm entry (checked: cached_tokens == warm length).
+
+Then micro-benchmarks of the suspects on the two warm entries' states: the arrays' layout
+(views of one uint8 buffer vs padded prefill buffers), the first append, lazy evaluation,
+copy_cache, and a bare forward over a private copy.
+
+    python scripts/investigate_snapshot_ttft.py --reps 7 --user short,long
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from kvsnap.blas import preload_openblas
+
+preload_openblas()
+
+MID_SHAPE = dict(hidden_size=512, num_hidden_layers=8, intermediate_size=1536, num_attention_heads=8, num_key_value_heads=4, head_dim=64)
+SYSTEM = (
+    "You are the house code reviewer. Read the tests first, then every function for error handling, "
+    "return values, file paths and concurrency. Explain each fix, list the steps, quote the line. "
+)
+LONG_BODY = (
+    "Here is the context. The function reads a request, checks the headers, parses the body, calls the "
+    "store, retries on a timeout and writes a response. Tests cover the happy path only. "
+)
+WORDS = ["apple", "river", "orange", "zebra", "violet", "mango", "copper", "lemon", "tiger", "quartz", "nickel", "walnut", "falcon", "cedar", "ember", "harbor"]
+
+
+def make_model(root: Path) -> Path:
+    from kvsnap import demo
+
+    demo._SHAPES[("dense", "mid")] = MID_SHAPE  # a benchmark-only shape: hidden 512, 8 layers (demo.py untouched)
+    demo.SIZES = tuple(dict.fromkeys((*demo.SIZES, "mid")))
+    return demo.make_demo_model(root / "mid", demo.DemoSpec(arch="dense", size="mid"))
+
+
+def system_prompt(tokenizer, target: int) -> str:
+    from kvsnap.prompts import request_tokens
+
+    text = SYSTEM
+    while len(request_tokens(tokenizer, [{"role": "system", "content": text}])) < target:
+        text += SYSTEM
+    return text
+
+
+def user_message(n: int, kind: str) -> str:
+    # A different first word every time: no request shares more than the warm prefix with another.
+    head = f"{WORDS[n % len(WORDS)]}{n} question: "
+    if kind == "short":
+        return head + "review module number %d, list the three most important fixes and explain each one briefly with care." % n
+    reps = {"medium": 4, "long": 32}[kind]  # bench-serve's built-in medium and long prompts
+    return head + "Review the server's request handler. " + LONG_BODY * reps + "List the three most important fixes."
+
+
+def build_store(model: Path, agents: Path, store_dir: Path) -> None:
+    from kvsnap.build import build_snapshots
+    from kvsnap.modeling import load_model
+    from kvsnap.prompts import load_warm_prompts
+    from kvsnap.store import Store
+
+    lm = load_model(str(model))
+    t0 = time.perf_counter()
+    report = build_snapshots(lm, load_warm_prompts(agents), Store.open(store_dir, create=True), str(agents))
+    print(f"build: {[(e.name, e.status, e.n_tokens) for e in report.entries]} in {time.perf_counter() - t0:.1f}s", flush=True)
+    assert report.ok, report
+
+
+def start_engine(model: Path, agents: Path, store_dir: Path | None):
+    from kvsnap.engine import Engine, EngineConfig
+    from kvsnap.prompts import load_warm_prompts
+
+    cfg = EngineConfig(model=str(model), warm_prompts=load_warm_prompts(agents), warm_prompts_file=str(agents), snapshots=str(store_dir) if store_dir else None, write_back=False)
+    engine = Engine(cfg)
+    t0 = time.perf_counter()
+    engine.start()
+    engine.wait_warm(900)
+    entries = engine.call(lambda: [(e.source, len(e.tokens), e.loaded) for e in engine.prefix.entries])
+    print(f"engine {'snapshots' if store_dir else 'warm-prompts'}: warm in {time.perf_counter() - t0:.1f}s, entries {entries}", flush=True)
+    return engine
+
+
+def timed_request(engine, tokens: list[int], max_tokens: int, warm_len: int) -> dict:
+    from kvsnap.engine import GenerationRequest
+
+    engine.call(lambda: engine.prefix.drop_request_prefixes())
+    state = engine.submit(GenerationRequest(tokens=tokens, max_tokens=max_tokens), lambda *a: None)
+    state.done.wait(900)
+    assert state.finish_reason in ("length", "stop"), state.finish_reason
+    assert state.cached_tokens == warm_len, f"cached {state.cached_tokens} != warm prefix {warm_len} (source {state.cache_source})"
+    return {"ttft": state.t_first_token - state.t_submit, "e2e": state.t_done - state.t_submit, "source": state.cache_source, "cached": state.cached_tokens, "text": state.text}
+
+
+def engine_ab(engines: dict, tokenizer, system: str, warm_len: int, kinds: list[str], reps: int, max_tokens_list: list[int], label: str) -> dict:
+    """Interleaved A/B: for every rep, kind and max_tokens, both engines get a fresh user message, in alternating order."""
+    from kvsnap.prompts import request_tokens
+
+    results: dict = {}
+    n = 0
+    for rep in range(reps):
+        for kind in kinds:
+            for max_tokens in max_tokens_list:
+                order = list(engines) if rep % 2 == 0 else list(reversed(engines))
+                for mode in order:
+                    n += 1
+                    tokens = request_tokens(tokenizer, [{"role": "system", "content": system}, {"role": "user", "content": user_message(n, kind)}])
+                    r = timed_request(engines[mode], tokens, max_tokens, warm_len)
+                    results.setdefault((kind, max_tokens, mode), []).append(r)
+                    print(f"[{label}] rep {rep} {kind:5s} max_tokens {max_tokens:2d} {mode:12s} prompt {len(tokens)} cached {r['cached']} ({r['source']}) TTFT {r['ttft']:.3f}s e2e {r['e2e']:.3f}s", flush=True)
+    print(f"\n[{label}] medians over {reps} reps (interleaved)")
+    for kind in kinds:
+        for max_tokens in max_tokens_list:
+            row = {m: statistics.median(r["ttft"] for r in results[(kind, max_tokens, m)]) for m in engines}
+            e2e = {m: statistics.median(r["e2e"] for r in results[(kind, max_tokens, m)]) for m in engines}
+            print(f"[{label}] {kind:5s} max_tokens {max_tokens:2d}: TTFT warm {row['warm']:.3f}s snapshots {row['snapshots']:.3f}s ratio {row['snapshots'] / row['warm']:.2f}x | e2e warm {e2e['warm']:.3f}s snapshots {e2e['snapshots']:.3f}s", flush=True)
+    return results
+
+
+def _timeit(fn, reps: int) -> float:
+    """Median wall time of ``fn`` (which must mx.eval what it builds) over ``reps`` runs."""
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def describe(state) -> str:
+    k = state[0].keys
+    return f"keys shape {tuple(k.shape)} offset {state[0].offset} contiguous-rows {k.shape[2] == state[0].offset}"
+
+
+def micro(model: Path, agents: Path, store_dir: Path, system: str, reps: int) -> None:
+    """Each suspect on the two warm states, alternating A/B inside every measurement."""
+    import mlx.core as mx
+    from mlx_lm.generate import _merge_caches
+
+    from kvsnap.modeling import load_model
+    from kvsnap.prefill import prefill
+    from kvsnap.prompts import request_tokens
+    from kvsnap.snapshot import cache_arrays, copy_cache
+    from kvsnap.store import Store
+
+    lm = load_model(str(model))
+    tok = lm.tokenizer
+    store = Store.open(store_dir)
+    (info,) = store.scan()[0]
+    warm_tokens = tuple(store.read_tokens(info))
+    t0 = time.perf_counter()
+    prefilled = prefill(lm, warm_tokens)
+    t_prefill = time.perf_counter() - t0
+    from kvsnap.snapshot import decode_cache
+
+    t0 = time.perf_counter()
+    restored = decode_cache(store.load_arrays(info), info.layers)
+    t_restore = time.perf_counter() - t0
+    print(f"\n[micro] warm prefix {len(warm_tokens)} tokens: prefill {t_prefill:.2f}s, restore {t_restore:.3f}s")
+    print(f"[micro] prefilled: {describe(prefilled)}; restored: {describe(restored)}")
+    states = {"warm": prefilled, "snapshots": restored}
+
+    # (c) lazy evaluation: is anything in the restored state still unevaluated?
+    for mode, st in states.items():
+        t0 = time.perf_counter()
+        mx.eval([a for c in st for a in cache_arrays(c)])
+        print(f"[micro] (c) mx.eval of the {mode} entry's arrays again: {1000 * (time.perf_counter() - t0):.2f} ms")
+
+    suffixes = {}
+    for kind in ("short", "medium"):
+        full = request_tokens(tok, [{"role": "system", "content": system}, {"role": "user", "content": user_message(999, kind)}])
+        assert tuple(full[: len(warm_tokens)]) == warm_tokens
+        suffixes[kind] = full[len(warm_tokens):]
+
+    def copy_eval(st):
+        own = copy_cache(st)
+        mx.eval([a for c in own for a in cache_arrays(c)])
+
+    def forward_kv(st, suffix, step=512):
+        # The sequential path: mlx-lm's KVCache on a private copy, chunks of prefill_step_size.
+        own = copy_cache(st)
+        body, last = suffix[:-1], suffix[-1:]
+        for i in range(0, len(body), step):
+            lm.model(mx.array(body[i : i + step])[None], cache=own)
+            mx.eval([c.state for c in own])
+        mx.eval(lm.model(mx.array(last)[None], cache=own))
+
+    def forward_batch(st, suffix, step=512):
+        # The batched path the engine takes: copy -> BatchKVCache.merge -> prompt chunks -> last token.
+        own = _merge_caches([copy_cache(st)])
+        body, last = suffix[:-1], suffix[-1:]
+        for i in range(0, len(body), step):
+            lm.model(mx.array(body[i : i + step])[None], cache=own)
+            mx.eval([c.state for c in own])
+        mx.eval(lm.model(mx.array(last)[None], cache=own))
+
+    def first_append(st):
+        # (b) one token appended to a private copy: KVCache reallocates when the buffer is full.
+        own = copy_cache(st)
+        k = mx.zeros((1, own[0].keys.shape[1], 1, own[0].keys.shape[3]), dtype=own[0].keys.dtype)
+        for c in own:
+            c.update_and_fetch(k, k)
+        mx.eval([a for c in own for a in cache_arrays(c)])
+
+    def attention(st):
+        # (a) attention of 44 queries over the entry's own arrays, per layer, no copy.
+        c0 = st[0]
+        q = mx.random.normal((1, 8, 44, c0.keys.shape[3]), key=mx.random.key(0))
+        outs = []
+        for c in st:
+            k, v = c.keys[..., : c.offset, :], c.values[..., : c.offset, :]
+            outs.append(mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125))
+        mx.eval(outs)
+
+    cases = [("(a) attention over entry arrays", attention), ("(d) copy_cache + eval", copy_eval), ("(b) first 1-token append on a copy", first_append)]
+    for kind in ("short", "medium"):
+        cases.append((f"forward {kind} suffix ({len(suffixes[kind])} tok), KVCache path", lambda st, s=suffixes[kind]: forward_kv(st, s)))
+        cases.append((f"forward {kind} suffix ({len(suffixes[kind])} tok), batch path", lambda st, s=suffixes[kind]: forward_batch(st, s)))
+    for name, fn in cases:
+        r = reps
+        times = {m: [] for m in states}
+        for i in range(r):
+            for mode in (list(states) if i % 2 == 0 else list(reversed(states))):
+                times[mode].append(_timeit(lambda: fn(states[mode]), 1))
+        med = {m: statistics.median(v) for m, v in times.items()}
+        print(f"[micro] {name:55s} warm {1000 * med['warm']:9.2f} ms  snapshots {1000 * med['snapshots']:9.2f} ms  ratio {med['snapshots'] / med['warm']:.2f}x", flush=True)
+
+
+def child_first_requests(model: Path, agents: Path, store_dir: Path | None, system: str, kinds: list[str], seed: int) -> dict:
+    """In a fresh process: start one engine, then time its first requests (what a fresh server per cell measures)."""
+    from kvsnap.prompts import request_tokens
+
+    t0 = time.perf_counter()
+    engine = start_engine(model, agents, store_dir)
+    ready = time.perf_counter() - t0
+    tokenizer = engine.lm.tokenizer
+    warm_len = engine.call(lambda: len(engine.prefix.entries[0].tokens))
+    out = {"ready_s": ready, "ttft": []}
+    for i, kind in enumerate(kinds):
+        tokens = request_tokens(tokenizer, [{"role": "system", "content": system}, {"role": "user", "content": user_message(1000 * seed + i, kind)}])
+        r = timed_request(engine, tokens, 1, warm_len)
+        out["ttft"].append([kind, r["ttft"]])
+    engine.shutdown()
+    return out
+
+
+def first_request_ab(work: Path, reps: int, kinds: list[str]) -> None:
+    """Fresh process per (mode, rep), modes alternating: TTFT of request 1, 2, 3 after start."""
+    import subprocess
+
+    rows: dict = {"warm": [], "snapshots": []}
+    for rep in range(reps):
+        for mode in (["warm", "snapshots"] if rep % 2 == 0 else ["snapshots", "warm"]):
+            cmd = [sys.executable, __file__, "--work", str(work), "--child", mode, "--seed", str(rep * 2 + (mode == "warm")), "--user", ",".join(kinds)]
+            res = subprocess.run(cmd, capture_output=True, text=True, check=True)
+            data = json.loads(res.stdout.strip().splitlines()[-1])
+            rows[mode].append(data)
+            print(f"[first] rep {rep} {mode:10s} ready {data['ready_s']:6.2f}s " + " ".join(f"req{i + 1}({k}) {t:.3f}s" for i, (k, t) in enumerate(data["ttft"])), flush=True)
+    print(f"\n[first] medians over {reps} fresh processes per mode")
+    for i, kind in enumerate(kinds):
+        med = {m: statistics.median(d["ttft"][i][1] for d in rows[m]) for m in rows}
+        print(f"[first] request {i + 1} ({kind}): warm {med['warm']:.3f}s snapshots {med['snapshots']:.3f}s ratio {med['snapshots'] / med['warm']:.2f}x", flush=True)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--system-tokens", type=int, default=2660)
+    ap.add_argument("--user", default="short,long", help="user message kinds: short (~50 tokens), medium (~330), long (~2,500, bench-serve's 'long')")
+    ap.add_argument("--max-tokens", default="1,16")
+    ap.add_argument("--work", default=None, help="folder for the model and the store (default: a temp dir)")
+    ap.add_argument("--skip-ab", action="store_true")
+    ap.add_argument("--first", action="store_true", help="fresh process per (mode, rep): TTFT of the first requests after start")
+    ap.add_argument("--child", choices=["warm", "snapshots"], help=argparse.SUPPRESS)
+    ap.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--micro", action="store_true", help="run the micro-benchmarks of the suspects")
+    args = ap.parse_args(argv)
+
+    work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="kvsnap-ttft-"))
+    work.mkdir(parents=True, exist_ok=True)
+    model = make_model(work)
+    from kvsnap.modeling import load_model
+
+    tokenizer = load_model(str(model)).tokenizer
+    system = system_prompt(tokenizer, args.system_tokens)
+    agents = work / "agents.json"
+    agents.write_text(json.dumps([{"name": "reviewer", "messages": [{"role": "system", "content": system}]}]))
+    store_dir = work / "snaps"
+    if not (store_dir / "manifest.json").exists():
+        build_store(model, agents, store_dir)
+    if args.child:
+        out = child_first_requests(model, agents, store_dir if args.child == "snapshots" else None, system, args.user.split(","), args.seed)
+        print(json.dumps(out), flush=True)
+        return 0
+    if args.first:
+        first_request_ab(work, args.reps, args.user.split(","))
+        return 0
+    if args.micro:
+        micro(model, agents, store_dir, system, args.reps)
+        return 0
+    engines = {"warm": start_engine(model, agents, None), "snapshots": start_engine(model, agents, store_dir)}
+    warm_len = engines["warm"].call(lambda: len(engines["warm"].prefix.entries[0].tokens))
+    assert warm_len == engines["snapshots"].call(lambda: len(engines["snapshots"].prefix.entries[0].tokens))
+    print(f"warm prefix: {warm_len} tokens", flush=True)
+    if not args.skip_ab:
+        engine_ab(engines, tokenizer, system, warm_len, args.user.split(","), args.reps, [int(x) for x in args.max_tokens.split(",")], "as is")
+    for e in engines.values():
+        e.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
