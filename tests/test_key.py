@@ -48,9 +48,10 @@ def test_a_weight_byte_past_the_first_digest_chunk_changes_the_key(model_copy):
     weights = model_copy / "model.safetensors"
     assert weights.stat().st_size > 3 * chunk
     before = _key(model_copy, digests=DigestCache(chunk_size=chunk))
-    assert before == _key(model_copy), "the read size must not change the key"
     _flip_byte(weights, 2 * chunk + 17)
-    assert _key(model_copy, digests=DigestCache(chunk_size=chunk)) != before
+    after = _key(model_copy, digests=DigestCache(chunk_size=chunk))
+    assert after != before, "a weight byte past the first chunk did not change the key"
+    assert after == _key(model_copy), "the read size must not change the key"
 
 
 def test_a_byte_past_the_default_digest_chunk_changes_the_file_digest(tmp_path):
@@ -101,6 +102,7 @@ def test_editing_the_template_changes_the_key_through_the_tokens_and_the_templat
 def test_config_kv_settings_layout_and_tokens_are_keyed(model_copy):
     base = _key(model_copy)
     assert _key(model_copy, settings=KVSettings(kv_bits=8)) != base
+    assert _key(model_copy, settings=KVSettings(kv_bits=4, kv_group_size=32)) != _key(model_copy, settings=KVSettings(kv_bits=8, kv_group_size=32))
     assert _key(model_copy, settings=KVSettings(kv_bits=8, kv_group_size=32)) != _key(model_copy, settings=KVSettings(kv_bits=8))
     assert _key(model_copy, settings=KVSettings(kv_bits=8, quantized_kv_start=100)) != _key(model_copy, settings=KVSettings(kv_bits=8))
     assert _key(model_copy, settings=KVSettings(max_kv_size=128)) != base

@@ -1,0 +1,336 @@
+"""Break each contract of docs/design.md on purpose and check that the tests notice.
+
+For every named breakage: copy kvsnap/, tests/ and pyproject.toml to a temporary folder,
+apply the breakage's textual patch there, and run the tests that guard that contract with
+the copy first on PYTHONPATH (so the copy, not the editable install, is what gets
+imported, in pytest and in every `python -m kvsnap` the tests start). A breakage is
+caught when at least one guard fails; missed when they all pass.
+
+A patch that no longer applies (its snippet is gone or appears twice) fails loudly with
+"breakage patch no longer applies": when the code moves, move the snippet with it.
+Before any breakage the guards run once on an unbroken copy, so "caught" never means
+"was already failing".
+
+    python scripts/mutation_check.py            # all breakages (a few minutes)
+    python scripts/mutation_check.py --list     # names, contracts and guards
+    python scripts/mutation_check.py --only skip-checksum --only zero-one-key
+
+Exit status: 0 when every breakage is caught; 1 when one is missed, a patch no longer
+applies or the unbroken copy fails its guards.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+COPIED = ("kvsnap", "tests", "pyproject.toml")
+TIMEOUT_S = 900
+
+
+@dataclass(frozen=True)
+class Patch:
+    path: str  # relative to the repository root
+    old: str  # must occur exactly once
+    new: str
+
+
+@dataclass(frozen=True)
+class Breakage:
+    name: str
+    contract: str
+    what: str
+    patches: tuple[Patch, ...]
+    guards: tuple[str, ...]  # pytest node ids
+
+
+ZERO_KEY = """
+        if path == "1":  # breakage: one middle token's key zeroed in layer 1
+            import mlx.core as _mx
+
+            _k = _mx.array(c.keys)
+            _k[..., c.offset // 2, :] = 0
+            c.keys = _k
+"""
+
+ENGINE_FIRST = "tests/test_engine.py::test_first_request_per_agent_computes_only_its_suffix_and_matches_a_full_prefill"
+SERVER_EXACT = "tests/test_server.py::test_answers_over_http_come_from_the_exact_snapshot_state"
+
+BREAKAGES = (
+    Breakage(
+        "prefix-skips-last-token",
+        "2. strict prefix",
+        "lookup compares an entry with the request except the entry's last token",
+        (Patch("kvsnap/prefix.py", "if n < len(tokens) and tokens[:n] == entry.tokens:", "if n < len(tokens) and tokens[: n - 1] == entry.tokens[:-1]:"),),
+        (
+            "tests/test_prefix.py::test_an_untrimmable_entry_that_differs_only_at_its_last_token_is_not_used",
+            "tests/test_engine.py::test_a_request_differing_from_an_untrimmable_snapshot_only_at_its_last_token_is_prefilled",
+        ),
+    ),
+    Breakage(
+        "untrimmable-entries-trimmed",
+        "2. strict prefix",
+        "lookup trims every entry, SSM state included",
+        (Patch("kvsnap/prefix.py", "                elif entry.trimmable:\n", "                elif True:\n"),),
+        (
+            "tests/test_prefix.py::test_prompt_equal_to_untrimmable_entry_falls_back_to_a_shorter_entry_or_cold",
+            "tests/test_engine.py::test_prompt_equal_to_a_cached_untrimmable_prefix_still_works",
+        ),
+    ),
+    Breakage(
+        "digest-first-chunk-only",
+        "3. never stale",
+        "a weight file's digest covers only its first read chunk",
+        (
+            Patch(
+                "kvsnap/key.py",
+                '    h = xxhash.xxh3_128()\n    with open(path, "rb") as f:\n        while chunk := f.read(chunk_size):\n            h.update(chunk)\n',
+                '    h = xxhash.xxh3_128()\n    with open(path, "rb") as f:\n        h.update(f.read(chunk_size))\n',
+            ),
+        ),
+        (
+            "tests/test_key.py::test_a_weight_byte_past_the_first_digest_chunk_changes_the_key",
+            "tests/test_key.py::test_a_byte_past_the_default_digest_chunk_changes_the_file_digest",
+        ),
+    ),
+    Breakage(
+        "key-ignores-kv-bits",
+        "3. never foreign",
+        "the model identity drops the KV quantization bits",
+        (Patch("kvsnap/key.py", "        kv_bits=settings.kv_bits,\n", "        kv_bits=None,\n"),),
+        (
+            "tests/test_key.py::test_config_kv_settings_layout_and_tokens_are_keyed",
+            "tests/test_engine.py::test_a_store_built_without_kv_bits_is_not_used_by_a_kv_bits_engine",
+        ),
+    ),
+    Breakage(
+        "store-padded-buffer",
+        "snapshot bytes = exact KV (format.md)",
+        "KVCache layers are stored with their whole 256-step buffer, not sliced to the tokens",
+        (
+            Patch(
+                "kvsnap/snapshot.py",
+                '    out[f"{path}.keys"] = _slice_tokens(c.keys, c.offset)\n    out[f"{path}.values"] = _slice_tokens(c.values, c.offset)\n    return {"offset": c.offset}\n',
+                '    out[f"{path}.keys"] = c.keys\n    out[f"{path}.values"] = c.values\n    return {"offset": c.offset}\n',
+            ),
+        ),
+        ("tests/test_snapshot_equivalence.py::test_snapshot_size_is_exact_kv_bytes",),
+    ),
+    Breakage(
+        "skip-checksum",
+        "4. nothing half-written (corrupt files detected)",
+        "restore never compares the data checksum",
+        (Patch("kvsnap/snapfile.py", "    h.update(data)\n    actual = h.hexdigest()\n    if actual != recorded:\n", "    h.update(data)\n    actual = h.hexdigest()\n    if False:\n"),),
+        (
+            "tests/test_engine.py::test_rejected_snapshots_are_reported_and_replaced_by_a_prefill",
+            "tests/test_engine.py::test_a_corrupt_snapshot_loaded_lazily_is_rejected_on_first_hit",
+        ),
+    ),
+    Breakage(
+        "write-in-place",
+        "4. nothing half-written (atomic writes)",
+        "snapshots are written straight to their final name instead of a temp file",
+        (
+            Patch(
+                "kvsnap/store.py",
+                'fd, tmp = tempfile.mkstemp(prefix=TMP_PREFIX + target.name + ".", dir=target.parent)',
+                "fd, tmp = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), str(target)",
+            ),
+        ),
+        ("tests/test_hardening.py::test_build_killed_at_each_fault_point_leaves_a_sound_store_that_resumes[mid-write]",),
+    ),
+    Breakage(
+        "zero-one-key",
+        "1. same answer",
+        "restoring a KVCache zeroes one middle token's key in layer 1 (greedy text survives it)",
+        (
+            Patch(
+                "kvsnap/snapshot.py",
+                '        c.keys, c.values, c.offset = arrays[f"{path}.keys"], arrays[f"{path}.values"], int(meta["offset"])\n',
+                '        c.keys, c.values, c.offset = arrays[f"{path}.keys"], arrays[f"{path}.values"], int(meta["offset"])\n' + ZERO_KEY.lstrip("\n"),
+            ),
+        ),
+        # The engine and server tests alone: the bitwise equivalence test caught this before they did.
+        (f"{ENGINE_FIRST}[dense]", f"{ENGINE_FIRST}[sliding]", f"{SERVER_EXACT}[dense]", f"{SERVER_EXACT}[sliding]"),
+    ),
+    Breakage(
+        "zero-one-key-at-build",
+        "1. same answer",
+        "encoding a KVCache writes one middle token's key of layer 1 as zeros",
+        (
+            Patch(
+                "kvsnap/snapshot.py",
+                '    out[f"{path}.keys"] = _slice_tokens(c.keys, c.offset)\n    out[f"{path}.values"] = _slice_tokens(c.values, c.offset)\n    return {"offset": c.offset}\n',
+                '    out[f"{path}.keys"] = _slice_tokens(c.keys, c.offset)\n    out[f"{path}.values"] = _slice_tokens(c.values, c.offset)\n'
+                '    if path == "1":  # breakage\n        _k = out[f"{path}.keys"] * 1\n        _k[..., c.offset // 2, :] = 0\n        out[f"{path}.keys"] = _k\n'
+                '    return {"offset": c.offset}\n',
+            ),
+        ),
+        ("tests/test_snapshot_equivalence.py::test_restored_snapshot_matches_fresh_prefill[dense]", f"{ENGINE_FIRST}[dense]", f"{SERVER_EXACT}[sliding]"),
+    ),
+    Breakage(
+        "shared-mutable-cache",
+        "5. no shared mutable cache",
+        "a fetch hands out the stored cache objects instead of a private copy",
+        (Patch("kvsnap/snapshot.py", "    return decode_cache({k: v[...] for k, v in arrays.items()}, layers)\n", "    return list(cache)\n"),),
+        (
+            "tests/test_codec.py::test_copies_never_share_appends",
+            "tests/test_prefix.py::test_fetching_a_pinned_entry_three_times_through_a_trim_leaves_it_unchanged",
+        ),
+    ),
+    Breakage(
+        "capture-not-checked",
+        "6. captured at the boundary",
+        "a state holding a generated token is encoded anyway",
+        (Patch("kvsnap/snapshot.py", "            if offset != n_tokens:\n", "            if False:\n"),),
+        ("tests/test_snapshot_equivalence.py::test_capture_refuses_a_state_with_a_generated_token",),
+    ),
+    Breakage(
+        "never-match-prefix",
+        "7. honest accounting / reuse",
+        "lookup never returns an entry",
+        (Patch("kvsnap/prefix.py", "                if usable > 0 and better(entry, usable):\n", "                if False and usable > 0 and better(entry, usable):\n"),),
+        ("tests/test_prefix.py::test_longest_strict_prefix_wins_and_state_is_a_copy", f"{ENGINE_FIRST}[dense]"),
+    ),
+    Breakage(
+        "recompute-cached-prompt",
+        "7. honest accounting",
+        "the engine reports the cached tokens but runs the whole prompt on a fresh cache",
+        (
+            Patch(
+                "kvsnap/engine.py",
+                "uid = gen.insert([list(suffix)], max_tokens=[r.max_tokens], caches=[cache],",
+                "uid = gen.insert([list(r.tokens)], max_tokens=[r.max_tokens], caches=[self.lm.make_cache()],",
+            ),
+        ),
+        (f"{ENGINE_FIRST}[dense]", "tests/test_engine.py::test_computed_tokens_come_from_mlx_lm_counter"),
+    ),
+)
+
+
+class PatchError(Exception):
+    """A breakage's snippet is not in the code any more (or not only once)."""
+
+
+def make_copy(dest: Path) -> None:
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", ".pytest_cache")
+    for name in COPIED:
+        src = ROOT / name
+        if src.is_dir():
+            shutil.copytree(src, dest / name, ignore=ignore)
+        else:
+            shutil.copy2(src, dest / name)
+
+
+def apply(breakage: Breakage, copy: Path) -> None:
+    for patch in breakage.patches:
+        target = copy / patch.path
+        text = target.read_text()
+        count = text.count(patch.old)
+        if count != 1:
+            where = "is not" if count == 0 else f"appears {count} times"
+            raise PatchError(f"breakage patch no longer applies: {breakage.name}: the snippet {patch.old.strip()[:80]!r} {where} in {patch.path}; update BREAKAGES in {Path(__file__).name}")
+        target.write_text(text.replace(patch.old, patch.new))
+
+
+def copy_env(copy: Path) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "CI")}
+    env["PYTHONPATH"] = str(copy)  # before site-packages, so before the editable install's finder
+    env["PYTHONDONTWRITEBYTECODE"] = "1"
+    env["COLUMNS"] = "1000"  # pytest keeps each failure's message on its summary line only when it fits
+    return env
+
+
+def check_import_location(copy: Path) -> None:
+    """Prove the copy is what runs, in pytest's process and in the subprocesses tests start."""
+    r = subprocess.run([sys.executable, "-c", "import kvsnap; print(kvsnap.__file__)"], cwd=copy / "tests", env=copy_env(copy), capture_output=True, text=True, timeout=60)
+    where = Path(r.stdout.strip()).resolve()
+    if r.returncode != 0 or copy.resolve() not in where.parents:
+        raise SystemExit(f"mutation_check: kvsnap imports from {where or r.stderr.strip()}, not from the copy {copy}; check PYTHONPATH handling")
+
+
+def run_guards(copy: Path, guards: tuple[str, ...]) -> tuple[int, list[tuple[str, str]], str]:
+    """pytest's exit status, the (node id, first message line) of each failure, and the output's tail."""
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE", *guards]
+    r = subprocess.run(cmd, cwd=copy, env=copy_env(copy), capture_output=True, text=True, timeout=TIMEOUT_S)
+    failed = re.findall(r"^(?:FAILED|ERROR) (\S+)(?: - (.*))?$", r.stdout, re.M)
+    return r.returncode, failed, r.stdout[-3000:] + r.stderr[-2000:]
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--list", action="store_true", help="print the breakages and their guards, run nothing")
+    parser.add_argument("--only", action="append", default=[], metavar="NAME", help="run only this breakage (repeatable)")
+    parser.add_argument("--no-baseline", action="store_true", help="skip the run of every guard on the unbroken copy")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    names = {b.name for b in BREAKAGES}
+    unknown = [n for n in args.only if n not in names]
+    if unknown:
+        print(f"mutation_check: unknown breakage {', '.join(unknown)}; choose from {', '.join(sorted(names))}", file=sys.stderr)
+        return 2
+    chosen = [b for b in BREAKAGES if not args.only or b.name in args.only]
+    if args.list:
+        for b in chosen:
+            print(f"{b.name}  [{b.contract}]  {b.what}")
+            for g in b.guards:
+                print(f"    {g}")
+        return 0
+
+    results: list[tuple[str, str, str]] = []
+    with tempfile.TemporaryDirectory(prefix="kvsnap-mutation-") as tmp:
+        if not args.no_baseline:
+            base = Path(tmp) / "baseline"
+            make_copy(base)
+            check_import_location(base)
+            guards = tuple(dict.fromkeys(g for b in chosen for g in b.guards))
+            t0 = time.monotonic()
+            rc, failed, tail = run_guards(base, guards)
+            print(f"baseline: {len(guards)} guard(s) on the unbroken copy: {'pass' if rc == 0 else 'FAIL'} ({time.monotonic() - t0:.0f} s)", flush=True)
+            if rc != 0:
+                print(tail)
+                print("mutation_check: the guards fail without any breakage; fix them first", file=sys.stderr)
+                return 1
+        for b in chosen:
+            copy = Path(tmp) / b.name
+            make_copy(copy)
+            try:
+                apply(b, copy)
+            except PatchError as exc:
+                results.append((b.name, "ERROR", str(exc)))
+                print(f"ERROR   {b.name}: {exc}", flush=True)
+                continue
+            check_import_location(copy)
+            t0 = time.monotonic()
+            rc, failed, tail = run_guards(copy, b.guards)
+            took = f"{time.monotonic() - t0:.0f} s"
+            if rc == 1 and failed:
+                names = ", ".join(node.split("::", 1)[-1] for node, _ in failed)
+                verdict, detail = "caught", f"failed: {names}\n          first: {failed[0][1][:160]}"
+            elif rc == 0:
+                verdict, detail = "MISSED", f"all {len(b.guards)} guard(s) passed"
+            else:
+                verdict, detail = "ERROR", f"pytest exit {rc} (not a test failure: a broken patch or a stale node id)\n{tail}"
+            results.append((b.name, verdict, detail))
+            print(f"{verdict:<7} {b.name}  [{b.contract}]  ({took}) {detail}", flush=True)
+            shutil.rmtree(copy, ignore_errors=True)
+
+    caught = sum(1 for _, v, _ in results if v == "caught")
+    print(f"\n{caught} of {len(results)} breakages caught")
+    return 0 if caught == len(results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
