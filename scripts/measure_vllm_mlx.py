@@ -91,8 +91,10 @@ def measure(python: str, model: str, mode: str, system: str, store: str, workdir
                     if line.startswith("data:") and '"content"' in line and "ttft" not in result:
                         result["ttft"] = time.perf_counter() - t
                     if line.startswith("data:") and line.strip() != "data: [DONE]":
-                        delta = json.loads(line[5:])["choices"][0].get("delta") or {}
-                        result["text"] = result.get("text", "") + (delta.get("content") or "")
+                        choice = json.loads(line[5:])["choices"][0]
+                        delta = choice.get("delta") or {}
+                        result["text"] = result.get("text", "") + (delta.get("content") or "") + (delta.get("reasoning") or delta.get("reasoning_content") or "")
+                        result["finish_reason"] = choice.get("finish_reason") or result.get("finish_reason")
 
         thread = threading.Thread(target=send)
         seen: list = []
@@ -122,6 +124,7 @@ def measure(python: str, model: str, mode: str, system: str, store: str, workdir
         "first_prefilled": int(scheduled[-1][1]) if scheduled else None,
         "first_ttft_s": round(result.get("ttft", float("nan")), 3),
         "answer": result.get("text", ""),
+        "finish_reason": result.get("finish_reason"),
         "start_log": re.findall(r"Warm-up done.*|\[kvsnap\] Warm start.*", text)[:1],
     }
 

@@ -741,6 +741,10 @@ def test_warm_prompts_come_from_the_store_and_survive_restart_eviction_and_delet
         first.wait_ready(180)
         report, status = _kvsnap_status(first), httpx.get(f"{first.url}/v1/status", timeout=10).json()
         answers = [_ask(first, model, user, 24, system) for system, user in questions]
+        if arch == "hybrid":
+            # More than 4,096 tokens past the snapshot: vllm-mlx stores this prompt with evict_prefixes=True.
+            long_run = _ask(first, model, LONG_SYSTEM * 18, 2, reviewer)
+            after_long = _ask(first, model, "And the tests?", 8, reviewer)
     finally:
         assert first.stop() == 0, first.log()[-3000:]
     log = first.log()
@@ -752,6 +756,11 @@ def test_warm_prompts_come_from_the_store_and_survive_restart_eviction_and_delet
     assert (status["steps_executed"], status["total_prompt_tokens"], status["cache"]["entry_count"]) == (0, 0, 2), status
     warm_tokens = {a["name"]: a["tokens"] for a in last["agents"]}
     assert [a["cached_tokens"] for a in answers] == [warm_tokens["agent-0"], warm_tokens["agent-1"]], answers
+    if arch == "hybrid":
+        assert long_run["prompt_tokens"] - warm_tokens["agent-0"] > 4096 and long_run["cached_tokens"] == warm_tokens["agent-0"], long_run
+        # vllm-mlx kept the long prompt's own entry (stored with evict_prefixes=True), and the snapshot stayed.
+        assert re.search(rf"\[cache_store_prompt\] request=\S+ key_tokens=\d+ prompt_tokens={long_run['prompt_tokens']} stored=True", log), log[-3000:]
+        assert after_long["cached_tokens"] == warm_tokens["agent-0"], after_long
     assert len(list((store / "snapshots").iterdir())) == 2
     if arch == "llama3":  # vllm-mlx's requests start with two BOS, and so do the snapshots now
         from kvsnap.store import Store
@@ -783,8 +792,7 @@ def test_warm_prompts_come_from_the_store_and_survive_restart_eviction_and_delet
     finally:
         assert second.stop() == 0, second.log()[-3000:]
     assert (again["from_snapshots"], again["prefilled"]) == (2, 0), again
-    if arch != "hybrid":  # a hybrid request's prompt+output entry is useless to vllm-mlx, so it keeps none to evict
-        assert pressure["evictions"] > 0, pressure
+    assert pressure["evictions"] > 0, pressure
     assert after_pressure["cached_tokens"] == warm_tokens["agent-0"], after_pressure
     assert cleared == {"status": "cleared", "rewarm_scheduled": True}
     assert (s["last"]["from_snapshots"], s["last"]["prefilled"], s["pinned"]) == (2, 0, 2), s
