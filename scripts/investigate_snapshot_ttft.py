@@ -10,9 +10,20 @@ every timed request hits only the warm entry (checked: cached_tokens == warm len
 
 Then micro-benchmarks of the suspects on the two warm entries' states: the arrays' layout
 (views of one uint8 buffer vs padded prefill buffers), the first append, lazy evaluation,
-copy_cache, and a bare forward over a private copy.
+copy_cache, and a bare forward over a private copy. And the first requests of a fresh
+process per mode (what a fresh server per cell measures), with mlx's CPU JIT kernel
+cache warm or empty, with and without the proposed fix (kernels primed at the end of the
+warm-up, applied by monkeypatching; kvsnap/ is not edited).
 
-    python scripts/investigate_snapshot_ttft.py --reps 7 --user short,long
+    python scripts/investigate_snapshot_ttft.py --work /tmp/w --reps 9 --user short,medium   # steady-state A/B
+    python scripts/investigate_snapshot_ttft.py --work /tmp/w --micro --reps 9                # suspects (a)-(d)
+    python scripts/investigate_snapshot_ttft.py --work /tmp/w --first --reps 5 --user medium,medium,short [--jit-cold] [--prime entry|fresh]
+
+Finding (2 shared cores, load 5-8): in steady state and on a warm JIT cache the two modes
+are equal within noise; the restored state is not slower (a-d). The first request of a
+server that restored everything pays mlx's CPU JIT compile of the mx.compile'd swiglu
+(g++, 1-3 s here) that a warm-prompts server pays in its start-up prefill, whenever
+$TMPDIR/mlx/<version>/cpu does not hold it yet (a fresh machine or container).
 """
 
 from __future__ import annotations
@@ -225,6 +236,21 @@ def micro(model: Path, agents: Path, store_dir: Path, system: str, reps: int) ->
             outs.append(mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125))
         mx.eval(outs)
 
+    # (a) per layer: the same attention, one layer per mx.eval, modes alternating.
+    q = mx.random.normal((1, 8, 44, restored[0].keys.shape[3]), key=mx.random.key(0))
+    mx.eval(q)
+    per_layer = {m: [[] for _ in states[m]] for m in states}
+    for i in range(reps):
+        for mode in (list(states) if i % 2 == 0 else list(reversed(states))):
+            for j, c in enumerate(states[mode]):
+                k, v = c.keys[..., : c.offset, :], c.values[..., : c.offset, :]
+                t0 = time.perf_counter()
+                mx.eval(mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125))
+                per_layer[mode][j].append(time.perf_counter() - t0)
+    for j in range(len(restored)):
+        w, r = (statistics.median(per_layer[m][j]) for m in ("warm", "snapshots"))
+        print(f"[micro] (a) layer {j} attention (44 queries x {restored[j].offset} keys): warm {1000 * w:7.2f} ms  snapshots {1000 * r:7.2f} ms  ratio {r / w:.2f}x")
+
     cases = [("(a) attention over entry arrays", attention), ("(d) copy_cache + eval", copy_eval), ("(b) first 1-token append on a copy", first_append)]
     for kind in ("short", "medium"):
         cases.append((f"forward {kind} suffix ({len(suffixes[kind])} tok), KVCache path", lambda st, s=suffixes[kind]: forward_kv(st, s)))
@@ -236,19 +262,57 @@ def micro(model: Path, agents: Path, store_dir: Path, system: str, reps: int) ->
             for mode in (list(states) if i % 2 == 0 else list(reversed(states))):
                 times[mode].append(_timeit(lambda: fn(states[mode]), 1))
         med = {m: statistics.median(v) for m, v in times.items()}
-        print(f"[micro] {name:55s} warm {1000 * med['warm']:9.2f} ms  snapshots {1000 * med['snapshots']:9.2f} ms  ratio {med['snapshots'] / med['warm']:.2f}x", flush=True)
+        low = {m: min(v) for m, v in times.items()}
+        print(f"[micro] {name:55s} median warm {1000 * med['warm']:9.2f} ms  snapshots {1000 * med['snapshots']:9.2f} ms  ratio {med['snapshots'] / med['warm']:.2f}x | min ratio {low['snapshots'] / low['warm']:.2f}x", flush=True)
 
 
-def child_first_requests(model: Path, agents: Path, store_dir: Path | None, system: str, kinds: list[str], seed: int) -> dict:
+def prime_kernels(engine, from_entry: bool = True) -> float:
+    """The proposed fix, as it would sit at the end of Engine._warm_up (engine thread):
+    run one tiny request through the serving path (a copy of a loaded warm entry, a
+    3-token suffix, one greedy token) so mlx's CPU JIT compiles or loads its fused kernels
+    (mx.compile'd swiglu, masks, ...) at start-up, as a warm-prompts server's own prefill
+    does, instead of in the first request's TTFT. Returns the seconds it took."""
+    from kvsnap.sampling import make_request_sampler
+    from kvsnap.snapshot import copy_cache
+
+    t0 = time.perf_counter()
+    entry = next((e for e in engine.prefix.entries if e.loaded), None) if from_entry else None
+    if entry is not None:
+        cache, suffix = copy_cache(entry.state), list(entry.tokens[:3])
+    else:
+        cache, suffix = engine.lm.make_cache(), list(engine.lm.tokenizer.encode("hello world"))[:3]
+    gen = engine._new_generator(1, 1)  # a throwaway generator: the engine's token counters stay exact
+    gen.insert([suffix], max_tokens=[1], caches=[cache], samplers=[make_request_sampler(0.0, 1.0, None)])
+    while not any(r.finish_reason for r in gen.next()[1]):
+        pass
+    return time.perf_counter() - t0
+
+
+def install_prime_patch(from_entry: bool = True) -> None:
+    """Monkeypatch Engine._warm_up to prime the kernels after the warm-up (kvsnap/ untouched)."""
+    from kvsnap.engine import Engine
+
+    original = Engine._warm_up
+
+    def warm_up_then_prime(self, allow_prefill: bool = True) -> None:
+        original(self, allow_prefill)
+        self.primed_s = prime_kernels(self, from_entry)
+
+    Engine._warm_up = warm_up_then_prime
+
+
+def child_first_requests(model: Path, agents: Path, store_dir: Path | None, system: str, kinds: list[str], seed: int, prime: str | None = None) -> dict:
     """In a fresh process: start one engine, then time its first requests (what a fresh server per cell measures)."""
     from kvsnap.prompts import request_tokens
 
+    if prime:
+        install_prime_patch(from_entry=(prime == "entry"))
     t0 = time.perf_counter()
     engine = start_engine(model, agents, store_dir)
     ready = time.perf_counter() - t0
     tokenizer = engine.lm.tokenizer
     warm_len = engine.call(lambda: len(engine.prefix.entries[0].tokens))
-    out = {"ready_s": ready, "ttft": []}
+    out = {"ready_s": ready, "primed_s": getattr(engine, "primed_s", None), "ttft": []}
     for i, kind in enumerate(kinds):
         tokens = request_tokens(tokenizer, [{"role": "system", "content": system}, {"role": "user", "content": user_message(1000 * seed + i, kind)}])
         r = timed_request(engine, tokens, 1, warm_len)
@@ -257,19 +321,27 @@ def child_first_requests(model: Path, agents: Path, store_dir: Path | None, syst
     return out
 
 
-def first_request_ab(work: Path, reps: int, kinds: list[str]) -> None:
-    """Fresh process per (mode, rep), modes alternating: TTFT of request 1, 2, 3 after start."""
+def first_request_ab(work: Path, reps: int, kinds: list[str], jit_cold: bool = False, prime: str | None = None) -> None:
+    """Fresh process per (mode, rep), modes alternating: TTFT of request 1, 2, 3 after start.
+
+    ``jit_cold``: every child gets an empty TMPDIR, so mlx's CPU JIT kernel cache
+    ($TMPDIR/mlx/<version>/cpu) is empty, as on a machine that never ran this model.
+    """
+    import os
     import subprocess
 
     rows: dict = {"warm": [], "snapshots": []}
     for rep in range(reps):
         for mode in (["warm", "snapshots"] if rep % 2 == 0 else ["snapshots", "warm"]):
-            cmd = [sys.executable, __file__, "--work", str(work), "--child", mode, "--seed", str(rep * 2 + (mode == "warm")), "--user", ",".join(kinds)]
-            res = subprocess.run(cmd, capture_output=True, text=True, check=True)
+            cmd = [sys.executable, __file__, "--work", str(work), "--child", mode, "--seed", str(rep * 2 + (mode == "warm")), "--user", ",".join(kinds)] + (["--prime", prime] if prime else [])
+            env = dict(os.environ)
+            if jit_cold:
+                env["TMPDIR"] = tempfile.mkdtemp(prefix=f"jit-{mode}-{rep}-", dir=work)
+            res = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env)
             data = json.loads(res.stdout.strip().splitlines()[-1])
             rows[mode].append(data)
-            print(f"[first] rep {rep} {mode:10s} ready {data['ready_s']:6.2f}s " + " ".join(f"req{i + 1}({k}) {t:.3f}s" for i, (k, t) in enumerate(data["ttft"])), flush=True)
-    print(f"\n[first] medians over {reps} fresh processes per mode")
+            print(f"[first] rep {rep} {mode:10s} ready {data['ready_s']:6.2f}s (primed in {data['primed_s'] or 0:.2f}s) " + " ".join(f"req{i + 1}({k}) {t:.3f}s" for i, (k, t) in enumerate(data["ttft"])), flush=True)
+    print(f"\n[first] medians over {reps} fresh processes per mode (jit cache {'cold' if jit_cold else 'warm'}, {'primed: ' + prime if prime else 'as is'})")
     for i, kind in enumerate(kinds):
         med = {m: statistics.median(d["ttft"][i][1] for d in rows[m]) for m in rows}
         print(f"[first] request {i + 1} ({kind}): warm {med['warm']:.3f}s snapshots {med['snapshots']:.3f}s ratio {med['snapshots'] / med['warm']:.2f}x", flush=True)
@@ -284,6 +356,8 @@ def main(argv=None) -> int:
     ap.add_argument("--work", default=None, help="folder for the model and the store (default: a temp dir)")
     ap.add_argument("--skip-ab", action="store_true")
     ap.add_argument("--first", action="store_true", help="fresh process per (mode, rep): TTFT of the first requests after start")
+    ap.add_argument("--jit-cold", action="store_true", help="with --first: an empty mlx JIT kernel cache (TMPDIR) per process")
+    ap.add_argument("--prime", choices=["entry", "fresh"], help="with --first: apply the proposed fix (prime the kernels at the end of warm-up, over a copy of a warm entry or a fresh cache) by monkeypatching")
     ap.add_argument("--child", choices=["warm", "snapshots"], help=argparse.SUPPRESS)
     ap.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--micro", action="store_true", help="run the micro-benchmarks of the suspects")
@@ -302,11 +376,11 @@ def main(argv=None) -> int:
     if not (store_dir / "manifest.json").exists():
         build_store(model, agents, store_dir)
     if args.child:
-        out = child_first_requests(model, agents, store_dir if args.child == "snapshots" else None, system, args.user.split(","), args.seed)
+        out = child_first_requests(model, agents, store_dir if args.child == "snapshots" else None, system, args.user.split(","), args.seed, args.prime)
         print(json.dumps(out), flush=True)
         return 0
     if args.first:
-        first_request_ab(work, args.reps, args.user.split(","))
+        first_request_ab(work, args.reps, args.user.split(","), args.jit_cold, args.prime)
         return 0
     if args.micro:
         micro(model, agents, store_dir, system, args.reps)
