@@ -419,6 +419,9 @@ def test_warm_plan_on_a_read_only_store_prefills_without_writing_and_names_forei
     assert (report.completed, report.from_snapshots, report.prefilled, report.written) == (1, 0, 1, 0), report
     assert any("built for a rendering vllm-mlx will not use" in w and "kvsnap serve's" in w and "--for vllm-mlx" in w for w in report.warnings), report.warnings
     assert sorted(p.name for p in store.snapshot_files()) == before
+    # Without a BOS from encode the same snapshot holds exactly vllm-mlx's tokens: it is used as is.
+    same = _plan(demo_models.load("dense"), store, False, FakePrefixCache(), prompts, str(agents)).run()
+    assert (same.completed, same.from_snapshots, same.prefilled, same.warnings) == (1, 1, 0, []), same
 
 
 def test_warm_plan_skips_prefixes_vllm_mlx_would_never_reuse(demo_models, tmp_path):

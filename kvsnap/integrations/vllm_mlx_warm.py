@@ -114,7 +114,7 @@ class WarmPlan:
                 continue
             key = snapshot_key(self.identity, digest, tokens)
             state, source, written = None, "snapshot", False
-            info = by_key.get(key)
+            info = by_key.get(key) or self._same_tokens(infos, tokens)
             if info is not None:
                 try:
                     state = decode_cache(self.store.load_arrays(info, self.identity), info.layers)
@@ -122,7 +122,7 @@ class WarmPlan:
                     report.warn(f"{prompt.name}: snapshot {exc.path} cannot be used ({exc.reason}); prefilling instead")
             if state is None:
                 for other in infos:
-                    if other.name == prompt.name and other.key != key:
+                    if other.name == prompt.name and other.key != key and other is not info:
                         report.warn(
                             f"{prompt.name}: snapshot {other.path.name} was built for a rendering vllm-mlx will not use "
                             f"({describe(recorded_tokenization(other.recorded))}; this server tokenizes as {describe(descriptor)}); "
@@ -153,3 +153,19 @@ class WarmPlan:
             del state
         report.seconds = time.perf_counter() - t0
         return report
+
+    def _same_tokens(self, infos: list, tokens: tuple) -> Any:
+        """A snapshot of this model holding exactly these tokens, whatever rendering it was keyed for.
+
+        The KV state depends only on the model identity (already matched) and the tokens, so
+        a snapshot built for kvsnap serve whose tokens equal vllm-mlx's is exactly right here.
+        """
+        for info in infos:
+            if info.n_tokens != len(tokens):
+                continue
+            try:
+                if tuple(self.store.read_tokens(info)) == tuple(tokens):
+                    return info
+            except SnapshotError as exc:
+                log.debug("[kvsnap] %s: %s", exc.path, exc.reason)
+        return None
