@@ -7,10 +7,12 @@ store (``../x``, ``/etc/x``, ``snapshots/../../x`` are refused), nor at ``.lock`
 temp file.
 
 Installs are staged: files are written (``0600``) into a temp folder next to the store
-(``.kvsnap-stage-<name>-*``, ``0700``), checked — every snapshot's own checksum, the
-manifest's JSON — and only then moved in: a new store by renaming the whole folder, an
-existing one file by file (snapshots first, the manifest last) under the store's writer
-lock. A failed install removes the temp folder and leaves the store as it was.
+(``.kvsnap-stage-<name>-*``, ``0700``), checked — every snapshot's own checksum, every
+field of the manifest — and only then moved in: a new store by renaming the whole folder,
+an existing one under the store's writer lock, snapshots first, then the shipped
+manifest's records are *merged* into the store's own (never replacing it: the store's
+other records, and so their snapshots, stay live for ``gc``). A failed install removes the
+temp folder and leaves the store as it was.
 
 No mlx here: pack, unpack, push and pull never import it.
 """
@@ -31,12 +33,11 @@ import tempfile
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import BinaryIO, Iterator
+from typing import BinaryIO, Callable, Iterator
 
-from .errors import KvsnapError, SnapshotError, StoreError
-from .store import DIR_MODE, FILE_MODE, MANIFEST, SNAPSHOTS, SUFFIX, Store
-
-SNAPSHOT_REL_RE = re.compile(rf"{SNAPSHOTS}/[0-9a-f]{{32}}{re.escape(SUFFIX)}")
+from .errors import KvsnapError, ManifestError, SnapshotError, StoreError
+from .manifest import SNAPSHOT_REL_RE, parse_manifest, referenced_files
+from .store import DIR_MODE, FILE_MODE, MANIFEST, SNAPSHOTS, Store
 STAGE_PREFIX = ".kvsnap-stage-"
 CHUNK = 1 << 20
 
@@ -79,13 +80,13 @@ class StoreFile:
     ino: tuple[int, int]  # (st_dev, st_ino) when checked: a file replaced since is noticed
 
 
-def check_manifest_bytes(data: bytes, where: str) -> None:
+def check_manifest_bytes(data: bytes, where: str, dest: Path | None = None) -> dict:
+    """A shipped manifest, checked field by field like the store's own; ShipError (nothing changed) if not."""
+    untouched = f"nothing was changed in {dest}" if dest is not None else "nothing was changed"
     try:
-        manifest = json.loads(data)
-    except ValueError as exc:
-        raise ShipError(f"{where}: manifest.json is not valid JSON ({exc}); refusing it") from None
-    if not isinstance(manifest, dict) or not isinstance(manifest.get("records"), dict):
-        raise ShipError(f"{where}: manifest.json is not a kvsnap manifest; refusing it")
+        return parse_manifest(data, f"{where}: {MANIFEST}", f"refusing it ({untouched})")
+    except ManifestError as exc:
+        raise ShipError(str(exc)) from None
 
 
 def collect_store(root: str | os.PathLike) -> list[StoreFile]:
@@ -162,6 +163,13 @@ def _fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
+def _is_regular_file(path: Path) -> bool:
+    try:
+        return stat.S_ISREG(path.lstat().st_mode)
+    except OSError:
+        return False
+
+
 def check_destination(dest: str | os.PathLike) -> Path:
     """The absolute install folder; refuses a file, or a non-empty folder that is not a store."""
     path = Path(dest).expanduser().absolute()
@@ -182,6 +190,7 @@ class StagedInstall:
     dest: Path
     tmp: Path | None = None
     staged: list[str] = field(default_factory=list)
+    manifest: dict | None = None  # the shipped manifest, once verified
 
     def __post_init__(self) -> None:
         self.dest = check_destination(self.dest)
@@ -223,15 +232,23 @@ class StagedInstall:
         for relpath in self.staged:
             path = store.root / relpath
             if relpath == MANIFEST:
-                check_manifest_bytes(path.read_bytes(), source)
+                self.manifest = check_manifest_bytes(path.read_bytes(), source, self.dest)
                 continue
             try:
                 store.verify_file(path)
             except SnapshotError as exc:
                 raise ShipError(f"{source}: {relpath}: {exc.reason}; refusing it (nothing was changed in {self.dest})") from None
 
+    def _check_references(self, present: Callable[[str], bool]) -> None:
+        """Every snapshot the shipped manifest lists is shipped too, or already in the store."""
+        if self.manifest is None:
+            return
+        missing = sorted(r for r in referenced_files(self.manifest) if r not in self.staged and not present(r))
+        if missing:
+            raise ShipError(f"{MANIFEST} lists {missing[0]}, which was not shipped and is not in {self.dest}; refusing it (nothing was changed in {self.dest}); ship the whole store with `kvsnap pack` or `kvsnap push`")
+
     def commit(self) -> None:
-        """Move the staged files into ``dest``: all at once for a new store, else one by one under the lock."""
+        """Move the staged files into ``dest``: all at once for a new store, else under the lock, merging the manifest."""
         assert self.tmp is not None
         if not self.staged:  # everything was already in place: leave the store untouched
             self.cleanup()
@@ -239,6 +256,7 @@ class StagedInstall:
         for folder in (self.tmp / SNAPSHOTS, self.tmp):
             _fsync_dir(folder)
         if not self.dest.exists():
+            self._check_references(lambda relpath: False)
             try:
                 os.rename(self.tmp, self.dest)
             except OSError as exc:
@@ -251,14 +269,18 @@ class StagedInstall:
         try:
             store = Store.open(self.dest, create=True)
             with store.lock():
+                try:
+                    store.read_manifest()  # the store's own must be sound before anything moves
+                except ManifestError as exc:
+                    raise ShipError(f"{exc}; the install merges into it, so nothing was changed in {self.dest}") from None
+                self._check_references(lambda relpath: _is_regular_file(store.root / relpath))
                 snaps = [r for r in self.staged if r != MANIFEST]
                 for relpath in snaps:
                     os.replace(self.tmp / relpath, store.root / relpath)
                 if snaps:
                     _fsync_dir(store.snapshots_dir)
-                if MANIFEST in self.staged:
-                    os.replace(self.tmp / MANIFEST, store.root / MANIFEST)
-                    _fsync_dir(store.root)
+                if self.manifest is not None:
+                    store.merge_manifest(self.manifest)
         except OSError as exc:
             raise ShipError(f"cannot move files into {self.dest} ({exc.strerror or exc}); check its permissions") from None
         finally:

@@ -49,3 +49,17 @@ class SnapshotError(KvsnapError):
 
 class StoreError(KvsnapError):
     """A snapshot store that cannot be read, written or locked."""
+
+
+class ManifestError(StoreError):
+    """A ``manifest.json`` that is too big, not JSON, or not the shape kvsnap writes.
+
+    ``where`` is the file (or the archive / registry entry it came from), ``reason`` names
+    the field and quotes its value, ``fix`` says what to do.
+    """
+
+    def __init__(self, where: str, reason: str, fix: str):
+        self.where = where
+        self.reason = reason
+        self.fix = fix
+        super().__init__(f"{where} {reason}; {fix}")

@@ -9,9 +9,13 @@ again; a pull downloads only the files the folder lacks.
 The protocol is the registry HTTP API of the OCI distribution spec over httpx, and only
 the calls this needs: HEAD/GET a blob, a monolithic blob upload (POST, then PUT with
 ``?digest=``), PUT/GET a manifest; auth by the ``WWW-Authenticate`` challenge (Basic, or
-the Bearer token flow). Credentials: ``$KVSNAP_REGISTRY_USER``/``$KVSNAP_REGISTRY_PASSWORD``,
-else ``~/.docker/config.json`` (``$DOCKER_CONFIG``): ``auths`` entries or a credential helper.
-They are never printed.
+the Bearer token flow). Credentials: ``user:password@`` in the reference, else
+``$KVSNAP_REGISTRY_USER``/``$KVSNAP_REGISTRY_PASSWORD``, else ``~/.docker/config.json``
+(``$DOCKER_CONFIG``): ``auths`` entries or a credential helper. They are never printed: a
+reference shows its user info as ``***``, and every message that could quote one (a bad
+reference, a credential helper's stderr) goes through ``redact``. A docker config or
+credential helper that fails is reported with the helper's name and its (redacted)
+stderr, never taken for "no credentials".
 
 No mlx here.
 """
@@ -27,6 +31,7 @@ import os
 import re
 import shutil
 import subprocess
+import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO, Callable
@@ -35,8 +40,9 @@ import httpx
 
 from . import __version__
 from .archive import CHUNK, ShipError, StagedInstall, check_destination, check_relpath, collect_store, open_checked, present_with_digest, sha256_file
-from .errors import KvsnapError, SnapshotError, UsageError
+from .errors import KvsnapError, ManifestError, SnapshotError, UsageError
 from .key import default_cache_dir
+from .manifest import read_manifest_file
 from .store import MANIFEST, Store
 
 log = logging.getLogger("kvsnap")
@@ -56,6 +62,14 @@ REPO_RE = re.compile(r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*(?:/[a-z0-9]+(?:(?:[
 TAG_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")
 HOST_RE = re.compile(r"(?:\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9](?:[A-Za-z0-9.-]*[A-Za-z0-9])?)(?::[0-9]{1,5})?")
 ENV_USER, ENV_PASSWORD, ENV_PLAIN_HTTP = "KVSNAP_REGISTRY_USER", "KVSNAP_REGISTRY_PASSWORD", "KVSNAP_REGISTRY_PLAIN_HTTP"
+HELPER_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+HELPER_TIMEOUT_S = 30
+HELPER_NOT_FOUND = "credentials not found"  # what docker's helpers print (exit 1) for an unknown host
+SECRET_PATTERNS = (
+    (re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://)[^/\s@]*@"), r"\1***@"),  # scheme://user:password@
+    (re.compile(r"\b(Basic|Bearer)\s+[A-Za-z0-9._~+/=-]+", re.I), r"\1 ***"),
+    (re.compile(r'("?(?:secret|password|passwd|auth|token|identitytoken|access_token)"?\s*[:=]\s*)("[^"]*"|[^\s,}]+)', re.I), r"\1***"),
+)
 TIMEOUT = httpx.Timeout(60.0, connect=10.0)
 
 
@@ -79,6 +93,30 @@ class DigestMismatchError(RegistryError):
     """Content whose sha256 or size is not what its descriptor says (tampered or corrupt)."""
 
 
+class CredentialError(RegistryAuthError):
+    """A docker config that cannot be read, or a credential helper that fails (named, with its redacted stderr)."""
+
+
+def redact(text: str) -> str:
+    """``text`` with anything shaped like a credential replaced by ``***`` (URL user info, auth headers, secret fields)."""
+    for pattern, replacement in SECRET_PATTERNS:
+        text = pattern.sub(replacement, text)
+    return text
+
+
+# --- credentials --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Credentials:
+    username: str = field(repr=False)
+    password: str = field(repr=False)
+    source: str = ""  # where they came from, for messages (never the values)
+
+    def basic(self) -> str:
+        return "Basic " + base64.b64encode(f"{self.username}:{self.password}".encode()).decode()
+
+
 # --- references ---------------------------------------------------------------------------
 
 
@@ -88,14 +126,27 @@ class Reference:
     repo: str
     tag: str | None = None
     digest: str | None = None
+    credentials: Credentials | None = field(default=None, compare=False, repr=False)  # from oci://USER:PASSWORD@HOST/…
 
     @classmethod
     def parse(cls, text: str) -> "Reference":
         usage = "give oci://HOST[:PORT]/REPO:TAG, e.g. oci://registry.example.com/team/snaps:v1"
         if not isinstance(text, str) or not text.startswith("oci://"):
-            raise UsageError(f"{text!r} is not an OCI reference; {usage}")
+            shown = redact(text) if isinstance(text, str) else text
+            raise UsageError(f"{shown!r} is not an OCI reference; {usage}")
         rest = text[len("oci://") :]
+        # User info ends at the last @ that is not a digest's "@sha256:" (a password may hold / or @).
+        digest_at = rest.rfind("@sha256:")
+        userinfo_at = max((i for i, ch in enumerate(rest) if ch == "@" and i != digest_at), default=-1)
+        userinfo, rest = (rest[:userinfo_at], rest[userinfo_at + 1 :]) if userinfo_at >= 0 else ("", rest)
+        text = "oci://" + ("***@" if userinfo_at >= 0 else "") + rest  # from here on only this redacted form is quoted
         host, _, path = rest.partition("/")
+        credentials = None
+        if userinfo_at >= 0:
+            user, _, password = userinfo.partition(":")
+            if not user:
+                raise UsageError(f"{text!r}: the user info before @ has no user name; give oci://USER:PASSWORD@HOST/REPO:TAG, or set {ENV_USER} and {ENV_PASSWORD}")
+            credentials = Credentials(urllib.parse.unquote(user), urllib.parse.unquote(password), "the user:password in the reference")
         if not host or not HOST_RE.fullmatch(host):
             raise UsageError(f"{text!r}: {host!r} is not a registry host; {usage}")
         digest = tag = None
@@ -114,14 +165,18 @@ class Reference:
             raise UsageError(f"{text!r}: {path!r} is not a repository name (lowercase letters, digits, . _ - and /); {usage}")
         if tag is None and digest is None:
             raise UsageError(f"{text!r} has no tag; {usage}")
-        return cls(host=host, repo=path, tag=tag, digest=digest)
+        return cls(host=host, repo=path, tag=tag, digest=digest, credentials=credentials)
 
     @property
     def reference(self) -> str:
         return self.digest or self.tag or ""
 
     def __str__(self) -> str:
-        return f"oci://{self.host}/{self.repo}" + (f"@{self.digest}" if self.digest else f":{self.tag}")
+        userinfo = "***@" if self.credentials is not None else ""
+        return f"oci://{userinfo}{self.host}/{self.repo}" + (f"@{self.digest}" if self.digest else f":{self.tag}")
+
+    def __repr__(self) -> str:
+        return f"Reference({str(self)!r})"
 
     def cache_dir(self, base: Path | None = None) -> Path:
         """``<cache>/oci/<host>/<repo>/<tag>`` (``:`` in host and digest written ``_``)."""
@@ -142,27 +197,30 @@ def default_plain_http(host: str) -> bool:
         return False
 
 
-# --- credentials --------------------------------------------------------------------------
+# --- credentials from the environment and docker's config ----------------------------------
 
 
-@dataclass(frozen=True)
-class Credentials:
-    username: str = field(repr=False)
-    password: str = field(repr=False)
-    source: str = ""  # where they came from, for messages (never the values)
-
-    def basic(self) -> str:
-        return "Basic " + base64.b64encode(f"{self.username}:{self.password}".encode()).decode()
-
-
-def _docker_config() -> dict:
+def _docker_config() -> tuple[Path, dict]:
+    """docker's config.json and where it is; an absent one is empty, an unreadable one a CredentialError."""
     folder = os.environ.get("DOCKER_CONFIG") or os.path.join(os.path.expanduser("~"), ".docker")
     path = Path(folder) / "config.json"
+    fix = f"fix it or move it away (or set {ENV_USER} and {ENV_PASSWORD}, which take precedence)"
     try:
         data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
+    except FileNotFoundError:
+        return path, {}
+    except OSError as exc:
+        raise CredentialError(f"docker config {path} cannot be read ({exc.strerror or exc}); {fix}") from None
+    except (ValueError, RecursionError) as exc:
+        raise CredentialError(f"docker config {path} is not valid JSON ({redact(str(exc))[:200]}); {fix}") from None
+    if not isinstance(data, dict):
+        raise CredentialError(f"docker config {path} is {type(data).__name__}, not a JSON object; {fix}")
+    for section in ("auths", "credHelpers"):
+        if section in data and not isinstance(data[section], dict):
+            raise CredentialError(f"docker config {path}: {section} is {type(data[section]).__name__}, not an object; {fix}")
+    if "credsStore" in data and not isinstance(data["credsStore"], str):
+        raise CredentialError(f"docker config {path}: credsStore is {type(data['credsStore']).__name__}, not a helper name; {fix}")
+    return path, data
 
 
 def _registry_key(key: str) -> str:
@@ -170,45 +228,70 @@ def _registry_key(key: str) -> str:
     return key.split("/", 1)[0]
 
 
-def _cred_helper(helper: str, host: str) -> Credentials | None:
-    exe = shutil.which(f"docker-credential-{helper}")
+def _helper_output(text: str) -> str:
+    text = redact(" ".join(text.split()))
+    return (text[:300] + "...") if len(text) > 300 else (text or "nothing")
+
+
+def _cred_helper(helper: object, host: str, config: Path) -> Credentials | None:
+    """Ask ``docker-credential-<helper> get``; None only when it says it has nothing for ``host``."""
+    if not isinstance(helper, str) or not HELPER_NAME_RE.fullmatch(helper):
+        raise CredentialError(f"docker config {config} names the credential helper {redact(repr(helper))[:80]}, not a helper name (letters, digits, . _ -); fix the entry")
+    name = f"docker-credential-{helper}"
+    exe = shutil.which(name)
     if not exe:
-        return None
+        raise CredentialError(f"docker config {config} names the credential helper {name} for {host}, but it is not on PATH; install it, or remove the entry from the config")
     try:
-        out = subprocess.run([exe, "get"], input=host, capture_output=True, text=True, timeout=30)
-        data = json.loads(out.stdout) if out.returncode == 0 else None
-    except (OSError, ValueError, subprocess.SubprocessError):
-        return None
-    if isinstance(data, dict) and data.get("Username") and data.get("Secret"):
-        return Credentials(data["Username"], data["Secret"], f"docker-credential-{helper}")
+        out = subprocess.run([exe, "get"], input=host, capture_output=True, text=True, timeout=HELPER_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise CredentialError(f"credential helper {name} did not answer for {host} within {HELPER_TIMEOUT_S} s; check it (e.g. a locked keychain)") from None
+    except OSError as exc:
+        raise CredentialError(f"credential helper {name} cannot be run ({exc.strerror or exc}); check the file at {exe}") from None
+    if out.returncode != 0:
+        if HELPER_NOT_FOUND in (out.stdout + out.stderr).lower():
+            return None
+        raise CredentialError(f"credential helper {name} failed for {host} (exit {out.returncode}): {_helper_output(out.stderr or out.stdout)}; fix the helper, or log in again with `docker login {host}`")
+    try:
+        data = json.loads(out.stdout)
+    except ValueError:
+        raise CredentialError(f"credential helper {name} answered for {host} with something that is not JSON ({_helper_output(out.stdout)}); fix the helper") from None
+    if not isinstance(data, dict) or not isinstance(data.get("Username", ""), str) or not isinstance(data.get("Secret", ""), str):
+        raise CredentialError(f"credential helper {name} answered for {host} without string Username and Secret fields; fix the helper")
+    if data.get("Username") and data.get("Secret"):
+        return Credentials(data["Username"], data["Secret"], name)
     return None
 
 
 def find_credentials(host: str) -> Credentials | None:
-    """``$KVSNAP_REGISTRY_USER``/``PASSWORD``, else docker's config (auths, credHelpers, credsStore)."""
+    """``$KVSNAP_REGISTRY_USER``/``PASSWORD``, else docker's config (auths, credHelpers, credsStore).
+
+    None when nothing is configured for ``host``; a CredentialError (naming the file or the
+    helper, with its redacted stderr) when something is configured but fails.
+    """
     user, password = os.environ.get(ENV_USER), os.environ.get(ENV_PASSWORD)
     if user and password is not None:
         return Credentials(user, password, f"${ENV_USER}/${ENV_PASSWORD}")
-    config = _docker_config()
-    helpers = config.get("credHelpers") if isinstance(config.get("credHelpers"), dict) else {}
-    for key, helper in helpers.items():
-        if _registry_key(key) == host and isinstance(helper, str):
-            return _cred_helper(helper, host)
-    auths = config.get("auths") if isinstance(config.get("auths"), dict) else {}
-    for key, entry in auths.items():
+    path, config = _docker_config()
+    for key, helper in config.get("credHelpers", {}).items():
+        if _registry_key(key) == host:
+            return _cred_helper(helper, host, path)
+    for key, entry in config.get("auths", {}).items():
         if _registry_key(key) != host or not isinstance(entry, dict):
             continue
         if entry.get("username") and entry.get("password") is not None:
+            if not isinstance(entry["username"], str) or not isinstance(entry["password"], str):
+                raise CredentialError(f"docker config {path}: auths[{key!r}] has a username or password that is not a string; run `docker login {host}` again")
             return Credentials(entry["username"], entry["password"], "docker config.json")
         if entry.get("auth"):
             try:
-                user, _, password = base64.b64decode(entry["auth"]).decode().partition(":")
-            except (ValueError, UnicodeDecodeError):
-                continue
-            if user:
-                return Credentials(user, password, "docker config.json")
-    if isinstance(config.get("credsStore"), str):
-        return _cred_helper(config["credsStore"], host)
+                user, sep, password = base64.b64decode(entry["auth"], validate=True).decode().partition(":")
+            except (ValueError, TypeError, UnicodeDecodeError):
+                sep = ""
+            if not sep or not user:
+                raise CredentialError(f"docker config {path}: auths[{key!r}].auth is not base64 of USER:PASSWORD; run `docker login {host}` again")
+            return Credentials(user, password, "docker config.json")
+    if "credsStore" in config:
+        return _cred_helper(config["credsStore"], host, path)
     return None
 
 
@@ -238,7 +321,10 @@ class RegistryClient:
         self.ref = ref
         self.plain_http = default_plain_http(ref.host) if plain_http is None else plain_http
         self.base = f"{'http' if self.plain_http else 'https'}://{ref.host}/v2/{ref.repo}"
-        self.credentials = find_credentials(ref.host) if credentials is True else (credentials or None)
+        self.credential_problem: CredentialError | None = None
+        if credentials is True:
+            credentials = ref.credentials or self._lookup_credentials()
+        self.credentials = credentials or None
         self.scope = f"repository:{ref.repo}:{'pull,push' if push else 'pull'}"
         self._auth: str | None = None
         self.client = httpx.Client(timeout=TIMEOUT, follow_redirects=True, transport=transport, trust_env=False)
@@ -251,6 +337,15 @@ class RegistryClient:
 
     # -- transport and auth --
 
+    def _lookup_credentials(self) -> Credentials | None:
+        """Configured credentials; a broken config or helper is logged now and named again if the registry asks for a login."""
+        try:
+            return find_credentials(self.ref.host)
+        except CredentialError as exc:
+            log.warning("[kvsnap] %s; going on without credentials", exc)
+            self.credential_problem = exc
+            return None
+
     def _send(self, method: str, url: str, headers: dict | None, content: Callable[[], object] | None, stream: bool) -> httpx.Response:
         h = dict(headers or {})
         if self._auth:
@@ -262,7 +357,7 @@ class RegistryClient:
             raise self._unreachable(exc) from None
 
     def _unreachable(self, exc: Exception) -> RegistryUnreachableError:
-        text = str(exc) or type(exc).__name__
+        text = redact(str(exc)) or type(exc).__name__
         hint = "check the address and that the registry is up"
         if not self.plain_http and re.search(r"ssl|tls|certificate|wrong version", text, re.I):
             hint = "the registry may speak plain HTTP: add --plain-http (or set KVSNAP_REGISTRY_PLAIN_HTTP=1)"
@@ -299,6 +394,8 @@ class RegistryClient:
         self._auth = f"Bearer {token}"
 
     def _needs_credentials(self) -> RegistryAuthError:
+        if self.credential_problem is not None:
+            return CredentialError(f"registry {self.ref.host} needs credentials (HTTP 401), and none could be read: {self.credential_problem}")
         return RegistryAuthError(f"registry {self.ref.host} needs credentials (HTTP 401); set {ENV_USER} and {ENV_PASSWORD}, or run `docker login {self.ref.host}`")
 
     def _refused(self) -> RegistryAuthError:
@@ -516,8 +613,8 @@ def parse_artifact(body: bytes, ref: Reference) -> list[Layer]:
         raise RegistryError(f"{ref} is an image index, not a kvsnap store; give the tag `kvsnap push` wrote")
     config = doc.get("config") if isinstance(doc.get("config"), dict) else {}
     if doc.get("artifactType") != ARTIFACT_TYPE and config.get("mediaType") != ARTIFACT_TYPE:
-        kind = doc.get("artifactType") or config.get("mediaType") or media or "unknown"
-        raise RegistryError(f"{ref} is not a kvsnap store (its type is {kind}); give a tag written by `kvsnap push`")
+        kind = str(doc.get("artifactType") or config.get("mediaType") or media or "unknown")[:100]
+        raise RegistryError(f"{ref} is not a kvsnap store (its type is {kind!r}); give a tag written by `kvsnap push`")
     raw_layers = doc.get("layers")
     if not isinstance(raw_layers, list) or not raw_layers:
         raise RegistryError(f"{ref}: the manifest lists no files; push the store again")
@@ -577,10 +674,13 @@ def _verify_present(root: Path, relpaths: list[str], ref: Reference) -> None:
         return
     store = Store(root=root.resolve(), readonly=True)
     for relpath in relpaths:
-        if relpath == MANIFEST:
-            continue
         try:
-            store.verify_file(store.root / relpath)
+            if relpath == MANIFEST:
+                read_manifest_file(store.root / MANIFEST, f"refusing it (nothing was changed in {root})")
+            else:
+                store.verify_file(store.root / relpath)
+        except ManifestError as exc:
+            raise ShipError(f"{ref}: {exc}") from None
         except SnapshotError as exc:
             raise ShipError(f"{ref}: {relpath}: {exc.reason}; refusing it (nothing was changed in {root})") from None
 

@@ -20,7 +20,23 @@ from typing import BinaryIO, Callable, Iterable
 import xxhash
 
 FORMAT_VERSION = 2  # v2: the checksum covers the header too (v1 covered only the data)
-MAX_HEADER_BYTES = 64 << 20
+# Bounds checked before anything is built from a header (a real one: a few hundred tensors, tens of KiB).
+MAX_HEADER_BYTES = 16 << 20
+MAX_TENSORS = 65536
+MAX_TENSOR_NAME = 1024
+MAX_NDIM = 8
+MAX_META_KEYS = 1024
+MAX_DIM = 2**53
+# What checking a header costs in Python memory, at most (measured on CPython 3.11): ~700 bytes per
+# JSON object, ~40-60 per list element or member, and its text held up to 3 times (bytes, decoded
+# metadata, the layer list parsed again) -- 4 bytes per character once one is outside the BMP.
+# A header may cost the file's size plus PARSE_SLACK: a real one costs a few % of its data, so
+# only a header of many tiny values, or of long strings over little data, is refused.
+PARSE_COST_OBJECT = 1024
+PARSE_COST_VALUE = 96
+PARSE_COST_BYTE_ASCII = 4
+PARSE_COST_BYTE_OTHER = 13
+PARSE_SLACK = 1 << 20
 CHECKSUM_PLACEHOLDER = "0" * 32
 CHECKSUM_KEY = "kvsnap.xxh3_128"
 CHECKSUM_MARKER = f'"{CHECKSUM_KEY}":"'.encode()
@@ -67,7 +83,7 @@ class Header:
 
 
 def _is_count(x: object) -> bool:
-    return type(x) is int and x >= 0  # not bool: JSON true is no size
+    return type(x) is int and 0 <= x <= MAX_DIM  # not bool: JSON true is no size
 
 
 def _unique_keys(pairs: list) -> dict:
@@ -75,23 +91,30 @@ def _unique_keys(pairs: list) -> dict:
     out: dict = {}
     for k, v in pairs:
         if k in out:
-            raise FormatError(f"header repeats the key {k!r}")
+            raise FormatError(f"header repeats the key {k[:80]!r}")
         out[k] = v
     return out
 
 
+def _show(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
 def _entry(name: str, raw: object) -> TensorEntry:
+    if len(name) > MAX_TENSOR_NAME:
+        raise FormatError(f"tensor name {name[:40]!r}... is {len(name)} characters, over the {MAX_TENSOR_NAME} limit")
     if not isinstance(raw, dict):
-        raise FormatError(f"tensor {name!r}: header entry is not an object")
+        raise FormatError(f"tensor {name!r}: header entry is {_show(raw)}, not an object")
     dtype = raw.get("dtype")
     shape = raw.get("shape")
     offsets = raw.get("data_offsets")
-    if dtype not in DTYPE_SIZES:
-        raise FormatError(f"tensor {name!r}: unknown dtype {dtype!r}")
-    if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
-        raise FormatError(f"tensor {name!r}: bad shape {shape!r}")
+    if not isinstance(dtype, str) or dtype not in DTYPE_SIZES:
+        raise FormatError(f"tensor {name!r}: unknown dtype {_show(dtype)}")
+    if not isinstance(shape, list) or len(shape) > MAX_NDIM or not all(_is_count(d) for d in shape):
+        raise FormatError(f"tensor {name!r}: bad shape {_show(shape)} (at most {MAX_NDIM} non-negative integer dimensions)")
     if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_count(o) for o in offsets)):
-        raise FormatError(f"tensor {name!r}: bad data_offsets {offsets!r}")
+        raise FormatError(f"tensor {name!r}: bad data_offsets {_show(offsets)}")
     start, end = offsets
     expected = math.prod(shape) * DTYPE_SIZES[dtype]
     if end - start != expected:
@@ -99,30 +122,57 @@ def _entry(name: str, raw: object) -> TensorEntry:
     return TensorEntry(name, dtype, tuple(shape), start, end)
 
 
+def parse_cost(raw: bytes) -> int:
+    """An upper bound on the memory that parsing and checking this header text takes (C-speed counts)."""
+    per_byte = PARSE_COST_BYTE_ASCII if raw.isascii() else PARSE_COST_BYTE_OTHER
+    return per_byte * len(raw) + PARSE_COST_OBJECT * raw.count(b"{") + PARSE_COST_VALUE * (raw.count(b",") + raw.count(b"["))
+
+
 def parse_header(f: BinaryIO, file_size: int) -> Header:
-    """Read and check the safetensors header: sizes, offsets inside the file, no gaps or overlaps."""
+    """Read and check the safetensors header: sizes, counts, offsets inside the file, no gaps or overlaps.
+
+    Every bound is checked before the structure it limits is used: the declared size
+    before the header is read, counts before entries are built.
+    """
     if file_size < 8:
         raise FormatError(f"file is {file_size} bytes, too short for a safetensors header")
     f.seek(0)
-    (header_len,) = struct.unpack("<Q", f.read(8))
+    prefix = f.read(8)
+    if len(prefix) != 8:
+        raise FormatError(f"file ended after {len(prefix)} bytes (truncated while reading)")
+    (header_len,) = struct.unpack("<Q", prefix)
     if header_len > MAX_HEADER_BYTES:
         raise FormatError(f"declared header size {header_len} exceeds the {MAX_HEADER_BYTES}-byte limit (not a safetensors file, or a corrupt one)")
     if 8 + header_len > file_size:
         raise FormatError(f"declared header size {header_len} runs past the end of the {file_size}-byte file (truncated, or not a safetensors file)")
     raw = f.read(header_len)
+    if len(raw) != header_len:
+        raise FormatError(f"file ended inside its {header_len}-byte header (truncated while reading)")
+    cost = parse_cost(raw)
+    if cost > file_size + PARSE_SLACK:
+        raise FormatError(
+            f"a {header_len}-byte header holding {raw.count(b'{')} JSON objects is more than a {file_size}-byte file can justify "
+            f"(checking it would take about {cost} bytes of memory, over the file's size plus {PARSE_SLACK}); refusing to parse it"
+        )
     try:
         doc = json.loads(raw.decode("utf-8"), object_pairs_hook=_unique_keys)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise FormatError(f"header is not valid JSON ({exc})") from None
+    except FormatError:
+        raise
     except RecursionError:
         raise FormatError("header JSON is nested too deeply") from None
+    except ValueError as exc:  # also UnicodeDecodeError, and integers too long to convert
+        raise FormatError(f"header is not valid JSON ({str(exc)[:200]})") from None
     if not isinstance(doc, dict):
-        raise FormatError("header is not a JSON object")
+        raise FormatError(f"header is {type(doc).__name__}, not a JSON object")
     metadata = doc.pop("__metadata__", {})
-    if not isinstance(metadata, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
         raise FormatError("__metadata__ must map strings to strings")
-    tensors = {name: _entry(name, value) for name, value in doc.items()}
+    if len(metadata) > MAX_META_KEYS:
+        raise FormatError(f"__metadata__ has {len(metadata)} keys, over the {MAX_META_KEYS} limit")
+    if len(doc) > MAX_TENSORS:
+        raise FormatError(f"header lists {len(doc)} tensors, over the {MAX_TENSORS} limit")
     data_len = file_size - 8 - header_len
+    tensors = {name: _entry(name, value) for name, value in doc.items()}
     cursor = 0
     for entry in sorted(tensors.values(), key=lambda e: e.start):
         if entry.start != cursor:
@@ -155,7 +205,7 @@ def file_checksum(path: str | os.PathLike, header: Header) -> str:
     h.update(_hashed_header(header))
     with open(path, "rb") as f:
         f.seek(header.data_start)
-        while chunk := f.read(READ_CHUNK):
+        while chunk := f.read(min(READ_CHUNK, max(header.data_len, 1))):  # never a buffer bigger than the file
             h.update(chunk)
     return h.hexdigest()
 

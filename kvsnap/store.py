@@ -15,7 +15,6 @@ import contextlib
 import datetime as _dt
 import errno
 import fcntl
-import json
 import os
 import re
 import stat
@@ -25,44 +24,22 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from .errors import SnapshotError, StoreError
-from .key import ModelIdentity, canonical_json, hexdigest, snapshot_key, tokens_digest, unpack_tokens
-from .snapfile import FORMAT_VERSION, FormatError, Header, OutTensor, check_data, parse_header, read_header, tensor_bytes, verify_checksum, write_snapshot
+from .key import ModelIdentity, canonical_json, hexdigest, unpack_tokens
+from .manifest import MANIFEST, SNAPSHOTS, SUFFIX, encode_manifest, merge_manifests, read_manifest_file, referenced_files, update_manifest
+from .snapfile import FormatError, OutTensor, check_data, parse_header, read_header, tensor_bytes, verify_checksum, write_snapshot
+from .snapheader import MAX_NAME_CHARS, REQUIRED_META, SnapshotInfo, check_offsets, expected_tensor_names, inspect_header  # noqa: F401  (re-exported)
 
-MANIFEST = "manifest.json"
-SNAPSHOTS = "snapshots"
 LOCK = ".lock"
-SUFFIX = ".safetensors"
 TMP_PREFIX = ".tmp-"
 KEY_RE = re.compile(r"[0-9a-f]{32}")  # used with fullmatch: `$` would let a trailing newline through
 FILE_MODE = 0o600
 DIR_MODE = 0o700
-REQUIRED_META = ("kvsnap.format", "kvsnap.key", "kvsnap.model", "kvsnap.model_digest", "kvsnap.prompt_digest", "kvsnap.n_tokens", "kvsnap.tokens_digest", "kvsnap.layers")
 
 FaultFn = Callable[[str], None]
 
 
 def _no_fault(point: str) -> None:
     return None
-
-
-@dataclass(frozen=True)
-class SnapshotInfo:
-    """What a snapshot's header says, after the checks that need no data read."""
-
-    path: Path
-    key: str
-    name: str
-    model_digest: str
-    model: dict
-    prompt_digest: str
-    n_tokens: int
-    layers: list
-    recorded: dict
-    nbytes: int
-
-    @property
-    def relpath(self) -> str:
-        return f"{SNAPSHOTS}/{self.path.name}"
 
 
 @dataclass
@@ -72,83 +49,6 @@ class Problem:
 
     def __str__(self) -> str:
         return f"{self.path}: {self.reason}"
-
-
-def expected_tensor_names(layers: list, prefix: str = "") -> set[str]:
-    names: set[str] = set()
-    if not isinstance(layers, list):
-        raise FormatError(f"layer list {prefix or 'kvsnap.layers'} is not a JSON list")
-    for i, meta in enumerate(layers):
-        path = f"{prefix}{i}"
-        if not isinstance(meta, dict):
-            raise FormatError(f"layer {path}: metadata is not a JSON object")
-        cls = meta.get("class")
-        if meta.get("empty"):
-            continue
-        if cls in ("KVCache", "RotatingKVCache", "ChunkedKVCache"):
-            names |= {f"{path}.keys", f"{path}.values"}
-        elif cls == "QuantizedKVCache":
-            names |= {f"{path}.{kv}.{j}" for kv in ("keys", "values") for j in range(int(meta["parts"]))}
-        elif cls == "ArraysCache":
-            names |= {f"{path}.state.{j}" for j in meta["present"]}
-        elif cls == "CacheList":
-            names |= expected_tensor_names(meta["caches"], f"{path}.")
-        else:
-            raise FormatError(f"layer {path}: unknown cache class {cls!r}")
-    return names
-
-
-def inspect_header(path: Path, header: Header) -> SnapshotInfo:
-    """Check a header's identity fields against themselves and the tokens; no checksum yet."""
-    meta = header.metadata
-    missing = [k for k in REQUIRED_META if k not in meta]
-    if missing:
-        raise FormatError(f"not a kvsnap snapshot: metadata lacks {', '.join(missing)}")
-    if meta["kvsnap.format"] != str(FORMAT_VERSION):
-        raise FormatError(f"snapshot format version {meta['kvsnap.format']!r} is not the supported {FORMAT_VERSION}; rebuild it with this kvsnap")
-    try:
-        model = json.loads(meta["kvsnap.model"])
-        layers = json.loads(meta["kvsnap.layers"])
-        recorded = json.loads(meta.get("kvsnap.recorded", "{}"))
-        n_tokens = int(meta["kvsnap.n_tokens"])
-        identity = ModelIdentity.from_dict(model)
-    except (ValueError, TypeError, KeyError) as exc:
-        raise FormatError(f"identity metadata cannot be read ({exc})") from None
-    if identity.digest != meta["kvsnap.model_digest"]:
-        raise FormatError("model identity does not hash to the recorded model digest (edited header?)")
-    tok = header.tensors.get("tokens")
-    if tok is None or tok.dtype != "I32" or tok.shape != (n_tokens,):
-        raise FormatError(f"tokens tensor missing or not int32[{n_tokens}]")
-    raw = tensor_bytes(path, header, "tokens")
-    tokens = unpack_tokens(raw)
-    if tokens_digest(tokens) != meta["kvsnap.tokens_digest"]:
-        raise FormatError("tokens do not match the recorded tokens digest")
-    key = snapshot_key(identity, meta["kvsnap.prompt_digest"], tokens)
-    if key != meta["kvsnap.key"]:
-        raise FormatError("tokens and identity do not hash to the recorded key")
-    if path.name != key + SUFFIX:
-        raise FormatError(f"file name does not match its key {key} (renamed or copied over another snapshot)")
-    names = set(header.tensors) - {"tokens"}
-    try:
-        expected = expected_tensor_names(layers)
-    except (KeyError, TypeError, ValueError) as exc:
-        if isinstance(exc, FormatError):
-            raise
-        raise FormatError(f"layer metadata cannot be read ({type(exc).__name__}: {exc})") from None
-    if names != expected:
-        raise FormatError(f"tensors do not match the layer list (missing {sorted(expected - names)[:3]}, extra {sorted(names - expected)[:3]})")
-    return SnapshotInfo(
-        path=path,
-        key=key,
-        name=meta.get("kvsnap.name", ""),
-        model_digest=meta["kvsnap.model_digest"],
-        model=model,
-        prompt_digest=meta["kvsnap.prompt_digest"],
-        n_tokens=n_tokens,
-        layers=layers,
-        recorded=recorded,
-        nbytes=header.file_size,
-    )
 
 
 def identity_mismatch(expected: ModelIdentity, found: dict) -> str:
@@ -252,6 +152,9 @@ class Store:
     def put(self, key: str, tensors: list[OutTensor], metadata: dict[str, str]) -> Path:
         """Write one snapshot atomically. The caller holds the lock."""
         target = self.path_for(key)
+        name = metadata.get("kvsnap.name", "")
+        if len(name) > MAX_NAME_CHARS:  # never write a file the reader would refuse
+            raise StoreError(f"agent name {name[:40]!r}... is {len(name)} characters, over the {MAX_NAME_CHARS} a snapshot may hold; give the agent a shorter name")
         try:
             self._atomic_write(target, lambda f: write_snapshot(f, tensors, metadata, on_progress=self.fault))
         except OSError as exc:
@@ -263,27 +166,33 @@ class Store:
     # --- manifest ---------------------------------------------------------------
 
     def read_manifest(self) -> dict:
-        path = self.root / MANIFEST
+        """The store's manifest, checked field by field (an empty one when there is none); ManifestError if damaged."""
+        return read_manifest_file(self.root / MANIFEST)
+
+    def _write_manifest(self, data: bytes) -> None:
         try:
-            data = json.loads(path.read_text())
-        except FileNotFoundError:
-            return {"format": FORMAT_VERSION, "records": {}}
-        except (OSError, ValueError) as exc:
-            raise StoreError(f"{path} cannot be read ({exc}); restore it from a backup or delete it and rebuild") from None
-        if not isinstance(data, dict) or not isinstance(data.get("records"), dict):
-            raise StoreError(f"{path} is not a kvsnap manifest; delete it and rebuild")
-        return data
+            self._atomic_write(self.root / MANIFEST, lambda f: f.write(data))
+        except OSError as exc:
+            raise StoreError(f"cannot write {self.root / MANIFEST} ({exc.strerror or exc}); the previous manifest is intact") from exc
 
     def update_record(self, record_id: str, update: Callable[[dict], dict]) -> None:
         """Read-modify-write one manifest record, atomically, under the lock."""
         with self.lock():
-            manifest = self.read_manifest()
-            manifest["records"][record_id] = update(manifest["records"].get(record_id, {}))
-            text = json.dumps(manifest, indent=1, sort_keys=True).encode()
-            try:
-                self._atomic_write(self.root / MANIFEST, lambda f: f.write(text))
-            except OSError as exc:
-                raise StoreError(f"cannot write {self.root / MANIFEST} ({exc.strerror or exc}); the previous manifest is intact") from exc
+            self._write_manifest(update_manifest(self.read_manifest(), record_id, update, str(self.root / MANIFEST)))
+
+    def merge_manifest(self, incoming: dict) -> bool:
+        """Add an installed manifest's records to this store's (the caller holds the lock); False if nothing changed.
+
+        An install never replaces the manifest: records it does not carry stay, so their
+        snapshots stay referenced and ``gc`` keeps them.
+        """
+        assert self._lock_depth > 0, "merge_manifest runs under the store lock"
+        current = self.read_manifest()
+        merged = merge_manifests(current, incoming)
+        if merged == current and (self.root / MANIFEST).exists():
+            return False
+        self._write_manifest(encode_manifest(merged))
+        return True
 
     # --- reading ----------------------------------------------------------------
 
@@ -323,6 +232,7 @@ class Store:
         info = self.inspect(path)
         try:
             check_data(path, read_header(path))
+            check_offsets(info.layers, info.n_tokens)
         except FormatError as exc:
             raise SnapshotError(str(path), str(exc)) from None
         if expected is not None and info.model_digest != expected.digest:
@@ -381,6 +291,7 @@ class Store:
                         raise FormatError(f"file ended after {done} of {header.data_len} data bytes (truncated while reading)")
                     done += n
             verify_checksum(header, view)
+            check_offsets(current.layers, current.n_tokens)
             if current.key != info.key or current.layers != info.layers or current.n_tokens != info.n_tokens:
                 raise SnapshotError(str(path), f"now holds another snapshot (key {current.key}) than the one indexed ({info.key})", "restart, or rebuild it with `kvsnap build`")
             if expected is not None and current.model_digest != expected.digest:
@@ -398,11 +309,8 @@ class Store:
     # --- garbage collection -----------------------------------------------------
 
     def referenced(self) -> set[str]:
-        files = set()
-        for record in self.read_manifest()["records"].values():
-            for entry in record.get("entries", []):
-                files.add(entry.get("file", ""))
-        return files
+        """Every snapshot path a manifest record lists; ManifestError (deleting nothing) if the manifest is damaged."""
+        return referenced_files(self.read_manifest())
 
     def gc(self, apply: bool) -> tuple[list[Path], int]:
         """Temp files and snapshots no manifest record refers to; removed only when ``apply``.

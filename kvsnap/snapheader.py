@@ -1,0 +1,297 @@
+"""What a snapshot's ``__metadata__`` must say, checked field by field before anything is built from it.
+
+The file layer (``snapfile.parse_header``) proves the header is bounded JSON with sane
+tensor offsets; this module checks kvsnap's own fields: exact-width digests, a decimal
+token count, an identity that hashes to its digest, tokens that hash to the key, and a
+layer list whose every count is bounded *by the tensors the header really holds* before
+any name is generated from it (a ``"parts": 10**9`` once built a billion names before
+the checksum was read). Every failure is a FormatError naming the field and its value.
+
+Layer fields follow ``snapshot.py``'s codecs (one per mlx-lm cache class). No mlx here.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import xxhash
+
+from .key import CODEC_FORMAT_VERSION, ModelIdentity, hexdigest
+from .manifest import SNAPSHOTS, SUFFIX
+from .snapfile import FORMAT_VERSION, FormatError, Header, tensor_bytes
+
+REQUIRED_META = ("kvsnap.format", "kvsnap.key", "kvsnap.model", "kvsnap.model_digest", "kvsnap.prompt_digest", "kvsnap.n_tokens", "kvsnap.tokens_digest", "kvsnap.layers")
+HEX32_RE = re.compile(r"[0-9a-f]{32}")
+DIGITS_RE = re.compile(r"[0-9]{1,12}")  # ASCII only: int() would also take " 7", "7_0" and other scripts' digits
+
+MAX_NAME_CHARS = 4096
+MAX_MODEL_JSON = 1 << 20  # the identity; a per-layer quantization config is its largest part
+MAX_RECORDED_JSON = 64 << 10
+MAX_IDENTITY_FIELDS = 64
+MAX_LAYERS = 4096  # per list; real models have under 200
+MAX_LAYER_OBJECTS = 65536  # in all, CacheList members included
+MAX_CACHE_NESTING = 4  # a CacheList inside a CacheList inside ...
+MAX_PARTS = 8  # QuantizedKVCache: packed data, scales, biases
+MAX_ARRAYS = 256  # ArraysCache slots (SSM conv + recurrent state: 2)
+MAX_COUNT = 2**53
+
+# class -> (fields every layer of it has, fields only a non-empty one has), as snapshot.py writes them
+LAYER_FIELDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "KVCache": ((), ("offset",)),
+    "RotatingKVCache": (("max_size", "keep"), ("offset", "idx")),
+    "QuantizedKVCache": (("group_size", "bits"), ("offset", "parts")),
+    "ArraysCache": (("size", "present"), ()),
+    "ChunkedKVCache": (("chunk_size",), ("offset", "start_position")),
+    "CacheList": (("caches",), ()),
+}
+CAN_BE_EMPTY = {"KVCache", "RotatingKVCache", "QuantizedKVCache", "ChunkedKVCache"}
+
+
+@dataclass(frozen=True)
+class SnapshotInfo:
+    """What a snapshot's header says, after the checks that need no data read."""
+
+    path: Path
+    key: str
+    name: str
+    model_digest: str
+    model: dict
+    prompt_digest: str
+    n_tokens: int
+    layers: list
+    recorded: dict
+    nbytes: int
+
+    @property
+    def relpath(self) -> str:
+        return f"{SNAPSHOTS}/{self.path.name}"
+
+
+def _show(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _json_field(meta: dict, field: str, limit: int) -> object:
+    text = meta[field]
+    if len(text) > limit:
+        raise FormatError(f"{field} is {len(text)} characters, over the {limit} limit")
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise FormatError(f"{field} is nested too deeply") from None
+    except ValueError as exc:
+        raise FormatError(f"{field} is not valid JSON ({str(exc)[:120]})") from None
+
+
+def _count(field: str, value: object, low: int = 0, high: int = MAX_COUNT) -> int:
+    if type(value) is not int or not low <= value <= high:  # not bool: JSON true is no count
+        raise FormatError(f"{field} is {_show(value)}, expected an integer from {low} to {high}")
+    return value
+
+
+# --- the layer list ---------------------------------------------------------------------
+
+
+class _LayerWalk:
+    """Checks a layer list and yields its tensor names, never more than the header holds."""
+
+    def __init__(self, budget: int):
+        self.budget = budget  # tensor names the header has room for
+        self.names: set[str] = set()
+        self.objects = 0
+
+    def add(self, field: str, names: list[str]) -> None:
+        if len(self.names) + len(names) > self.budget:
+            raise FormatError(f"{field} implies more tensors than the {self.budget} the header holds besides tokens")
+        self.names.update(names)
+
+    def layers(self, field: str, layers: object, prefix: str, depth: int) -> None:
+        if not isinstance(layers, list):
+            raise FormatError(f"{field} is {_show(layers)}, expected a JSON list of layers")
+        if len(layers) > MAX_LAYERS:
+            raise FormatError(f"{field} lists {len(layers)} layers, over the {MAX_LAYERS} limit")
+        for i, meta in enumerate(layers):
+            self.layer(f"{field}[{i}]", meta, f"{prefix}{i}", depth)
+
+    def layer(self, field: str, meta: object, path: str, depth: int) -> None:
+        self.objects += 1
+        if self.objects > MAX_LAYER_OBJECTS:
+            raise FormatError(f"kvsnap.layers holds over {MAX_LAYER_OBJECTS} layer objects")
+        if not isinstance(meta, dict):
+            raise FormatError(f"{field} is {_show(meta)}, expected a JSON object")
+        cls = meta.get("class")
+        if not isinstance(cls, str) or cls not in LAYER_FIELDS:
+            raise FormatError(f"{field}.class is {_show(cls)}, not a cache class kvsnap knows ({', '.join(LAYER_FIELDS)})")
+        always, filled = LAYER_FIELDS[cls]
+        empty = meta.get("empty", False)
+        if empty is not False and not (empty is True and cls in CAN_BE_EMPTY):
+            raise FormatError(f"{field}.empty is {_show(empty)}, not valid for a {cls} layer")
+        allowed = {"class", "empty", *always, *filled}
+        required = set(always) | (set() if empty else set(filled))
+        unknown = sorted(set(meta) - allowed)
+        missing = sorted(required - set(meta))
+        if unknown or missing:
+            raise FormatError(f"{field} ({cls}) has {'unknown field ' + _show(unknown[0]) if unknown else 'no field ' + _show(missing[0])}")
+        self.fields(field, cls, meta, empty)
+        if cls == "CacheList":
+            if depth >= MAX_CACHE_NESTING:
+                raise FormatError(f"{field}: CacheList nested more than {MAX_CACHE_NESTING} deep")
+            self.layers(f"{field}.caches", meta["caches"], f"{path}.", depth + 1)
+        elif cls == "ArraysCache":
+            self.add(field, [f"{path}.state.{j}" for j in meta["present"]])
+        elif empty:
+            return
+        elif cls == "QuantizedKVCache":
+            self.add(field, [f"{path}.{kv}.{j}" for kv in ("keys", "values") for j in range(meta["parts"])])
+        else:
+            self.add(field, [f"{path}.keys", f"{path}.values"])
+
+    def fields(self, field: str, cls: str, meta: dict, empty: bool) -> None:
+        """Each number in range; the offset is the token count (the state was captured at its boundary)."""
+        for name, value in meta.items():
+            where = f"{field}.{name}"
+            if name in ("class", "empty", "caches"):
+                continue
+            if name == "present":
+                if not isinstance(value, list) or len(value) > MAX_ARRAYS:
+                    raise FormatError(f"{where} is {_show(value)}, expected a list of at most {MAX_ARRAYS} slot numbers")
+                size = _count(f"{field}.size", meta["size"], 0, MAX_ARRAYS)
+                for j in value:
+                    _count(where, j, 0, size - 1)
+                if value != sorted(set(value)):
+                    raise FormatError(f"{where} is {_show(value)}, expected increasing slot numbers without repeats")
+            elif name == "parts":
+                _count(where, value, 1, min(MAX_PARTS, self.budget))
+            elif name == "bits":
+                _count(where, value, 1, 8)
+            elif name == "size":
+                _count(where, value, 0, MAX_ARRAYS)
+            else:
+                _count(where, value)
+        if cls == "ChunkedKVCache" and not empty and meta["start_position"] > meta["offset"]:
+            raise FormatError(f"{field}.start_position is {meta['start_position']}, past offset {meta['offset']}")
+
+
+def expected_tensor_names(layers: object, budget: int) -> set[str]:
+    """The tensor names a layer list implies; FormatError (field and value) if any field is off or they outnumber ``budget``."""
+    walk = _LayerWalk(budget)
+    walk.layers("kvsnap.layers", layers, "", 0)
+    return walk.names
+
+
+def check_offsets(layers: list, n_tokens: int, field: str = "kvsnap.layers") -> None:
+    """Every layer's offset is the token count: a state is captured exactly at its tokens.
+
+    Run after the checksum (a flipped digit is reported as the corruption it is); this
+    catches a header that is consistent but lies. ``layers`` was checked by ``expected_tensor_names``.
+    """
+    for i, meta in enumerate(layers):
+        if "caches" in meta:
+            check_offsets(meta["caches"], n_tokens, f"{field}[{i}].caches")
+        elif "offset" in meta and meta["offset"] != n_tokens:
+            raise FormatError(f"{field}[{i}].offset is {meta['offset']}, but the snapshot holds {n_tokens} tokens (a state is captured exactly at its tokens)")
+
+
+# --- identity, tokens, recorded -----------------------------------------------------------
+
+
+def _identity(meta: dict) -> tuple[dict, ModelIdentity]:
+    model = _json_field(meta, "kvsnap.model", MAX_MODEL_JSON)
+    if not isinstance(model, dict) or len(model) > MAX_IDENTITY_FIELDS:
+        raise FormatError(f"kvsnap.model is {_show(model)}, expected an object of at most {MAX_IDENTITY_FIELDS} identity fields")
+    for name, value in model.items():
+        where = f"kvsnap.model.{name}"
+        if name == "layout":
+            if not isinstance(value, list) or len(value) > MAX_LAYERS or not all(isinstance(c, str) and len(c) <= 64 for c in value):
+                raise FormatError(f"{where} is {_show(value)}, expected a list of at most {MAX_LAYERS} cache class names")
+        elif value is not None and not isinstance(value, str):
+            _count(where, value)
+    try:
+        identity = ModelIdentity.from_dict(model)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise FormatError(f"kvsnap.model is not a model identity ({type(exc).__name__}: {str(exc)[:120]})") from None
+    if identity.digest != meta["kvsnap.model_digest"]:
+        raise FormatError("model identity does not hash to the recorded model digest (edited header?)")
+    return model, identity
+
+
+def tokens_digest_of_bytes(raw: bytes | memoryview) -> str:
+    """``key.tokens_digest`` of the int32-LE ``tokens`` tensor, straight from its bytes.
+
+    The same value (tests/test_store_safety.py holds them equal) without a Python list of
+    ints, which costs 36 bytes of memory per 4-byte token.
+    """
+    h = xxhash.xxh3_128()
+    h.update(b"tokens:int32le:")
+    h.update(raw)
+    return h.hexdigest()
+
+
+def key_of(identity: ModelIdentity, prompt_digest: str, tokens_digest: str, n_tokens: int) -> str:
+    """``key.snapshot_key`` from a tokens digest (the same formula; held equal by a test)."""
+    return hexdigest(f"kvsnap-key-v{CODEC_FORMAT_VERSION}|{identity.digest}|{prompt_digest}|{tokens_digest}|{n_tokens}".encode())
+
+
+def _recorded(meta: dict) -> dict:
+    if "kvsnap.recorded" not in meta:
+        return {}
+    recorded = _json_field(meta, "kvsnap.recorded", MAX_RECORDED_JSON)
+    if not isinstance(recorded, dict):
+        raise FormatError(f"kvsnap.recorded is {_show(recorded)}, expected a JSON object")
+    for name, value in recorded.items():
+        if not (value is None or isinstance(value, (str, int, float, bool))):
+            raise FormatError(f"kvsnap.recorded.{name} is {_show(value)}, expected a string or a number")
+    if not isinstance(recorded.get("created", ""), str):
+        raise FormatError(f"kvsnap.recorded.created is {_show(recorded['created'])}, expected a date string")
+    return recorded
+
+
+def inspect_header(path: Path, header: Header) -> SnapshotInfo:
+    """Check a header's identity fields against themselves and the tokens; no checksum yet."""
+    meta = header.metadata
+    missing = [k for k in REQUIRED_META if k not in meta]
+    if missing:
+        raise FormatError(f"not a kvsnap snapshot: metadata lacks {', '.join(missing)}")
+    if meta["kvsnap.format"] != str(FORMAT_VERSION):
+        raise FormatError(f"snapshot format version {meta['kvsnap.format'][:20]!r} is not the supported {FORMAT_VERSION}; rebuild it with this kvsnap")
+    for field in ("kvsnap.key", "kvsnap.model_digest", "kvsnap.prompt_digest", "kvsnap.tokens_digest"):
+        if not HEX32_RE.fullmatch(meta[field]):
+            raise FormatError(f"{field} is {_show(meta[field])}, expected 32 lowercase hex digits")
+    if not DIGITS_RE.fullmatch(meta["kvsnap.n_tokens"]):
+        raise FormatError(f"kvsnap.n_tokens is {_show(meta['kvsnap.n_tokens'])}, expected a decimal token count")
+    n_tokens = int(meta["kvsnap.n_tokens"])
+    name = meta.get("kvsnap.name", "")
+    if len(name) > MAX_NAME_CHARS:
+        raise FormatError(f"kvsnap.name is {len(name)} characters, over the {MAX_NAME_CHARS} limit")
+    model, identity = _identity(meta)
+    tok = header.tensors.get("tokens")
+    if tok is None or tok.dtype != "I32" or tok.shape != (n_tokens,):
+        raise FormatError(f"tokens tensor missing or not int32[{n_tokens}]")
+    if tokens_digest_of_bytes(tensor_bytes(path, header, "tokens")) != meta["kvsnap.tokens_digest"]:
+        raise FormatError("tokens do not match the recorded tokens digest")
+    key = key_of(identity, meta["kvsnap.prompt_digest"], meta["kvsnap.tokens_digest"], n_tokens)
+    if key != meta["kvsnap.key"]:
+        raise FormatError("tokens and identity do not hash to the recorded key")
+    if path.name != key + SUFFIX:
+        raise FormatError(f"file name does not match its key {key} (renamed or copied over another snapshot)")
+    layers = _json_field(meta, "kvsnap.layers", len(header.raw))
+    names = set(header.tensors) - {"tokens"}
+    expected = expected_tensor_names(layers, len(names))
+    if names != expected:
+        raise FormatError(f"tensors do not match the layer list (missing {sorted(expected - names)[:3]}, extra {sorted(names - expected)[:3]})")
+    return SnapshotInfo(
+        path=path,
+        key=key,
+        name=name,
+        model_digest=meta["kvsnap.model_digest"],
+        model=model,
+        prompt_digest=meta["kvsnap.prompt_digest"],
+        n_tokens=n_tokens,
+        layers=layers,
+        recorded=_recorded(meta),
+        nbytes=header.file_size,
+    )
