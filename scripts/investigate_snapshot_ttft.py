@@ -347,6 +347,46 @@ def first_request_ab(work: Path, reps: int, kinds: list[str], jit_cold: bool = F
         print(f"[first] request {i + 1} ({kind}): warm {med['warm']:.3f}s snapshots {med['snapshots']:.3f}s ratio {med['snapshots'] / med['warm']:.2f}x", flush=True)
 
 
+def align_check(store_dir: Path, model: Path, reps: int) -> None:
+    """(a) in detail: attention over the restored views vs over fresh copies of the same arrays.
+
+    The views point into one uint8 buffer at the file's data offsets (8-byte, not 64-byte
+    aligned); a copy gets its own allocation. Same values, same shapes, only the memory differs.
+    """
+    import mlx.core as mx
+    import numpy as np
+
+    from kvsnap.prefill import prefill
+    from kvsnap.modeling import load_model
+    from kvsnap.snapshot import decode_cache
+    from kvsnap.store import Store
+
+    store = Store.open(store_dir)
+    (info,) = store.scan()[0]
+    restored = decode_cache(store.load_arrays(info), info.layers)
+    prefilled = prefill(load_model(str(model)), tuple(store.read_tokens(info)))
+    copies = [(c.keys * 1.0, c.values * 1.0) for c in restored]
+    mx.eval(copies)
+    addr = [np.frombuffer(memoryview(c.keys), dtype=np.uint8).ctypes.data % 64 for c in restored]
+    print(f"\n[align] restored keys data address mod 64, per layer: {addr}; copies: {[np.frombuffer(memoryview(k), dtype=np.uint8).ctypes.data % 64 for k, _ in copies]}")
+    q = mx.random.normal((1, 8, 44, 64), key=mx.random.key(1))
+    mx.eval(q)
+    variants = {
+        "prefilled (strided view of 2816)": [(c.keys[..., : c.offset, :], c.values[..., : c.offset, :]) for c in prefilled],
+        "restored (views of one buffer)": [(c.keys, c.values) for c in restored],
+        "restored, copied to own buffers": copies,
+    }
+    times = {name: [] for name in variants}
+    for i in range(reps):
+        names = list(variants) if i % 2 == 0 else list(reversed(variants))
+        for name in names:
+            t0 = time.perf_counter()
+            mx.eval([mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125) for k, v in variants[name]])
+            times[name].append(time.perf_counter() - t0)
+    for name, t in times.items():
+        print(f"[align] attention, 8 layers, 44 x 2703: {name:34s} median {1000 * statistics.median(t):7.2f} ms  min {1000 * min(t):7.2f} ms", flush=True)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=7)
@@ -360,6 +400,7 @@ def main(argv=None) -> int:
     ap.add_argument("--prime", choices=["entry", "fresh"], help="with --first: apply the proposed fix (prime the kernels at the end of warm-up, over a copy of a warm entry or a fresh cache) by monkeypatching")
     ap.add_argument("--child", choices=["warm", "snapshots"], help=argparse.SUPPRESS)
     ap.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--align", action="store_true", help="attention over restored views vs copies of them vs prefilled buffers")
     ap.add_argument("--micro", action="store_true", help="run the micro-benchmarks of the suspects")
     args = ap.parse_args(argv)
 
@@ -381,6 +422,9 @@ def main(argv=None) -> int:
         return 0
     if args.first:
         first_request_ab(work, args.reps, args.user.split(","), args.jit_cold, args.prime)
+        return 0
+    if args.align:
+        align_check(store_dir, model, args.reps)
         return 0
     if args.micro:
         micro(model, agents, store_dir, system, args.reps)
