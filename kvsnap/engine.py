@@ -286,7 +286,24 @@ class Engine:
             concurrency=self._prefill_concurrency(),
         )
         self.warmup_report = report
+        if report.from_snapshots and not report.prefilled:
+            self._prime_kernels()
         log.info(report.summary(self.counts))
+
+    def _prime_kernels(self) -> None:
+        """A throwaway 3-token request before reporting warm. mlx's CPU backend compiles
+        ``mx.compile``'d kernels (mlx-lm's swiglu, ...) on first use; a server restored from
+        snapshots has run no model pass yet and would pay 1-3 s of that in its first TTFT
+        (a warm-prompts server pays it in its start-up prefill). Own generator: the engine's
+        token counters stay exact."""
+        from .sampling import make_request_sampler
+
+        tokens = list(self.lm.tokenizer.encode("hello world"))[:3] or [0]
+        gen = self._new_generator(1, 1)
+        gen.insert([tokens], max_tokens=[1], caches=[self.lm.make_cache()], samplers=[make_request_sampler(0.0, 1.0, None)])
+        for _ in range(8):  # one prefill step and one decode step finish it; bounded regardless
+            if any(r.finish_reason for r in gen.next()[1]):
+                break
 
     def _drain(self, block: bool) -> None:
         try:
