@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 from pathlib import Path
 from typing import Callable
 
@@ -168,11 +169,14 @@ def parse_manifest(data: bytes, where: str, fix: str = STORE_FIX) -> dict:
 def read_manifest_file(path: Path, fix: str = STORE_FIX) -> dict:
     """The manifest at ``path`` (an empty one if there is none), size-checked before it is read."""
     try:
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            if size > MAX_MANIFEST_BYTES:
-                raise ManifestError(str(path), f"is {size} bytes, over the {MAX_MANIFEST_BYTES}-byte limit for a manifest", fix)
-            data = f.read(size + 1)  # not MAX_MANIFEST_BYTES: read() allocates what it is asked for
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))  # a FIFO planted here must not hang gc
+        with os.fdopen(fd, "rb") as f:
+            st = os.fstat(f.fileno())
+            if not stat.S_ISREG(st.st_mode):
+                raise ManifestError(str(path), "is not a regular file", "replace it with the store's manifest, or delete it and rebuild with `kvsnap build`")
+            if st.st_size > MAX_MANIFEST_BYTES:
+                raise ManifestError(str(path), f"is {st.st_size} bytes, over the {MAX_MANIFEST_BYTES}-byte limit for a manifest", fix)
+            data = f.read(st.st_size + 1)  # not MAX_MANIFEST_BYTES: read() allocates what it is asked for
     except FileNotFoundError:
         return empty_manifest()
     except OSError as exc:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import stat
 import struct
 from dataclasses import dataclass
 from typing import BinaryIO, Callable, Iterable
@@ -184,8 +185,12 @@ def parse_header(f: BinaryIO, file_size: int) -> Header:
 
 
 def read_header(path: str | os.PathLike) -> Header:
-    with open(path, "rb") as f:
-        return parse_header(f, os.fstat(f.fileno()).st_size)
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))  # a FIFO must not hang a scan
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise FormatError("is not a regular file")
+        return parse_header(f, st.st_size)
 
 
 def _hashed_header(header: Header) -> bytes:

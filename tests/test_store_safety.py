@@ -596,3 +596,21 @@ def test_every_cache_class_the_codec_writes_passes_the_layer_checks():
         layers = json.loads(json.dumps(layers))  # as the header holds them
         assert expected_tensor_names(layers, len(names)) == names, name
         check_offsets(layers, n)
+
+
+def test_a_fifo_as_manifest_or_snapshot_is_refused_instead_of_hanging(store_a, tmp_path):
+    """Opening a FIFO for reading blocks until a writer comes: gc, verify and ls must not wait for one."""
+    snapshot = Store.open(store_a).snapshot_files()[0]
+    snapshot.unlink()
+    os.mkfifo(snapshot)
+    r = run_kvsnap("verify", store_a, timeout=60)
+    assert r.returncode == 1 and f"BAD  {snapshot}: is not a regular file" in r.stdout, r.stdout + r.stderr
+    (store_a / MANIFEST).unlink()
+    os.mkfifo(store_a / MANIFEST)
+    r = run_kvsnap("gc", store_a, "--yes", timeout=60)
+    line = one_line_error(r, "gc")
+    assert f"{store_a / MANIFEST} is not a regular file" in line
+    from kvsnap.snapfile import FormatError, read_header
+
+    with pytest.raises(FormatError, match="is not a regular file"):
+        read_header(snapshot)
