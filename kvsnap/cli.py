@@ -330,7 +330,8 @@ def cmd_verify(args) -> int:
         try:
             info = store.verify_file(path, expected)
             ok += 1
-            print(f"ok   {info.relpath}  {info.name}  {info.n_tokens} tokens")
+            name = info.name if info.name.isprintable() else repr(info.name)  # a name from a file must not forge output lines
+            print(f"ok   {info.relpath}  {name}  {info.n_tokens} tokens")
         except SnapshotError as exc:
             bad += 1
             print(f"BAD  {exc.path}: {exc.reason}; {exc.fix}")

@@ -308,7 +308,7 @@ def _registry_message(resp: httpx.Response) -> str:
         errors = resp.json().get("errors") or []
         if errors:
             e = errors[0]
-            return f"{e.get('code', '')}: {e.get('message', '')}".strip(": ")
+            return redact(f"{e.get('code', '')}: {e.get('message', '')}".strip(": "))[:300]
     except (ValueError, AttributeError, httpx.ResponseNotRead):
         pass
     return resp.reason_phrase or ""

@@ -614,3 +614,11 @@ def test_a_fifo_as_manifest_or_snapshot_is_refused_instead_of_hanging(store_a, t
 
     with pytest.raises(FormatError, match="is not a regular file"):
         read_header(snapshot)
+
+
+def test_verify_prints_a_name_with_control_characters_escaped(lm, tmp_path):
+    """A name comes from a file: with a newline or an escape sequence it could forge a `verify` summary line."""
+    root = build_store(lm, tmp_path / "S", [{"name": "x\n9 ok, 0 bad\x1b[2K", "messages": AGENTS_A[0]["messages"]}])
+    r = run_kvsnap("verify", root)
+    assert r.returncode == 0 and r.stdout.splitlines()[-1] == "1 ok, 0 bad" and len(r.stdout.splitlines()) == 2, r.stdout
+    assert "'x\\n9 ok, 0 bad\\x1b[2K'" in r.stdout and "\x1b" not in r.stdout
