@@ -258,6 +258,8 @@ def install(server: Any, session: Any) -> None:
     from .vllm_mlx_session import install_routes
 
     async def skip_disk_cache_save(engine: Any = None) -> None:
+        # Called at shutdown and before an idle unload: the engine's model is about to go.
+        session.release()
         log.info("[kvsnap] vllm-mlx's prefix cache is not saved to ~/.cache/vllm-mlx/prefix_cache in a --kv-snapshots run (the kvsnap store is the warm state)")
 
     server._load_prefix_cache_from_disk = session.load

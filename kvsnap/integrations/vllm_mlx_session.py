@@ -149,6 +149,18 @@ class Session:
         log.info("%s", line if why == "start" else line.replace("[lifespan] Warm-up done", "[clear_prefix_cache] re-warm done", 1))
         return report
 
+    def release(self) -> None:
+        """Drop every reference to the engine's model and cache (vllm-mlx is about to stop or unload it).
+
+        Holding them past the engine's stop keeps mlx arrays alive until interpreter
+        teardown, where freeing them can abort the process. A later ``load`` (a model
+        reload) builds everything again.
+        """
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+        self._work = self._run = self._task = self.pins = None
+        self._again = False
+
     # --- re-warm ---------------------------------------------------------------------
 
     def schedule_rewarm(self) -> bool:
@@ -173,7 +185,7 @@ class Session:
                 return
 
     def status(self) -> dict:
-        report = self.last_report
+        report, pins = self.last_report, self.pins
         return {
             "store": str(self.store.root),
             "write_back": self.writable,
@@ -181,8 +193,8 @@ class Session:
             "warmups": self.warmups,
             "rewarms": self.rewarms,
             "rewarm_running": bool(self._task is not None and not self._task.done()),
-            "pinned": self.pins.present() if self.pins is not None else 0,
-            "pinned_mib": round(self.pins.nbytes() / 2**20, 3) if self.pins is not None else 0.0,
+            "pinned": pins.present() if pins is not None else 0,
+            "pinned_mib": round(pins.nbytes() / 2**20, 3) if pins is not None else 0.0,
             "last": report.as_dict() if report is not None else None,
         }
 
