@@ -99,7 +99,7 @@ def _check_entry(c: _Checker, field: str, entry: object) -> None:
     c.text(f"{field}.file", entry.get("file"), len(SNAPSHOTS) + 50, SNAPSHOT_REL_RE, f"a store path {SNAPSHOTS}/<32 hex digits>{SUFFIX}")
     for name, value in entry.items():
         where = f"{field}.{name}"
-        if name in ("name",):
+        if name == "name":
             c.text(where, value, MAX_TEXT_CHARS)
         elif name == "key":
             c.text(where, value, 32, HEX32_RE, "32 lowercase hex digits")
