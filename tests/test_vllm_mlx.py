@@ -156,6 +156,20 @@ def test_insert_puts_exactly_the_snapshot_state_into_the_cache_and_skips_foreign
         assert mx.array_equal(got.keys, want.keys[..., : len(tokens), :]) and mx.array_equal(got.values, want.values[..., : len(tokens), :])
 
 
+def test_insert_resolves_a_hub_id_to_the_files_vllm_mlx_loaded(dense_store, demo_models, tmp_path, monkeypatch):
+    """vllm-mlx is given `org/name`; kvsnap finds the same cached files and the same keys (issue 18)."""
+    from test_hub_ids import add_snapshot
+
+    lm = demo_models.load("dense")
+    add_snapshot(tmp_path / "hf" / "hub", "kvsnap-test/dense", lm.path, "c" * 40)
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hf" / "hub"))  # read at import, so set it here
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    report = insert_snapshots(FakePrefixCache(), lm.model, lm.tokenizer, "kvsnap-test/dense", dense_store)
+    assert report.inserted == 1 and report.tokens > 128
+
+
 def test_insert_respects_vllm_mlx_minimum_prefix_and_memory_budget(dense_store, demo_models):
     lm = demo_models.load("dense")
     short = insert_snapshots(FakePrefixCache(min_prefix_tokens=100_000), lm.model, lm.tokenizer, str(lm.path), dense_store)

@@ -183,13 +183,14 @@ def insert_snapshots(prefix_cache: Any, model: Any, tokenizer: Any, model_path: 
     arrays belong to a thread's stream).
     """
     from ..key import KVSettings, read_config
-    from ..modeling import LoadedModel, check_model_dir
+    from ..model_source import resolve_model
+    from ..modeling import LoadedModel
     from ..snapshot import cache_nbytes_of, decode_cache
     from .vllm_mlx_profile import recorded_tokenization
 
     t0 = time.perf_counter()
     report = InsertReport(store=str(store.root))
-    model_dir = check_model_dir(model_path)
+    model_dir = resolve_model(model_path).path  # a hub id: the same cached files vllm-mlx loaded
     # vllm-mlx's live KV is mlx-lm's default cache: no KV quantization, no bound.
     lm = LoadedModel(path=model_dir, model=model, tokenizer=tokenizer, config=read_config(model_dir), settings=KVSettings())
     identity = lm.identity(digests)

@@ -126,10 +126,11 @@ class Session:
 
     def _make_plan(self, prefix_cache: Any, scheduler: Any, model_path: str, tokenization: Any):
         from ..key import KVSettings, read_config
-        from ..modeling import LoadedModel, check_model_dir
+        from ..model_source import resolve_model
+        from ..modeling import LoadedModel
         from .vllm_mlx_warm import WarmPlan
 
-        model_dir = check_model_dir(model_path)
+        model_dir = resolve_model(model_path).path  # a hub id: the same cached files vllm-mlx loaded
         # vllm-mlx's live KV is mlx-lm's default cache: no KV quantization, no bound.
         lm = LoadedModel(path=model_dir, model=scheduler.model, tokenizer=scheduler.tokenizer, config=read_config(model_dir), settings=KVSettings())
         return WarmPlan(
