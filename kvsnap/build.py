@@ -83,6 +83,14 @@ def recorded_fields(settings: KVSettings, tokenization: dict | None = None) -> d
     }
 
 
+def recipe_fields(lm: LoadedModel, identity: ModelIdentity, prompt: WarmPrompt, prompt_digest: str) -> dict:
+    """The warm recipe a later start can match to reuse these tokens without re-tokenizing (recorded, not keyed)."""
+    from .warm_recipe import warm_recipe
+
+    recipe = warm_recipe(prompt, prompt_digest, identity.tokenizer, resolve_chat_template(lm.tokenizer, prompt.tools))
+    return {"warm_recipe": recipe} if recipe else {}
+
+
 def snapshot_metadata(identity: ModelIdentity, prompt: WarmPrompt, prompt_digest: str, key: str, tokens: Sequence[int], layers: list, recorded: dict) -> dict[str, str]:
     return {
         "kvsnap.format": str(FORMAT_VERSION),
@@ -119,7 +127,7 @@ def capture_snapshot(
     cache = prefill(lm, tokens)
     store.fault("after-prefill")
     arrays, layers = encode_cache(cache, tokens)
-    metadata = snapshot_metadata(identity, prompt, prompt_digest, key, tokens, layers, recorded_fields(lm.settings, tokenization) | lm.origin_fields())
+    metadata = snapshot_metadata(identity, prompt, prompt_digest, key, tokens, layers, recorded_fields(lm.settings, tokenization) | lm.origin_fields() | recipe_fields(lm, identity, prompt, prompt_digest))
     with store.lock():
         path = store.put(key, to_out_tensors(arrays), metadata)
         if on_commit is not None:
@@ -262,7 +270,7 @@ def commit_snapshot(
 
     key = snapshot_key(identity, prompt_digest, tokens)
     arrays, layers = encode_cache(cache, tokens)
-    metadata = snapshot_metadata(identity, prompt, prompt_digest, key, tokens, layers, recorded_fields(lm.settings, tokenization) | lm.origin_fields())
+    metadata = snapshot_metadata(identity, prompt, prompt_digest, key, tokens, layers, recorded_fields(lm.settings, tokenization) | lm.origin_fields() | recipe_fields(lm, identity, prompt, prompt_digest))
     with store.lock():
         path = store.put(key, to_out_tensors(arrays), metadata)
         extra = {"tokenization": tokenization} if tokenization is not None else {}

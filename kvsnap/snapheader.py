@@ -19,7 +19,7 @@ from pathlib import Path
 
 import xxhash
 
-from .key import CODEC_FORMAT_VERSION, ModelIdentity, hexdigest
+from .key import CODEC_FORMAT_VERSION, ModelIdentity, hexdigest, unpack_tokens
 from .manifest import SNAPSHOTS, SUFFIX
 from .snapfile import FORMAT_VERSION, FormatError, Header, tensor_bytes
 
@@ -64,6 +64,7 @@ class SnapshotInfo:
     layers: list
     recorded: dict
     nbytes: int
+    tokens: tuple[int, ...] = ()  # read in the same pass as the header: nothing re-reads the file for them
 
     @property
     def relpath(self) -> str:
@@ -250,8 +251,11 @@ def _recorded(meta: dict) -> dict:
     return recorded
 
 
-def inspect_header(path: Path, header: Header) -> SnapshotInfo:
-    """Check a header's identity fields against themselves and the tokens; no checksum yet."""
+def inspect_header(path: Path, header: Header, tokens_raw: bytes | None = None) -> SnapshotInfo:
+    """Check a header's identity fields against themselves and the tokens; no checksum yet.
+
+    ``tokens_raw``: the ``tokens`` tensor's bytes when the caller already holds them (read
+    through the descriptor it parsed the header from); else they are read here."""
     meta = header.metadata
     missing = [k for k in REQUIRED_META if k not in meta]
     if missing:
@@ -271,7 +275,9 @@ def inspect_header(path: Path, header: Header) -> SnapshotInfo:
     tok = header.tensors.get("tokens")
     if tok is None or tok.dtype != "I32" or tok.shape != (n_tokens,):
         raise FormatError(f"tokens tensor missing or not int32[{n_tokens}]")
-    if tokens_digest_of_bytes(tensor_bytes(path, header, "tokens")) != meta["kvsnap.tokens_digest"]:
+    if tokens_raw is None:
+        tokens_raw = tensor_bytes(path, header, "tokens")
+    if len(tokens_raw) != tok.nbytes or tokens_digest_of_bytes(tokens_raw) != meta["kvsnap.tokens_digest"]:
         raise FormatError("tokens do not match the recorded tokens digest")
     key = key_of(identity, meta["kvsnap.prompt_digest"], meta["kvsnap.tokens_digest"], n_tokens)
     if key != meta["kvsnap.key"]:
@@ -294,4 +300,5 @@ def inspect_header(path: Path, header: Header) -> SnapshotInfo:
         layers=layers,
         recorded=_recorded(meta),
         nbytes=header.file_size,
+        tokens=tuple(unpack_tokens(bytes(tokens_raw))),
     )

@@ -209,7 +209,24 @@ class Store:
         return sorted(found)
 
     def inspect(self, path: Path) -> SnapshotInfo:
-        """Header checks only (cheap); raises SnapshotError naming the file and the reason."""
+        """Header checks only (cheap), tokens included, from one open and one header parse;
+        raises SnapshotError naming the file and the reason."""
+        self._check_regular(path)
+        try:
+            with open(path, "rb") as f:
+                header = parse_header(f, os.fstat(f.fileno()).st_size)
+                tok = header.tensors.get("tokens")
+                raw = None
+                if tok is not None:  # its bounds were checked against the file size by parse_header
+                    f.seek(header.data_start + tok.start)
+                    raw = f.read(tok.nbytes)
+            return inspect_header(path, header, raw)
+        except FormatError as exc:
+            raise SnapshotError(str(path), str(exc)) from None
+        except OSError as exc:
+            raise SnapshotError(str(path), f"cannot be read ({exc.strerror or exc})", "check the file's permissions") from None
+
+    def _check_regular(self, path: Path) -> None:
         if path.is_symlink():
             where = "outside" if not self._inside(path) else "inside"
             raise SnapshotError(str(path), f"is a symbolic link (pointing {where} the store); snapshots must be regular files", "replace it with the real file or delete it")
@@ -219,13 +236,6 @@ class Store:
             raise SnapshotError(str(path), "does not exist") from None
         if not stat.S_ISREG(st.st_mode):
             raise SnapshotError(str(path), "is not a regular file", "delete it")
-        try:
-            header = read_header(path)
-            return inspect_header(path, header)
-        except FormatError as exc:
-            raise SnapshotError(str(path), str(exc)) from None
-        except OSError as exc:
-            raise SnapshotError(str(path), f"cannot be read ({exc.strerror or exc})", "check the file's permissions") from None
 
     def verify_file(self, path: Path, expected: ModelIdentity | None = None) -> SnapshotInfo:
         """Full check: header, identity, tokens, data checksum, and (optionally) the model."""
@@ -255,7 +265,9 @@ class Store:
         return good, bad
 
     def read_tokens(self, info: SnapshotInfo) -> list[int]:
-        """The token ids a snapshot holds, from its ``tokens`` tensor (no mlx)."""
+        """The token ids a snapshot holds: from the index when it has them, else from the file (no mlx)."""
+        if info.tokens or info.n_tokens == 0:
+            return list(info.tokens)
         try:
             raw = tensor_bytes(info.path, read_header(info.path), "tokens")
         except (FormatError, KeyError) as exc:
@@ -275,11 +287,10 @@ class Store:
         import mlx.core as mx
 
         path = info.path
-        self.inspect(path)  # a regular file inside the store, a sane header: named reasons
+        self._check_regular(path)
         try:
             with open(path, "rb") as f:
                 header = parse_header(f, os.fstat(f.fileno()).st_size)
-                current = inspect_header(path, header)
                 buf = mx.zeros((max(1, header.data_len),), dtype=mx.uint8)
                 mx.eval(buf)
                 view = memoryview(buf)[: header.data_len]
@@ -290,6 +301,9 @@ class Store:
                     if not n:
                         raise FormatError(f"file ended after {done} of {header.data_len} data bytes (truncated while reading)")
                     done += n
+            tok = header.tensors.get("tokens")
+            # The tokens come from the bytes just read: one open, one parse, one read.
+            current = inspect_header(path, header, bytes(view[tok.start : tok.end]) if tok is not None else None)
             verify_checksum(header, view)
             check_offsets(current.layers, current.n_tokens)
             if current.key != info.key or current.layers != info.layers or current.n_tokens != info.n_tokens:

@@ -84,6 +84,7 @@ class WarmupReport:
     prefill_concurrency: int = 1  # the configured bound
     max_inflight_prefills: int = 0  # the most warm prompts actually prefilled at once
     over_budget: int = 0  # prefilled but not kept in memory: the cache budget was full
+    recipes_reused: int = 0  # warm prompts whose prefix tokens came from their snapshot's recorded recipe
     problems: list[str] = field(default_factory=list)
 
     def summary(self, counts: SnapshotCounts) -> str:
@@ -174,6 +175,18 @@ def is_trimmable_meta(meta: dict) -> bool:
     return True
 
 
+def recorded_prefix(by_recipe: dict, prompt, prompt_digest: str, identity: ModelIdentity, template) -> tuple[int, ...] | None:
+    """The warm-prefix tokens a snapshot recorded for exactly this recipe, if its key still
+    follows from them (so the model matches too); None means: compute them."""
+    from .warm_recipe import warm_recipe
+
+    recipe = warm_recipe(prompt, prompt_digest, identity.tokenizer, template)
+    info = by_recipe.get(recipe) if recipe else None
+    if info is None or not info.tokens or snapshot_key(identity, prompt_digest, info.tokens) != info.key:
+        return None
+    return tuple(info.tokens)
+
+
 PrefillFn = Callable[[Sequence[Sequence[int]]], list]  # token lists -> one cache per list
 
 
@@ -212,25 +225,31 @@ def run_warmup(
     targets: list[WarmTarget] = []
     stale_keys: set[str] = set()
     if prompts is not None:
+        by_recipe = {i.recorded.get("warm_recipe"): i for i in good.values() if i.recorded.get("warm_recipe")}
         for p in prompts.entries:
             try:
-                wp = warm_prefix(lm.tokenizer, p)
+                template = resolve_chat_template(lm.tokenizer, p.tools)
+                digest = prompt_identity(template, p.chat_template_kwargs, p.tools)
+                tokens = recorded_prefix(by_recipe, p, digest, identity, template)
+                if tokens is None:
+                    tokens = warm_prefix(lm.tokenizer, p).tokens
+                else:
+                    report.recipes_reused += 1
             except KvsnapError as exc:
                 report.skipped += 1
                 report.problems.append(f"{p.name}: {exc}")
                 continue
-            if not wp.tokens:
+            if not tokens:
                 report.skipped += 1
                 continue
-            digest = prompt_identity(resolve_chat_template(lm.tokenizer, p.tools), p.chat_template_kwargs, p.tools)
-            key = snapshot_key(identity, digest, wp.tokens)
+            key = snapshot_key(identity, digest, tokens)
             info = good.get(key)
             if info is None:
                 for i in good.values():
                     if i.name == p.name:
                         stale_keys.add(i.key)
                         counts.reject(str(i.path), f"stale: no longer matches warm prompt {p.name!r} (its tokens changed); rebuild with `kvsnap build`")
-            targets.append(WarmTarget(p.name, wp.tokens, info, digest, p))
+            targets.append(WarmTarget(p.name, tokens, info, digest, p))
     else:
         targets = [WarmTarget(i.name, None, i) for i in good.values()]
 
