@@ -109,6 +109,7 @@ class SweepPoint:
     agents: int
     reps: int = 5
     rows: list[Launch] = field(default_factory=list)
+    modes: tuple[str, ...] = MODES
 
 
 def prepare_point(point: SweepPoint, workdir: Path, env: dict) -> tuple[Path, Path, list]:
@@ -132,7 +133,7 @@ def prepare_point(point: SweepPoint, workdir: Path, env: dict) -> tuple[Path, Pa
 def run_point(point: SweepPoint, workdir: Path, deadline: float, env: dict, log: Callable[[str], None] = print) -> list[Launch]:
     agents_file, store, first = prepare_point(point, workdir, env)
     for rep in range(point.reps):
-        for mode in MODES:  # interleaved, so drift on a shared machine hits every mode alike
+        for mode in point.modes:  # interleaved, so drift on a shared machine hits every mode alike
             if time.monotonic() > deadline:
                 log(f"budget reached: stopping {point.model.name} {point.prompt_tokens}t at rep {rep}")
                 return point.rows

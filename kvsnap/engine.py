@@ -63,6 +63,7 @@ class Engine:
         self._rewarm = None  # a RewarmJob while a re-warm runs
         self._shared_prefills = 0  # shared prefixes of requests admitted together, computed once
         self._discard_after_admit: list = []
+        self._prefetched = None  # prefetch.Prefetched: snapshots read while the model loaded
 
     # --- lifecycle ------------------------------------------------------------
 
@@ -73,12 +74,18 @@ class Engine:
         thread, leaves a native thread that aborts the process at exit. The engine thread
         itself never ends (see ``_engine_thread``).
         """
-        self._load()
-        self.loaded.set()
+        # The engine thread starts first: it reads the snapshots to pin while the model loads here.
         self.start_serving()
+        try:
+            self._load()
+        except BaseException as exc:
+            self.failed = exc
+            raise
+        finally:
+            self.loaded.set()
 
     def start_serving(self) -> None:
-        """Start the engine thread (warm-up, then serving) on an already loaded engine."""
+        """Start the engine thread: prefetch snapshots, wait for the model, warm up, serve."""
         self._thread = threading.Thread(target=_engine_thread, args=([self._main],), name="kvsnap-engine", daemon=True)
         self._thread.parks = True
         self._thread.start()
@@ -183,9 +190,33 @@ class Engine:
 
     def _main(self) -> None:
         try:
-            self._serve()
+            self._prefetch()
+            self.loaded.wait()
+            if self.failed is None:
+                self._serve()
+            else:
+                self.warm.set()
         finally:
             self.stopped.set()
+
+    def _prefetch(self) -> None:
+        """Read and checksum the snapshots to pin, on this thread's own stream, while the model loads."""
+        cfg = self.config
+        if not cfg.snapshots or "://" in cfg.snapshots:
+            return
+        import mlx.core as mx
+
+        from .model_source import resolve_model
+        from .prefetch import prefetch
+
+        try:
+            model_dir = resolve_model(cfg.model).path
+            names = [p.name for p in cfg.warm_prompts.entries] if cfg.warm_prompts else []
+            with mx.stream(self._mx_stream()):
+                self._prefetched = prefetch(cfg.snapshots, model_dir, cfg.settings, int(cfg.cache_memory_mb * 2**20), names)
+        except Exception as exc:  # an optimisation only: the warm-up reads the files itself
+            log.warning("[kvsnap] snapshot prefetch skipped: %s", exc)
+            self._prefetched = None
 
     def _serve(self) -> None:
         try:
@@ -196,6 +227,9 @@ class Engine:
             log.error("[kvsnap] engine failed to warm up: %s", exc)
             self.warm.set()
             return
+        report = self.warmup_report
+        if report is not None and report.from_snapshots and not report.prefilled:
+            self._prime_kernels()  # after "warm": it costs start-up nothing, and a first request rarely comes this fast
         while not self._stopping:
             busy = bool(self._active) or bool(self._pending) or self._rewarm is not None
             try:
@@ -284,10 +318,12 @@ class Engine:
             allow_prefill=allow_prefill,
             prefill_many=self._prefill_many,
             concurrency=self._prefill_concurrency(),
+            prefetched=self._prefetched,
         )
+        if self._prefetched is not None:
+            report.prefetch_seconds = round(self._prefetched.seconds, 3)
+        self._prefetched = None  # what the warm-up did not take (foreign, over budget) is dropped
         self.warmup_report = report
-        if report.from_snapshots and not report.prefilled:
-            self._prime_kernels()
         log.info(report.summary(self.counts))
 
     def _prime_kernels(self) -> None:

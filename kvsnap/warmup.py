@@ -85,6 +85,7 @@ class WarmupReport:
     max_inflight_prefills: int = 0  # the most warm prompts actually prefilled at once
     over_budget: int = 0  # prefilled but not kept in memory: the cache budget was full
     recipes_reused: int = 0  # warm prompts whose prefix tokens came from their snapshot's recorded recipe
+    prefetch_seconds: float = 0.0  # reading the pinned snapshots, overlapped with the model load
     problems: list[str] = field(default_factory=list)
 
     def summary(self, counts: SnapshotCounts) -> str:
@@ -143,12 +144,16 @@ def open_store(path: str, write_back: bool, counts: SnapshotCounts, fault=None) 
     return Store.open(p, create=True, fault=fault)
 
 
-def make_entry(lm: LoadedModel, store: Store, info: SnapshotInfo, pinned: bool) -> Entry:
-    """A prefix entry for a snapshot, only indexed: it loads when pinned within budget, else on first hit."""
+def make_entry(lm: LoadedModel, store: Store, info: SnapshotInfo, pinned: bool, prefetched=None) -> Entry:
+    """A prefix entry for a snapshot, only indexed: it loads when pinned within budget, else on first hit.
+
+    ``prefetched``: arrays read while the model loaded (``prefetch.Prefetched``), taken once."""
     tokens = tuple(store.read_tokens(info))
 
     def load():
-        arrays = store.load_arrays(info)
+        arrays = prefetched.take(info) if prefetched is not None else None
+        if arrays is None:
+            arrays = store.load_arrays(info)
         state = decode_cache(arrays, info.layers)
         return state, cache_nbytes_of(state)
 
@@ -202,6 +207,7 @@ def run_warmup(
     allow_prefill: bool = True,
     prefill_many: PrefillFn | None = None,
     concurrency: int = 1,
+    prefetched=None,
 ) -> WarmupReport:
     """Index the store, pin the warm entries, prefill (at most ``concurrency`` at once) what has no snapshot.
 
@@ -215,7 +221,11 @@ def run_warmup(
     report = WarmupReport(problems=[str(p) for p in (prompts.problems if prompts else [])], prefill_concurrency=concurrency)
     good: dict[str, SnapshotInfo] = {}
     if store is not None:
-        infos, bad = store.scan(identity)
+        if prefetched is not None and prefetched.root == store.root:
+            infos, bad = prefetched.scan(identity)  # the headers were read while the model loaded
+        else:
+            prefetched = None
+            infos, bad = store.scan(identity)
         for problem in bad:
             counts.reject(str(problem.path), problem.reason)
         good = {i.key: i for i in infos}
@@ -261,7 +271,7 @@ def run_warmup(
             to_prefill.append(t)
             continue
         try:
-            entry = make_entry(lm, store, t.info, pinned=True)
+            entry = make_entry(lm, store, t.info, pinned=True, prefetched=prefetched)
             if used + t.info.nbytes <= budget_bytes:
                 entry.state, entry.nbytes = entry.loader()
                 entry.resident = True

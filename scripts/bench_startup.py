@@ -36,6 +36,7 @@ def main() -> int:
     ap.add_argument("--workdir", default=".kvsnap-bench", help="models, agents files, stores, server logs")
     ap.add_argument("--out", default="docs/bench", help="CSV (and PNG) output folder")
     ap.add_argument("--tag", default="", help="suffix for output file names")
+    ap.add_argument("--modes", default="cold,warm-prompts,kv-snapshots", help="comma-separated modes to launch (warm-prompts prefills at every launch: drop it for long prompts)")
     args = ap.parse_args()
 
     workdir = Path(args.workdir).resolve()
@@ -49,7 +50,7 @@ def main() -> int:
     rows = []
     for agents in [int(a) for a in args.agents.split(",")]:
         for tokens in [int(t) for t in args.tokens.split(",")]:
-            point = SweepPoint(model=model, prompt_tokens=tokens, agents=agents, reps=args.reps)
+            point = SweepPoint(model=model, prompt_tokens=tokens, agents=agents, reps=args.reps, modes=tuple(args.modes.split(",")))
             rows += run_point(point, workdir, deadline, env)
             if time.monotonic() > deadline:
                 break

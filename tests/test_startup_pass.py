@@ -112,3 +112,97 @@ def test_a_recipe_whose_tokens_do_not_give_the_key_is_not_trusted(world, monkeyp
     monkeypatch.setattr(kvsnap.warm_recipe, "warm_recipe", lambda *a: "same-recipe")
     assert recorded_prefix({"same-recipe": info}, None, info.prompt_digest, identity, "") == info.tokens
     assert recorded_prefix({"same-recipe": forged}, None, info.prompt_digest, identity, "") is None
+
+
+@pytest.fixture(params=["dense", "hybrid"])
+def arch_world(request, demo_models, tmp_path, monkeypatch):
+    monkeypatch.setenv("KVSNAP_CACHE_DIR", str(tmp_path / "cache"))
+    agents = tmp_path / "agents.json"
+    agents.write_text(json.dumps(AGENTS))
+    model = demo_models.path(request.param)
+    r = run_kvsnap("build", agents, "--model", model, "--out", tmp_path / "snaps", env={"KVSNAP_CACHE_DIR": str(tmp_path / "cache")})
+    assert r.returncode == 0, r.stdout + r.stderr
+    return {"model": model, "agents": agents, "store": tmp_path / "snaps"}
+
+
+def _slow_load_and_count_reads(engine_holder, monkeypatch):
+    """The model load takes a second; every snapshot read says whether the model was loaded yet."""
+    import time
+
+    import kvsnap.modeling
+    import kvsnap.store
+
+    reads = []
+    real_load, real_read = kvsnap.modeling.load_model, kvsnap.store.Store.load_arrays
+
+    def slow_load(*a, **k):
+        time.sleep(1.0)
+        return real_load(*a, **k)
+
+    def read(self, info, *a, **k):
+        reads.append(engine_holder[0].loaded.is_set())
+        return real_read(self, info, *a, **k)
+
+    monkeypatch.setattr(kvsnap.modeling, "load_model", slow_load)
+    monkeypatch.setattr(kvsnap.store.Store, "load_arrays", read)
+    return reads
+
+
+def _answer(engine, tokens):
+    from kvsnap.engine import GenerationRequest
+
+    st = engine.submit(GenerationRequest(tokens=tokens, max_tokens=16), lambda *a: None)
+    assert st.done.wait(120)
+    return st
+
+
+def test_snapshots_restored_during_the_model_load_answer_like_a_cold_start(arch_world, monkeypatch):
+    from kvsnap.engine import Engine, EngineConfig
+    from kvsnap.prompts import load_warm_prompts, request_tokens
+
+    holder: list = []
+    reads = _slow_load_and_count_reads(holder, monkeypatch)
+    warm = Engine(EngineConfig(model=str(arch_world["model"]), warm_prompts=load_warm_prompts(arch_world["agents"]), warm_prompts_file=str(arch_world["agents"]), snapshots=str(arch_world["store"]), write_back=False))
+    holder.append(warm)
+    warm.start()
+    cold = Engine(EngineConfig(model=str(arch_world["model"])))
+    cold.start()
+    try:
+        assert warm.wait_warm(120) and cold.wait_warm(120)
+        assert reads == [False, False]  # both pinned snapshots were read while the model loaded
+        status = warm.status()
+        assert status["snapshots"]["loaded"] == 2 and status["warmup"]["prefetch_seconds"] > 0
+        tokens = request_tokens(warm.lm.tokenizer, AGENTS[0]["messages"] + [{"role": "user", "content": "Check the parser."}])
+        got, want = _answer(warm, tokens), _answer(cold, tokens)
+        assert got.cached_tokens > 100 and want.cached_tokens == 0
+        assert got.text == want.text and got.completion_tokens == want.completion_tokens
+    finally:
+        warm.shutdown()
+        cold.shutdown()
+
+
+def test_a_corrupt_snapshot_found_during_the_overlapped_read_is_rejected_and_prefilled(world, monkeypatch):
+    victim = sorted((world["store"] / "snapshots").iterdir())[0]
+    from kvsnap.snapfile import read_header
+
+    header = read_header(victim)
+    layer = next(e for name, e in header.tensors.items() if name != "tokens")
+    data = bytearray(victim.read_bytes())
+    data[header.data_start + layer.start + 5] ^= 0xFF  # one byte of KV: only the checksum can tell
+    victim.write_bytes(bytes(data))
+    holder: list = []
+    reads = _slow_load_and_count_reads(holder, monkeypatch)
+    from kvsnap.engine import Engine, EngineConfig
+    from kvsnap.prompts import load_warm_prompts
+
+    engine = Engine(EngineConfig(model=str(world["model"]), warm_prompts=load_warm_prompts(world["agents"]), warm_prompts_file=str(world["agents"]), snapshots=str(world["store"]), write_back=False))
+    holder.append(engine)
+    engine.start()
+    try:
+        assert engine.wait_warm(120)
+        assert reads[:2] == [False, False]
+        snaps = engine.status()["snapshots"]
+        assert snaps["loaded"] == 1 and snaps["prefilled"] == 1 and snaps["rejected"] == 1
+        assert snaps["rejected_reasons"][0]["file"] == str(victim) and "checksum" in snaps["rejected_reasons"][0]["reason"]
+    finally:
+        engine.shutdown()

@@ -1,0 +1,85 @@
+"""Read and checksum the snapshots a start will pin while the model loads.
+
+Runs on the engine thread (its own mlx stream) while the caller's thread loads the model:
+the two are independent until the warm-up, which then takes the arrays from here instead
+of reading the files. What needs the loaded model (its KV dtype and cache layout, so the
+full identity) is checked by the warm-up as before; nothing is served until it has. Files
+that turn out foreign or unpinned are simply dropped.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable
+
+from .errors import SnapshotError, StoreError
+from .key import KVSettings, canonical_json, hexdigest, read_config, tokenizer_digest
+from .store import Problem, SnapshotInfo, Store, identity_mismatch
+
+
+@dataclass
+class Prefetched:
+    root: Path
+    infos: list[SnapshotInfo] = field(default_factory=list)  # the one header pass, reused by the warm-up
+    problems: list[Problem] = field(default_factory=list)
+    arrays: dict[Path, dict] = field(default_factory=dict)  # read and checksummed
+    errors: dict[Path, SnapshotError] = field(default_factory=dict)
+    seconds: float = 0.0
+
+    def scan(self, expected) -> tuple[list[SnapshotInfo], list[Problem]]:
+        """``Store.scan(expected)`` from the headers already read."""
+        good, bad = [], list(self.problems)
+        for info in self.infos:
+            if info.model_digest != expected.digest:
+                bad.append(Problem(info.path, f"built for another model or KV setting (differs in: {identity_mismatch(expected, info.model)})"))
+            else:
+                good.append(info)
+        return good, bad
+
+    def take(self, info: SnapshotInfo) -> dict | None:
+        """The arrays read for ``info`` (once), or None to read the file now; a read that failed raises its error."""
+        if info.path in self.errors:
+            raise self.errors.pop(info.path)
+        return self.arrays.pop(info.path, None)
+
+
+def knowable_identity(model_dir: Path, settings: KVSettings) -> dict:
+    """Identity fields knowable before the model loads: config, tokenizer files, KV settings."""
+    quantized_kv = settings.kv_bits is not None
+    return {
+        "config": hexdigest(canonical_json(read_config(model_dir)).encode()),
+        "tokenizer": tokenizer_digest(model_dir),
+        "kv_bits": settings.kv_bits,
+        "kv_group_size": settings.kv_group_size if quantized_kv else None,
+        "quantized_kv_start": settings.quantized_kv_start if quantized_kv else None,
+        "max_kv_size": settings.max_kv_size,
+    }
+
+
+def prefetch(store_path: str, model_dir: Path, settings: KVSettings, budget_bytes: int, prefer: Iterable[str] = ()) -> Prefetched | None:
+    """Read the snapshots a start would pin (warm-prompt names first) up to the budget; None if there is no store."""
+    t0 = time.perf_counter()
+    root = Path(store_path).expanduser()
+    if not (root / "snapshots").is_dir():
+        return None
+    try:
+        store = Store.open(root, readonly=True)
+        infos, problems = store.scan()
+    except (StoreError, OSError):
+        return None  # the warm-up opens it again and reports why
+    out = Prefetched(root=store.root, infos=infos, problems=problems)
+    names = set(prefer)
+    want = knowable_identity(model_dir, settings)
+    used = 0
+    for info in sorted(infos, key=lambda i: (i.name not in names, i.name, i.key)):
+        if used + info.nbytes > budget_bytes or any(info.model.get(k) != v for k, v in want.items()):
+            continue
+        try:
+            out.arrays[info.path] = store.load_arrays(info)
+            used += info.nbytes
+        except SnapshotError as exc:
+            out.errors[info.path] = exc
+    out.seconds = time.perf_counter() - t0
+    return out
