@@ -8,12 +8,19 @@ serve a foreign snapshot. Recorded, not keyed, so existing keys stay what they a
 
 from __future__ import annotations
 
+from functools import cache
 from typing import Any
 
 from .key import canonical_json, hexdigest, package_version
 from .prompts import PROBE_CONTENTS, WarmPrompt
 
 RECIPE_VERSION = 1  # bump when warm_prefix's algorithm changes in a way the probes do not show
+
+
+@cache
+def _library_versions() -> dict:
+    # Installed versions cannot change under a running process; reading them costs ~1 ms each.
+    return {name: package_version(name) for name in ("tokenizers", "transformers", "jinja2", "mlx-lm")}
 
 
 def warm_recipe(prompt: WarmPrompt, prompt_digest: str, tokenizer_digest: str, template: Any) -> str | None:
@@ -27,6 +34,6 @@ def warm_recipe(prompt: WarmPrompt, prompt_digest: str, tokenizer_digest: str, t
         "messages": [dict(m) for m in prompt.messages],
         "prompt_digest": prompt_digest,  # template, kwargs, tools, tokenization profile
         "tokenizer": tokenizer_digest,  # the tokenizer files
-        "libraries": {name: package_version(name) for name in ("tokenizers", "transformers", "jinja2", "mlx-lm")},
+        "libraries": _library_versions(),
     }
     return hexdigest(canonical_json(fields).encode())
