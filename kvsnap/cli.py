@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -503,7 +504,16 @@ def cmd_vllm_mlx(args) -> int:
 
     # vllm-mlx logs through the root logger: give its lines a time, level and source, like `serve`.
     logging.basicConfig(force=True, level=logging.DEBUG if args.verbose else logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return vllm_mlx_main(args.vllm_mlx_args)
+    rc = vllm_mlx_main(args.vllm_mlx_args)
+    if args.vllm_mlx_args[:1] == ["serve"]:
+        # vllm-mlx has shut down cleanly. Skip interpreter finalization: a thread that ran mlx
+        # work and ends there aborts the process ("terminate called without an active
+        # exception", mlx's per-thread compile cache), turning a clean exit into SIGABRT.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        logging.shutdown()
+        os._exit(rc)
+    return rc
 
 
 def cmd_quickstart(args) -> int:
