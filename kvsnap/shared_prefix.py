@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+from .prefix import common_prefix as _common
+
 MIN_SHARED_TOKENS = 32  # below this, one extra forward pass costs more than it saves
 
 
@@ -17,14 +19,6 @@ MIN_SHARED_TOKENS = 32  # below this, one extra forward pass costs more than it 
 class SharedGroup:
     members: tuple[int, ...]  # indices into the admitted batch
     length: int  # tokens all members share; each member has at least one token more
-
-
-def _common(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
 
 
 def shared_groups(token_lists: Sequence[Sequence[int]], namespaces: Sequence[str], min_shared: int = MIN_SHARED_TOKENS) -> list[SharedGroup]:
