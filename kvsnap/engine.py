@@ -74,6 +74,9 @@ class Engine:
         thread, leaves a native thread that aborts the process at exit. The engine thread
         itself never ends (see ``_engine_thread``).
         """
+        from .blas import preload_openblas
+
+        preload_openblas()  # before either thread imports mlx: the prefetch would otherwise get reference BLAS
         # The engine thread starts first: it reads the snapshots to pin while the model loads here.
         self.start_serving()
         try:
@@ -204,6 +207,9 @@ class Engine:
         cfg = self.config
         if not cfg.snapshots or "://" in cfg.snapshots:
             return
+        from .blas import preload_openblas
+
+        preload_openblas()
         import mlx.core as mx
 
         from .model_source import resolve_model
