@@ -76,7 +76,7 @@ def mode_args(mode: str, agents_file: Path, store: Path) -> list[str]:
     return args
 
 
-def launch_once(mode: str, rep: int, model: Path, agents_file: Path, store: Path, first_messages: list, prompt_tokens: int, n_agents: int, workdir: Path, max_tokens: int = 16, env: dict | None = None) -> Launch:
+def launch_once(mode: str, rep: int, model: Path, agents_file: Path, store: Path, first_messages: list, prompt_tokens: int, n_agents: int, workdir: Path, max_tokens: int = 16, env: dict | None = None, request: bool = True) -> Launch:
     import httpx
 
     from .client import stream_chat
@@ -89,6 +89,8 @@ def launch_once(mode: str, rep: int, model: Path, agents_file: Path, store: Path
         found = WARMUP_RE.search(server.log())
         row.warmup_s = float(found.group(1)) if found else 0.0
         row.rss_mb = child_rss_mb(server.proc.pid)
+        if not request:  # ready time only: a cold server's first request would prefill the whole prompt
+            return row
         with httpx.Client(timeout=3000) as client:
             res = stream_chat(client, server.url, model.name, first_messages, max_tokens=max_tokens)
         row.ttft_s = res.ttft_s
@@ -110,6 +112,7 @@ class SweepPoint:
     reps: int = 5
     rows: list[Launch] = field(default_factory=list)
     modes: tuple[str, ...] = MODES
+    request: bool = True
 
 
 def prepare_point(point: SweepPoint, workdir: Path, env: dict) -> tuple[Path, Path, list]:
@@ -137,7 +140,7 @@ def run_point(point: SweepPoint, workdir: Path, deadline: float, env: dict, log:
             if time.monotonic() > deadline:
                 log(f"budget reached: stopping {point.model.name} {point.prompt_tokens}t at rep {rep}")
                 return point.rows
-            row = launch_once(mode, rep, point.model, agents_file, store, first, point.prompt_tokens, point.agents, workdir, env=env)
+            row = launch_once(mode, rep, point.model, agents_file, store, first, point.prompt_tokens, point.agents, workdir, env=env, request=point.request)
             point.rows.append(row)
             log(f"{point.model.name} {point.prompt_tokens:>5}t x{point.agents:<3} {mode:<13} rep {rep}: ready {row.ready_s:7.2f}s warm-up {row.warmup_s:7.2f}s TTFT {row.ttft_s * 1000:8.1f} ms TPOT {row.tpot_s * 1000:6.1f} ms RSS {row.rss_mb:7.0f} MB cached {row.cached_tokens}")
     return point.rows

@@ -36,6 +36,7 @@ def main() -> int:
     ap.add_argument("--workdir", default=".kvsnap-bench", help="models, agents files, stores, server logs")
     ap.add_argument("--out", default="docs/bench", help="CSV (and PNG) output folder")
     ap.add_argument("--tag", default="", help="suffix for output file names")
+    ap.add_argument("--ready-only", action="store_true", help="measure launch -> ready only, send no first request")
     ap.add_argument("--modes", default="cold,warm-prompts,kv-snapshots", help="comma-separated modes to launch (warm-prompts prefills at every launch: drop it for long prompts)")
     args = ap.parse_args()
 
@@ -50,7 +51,7 @@ def main() -> int:
     rows = []
     for agents in [int(a) for a in args.agents.split(",")]:
         for tokens in [int(t) for t in args.tokens.split(",")]:
-            point = SweepPoint(model=model, prompt_tokens=tokens, agents=agents, reps=args.reps, modes=tuple(args.modes.split(",")))
+            point = SweepPoint(model=model, prompt_tokens=tokens, agents=agents, reps=args.reps, modes=tuple(args.modes.split(",")), request=not args.ready_only)
             rows += run_point(point, workdir, deadline, env)
             if time.monotonic() > deadline:
                 break
