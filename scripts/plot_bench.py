@@ -32,11 +32,14 @@ def main() -> int:
     ap.add_argument("--x", default="prompt_tokens", choices=("prompt_tokens", "agents"))
     ap.add_argument("--out", required=True, help="output path prefix")
     ap.add_argument("--title", default="")
+    ap.add_argument("--panels", default=",".join(f for f, _ in PANELS), help="comma-separated fields to plot (ready_s alone for --ready-only runs)")
     args = ap.parse_args()
+    panels = [(f, label) for f, label in PANELS if f in args.panels.split(",")]
 
     rows = list(csv.DictReader(open(args.median)))
-    fig, axes = plt.subplots(1, len(PANELS), figsize=(5 * len(PANELS), 4))
-    for ax, (field, label) in zip(axes, PANELS):
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
+    axes = axes[0]
+    for ax, (field, label) in zip(axes, panels):
         for mode in MODES:
             # A cold server has no warm-up phase (0 s): nothing to draw on a log axis.
             pts = sorted((float(r[args.x]), float(r[field])) for r in rows if r["mode"] == mode and float(r[field]) > 0)
