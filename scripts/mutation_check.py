@@ -195,6 +195,13 @@ BREAKAGES = (
         ("tests/test_snapshot_equivalence.py::test_capture_refuses_a_state_with_a_generated_token",),
     ),
     Breakage(
+        "ignore-namespaces",
+        "no shared mutable cache / tenant isolation (server.md#security)",
+        "a request prefix of one key or cache_salt matches requests of another",
+        (Patch("kvsnap/prefix.py", "                if entry.namespace is not None and entry.namespace != namespace:\n", "                if False:\n"),),
+        ("tests/test_security.py::test_prefixes_of_two_namespaces_never_match_each_other", "tests/test_shared_prefix.py::test_requests_of_two_namespaces_never_share_a_computed_prefix"),
+    ),
+    Breakage(
         "never-match-prefix",
         "7. honest accounting / reuse",
         "lookup never returns an entry",
