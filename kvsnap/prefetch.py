@@ -70,10 +70,11 @@ def prefetch(store_path: str, model_dir: Path, settings: KVSettings, budget_byte
     except (StoreError, OSError):
         return None  # the warm-up opens it again and reports why
     out = Prefetched(root=store.root, infos=infos, problems=problems)
-    names = set(prefer)
+    # The warm-up pins in warm-prompt file order until the budget is full: read in that order.
+    rank = {name: i for i, name in reversed(list(enumerate(prefer)))}
     want = knowable_identity(model_dir, settings)
     used = 0
-    for info in sorted(infos, key=lambda i: (i.name not in names, i.name, i.key)):
+    for info in sorted(infos, key=lambda i: (rank.get(i.name, len(rank)), i.name, i.key)):
         if used + info.nbytes > budget_bytes or any(info.model.get(k) != v for k, v in want.items()):
             continue
         try:
