@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import hashlib
-import json
 import lzma
 import os
 import re

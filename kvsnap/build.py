@@ -12,6 +12,7 @@ from . import __version__
 from .errors import KvsnapError, SnapshotError, TemplateError
 from .key import DigestCache, KVSettings, ModelIdentity, package_version, prompt_identity, snapshot_key, tokens_digest
 from .modeling import LoadedModel
+from .prefill import prefill
 from .prompts import Tokenization, WarmPrompt, WarmPromptSet, resolve_chat_template, warm_prefix
 from .snapfile import FORMAT_VERSION
 from .store import Store, record_id, utc_now
@@ -47,21 +48,6 @@ class BuildReport:
     @property
     def ok(self) -> bool:
         return not self.problems and self.count("failed") == 0
-
-
-def prefill(lm: LoadedModel, tokens: Sequence[int]) -> list:
-    """Run the model over exactly ``tokens`` in the shared step size, as the server's prefill does."""
-    import mlx.core as mx
-    from mlx_lm.generate import maybe_quantize_kv_cache
-
-    s = lm.settings
-    cache = lm.make_cache()
-    for start in range(0, len(tokens), s.prefill_step_size):
-        chunk = mx.array(list(tokens[start : start + s.prefill_step_size]), dtype=mx.int32)[None]
-        lm.model(chunk, cache=cache)
-        maybe_quantize_kv_cache(cache, s.quantized_kv_start, s.kv_group_size, s.kv_bits)
-        mx.eval([c.state for c in cache])
-    return cache
 
 
 def recorded_fields(settings: KVSettings, tokenization: dict | None = None) -> dict:
@@ -106,6 +92,16 @@ def snapshot_metadata(identity: ModelIdentity, prompt: WarmPrompt, prompt_digest
     }
 
 
+def snapshot_payload(lm: LoadedModel, identity: ModelIdentity, prompt: WarmPrompt, prompt_digest: str, tokens: Sequence[int], cache: list, tokenization: dict | None = None) -> tuple[str, list, dict[str, str]]:
+    """The key, tensors and header of a captured warm state: what build and the server's write-back store."""
+    from .snapshot import encode_cache, to_out_tensors
+
+    key = snapshot_key(identity, prompt_digest, tokens)
+    arrays, layers = encode_cache(cache, tokens)
+    recorded = recorded_fields(lm.settings, tokenization) | lm.origin_fields() | recipe_fields(lm, identity, prompt, prompt_digest)
+    return key, to_out_tensors(arrays), snapshot_metadata(identity, prompt, prompt_digest, key, tokens, layers, recorded)
+
+
 def capture_snapshot(
     lm: LoadedModel,
     store: Store,
@@ -121,15 +117,11 @@ def capture_snapshot(
     ``on_commit(path)`` runs under the store lock right after the file lands, so a
     manifest record written there is in place before a concurrent ``gc`` can look.
     """
-    from .snapshot import encode_cache, to_out_tensors
-
-    key = snapshot_key(identity, prompt_digest, tokens)
     cache = prefill(lm, tokens)
     store.fault("after-prefill")
-    arrays, layers = encode_cache(cache, tokens)
-    metadata = snapshot_metadata(identity, prompt, prompt_digest, key, tokens, layers, recorded_fields(lm.settings, tokenization) | lm.origin_fields() | recipe_fields(lm, identity, prompt, prompt_digest))
+    key, tensors, metadata = snapshot_payload(lm, identity, prompt, prompt_digest, tokens, cache, tokenization)
     with store.lock():
-        path = store.put(key, to_out_tensors(arrays), metadata)
+        path = store.put(key, tensors, metadata)
         if on_commit is not None:
             on_commit(path)
         return path
@@ -266,13 +258,9 @@ def commit_snapshot(
     tokenization: dict | None = None,
 ) -> Path:
     """Write an already-prefilled warm state back to the store (the server's write-back)."""
-    from .snapshot import encode_cache, to_out_tensors
-
-    key = snapshot_key(identity, prompt_digest, tokens)
-    arrays, layers = encode_cache(cache, tokens)
-    metadata = snapshot_metadata(identity, prompt, prompt_digest, key, tokens, layers, recorded_fields(lm.settings, tokenization) | lm.origin_fields() | recipe_fields(lm, identity, prompt, prompt_digest))
+    key, tensors, metadata = snapshot_payload(lm, identity, prompt, prompt_digest, tokens, cache, tokenization)
     with store.lock():
-        path = store.put(key, to_out_tensors(arrays), metadata)
+        path = store.put(key, tensors, metadata)
         extra = {"tokenization": tokenization} if tokenization is not None else {}
         entry = {"name": prompt.name, "key": key, "file": f"snapshots/{key}.safetensors", "n_tokens": len(tokens), "coverage": None, "prompt_digest": prompt_digest, **extra}
         store.update_record(profile_record_id(identity.digest, agents_file, tokenization), record_upsert(lm, identity, agents_file, entry))

@@ -207,10 +207,7 @@ class Engine:
         cfg = self.config
         if not cfg.snapshots or "://" in cfg.snapshots:
             return
-        from .blas import preload_openblas
-
-        preload_openblas()
-        import mlx.core as mx
+        import mlx.core as mx  # OpenBLAS is already loaded: ``start`` (or ``load_model``) preloaded it
 
         from .model_source import resolve_model
         from .prefetch import prefetch
@@ -333,9 +330,9 @@ class Engine:
         log.info(report.summary(self.counts))
 
     def _prime_kernels(self) -> None:
-        """A throwaway 3-token request before reporting warm. mlx's CPU backend compiles
-        ``mx.compile``'d kernels (mlx-lm's swiglu, ...) on first use; a server restored from
-        snapshots has run no model pass yet and would pay 1-3 s of that in its first TTFT
+        """A throwaway 3-token request, run right after reporting warm. mlx's CPU backend
+        compiles ``mx.compile``'d kernels (mlx-lm's swiglu, ...) on first use; a server restored
+        from snapshots has run no model pass yet and would pay 1-3 s of that in its first TTFT
         (a warm-prompts server pays it in its start-up prefill). Own generator: the engine's
         token counters stay exact."""
         from .sampling import make_request_sampler

@@ -17,6 +17,7 @@ from typing import Iterable, Optional
 from starlette.exceptions import HTTPException
 
 from .errors import UsageError
+from .schemas import error_body
 
 OPEN_PATHS = frozenset({"/health"})  # load balancers probe it without a key
 
@@ -84,7 +85,7 @@ class BodyTooLarge(HTTPException):
 
 
 def _error_response(status: int, message: str, code: str, headers: tuple = ()) -> tuple[dict, dict]:
-    body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None, "code": code}}).encode()
+    body = json.dumps(error_body(message, "invalid_request_error", None, code)).encode()
     raw = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *headers]
     return {"type": "http.response.start", "status": status, "headers": raw}, {"type": "http.response.body", "body": body}
 

@@ -16,7 +16,7 @@ from typing import Iterable
 
 from .errors import SnapshotError, StoreError
 from .key import KVSettings, canonical_json, hexdigest, read_config, tokenizer_digest
-from .store import Problem, SnapshotInfo, Store, identity_mismatch
+from .store import Problem, SnapshotInfo, Store, classify
 
 
 @dataclass
@@ -30,13 +30,8 @@ class Prefetched:
 
     def scan(self, expected) -> tuple[list[SnapshotInfo], list[Problem]]:
         """``Store.scan(expected)`` from the headers already read."""
-        good, bad = [], list(self.problems)
-        for info in self.infos:
-            if info.model_digest != expected.digest:
-                bad.append(Problem(info.path, f"built for another model or KV setting (differs in: {identity_mismatch(expected, info.model)})"))
-            else:
-                good.append(info)
-        return good, bad
+        good, foreign = classify(self.infos, expected)
+        return good, self.problems + foreign
 
     def take(self, info: SnapshotInfo) -> dict | None:
         """The arrays read for ``info`` (once), or None to read the file now; a read that failed raises its error."""

@@ -252,18 +252,14 @@ class Store:
 
     def scan(self, expected: ModelIdentity | None = None) -> tuple[list[SnapshotInfo], list[Problem]]:
         """Header-only scan of every snapshot; foreign ones are problems only when ``expected`` is given."""
-        good, bad = [], []
+        infos, bad = [], []
         for path in self.snapshot_files():
             try:
-                info = self.inspect(path)
+                infos.append(self.inspect(path))
             except SnapshotError as exc:
                 bad.append(Problem(path, exc.reason))
-                continue
-            if expected is not None and info.model_digest != expected.digest:
-                bad.append(Problem(path, f"built for another model or KV setting (differs in: {identity_mismatch(expected, info.model)})"))
-                continue
-            good.append(info)
-        return good, bad
+        good, foreign = classify(infos, expected)
+        return good, bad + foreign
 
     def read_tokens(self, info: SnapshotInfo) -> list[int]:
         """The token ids a snapshot holds: from the index when it has them, else from the file (no mlx)."""
@@ -348,6 +344,19 @@ class Store:
             self.fsync(fd)
         finally:
             os.close(fd)
+
+
+def classify(infos: list[SnapshotInfo], expected: ModelIdentity | None) -> tuple[list[SnapshotInfo], list[Problem]]:
+    """Split indexed snapshots into this model's and foreign ones (problems), when ``expected`` is given."""
+    if expected is None:
+        return list(infos), []
+    good, foreign = [], []
+    for info in infos:
+        if info.model_digest == expected.digest:
+            good.append(info)
+        else:
+            foreign.append(Problem(info.path, f"built for another model or KV setting (differs in: {identity_mismatch(expected, info.model)})"))
+    return good, foreign
 
 
 PARALLEL_READ_MIN = 64 * 2**20  # below this one thread reads as fast as two

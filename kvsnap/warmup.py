@@ -73,6 +73,15 @@ class WarmTarget:
     prompt: object = None
 
 
+def warmup_line(report) -> str:
+    """The warm-up's log line, in the original warm-prompts wording (kvsnap serve and the vllm-mlx route)."""
+    return (
+        f"[lifespan] Warm-up done (strict-prefix): {report.completed} completed, {report.skipped} skipped, "
+        f"{report.prompt_tokens} prompt tokens in {report.seconds:.2f}s "
+        f"({report.from_snapshots} from snapshots, {report.prefilled} prefilled)"
+    )
+
+
 @dataclass
 class WarmupReport:
     completed: int = 0
@@ -97,11 +106,7 @@ class WarmupReport:
             why += f"; {len(self.problems)} warm prompt(s) invalid"
         if self.over_budget:
             why += f"; {self.over_budget} over the cache budget (indexed, load on first hit)" if counts.write_back else f"; {self.over_budget} over the cache budget and not kept"
-        return (
-            f"[lifespan] Warm-up done (strict-prefix): {self.completed} completed, {self.skipped} skipped, "
-            f"{self.prompt_tokens} prompt tokens in {self.seconds:.2f}s "
-            f"({self.from_snapshots} from snapshots, {self.prefilled} prefilled){why}"
-        )
+        return warmup_line(self) + why
 
 
 def probe_writable(folder: Path, fault=None) -> str | None:
@@ -149,21 +154,18 @@ def make_entry(lm: LoadedModel, store: Store, info: SnapshotInfo, pinned: bool, 
 
     ``prefetched``: arrays read while the model loaded (``prefetch.Prefetched``), taken once."""
     tokens = tuple(store.read_tokens(info))
+    loader = snapshot_loader(store, info, prefetched)
+    return Entry(tokens=tokens, state=None, nbytes=info.nbytes, trimmable=all(is_trimmable_meta(m) for m in info.layers), pinned=pinned, source="snapshot", name=info.name, key=info.key, loader=loader)
+
+
+def snapshot_loader(store: Store, info: SnapshotInfo, prefetched=None) -> Callable[[], tuple]:
+    """Loads one snapshot's cache state: from ``prefetched`` when it was read already, else from the file."""
 
     def load():
         arrays = prefetched.take(info) if prefetched is not None else None
         if arrays is None:
             arrays = store.load_arrays(info)
         state = decode_cache(arrays, info.layers)
-        return state, cache_nbytes_of(state)
-
-    return Entry(tokens=tokens, state=None, nbytes=info.nbytes, trimmable=all(is_trimmable_meta(m) for m in info.layers), pinned=pinned, source="snapshot", name=info.name, key=info.key, loader=load)
-
-
-def _file_loader(store: Store, path: Path) -> Callable[[], tuple]:
-    def load():
-        info = store.inspect(path)
-        state = decode_cache(store.load_arrays(info), info.layers)
         return state, cache_nbytes_of(state)
 
     return load
@@ -327,7 +329,8 @@ def run_warmup(
             if prefix.current_bytes + nbytes <= budget_bytes:
                 entry = Entry(tokens=t.tokens, state=cache, nbytes=nbytes, trimmable=is_trimmable(cache), pinned=True, source="prefill", name=t.name, resident=True)
                 if written is not None:
-                    entry.loader = _file_loader(store, written)  # a re-warm reads it back instead of prefilling again
+                    # A re-warm reads it back instead of prefilling again; its header is read only then.
+                    entry.loader = lambda path=written: snapshot_loader(store, store.inspect(path))()
                 prefix.add(entry)
                 continue
             # Over the memory budget: keep it indexed from the file just written (loads on

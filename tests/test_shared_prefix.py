@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 
 from conftest import LONG_SYSTEM
@@ -34,17 +32,12 @@ def _engine(model, **config):
 def _submit_together(engine, token_lists, namespace=""):
     from kvsnap.engine import GenerationRequest
 
-    done = threading.Event()
     states = []
-
-    def on_event(state, kind, payload):
-        if kind in ("done", "error") and all(s.finish_reason for s in states):
-            done.set()
 
     # Submitted from the engine thread itself: all four land in one admission.
     def submit_all():
         for tokens in token_lists:
-            states.append(engine.submit(GenerationRequest(tokens=tokens, max_tokens=12, namespace=namespace), on_event))
+            states.append(engine.submit(GenerationRequest(tokens=tokens, max_tokens=12, namespace=namespace), lambda *a: None))
 
     engine.call(submit_all)
     for s in states:
@@ -93,7 +86,6 @@ def test_requests_of_two_namespaces_never_share_a_computed_prefix(demo_models, t
         from kvsnap.engine import GenerationRequest
 
         states = []
-        done = threading.Event()
 
         def submit_two():
             for tokens, ns in zip(token_lists, ("tenant-a/", "tenant-b/")):

@@ -48,11 +48,9 @@ class WarmReport:
     warnings: list[str] = field(default_factory=list)
 
     def summary(self) -> str:
-        return (
-            f"[lifespan] Warm-up done (strict-prefix): {self.completed} completed, {self.skipped} skipped, "
-            f"{self.prompt_tokens} prompt tokens in {self.seconds:.2f}s "
-            f"({self.from_snapshots} from snapshots, {self.prefilled} prefilled)"
-        )
+        from ..warmup import warmup_line
+
+        return warmup_line(self)
 
     def warn(self, text: str) -> None:
         self.warnings.append(text)
