@@ -111,8 +111,7 @@ def check_token_ids(tokens: list[int], bound: int, param: str = "prompt") -> Non
     if not tokens or (min(tokens) >= 0 and max(tokens) < bound):
         return  # every request passes here: builtin min/max, not a Python loop
     bad = next(t for t in tokens if t < 0 or t >= bound)
-    if bad is not None:
-        raise RequestRejected(f"{param}: token id {bad} is outside this model's vocabulary [0, {bound}); send ids below {bound}", param)
+    raise RequestRejected(f"{param}: token id {bad} is outside this model's vocabulary [0, {bound}); send ids below {bound}", param)
 
 
 def find_lone_surrogate(value: Any, where: str) -> Optional[str]:
