@@ -366,3 +366,26 @@ def test_prefixes_of_two_namespaces_never_match_each_other():
     assert cache.lookup([1, 2, 3, 4, 5], "tenant-a/").n_cached == 4
     cache.add(Entry(tokens=(1, 2), state="w", nbytes=1, trimmable=True, pinned=True, source="snapshot"))
     assert cache.lookup([1, 2, 9], "tenant-b/").n_cached == 2  # warm entries are shared
+
+
+def test_no_request_prefix_cache_keeps_no_request_prompt(demo_models, tmp_path, monkeypatch):
+    """`--no-request-prefix-cache`: a second turn reuses nothing, and the cache holds no request entry."""
+    from fastapi.testclient import TestClient
+
+    from kvsnap.engine import Engine, EngineConfig
+    from kvsnap.server import ServerConfig, create_app
+
+    monkeypatch.setenv("KVSNAP_CACHE_DIR", str(tmp_path / "cache"))
+    text = "A conversation that would normally be kept for its next turn, long enough to matter."
+    for keep, expect_cached in ((True, True), (False, False)):
+        engine = Engine(EngineConfig(model=str(demo_models.path("dense"))))
+        engine.start()
+        try:
+            with TestClient(create_app(engine, ServerConfig(served_model_name="m", request_prefix_cache=keep))) as c:
+                # A salt of its own: the partial match is reported exactly (not in shared 128-token steps).
+                assert c.post("/v1/chat/completions", json=chat_body(text, cache_salt="mine")).status_code == 200
+                r = c.post("/v1/chat/completions", json=chat_body(text + " And more.", cache_salt="mine"))
+                assert (r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0) is expect_cached
+                assert (len(engine.prefix) > 0) is expect_cached
+        finally:
+            engine.shutdown()
