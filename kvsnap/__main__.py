@@ -1,3 +1,3 @@
-from .cli import main
+from kvsnap.cli import main
 
 raise SystemExit(main())

@@ -8,14 +8,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
-from . import __version__
-from .errors import KvsnapError, SnapshotError, TemplateError
-from .key import DigestCache, KVSettings, ModelIdentity, package_version, prompt_identity, snapshot_key, tokens_digest
-from .modeling import LoadedModel
-from .prefill import prefill
-from .prompts import Tokenization, WarmPrompt, WarmPromptSet, resolve_chat_template, warm_prefix
-from .snapfile import FORMAT_VERSION
-from .store import Store, record_id, utc_now
+from kvsnap import __version__
+from kvsnap.errors import KvsnapError, SnapshotError, TemplateError
+from kvsnap.key import DigestCache, KVSettings, ModelIdentity, package_version, prompt_identity, snapshot_key, tokens_digest
+from kvsnap.runtime.modeling import LoadedModel
+from kvsnap.runtime.prefill import prefill
+from kvsnap.prompts import Tokenization, WarmPrompt, WarmPromptSet, resolve_chat_template, warm_prefix
+from kvsnap.snapshot.file import FORMAT_VERSION
+from kvsnap.store.local import Store, record_id, utc_now
 
 Progress = Callable[[str, str], None]  # (event, entry name)
 
@@ -55,7 +55,7 @@ def recorded_fields(settings: KVSettings, tokenization: dict | None = None) -> d
     recorded values are scalars)."""
     import mlx.core as mx
 
-    from .key import canonical_json
+    from kvsnap.key import canonical_json
 
     extra = {"tokenization": canonical_json(tokenization)} if tokenization is not None else {}
     return {
@@ -71,7 +71,7 @@ def recorded_fields(settings: KVSettings, tokenization: dict | None = None) -> d
 
 def recipe_fields(lm: LoadedModel, identity: ModelIdentity, prompt: WarmPrompt, prompt_digest: str) -> dict:
     """The warm recipe a later start can match to reuse these tokens without re-tokenizing (recorded, not keyed)."""
-    from .warm_recipe import warm_recipe
+    from kvsnap.runtime.warm_recipe import warm_recipe
 
     recipe = warm_recipe(prompt, prompt_digest, identity.tokenizer, resolve_chat_template(lm.tokenizer, prompt.tools))
     return {"warm_recipe": recipe} if recipe else {}
@@ -94,7 +94,7 @@ def snapshot_metadata(identity: ModelIdentity, prompt: WarmPrompt, prompt_digest
 
 def snapshot_payload(lm: LoadedModel, identity: ModelIdentity, prompt: WarmPrompt, prompt_digest: str, tokens: Sequence[int], cache: list, tokenization: dict | None = None) -> tuple[str, list, dict[str, str]]:
     """The key, tensors and header of a captured warm state: what build and the server's write-back store."""
-    from .snapshot import encode_cache, to_out_tensors
+    from kvsnap.snapshot.codec import encode_cache, to_out_tensors
 
     key = snapshot_key(identity, prompt_digest, tokens)
     arrays, layers = encode_cache(cache, tokens)

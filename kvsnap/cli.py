@@ -15,8 +15,8 @@ import os
 import sys
 from pathlib import Path
 
-from . import __version__
-from .errors import KvsnapError
+from kvsnap import __version__
+from kvsnap.errors import KvsnapError
 
 log = logging.getLogger("kvsnap")
 
@@ -43,7 +43,7 @@ def _add_kv_options(p: argparse.ArgumentParser) -> None:
 
 
 def _kv_settings(args: argparse.Namespace):
-    from .key import DEFAULT_PREFILL_STEP, KVSettings
+    from kvsnap.key import DEFAULT_PREFILL_STEP, KVSettings
 
     return KVSettings(
         kv_bits=args.kv_bits,
@@ -178,8 +178,8 @@ def _human_bytes(n: float) -> str:
 
 
 def cmd_demo_model(args) -> int:
-    from .demo import DemoSpec, make_demo_model
-    from .blas import preload_openblas
+    from kvsnap.tools.demo import DemoSpec, make_demo_model
+    from kvsnap.blas import preload_openblas
 
     preload_openblas()
     path = make_demo_model(args.out, DemoSpec(arch=args.arch, size=args.size, template=args.template, quantize_bits=args.quantize, seed=args.seed), force=args.force)
@@ -189,7 +189,7 @@ def cmd_demo_model(args) -> int:
 
 def _build_tokenization(args):
     """The request path `build --for` names (None: kvsnap's own); bad combinations are usage errors."""
-    from .errors import UsageError
+    from kvsnap.errors import UsageError
 
     if args.for_server != "vllm-mlx":
         if args.served_model_name is not None:
@@ -199,7 +199,7 @@ def _build_tokenization(args):
     given = [f"{flag} {value}" for flag, value in kv.items() if value is not None]
     if given:
         raise UsageError(f"--for vllm-mlx with {', '.join(given)}: vllm-mlx's live KV cache is never quantized or bounded, so it could not use these snapshots; drop {', '.join(f.split()[0] for f in given)}")
-    from .integrations.vllm_mlx_profile import vllm_mlx_tokenization
+    from kvsnap.integrations.vllm_mlx_profile import vllm_mlx_tokenization
 
     return vllm_mlx_tokenization(args.served_model_name or args.model)
 
@@ -208,11 +208,11 @@ def cmd_build(args) -> int:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
     from rich.table import Table
 
-    from .build import build_snapshots
-    from .faults import FaultHook
-    from .modeling import default_digest_cache, load_model, resolve_model
-    from .prompts import load_warm_prompts
-    from .store import Store
+    from kvsnap.build import build_snapshots
+    from kvsnap.faults import FaultHook
+    from kvsnap.runtime.modeling import default_digest_cache, load_model, resolve_model
+    from kvsnap.prompts import load_warm_prompts
+    from kvsnap.store.local import Store
 
     tokenization = _build_tokenization(args)
     prompts = load_warm_prompts(args.agents)
@@ -255,7 +255,7 @@ def cmd_build(args) -> int:
 
 
 def cmd_ls(args) -> int:
-    from .store import Store
+    from kvsnap.store.local import Store
 
     store = Store.open(args.store, readonly=True)
     good, bad = store.scan()
@@ -280,9 +280,9 @@ def cmd_ls(args) -> int:
 
 
 def cmd_inspect(args) -> int:
-    from .errors import SnapshotError
-    from .snapfile import FormatError, read_header
-    from .store import inspect_header
+    from kvsnap.errors import SnapshotError
+    from kvsnap.snapshot.file import FormatError, read_header
+    from kvsnap.store.local import inspect_header
 
     path = Path(args.file)
     if not path.is_file():
@@ -312,8 +312,8 @@ def cmd_inspect(args) -> int:
 
 
 def cmd_verify(args) -> int:
-    from .errors import SnapshotError, StoreError
-    from .store import Store
+    from kvsnap.errors import SnapshotError, StoreError
+    from kvsnap.store.local import Store
 
     store = Store.open(args.store, readonly=True)
     if not store.is_initialized():
@@ -322,7 +322,7 @@ def cmd_verify(args) -> int:
     if args.revision and not args.model:
         raise KvsnapError(f"--revision {args.revision!r} needs --model (a hub id); add --model ORG/NAME or drop --revision")
     if args.model:
-        from .modeling import default_digest_cache, load_model
+        from kvsnap.runtime.modeling import default_digest_cache, load_model
 
         expected = load_model(args.model, _kv_settings(args), args.revision).identity(default_digest_cache())
     ok = bad = 0
@@ -353,7 +353,7 @@ def cmd_verify(args) -> int:
 
 
 def cmd_gc(args) -> int:
-    from .store import MANIFEST, Store
+    from kvsnap.store.local import MANIFEST, Store
 
     store = Store.open(args.store)
     doomed, freed = store.gc(apply=args.yes)
@@ -369,14 +369,14 @@ def cmd_gc(args) -> int:
 def cmd_serve(args) -> int:
     import uvicorn
 
-    from .engine import Engine, EngineConfig
-    from .http_guard import Auth
-    from .modeling import default_digest_cache, resolve_model
-    from .oci import resolve_kv_snapshots
-    from .prompts import load_warm_prompts
-    from .request_limits import context_length
-    from .serve_watch import exit_when_warm_up_fails, is_loopback
-    from .server import ServerConfig, create_app
+    from kvsnap.runtime.engine import Engine, EngineConfig
+    from kvsnap.http.guard import Auth
+    from kvsnap.runtime.modeling import default_digest_cache, resolve_model
+    from kvsnap.store.oci import resolve_kv_snapshots
+    from kvsnap.prompts import load_warm_prompts
+    from kvsnap.http.limits import context_length
+    from kvsnap.http.watch import exit_when_warm_up_fails, is_loopback
+    from kvsnap.http.server import ServerConfig, create_app
 
     source = resolve_model(args.model, args.revision)
     model_dir = source.path
@@ -436,7 +436,7 @@ def cmd_bench_serve(args) -> int:
     import httpx
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from .bench_serve import load_prompt_set, render, run_bench
+    from kvsnap.tools.bench_serve import load_prompt_set, render, run_bench
 
     sets = load_prompt_set(args.prompts)
     try:
@@ -466,7 +466,7 @@ def cmd_bench_serve(args) -> int:
 
 
 def cmd_push(args) -> int:
-    from .oci import Reference, push
+    from kvsnap.store.oci import Reference, push
 
     report = push(args.store, Reference.parse(args.ref), plain_http=args.plain_http)
     print(f"pushed {args.store} to {report.ref} ({report.manifest_digest})")
@@ -475,7 +475,7 @@ def cmd_push(args) -> int:
 
 
 def cmd_pull(args) -> int:
-    from .oci import Reference, pull
+    from kvsnap.store.oci import Reference, pull
 
     report = pull(Reference.parse(args.ref), args.store, plain_http=args.plain_http)
     print(f"pulled {report.ref} ({report.manifest_digest}) into {report.dest}")
@@ -484,7 +484,7 @@ def cmd_pull(args) -> int:
 
 
 def cmd_pack(args) -> int:
-    from .archive import pack
+    from kvsnap.store.archive import pack
 
     report = pack(args.store, args.output)
     print(f"packed {len(report.files)} file(s), {_human_bytes(report.nbytes)}, from {args.store} into {report.archive}")
@@ -492,7 +492,7 @@ def cmd_pack(args) -> int:
 
 
 def cmd_unpack(args) -> int:
-    from .archive import unpack
+    from kvsnap.store.archive import unpack
 
     report = unpack(args.archive, args.store)
     print(f"unpacked {len(report.files)} file(s), {_human_bytes(report.nbytes)}, from {args.archive} into {report.dest}; all verified")
@@ -500,7 +500,7 @@ def cmd_unpack(args) -> int:
 
 
 def cmd_vllm_mlx(args) -> int:
-    from .integrations.vllm_mlx import main as vllm_mlx_main
+    from kvsnap.integrations.vllm_mlx import main as vllm_mlx_main
 
     # vllm-mlx logs through the root logger: give its lines a time, level and source, like `serve`.
     logging.basicConfig(force=True, level=logging.DEBUG if args.verbose else logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -517,7 +517,7 @@ def cmd_vllm_mlx(args) -> int:
 
 
 def cmd_quickstart(args) -> int:
-    from .quickstart import run_quickstart
+    from kvsnap.tools.quickstart import run_quickstart
 
     return run_quickstart(Path(args.dir))
 

@@ -19,7 +19,7 @@ from typing import Any, Iterable, Sequence
 
 import xxhash
 
-from .errors import ModelError
+from kvsnap.errors import ModelError
 
 CODEC_FORMAT_VERSION = 1
 DEFAULT_PREFILL_STEP = 512  # CPU attention is fastest in 512-row chunks; one shared default

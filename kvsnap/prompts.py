@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Protocol, Sequence
 
-from .errors import MessageError, TemplateError, WarmPromptError
+from kvsnap.errors import MessageError, TemplateError, WarmPromptError
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 ENTRY_KEYS = ("name", "messages", "tools", "chat_template_kwargs")

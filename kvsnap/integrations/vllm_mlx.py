@@ -30,7 +30,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from ..errors import KvsnapError, SnapshotError, StoreError, UsageError
+from kvsnap.errors import KvsnapError, SnapshotError, StoreError, UsageError
 
 log = logging.getLogger("kvsnap.vllm_mlx")
 
@@ -165,7 +165,7 @@ def prepended_special_tokens(tokenizer: Any) -> list[int]:
 
 def reads_enable_thinking(tokenizer: Any) -> bool:
     """Whether the chat template renders differently with ``enable_thinking`` on and off."""
-    from ..prompts import render_messages
+    from kvsnap.prompts import render_messages
 
     probe = [{"role": "user", "content": "hi"}]
     try:
@@ -182,11 +182,11 @@ def insert_snapshots(prefix_cache: Any, model: Any, tokenizer: Any, model_path: 
     built for kvsnap serve's rendering. Runs on the thread that owns the model (mlx
     arrays belong to a thread's stream).
     """
-    from ..key import KVSettings, read_config
-    from ..model_source import resolve_model
-    from ..modeling import LoadedModel
-    from ..snapshot import cache_nbytes_of, decode_cache
-    from .vllm_mlx_profile import recorded_tokenization
+    from kvsnap.key import KVSettings, read_config
+    from kvsnap.runtime.model_source import resolve_model
+    from kvsnap.runtime.modeling import LoadedModel
+    from kvsnap.snapshot.codec import cache_nbytes_of, decode_cache
+    from kvsnap.integrations.vllm_mlx_profile import recorded_tokenization
 
     t0 = time.perf_counter()
     report = InsertReport(store=str(store.root))
@@ -256,7 +256,7 @@ def insert_snapshots(prefix_cache: Any, model: Any, tokenizer: Any, model_path: 
 
 def install(server: Any, session: Any) -> None:
     """Replace vllm-mlx's disk-cache load and save with the session's warm start and a no-op; extend its routes."""
-    from .vllm_mlx_session import install_routes
+    from kvsnap.integrations.vllm_mlx_session import install_routes
 
     async def skip_disk_cache_save(engine: Any = None) -> None:
         # Called at shutdown and before an idle unload: the engine's model is about to go.
@@ -305,7 +305,7 @@ def open_store(path: str, want_write: bool = False) -> tuple[Any, bool]:
     import tempfile
     from pathlib import Path
 
-    from ..store import Store
+    from kvsnap.store.local import Store
 
     folder = Path(path).expanduser()
     if want_write and not folder.exists():
@@ -339,8 +339,8 @@ def load_warm_prompt_file(path: str) -> Any:
     import json
     from pathlib import Path
 
-    from ..errors import WarmPromptError
-    from ..prompts import load_warm_prompts, parse_warm_prompts
+    from kvsnap.errors import WarmPromptError
+    from kvsnap.prompts import load_warm_prompts, parse_warm_prompts
 
     file = Path(path).expanduser()
     try:
@@ -393,7 +393,7 @@ def main(argv: Sequence[str]) -> int:
     if argv[0] != "serve":
         raise UsageError(f"`kvsnap vllm-mlx {argv[0]}` is not supported: only `serve` takes {OPTION}; run `vllm-mlx {argv[0]} ...` directly")
     store_dir, rest = split_argv(argv[1:])
-    from ..blas import preload_openblas
+    from kvsnap.blas import preload_openblas
 
     preload_openblas()  # before vllm-mlx imports mlx: the same BLAS kvsnap build uses
     if any(a in ("-h", "--help") for a in rest):
@@ -410,12 +410,12 @@ def main(argv: Sequence[str]) -> int:
     check_serve_args(ns)
     prompts = load_warm_prompt_file(warm_file) if warm_file else None
     if store_dir.startswith("oci://"):
-        from ..oci import resolve_kv_snapshots
+        from kvsnap.store.oci import resolve_kv_snapshots
 
         store_dir = resolve_kv_snapshots(store_dir)  # pulled into kvsnap's cache folder first, as `kvsnap serve` does
     store, writable = open_store(store_dir, want_write=prompts is not None)
-    from ..modeling import default_digest_cache
-    from .vllm_mlx_session import Session
+    from kvsnap.runtime.modeling import default_digest_cache
+    from kvsnap.integrations.vllm_mlx_session import Session
 
     session = Session(server=server, store=store, writable=writable, prompts=prompts, agents_file=str(warm_file or ""), digests=default_digest_cache())
     install(server, session)

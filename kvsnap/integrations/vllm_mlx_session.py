@@ -22,8 +22,8 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import KvsnapError
-from ..prompts import WarmPromptSet
+from kvsnap.errors import KvsnapError
+from kvsnap.prompts import WarmPromptSet
 
 log = logging.getLogger("kvsnap.vllm_mlx")
 
@@ -41,7 +41,7 @@ def engine_tokenization(server: Any, engine: Any, scheduler: Any):
     """vllm-mlx's request path up to the token ids, through its own functions."""
     from vllm_mlx.api.tool_calling import convert_tools_for_template
 
-    from .vllm_mlx_profile import EngineTokenization, SERVER, vllm_mlx_enable_thinking
+    from kvsnap.integrations.vllm_mlx_profile import EngineTokenization, SERVER, vllm_mlx_enable_thinking
 
     defaults = {"enable_thinking": vllm_mlx_enable_thinking(getattr(engine, "_model_name", "") or ""), **(getattr(server, "_default_chat_template_kwargs", None) or {})}
 
@@ -100,8 +100,8 @@ class Session:
             log.error("[kvsnap] no snapshots loaded (%s: %s); vllm-mlx starts cold", type(exc).__name__, exc, exc_info=True)
 
     def _make_work(self, engine: Any, scheduler: Any, prefix_cache: Any):
-        from .vllm_mlx import insert_snapshots
-        from .vllm_mlx_pin import pin
+        from kvsnap.integrations.vllm_mlx import insert_snapshots
+        from kvsnap.integrations.vllm_mlx_pin import pin
 
         try:
             self.pins = pin(prefix_cache)
@@ -110,7 +110,7 @@ class Session:
             log.warning("[kvsnap] %s; snapshots are ordinary LRU entries in this run", exc)
         model_path = getattr(engine, "_model_path", None) or getattr(self.server, "_model_path", None)
         if self.prompts is None:
-            from .vllm_mlx_profile import vllm_mlx_enable_thinking
+            from kvsnap.integrations.vllm_mlx_profile import vllm_mlx_enable_thinking
 
             thinking = vllm_mlx_enable_thinking(getattr(engine, "_model_name", "") or "")
             return lambda: insert_snapshots(prefix_cache, scheduler.model, scheduler.tokenizer, model_path, self.store, self.digests, pins=self.pins, enable_thinking=thinking)
@@ -125,10 +125,10 @@ class Session:
         return work
 
     def _make_plan(self, prefix_cache: Any, scheduler: Any, model_path: str, tokenization: Any):
-        from ..key import KVSettings, read_config
-        from ..model_source import resolve_model
-        from ..modeling import LoadedModel
-        from .vllm_mlx_warm import WarmPlan
+        from kvsnap.key import KVSettings, read_config
+        from kvsnap.runtime.model_source import resolve_model
+        from kvsnap.runtime.modeling import LoadedModel
+        from kvsnap.integrations.vllm_mlx_warm import WarmPlan
 
         model_dir = resolve_model(model_path).path  # a hub id: the same cached files vllm-mlx loaded
         # vllm-mlx's live KV is mlx-lm's default cache: no KV quantization, no bound.

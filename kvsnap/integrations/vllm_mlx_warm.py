@@ -17,8 +17,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ..errors import KvsnapError, SnapshotError, StoreError
-from ..prompts import Tokenization, WarmPromptSet
+from kvsnap.errors import KvsnapError, SnapshotError, StoreError
+from kvsnap.prompts import Tokenization, WarmPromptSet
 
 log = logging.getLogger("kvsnap.vllm_mlx")
 
@@ -48,7 +48,7 @@ class WarmReport:
     warnings: list[str] = field(default_factory=list)
 
     def summary(self) -> str:
-        from ..warmup import warmup_line
+        from kvsnap.runtime.warmup import warmup_line
 
         return warmup_line(self)
 
@@ -80,11 +80,11 @@ class WarmPlan:
     tokenization: Tokenization
 
     def run(self) -> WarmReport:
-        from ..build import commit_snapshot, prefill
-        from ..key import prompt_identity, snapshot_key
-        from ..prompts import resolve_chat_template, warm_prefix
-        from ..snapshot import check_captured_at, decode_cache
-        from .vllm_mlx_profile import describe, recorded_tokenization
+        from kvsnap.build import commit_snapshot, prefill
+        from kvsnap.key import prompt_identity, snapshot_key
+        from kvsnap.prompts import resolve_chat_template, warm_prefix
+        from kvsnap.snapshot.codec import check_captured_at, decode_cache
+        from kvsnap.integrations.vllm_mlx_profile import describe, recorded_tokenization
 
         t0 = time.perf_counter()
         report = WarmReport()

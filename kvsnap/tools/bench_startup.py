@@ -79,8 +79,8 @@ def mode_args(mode: str, agents_file: Path, store: Path) -> list[str]:
 def launch_once(mode: str, rep: int, model: Path, agents_file: Path, store: Path, first_messages: list, prompt_tokens: int, n_agents: int, workdir: Path, max_tokens: int = 16, env: dict | None = None, request: bool = True) -> Launch:
     import httpx
 
-    from .client import stream_chat
-    from .serverproc import start_server
+    from kvsnap.tools.client import stream_chat
+    from kvsnap.tools.serverproc import start_server
 
     row = Launch(mode=mode, rep=rep, prompt_tokens=prompt_tokens, agents=n_agents)
     server = start_server(model, mode_args(mode, agents_file, store), workdir / f"{mode}-{rep}.log", env=env, limit_s=3600)
@@ -119,7 +119,7 @@ def prepare_point(point: SweepPoint, workdir: Path, env: dict) -> tuple[Path, Pa
     """Write the agents file for this point and build its snapshots (timed separately)."""
     from transformers import AutoTokenizer
 
-    from .cli import main as kvsnap_main
+    from kvsnap.cli import main as kvsnap_main
 
     tok = AutoTokenizer.from_pretrained(str(point.model))
     agents = [{"name": f"agent-{i}", "messages": [{"role": "system", "content": system_prompt_of(tok, point.prompt_tokens, salt=f"Agent {i}.")}]} for i in range(point.agents)]

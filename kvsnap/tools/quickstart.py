@@ -45,17 +45,17 @@ def run_quickstart(workdir: Path, print_fn=print) -> int:
     """Demo model -> example agents -> build + verify -> serve -> a cold and a warm request."""
     import httpx
 
-    from .blas import preload_openblas
+    from kvsnap.blas import preload_openblas
 
     preload_openblas()
-    from .build import build_snapshots
-    from .client import stream_chat
-    from .demo import DemoSpec, make_demo_model
-    from .key import DigestCache
-    from .modeling import load_model
-    from .prompts import load_warm_prompts
-    from .serverproc import start_server
-    from .store import Store
+    from kvsnap.build import build_snapshots
+    from kvsnap.tools.client import stream_chat
+    from kvsnap.tools.demo import DemoSpec, make_demo_model
+    from kvsnap.key import DigestCache
+    from kvsnap.runtime.modeling import load_model
+    from kvsnap.prompts import load_warm_prompts
+    from kvsnap.tools.serverproc import start_server
+    from kvsnap.store.local import Store
 
     workdir = workdir.resolve()
     workdir.mkdir(parents=True, exist_ok=True)

@@ -16,8 +16,8 @@ from typing import Iterable, Optional
 
 from starlette.exceptions import HTTPException
 
-from .errors import UsageError
-from .schemas import error_body
+from kvsnap.errors import UsageError
+from kvsnap.http.schemas import error_body
 
 OPEN_PATHS = frozenset({"/health"})  # load balancers probe it without a key
 

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import xxhash
 
-from .key import CODEC_FORMAT_VERSION, ModelIdentity, hexdigest, unpack_tokens
-from .manifest import SNAPSHOTS, SUFFIX
-from .snapfile import FORMAT_VERSION, FormatError, Header, tensor_bytes
+from kvsnap.key import CODEC_FORMAT_VERSION, ModelIdentity, hexdigest, unpack_tokens
+from kvsnap.store.manifest import SNAPSHOTS, SUFFIX
+from kvsnap.snapshot.file import FORMAT_VERSION, FormatError, Header, tensor_bytes
 
 REQUIRED_META = ("kvsnap.format", "kvsnap.key", "kvsnap.model", "kvsnap.model_digest", "kvsnap.prompt_digest", "kvsnap.n_tokens", "kvsnap.tokens_digest", "kvsnap.layers")
 HEX32_RE = re.compile(r"[0-9a-f]{32}")

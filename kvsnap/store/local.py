@@ -24,11 +24,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from .errors import SnapshotError, StoreError
-from .key import ModelIdentity, canonical_json, hexdigest, unpack_tokens
-from .manifest import MANIFEST, SNAPSHOTS, SUFFIX, encode_manifest, merge_manifests, read_manifest_file, referenced_files, update_manifest
-from .snapfile import FormatError, OutTensor, check_data, parse_header, read_header, tensor_bytes, verify_checksum, write_snapshot
-from .snapheader import MAX_NAME_CHARS, REQUIRED_META, SnapshotInfo, check_offsets, expected_tensor_names, inspect_header  # noqa: F401  (re-exported)
+from kvsnap.errors import SnapshotError, StoreError
+from kvsnap.key import ModelIdentity, canonical_json, hexdigest, unpack_tokens
+from kvsnap.store.manifest import MANIFEST, SNAPSHOTS, SUFFIX, encode_manifest, merge_manifests, read_manifest_file, referenced_files, update_manifest
+from kvsnap.snapshot.file import FormatError, OutTensor, check_data, parse_header, read_header, tensor_bytes, verify_checksum, write_snapshot
+from kvsnap.snapshot.header import MAX_NAME_CHARS, REQUIRED_META, SnapshotInfo, check_offsets, expected_tensor_names, inspect_header  # noqa: F401  (re-exported)
 
 LOCK = ".lock"
 TMP_PREFIX = ".tmp-"

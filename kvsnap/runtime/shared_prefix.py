@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from .prefix import common_prefix as _common
+from kvsnap.runtime.prefix import common_prefix as _common
 
 MIN_SHARED_TOKENS = 32  # below this, one extra forward pass costs more than it saves
 

@@ -34,9 +34,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO, Callable, Iterator
 
-from .errors import KvsnapError, ManifestError, SnapshotError, StoreError
-from .manifest import SNAPSHOT_REL_RE, parse_manifest, referenced_files
-from .store import DIR_MODE, FILE_MODE, MANIFEST, SNAPSHOTS, Store
+from kvsnap.errors import KvsnapError, ManifestError, SnapshotError, StoreError
+from kvsnap.store.manifest import SNAPSHOT_REL_RE, parse_manifest, referenced_files
+from kvsnap.store.local import DIR_MODE, FILE_MODE, MANIFEST, SNAPSHOTS, Store
 STAGE_PREFIX = ".kvsnap-stage-"
 CHUNK = 1 << 20
 

@@ -12,8 +12,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from .prefill import PrefillCursor
-from .prefix import Entry, PrefixCache
+from kvsnap.runtime.prefill import PrefillCursor
+from kvsnap.runtime.prefix import Entry, PrefixCache
 
 
 @dataclass
@@ -44,7 +44,7 @@ def start_rewarm(prefix: PrefixCache, lm: Any) -> RewarmJob:
 
 def rewarm_step(job: RewarmJob, prefix: PrefixCache, counts: Any) -> None:
     """One snapshot read or one prefill chunk."""
-    from .snapshot import cache_nbytes_of
+    from kvsnap.snapshot.codec import cache_nbytes_of
 
     if job.loads:
         entry = job.loads.popleft()

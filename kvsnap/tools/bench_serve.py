@@ -15,7 +15,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .errors import UsageError
+from kvsnap.errors import UsageError
 
 _TOPICS = ["the server's request handler", "a rust parser", "the cache eviction policy", "a flaky test", "the build pipeline", "an HTTP client retry loop", "a database migration", "the logging setup"]
 

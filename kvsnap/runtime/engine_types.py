@@ -7,8 +7,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from .key import DigestCache, KVSettings
-from .prompts import WarmPromptSet
+from kvsnap.key import DigestCache, KVSettings
+from kvsnap.prompts import WarmPromptSet
 
 EventFn = Callable[["RequestState", str, Any], None]  # (state, "token"|"done"|"error", payload)
 

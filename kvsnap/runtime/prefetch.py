@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable
 
-from .errors import SnapshotError, StoreError
-from .key import KVSettings, canonical_json, hexdigest, read_config, tokenizer_digest
-from .store import Problem, SnapshotInfo, Store, classify
+from kvsnap.errors import SnapshotError, StoreError
+from kvsnap.key import KVSettings, canonical_json, hexdigest, read_config, tokenizer_digest
+from kvsnap.store.local import Problem, SnapshotInfo, Store, classify
 
 
 @dataclass

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from .snapshot import cache_arrays, check_captured_at, copy_cache
+from kvsnap.snapshot.codec import cache_arrays, check_captured_at, copy_cache
 
 
 def prefill_batched(gen: Any, token_lists: Sequence[Sequence[int]]) -> list:

@@ -16,17 +16,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
-from .build import commit_snapshot
-from .errors import KvsnapError, SnapshotError, StoreError
-from .key import ModelIdentity, prompt_identity, snapshot_key
-from .modeling import LoadedModel
-from .prefill import prefill
-from .prefix import Entry, PrefixCache
-from .prompts import WarmPromptSet, resolve_chat_template, warm_prefix
-from .snapshot import cache_nbytes_of, decode_cache, is_trimmable
-from .store import SnapshotInfo, Store
+from kvsnap.build import commit_snapshot
+from kvsnap.errors import KvsnapError, SnapshotError, StoreError
+from kvsnap.key import ModelIdentity, prompt_identity, snapshot_key
+from kvsnap.runtime.modeling import LoadedModel
+from kvsnap.runtime.prefill import prefill
+from kvsnap.runtime.prefix import Entry, PrefixCache
+from kvsnap.prompts import WarmPromptSet, resolve_chat_template, warm_prefix
+from kvsnap.snapshot.codec import cache_nbytes_of, decode_cache, is_trimmable
+from kvsnap.store.local import SnapshotInfo, Store
 
-log = logging.getLogger("kvsnap.warmup")
+log = logging.getLogger("kvsnap.runtime.warmup")
 
 
 @dataclass
@@ -185,7 +185,7 @@ def is_trimmable_meta(meta: dict) -> bool:
 def recorded_prefix(by_recipe: dict, prompt, prompt_digest: str, identity: ModelIdentity, template) -> tuple[int, ...] | None:
     """The warm-prefix tokens a snapshot recorded for exactly this recipe, if its key still
     follows from them (so the model matches too); None means: compute them."""
-    from .warm_recipe import warm_recipe
+    from kvsnap.runtime.warm_recipe import warm_recipe
 
     recipe = warm_recipe(prompt, prompt_digest, identity.tokenizer, template)
     info = by_recipe.get(recipe) if recipe else None

@@ -19,7 +19,7 @@ import stat
 from pathlib import Path
 from typing import Callable
 
-from .errors import ManifestError
+from kvsnap.errors import ManifestError
 
 MANIFEST = "manifest.json"
 SNAPSHOTS = "snapshots"

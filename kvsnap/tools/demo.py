@@ -14,8 +14,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from .demo_templates import TEMPLATES
-from .errors import UsageError
+from kvsnap.tools.demo_templates import TEMPLATES
+from kvsnap.errors import UsageError
 
 ARCHES = ("dense", "hybrid", "sliding")
 SIZES = ("tiny", "qwen3-0.6b")

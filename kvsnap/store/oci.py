@@ -1,6 +1,6 @@
 """Snapshot stores as OCI artifacts: ``kvsnap push`` / ``pull`` and ``serve --kv-snapshots oci://…``.
 
-A store is pushed as one OCI image manifest (``artifactType`` ``application/vnd.kvsnap.store.v1``,
+A store is pushed as one OCI image manifest (``artifactType`` ``application/vnd.kvsnap.store.local.v1``,
 the empty config) whose layers are its files, one blob each, content-addressed by sha256
 and named by the ``org.opencontainers.image.title`` annotation (``manifest.json``,
 ``snapshots/<key>.safetensors``). A blob the registry already has (HEAD) is not uploaded
@@ -38,18 +38,18 @@ from typing import BinaryIO, Callable
 
 import httpx
 
-from . import __version__
-from .archive import CHUNK, ShipError, StagedInstall, check_destination, check_relpath, collect_store, open_checked, present_with_digest, sha256_file
-from .errors import KvsnapError, ManifestError, SnapshotError, UsageError
-from .key import default_cache_dir
-from .manifest import read_manifest_file
-from .store import MANIFEST, Store
+from kvsnap import __version__
+from kvsnap.store.archive import CHUNK, ShipError, StagedInstall, check_destination, check_relpath, collect_store, open_checked, present_with_digest, sha256_file
+from kvsnap.errors import KvsnapError, ManifestError, SnapshotError, UsageError
+from kvsnap.key import default_cache_dir
+from kvsnap.store.manifest import read_manifest_file
+from kvsnap.store.local import MANIFEST, Store
 
 log = logging.getLogger("kvsnap")
 
-ARTIFACT_TYPE = "application/vnd.kvsnap.store.v1"
-SNAPSHOT_MEDIA_TYPE = "application/vnd.kvsnap.snapshot.v2+safetensors"
-MANIFEST_MEDIA_TYPE = "application/vnd.kvsnap.manifest.v1+json"
+ARTIFACT_TYPE = "application/vnd.kvsnap.store.local.v1"
+SNAPSHOT_MEDIA_TYPE = "application/vnd.kvsnap.snapshot.codec.v2+safetensors"
+MANIFEST_MEDIA_TYPE = "application/vnd.kvsnap.store.manifest.v1+json"
 OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
 OCI_INDEX = "application/vnd.oci.image.index.v1+json"
 DOCKER_MANIFEST = "application/vnd.docker.distribution.manifest.v2+json"

@@ -16,15 +16,15 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from . import __version__
-from .engine import Engine, GenerationRequest, RequestState
-from .errors import KvsnapError, MessageError, TemplateError
-from .http_guard import Auth, GuardMiddleware
-from .prompts import encode_prompt, normalize_messages, request_tokens
-from .request_limits import RequestRejected, allowed_template_kwargs, check_template_kwargs, check_token_ids, context_length, find_lone_surrogate, vocab_bound
-from .schemas import ChatCompletionRequest, CompletionRequest, chat_chunk, chat_response, completion_response, error_body, new_id, usage
+from kvsnap import __version__
+from kvsnap.runtime.engine import Engine, GenerationRequest, RequestState
+from kvsnap.errors import KvsnapError, MessageError, TemplateError
+from kvsnap.http.guard import Auth, GuardMiddleware
+from kvsnap.prompts import encode_prompt, normalize_messages, request_tokens
+from kvsnap.http.limits import RequestRejected, allowed_template_kwargs, check_template_kwargs, check_token_ids, context_length, find_lone_surrogate, vocab_bound
+from kvsnap.http.schemas import ChatCompletionRequest, CompletionRequest, chat_chunk, chat_response, completion_response, error_body, new_id, usage
 
-log = logging.getLogger("kvsnap.server")
+log = logging.getLogger("kvsnap.http.server")
 
 
 DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks that its client is still there

@@ -11,8 +11,8 @@ from __future__ import annotations
 from functools import cache
 from typing import Any
 
-from .key import canonical_json, hexdigest, package_version
-from .prompts import PROBE_CONTENTS, WarmPrompt
+from kvsnap.key import canonical_json, hexdigest, package_version
+from kvsnap.prompts import PROBE_CONTENTS, WarmPrompt
 
 RECIPE_VERSION = 1  # bump when warm_prefix's algorithm changes in a way the probes do not show
 

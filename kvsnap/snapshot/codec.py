@@ -10,14 +10,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from .blas import preload_openblas
+from kvsnap.blas import preload_openblas
 
 preload_openblas()  # must precede the first mlx import, or mlx keeps its slow reference BLAS
 
 import mlx.core as mx  # noqa: E402
 
-from .errors import SnapshotError
-from .snapfile import OutTensor
+from kvsnap.errors import SnapshotError
+from kvsnap.snapshot.file import OutTensor
 
 TOKENS = "tokens"
 

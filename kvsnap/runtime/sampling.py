@@ -9,7 +9,7 @@ from __future__ import annotations
 import random
 from typing import Callable
 
-from .blas import preload_openblas
+from kvsnap.blas import preload_openblas
 
 preload_openblas()  # must precede the first mlx import, or mlx keeps its slow reference BLAS
 

@@ -8,10 +8,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .blas import preload_openblas
-from .errors import ModelError
-from .key import DigestCache, KVSettings, ModelIdentity, model_identity, read_config
-from .model_source import ResolvedModel, check_model_dir, hub_snapshot_origin, resolve_model
+from kvsnap.blas import preload_openblas
+from kvsnap.errors import ModelError
+from kvsnap.key import DigestCache, KVSettings, ModelIdentity, model_identity, read_config
+from kvsnap.runtime.model_source import ResolvedModel, check_model_dir, hub_snapshot_origin, resolve_model
 
 __all__ = ["LoadedModel", "ResolvedModel", "check_model_dir", "load_model", "resolve_model", "default_digest_cache"]
 
@@ -85,6 +85,6 @@ def load_model(model_ref: str | os.PathLike | ResolvedModel, settings: KVSetting
 
 
 def default_digest_cache() -> DigestCache:
-    from .key import default_cache_dir
+    from kvsnap.key import default_cache_dir
 
     return DigestCache(default_cache_dir() / "file-digests.json")

@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import ModelError, UsageError
+from kvsnap.errors import ModelError, UsageError
 
 # mlx_lm.utils.DEFAULT_ALLOW_PATTERNS (0.31-0.32): the files `mlx_lm.load(ID)` fetches.
 # Copied, not imported, because importing mlx_lm.utils imports mlx; a test keeps them equal.

@@ -18,11 +18,11 @@ import threading
 import time
 from typing import Any, Callable
 
-from .engine_types import EngineConfig, EventFn, GenerationRequest, RequestState, check_request
+from kvsnap.runtime.engine_types import EngineConfig, EventFn, GenerationRequest, RequestState, check_request
 
 __all__ = ["Engine", "EngineConfig", "EventFn", "GenerationRequest", "RequestState"]
 
-log = logging.getLogger("kvsnap.engine")
+log = logging.getLogger("kvsnap.runtime.engine")
 
 MIN_SHARED_TOKENS_TO_COMPUTE = 32  # a shared prefix mostly cached already is not computed again
 
@@ -74,7 +74,7 @@ class Engine:
         thread, leaves a native thread that aborts the process at exit. The engine thread
         itself never ends (see ``_engine_thread``).
         """
-        from .blas import preload_openblas
+        from kvsnap.blas import preload_openblas
 
         preload_openblas()  # before either thread imports mlx: the prefetch would otherwise get reference BLAS
         # The engine thread starts first: it reads the snapshots to pin while the model loads here.
@@ -209,8 +209,8 @@ class Engine:
             return
         import mlx.core as mx  # OpenBLAS is already loaded: ``start`` (or ``load_model``) preloaded it
 
-        from .model_source import resolve_model
-        from .prefetch import prefetch
+        from kvsnap.runtime.model_source import resolve_model
+        from kvsnap.runtime.prefetch import prefetch
 
         try:
             model_dir = resolve_model(cfg.model).path
@@ -275,12 +275,12 @@ class Engine:
                 log.exception("[kvsnap] request %d: event callback failed", state.id)
 
     def _load(self) -> None:
-        from .modeling import load_model
-        from .prefix import PrefixCache
-        from .snapshot import copy_cache, trim_cache
-        from .warmup import SnapshotCounts
+        from kvsnap.runtime.modeling import load_model
+        from kvsnap.runtime.prefix import PrefixCache
+        from kvsnap.snapshot.codec import copy_cache, trim_cache
+        from kvsnap.runtime.warmup import SnapshotCounts
 
-        from .errors import SnapshotError
+        from kvsnap.errors import SnapshotError
 
         cfg = self.config
         self.lm = load_model(cfg.model, cfg.settings)
@@ -302,11 +302,11 @@ class Engine:
         self.counts.reject(str(path), getattr(exc, "reason", None) or str(exc))
 
     def _warm_up(self, allow_prefill: bool = True) -> None:
-        from .warmup import open_store, run_warmup
+        from kvsnap.runtime.warmup import open_store, run_warmup
 
         cfg = self.config
         if self.store is None and cfg.snapshots:
-            from .faults import FaultHook
+            from kvsnap.faults import FaultHook
 
             self.store = open_store(cfg.snapshots, cfg.write_back, self.counts, fault=FaultHook.from_env())
         report = run_warmup(
@@ -335,7 +335,7 @@ class Engine:
         from snapshots has run no model pass yet and would pay 1-3 s of that in its first TTFT
         (a warm-prompts server pays it in its start-up prefill). Own generator: the engine's
         token counters stay exact."""
-        from .sampling import make_request_sampler
+        from kvsnap.runtime.sampling import make_request_sampler
 
         tokens = list(self.lm.tokenizer.encode("hello world"))[:3] or [0]
         gen = self._new_generator(1, 1)
@@ -396,7 +396,7 @@ class Engine:
     def _clear(self, rewarm: bool) -> None:
         """Drop request prefixes; re-warm in steps between serving. At most one re-warm runs:
         a clear during one only drops request prefixes again (coalesced, never queued)."""
-        from .rewarm import start_rewarm
+        from kvsnap.runtime.rewarm import start_rewarm
 
         if self._rewarm is not None:
             self.rewarms_coalesced += 1
@@ -412,7 +412,7 @@ class Engine:
             self._rewarm = None
 
     def _rewarm_step(self) -> None:
-        from .rewarm import rewarm_step
+        from kvsnap.runtime.rewarm import rewarm_step
 
         try:
             rewarm_step(self._rewarm, self.prefix, self.counts)
@@ -498,7 +498,7 @@ class Engine:
         return self._computed_measured + batched
 
     def _admit_batched(self) -> None:
-        from .sampling import make_request_sampler
+        from kvsnap.runtime.sampling import make_request_sampler
 
         if not self._pending:
             return
@@ -528,10 +528,10 @@ class Engine:
     def _prefill_shared_prefixes(self, batch: list[RequestState]) -> None:
         """Requests admitted together that share an uncached prefix: compute it once, as a
         prefix entry of their namespace that each of them then hits."""
-        from .prefix import Entry
-        from .prefill import PrefillCursor
-        from .shared_prefix import shared_groups
-        from .snapshot import CaptureError, cache_nbytes_of, check_captured_at, is_trimmable
+        from kvsnap.runtime.prefix import Entry
+        from kvsnap.runtime.prefill import PrefillCursor
+        from kvsnap.runtime.shared_prefix import shared_groups
+        from kvsnap.snapshot.codec import CaptureError, cache_nbytes_of, check_captured_at, is_trimmable
 
         if len(batch) < 2:
             return
@@ -590,8 +590,8 @@ class Engine:
 
     def _capture(self, state: RequestState, cache: list, defer: bool = False) -> None:
         """Keep the prompt minus its last token for multi-turn reuse; captured before any decode."""
-        from .prefix import Entry
-        from .snapshot import CaptureError, cache_arrays, cache_nbytes_of, check_captured_at, copy_cache, is_trimmable
+        from kvsnap.runtime.prefix import Entry
+        from kvsnap.snapshot.codec import CaptureError, cache_arrays, cache_nbytes_of, check_captured_at, copy_cache, is_trimmable
 
         import mlx.core as mx
 
@@ -683,7 +683,7 @@ class Engine:
         import mlx.core as mx
         from mlx_lm.generate import maybe_quantize_kv_cache
 
-        from .sampling import make_request_sampler
+        from kvsnap.runtime.sampling import make_request_sampler
 
         s = self.lm.settings
         model = self.lm.model
@@ -747,11 +747,11 @@ class Engine:
 
     def _prefill_many(self, token_lists) -> list:
         """Prefill warm prefixes: one alone exactly as ``kvsnap build`` does, several as one batch."""
-        from .prefill import prefill
+        from kvsnap.runtime.prefill import prefill
 
         if len(token_lists) <= 1 or self.lm.settings.kv_bits is not None:
             return [prefill(self.lm, tokens) for tokens in token_lists]
-        from .batch_prefill import prefill_batched
+        from kvsnap.runtime.batch_prefill import prefill_batched
 
         return prefill_batched(self._new_generator(len(token_lists), len(token_lists)), token_lists)
 
