@@ -80,7 +80,8 @@ class WarmPlan:
     tokenization: Tokenization
 
     def run(self) -> WarmReport:
-        from kvsnap.build import commit_snapshot, prefill
+        from kvsnap.runtime.prefill import prefill
+        from kvsnap.runtime.writeback import commit_snapshot
         from kvsnap.key import prompt_identity, snapshot_key
         from kvsnap.prompts import resolve_chat_template, warm_prefix
         from kvsnap.snapshot.codec import check_captured_at, decode_cache

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
-from kvsnap.build import commit_snapshot
+from kvsnap.runtime.writeback import commit_snapshot
 from kvsnap.errors import KvsnapError, SnapshotError, StoreError
 from kvsnap.key import ModelIdentity, prompt_identity, snapshot_key
 from kvsnap.runtime.modeling import LoadedModel

@@ -1,0 +1,113 @@
+"""The write path shared by build and the running server: a captured warm state -> key, tensors,
+header -> an atomic put in the store plus its manifest record."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Callable, Sequence
+
+from kvsnap import __version__
+from kvsnap.key import KVSettings, ModelIdentity, package_version, snapshot_key, tokens_digest
+from kvsnap.prompts import WarmPrompt, resolve_chat_template
+from kvsnap.runtime.modeling import LoadedModel
+from kvsnap.snapshot.file import FORMAT_VERSION
+from kvsnap.store.local import Store, record_id, utc_now
+
+
+def recorded_fields(settings: KVSettings, tokenization: dict | None = None) -> dict:
+    """Recorded, not keyed (the key has its own copy of the tokenization profile, here as canonical JSON text:
+    recorded values are scalars)."""
+    import mlx.core as mx
+
+    from kvsnap.key import canonical_json
+
+    extra = {"tokenization": canonical_json(tokenization)} if tokenization is not None else {}
+    return {
+        **extra,
+        "prefill_step_size": settings.prefill_step_size,
+        "backend": "gpu" if mx.default_device() == mx.gpu else "cpu",
+        "mlx": package_version("mlx"),
+        "mlx_lm": package_version("mlx-lm"),
+        "kvsnap": __version__,
+        "created": utc_now(),
+    }
+
+
+def recipe_fields(lm: LoadedModel, identity: ModelIdentity, prompt: WarmPrompt, prompt_digest: str) -> dict:
+    """The warm recipe a later start can match to reuse these tokens without re-tokenizing (recorded, not keyed)."""
+    from kvsnap.runtime.warm_recipe import warm_recipe
+
+    recipe = warm_recipe(prompt, prompt_digest, identity.tokenizer, resolve_chat_template(lm.tokenizer, prompt.tools))
+    return {"warm_recipe": recipe} if recipe else {}
+
+
+def snapshot_metadata(identity: ModelIdentity, prompt: WarmPrompt, prompt_digest: str, key: str, tokens: Sequence[int], layers: list, recorded: dict) -> dict[str, str]:
+    return {
+        "kvsnap.format": str(FORMAT_VERSION),
+        "kvsnap.key": key,
+        "kvsnap.name": prompt.name,
+        "kvsnap.model": json.dumps(identity.as_dict(), sort_keys=True),
+        "kvsnap.model_digest": identity.digest,
+        "kvsnap.prompt_digest": prompt_digest,
+        "kvsnap.n_tokens": str(len(tokens)),
+        "kvsnap.tokens_digest": tokens_digest(tokens),
+        "kvsnap.layers": json.dumps(layers),
+        "kvsnap.recorded": json.dumps(recorded, sort_keys=True),
+    }
+
+
+def snapshot_payload(lm: LoadedModel, identity: ModelIdentity, prompt: WarmPrompt, prompt_digest: str, tokens: Sequence[int], cache: list, tokenization: dict | None = None) -> tuple[str, list, dict[str, str]]:
+    """The key, tensors and header of a captured warm state: what build and the server's write-back store."""
+    from kvsnap.snapshot.codec import encode_cache, to_out_tensors
+
+    key = snapshot_key(identity, prompt_digest, tokens)
+    arrays, layers = encode_cache(cache, tokens)
+    recorded = recorded_fields(lm.settings, tokenization) | lm.origin_fields() | recipe_fields(lm, identity, prompt, prompt_digest)
+    return key, to_out_tensors(arrays), snapshot_metadata(identity, prompt, prompt_digest, key, tokens, layers, recorded)
+
+
+def profile_record_id(model_digest: str, agents_file: str, tokenization: dict | None) -> str:
+    """One manifest record per (model, agents file, server profile); kvsnap's own keeps its old id."""
+    if tokenization is None:
+        return record_id(model_digest, agents_file)
+    return record_id(f"{model_digest}|{tokenization['server']}", agents_file)
+
+
+def record_upsert(lm: LoadedModel, identity: ModelIdentity, agents_file: str, entry: dict) -> Callable[[dict], dict]:
+    """A manifest update that puts ``entry`` into this (model, agents file) record."""
+
+    def apply(record: dict) -> dict:
+        entries = [e for e in record.get("entries", []) if e.get("name") != entry["name"]]
+        s = lm.settings
+        return {
+            "model_digest": identity.digest,
+            "model_path": str(lm.path),
+            "agents_file": str(Path(agents_file).resolve()),
+            "kv_settings": {"kv_bits": s.kv_bits, "kv_group_size": s.kv_group_size, "quantized_kv_start": s.quantized_kv_start, "max_kv_size": s.max_kv_size},
+            "updated": utc_now(),
+            "entries": sorted(entries + [entry], key=lambda e: e["name"]),
+        }
+
+    return apply
+
+
+def commit_snapshot(
+    lm: LoadedModel,
+    store: Store,
+    identity: ModelIdentity,
+    prompt: WarmPrompt,
+    prompt_digest: str,
+    tokens: Sequence[int],
+    cache: list,
+    agents_file: str,
+    tokenization: dict | None = None,
+) -> Path:
+    """Write an already-prefilled warm state back to the store (the server's write-back)."""
+    key, tensors, metadata = snapshot_payload(lm, identity, prompt, prompt_digest, tokens, cache, tokenization)
+    with store.lock():
+        path = store.put(key, tensors, metadata)
+        extra = {"tokenization": tokenization} if tokenization is not None else {}
+        entry = {"name": prompt.name, "key": key, "file": f"snapshots/{key}.safetensors", "n_tokens": len(tokens), "coverage": None, "prompt_digest": prompt_digest, **extra}
+        store.update_record(profile_record_id(identity.digest, agents_file, tokenization), record_upsert(lm, identity, agents_file, entry))
+    return path
