@@ -14,8 +14,8 @@ from pathlib import Path
 
 import httpx
 
-from kvsnap.bench_startup import child_rss_mb
-from kvsnap.serverproc import start_server
+from kvsnap.tools.bench_startup import child_rss_mb
+from kvsnap.tools.serverproc import start_server
 
 
 def main(argv=None) -> int:

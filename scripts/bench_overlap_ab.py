@@ -7,9 +7,9 @@ os.environ.setdefault("KVSNAP_CACHE_DIR", ".kvsnap-bench/cache")
 from kvsnap.blas import preload_openblas; preload_openblas()
 import mlx.core as mx
 from pathlib import Path
-from kvsnap.prefetch import prefetch
+from kvsnap.runtime.prefetch import prefetch
 from kvsnap.key import KVSettings
-from kvsnap.modeling import load_model
+from kvsnap.runtime.modeling import load_model
 M = Path(sys.argv[2]); S = sys.argv[3]
 mode = sys.argv[1]
 t0 = time.perf_counter()

@@ -28,9 +28,9 @@ import mlx.core as mx  # noqa: E402
 
 from kvsnap.build import prefill  # noqa: E402
 from kvsnap.key import KVSettings  # noqa: E402
-from kvsnap.modeling import load_model  # noqa: E402
-from kvsnap.snapshot import decode_cache  # noqa: E402
-from kvsnap.store import Store  # noqa: E402
+from kvsnap.runtime.modeling import load_model  # noqa: E402
+from kvsnap.snapshot.codec import decode_cache  # noqa: E402
+from kvsnap.store.local import Store  # noqa: E402
 
 
 def evict(path: Path) -> None:

@@ -48,7 +48,7 @@ def read_fresh(path: Path, threads: int) -> float:
 def restore(path: Path) -> float:
     import mlx.core as mx
 
-    from kvsnap.store import Store
+    from kvsnap.store.local import Store
 
     store = Store.open(path.parent.parent, readonly=True)
     info = store.inspect(path)

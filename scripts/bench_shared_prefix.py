@@ -37,7 +37,7 @@ def make_model(root: Path) -> Path:
 
 
 def run_round(engine, token_lists) -> list[float]:
-    from kvsnap.engine import GenerationRequest
+    from kvsnap.runtime.engine import GenerationRequest
 
     states = []
     engine.call(lambda: engine.prefix.clear())
@@ -59,8 +59,8 @@ def main(argv=None) -> int:
     ap.add_argument("--system-tokens", type=int, default=1700)
     args = ap.parse_args(argv)
 
-    import kvsnap.engine as engine_mod
-    from kvsnap.engine import Engine, EngineConfig
+    import kvsnap.runtime.engine as engine_mod
+    from kvsnap.runtime.engine import Engine, EngineConfig
     from kvsnap.prompts import request_tokens
 
     with tempfile.TemporaryDirectory() as tmp:

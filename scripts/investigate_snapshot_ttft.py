@@ -80,9 +80,9 @@ def user_message(n: int, kind: str) -> str:
 
 def build_store(model: Path, agents: Path, store_dir: Path) -> None:
     from kvsnap.build import build_snapshots
-    from kvsnap.modeling import load_model
+    from kvsnap.runtime.modeling import load_model
     from kvsnap.prompts import load_warm_prompts
-    from kvsnap.store import Store
+    from kvsnap.store.local import Store
 
     lm = load_model(str(model))
     t0 = time.perf_counter()
@@ -92,7 +92,7 @@ def build_store(model: Path, agents: Path, store_dir: Path) -> None:
 
 
 def start_engine(model: Path, agents: Path, store_dir: Path | None):
-    from kvsnap.engine import Engine, EngineConfig
+    from kvsnap.runtime.engine import Engine, EngineConfig
     from kvsnap.prompts import load_warm_prompts
 
     cfg = EngineConfig(model=str(model), warm_prompts=load_warm_prompts(agents), warm_prompts_file=str(agents), snapshots=str(store_dir) if store_dir else None, write_back=False)
@@ -106,7 +106,7 @@ def start_engine(model: Path, agents: Path, store_dir: Path | None):
 
 
 def timed_request(engine, tokens: list[int], max_tokens: int, warm_len: int) -> dict:
-    from kvsnap.engine import GenerationRequest
+    from kvsnap.runtime.engine import GenerationRequest
 
     engine.call(lambda: engine.prefix.drop_request_prefixes())
     state = engine.submit(GenerationRequest(tokens=tokens, max_tokens=max_tokens), lambda *a: None)
@@ -161,11 +161,11 @@ def micro(model: Path, agents: Path, store_dir: Path, system: str, reps: int) ->
     import mlx.core as mx
     from mlx_lm.generate import _merge_caches
 
-    from kvsnap.modeling import load_model
-    from kvsnap.prefill import prefill
+    from kvsnap.runtime.modeling import load_model
+    from kvsnap.runtime.prefill import prefill
     from kvsnap.prompts import request_tokens
-    from kvsnap.snapshot import cache_arrays, copy_cache
-    from kvsnap.store import Store
+    from kvsnap.snapshot.codec import cache_arrays, copy_cache
+    from kvsnap.store.local import Store
 
     lm = load_model(str(model))
     tok = lm.tokenizer
@@ -175,7 +175,7 @@ def micro(model: Path, agents: Path, store_dir: Path, system: str, reps: int) ->
     t0 = time.perf_counter()
     prefilled = prefill(lm, warm_tokens)
     t_prefill = time.perf_counter() - t0
-    from kvsnap.snapshot import decode_cache
+    from kvsnap.snapshot.codec import decode_cache
 
     t0 = time.perf_counter()
     restored = decode_cache(store.load_arrays(info), info.layers)
@@ -272,8 +272,8 @@ def prime_kernels(engine, from_entry: bool = True) -> float:
     3-token suffix, one greedy token) so mlx's CPU JIT compiles or loads its fused kernels
     (mx.compile'd swiglu, masks, ...) at start-up, as a warm-prompts server's own prefill
     does, instead of in the first request's TTFT. Returns the seconds it took."""
-    from kvsnap.sampling import make_request_sampler
-    from kvsnap.snapshot import copy_cache
+    from kvsnap.runtime.sampling import make_request_sampler
+    from kvsnap.snapshot.codec import copy_cache
 
     t0 = time.perf_counter()
     entry = next((e for e in engine.prefix.entries if e.loaded), None) if from_entry else None
@@ -290,7 +290,7 @@ def prime_kernels(engine, from_entry: bool = True) -> float:
 
 def install_prime_patch(from_entry: bool = True) -> None:
     """Monkeypatch Engine._warm_up to prime the kernels after the warm-up (kvsnap/ untouched)."""
-    from kvsnap.engine import Engine
+    from kvsnap.runtime.engine import Engine
 
     original = Engine._warm_up
 
@@ -356,10 +356,10 @@ def align_check(store_dir: Path, model: Path, reps: int) -> None:
     import mlx.core as mx
     import numpy as np
 
-    from kvsnap.prefill import prefill
-    from kvsnap.modeling import load_model
-    from kvsnap.snapshot import decode_cache
-    from kvsnap.store import Store
+    from kvsnap.runtime.prefill import prefill
+    from kvsnap.runtime.modeling import load_model
+    from kvsnap.snapshot.codec import decode_cache
+    from kvsnap.store.local import Store
 
     store = Store.open(store_dir)
     (info,) = store.scan()[0]
@@ -407,7 +407,7 @@ def main(argv=None) -> int:
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="kvsnap-ttft-"))
     work.mkdir(parents=True, exist_ok=True)
     model = make_model(work)
-    from kvsnap.modeling import load_model
+    from kvsnap.runtime.modeling import load_model
 
     tokenizer = load_model(str(model)).tokenizer
     system = system_prompt(tokenizer, args.system_tokens)

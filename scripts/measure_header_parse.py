@@ -23,8 +23,8 @@ from pathlib import Path
 
 from kvsnap.errors import SnapshotError
 from kvsnap.key import ModelIdentity, pack_tokens, snapshot_key, tokens_digest
-from kvsnap.snapfile import FORMAT_VERSION, OutTensor, write_snapshot
-from kvsnap.store import Store
+from kvsnap.snapshot.file import FORMAT_VERSION, OutTensor, write_snapshot
+from kvsnap.store.local import Store
 
 DTYPE_BYTES = {"BF16": 2, "U32": 4, "I32": 4, "F32": 4}
 

@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from kvsnap.blas import find_openblas  # noqa: E402
-from kvsnap.serverproc import free_port  # noqa: E402
+from kvsnap.tools.serverproc import free_port  # noqa: E402
 
 
 MODES = ("cold", "warm-prompts", "kvsnap", "kvsnap-warm-first", "kvsnap-warm-second")

@@ -70,7 +70,7 @@ BREAKAGES = (
         "prefix-skips-last-token",
         "2. strict prefix",
         "lookup compares an entry with the request except the entry's last token",
-        (Patch("kvsnap/prefix.py", "if n < len(tokens) and tokens[:n] == entry.tokens:", "if n < len(tokens) and tokens[: n - 1] == entry.tokens[:-1]:"),),
+        (Patch("kvsnap/runtime/prefix.py", "if n < len(tokens) and tokens[:n] == entry.tokens:", "if n < len(tokens) and tokens[: n - 1] == entry.tokens[:-1]:"),),
         (
             "tests/test_prefix.py::test_an_untrimmable_entry_that_differs_only_at_its_last_token_is_not_used",
             "tests/test_engine.py::test_a_request_differing_from_an_untrimmable_snapshot_only_at_its_last_token_is_prefilled",
@@ -80,7 +80,7 @@ BREAKAGES = (
         "untrimmable-entries-trimmed",
         "2. strict prefix",
         "lookup trims every entry, SSM state included",
-        (Patch("kvsnap/prefix.py", "                elif entry.trimmable:\n", "                elif True:\n"),),
+        (Patch("kvsnap/runtime/prefix.py", "                elif entry.trimmable:\n", "                elif True:\n"),),
         (
             "tests/test_prefix.py::test_prompt_equal_to_untrimmable_entry_falls_back_to_a_shorter_entry_or_cold",
             "tests/test_engine.py::test_prompt_equal_to_a_cached_untrimmable_prefix_still_works",
@@ -118,7 +118,7 @@ BREAKAGES = (
         "KVCache layers are stored with their whole 256-step buffer, not sliced to the tokens",
         (
             Patch(
-                "kvsnap/snapshot.py",
+                "kvsnap/snapshot/codec.py",
                 '    out[f"{path}.keys"] = _slice_tokens(c.keys, c.offset)\n    out[f"{path}.values"] = _slice_tokens(c.values, c.offset)\n    return {"offset": c.offset}\n',
                 '    out[f"{path}.keys"] = c.keys\n    out[f"{path}.values"] = c.values\n    return {"offset": c.offset}\n',
             ),
@@ -129,7 +129,7 @@ BREAKAGES = (
         "skip-checksum",
         "4. nothing half-written (corrupt files detected)",
         "restore never compares the data checksum",
-        (Patch("kvsnap/snapfile.py", "    h.update(data)\n    actual = h.hexdigest()\n    if actual != recorded:\n", "    h.update(data)\n    actual = h.hexdigest()\n    if False:\n"),),
+        (Patch("kvsnap/snapshot/file.py", "    h.update(data)\n    actual = h.hexdigest()\n    if actual != recorded:\n", "    h.update(data)\n    actual = h.hexdigest()\n    if False:\n"),),
         (
             "tests/test_engine.py::test_rejected_snapshots_are_reported_and_replaced_by_a_prefill",
             "tests/test_engine.py::test_a_corrupt_snapshot_loaded_lazily_is_rejected_on_first_hit",
@@ -141,7 +141,7 @@ BREAKAGES = (
         "snapshots are written straight to their final name instead of a temp file",
         (
             Patch(
-                "kvsnap/store.py",
+                "kvsnap/store/local.py",
                 'fd, tmp = tempfile.mkstemp(prefix=TMP_PREFIX + target.name + ".", dir=target.parent)',
                 "fd, tmp = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), str(target)",
             ),
@@ -154,7 +154,7 @@ BREAKAGES = (
         "restoring a KVCache zeroes one middle token's key in layer 1 (greedy text survives it)",
         (
             Patch(
-                "kvsnap/snapshot.py",
+                "kvsnap/snapshot/codec.py",
                 '        c.keys, c.values, c.offset = arrays[f"{path}.keys"], arrays[f"{path}.values"], int(meta["offset"])\n',
                 '        c.keys, c.values, c.offset = arrays[f"{path}.keys"], arrays[f"{path}.values"], int(meta["offset"])\n' + ZERO_KEY.lstrip("\n"),
             ),
@@ -168,7 +168,7 @@ BREAKAGES = (
         "encoding a KVCache writes one middle token's key of layer 1 as zeros",
         (
             Patch(
-                "kvsnap/snapshot.py",
+                "kvsnap/snapshot/codec.py",
                 '    out[f"{path}.keys"] = _slice_tokens(c.keys, c.offset)\n    out[f"{path}.values"] = _slice_tokens(c.values, c.offset)\n    return {"offset": c.offset}\n',
                 '    out[f"{path}.keys"] = _slice_tokens(c.keys, c.offset)\n    out[f"{path}.values"] = _slice_tokens(c.values, c.offset)\n'
                 '    if path == "1":  # breakage\n        _k = out[f"{path}.keys"] * 1\n        _k[..., c.offset // 2, :] = 0\n        out[f"{path}.keys"] = _k\n'
@@ -181,7 +181,7 @@ BREAKAGES = (
         "shared-mutable-cache",
         "5. no shared mutable cache",
         "a fetch hands out the stored cache objects instead of a private copy",
-        (Patch("kvsnap/snapshot.py", "    return decode_cache({k: v[...] for k, v in arrays.items()}, layers)\n", "    return list(cache)\n"),),
+        (Patch("kvsnap/snapshot/codec.py", "    return decode_cache({k: v[...] for k, v in arrays.items()}, layers)\n", "    return list(cache)\n"),),
         (
             "tests/test_codec.py::test_copies_never_share_appends",
             "tests/test_prefix.py::test_fetching_a_pinned_entry_three_times_through_a_trim_leaves_it_unchanged",
@@ -191,21 +191,21 @@ BREAKAGES = (
         "capture-not-checked",
         "6. captured at the boundary",
         "a state holding a generated token is encoded anyway",
-        (Patch("kvsnap/snapshot.py", "            if offset != n_tokens:\n", "            if False:\n"),),
+        (Patch("kvsnap/snapshot/codec.py", "            if offset != n_tokens:\n", "            if False:\n"),),
         ("tests/test_snapshot_equivalence.py::test_capture_refuses_a_state_with_a_generated_token",),
     ),
     Breakage(
         "ignore-namespaces",
         "no shared mutable cache / tenant isolation (server.md#security)",
         "a request prefix of one key or cache_salt matches requests of another",
-        (Patch("kvsnap/prefix.py", "                if entry.namespace is not None and entry.namespace != namespace:\n", "                if False:\n"),),
+        (Patch("kvsnap/runtime/prefix.py", "                if entry.namespace is not None and entry.namespace != namespace:\n", "                if False:\n"),),
         ("tests/test_security.py::test_prefixes_of_two_namespaces_never_match_each_other", "tests/test_shared_prefix.py::test_requests_of_two_namespaces_never_share_a_computed_prefix"),
     ),
     Breakage(
         "never-match-prefix",
         "7. honest accounting / reuse",
         "lookup never returns an entry",
-        (Patch("kvsnap/prefix.py", "                if usable > 0 and better(entry, usable):\n", "                if False and usable > 0 and better(entry, usable):\n"),),
+        (Patch("kvsnap/runtime/prefix.py", "                if usable > 0 and better(entry, usable):\n", "                if False and usable > 0 and better(entry, usable):\n"),),
         ("tests/test_prefix.py::test_longest_strict_prefix_wins_and_state_is_a_copy", f"{ENGINE_FIRST}[dense]"),
     ),
     Breakage(
@@ -214,7 +214,7 @@ BREAKAGES = (
         "the engine reports the cached tokens but runs the whole prompt on a fresh cache",
         (
             Patch(
-                "kvsnap/engine.py",
+                "kvsnap/runtime/engine.py",
                 "uid = gen.insert([list(suffix)], max_tokens=[r.max_tokens], caches=[cache],",
                 "uid = gen.insert([list(r.tokens)], max_tokens=[r.max_tokens], caches=[self.lm.make_cache()],",
             ),

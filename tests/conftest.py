@@ -46,14 +46,14 @@ class DemoModels:
         self._loaded = {}
 
     def path(self, name: str) -> Path:
-        from kvsnap.demo import DemoSpec, make_demo_model
+        from kvsnap.tools.demo import DemoSpec, make_demo_model
 
         arch, template, bits = MODEL_SPECS[name]
         return make_demo_model(self.root / name, DemoSpec(arch=arch, template=template, quantize_bits=bits))
 
     def load(self, name: str, **settings):
         from kvsnap.key import KVSettings
-        from kvsnap.modeling import load_model
+        from kvsnap.runtime.modeling import load_model
 
         key = (name, tuple(sorted(settings.items())))
         if key not in self._loaded:

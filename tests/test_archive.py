@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from conftest import LONG_SYSTEM, run_kvsnap
-from kvsnap.archive import STAGE_PREFIX, ArchiveError, ShipError, pack, unpack
-from kvsnap.store import MANIFEST, Store
+from kvsnap.store.archive import STAGE_PREFIX, ArchiveError, ShipError, pack, unpack
+from kvsnap.store.local import MANIFEST, Store
 
 AGENTS = [
     {"name": "reviewer", "messages": [{"role": "system", "content": LONG_SYSTEM}]},
@@ -274,6 +274,6 @@ def test_shipping_modules_do_not_import_mlx():
     import subprocess
     import sys
 
-    code = "import sys, kvsnap.archive, kvsnap.oci, kvsnap.cli; heavy = [m for m in sys.modules if m.split('.')[0] in ('mlx', 'mlx_lm', 'transformers')]; assert not heavy, heavy"
+    code = "import sys, kvsnap.store.archive, kvsnap.store.oci, kvsnap.cli; heavy = [m for m in sys.modules if m.split('.')[0] in ('mlx', 'mlx_lm', 'transformers')]; assert not heavy, heavy"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr

@@ -18,7 +18,7 @@ import pytest
 
 from conftest import run_kvsnap
 from test_store import FAULTS, agents, build, stamps, tree, write_agents
-from kvsnap.store import MANIFEST, TMP_PREFIX, Store
+from kvsnap.store.local import MANIFEST, TMP_PREFIX, Store
 
 # Runs the CLI and fails (exit 99) if mlx, mlx-lm or transformers got imported.
 LIGHT = """
@@ -230,8 +230,8 @@ def test_verify_names_every_bad_file_with_its_reason_and_passes_the_good_ones(li
 
 
 def test_verify_with_model_rejects_a_snapshot_of_another_seed(light, dense, demo_models, store_copy, model_dir, env, tmp_path):
-    from kvsnap.demo import DemoSpec, make_demo_model
-    from kvsnap.modeling import load_model
+    from kvsnap.tools.demo import DemoSpec, make_demo_model
+    from kvsnap.runtime.modeling import load_model
 
     other = load_model(make_demo_model(demo_models.root / "dense-seed1", DemoSpec(seed=1)))
     report = build(other, write_agents(tmp_path / "a.json", agents(["alpha"])), store_copy)

@@ -8,7 +8,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, CacheList, ChunkedKVCache, KVCache, RotatingKVCache
 
 from kvsnap.errors import SnapshotError
-from kvsnap.snapshot import CODECS, copy_cache, decode_cache, encode_cache, encode_layer
+from kvsnap.snapshot.codec import CODECS, copy_cache, decode_cache, encode_cache, encode_layer
 
 
 def _kv(n, seed):

@@ -6,7 +6,7 @@ import pytest
 
 import mlx.core as mx
 
-from kvsnap.demo import DemoSpec, make_demo_model
+from kvsnap.tools.demo import DemoSpec, make_demo_model
 from kvsnap.errors import UsageError
 from kvsnap.key import hash_file
 from kvsnap.prompts import request_tokens

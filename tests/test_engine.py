@@ -41,7 +41,7 @@ class World:
     def __init__(self, demo_models, root: Path, name: str, agents=AGENTS, **settings):
         from kvsnap.build import build_snapshots
         from kvsnap.prompts import parse_warm_prompts
-        from kvsnap.store import Store
+        from kvsnap.store.local import Store
 
         self.name = name
         self.model = demo_models.path(name)
@@ -81,7 +81,7 @@ class Engines:
         self.started = []
 
     def start(self, world: World, warm: bool = True, snapshots: Path | str | None = "store", **config):
-        from kvsnap.engine import Engine, EngineConfig
+        from kvsnap.runtime.engine import Engine, EngineConfig
 
         if snapshots == "store":
             snapshots = world.store
@@ -164,7 +164,7 @@ def oracle(worlds, module_engines):
 
 
 def submit(engine, tokens, max_tokens: int = MAX_TOKENS, on_event=None):
-    from kvsnap.engine import GenerationRequest
+    from kvsnap.runtime.engine import GenerationRequest
 
     return engine.submit(GenerationRequest(tokens=list(tokens), max_tokens=max_tokens), on_event or (lambda s, k, p: None))
 
@@ -208,7 +208,7 @@ def assert_served_from_the_exact_snapshot_state(engine, warm, tokens) -> None:
     import mlx.core as mx
 
     from kvsnap.build import prefill
-    from kvsnap.snapshot import encode_cache
+    from kvsnap.snapshot.codec import encode_cache
 
     warm = tuple(warm)
 
@@ -319,10 +319,10 @@ def _flip_data_byte(path: Path) -> None:
 def foreign_store(demo_models, tmp_path_factory, digest_dir):
     """Snapshots of the same warm prompts for another dense demo model (other seed, same arch)."""
     from kvsnap.build import build_snapshots
-    from kvsnap.demo import DemoSpec, make_demo_model
-    from kvsnap.modeling import load_model
+    from kvsnap.tools.demo import DemoSpec, make_demo_model
+    from kvsnap.runtime.modeling import load_model
     from kvsnap.prompts import parse_warm_prompts
-    from kvsnap.store import Store
+    from kvsnap.store.local import Store
 
     root = tmp_path_factory.mktemp("foreign")
     lm = load_model(make_demo_model(root / "model", DemoSpec(arch="dense", seed=1)))
@@ -397,7 +397,7 @@ def test_a_corrupt_snapshot_loaded_lazily_is_rejected_on_first_hit(worlds, engin
 
 def test_computed_tokens_come_from_mlx_lm_counter(worlds, engines):
     """The engine-wide counter moves by exactly the suffix the model ran, padding excluded."""
-    from kvsnap.engine import _prompt_counter
+    from kvsnap.runtime.engine import _prompt_counter
 
     world = worlds("dense")
     engine = engines.start(world)
@@ -547,8 +547,8 @@ def test_warm_prompts_without_snapshots_are_prefilled_written_back_and_loaded_ne
 
 @pytest.mark.parametrize("how", ["write_back_off", "readonly_store"])
 def test_a_read_only_store_serves_and_says_it_cannot_write_back(how, worlds, engines, oracle, tmp_path):
-    from kvsnap.engine import Engine, EngineConfig
-    from kvsnap.store import Store
+    from kvsnap.runtime.engine import Engine, EngineConfig
+    from kvsnap.store.local import Store
 
     world = worlds("dense")
     store = world.copy_store(tmp_path / "snaps")

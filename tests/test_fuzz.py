@@ -52,8 +52,8 @@ def test_message_normaliser_accepts_or_explains(data):
 def app_client(demo_models, tmp_path_factory):
     from fastapi.testclient import TestClient
 
-    from kvsnap.engine import Engine, EngineConfig
-    from kvsnap.server import ServerConfig, create_app
+    from kvsnap.runtime.engine import Engine, EngineConfig
+    from kvsnap.http.server import ServerConfig, create_app
 
     engine = Engine(EngineConfig(model=str(demo_models.path("dense")), continuous_batching=True))
     app = create_app(engine, ServerConfig(served_model_name="m", default_max_tokens=3, context_length=32768))

@@ -25,10 +25,10 @@ from hypothesis import strategies as st
 
 from kvsnap.errors import ManifestError, SnapshotError
 from kvsnap.key import ModelIdentity, pack_tokens, snapshot_key, tokens_digest
-from kvsnap.manifest import merge_manifests, parse_manifest, read_manifest_file, referenced_files
-from kvsnap.snapfile import FORMAT_VERSION, FormatError, OutTensor, parse_header, write_snapshot
-from kvsnap.snapheader import inspect_header
-from kvsnap.store import Store
+from kvsnap.store.manifest import merge_manifests, parse_manifest, read_manifest_file, referenced_files
+from kvsnap.snapshot.file import FORMAT_VERSION, FormatError, OutTensor, parse_header, write_snapshot
+from kvsnap.snapshot.header import inspect_header
+from kvsnap.store.local import Store
 
 EXAMPLES = 1000
 SLACK = 1 << 20  # the peak may exceed the file's size by at most this much

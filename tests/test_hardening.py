@@ -17,7 +17,7 @@ import pytest
 
 from conftest import run_kvsnap
 from kvsnap.faults import KILL_POINTS
-from kvsnap.serverproc import start_server
+from kvsnap.tools.serverproc import start_server
 
 N_AGENTS = 4
 SYSTEMS = [
@@ -239,7 +239,7 @@ def test_a_read_only_store_serves_and_says_it_cannot_write_back(model, tmp_path,
 
 
 def test_warm_up_of_many_prompts_respects_concurrency_and_memory_budget(demo_models, tmp_path, monkeypatch):
-    from kvsnap.engine import Engine, EngineConfig, GenerationRequest
+    from kvsnap.runtime.engine import Engine, EngineConfig, GenerationRequest
     from kvsnap.prompts import parse_warm_prompts, request_tokens
 
     monkeypatch.setenv("KVSNAP_CACHE_DIR", str(tmp_path / "cache"))

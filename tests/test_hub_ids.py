@@ -22,8 +22,8 @@ import pytest
 from conftest import LONG_SYSTEM, run_kvsnap
 from kvsnap.errors import ModelError, UsageError
 from kvsnap.key import DigestCache, KVSettings, hash_file, hub_blob_sha256, model_identity
-from kvsnap.model_source import HUB_ALLOW_PATTERNS, ResolvedModel, resolve_model
-from kvsnap.serverproc import free_port, start_server
+from kvsnap.runtime.model_source import HUB_ALLOW_PATTERNS, ResolvedModel, resolve_model
+from kvsnap.tools.serverproc import free_port, start_server
 
 REPO = "org/tiny-chat"
 COMMIT_A = "a" * 40
@@ -59,7 +59,7 @@ def add_snapshot(hub: Path, repo_id: str, model_dir: Path, commit: str, refs: tu
 
 @pytest.fixture(scope="module")
 def models(demo_models) -> dict[str, Path]:
-    from kvsnap.demo import DemoSpec, make_demo_model
+    from kvsnap.tools.demo import DemoSpec, make_demo_model
 
     return {"a": demo_models.path("dense"), "b": make_demo_model(demo_models.root / "dense-seed1", DemoSpec(seed=1))}
 
@@ -189,7 +189,7 @@ def guard(event, args):
     if event in ("socket.connect", "socket.getaddrinfo"):
         raise RuntimeError(f"network use: {{event}} {{args[:2]}}")
 sys.addaudithook(guard)
-from kvsnap.model_source import resolve_model
+from kvsnap.runtime.model_source import resolve_model
 print(resolve_model({REPO!r}, "v2").commit)
 """
     env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
@@ -206,7 +206,7 @@ def guard(event, args):
     if event in ("socket.connect", "socket.getaddrinfo"):
         raise RuntimeError(f"network use: {{event}} {{args[:2]}}")
 sys.addaudithook(guard)
-from kvsnap.modeling import load_model
+from kvsnap.runtime.modeling import load_model
 lm = load_model({str(models["a"])!r})
 assert "HF_HUB_OFFLINE" not in os.environ and "TRANSFORMERS_OFFLINE" not in os.environ, os.environ.get("HF_HUB_OFFLINE")
 print("loaded", lm.path)

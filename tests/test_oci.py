@@ -22,7 +22,7 @@ import httpx
 import pytest
 
 from conftest import run_kvsnap
-from kvsnap.oci import (
+from kvsnap.store.oci import (
     ARTIFACT_TYPE,
     EMPTY_CONFIG,
     OCI_MANIFEST,
@@ -39,8 +39,8 @@ from kvsnap.oci import (
     resolve_kv_snapshots,
 )
 from kvsnap.errors import UsageError
-from kvsnap.serverproc import free_port, start_server
-from kvsnap.store import MANIFEST, Store
+from kvsnap.tools.serverproc import free_port, start_server
+from kvsnap.store.local import MANIFEST, Store
 from test_archive import AGENTS, build_store, flip_byte, no_stage_dirs, store_files, tree
 
 REGISTRY_BIN = shutil.which("docker-registry") or "/usr/bin/docker-registry"
@@ -328,7 +328,7 @@ def test_repush_after_changing_one_agent_uploads_one_new_snapshot_blob(registry,
 
 
 def test_serve_from_oci_pulls_into_the_cache_and_the_first_request_hits(registry, built, demo_models, tmp_path, monkeypatch):
-    from kvsnap.client import stream_chat
+    from kvsnap.tools.client import stream_chat
 
     ref = registry.ref("serve/snaps", "prod")
     assert run_kvsnap("push", built, ref).returncode == 0
@@ -420,7 +420,7 @@ def test_a_blob_with_the_right_digest_but_a_bad_snapshot_checksum_is_refused(reg
 
 def _push_raw(ref: Reference, files: dict[str, bytes]) -> None:
     """Push an artifact as-is, bypassing every local check (what a broken or hostile pusher could do)."""
-    from kvsnap.oci import Layer, artifact_manifest
+    from kvsnap.store.oci import Layer, artifact_manifest
 
     with RegistryClient(ref, push=True) as client:
         client.upload_blob(EMPTY_CONFIG["digest"], 2, lambda: _Opener(b"{}"))
@@ -433,7 +433,7 @@ def _push_raw(ref: Reference, files: dict[str, bytes]) -> None:
         client.put_manifest(ref.tag, artifact_manifest(layers))
 
 
-from kvsnap.oci import _BytesOpener as _Opener  # noqa: E402  (the same in-memory opener push uses)
+from kvsnap.store.oci import _BytesOpener as _Opener  # noqa: E402  (the same in-memory opener push uses)
 
 
 @pytest.mark.parametrize("title", ["../evil.safetensors", "/tmp/kvsnap-evil-abs", "snapshots/../../evil.safetensors", ".lock", "snapshots/notakey.safetensors"])

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvsnap.prefix import Entry, PrefixCache
+from kvsnap.runtime.prefix import Entry, PrefixCache
 
 
 def list_cache(max_bytes: int = 1000, **kwargs) -> PrefixCache:
@@ -208,7 +208,7 @@ def _prefill(lm, tokens):
 
 def _live(cache) -> dict:
     """Each layer's live arrays (KV sliced to the tokens held) and metadata, as a snapshot stores them."""
-    from kvsnap.snapshot import encode_layer
+    from kvsnap.snapshot.codec import encode_layer
 
     arrays: dict = {}
     metas = [encode_layer(c, str(i), arrays) for i, c in enumerate(cache)]
@@ -235,7 +235,7 @@ def _run(lm, cache, tokens):
 
 @pytest.mark.parametrize("name", ["dense", "hybrid"])
 def test_fetching_a_pinned_entry_three_times_through_a_trim_leaves_it_unchanged(demo_models, name):
-    from kvsnap.snapshot import cache_nbytes_of, copy_cache, is_trimmable, trim_cache
+    from kvsnap.snapshot.codec import cache_nbytes_of, copy_cache, is_trimmable, trim_cache
 
     lm = demo_models.load(name)
     tokens = tuple(range(40, 70))
@@ -267,7 +267,7 @@ def test_a_trimmed_copy_extended_matches_a_fresh_prefill(demo_models):
     """Trim + extend of a private copy gives the state a prefill of those tokens gives."""
     import mlx.core as mx
 
-    from kvsnap.snapshot import copy_cache, trim_cache
+    from kvsnap.snapshot.codec import copy_cache, trim_cache
 
     lm = demo_models.load("dense")
     base = _prefill(lm, list(range(40, 70)))

@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from conftest import LONG_SYSTEM
-from kvsnap.serverproc import free_port, start_server
+from kvsnap.tools.serverproc import free_port, start_server
 
 USER_A, USER_B, ADMIN = "user-key-aaaa-1111", "user-key-bbbb-2222", "admin-key-cccc-3333"
 AGENTS = [{"name": "reviewer", "messages": [{"role": "system", "content": LONG_SYSTEM}]}]
@@ -176,7 +176,7 @@ def test_a_variable_the_template_reads_is_accepted(keyed, client):
 
 
 def test_token_ids_are_bounded_by_the_embedding_rows(keyed, client, demo_models):
-    from kvsnap.request_limits import embedding_rows
+    from kvsnap.http.limits import embedding_rows
 
     rows = embedding_rows(demo_models.load("dense").model)
     for ids in ([5_000_000], [rows], [-1], [1, rows + 1], [2**40]):
@@ -187,7 +187,7 @@ def test_token_ids_are_bounded_by_the_embedding_rows(keyed, client, demo_models)
 
 
 def test_nested_text_config_still_bounds_ids_and_context(demo_models):
-    from kvsnap.request_limits import context_length, vocab_bound
+    from kvsnap.http.limits import context_length, vocab_bound
 
     lm = demo_models.load("dense")
     nested = {"model_type": "gemma3", "text_config": {k: v for k, v in lm.config.items() if k != "model_type"}}
@@ -333,7 +333,7 @@ def test_a_warm_up_that_fails_in_the_engine_ends_the_server_non_zero(demo_models
 
 
 def test_a_slow_lazy_load_does_not_block_status_readers():
-    from kvsnap.prefix import Entry, PrefixCache
+    from kvsnap.runtime.prefix import Entry, PrefixCache
 
     release = threading.Event()
 
@@ -357,7 +357,7 @@ def test_a_slow_lazy_load_does_not_block_status_readers():
 
 
 def test_prefixes_of_two_namespaces_never_match_each_other():
-    from kvsnap.prefix import Entry, PrefixCache
+    from kvsnap.runtime.prefix import Entry, PrefixCache
 
     cache = PrefixCache(max_bytes=10**6, copy_state=lambda s: s, trim_state=lambda s, n: s)
     cache.add(Entry(tokens=(1, 2, 3, 4), state="a", nbytes=1, trimmable=True, pinned=False, source="request", namespace="tenant-a/"))
@@ -372,8 +372,8 @@ def test_no_request_prefix_cache_keeps_no_request_prompt(demo_models, tmp_path, 
     """`--no-request-prefix-cache`: a second turn reuses nothing, and the cache holds no request entry."""
     from fastapi.testclient import TestClient
 
-    from kvsnap.engine import Engine, EngineConfig
-    from kvsnap.server import ServerConfig, create_app
+    from kvsnap.runtime.engine import Engine, EngineConfig
+    from kvsnap.http.server import ServerConfig, create_app
 
     monkeypatch.setenv("KVSNAP_CACHE_DIR", str(tmp_path / "cache"))
     text = "A conversation that would normally be kept for its next turn, long enough to matter."

@@ -9,8 +9,8 @@ import httpx
 import pytest
 
 from conftest import LONG_SYSTEM
-from kvsnap.client import stream_chat
-from kvsnap.serverproc import start_server
+from kvsnap.tools.client import stream_chat
+from kvsnap.tools.serverproc import start_server
 
 AGENTS = [
     {"name": "reviewer", "messages": [{"role": "system", "content": LONG_SYSTEM}]},
@@ -187,9 +187,9 @@ def test_health_is_503_until_warm_then_200(demo_models, tmp_path, monkeypatch):
     """In-process: the engine is loaded but its warm-up thread is held back, then released."""
     from fastapi.testclient import TestClient
 
-    from kvsnap.engine import Engine, EngineConfig
+    from kvsnap.runtime.engine import Engine, EngineConfig
     from kvsnap.prompts import parse_warm_prompts
-    from kvsnap.server import ServerConfig, create_app
+    from kvsnap.http.server import ServerConfig, create_app
 
     monkeypatch.setenv("KVSNAP_CACHE_DIR", str(tmp_path / "cache"))
     prompts = parse_warm_prompts(AGENTS)
@@ -219,9 +219,9 @@ def test_answers_over_http_come_from_the_exact_snapshot_state(name, demo_models,
     """
     from fastapi.testclient import TestClient
 
-    from kvsnap.engine import Engine, EngineConfig
+    from kvsnap.runtime.engine import Engine, EngineConfig
     from kvsnap.prompts import parse_warm_prompts, request_tokens, warm_prefix
-    from kvsnap.server import ServerConfig, create_app
+    from kvsnap.http.server import ServerConfig, create_app
     from test_engine import assert_served_from_the_exact_snapshot_state
 
     monkeypatch.setenv("KVSNAP_CACHE_DIR", str(tmp_path / "cache"))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from conftest import LONG_SYSTEM
-from kvsnap.shared_prefix import shared_groups
+from kvsnap.runtime.shared_prefix import shared_groups
 
 QUESTIONS = ["Check the parser.", "Explain the server fix.", "List the failing tests.", "What does the cache do?"]
 
@@ -21,7 +21,7 @@ def test_groups_need_one_namespace_and_enough_shared_tokens():
 
 
 def _engine(model, **config):
-    from kvsnap.engine import Engine, EngineConfig
+    from kvsnap.runtime.engine import Engine, EngineConfig
 
     engine = Engine(EngineConfig(model=str(model), max_batch_size=8, **config))
     engine.start()
@@ -30,7 +30,7 @@ def _engine(model, **config):
 
 
 def _submit_together(engine, token_lists, namespace=""):
-    from kvsnap.engine import GenerationRequest
+    from kvsnap.runtime.engine import GenerationRequest
 
     states = []
 
@@ -83,7 +83,7 @@ def test_requests_of_two_namespaces_never_share_a_computed_prefix(demo_models, t
     token_lists = [request_tokens(lm.tokenizer, [{"role": "system", "content": LONG_SYSTEM}, {"role": "user", "content": q}]) for q in QUESTIONS[:2]]
     engine = _engine(demo_models.path("dense"), continuous_batching=True)
     try:
-        from kvsnap.engine import GenerationRequest
+        from kvsnap.runtime.engine import GenerationRequest
 
         states = []
 

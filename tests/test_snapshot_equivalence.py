@@ -11,8 +11,8 @@ from conftest import LONG_SYSTEM
 from kvsnap.build import prefill
 from kvsnap.key import prompt_identity
 from kvsnap.prompts import parse_entry, request_tokens, resolve_chat_template, warm_prefix
-from kvsnap.snapshot import decode_cache, encode_cache, to_out_tensors
-from kvsnap.store import Store
+from kvsnap.snapshot.codec import decode_cache, encode_cache, to_out_tensors
+from kvsnap.store.local import Store
 
 CASES = [
     pytest.param("dense", {}, id="dense"),
@@ -105,7 +105,7 @@ def test_altered_kv_with_recomputed_checksum_changes_logits(demo_models, isolate
     info = store.inspect(path)
     arrays = store.load_arrays(info)
     arrays["1.values"] = arrays["1.values"] * 1.5
-    from kvsnap.snapfile import read_header
+    from kvsnap.snapshot.file import read_header
 
     metadata = {k: v for k, v in read_header(path).metadata.items() if k != "kvsnap.data_xxh3_128"}
     with store.lock():
@@ -117,7 +117,7 @@ def test_altered_kv_with_recomputed_checksum_changes_logits(demo_models, isolate
 
 
 def test_capture_refuses_a_state_with_a_generated_token(demo_models):
-    from kvsnap.snapshot import CaptureError
+    from kvsnap.snapshot.codec import CaptureError
 
     lm = demo_models.load("hybrid")
     tokens = list(range(5, 25))

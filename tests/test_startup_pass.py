@@ -29,7 +29,7 @@ def world(demo_models, tmp_path, monkeypatch):
 
 
 def _start(world):
-    from kvsnap.engine import Engine, EngineConfig
+    from kvsnap.runtime.engine import Engine, EngineConfig
     from kvsnap.prompts import load_warm_prompts
 
     engine = Engine(EngineConfig(model=str(world["model"]), warm_prompts=load_warm_prompts(world["agents"]), warm_prompts_file=str(world["agents"]), snapshots=str(world["store"]), write_back=False))
@@ -39,12 +39,12 @@ def _start(world):
 
 
 def test_each_pinned_snapshot_is_opened_and_parsed_once_to_index_and_once_to_restore(world, monkeypatch):
-    import kvsnap.snapfile
-    import kvsnap.snapheader
-    import kvsnap.store
+    import kvsnap.snapshot.file
+    import kvsnap.snapshot.header
+    import kvsnap.store.local
 
     parses: list[str] = []
-    real_parse = kvsnap.store.parse_header
+    real_parse = kvsnap.store.local.parse_header
 
     def counting_parse(f, size):
         parses.append(f.name)
@@ -53,9 +53,9 @@ def test_each_pinned_snapshot_is_opened_and_parsed_once_to_index_and_once_to_res
     def no_reread(*args, **kwargs):
         raise AssertionError("a snapshot file was re-read for its tokens")
 
-    monkeypatch.setattr(kvsnap.store, "parse_header", counting_parse)
-    monkeypatch.setattr(kvsnap.store, "read_header", no_reread)
-    monkeypatch.setattr(kvsnap.snapheader, "tensor_bytes", no_reread)
+    monkeypatch.setattr(kvsnap.store.local, "parse_header", counting_parse)
+    monkeypatch.setattr(kvsnap.store.local, "read_header", no_reread)
+    monkeypatch.setattr(kvsnap.snapshot.header, "tensor_bytes", no_reread)
     engine = _start(world)
     try:
         status = engine.status()
@@ -67,11 +67,11 @@ def test_each_pinned_snapshot_is_opened_and_parsed_once_to_index_and_once_to_res
 
 
 def test_unchanged_warm_prompts_reuse_their_recorded_tokens(world, monkeypatch):
-    import kvsnap.warmup
+    import kvsnap.runtime.warmup
 
     calls = []
-    real = kvsnap.warmup.warm_prefix
-    monkeypatch.setattr(kvsnap.warmup, "warm_prefix", lambda *a, **k: calls.append(a) or real(*a, **k))
+    real = kvsnap.runtime.warmup.warm_prefix
+    monkeypatch.setattr(kvsnap.runtime.warmup, "warm_prefix", lambda *a, **k: calls.append(a) or real(*a, **k))
     engine = _start(world)
     try:
         status = engine.status()
@@ -82,15 +82,15 @@ def test_unchanged_warm_prompts_reuse_their_recorded_tokens(world, monkeypatch):
 
 
 def test_a_template_edit_falls_back_to_the_full_computation(world, monkeypatch):
-    import kvsnap.warmup
+    import kvsnap.runtime.warmup
 
     config = world["model"] / "tokenizer_config.json"
     data = json.loads(config.read_text())
     data["chat_template"] = "{{ '<|edited|>' }}" + data["chat_template"]
     config.write_text(json.dumps(data))
     calls = []
-    real = kvsnap.warmup.warm_prefix
-    monkeypatch.setattr(kvsnap.warmup, "warm_prefix", lambda *a, **k: calls.append(a) or real(*a, **k))
+    real = kvsnap.runtime.warmup.warm_prefix
+    monkeypatch.setattr(kvsnap.runtime.warmup, "warm_prefix", lambda *a, **k: calls.append(a) or real(*a, **k))
     engine = _start(world)
     try:
         status = engine.status()
@@ -101,15 +101,15 @@ def test_a_template_edit_falls_back_to_the_full_computation(world, monkeypatch):
 
 
 def test_a_recipe_whose_tokens_do_not_give_the_key_is_not_trusted(world, monkeypatch):
-    import kvsnap.warm_recipe
-    from kvsnap.modeling import load_model
-    from kvsnap.store import Store
-    from kvsnap.warmup import recorded_prefix
+    import kvsnap.runtime.warm_recipe
+    from kvsnap.runtime.modeling import load_model
+    from kvsnap.store.local import Store
+    from kvsnap.runtime.warmup import recorded_prefix
 
     identity = load_model(world["model"]).identity()
     info = Store.open(world["store"], readonly=True).scan(identity)[0][0]
     forged = dataclasses.replace(info, tokens=info.tokens[:-1])  # a header whose tokens do not give its key
-    monkeypatch.setattr(kvsnap.warm_recipe, "warm_recipe", lambda *a: "same-recipe")
+    monkeypatch.setattr(kvsnap.runtime.warm_recipe, "warm_recipe", lambda *a: "same-recipe")
     assert recorded_prefix({"same-recipe": info}, None, info.prompt_digest, identity, "") == info.tokens
     assert recorded_prefix({"same-recipe": forged}, None, info.prompt_digest, identity, "") is None
 
@@ -129,11 +129,11 @@ def _slow_load_and_count_reads(engine_holder, monkeypatch):
     """The model load takes a second; every snapshot read says whether the model was loaded yet."""
     import time
 
-    import kvsnap.modeling
-    import kvsnap.store
+    import kvsnap.runtime.modeling
+    import kvsnap.store.local
 
     reads = []
-    real_load, real_read = kvsnap.modeling.load_model, kvsnap.store.Store.load_arrays
+    real_load, real_read = kvsnap.runtime.modeling.load_model, kvsnap.store.local.Store.load_arrays
 
     def slow_load(*a, **k):
         time.sleep(1.0)
@@ -143,13 +143,13 @@ def _slow_load_and_count_reads(engine_holder, monkeypatch):
         reads.append(engine_holder[0].loaded.is_set())
         return real_read(self, info, *a, **k)
 
-    monkeypatch.setattr(kvsnap.modeling, "load_model", slow_load)
-    monkeypatch.setattr(kvsnap.store.Store, "load_arrays", read)
+    monkeypatch.setattr(kvsnap.runtime.modeling, "load_model", slow_load)
+    monkeypatch.setattr(kvsnap.store.local.Store, "load_arrays", read)
     return reads
 
 
 def _answer(engine, tokens):
-    from kvsnap.engine import GenerationRequest
+    from kvsnap.runtime.engine import GenerationRequest
 
     st = engine.submit(GenerationRequest(tokens=tokens, max_tokens=16), lambda *a: None)
     assert st.done.wait(120)
@@ -157,7 +157,7 @@ def _answer(engine, tokens):
 
 
 def test_snapshots_restored_during_the_model_load_answer_like_a_cold_start(arch_world, monkeypatch):
-    from kvsnap.engine import Engine, EngineConfig
+    from kvsnap.runtime.engine import Engine, EngineConfig
     from kvsnap.prompts import load_warm_prompts, request_tokens
 
     holder: list = []
@@ -183,7 +183,7 @@ def test_snapshots_restored_during_the_model_load_answer_like_a_cold_start(arch_
 
 def test_a_corrupt_snapshot_found_during_the_overlapped_read_is_rejected_and_prefilled(world, monkeypatch):
     victim = sorted((world["store"] / "snapshots").iterdir())[0]
-    from kvsnap.snapfile import read_header
+    from kvsnap.snapshot.file import read_header
 
     header = read_header(victim)
     layer = next(e for name, e in header.tensors.items() if name != "tokens")
@@ -192,7 +192,7 @@ def test_a_corrupt_snapshot_found_during_the_overlapped_read_is_rejected_and_pre
     victim.write_bytes(bytes(data))
     holder: list = []
     reads = _slow_load_and_count_reads(holder, monkeypatch)
-    from kvsnap.engine import Engine, EngineConfig
+    from kvsnap.runtime.engine import Engine, EngineConfig
     from kvsnap.prompts import load_warm_prompts
 
     engine = Engine(EngineConfig(model=str(world["model"]), warm_prompts=load_warm_prompts(world["agents"]), warm_prompts_file=str(world["agents"]), snapshots=str(world["store"]), write_back=False))
@@ -211,14 +211,14 @@ def test_a_corrupt_snapshot_found_during_the_overlapped_read_is_rejected_and_pre
 def test_the_two_thread_read_gives_the_same_bytes_and_names_a_truncation(world, monkeypatch, tmp_path):
     import mlx.core as mx
 
-    import kvsnap.store
+    import kvsnap.store.local
     from kvsnap.errors import SnapshotError
-    from kvsnap.store import Store
+    from kvsnap.store.local import Store
 
     store = Store.open(world["store"], readonly=True)
     info = store.scan()[0][0]
     one = store.load_arrays(info)
-    monkeypatch.setattr(kvsnap.store, "PARALLEL_READ_MIN", 1024)  # the tiny files take the two-thread path too
+    monkeypatch.setattr(kvsnap.store.local, "PARALLEL_READ_MIN", 1024)  # the tiny files take the two-thread path too
     two = store.load_arrays(info)
     assert one.keys() == two.keys() and all(mx.array_equal(one[k], two[k]) for k in one)
     # A file cut short after it was indexed: named, never served.

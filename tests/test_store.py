@@ -20,8 +20,8 @@ import pytest
 
 from kvsnap.build import build_snapshots
 from kvsnap.errors import SnapshotError, StoreError
-from kvsnap.snapfile import CHECKSUM_KEY, FORMAT_VERSION, OutTensor
-from kvsnap.store import MANIFEST, SNAPSHOTS, TMP_PREFIX, Store
+from kvsnap.snapshot.file import CHECKSUM_KEY, FORMAT_VERSION, OutTensor
+from kvsnap.store.local import MANIFEST, SNAPSHOTS, TMP_PREFIX, Store
 
 KEY = "0123456789abcdef0123456789abcdef"
 OTHER_KEY = "fedcba9876543210fedcba9876543210"
@@ -204,8 +204,8 @@ def dense(demo_models):
 @pytest.fixture(scope="module")
 def dense_seed1(demo_models):
     """Same architecture and shapes as ``dense``, other weights and tokenizer."""
-    from kvsnap.demo import DemoSpec, make_demo_model
-    from kvsnap.modeling import load_model
+    from kvsnap.tools.demo import DemoSpec, make_demo_model
+    from kvsnap.runtime.modeling import load_model
 
     return load_model(make_demo_model(demo_models.root / "dense-seed1", DemoSpec(seed=1)))
 

@@ -26,15 +26,15 @@ from pathlib import Path
 import pytest
 
 from conftest import run_kvsnap
-from kvsnap.archive import ShipError, pack, unpack
+from kvsnap.store.archive import ShipError, pack, unpack
 from kvsnap.errors import ManifestError, SnapshotError, StoreError
 from kvsnap.key import snapshot_key, tokens_digest
-from kvsnap.manifest import MAX_MANIFEST_BYTES, parse_manifest
-from kvsnap.oci import CredentialError, Credentials, Reference, RegistryUnreachableError, find_credentials, pull, push, redact, resolve_kv_snapshots
-from kvsnap.serverproc import free_port
-from kvsnap.snapfile import CHECKSUM_KEY, OutTensor, read_header, write_snapshot
-from kvsnap.snapheader import key_of, tokens_digest_of_bytes
-from kvsnap.store import MANIFEST, Store
+from kvsnap.store.manifest import MAX_MANIFEST_BYTES, parse_manifest
+from kvsnap.store.oci import CredentialError, Credentials, Reference, RegistryUnreachableError, find_credentials, pull, push, redact, resolve_kv_snapshots
+from kvsnap.tools.serverproc import free_port
+from kvsnap.snapshot.file import CHECKSUM_KEY, OutTensor, read_header, write_snapshot
+from kvsnap.snapshot.header import key_of, tokens_digest_of_bytes
+from kvsnap.store.local import MANIFEST, Store
 from test_archive import build_store, no_stage_dirs, store_files, tree
 from test_oci import _push_raw, auth_registry, no_ambient_credentials, registry  # noqa: F401  (fixtures: a real docker-registry on 127.0.0.1)
 
@@ -563,8 +563,8 @@ def test_every_cache_class_the_codec_writes_passes_the_layer_checks():
     import mlx.core as mx
     from mlx_lm.models.cache import ArraysCache, CacheList, ChunkedKVCache, KVCache, QuantizedKVCache, RotatingKVCache
 
-    from kvsnap.snapheader import check_offsets, expected_tensor_names
-    from kvsnap.snapshot import encode_cache
+    from kvsnap.snapshot.header import check_offsets, expected_tensor_names
+    from kvsnap.snapshot.codec import encode_cache
 
     def kv(n, dim=8):
         k = mx.random.normal((1, 2, n, dim), key=mx.random.key(n))
@@ -610,7 +610,7 @@ def test_a_fifo_as_manifest_or_snapshot_is_refused_instead_of_hanging(store_a, t
     r = run_kvsnap("gc", store_a, "--yes", timeout=60)
     line = one_line_error(r, "gc")
     assert f"{store_a / MANIFEST} is not a regular file" in line
-    from kvsnap.snapfile import FormatError, read_header
+    from kvsnap.snapshot.file import FormatError, read_header
 
     with pytest.raises(FormatError, match="is not a regular file"):
         read_header(snapshot)

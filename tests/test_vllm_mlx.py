@@ -126,7 +126,7 @@ def dense_store(tmp_path_factory, demo_models):
     from kvsnap.build import build_snapshots
     from kvsnap.key import DigestCache
     from kvsnap.prompts import parse_warm_prompts
-    from kvsnap.store import Store
+    from kvsnap.store.local import Store
 
     root = tmp_path_factory.mktemp("vllm-mlx-store")
     agents = root / "agents.json"
@@ -205,12 +205,12 @@ def test_snapshots_built_for_vllm_mlx_go_in_with_their_bos(demo_models, tmp_path
     from kvsnap.integrations.vllm_mlx_profile import vllm_mlx_tokenization
     from kvsnap.key import DigestCache
     from kvsnap.prompts import parse_warm_prompts, warm_prefix
-    from kvsnap.store import Store
+    from kvsnap.store.local import Store
 
     lm = demo_models.load("dense")
     bos = BosTokenizer(lm.tokenizer)
     store = Store.open(tmp_path / "snaps", create=True)
-    from kvsnap.modeling import LoadedModel
+    from kvsnap.runtime.modeling import LoadedModel
 
     as_vllm = LoadedModel(path=lm.path, model=lm.model, tokenizer=bos, config=lm.config, settings=lm.settings)
     assert build_snapshots(as_vllm, parse_warm_prompts(AGENTS, "a.json"), store, "a.json", digests=DigestCache(), tokenization=vllm_mlx_tokenization("demo")).ok
@@ -238,7 +238,7 @@ def make_llama3_model(out: Path) -> Path:
     from mlx.utils import tree_flatten
     from mlx_lm.utils import _get_classes
 
-    from kvsnap.demo import _randomize
+    from kvsnap.tools.demo import _randomize
 
     if (out / "config.json").exists():
         return out
@@ -363,7 +363,7 @@ def test_build_for_vllm_mlx_refuses_settings_vllm_mlx_cannot_use(tmp_path, capsy
 
 def _vllm_mlx_lm(demo_models, name="dense"):
     """The demo model as vllm-mlx sees it: a tokenizer whose encode adds a BOS."""
-    from kvsnap.modeling import LoadedModel
+    from kvsnap.runtime.modeling import LoadedModel
 
     lm = demo_models.load(name)
     return LoadedModel(path=lm.path, model=lm.model, tokenizer=BosTokenizer(lm.tokenizer), config=lm.config, settings=lm.settings)
@@ -384,7 +384,7 @@ def test_warm_plan_takes_what_the_store_has_prefills_the_rest_once_and_writes_it
     from kvsnap.integrations.vllm_mlx_profile import vllm_mlx_tokenization
     from kvsnap.key import DigestCache
     from kvsnap.prompts import parse_warm_prompts
-    from kvsnap.store import Store
+    from kvsnap.store.local import Store
 
     lm = _vllm_mlx_lm(demo_models)
     agents = tmp_path / "agents.json"
@@ -419,7 +419,7 @@ def test_warm_plan_on_a_read_only_store_prefills_without_writing_and_names_forei
     from kvsnap.build import build_snapshots
     from kvsnap.key import DigestCache
     from kvsnap.prompts import parse_warm_prompts
-    from kvsnap.store import Store
+    from kvsnap.store.local import Store
 
     agents = tmp_path / "agents.json"
     agents.write_text(json.dumps(AGENTS))
@@ -440,7 +440,7 @@ def test_warm_plan_on_a_read_only_store_prefills_without_writing_and_names_forei
 
 def test_warm_plan_skips_prefixes_vllm_mlx_would_never_reuse(demo_models, tmp_path):
     from kvsnap.prompts import parse_warm_prompts
-    from kvsnap.store import Store
+    from kvsnap.store.local import Store
 
     prompts = parse_warm_prompts([*AGENTS, ["not a message"]], "inline")
     store = Store.open(tmp_path / "snaps", create=True)
@@ -571,7 +571,7 @@ def world(vllm_mlx_python, tmp_path_factory):
 
 
 def _launch(cmd: list[str], home: Path, log: Path, extra_env: dict | None = None):
-    from kvsnap.serverproc import ServerProcess, free_port
+    from kvsnap.tools.serverproc import ServerProcess, free_port
 
     port = free_port()
     full = [*cmd, "--host", "127.0.0.1", "--port", str(port)]
@@ -780,7 +780,7 @@ def test_warm_prompts_come_from_the_store_and_survive_restart_eviction_and_delet
         assert after_long["cached_tokens"] == warm_tokens["agent-0"], after_long
     assert len(list((store / "snapshots").iterdir())) == 2
     if arch == "llama3":  # vllm-mlx's requests start with two BOS, and so do the snapshots now
-        from kvsnap.store import Store
+        from kvsnap.store.local import Store
 
         assert all(Store.open(store, readonly=True).read_tokens(i)[:2] == [128000, 128000] for i in Store.open(store, readonly=True).scan()[0])
 

@@ -1,6 +1,6 @@
 """Snapshot stores as OCI artifacts: ``kvsnap push`` / ``pull`` and ``serve --kv-snapshots oci://…``.
 
-A store is pushed as one OCI image manifest (``artifactType`` ``application/vnd.kvsnap.store.local.v1``,
+A store is pushed as one OCI image manifest (``artifactType`` ``application/vnd.kvsnap.store.v1``,
 the empty config) whose layers are its files, one blob each, content-addressed by sha256
 and named by the ``org.opencontainers.image.title`` annotation (``manifest.json``,
 ``snapshots/<key>.safetensors``). A blob the registry already has (HEAD) is not uploaded
@@ -47,9 +47,9 @@ from kvsnap.store.local import MANIFEST, Store
 
 log = logging.getLogger("kvsnap")
 
-ARTIFACT_TYPE = "application/vnd.kvsnap.store.local.v1"
-SNAPSHOT_MEDIA_TYPE = "application/vnd.kvsnap.snapshot.codec.v2+safetensors"
-MANIFEST_MEDIA_TYPE = "application/vnd.kvsnap.store.manifest.v1+json"
+ARTIFACT_TYPE = "application/vnd.kvsnap.store.v1"
+SNAPSHOT_MEDIA_TYPE = "application/vnd.kvsnap.snapshot.v2+safetensors"
+MANIFEST_MEDIA_TYPE = "application/vnd.kvsnap.manifest.v1+json"
 OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
 OCI_INDEX = "application/vnd.oci.image.index.v1+json"
 DOCKER_MANIFEST = "application/vnd.docker.distribution.manifest.v2+json"
