@@ -47,9 +47,7 @@ from kvsnap.store.local import MANIFEST, Store
 
 log = logging.getLogger("kvsnap")
 
-ARTIFACT_TYPE = "application/vnd.kvsnap.store.v1"
-SNAPSHOT_MEDIA_TYPE = "application/vnd.kvsnap.snapshot.v2+safetensors"
-MANIFEST_MEDIA_TYPE = "application/vnd.kvsnap.manifest.v1+json"
+from kvsnap.snapshot.format import ARTIFACT_TYPE, MANIFEST_MEDIA_TYPE, SNAPSHOT_MEDIA_TYPE  # noqa: E402  (named after the format versions)
 OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
 OCI_INDEX = "application/vnd.oci.image.index.v1+json"
 DOCKER_MANIFEST = "application/vnd.docker.distribution.manifest.v2+json"
