@@ -1,0 +1,89 @@
+"""`kvsnap build`: prefill warm prompts once and write their snapshots, with a progress bar and a table."""
+
+from __future__ import annotations
+
+from kvsnap.commands.common import EXIT_BAD, EXIT_OK, MODEL_HELP, REVISION_HELP, add_kv_options, console, human_bytes, kv_settings
+
+def add_build(sub) -> None:
+    p = sub.add_parser("build", help="prefill warm prompts once and write their snapshots")
+    p.add_argument("agents", help="warm-prompt file (JSON list of message lists or {name, messages, tools, chat_template_kwargs})")
+    p.add_argument("--model", required=True, help=MODEL_HELP)
+    p.add_argument("--revision", metavar="REV", help=REVISION_HELP)
+    p.add_argument("--out", required=True, help="snapshot store directory (created if absent)")
+    p.add_argument("--force", action="store_true", help="re-prefill and rewrite every snapshot")
+    p.add_argument("--for", dest="for_server", choices=("kvsnap", "vllm-mlx"), default="kvsnap", help="the server whose requests the snapshots must match: kvsnap serve (default) or vllm-mlx (it encodes with the tokenizer's special tokens and its own enable_thinking); see docs/vllm-mlx.md")
+    p.add_argument("--served-model-name", metavar="NAME", help="with --for vllm-mlx: the MODEL name vllm-mlx serve is started with, from which it picks enable_thinking (false when the name contains 'coder'); default: --model")
+    add_kv_options(p)
+    p.set_defaults(run=cmd_build)
+
+
+def build_tokenization(args):
+    """The request path `build --for` names (None: kvsnap's own); bad combinations are usage errors."""
+    from kvsnap.errors import UsageError
+
+    if args.for_server != "vllm-mlx":
+        if args.served_model_name is not None:
+            raise UsageError(f"--served-model-name {args.served_model_name!r} only applies with --for vllm-mlx; add --for vllm-mlx or drop it")
+        return None
+    kv = {"--kv-bits": args.kv_bits, "--max-kv-size": args.max_kv_size}
+    given = [f"{flag} {value}" for flag, value in kv.items() if value is not None]
+    if given:
+        raise UsageError(f"--for vllm-mlx with {', '.join(given)}: vllm-mlx's live KV cache is never quantized or bounded, so it could not use these snapshots; drop {', '.join(f.split()[0] for f in given)}")
+    from kvsnap.integrations.vllm_mlx_profile import vllm_mlx_tokenization
+
+    return vllm_mlx_tokenization(args.served_model_name or args.model)
+
+
+def cmd_build(args) -> int:
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from kvsnap.build import build_snapshots
+    from kvsnap.faults import FaultHook
+    from kvsnap.prompts import load_warm_prompts
+    from kvsnap.runtime.modeling import default_digest_cache, load_model, resolve_model
+    from kvsnap.store.local import Store
+
+    tokenization = build_tokenization(args)
+    prompts = load_warm_prompts(args.agents)
+    source = resolve_model(args.model, args.revision)  # a bad id or folder fails before the store is created
+    store = Store.open(args.out, create=True, fault=FaultHook.from_env())
+    out = console()
+    for problem in prompts.problems:
+        out.print(f"[yellow]skipped[/] {problem}", markup=True)
+    lm = load_model(source, kv_settings(args))
+    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(), console=out, transient=True) as bar:
+        task = bar.add_task("prefilling", total=len(prompts.entries))
+
+        def progress(event: str, name: str) -> None:
+            if event == "start":
+                bar.update(task, description=f"{name}")
+            else:
+                bar.advance(task)
+
+        report = build_snapshots(lm, prompts, store, args.agents, force=args.force, progress=progress, digests=default_digest_cache(), tokenization=tokenization)
+    print_build_report(out, report)
+    return EXIT_OK if report.ok else EXIT_BAD
+
+
+def print_build_report(out, report) -> None:
+    """One row per entry, its warnings and failures, then the totals line."""
+    from rich.table import Table
+
+    table = Table(title=f"kvsnap build → {report.store}")
+    for col in ("agent", "status", "tokens", "coverage", "bytes", "seconds"):
+        table.add_column(col, justify="left" if col in ("agent", "status") else "right")
+    for e in report.entries:
+        table.add_row(e.name, e.status, str(e.n_tokens), f"{e.coverage:.0%}", human_bytes(e.nbytes), f"{e.seconds:.2f}")
+    out.print(table)
+    for e in report.entries:
+        for w in e.warnings:
+            out.print(f"warning: {w}", markup=False)
+        if e.error:
+            out.print(f"failed: {e.error}", markup=False)
+    total_tokens = sum(e.n_tokens for e in report.entries if e.status != "failed")
+    total_bytes = sum(e.nbytes for e in report.entries)
+    out.print(
+        f"{report.count('built')} built, {report.count('reused')} reused, {report.count('failed')} failed, "
+        f"{len(report.problems)} invalid; {total_tokens} tokens, {human_bytes(total_bytes)} in {report.seconds:.1f}s",
+        markup=False,
+    )

@@ -1,0 +1,159 @@
+"""`kvsnap ls`, `inspect`, `verify` and `gc`: a store's files, read from their headers (no mlx unless `verify --model`)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from kvsnap.commands.common import EXIT_BAD, EXIT_OK, REVISION_HELP, add_kv_options, console, human_bytes, kv_settings
+from kvsnap.errors import KvsnapError
+
+
+def add_ls(sub) -> None:
+    p = sub.add_parser("ls", help="list the snapshots in a store (headers only)")
+    p.add_argument("store")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(run=cmd_ls)
+
+
+def cmd_ls(args) -> int:
+    from kvsnap.store.local import Store
+
+    store = Store.open(args.store, readonly=True)
+    good, bad = store.scan()
+    if args.json:
+        print(json.dumps({"snapshots": [{"key": i.key, "name": i.name, "file": i.relpath, "n_tokens": i.n_tokens, "bytes": i.nbytes, "model_digest": i.model_digest, "model_repo": i.recorded.get("model_repo"), "model_commit": i.recorded.get("model_commit"), "created": i.recorded.get("created")} for i in good], "problems": [{"file": str(p.path), "reason": p.reason} for p in bad]}, indent=1))
+        return EXIT_OK
+    from rich.markup import escape
+    from rich.table import Table
+
+    # Names and dates come from the files: data, never rich markup ("[/bold]" would raise).
+    table = Table(title=escape(f"{store.root}: {len(good)} snapshot(s)"))
+    for col in ("key", "agent", "tokens", "size", "model", "created"):
+        table.add_column(col)
+    for i in good:
+        origin = f" {i.recorded['model_repo']}@{str(i.recorded.get('model_commit', '?'))[:7]}" if i.recorded.get("model_repo") else ""  # hub builds only
+        table.add_row(i.key[:12], escape(i.name), str(i.n_tokens), human_bytes(i.nbytes), escape(i.model_digest[:12] + origin), escape(i.recorded.get("created", "?")))
+    out = console()
+    out.print(table)
+    for p in bad:
+        out.print(f"unreadable: {p}", markup=False)
+    return EXIT_OK
+
+
+def add_inspect(sub) -> None:
+    p = sub.add_parser("inspect", help="show one snapshot file's header")
+    p.add_argument("file")
+    p.set_defaults(run=cmd_inspect)
+
+
+def cmd_inspect(args) -> int:
+    from kvsnap.errors import SnapshotError
+    from kvsnap.snapshot.file import FormatError, read_header
+    from kvsnap.store.local import inspect_header
+
+    path = Path(args.file)
+    if not path.is_file():
+        raise KvsnapError(f"{path}: no such snapshot file; give a path like STORE/snapshots/<key>.safetensors")
+    try:
+        header = read_header(path)
+        info = inspect_header(path, header)
+    except FormatError as exc:
+        raise SnapshotError(str(path), str(exc), "give a kvsnap snapshot file (STORE/snapshots/<key>.safetensors); `kvsnap verify STORE` checks them all") from None
+    except OSError as exc:
+        raise SnapshotError(str(path), f"cannot be read ({exc.strerror or exc})", "check the file's permissions") from None
+    out = {
+        "file": str(path),
+        "key": info.key,
+        "name": info.name,
+        "n_tokens": info.n_tokens,
+        "bytes": info.nbytes,
+        "model_digest": info.model_digest,
+        "model": info.model,
+        "prompt_digest": info.prompt_digest,
+        "recorded": info.recorded,
+        "layers": info.layers,
+        "tensors": {n: {"dtype": t.dtype, "shape": list(t.shape)} for n, t in sorted(header.tensors.items())},
+    }
+    print(json.dumps(out, indent=1))
+    return EXIT_OK
+
+
+def add_verify(sub) -> None:
+    p = sub.add_parser("verify", help="check every snapshot (exit 1 if any is bad)")
+    p.add_argument("store")
+    p.add_argument("--model", help="also reject snapshots not built for this model: hub id or local folder (imports mlx)")
+    p.add_argument("--revision", metavar="REV", help=REVISION_HELP)
+    add_kv_options(p)
+    p.set_defaults(run=cmd_verify)
+
+
+def cmd_verify(args) -> int:
+    from kvsnap.errors import SnapshotError, StoreError
+    from kvsnap.store.local import Store
+
+    store = Store.open(args.store, readonly=True)
+    if not store.is_initialized():
+        raise StoreError(f"{store.root} is not a kvsnap store (no manifest.json, no snapshots/); give the folder passed to `kvsnap build --out`")
+    expected = None
+    if args.revision and not args.model:
+        raise KvsnapError(f"--revision {args.revision!r} needs --model (a hub id); add --model ORG/NAME or drop --revision")
+    if args.model:
+        from kvsnap.runtime.modeling import default_digest_cache, load_model
+
+        expected = load_model(args.model, kv_settings(args), args.revision).identity(default_digest_cache())
+    ok = bad = 0
+    files = store.snapshot_files()
+    for path in files:
+        try:
+            info = store.verify_file(path, expected)
+            ok += 1
+            name = info.name if info.name.isprintable() else repr(info.name)  # a name from a file must not forge output lines
+            print(f"ok   {info.relpath}  {name}  {info.n_tokens} tokens")
+        except SnapshotError as exc:
+            bad += 1
+            print(f"BAD  {exc.path}: {exc.reason}; {exc.fix}")
+    bad += _verify_manifest(store, files)
+    for tmp in store.temp_files():
+        print(f"note {tmp}: leftover temp file of an interrupted write (harmless; `kvsnap gc --yes` removes it)")
+    print(f"{ok} ok, {bad} bad")
+    return EXIT_BAD if bad else EXIT_OK
+
+
+def _verify_manifest(store, files: list[Path]) -> int:
+    """Print and count what is wrong with the manifest: unreadable, or listing files that are gone."""
+    from kvsnap.errors import StoreError
+
+    bad = 0
+    try:
+        referenced = store.referenced()
+    except StoreError as exc:
+        bad += 1
+        referenced = set()
+        print(f"BAD  {exc}")
+    present = {f"snapshots/{p.name}" for p in files}
+    for ref in sorted(referenced - present):
+        bad += 1
+        print(f"BAD  {store.root / ref}: listed in the manifest but missing; run `kvsnap build` again")
+    return bad
+
+
+def add_gc(sub) -> None:
+    p = sub.add_parser("gc", help="remove temp files and snapshots no manifest record uses (dry run unless --yes)")
+    p.add_argument("store")
+    p.add_argument("--yes", action="store_true", help="really delete")
+    p.set_defaults(run=cmd_gc)
+
+
+def cmd_gc(args) -> int:
+    from kvsnap.store.local import MANIFEST, Store
+
+    store = Store.open(args.store)
+    doomed, freed = store.gc(apply=args.yes)
+    verb = "removed" if args.yes else "would remove"
+    if not (store.root / MANIFEST).exists() and store.snapshot_files():
+        print(f"note {store.root} has no manifest.json, so no snapshot is known to be unused; only temp files are removed")
+    for p in doomed:
+        print(f"{verb} {p}")
+    print(f"{verb} {len(doomed)} file(s), {human_bytes(freed)}" + ("" if args.yes else "; run again with --yes to delete"))
+    return EXIT_OK
