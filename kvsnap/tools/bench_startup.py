@@ -1,7 +1,8 @@
 """Start-up benchmark: cold vs --warm-prompts vs --kv-snapshots servers, launched interleaved.
 
 Each launch is measured from the moment the process starts: time to warm-ready
-(/health 200), the warm-up phase the server itself logs (model loaded -> warm), the
+(/health 200), the warm-up phase the server itself reports (model loaded -> warm, read from
+``/v1/status``), the
 first agent request's TTFT and time per output token, and the server's resident memory.
 """
 
@@ -9,15 +10,16 @@ from __future__ import annotations
 
 import csv
 import json
-import re
+import os
 import statistics
+import subprocess
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
 MODES = ("cold", "warm-prompts", "kv-snapshots")
-WARMUP_RE = re.compile(r"Warm-up done \(strict-prefix\): .* in ([0-9.]+)s")
 FILLER = (
     "You are an agent that reviews code, plans tasks and calls tools. Read the request, check the data, "
     "list the steps, explain each fix briefly and never answer without checking the tests first. "
@@ -86,8 +88,8 @@ def launch_once(mode: str, rep: int, model: Path, agents_file: Path, store: Path
     server = start_server(model, mode_args(mode, agents_file, store), workdir / f"{mode}-{rep}.log", env=env, limit_s=3600)
     try:
         row.ready_s = server.wait_ready(timeout=3000)
-        found = WARMUP_RE.search(server.log())
-        row.warmup_s = float(found.group(1)) if found else 0.0
+        warmup = server.status()["warmup"]  # the report the warm-up log line is written from
+        row.warmup_s = float(warmup["seconds"]) if warmup else 0.0
         row.rss_mb = child_rss_mb(server.proc.pid)
         if not request:  # ready time only: a cold server's first request would prefill the whole prompt
             return row
@@ -119,18 +121,24 @@ def prepare_point(point: SweepPoint, workdir: Path, env: dict) -> tuple[Path, Pa
     """Write the agents file for this point and build its snapshots (timed separately)."""
     from transformers import AutoTokenizer
 
-    from kvsnap.cli import main as kvsnap_main
-
     tok = AutoTokenizer.from_pretrained(str(point.model))
     agents = [{"name": f"agent-{i}", "messages": [{"role": "system", "content": system_prompt_of(tok, point.prompt_tokens, salt=f"Agent {i}.")}]} for i in range(point.agents)]
     tag = f"{point.model.name}-{point.prompt_tokens}t-{point.agents}a"
     agents_file = workdir / f"agents-{tag}.json"
     agents_file.write_text(json.dumps(agents))
     store = workdir / f"snaps-{tag}"
-    if kvsnap_main(["build", str(agents_file), "--model", str(point.model), "--out", str(store)]) != 0:
-        raise RuntimeError(f"build failed for {tag}")
+    build_store(point.model, agents_file, store, env)
     first = agents[0]["messages"] + [{"role": "user", "content": "Please review the function and explain the fix."}]
     return agents_file, store, first
+
+
+def build_store(model: Path, agents_file: Path, store: Path, env: dict) -> None:
+    """`kvsnap build` in its own process, with the servers' environment: the model it loads
+    is gone before the first launch is measured."""
+    cmd = [sys.executable, "-m", "kvsnap", "build", str(agents_file), "--model", str(model), "--out", str(store)]
+    rc = subprocess.run(cmd, env={**os.environ, **env}).returncode
+    if rc != 0:
+        raise RuntimeError(f"`kvsnap build {agents_file} --model {model} --out {store}` exited with {rc} (its output is above)")
 
 
 def run_point(point: SweepPoint, workdir: Path, deadline: float, env: dict, log: Callable[[str], None] = print) -> list[Launch]:

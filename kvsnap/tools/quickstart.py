@@ -41,24 +41,34 @@ def write_example_agents(path: Path) -> Path:
 COLD_AGENT = [{"role": "system", "content": "You are a translator agent. Translate each message, check the words, explain hard ones. " * 5}]
 
 
+RECORD = "quickstart.json"  # what the run measured, as data (tests and scripts read this, not the printed lines)
+
+
 def run_quickstart(workdir: Path, print_fn=print) -> int:
     """Demo model -> example agents -> build + verify -> serve -> a cold and a warm request."""
-    import httpx
-
     from kvsnap.blas import preload_openblas
 
     preload_openblas()
-    from kvsnap.build import build_snapshots
-    from kvsnap.tools.client import stream_chat
-    from kvsnap.tools.demo import DemoSpec, make_demo_model
-    from kvsnap.key import DigestCache
-    from kvsnap.runtime.modeling import load_model
-    from kvsnap.prompts import load_warm_prompts
-    from kvsnap.tools.serverproc import start_server
-    from kvsnap.store.local import Store
-
     workdir = workdir.resolve()
     workdir.mkdir(parents=True, exist_ok=True)
+    model_dir, agents, store, built = build_and_verify(workdir, print_fn)
+    record = serve_and_ask(workdir, model_dir, agents, store, print_fn)
+    record["build"] = [{"name": e.name, "status": e.status, "n_tokens": e.n_tokens} for e in built.entries]
+    record["ok"] = built.ok and record["warm"]["cached_tokens"] > 0
+    (workdir / RECORD).write_text(json.dumps(record, indent=1))
+    print_fn("done: the server was stopped. Next: `kvsnap serve` your own model with --kv-snapshots (docs/server.md).")
+    return 0 if record["ok"] else 1
+
+
+def build_and_verify(workdir: Path, print_fn):
+    """Steps 1-2: the demo model and agents file (kept if present), the snapshots built and verified."""
+    from kvsnap.build import build_snapshots
+    from kvsnap.key import DigestCache
+    from kvsnap.prompts import load_warm_prompts
+    from kvsnap.runtime.modeling import load_model
+    from kvsnap.store.local import Store
+    from kvsnap.tools.demo import DemoSpec, make_demo_model
+
     model_dir = make_demo_model(workdir / "model", DemoSpec())
     agents = write_example_agents(workdir / "agents.json")
     print_fn(f"[1/4] demo model {model_dir}; agents file {agents}")
@@ -72,23 +82,31 @@ def run_quickstart(workdir: Path, print_fn=print) -> int:
     for path in store.snapshot_files():
         store.verify_file(path, identity)
     print_fn(f"      verified {len(store.snapshot_files())} snapshot(s) in {store.root}")
+    return model_dir, agents, store, report
+
+
+def serve_and_ask(workdir: Path, model_dir: Path, agents: Path, store, print_fn) -> dict:
+    """Steps 3-4: a server warm from the store, its warm-up report (from /v1/status), a cold and a warm request."""
+    import httpx
+
+    from kvsnap.runtime.warmup import WarmupReport, warmup_line
+    from kvsnap.tools.client import stream_chat
+    from kvsnap.tools.serverproc import start_server
 
     server = start_server(model_dir, ["--continuous-batching", "--warm-prompts", str(agents), "--kv-snapshots", str(store.root)], workdir / "server.log", env={"KVSNAP_CACHE_DIR": str(workdir)}, limit_s=300)
     try:
         ready = server.wait_ready(timeout=120)
-        summary = next((l for l in server.log().splitlines() if "Warm-up done" in l), "")
+        warmup = server.status()["warmup"]
         print_fn(f"[3/4] server warm {ready:.2f}s after launch at {server.url}")
-        if summary:
-            print_fn("      " + summary.split("INFO ", 1)[-1])
+        print_fn("      " + warmup_line(WarmupReport(**warmup)))
         agents_data = json.loads(agents.read_text())
         question = {"role": "user", "content": "Please check the server function and explain the fix."}
         with httpx.Client(timeout=120) as client:
             cold = stream_chat(client, server.url, "model", COLD_AGENT + [question], max_tokens=16)
             warm = stream_chat(client, server.url, "model", agents_data[0]["messages"] + [question], max_tokens=16)
-        print_fn(f"[4/4] cold request (agent not in agents.json): TTFT {cold.ttft_s * 1000:.1f} ms, cached_tokens {cold.cached_tokens} of {cold.usage.get('prompt_tokens')}")
-        print_fn(f"      warm request (agent '{agents_data[0]['name']}'):        TTFT {warm.ttft_s * 1000:.1f} ms, cached_tokens {warm.cached_tokens} of {warm.usage.get('prompt_tokens')}")
-        ok = report.ok and warm.cached_tokens > 0
     finally:
         server.stop()
-    print_fn("done: the server was stopped. Next: `kvsnap serve` your own model with --kv-snapshots (docs/server.md).")
-    return 0 if ok else 1
+    print_fn(f"[4/4] cold request (agent not in agents.json): TTFT {cold.ttft_s * 1000:.1f} ms, cached_tokens {cold.cached_tokens} of {cold.usage.get('prompt_tokens')}")
+    print_fn(f"      warm request (agent '{agents_data[0]['name']}'):        TTFT {warm.ttft_s * 1000:.1f} ms, cached_tokens {warm.cached_tokens} of {warm.usage.get('prompt_tokens')}")
+    requests = {name: {"ttft_ms": round(r.ttft_s * 1000, 3), "cached_tokens": r.cached_tokens, "prompt_tokens": r.usage.get("prompt_tokens")} for name, r in (("cold", cold), ("warm", warm))}
+    return {"ready_s": round(ready, 3), "warmup": warmup, **requests}

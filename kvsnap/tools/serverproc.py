@@ -42,7 +42,15 @@ class ServerProcess:
                 time.sleep(0.05)
         raise TimeoutError(f"kvsnap serve not warm after {timeout}s:\n{self.log()[-3000:]}")
 
+    def status(self, api_key: str | None = None, timeout: float = 10.0) -> dict:
+        """``GET /v1/status`` as data: the warm-up report is its ``warmup`` (an admin key, or none configured)."""
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        resp = httpx.get(f"{self.url}/v1/status", headers=headers, timeout=timeout)
+        resp.raise_for_status()
+        return resp.json()
+
     def log(self) -> str:
+        """The server's output, for people reading a failure; tools and tests read ``status()``."""
         try:
             return self.log_path.read_text(errors="replace")
         except FileNotFoundError:
