@@ -80,78 +80,108 @@ class WarmPlan:
     tokenization: Tokenization
 
     def run(self) -> WarmReport:
-        from kvsnap.runtime.prefill import prefill
-        from kvsnap.runtime.writeback import commit_snapshot
-        from kvsnap.key import prompt_identity, snapshot_key
-        from kvsnap.prompts import resolve_chat_template, warm_prefix
-        from kvsnap.snapshot.codec import check_captured_at, decode_cache
-        from kvsnap.integrations.vllm_mlx_profile import describe, recorded_tokenization
-
         t0 = time.perf_counter()
         report = WarmReport()
         for problem in self.prompts.problems:
             report.skip(f"entry {problem.index}", str(problem))
-        descriptor = self.tokenization.descriptor()
         infos, _bad = self.store.scan(self.identity)  # foreign and broken files: not ours to report per entry
         by_key = {info.key: info for info in infos}
-        config = getattr(self.prefix_cache, "_config", None)
-        min_tokens = int(getattr(config, "min_prefix_tokens", 1) or 1)
-        tokenizer = self.lm.tokenizer
         for prompt in self.prompts.entries:
-            try:
-                prefix = warm_prefix(tokenizer, prompt, self.tokenization)
-                digest = prompt_identity(resolve_chat_template(tokenizer, prompt.tools), prompt.chat_template_kwargs, prompt.tools, descriptor)
-            except KvsnapError as exc:
-                report.skip(prompt.name, str(exc))
+            found = self._warm_prefix(prompt, report)
+            if found is None:
                 continue
-            except Exception as exc:  # vllm-mlx's own rendering raises jinja's and its own types; one entry must not stop the rest
-                report.skip(prompt.name, f"vllm-mlx cannot render it ({type(exc).__name__}: {exc})")
-                continue
-            tokens = prefix.tokens
-            if len(tokens) < min_tokens:
-                report.skip(prompt.name, f"its warm prefix holds {len(tokens)} tokens, under vllm-mlx's minimum reusable prefix of {min_tokens} tokens", len(tokens))
-                continue
-            key = snapshot_key(self.identity, digest, tokens)
-            state, source, written = None, "snapshot", False
+            tokens, digest, key = found
             info = by_key.get(key) or self._same_tokens(infos, tokens)
-            if info is not None:
-                try:
-                    state = decode_cache(self.store.load_arrays(info, self.identity), info.layers)
-                except SnapshotError as exc:
-                    report.warn(f"{prompt.name}: snapshot {exc.path} cannot be used ({exc.reason}); prefilling instead")
+            state = self._restore(prompt, info, report) if info is not None else None
+            source, written = "snapshot", False
             if state is None:
-                for other in infos:
-                    if other.name == prompt.name and other.key != key and other is not info:
-                        report.warn(
-                            f"{prompt.name}: snapshot {other.path.name} was built for a rendering vllm-mlx will not use "
-                            f"({describe(recorded_tokenization(other.recorded))}; this server tokenizes as {describe(descriptor)}); "
-                            "prefilling instead; build for it with `kvsnap build … --for vllm-mlx`"
-                        )
-                state, source = prefill(self.lm, tokens), "prefilled"
-                check_captured_at(state, len(tokens))
+                self._warn_other_renderings(prompt, infos, key, info, report)
+                state, source = self._prefill(tokens), "prefilled"
                 report.prefilled += 1
-                if self.writable:
-                    try:
-                        commit_snapshot(self.lm, self.store, self.identity, prompt, digest, tokens, state, self.agents_file, tokenization=descriptor)
-                        written = True
-                        report.written += 1
-                    except (StoreError, SnapshotError, OSError) as exc:
-                        report.warn(f"{prompt.name}: write-back to {self.store.root} failed ({exc}); served from memory only")
-            # vllm-mlx's own insert copies the arrays; evict_prefixes=False: never evict another warm entry.
-            if not self.prefix_cache.store(list(tokens), state, evict_prefixes=False):
-                report.skip(prompt.name, f"vllm-mlx's prefix cache refused it ({len(tokens)} tokens; {self.prefix_cache.memory_usage_mb:.1f} of {self.prefix_cache.memory_limit_mb:.1f} MiB used): raise --cache-memory-mb", len(tokens))
-                continue
-            if self.pins is not None:
-                self.pins.add(tokens)
-            report.completed += 1
-            report.prompt_tokens += len(tokens)
-            if source == "snapshot":
-                report.from_snapshots += 1
-            report.agents.append(AgentResult(name=prompt.name, source=source, tokens=len(tokens), key=key, written=written))
-            log.info("[kvsnap] warm prompt %s: %d tokens %s", prompt.name, len(tokens), "from snapshot " + key if source == "snapshot" else "prefilled" + (", written back as " + key if written else ""))
+                written = self._write_back(prompt, digest, tokens, state, report)
+            if self._insert(prompt.name, tokens, state, report):
+                report.completed += 1
+                report.prompt_tokens += len(tokens)
+                report.from_snapshots += source == "snapshot"
+                report.agents.append(AgentResult(name=prompt.name, source=source, tokens=len(tokens), key=key, written=written))
+                log.info("[kvsnap] warm prompt %s: %d tokens %s", prompt.name, len(tokens), "from snapshot " + key if source == "snapshot" else "prefilled" + (", written back as " + key if written else ""))
             del state
         report.seconds = time.perf_counter() - t0
         return report
+
+    def _warm_prefix(self, prompt, report: WarmReport) -> tuple[tuple, str, str] | None:
+        """(tokens, prompt digest, key) as vllm-mlx tokenizes this agent; None (and a skip) when it cannot be warmed."""
+        from kvsnap.key import prompt_identity, snapshot_key
+        from kvsnap.prompts import resolve_chat_template, warm_prefix
+
+        tokenizer = self.lm.tokenizer
+        try:
+            prefix = warm_prefix(tokenizer, prompt, self.tokenization)
+            digest = prompt_identity(resolve_chat_template(tokenizer, prompt.tools), prompt.chat_template_kwargs, prompt.tools, self.tokenization.descriptor())
+        except KvsnapError as exc:
+            report.skip(prompt.name, str(exc))
+            return None
+        except Exception as exc:  # vllm-mlx's own rendering raises jinja's and its own types; one entry must not stop the rest
+            report.skip(prompt.name, f"vllm-mlx cannot render it ({type(exc).__name__}: {exc})")
+            return None
+        tokens = prefix.tokens
+        config = getattr(self.prefix_cache, "_config", None)
+        min_tokens = int(getattr(config, "min_prefix_tokens", 1) or 1)
+        if len(tokens) < min_tokens:
+            report.skip(prompt.name, f"its warm prefix holds {len(tokens)} tokens, under vllm-mlx's minimum reusable prefix of {min_tokens} tokens", len(tokens))
+            return None
+        return tokens, digest, snapshot_key(self.identity, digest, tokens)
+
+    def _restore(self, prompt, info, report: WarmReport) -> list | None:
+        from kvsnap.snapshot.codec import decode_cache
+
+        try:
+            return decode_cache(self.store.load_arrays(info, self.identity), info.layers)
+        except SnapshotError as exc:
+            report.warn(f"{prompt.name}: snapshot {exc.path} cannot be used ({exc.reason}); prefilling instead")
+            return None
+
+    def _warn_other_renderings(self, prompt, infos: list, key: str, info, report: WarmReport) -> None:
+        """Say so when this agent's snapshot exists but was keyed for another server's rendering."""
+        from kvsnap.integrations.vllm_mlx_profile import describe, recorded_tokenization
+
+        for other in infos:
+            if other.name == prompt.name and other.key != key and other is not info:
+                report.warn(
+                    f"{prompt.name}: snapshot {other.path.name} was built for a rendering vllm-mlx will not use "
+                    f"({describe(recorded_tokenization(other.recorded))}; this server tokenizes as {describe(self.tokenization.descriptor())}); "
+                    "prefilling instead; build for it with `kvsnap build … --for vllm-mlx`"
+                )
+
+    def _prefill(self, tokens: tuple) -> list:
+        from kvsnap.runtime.prefill import prefill
+        from kvsnap.snapshot.codec import check_captured_at
+
+        state = prefill(self.lm, tokens)
+        check_captured_at(state, len(tokens))
+        return state
+
+    def _write_back(self, prompt, digest: str, tokens: tuple, state: list, report: WarmReport) -> bool:
+        from kvsnap.runtime.writeback import commit_snapshot
+
+        if not self.writable:
+            return False
+        try:
+            commit_snapshot(self.lm, self.store, self.identity, prompt, digest, tokens, state, self.agents_file, tokenization=self.tokenization.descriptor())
+        except (StoreError, SnapshotError, OSError) as exc:
+            report.warn(f"{prompt.name}: write-back to {self.store.root} failed ({exc}); served from memory only")
+            return False
+        report.written += 1
+        return True
+
+    def _insert(self, name: str, tokens: tuple, state: list, report: WarmReport) -> bool:
+        # vllm-mlx's own insert copies the arrays; evict_prefixes=False: never evict another warm entry.
+        if not self.prefix_cache.store(list(tokens), state, evict_prefixes=False):
+            report.skip(name, f"vllm-mlx's prefix cache refused it ({len(tokens)} tokens; {self.prefix_cache.memory_usage_mb:.1f} of {self.prefix_cache.memory_limit_mb:.1f} MiB used): raise --cache-memory-mb", len(tokens))
+            return False
+        if self.pins is not None:
+            self.pins.add(tokens)
+        return True
 
     def _same_tokens(self, infos: list, tokens: tuple) -> Any:
         """A snapshot of this model holding exactly these tokens, whatever rendering it was keyed for.
