@@ -30,7 +30,8 @@ from kvsnap.store.archive import ShipError, pack, unpack
 from kvsnap.errors import ManifestError, SnapshotError, StoreError
 from kvsnap.key import snapshot_key, tokens_digest
 from kvsnap.store.manifest import MAX_MANIFEST_BYTES, parse_manifest
-from kvsnap.store.oci import CredentialError, Credentials, Reference, RegistryUnreachableError, find_credentials, pull, push, redact, resolve_kv_snapshots
+from kvsnap.store.oci import CredentialError, Credentials, Reference, RegistryUnreachableError, find_credentials, pull, push, redact
+from kvsnap.store.remote import resolve_kv_snapshots
 from kvsnap.tools.serverproc import free_port
 from kvsnap.snapshot.file import CHECKSUM_KEY, OutTensor, read_header, write_snapshot
 from kvsnap.snapshot.header import key_of, tokens_digest_of_bytes

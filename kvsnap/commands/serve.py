@@ -50,8 +50,9 @@ def cmd_serve(args) -> int:
     from kvsnap.prompts import load_warm_prompts
     from kvsnap.runtime.engine import Engine
     from kvsnap.runtime.modeling import resolve_model
-    from kvsnap.store.oci import resolve_kv_snapshots
+    from kvsnap.store.remote import check_kv_snapshots, resolve_kv_snapshots
 
+    check_kv_snapshots(args.kv_snapshots)  # an unknown scheme fails before the model is resolved
     source = resolve_model(args.model, args.revision)
     auth = Auth.from_flags(args.api_key, args.admin_api_key)
     if args.max_queued_requests < 0:
@@ -63,7 +64,7 @@ def cmd_serve(args) -> int:
     prompts = load_warm_prompts(args.warm_prompts) if args.warm_prompts else None
     for problem in prompts.problems if prompts else []:
         log.warning("[kvsnap] skipped warm prompt %s", problem)
-    args.kv_snapshots = resolve_kv_snapshots(args.kv_snapshots)  # oci://… is pulled into a local cache folder first
+    args.kv_snapshots = resolve_kv_snapshots(args.kv_snapshots)  # a remote URL (oci://…) is pulled into a local cache folder first
     engine = Engine(engine_config(args, source.path, prompts))
     server_config = serve_config(args, source, auth)
     engine.start()  # load the model on the main thread, before the port opens

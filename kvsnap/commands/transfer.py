@@ -16,9 +16,9 @@ def add_push(sub) -> None:
 
 
 def cmd_push(args) -> int:
-    from kvsnap.store.oci import Reference, push
+    from kvsnap.store.remote import push
 
-    report = push(args.store, Reference.parse(args.ref), plain_http=args.plain_http)
+    report = push(args.store, args.ref, plain_http=args.plain_http)
     print(f"pushed {args.store} to {report.ref} ({report.manifest_digest})")
     print(f"{len(report.uploaded)} blob(s) uploaded ({human_bytes(report.uploaded_bytes)}), {len(report.skipped)} already in the registry")
     return EXIT_OK
@@ -33,9 +33,9 @@ def add_pull(sub) -> None:
 
 
 def cmd_pull(args) -> int:
-    from kvsnap.store.oci import Reference, pull
+    from kvsnap.store.remote import pull
 
-    report = pull(Reference.parse(args.ref), args.store, plain_http=args.plain_http)
+    report = pull(args.ref, args.store, plain_http=args.plain_http)
     print(f"pulled {report.ref} ({report.manifest_digest}) into {report.dest}")
     print(f"{len(report.downloaded)} file(s) downloaded ({human_bytes(report.downloaded_bytes)}), {len(report.present)} already there; all verified")
     return EXIT_OK

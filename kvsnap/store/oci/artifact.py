@@ -1,0 +1,102 @@
+"""The OCI image manifest a store is pushed as, written and read back (an untrusted document).
+
+``artifactType`` ``application/vnd.kvsnap.store.v1``, the empty config, and one layer per
+store file, content-addressed by sha256 and named by the ``org.opencontainers.image.title``
+annotation (``manifest.json``, ``snapshots/<key>.safetensors``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+
+from kvsnap import __version__
+from kvsnap.snapshot.format import ARTIFACT_TYPE, MANIFEST_MEDIA_TYPE, SNAPSHOT_MEDIA_TYPE  # named after the format versions
+from kvsnap.store.archive import ShipError, check_relpath
+from kvsnap.store.local import MANIFEST
+from kvsnap.store.oci.errors import RegistryError
+from kvsnap.store.oci.reference import DIGEST_RE, Reference
+
+OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
+OCI_INDEX = "application/vnd.oci.image.index.v1+json"
+DOCKER_MANIFEST = "application/vnd.docker.distribution.manifest.v2+json"
+EMPTY_JSON = b"{}"
+EMPTY_CONFIG = {"mediaType": "application/vnd.oci.empty.v1+json", "digest": "sha256:" + hashlib.sha256(EMPTY_JSON).hexdigest(), "size": len(EMPTY_JSON)}
+TITLE = "org.opencontainers.image.title"
+MAX_MANIFEST_BYTES = 4 << 20
+
+
+@dataclass
+class Layer:
+    relpath: str
+    digest: str
+    size: int
+
+
+def artifact_manifest(layers: list[Layer]) -> bytes:
+    doc = {
+        "schemaVersion": 2,
+        "mediaType": OCI_MANIFEST,
+        "artifactType": ARTIFACT_TYPE,
+        "config": EMPTY_CONFIG,
+        "layers": [
+            {"mediaType": MANIFEST_MEDIA_TYPE if l.relpath == MANIFEST else SNAPSHOT_MEDIA_TYPE, "digest": l.digest, "size": l.size, "annotations": {TITLE: l.relpath}}
+            for l in layers
+        ],
+        "annotations": {"io.kvsnap.version": __version__},  # no timestamp: an unchanged store pushes the same manifest digest
+    }
+    return json.dumps(doc, indent=1).encode()
+
+
+def _check_kind(doc: object, ref: Reference) -> dict:
+    """``doc`` as a kvsnap store manifest (not an index, not another artifact type)."""
+    if not isinstance(doc, dict):
+        raise RegistryError(f"{ref}: the manifest is not a JSON object; not a kvsnap store")
+    media = doc.get("mediaType")
+    if media == OCI_INDEX or "manifests" in doc:
+        raise RegistryError(f"{ref} is an image index, not a kvsnap store; give the tag `kvsnap push` wrote")
+    config = doc.get("config") if isinstance(doc.get("config"), dict) else {}
+    if doc.get("artifactType") != ARTIFACT_TYPE and config.get("mediaType") != ARTIFACT_TYPE:
+        kind = str(doc.get("artifactType") or config.get("mediaType") or media or "unknown")[:100]
+        raise RegistryError(f"{ref} is not a kvsnap store (its type is {kind!r}); give a tag written by `kvsnap push`")
+    return doc
+
+
+def _parse_layer(layer: object, i: int, ref: Reference) -> Layer:
+    """One layer descriptor: a store path as its title, a sha256 digest, a size."""
+    if not isinstance(layer, dict):
+        raise RegistryError(f"{ref}: layer {i} is not a JSON object; not a kvsnap store")
+    title = (layer.get("annotations") or {}).get(TITLE) if isinstance(layer.get("annotations"), dict) else None
+    if not isinstance(title, str):
+        raise RegistryError(f"{ref}: layer {i} has no {TITLE} annotation; not a kvsnap store")
+    try:
+        check_relpath(title, f"{ref}: layer {i}")
+    except ShipError as exc:
+        raise RegistryError(str(exc)) from None
+    digest, size = layer.get("digest"), layer.get("size")
+    if not isinstance(digest, str) or not DIGEST_RE.fullmatch(digest):
+        raise RegistryError(f"{ref}: layer {title} has digest {digest!r}, not a sha256 digest; refusing it")
+    if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+        raise RegistryError(f"{ref}: layer {title} has size {size!r}; refusing it")
+    return Layer(title, digest, size)
+
+
+def parse_artifact(body: bytes, ref: Reference) -> list[Layer]:
+    """The layers of a kvsnap store manifest, each with a checked digest, size and store path."""
+    try:
+        doc = _check_kind(json.loads(body), ref)
+    except ValueError:
+        raise RegistryError(f"{ref}: the manifest is not JSON; not a kvsnap store") from None
+    raw_layers = doc.get("layers")
+    if not isinstance(raw_layers, list) or not raw_layers:
+        raise RegistryError(f"{ref}: the manifest lists no files; push the store again")
+    layers: list[Layer] = []
+    seen: set[str] = set()
+    for i, raw in enumerate(raw_layers):
+        layer = _parse_layer(raw, i, ref)
+        if layer.relpath in seen:
+            raise RegistryError(f"{ref}: {layer.relpath} is listed twice; refusing it")
+        seen.add(layer.relpath)
+        layers.append(layer)
+    return layers

@@ -1,0 +1,247 @@
+"""The handful of distribution-API calls kvsnap needs, over httpx, against one repository.
+
+HEAD/GET a blob, a monolithic blob upload (POST, then PUT with ``?digest=``), PUT/GET a
+manifest; auth by the ``WWW-Authenticate`` challenge (Basic, or the Bearer token flow).
+Blobs stream in both directions; a download is checked for size and sha256 as it arrives.
+Every message quotes a registry's answer only through ``redact``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import re
+from typing import BinaryIO, Callable
+
+import httpx
+
+from kvsnap.store.archive import CHUNK
+from kvsnap.store.oci.artifact import DOCKER_MANIFEST, MAX_MANIFEST_BYTES, OCI_INDEX, OCI_MANIFEST
+from kvsnap.store.oci.credentials import ENV_PASSWORD, ENV_USER, Credentials, find_credentials
+from kvsnap.store.oci.errors import ArtifactNotFoundError, CredentialError, DigestMismatchError, RegistryAuthError, RegistryError, RegistryUnreachableError
+from kvsnap.store.oci.reference import Reference, default_plain_http
+from kvsnap.store.remote import redact
+
+log = logging.getLogger("kvsnap")
+
+TIMEOUT = httpx.Timeout(60.0, connect=10.0)
+
+
+def _challenge(header: str) -> tuple[str, dict[str, str]]:
+    scheme, _, rest = header.strip().partition(" ")
+    return scheme.lower(), {k.lower(): v for k, v in re.findall(r'(\w+)="([^"]*)"', rest)}
+
+
+def _registry_message(resp: httpx.Response) -> str:
+    try:
+        errors = resp.json().get("errors") or []
+        if errors:
+            e = errors[0]
+            return redact(f"{e.get('code', '')}: {e.get('message', '')}".strip(": "))[:300]
+    except (ValueError, AttributeError, httpx.ResponseNotRead):
+        pass
+    return resp.reason_phrase or ""
+
+
+class RegistryClient:
+    """The handful of distribution-API calls kvsnap needs, with auth, against one repository."""
+
+    def __init__(self, ref: Reference, plain_http: bool | None = None, credentials: Credentials | None | bool = True, push: bool = False, transport: httpx.BaseTransport | None = None):
+        self.ref = ref
+        self.plain_http = default_plain_http(ref.host) if plain_http is None else plain_http
+        self.base = f"{'http' if self.plain_http else 'https'}://{ref.host}/v2/{ref.repo}"
+        self.credential_problem: CredentialError | None = None
+        if credentials is True:
+            credentials = ref.credentials or self._lookup_credentials()
+        self.credentials = credentials or None
+        self.scope = f"repository:{ref.repo}:{'pull,push' if push else 'pull'}"
+        self._auth: str | None = None
+        self.client = httpx.Client(timeout=TIMEOUT, follow_redirects=True, transport=transport, trust_env=False)
+
+    def __enter__(self) -> "RegistryClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.client.close()
+
+    # -- transport and auth --
+
+    def _lookup_credentials(self) -> Credentials | None:
+        """Configured credentials; a broken config or helper is logged now and named again if the registry asks for a login."""
+        try:
+            return find_credentials(self.ref.host)
+        except CredentialError as exc:
+            log.warning("[kvsnap] %s; going on without credentials", exc)
+            self.credential_problem = exc
+            return None
+
+    def _send(self, method: str, url: str, headers: dict | None, content: Callable[[], object] | None, stream: bool) -> httpx.Response:
+        h = dict(headers or {})
+        if self._auth:
+            h["Authorization"] = self._auth
+        request = self.client.build_request(method, url, headers=h, content=content() if content else None)
+        try:
+            return self.client.send(request, stream=stream)
+        except httpx.TransportError as exc:
+            raise self._unreachable(exc) from None
+
+    def _unreachable(self, exc: Exception) -> RegistryUnreachableError:
+        text = redact(str(exc)) or type(exc).__name__
+        hint = "check the address and that the registry is up"
+        if not self.plain_http and re.search(r"ssl|tls|certificate|wrong version", text, re.I):
+            hint = "the registry may speak plain HTTP: add --plain-http (or set KVSNAP_REGISTRY_PLAIN_HTTP=1)"
+        return RegistryUnreachableError(f"cannot reach registry {self.ref.host} ({type(exc).__name__}: {text[:200]}); {hint}")
+
+    def _authenticate(self, header: str) -> None:
+        """Answer a 401 challenge: Basic with the credentials, or a token from the Bearer realm."""
+        scheme, params = _challenge(header)
+        if scheme == "basic":
+            if self.credentials is None:
+                raise self._needs_credentials()
+            self._auth = self.credentials.basic()
+            return
+        if scheme != "bearer" or not params.get("realm"):
+            raise RegistryAuthError(f"registry {self.ref.host} answered 401 with an auth scheme kvsnap does not speak ({scheme or 'none'}); use a registry with Basic or Bearer token auth")
+        self._auth = f"Bearer {self._bearer_token(params)}"
+
+    def _bearer_token(self, params: dict[str, str]) -> str:
+        """The token flow: ask the realm for this repository's scope, with Basic credentials if there are any."""
+        creds = self.credentials
+        scopes = [s for s in dict.fromkeys([params.get("scope", ""), self.scope]) if s]
+        query = [("scope", s) for s in scopes] + ([("service", params["service"])] if params.get("service") else [])
+        headers = {"Authorization": creds.basic()} if creds else {}
+        try:
+            resp = self.client.get(params["realm"], params=query, headers=headers)
+        except httpx.TransportError as exc:
+            raise RegistryUnreachableError(f"cannot reach the token service of registry {self.ref.host} ({type(exc).__name__}); check the network") from None
+        if resp.status_code in (401, 403):
+            raise self._refused() if creds else self._needs_credentials()
+        if resp.status_code != 200:
+            raise RegistryAuthError(f"the token service of registry {self.ref.host} answered HTTP {resp.status_code}; check the registry's auth setup")
+        try:
+            body = resp.json()
+            token = body.get("token") or body.get("access_token")
+        except (ValueError, AttributeError):
+            token = None
+        if not token:
+            raise RegistryAuthError(f"the token service of registry {self.ref.host} sent no token; check the registry's auth setup")
+        return token
+
+    def _needs_credentials(self) -> RegistryAuthError:
+        if self.credential_problem is not None:
+            return CredentialError(f"registry {self.ref.host} needs credentials (HTTP 401), and none could be read: {self.credential_problem}")
+        return RegistryAuthError(f"registry {self.ref.host} needs credentials (HTTP 401); set {ENV_USER} and {ENV_PASSWORD}, or run `docker login {self.ref.host}`")
+
+    def _refused(self) -> RegistryAuthError:
+        where = self.credentials.source if self.credentials else "none given"
+        return RegistryAuthError(f"registry {self.ref.host} refused the credentials from {where} (HTTP 401) for {self.ref.repo}; check the user name and password")
+
+    def request(self, method: str, url: str, headers: dict | None = None, content: Callable[[], object] | None = None, stream: bool = False, ok: tuple[int, ...] = (200,)) -> httpx.Response:
+        """One call; answers a 401 challenge once. Returns the response if its status is in ``ok`` or 404."""
+        resp = self._send(method, url, headers, content, stream)
+        if resp.status_code == 401:
+            had_auth = self._auth
+            challenge = resp.headers.get("WWW-Authenticate", "")
+            resp.close()
+            if had_auth and _challenge(challenge)[0] == "basic":
+                raise self._refused()
+            self._authenticate(challenge)
+            resp = self._send(method, url, headers, content, stream)
+            if resp.status_code == 401:
+                resp.close()
+                raise self._refused() if self.credentials else self._needs_credentials()
+        if resp.status_code == 403:
+            resp.close()
+            raise RegistryAuthError(f"registry {self.ref.host} denied {method} on {self.ref.repo} (HTTP 403); check that these credentials may {'push to' if 'push' in self.scope else 'pull from'} it")
+        if resp.status_code not in ok and resp.status_code != 404:
+            if stream:
+                resp.read()
+            resp.close()
+            raise RegistryError(f"registry {self.ref.host} answered HTTP {resp.status_code} to {method} {httpx.URL(url).path} ({_registry_message(resp)})")
+        return resp
+
+    # -- blobs --
+
+    def blob_exists(self, digest: str) -> bool:
+        resp = self.request("HEAD", f"{self.base}/blobs/{digest}")
+        return resp.status_code == 200
+
+    def upload_blob(self, digest: str, size: int, opener: Callable[[], BinaryIO]) -> None:
+        """Monolithic upload: POST for a session, then PUT the bytes with ``?digest=``; the registry checks the digest."""
+        resp = self.request("POST", f"{self.base}/blobs/uploads/", headers={"Content-Length": "0"}, ok=(202,))
+        if resp.status_code == 404:
+            raise ArtifactNotFoundError(f"registry {self.ref.host} has no repository {self.ref.repo} and would not start an upload (HTTP 404); check the name")
+        location = resp.headers.get("Location")
+        if not location:
+            raise RegistryError(f"registry {self.ref.host} started an upload without a Location; it does not follow the distribution API")
+        url = httpx.URL(self.base).join(location).copy_merge_params({"digest": digest})
+
+        def body():
+            def chunks():
+                with opener() as fh:
+                    while chunk := fh.read(CHUNK):
+                        yield chunk
+
+            return chunks()
+
+        put = self.request("PUT", str(url), headers={"Content-Type": "application/octet-stream", "Content-Length": str(size)}, content=body, ok=(201,))
+        if put.status_code == 404:
+            raise RegistryError(f"registry {self.ref.host} lost the upload session of {digest} (HTTP 404); push again")
+
+    def download_blob(self, digest: str, size: int, out: BinaryIO, what: str) -> None:
+        """Stream a blob into ``out``, checking its size and sha256 as it arrives."""
+        resp = self.request("GET", f"{self.base}/blobs/{digest}", stream=True)
+        try:
+            if resp.status_code == 404:
+                raise ArtifactNotFoundError(f"{self.ref}: blob {digest} ({what}) is listed in the manifest but missing from the registry; push the store again")
+            h = hashlib.sha256()
+            got = 0
+            try:
+                for chunk in resp.iter_bytes(CHUNK):
+                    got += len(chunk)
+                    if got > size:
+                        break
+                    h.update(chunk)
+                    out.write(chunk)
+            except httpx.TransportError as exc:
+                raise self._unreachable(exc) from None
+        finally:
+            resp.close()
+        actual = "sha256:" + h.hexdigest()
+        if got != size:
+            raise DigestMismatchError(f"{self.ref}: blob {digest} ({what}) is {'over ' if got > size else ''}{got} bytes, not the {size} its manifest says (tampered or corrupt in the registry); refusing it")
+        if actual != digest:
+            raise DigestMismatchError(f"{self.ref}: blob {digest} ({what}) hashes to {actual} (tampered or corrupt in the registry); refusing it")
+
+    # -- manifests --
+
+    def put_manifest(self, tag: str, body: bytes) -> str:
+        resp = self.request("PUT", f"{self.base}/manifests/{tag}", headers={"Content-Type": OCI_MANIFEST}, content=lambda: body, ok=(201,))
+        if resp.status_code == 404:
+            raise RegistryError(f"registry {self.ref.host} refused the manifest for {self.ref.repo}:{tag} (HTTP 404: {_registry_message(resp)})")
+        return resp.headers.get("Docker-Content-Digest") or "sha256:" + hashlib.sha256(body).hexdigest()
+
+    def get_manifest(self) -> tuple[bytes, str]:
+        accept = ", ".join((OCI_MANIFEST, OCI_INDEX, DOCKER_MANIFEST))
+        resp = self.request("GET", f"{self.base}/manifests/{self.ref.reference}", headers={"Accept": accept}, stream=True)
+        try:
+            if resp.status_code == 404:
+                resp.read()
+                message = _registry_message(resp)
+                if "NAME_UNKNOWN" in message:
+                    raise ArtifactNotFoundError(f"{self.ref}: registry {self.ref.host} has no repository {self.ref.repo}; check the name, or push it first with `kvsnap push`")
+                raise ArtifactNotFoundError(f"{self.ref}: {'tag ' + self.ref.tag if self.ref.tag else self.ref.digest} not found in {self.ref.host}/{self.ref.repo}; check the tag, or push it first with `kvsnap push`")
+            body = b""
+            for chunk in resp.iter_bytes():
+                body += chunk
+                if len(body) > MAX_MANIFEST_BYTES:
+                    raise RegistryError(f"{self.ref}: the manifest is over {MAX_MANIFEST_BYTES} bytes; not a kvsnap store")
+        except httpx.TransportError as exc:
+            raise self._unreachable(exc) from None
+        finally:
+            resp.close()
+        digest = "sha256:" + hashlib.sha256(body).hexdigest()
+        expected = self.ref.digest or resp.headers.get("Docker-Content-Digest")
+        if expected and expected != digest:
+            raise DigestMismatchError(f"{self.ref}: the manifest hashes to {digest}, not {expected} (tampered or corrupt); refusing it")
+        return body, digest

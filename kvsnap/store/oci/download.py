@@ -1,0 +1,109 @@
+"""``kvsnap pull`` and ``serve --kv-snapshots oci://…``: download what the folder lacks, verify it all, move it in.
+
+Blobs go into a staged install next to the store (checked for size and sha256 while they
+stream, then each snapshot's own checks), and only a complete, verified set is moved in;
+files already there with the right digest are not downloaded again.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from kvsnap.errors import ManifestError, SnapshotError
+from kvsnap.store.archive import ShipError, StagedInstall, check_destination, present_with_digest
+from kvsnap.store.local import MANIFEST, Store
+from kvsnap.store.manifest import read_manifest_file
+from kvsnap.store.oci.artifact import Layer, parse_artifact
+from kvsnap.store.oci.client import RegistryClient
+from kvsnap.store.oci.credentials import Credentials
+from kvsnap.store.oci.errors import RegistryError, RegistryUnreachableError
+from kvsnap.store.oci.reference import Reference, as_reference
+
+log = logging.getLogger("kvsnap")
+
+
+@dataclass
+class PullReport:
+    ref: Reference
+    dest: Path
+    manifest_digest: str
+    downloaded: list[str] = field(default_factory=list)
+    present: list[str] = field(default_factory=list)
+    downloaded_bytes: int = 0
+
+
+def _download_missing(client: RegistryClient, layers: list[Layer], have: list[Layer], staging: StagedInstall, report: PullReport) -> None:
+    for layer in layers:
+        if layer in have:
+            report.present.append(layer.relpath)
+            continue
+        with staging.open(layer.relpath) as out:
+            client.download_blob(layer.digest, layer.size, out, layer.relpath)
+        report.downloaded.append(layer.relpath)
+        report.downloaded_bytes += layer.size
+
+
+def pull(ref: Reference | str, dest: str | os.PathLike, plain_http: bool | None = None, credentials: Credentials | None | bool = True, transport: httpx.BaseTransport | None = None) -> PullReport:
+    """Fetch the manifest, download what ``dest`` lacks into a temp folder, verify all, move it in."""
+    ref = as_reference(ref)
+    dest_path = check_destination(dest)  # before any network call
+    with RegistryClient(ref, plain_http, credentials, transport=transport) as client:
+        body, digest = client.get_manifest()
+        layers = parse_artifact(body, ref)
+        report = PullReport(ref, dest_path, digest)
+        have = [l for l in layers if present_with_digest(dest_path / l.relpath, l.size, l.digest)]
+        with StagedInstall(dest_path) as staging:
+            try:
+                _download_missing(client, layers, have, staging, report)
+            except RegistryError as exc:
+                raise type(exc)(f"{exc}; nothing was changed in {dest_path}") from None
+            staging.verify(str(ref))
+            _verify_present(dest_path, [l.relpath for l in have], ref)
+            staging.commit()
+    return report
+
+
+def _verify_present(root: Path, relpaths: list[str], ref: Reference) -> None:
+    """Files already in place matched their blob's sha256; still run their own kvsnap checks."""
+    if not relpaths:
+        return
+    store = Store(root=root.resolve(), readonly=True)
+    for relpath in relpaths:
+        try:
+            if relpath == MANIFEST:
+                read_manifest_file(store.root / MANIFEST, f"refusing it (nothing was changed in {root})")
+            else:
+                store.verify_file(store.root / relpath)
+        except ManifestError as exc:
+            raise ShipError(f"{ref}: {exc}") from None
+        except SnapshotError as exc:
+            raise ShipError(f"{ref}: {relpath}: {exc.reason}; refusing it (nothing was changed in {root})") from None
+
+
+def fetch(url: str) -> Path:
+    """Pull ``url`` into kvsnap's cache folder and return it (what ``serve --kv-snapshots oci://…`` starts from).
+
+    The cache folder is ``$KVSNAP_CACHE_DIR/oci/<host>/<repo>/<tag>`` (else
+    ``~/.cache/kvsnap/oci/…``); files already there are reused. If the registry cannot be
+    reached and an earlier pull left a store there, that copy is used (a snapshot is keyed
+    by model and prompt, so an older copy can only be colder, never wrong).
+    """
+    ref = Reference.parse(url)
+    dest = ref.cache_dir()
+    try:
+        report = pull(ref, dest)
+    except RegistryUnreachableError as exc:
+        if dest.is_dir() and Store(root=dest).is_initialized():
+            log.warning("[kvsnap] %s; starting from the copy pulled earlier into %s", exc, dest)
+            return dest
+        raise
+    log.info(
+        "[kvsnap] pulled %s (%s) into %s: %d file(s) downloaded (%d bytes), %d already there",
+        ref, report.manifest_digest[:19], dest, len(report.downloaded), report.downloaded_bytes, len(report.present),
+    )
+    return dest

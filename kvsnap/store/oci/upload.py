@@ -1,0 +1,67 @@
+"""``kvsnap push``: verify the store, upload only the blobs the registry lacks (HEAD first), then tag the manifest."""
+
+from __future__ import annotations
+
+import io
+import os
+from dataclasses import dataclass, field
+from typing import BinaryIO, Callable
+
+import httpx
+
+from kvsnap.errors import UsageError
+from kvsnap.store.archive import collect_store, open_checked, sha256_file
+from kvsnap.store.oci.artifact import EMPTY_CONFIG, EMPTY_JSON, Layer, artifact_manifest
+from kvsnap.store.oci.client import RegistryClient
+from kvsnap.store.oci.credentials import Credentials
+from kvsnap.store.oci.reference import Reference, as_reference
+
+
+@dataclass
+class PushReport:
+    ref: Reference
+    manifest_digest: str
+    uploaded: list[str] = field(default_factory=list)  # relpaths (and "config") sent
+    skipped: list[str] = field(default_factory=list)  # already in the registry
+    uploaded_bytes: int = 0
+
+
+class BytesOpener:
+    """An in-memory blob with the context-manager shape of ``open_checked`` (the empty config)."""
+
+    def __init__(self, data: bytes):
+        self.data = data
+
+    def __enter__(self) -> BinaryIO:
+        return io.BytesIO(self.data)
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+
+def push(root: str | os.PathLike, ref: Reference | str, plain_http: bool | None = None, credentials: Credentials | None | bool = True, transport: httpx.BaseTransport | None = None) -> PushReport:
+    """Verify the store, upload the blobs the registry lacks, then tag the manifest."""
+    ref = as_reference(ref)
+    if not ref.tag:
+        raise UsageError(f"{ref}: push needs a tag (oci://HOST/REPO:TAG), not a digest")
+    files = collect_store(root)
+    layers = []
+    for f in files:
+        with open_checked(f):
+            layers.append(Layer(f.relpath, sha256_file(f.path), f.size))
+    by_path = {f.relpath: f for f in files}
+    report = PushReport(ref, "")
+    with RegistryClient(ref, plain_http, credentials, push=True, transport=transport) as client:
+        blobs: list[tuple[str, str, int, Callable[[], BinaryIO]]] = [("config", EMPTY_CONFIG["digest"], EMPTY_CONFIG["size"], lambda: BytesOpener(EMPTY_JSON))]
+        blobs += [(l.relpath, l.digest, l.size, (lambda f=by_path[l.relpath]: open_checked(f))) for l in layers]
+        seen: set[str] = set()
+        for name, digest, size, opener in blobs:
+            if digest in seen or client.blob_exists(digest):
+                report.skipped.append(name)
+            else:
+                client.upload_blob(digest, size, opener)
+                report.uploaded.append(name)
+                report.uploaded_bytes += size
+            seen.add(digest)
+        report.manifest_digest = client.put_manifest(ref.tag, artifact_manifest(layers))
+    return report
