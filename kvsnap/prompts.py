@@ -339,16 +339,24 @@ KVSNAP_TOKENIZATION = Tokenization()
 
 
 def common_prefix_length(sequences: Iterable[Sequence[int]]) -> int:
-    seqs = list(sequences)
+    """How many leading tokens every sequence shares (0 for no sequence).
+
+    The one common-prefix function (warm prefixes, shared prefixes, the prefix trie).
+    A binary search over slice equality: the comparisons run in C, not token by token.
+    """
+    seqs = [tuple(s) for s in sequences]
     if not seqs:
         return 0
-    n = min(len(s) for s in seqs)
     first = seqs[0]
-    for i in range(n):
-        tok = first[i]
-        if any(s[i] != tok for s in seqs[1:]):
-            return i
-    return n
+    lo, hi = 0, min(len(s) for s in seqs)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        head = first[:mid]
+        if all(s[:mid] == head for s in seqs[1:]):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 def probe_conversations(prompt: WarmPrompt) -> list[list[dict]]:
@@ -408,12 +416,3 @@ def warm_prefix(tokenizer: ChatTokenizer, prompt: WarmPrompt, tokenization: Toke
     if n == 0:
         warnings.append(f"{prompt.name}: no token is shared by every continuation of this entry; nothing can be warmed")
     return WarmPrefix(prompt=prompt, tokens=tokens, entry_tokens=entry_tokens, warnings=tuple(warnings))
-
-
-def string_cut_tokens(tokenizer: ChatTokenizer, prompt: WarmPrompt) -> list[int]:
-    """The naive warm-up: cut the rendered string where two probe renders diverge, then tokenize.
-
-    Kept only to show (in tests and docs) why kvsnap cuts on tokens instead.
-    """
-    text = render_messages(tokenizer, list(prompt.messages) + [{"role": "user", "content": "__PROBE_A__"}], prompt.tools, prompt.chat_template_kwargs)
-    return encode_prompt(tokenizer, text[: text.index("__PROBE_A__")])

@@ -34,6 +34,11 @@ QUESTIONS = ["check the server code for errors", "hello world, plan the next ste
 ARCHES = ["dense", "hybrid"]
 
 
+def warm_entry(engine, tokens):
+    """The shared (warm) prefix entry holding exactly ``tokens``, or None."""
+    return next((e for e in engine.prefix.entries if e.tokens == tuple(tokens) and e.namespace is None), None)
+
+
 # --- worlds: a model, its agents file and a store built by kvsnap.build ---------------
 
 
@@ -215,7 +220,7 @@ def assert_served_from_the_exact_snapshot_state(engine, warm, tokens) -> None:
     def check():
         lm = engine.lm
         fresh, _ = encode_cache(prefill(lm, warm), warm)
-        entry = engine.prefix.get(warm)
+        entry = warm_entry(engine, warm)
         copy = engine.prefix.copy_state(entry.state)
         for label, state in (("stored", entry.state), ("private copy", copy)):
             got, _ = encode_cache(state, warm)
@@ -689,7 +694,7 @@ def test_warm_prompts_concurrency_prefills_together_and_answers_stay_the_same(ar
     assert status["snapshots"]["prefilled"] == 2 and status["snapshots"]["written"] == 2
     assert status["warmup"]["prefill_concurrency"] == 2
     for agent in range(len(AGENTS)):
-        entry = engine.prefix.get(world.warm_tokens(agent))
+        entry = warm_entry(engine, world.warm_tokens(agent))
         assert entry is not None and entry.source == "prefill" and entry.pinned
         tokens = world.request(agent, QUESTIONS[0])
         st = serve(engine, tokens)

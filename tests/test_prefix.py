@@ -15,6 +15,11 @@ def list_cache(max_bytes: int = 1000, **kwargs) -> PrefixCache:
     return PrefixCache(max_bytes=max_bytes, copy_state=list, trim_state=lambda s, n: s[: len(s) - n], **kwargs)
 
 
+def stored(cache: PrefixCache, tokens, namespace=None) -> Entry | None:
+    """The entry the cache holds for exactly ``tokens`` in ``namespace`` (None: shared)."""
+    return next((e for e in cache.entries if e.tokens == tuple(tokens) and e.namespace == namespace), None)
+
+
 def entry(tokens, nbytes=10, pinned=False, trimmable=True, resident=None, loader=None, loaded=True, source="request") -> Entry:
     tokens = tuple(tokens)
     return Entry(
@@ -40,7 +45,7 @@ def test_longest_strict_prefix_wins_and_state_is_a_copy():
     state, n, match = cache.fetch([1, 2, 3, 4, 5, 6])
     assert n == 4 and state == [1, 2, 3, 4] and match.entry.tokens == (1, 2, 3, 4)
     state.append(99)  # the caller's copy; the stored state is untouched
-    assert cache.get([1, 2, 3, 4]).state == [1, 2, 3, 4]
+    assert stored(cache, [1, 2, 3, 4]).state == [1, 2, 3, 4]
     assert cache.stats.hits == 1 and cache.stats.tokens_saved == 4
 
 
@@ -65,7 +70,7 @@ def test_trimmable_entry_is_trimmed_to_the_common_prefix_leaving_one_token():
     assert (state, n) == ([1, 2, 3], 3)
     state, n, _ = cache.fetch([1, 2, 3, 4, 5])  # equal prompt: one token must stay to compute
     assert (state, n) == ([1, 2, 3, 4], 4)
-    assert cache.get([1, 2, 3, 4, 5]).state == [1, 2, 3, 4, 5]
+    assert stored(cache, [1, 2, 3, 4, 5]).state == [1, 2, 3, 4, 5]
 
 
 def test_prompt_equal_to_untrimmable_entry_falls_back_to_a_shorter_entry_or_cold():
@@ -114,12 +119,12 @@ def test_lru_evicts_request_prefixes_within_budget_and_never_pinned_entries():
     assert cache.current_bytes == 100 and cache.stats.evictions == 0
     cache.fetch([1, 1, 5])  # [1, 1] is now more recent than [2, 2]
     cache.add(entry([3, 3], nbytes=20))
-    assert cache.get([2, 2]) is None, "the least recently used request prefix goes first"
-    assert cache.get([1, 1]) is not None and cache.get([3, 3]) is not None
+    assert stored(cache, [2, 2]) is None, "the least recently used request prefix goes first"
+    assert stored(cache, [1, 1]) is not None and stored(cache, [3, 3]) is not None
     assert cache.current_bytes <= 100 and cache.stats.evictions == 1
     cache.add(entry([4, 4], nbytes=40))  # needs both remaining request prefixes gone
-    assert cache.get([1, 1]) is None and cache.get([3, 3]) is None and cache.get([4, 4]) is not None
-    assert cache.get([50, 1]) is not None, "a pinned entry is never evicted"
+    assert stored(cache, [1, 1]) is None and stored(cache, [3, 3]) is None and stored(cache, [4, 4]) is not None
+    assert stored(cache, [50, 1]) is not None, "a pinned entry is never evicted"
     assert cache.current_bytes <= 100 and cache.stats.evictions == 3
 
 
@@ -127,21 +132,21 @@ def test_a_request_prefix_larger_than_the_budget_is_refused():
     cache = list_cache(max_bytes=100)
     cache.add(entry([1], nbytes=30))
     assert cache.add(entry([2], nbytes=500)) is False
-    assert cache.get([2]) is None and cache.current_bytes <= 100
+    assert stored(cache, [2]) is None and cache.current_bytes <= 100
 
 
 def test_pinned_entries_beyond_the_budget_refuse_request_prefixes_but_stay():
     cache = list_cache(max_bytes=50)
     assert cache.add(entry([1, 2, 3], nbytes=80, pinned=True))
     assert cache.add(entry([5, 6], nbytes=10)) is False
-    assert cache.get([1, 2, 3]).loaded
+    assert stored(cache, [1, 2, 3]).loaded
 
 
 def test_a_pinned_entry_is_never_replaced_by_a_request_prefix():
     cache = list_cache()
     cache.add(entry([1, 2, 3], pinned=True, source="snapshot"))
     assert cache.add(entry([1, 2, 3], source="request")) is False
-    assert cache.get([1, 2, 3]).pinned and cache.get([1, 2, 3]).source == "snapshot"
+    assert stored(cache, [1, 2, 3]).pinned and stored(cache, [1, 2, 3]).source == "snapshot"
 
 
 def test_lazy_snapshot_entry_loads_on_first_hit_and_unloads_under_pressure_but_stays_indexed():
@@ -157,7 +162,7 @@ def test_lazy_snapshot_entry_loads_on_first_hit_and_unloads_under_pressure_but_s
     state, n, _ = cache.fetch([1, 2, 3, 4])
     assert (state, n) == ([1, 2, 3], 3) and cache.stats.loads == 1 and cache.current_bytes == 40
     cache.add(entry([7, 7], nbytes=30))  # over budget: the snapshot is unloaded, not forgotten
-    lazy = cache.get([1, 2, 3])
+    lazy = stored(cache, [1, 2, 3])
     assert lazy is not None and not lazy.loaded and cache.stats.unloads == 1
     state, n, _ = cache.fetch([1, 2, 3, 9])
     assert n == 3 and len(loads) == 2 and cache.stats.loads == 2
@@ -177,7 +182,7 @@ def test_a_snapshot_that_fails_to_load_is_dropped_and_the_next_best_entry_serves
     state, n, _ = cache.fetch([1, 2, 3, 4, 5])
     assert (state, n) == ([1, 2], 2)
     assert reported == [((1, 2, 3, 4), "checksum mismatch")]
-    assert cache.get([1, 2, 3, 4]) is None and cache.stats.load_errors == 1
+    assert stored(cache, [1, 2, 3, 4]) is None and cache.stats.load_errors == 1
 
 
 def test_other_loader_errors_propagate():
@@ -201,7 +206,7 @@ def test_clear_empties_everything():
 
 
 def _prefill(lm, tokens):
-    from kvsnap.build import prefill
+    from kvsnap.runtime.prefill import prefill
 
     return prefill(lm, tokens)
 
@@ -260,7 +265,7 @@ def test_fetching_a_pinned_entry_three_times_through_a_trim_leaves_it_unchanged(
     fresh, _, _ = cache.fetch(tokens + (1,))
     _assert_same(third, reference)
     _assert_same(fresh, reference)
-    _assert_same(cache.get(tokens).state, reference)
+    _assert_same(stored(cache, tokens).state, reference)
 
 
 def test_a_trimmed_copy_extended_matches_a_fresh_prefill(demo_models):

@@ -10,12 +10,13 @@ from hypothesis import strategies as st
 
 from kvsnap.errors import MessageError, WarmPromptError
 from kvsnap.prompts import (
+    encode_prompt,
     load_warm_prompts,
     normalize_messages,
     parse_entry,
     parse_warm_prompts,
+    render_messages,
     request_tokens,
-    string_cut_tokens,
     warm_prefix,
 )
 
@@ -129,6 +130,12 @@ def test_warm_tokens_are_a_strict_prefix_of_every_request(demo_models, model, en
         assert len(full) > len(warm) and tuple(full[: len(warm)]) == warm
 
     check()
+
+
+def string_cut_tokens(tokenizer, prompt) -> list[int]:
+    """The naive warm-up kvsnap does not do: cut the rendered string where a probe starts, then tokenize."""
+    text = render_messages(tokenizer, list(prompt.messages) + [{"role": "user", "content": "__PROBE_A__"}], prompt.tools, prompt.chat_template_kwargs)
+    return encode_prompt(tokenizer, text[: text.index("__PROBE_A__")])
 
 
 def test_string_cut_is_not_a_token_prefix_on_the_mistral_template(demo_models):

@@ -16,6 +16,10 @@ Namespaces: warm entries (``namespace=None``) are the operator's and every reque
 them; a request prefix belongs to the namespace of the request that made it (its API key
 and ``cache_salt``) and only requests of that namespace ever match it.
 
+Lookups walk one token trie per namespace (``prefix_trie``), so their cost does not grow with
+the number of entries; ``_entries`` and the tries change together, only in ``_index`` and
+``_unindex``, and an indexed entry's state changes only in ``_set_state``.
+
 No file I/O under the lock: a lazy snapshot load runs with the lock released, so status
 and admin calls (taken on the server's event loop) never wait on a disk read.
 """
@@ -27,18 +31,12 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
+from kvsnap.runtime.prefix_trie import TokenTrie
+
 CopyFn = Callable[[Any], Any]
 TrimFn = Callable[[Any, int], Any]
 LoadFn = Callable[[], tuple[Any, int]]
 LoadErrorFn = Callable[["Entry", BaseException], None]
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
 
 
 @dataclass
@@ -93,6 +91,7 @@ class PrefixCache:
     on_load_error: LoadErrorFn | None = None
     stats: PrefixStats = field(default_factory=PrefixStats)
     _entries: dict[tuple, Entry] = field(default_factory=dict)  # (namespace, tokens) -> entry
+    _tries: dict[str | None, TokenTrie] = field(default_factory=dict)  # namespace -> its entries' trie
     _clock: Any = field(default_factory=itertools.count)
     _lock: threading.RLock = field(default_factory=threading.RLock)
 
@@ -112,10 +111,6 @@ class PrefixCache:
         with self._lock:
             return len(self._entries)
 
-    def get(self, tokens: Sequence[int], namespace: str | None = None) -> Entry | None:
-        with self._lock:
-            return self._entries.get((namespace, tuple(tokens)))
-
     def add(self, entry: Entry) -> bool:
         """Insert or replace; returns whether the entry is in the cache afterwards.
 
@@ -130,7 +125,7 @@ class PrefixCache:
             if entry.namespace is not None and shared is not None:
                 return False  # a warm entry already holds exactly these tokens for everyone
             entry.last_used = next(self._clock)
-            self._entries[entry.slot] = entry
+            self._index(entry)
             if entry.loaded and not entry.resident:
                 self._evict_to_budget(keep=entry)
                 if self.current_bytes > self.max_bytes and entry.loaded and self._evictable(entry):
@@ -144,10 +139,31 @@ class PrefixCache:
     def _drop(self, e: Entry) -> None:
         """Free an entry's memory: unload a snapshot-backed one, forget a request prefix."""
         if e.loader is not None:
-            e.state, self.stats.unloads = None, self.stats.unloads + 1
+            self._set_state(e, None)
+            self.stats.unloads += 1
         else:
-            del self._entries[e.slot]
+            self._unindex(e)
             self.stats.evictions += 1
+
+    def _index(self, entry: Entry) -> None:
+        old = self._entries.get(entry.slot)
+        if old is not None:
+            self._unindex(old)
+        self._entries[entry.slot] = entry
+        self._tries.setdefault(entry.namespace, TokenTrie()).insert(entry)
+
+    def _unindex(self, entry: Entry) -> None:
+        del self._entries[entry.slot]
+        trie = self._tries[entry.namespace]
+        trie.remove(entry)
+        if not len(trie) and entry.namespace is not None:
+            del self._tries[entry.namespace]  # a namespace's trie lives as long as its entries
+
+    def _set_state(self, entry: Entry, state: Any) -> None:
+        trie = self._tries.get(entry.namespace)
+        if trie is not None:
+            trie.set_loaded(entry, state is not None)
+        entry.state = state
 
     def _evict_to_budget(self, keep: Entry | None = None) -> None:
         over = self.current_bytes - self.max_bytes
@@ -164,19 +180,20 @@ class PrefixCache:
         with self._lock:
             n = len(self._entries)
             self._entries.clear()
+            self._tries.clear()
             return n
 
     def discard(self, entry: Entry) -> None:
         with self._lock:
             if self._entries.get(entry.slot) is entry:
-                del self._entries[entry.slot]
+                self._unindex(entry)
 
     def drop_request_prefixes(self) -> int:
         """Forget every entry no warm prompt or snapshot file backs; returns how many."""
         with self._lock:
-            doomed = [slot for slot, e in self._entries.items() if not e.pinned and e.loader is None]
-            for slot in doomed:
-                del self._entries[slot]
+            doomed = [e for e in self._entries.values() if not e.pinned and e.loader is None]
+            for e in doomed:
+                self._unindex(e)
             return len(doomed)
 
     # --- lookup ----------------------------------------------------------------
@@ -190,30 +207,13 @@ class PrefixCache:
         ``namespace`` are candidates.
         """
         tokens = tuple(tokens)
-        best: Match | None = None
-
-        def better(entry: Entry, usable: int) -> bool:
-            if best is None or usable > best.n_cached:
-                return True
-            if usable < best.n_cached:
-                return False
-            # Ties: a warm entry, then one already in memory.
-            return (entry.pinned, entry.loaded) > (best.entry.pinned, best.entry.loaded)
-
         with self._lock:
-            for entry in self._entries.values():
-                if entry.namespace is not None and entry.namespace != namespace:
-                    continue
-                n = len(entry.tokens)
-                if n < len(tokens) and tokens[:n] == entry.tokens:
-                    usable = n
-                elif entry.trimmable:
-                    usable = min(common_prefix(entry.tokens, tokens), len(tokens) - 1)
-                else:
-                    continue
-                if usable > 0 and better(entry, usable):
-                    best = Match(entry, usable)
-        return best
+            tries = (self._tries.get(None), self._tries.get(namespace))
+            found = [t.best(tokens) for t in tries if t is not None]
+        best = max((c for c in found if c is not None), key=lambda c: (c.usable, c.rank), default=None)
+        if best is None:
+            return None
+        return Match(best.entry, best.usable)
 
     def fetch(self, tokens: Sequence[int], namespace: str = "") -> tuple[Any, int, Match | None]:
         """A private cache state for ``tokens`` and how many tokens it already holds.
@@ -246,7 +246,7 @@ class PrefixCache:
         except self.load_errors as exc:
             with self._lock:
                 if self._entries.get(entry.slot) is entry:
-                    del self._entries[entry.slot]
+                    self._unindex(entry)
                 self.stats.load_errors += 1
             if self.on_load_error is not None:
                 self.on_load_error(entry, exc)
@@ -254,7 +254,8 @@ class PrefixCache:
         with self._lock:
             if self._entries.get(entry.slot) is not entry:
                 return False  # cleared or replaced meanwhile: its state is not wanted
-            entry.state, entry.nbytes = state, nbytes
+            self._set_state(entry, state)
+            entry.nbytes = nbytes
             entry.resident = entry.resident or resident
             self.stats.loads += 0 if resident else 1
             self._evict_to_budget(keep=entry)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from kvsnap.runtime.prefix import common_prefix as _common
+from kvsnap.prompts import common_prefix_length
 
 MIN_SHARED_TOKENS = 32  # below this, one extra forward pass costs more than it saves
 
@@ -32,10 +32,10 @@ def shared_groups(token_lists: Sequence[Sequence[int]], namespaces: Sequence[str
     while left:
         first = left.pop(0)
         head = token_lists[first]
-        members = [first] + [j for j in left if namespaces[j] == namespaces[first] and _common(head, token_lists[j]) >= min_shared]
+        members = [first] + [j for j in left if namespaces[j] == namespaces[first] and common_prefix_length((head, token_lists[j])) >= min_shared]
         if len(members) < 2:
             continue
-        length = min(min(_common(head, token_lists[j]) for j in members[1:]), min(len(token_lists[j]) for j in members) - 1)
+        length = min(min(common_prefix_length((head, token_lists[j])) for j in members[1:]), min(len(token_lists[j]) for j in members) - 1)
         if length >= min_shared:
             groups.append(SharedGroup(tuple(members), length))
             left = [j for j in left if j not in members]
