@@ -12,7 +12,7 @@ from kvsnap.key import DigestCache, ModelIdentity, prompt_identity, snapshot_key
 from kvsnap.runtime.modeling import LoadedModel
 from kvsnap.runtime.prefill import prefill
 from kvsnap.prompts import Tokenization, WarmPrompt, WarmPromptSet, resolve_chat_template, warm_prefix
-from kvsnap.runtime.writeback import profile_record_id, record_upsert, snapshot_payload
+from kvsnap.runtime.writeback import manifest_entry, profile_record_id, record_upsert, snapshot_payload
 from kvsnap.store.local import Store
 
 Progress = Callable[[str, str], None]  # (event, entry name)
@@ -48,10 +48,6 @@ class BuildReport:
         return not self.problems and self.count("failed") == 0
 
 
-
-
-
-
 def capture_snapshot(
     lm: LoadedModel,
     store: Store,
@@ -79,19 +75,6 @@ def capture_snapshot(
 
 def _without_time(record: dict) -> dict:
     return {k: v for k, v in record.items() if k != "updated"}
-
-
-def _manifest_entry(result: EntryResult, prompt_digest: str, tokenization: dict | None = None) -> dict:
-    extra = {"tokenization": tokenization} if tokenization is not None else {}
-    return {
-        **extra,
-        "name": result.name,
-        "key": result.key,
-        "file": f"snapshots/{result.key}.safetensors",
-        "n_tokens": result.n_tokens,
-        "coverage": round(result.coverage, 4),
-        "prompt_digest": prompt_digest,
-    }
 
 
 def build_snapshots(
@@ -138,7 +121,7 @@ def build_snapshots(
             def commit(written: Path, status: str) -> None:
                 # Under the store lock: the file and its manifest record appear together for gc.
                 result.status, result.nbytes = status, written.stat().st_size
-                update = upsert(_manifest_entry(result, prompt_digest, profile))
+                update = upsert(manifest_entry(result.name, result.key, result.n_tokens, round(result.coverage, 4), prompt_digest, profile))
                 current = store.read_manifest()["records"].get(rid, {})
                 if _without_time(update(current)) != _without_time(current):  # an unchanged rebuild writes nothing
                     store.update_record(rid, update)
@@ -169,5 +152,3 @@ def build_snapshots(
         store.update_record(rid, lambda r: {**r, "entries": [e for e in r.get("entries", []) if e.get("name") in current]})
     report.seconds = time.perf_counter() - started
     return report
-
-

@@ -20,8 +20,8 @@ from typing import Any, Iterable, Sequence
 import xxhash
 
 from kvsnap.errors import ModelError
+from kvsnap.snapshot.format import CODEC_FORMAT_VERSION
 
-CODEC_FORMAT_VERSION = 1
 DEFAULT_PREFILL_STEP = 512  # CPU attention is fastest in 512-row chunks; one shared default
 DIGEST_CHUNK = 8 << 20  # read size only: a digest covers every byte of the file, whatever the chunk
 
@@ -49,9 +49,15 @@ def canonical_json(value: Any) -> str:
 
 
 def tokens_digest(tokens: Sequence[int]) -> str:
+    return tokens_digest_of_bytes(pack_tokens(tokens))
+
+
+def tokens_digest_of_bytes(raw: bytes | memoryview) -> str:
+    """The tokens digest straight from the int32-LE bytes of a ``tokens`` tensor (no list of ints:
+    a Python int costs 36 bytes of memory per 4-byte token)."""
     h = xxhash.xxh3_128()
     h.update(b"tokens:int32le:")
-    h.update(pack_tokens(tokens))
+    h.update(raw)
     return h.hexdigest()
 
 
@@ -314,5 +320,10 @@ def prompt_identity(template: str, chat_template_kwargs: dict | None, tools: Seq
 
 
 def snapshot_key(model: ModelIdentity, prompt_digest: str, tokens: Sequence[int]) -> str:
-    """The content address of one snapshot: its file is ``<key>.safetensors``."""
-    return hexdigest(f"kvsnap-key-v{CODEC_FORMAT_VERSION}|{model.digest}|{prompt_digest}|{tokens_digest(tokens)}|{len(tokens)}".encode())
+    """The content address of one snapshot: its file name is ``format.snapshot_filename(key)``."""
+    return key_from_digests(model.digest, prompt_digest, tokens_digest(tokens), len(tokens))
+
+
+def key_from_digests(model_digest: str, prompt_digest: str, tokens_digest: str, n_tokens: int) -> str:
+    """The key formula, from digests alone: what a reader recomputes from a header."""
+    return hexdigest(f"kvsnap-key-v{CODEC_FORMAT_VERSION}|{model_digest}|{prompt_digest}|{tokens_digest}|{n_tokens}".encode())

@@ -20,8 +20,9 @@ import pytest
 
 from kvsnap.build import build_snapshots
 from kvsnap.errors import SnapshotError, StoreError
-from kvsnap.snapshot.file import CHECKSUM_KEY, FORMAT_VERSION, OutTensor
-from kvsnap.store.local import MANIFEST, SNAPSHOTS, TMP_PREFIX, Store
+from kvsnap.snapshot.file import OutTensor
+from kvsnap.snapshot.format import CHECKSUM_KEY, FORMAT_VERSION, MANIFEST, SNAPSHOT_REL_RE, relpath_of_file, snapshot_relpath
+from kvsnap.store.local import TMP_PREFIX, Store
 
 KEY = "0123456789abcdef0123456789abcdef"
 OTHER_KEY = "fedcba9876543210fedcba9876543210"
@@ -258,7 +259,7 @@ def test_manifest_updates_fsync_the_file_and_the_root(tmp_path):
     for n in (1, 2):  # creating it, then replacing it
         old_ino = manifest.stat().st_ino if manifest.exists() else None
         store.fsync = spy = FsyncSpy(manifest)
-        store.update_record(f"r{n}", lambda r: {"entries": [{"name": "a", "file": f"{SNAPSHOTS}/{KEY}.safetensors"}]})
+        store.update_record(f"r{n}", lambda r: {"entries": [{"name": "a", "file": snapshot_relpath(KEY)}]})
         new_ino = manifest.stat().st_ino
         assert new_ino != old_ino
         assert spy.calls == [("file", new_ino, n == 2), ("dir", store.root.stat().st_ino, True)]
@@ -615,7 +616,7 @@ def test_manifest_paths_are_relative_and_a_moved_store_still_verifies(dense, den
     files = [e["file"] for r in manifest["records"].values() for e in r["entries"]]
     assert len(files) == 6
     for f in files:
-        assert not os.path.isabs(f) and ".." not in Path(f).parts and re.fullmatch(rf"{SNAPSHOTS}/[0-9a-f]{{32}}\.safetensors", f)
+        assert not os.path.isabs(f) and ".." not in Path(f).parts and SNAPSHOT_REL_RE.fullmatch(f)
     assert str(store.root) not in (store.root / MANIFEST).read_text()
 
     moved = tmp_path / "elsewhere" / "deploy" / "snaps"
@@ -624,7 +625,7 @@ def test_manifest_paths_are_relative_and_a_moved_store_still_verifies(dense, den
     there = Store.open(moved)
     good, bad = there.scan()
     assert len(good) == 6 and bad == []
-    assert {f"{SNAPSHOTS}/{p.name}" for p in there.snapshot_files()} == there.referenced()
+    assert {relpath_of_file(p.name) for p in there.snapshot_files()} == there.referenced()
     for p in there.snapshot_files():
         there.verify_file(p)
     assert statuses(build(dense, agents_file, moved)) == {"alpha": "reused", "beta": "reused", "gamma": "reused"}

@@ -313,9 +313,7 @@ def open_store(path: str, want_write: bool = False) -> tuple[Any, bool]:
             return Store.open(folder, create=True), True
         except (OSError, StoreError) as exc:
             raise StoreError(f"{folder} does not exist and cannot be created ({exc}); give the folder passed to `kvsnap build --out`") from None
-    store = Store.open(folder, readonly=True)
-    if not store.is_initialized():
-        raise StoreError(f"{store.root} is not a kvsnap store (no manifest.json, no snapshots/); give the folder passed to `kvsnap build --out`")
+    store = Store.open(folder, readonly=True).require_store()
     if not want_write:
         return store, False
     probe_dir = store.snapshots_dir if store.snapshots_dir.is_dir() else store.root
@@ -393,9 +391,6 @@ def main(argv: Sequence[str]) -> int:
     if argv[0] != "serve":
         raise UsageError(f"`kvsnap vllm-mlx {argv[0]}` is not supported: only `serve` takes {OPTION}; run `vllm-mlx {argv[0]} ...` directly")
     store_dir, rest = split_argv(argv[1:])
-    from kvsnap.store.remote import check_kv_snapshots, resolve_kv_snapshots
-
-    check_kv_snapshots(store_dir)  # an unknown scheme is a usage error before vllm-mlx is imported
     from kvsnap.blas import preload_openblas
 
     preload_openblas()  # before vllm-mlx imports mlx: the same BLAS kvsnap build uses
@@ -412,7 +407,10 @@ def main(argv: Sequence[str]) -> int:
     ns = parse_serve_args(cli, rest)
     check_serve_args(ns)
     prompts = load_warm_prompt_file(warm_file) if warm_file else None
-    store_dir = resolve_kv_snapshots(store_dir)  # a remote URL is pulled into kvsnap's cache folder first, as `kvsnap serve` does
+    if store_dir.startswith("oci://"):
+        from kvsnap.store.oci import resolve_kv_snapshots
+
+        store_dir = resolve_kv_snapshots(store_dir)  # pulled into kvsnap's cache folder first, as `kvsnap serve` does
     store, writable = open_store(store_dir, want_write=prompts is not None)
     from kvsnap.runtime.modeling import default_digest_cache
     from kvsnap.integrations.vllm_mlx_session import Session

@@ -3,7 +3,6 @@ header -> an atomic put in the store plus its manifest record."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -11,8 +10,9 @@ from kvsnap import __version__
 from kvsnap.key import KVSettings, ModelIdentity, package_version, snapshot_key, tokens_digest
 from kvsnap.prompts import WarmPrompt, resolve_chat_template
 from kvsnap.runtime.modeling import LoadedModel
-from kvsnap.snapshot.file import FORMAT_VERSION
-from kvsnap.store.local import Store, record_id, utc_now
+from kvsnap.snapshot.format import header_metadata, snapshot_relpath
+from kvsnap.store.local import Store
+from kvsnap.store.manifest import record_id, utc_now
 
 
 def recorded_fields(settings: KVSettings, tokenization: dict | None = None) -> dict:
@@ -43,18 +43,11 @@ def recipe_fields(lm: LoadedModel, identity: ModelIdentity, prompt: WarmPrompt, 
 
 
 def snapshot_metadata(identity: ModelIdentity, prompt: WarmPrompt, prompt_digest: str, key: str, tokens: Sequence[int], layers: list, recorded: dict) -> dict[str, str]:
-    return {
-        "kvsnap.format": str(FORMAT_VERSION),
-        "kvsnap.key": key,
-        "kvsnap.name": prompt.name,
-        "kvsnap.model": json.dumps(identity.as_dict(), sort_keys=True),
-        "kvsnap.model_digest": identity.digest,
-        "kvsnap.prompt_digest": prompt_digest,
-        "kvsnap.n_tokens": str(len(tokens)),
-        "kvsnap.tokens_digest": tokens_digest(tokens),
-        "kvsnap.layers": json.dumps(layers),
-        "kvsnap.recorded": json.dumps(recorded, sort_keys=True),
-    }
+    """The header of one warm prompt's snapshot (its fields are ``format.header_metadata``'s)."""
+    return header_metadata(
+        key=key, name=prompt.name, model=identity.as_dict(), model_digest=identity.digest, prompt_digest=prompt_digest,
+        n_tokens=len(tokens), tokens_digest=tokens_digest(tokens), layers=layers, recorded=recorded,
+    )
 
 
 def snapshot_payload(lm: LoadedModel, identity: ModelIdentity, prompt: WarmPrompt, prompt_digest: str, tokens: Sequence[int], cache: list, tokenization: dict | None = None) -> tuple[str, list, dict[str, str]]:
@@ -72,6 +65,12 @@ def profile_record_id(model_digest: str, agents_file: str, tokenization: dict | 
     if tokenization is None:
         return record_id(model_digest, agents_file)
     return record_id(f"{model_digest}|{tokenization['server']}", agents_file)
+
+
+def manifest_entry(name: str, key: str, n_tokens: int, coverage: float | None, prompt_digest: str, tokenization: dict | None = None) -> dict:
+    """One manifest entry: the snapshot a warm prompt has, by its store-relative path."""
+    extra = {"tokenization": tokenization} if tokenization is not None else {}
+    return {"name": name, "key": key, "file": snapshot_relpath(key), "n_tokens": n_tokens, "coverage": coverage, "prompt_digest": prompt_digest, **extra}
 
 
 def record_upsert(lm: LoadedModel, identity: ModelIdentity, agents_file: str, entry: dict) -> Callable[[dict], dict]:
@@ -107,7 +106,6 @@ def commit_snapshot(
     key, tensors, metadata = snapshot_payload(lm, identity, prompt, prompt_digest, tokens, cache, tokenization)
     with store.lock():
         path = store.put(key, tensors, metadata)
-        extra = {"tokenization": tokenization} if tokenization is not None else {}
-        entry = {"name": prompt.name, "key": key, "file": f"snapshots/{key}.safetensors", "n_tokens": len(tokens), "coverage": None, "prompt_digest": prompt_digest, **extra}
+        entry = manifest_entry(prompt.name, key, len(tokens), None, prompt_digest, tokenization)
         store.update_record(profile_record_id(identity.digest, agents_file, tokenization), record_upsert(lm, identity, agents_file, entry))
     return path

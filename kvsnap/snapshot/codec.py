@@ -18,14 +18,11 @@ import mlx.core as mx  # noqa: E402
 
 from kvsnap.errors import SnapshotError
 from kvsnap.snapshot.file import OutTensor
+from kvsnap.snapshot.format import DTYPES
 
 TOKENS = "tokens"
 
-_MX_TO_ST = {
-    mx.bool_: "BOOL", mx.uint8: "U8", mx.int8: "I8", mx.uint16: "U16", mx.int16: "I16",
-    mx.float16: "F16", mx.bfloat16: "BF16", mx.uint32: "U32", mx.int32: "I32",
-    mx.float32: "F32", mx.uint64: "U64", mx.int64: "I64",
-}
+_MX_TO_ST = {getattr(mx, mlx_name): st_name for st_name, (mlx_name, _) in DTYPES.items()}  # format.py's one dtype table
 
 
 class CaptureError(AssertionError):

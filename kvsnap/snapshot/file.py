@@ -20,7 +20,8 @@ from typing import BinaryIO, Callable, Iterable
 
 import xxhash
 
-FORMAT_VERSION = 2  # v2: the checksum covers the header too (v1 covered only the data)
+from kvsnap.snapshot.format import CHECKSUM_KEY, DTYPE_SIZES, FORMAT_VERSION  # noqa: F401  (FORMAT_VERSION re-exported)
+
 # Bounds checked before anything is built from a header (a real one: a few hundred tensors, tens of KiB).
 MAX_HEADER_BYTES = 16 << 20
 MAX_TENSORS = 65536
@@ -39,14 +40,9 @@ PARSE_COST_BYTE_ASCII = 4
 PARSE_COST_BYTE_OTHER = 13
 PARSE_SLACK = 1 << 20
 CHECKSUM_PLACEHOLDER = "0" * 32
-CHECKSUM_KEY = "kvsnap.xxh3_128"
 CHECKSUM_MARKER = f'"{CHECKSUM_KEY}":"'.encode()
 READ_CHUNK = 8 << 20
 
-DTYPE_SIZES = {
-    "BOOL": 1, "U8": 1, "I8": 1, "U16": 2, "I16": 2, "F16": 2, "BF16": 2,
-    "U32": 4, "I32": 4, "F32": 4, "U64": 8, "I64": 8, "F64": 8,
-}
 
 
 class FormatError(ValueError):

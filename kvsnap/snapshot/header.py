@@ -1,11 +1,11 @@
 """What a snapshot's ``__metadata__`` must say, checked field by field before anything is built from it.
 
-The file layer (``snapfile.parse_header``) proves the header is bounded JSON with sane
-tensor offsets; this module checks kvsnap's own fields: exact-width digests, a decimal
-token count, an identity that hashes to its digest, tokens that hash to the key, and a
-layer list whose every count is bounded *by the tensors the header really holds* before
-any name is generated from it (a ``"parts": 10**9`` once built a billion names before
-the checksum was read). Every failure is a FormatError naming the field and its value.
+The field names and the version are ``format.py``'s. The file layer (``file.parse_header``)
+proves the header is bounded JSON with sane tensor offsets; this module checks kvsnap's
+own fields: exact-width digests, a decimal token count, an identity that hashes to its
+digest, tokens that hash to the key, and a layer list whose every count is bounded *by the
+tensors the header really holds* before any name is generated from it (a
+``"parts": 10**9`` once built a billion names before the checksum was read). Every failure is a FormatError naming the field and its value.
 
 Layer fields follow ``snapshot.py``'s codecs (one per mlx-lm cache class). No mlx here.
 """
@@ -17,14 +17,10 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-import xxhash
+from kvsnap.key import ModelIdentity, key_from_digests, tokens_digest_of_bytes, unpack_tokens
+from kvsnap.snapshot.file import FormatError, Header, tensor_bytes
+from kvsnap.snapshot.format import KEY_RE, REQUIRED_META, check_format_field, snapshot_filename, snapshot_relpath
 
-from kvsnap.key import CODEC_FORMAT_VERSION, ModelIdentity, hexdigest, unpack_tokens
-from kvsnap.store.manifest import SNAPSHOTS, SUFFIX
-from kvsnap.snapshot.file import FORMAT_VERSION, FormatError, Header, tensor_bytes
-
-REQUIRED_META = ("kvsnap.format", "kvsnap.key", "kvsnap.model", "kvsnap.model_digest", "kvsnap.prompt_digest", "kvsnap.n_tokens", "kvsnap.tokens_digest", "kvsnap.layers")
-HEX32_RE = re.compile(r"[0-9a-f]{32}")
 DIGITS_RE = re.compile(r"[0-9]{1,12}")  # ASCII only: int() would also take " 7", "7_0" and other scripts' digits
 
 MAX_NAME_CHARS = 4096
@@ -68,7 +64,7 @@ class SnapshotInfo:
 
     @property
     def relpath(self) -> str:
-        return f"{SNAPSHOTS}/{self.path.name}"
+        return snapshot_relpath(self.key)  # the file's name is its key (inspect_header checks)
 
 
 def _show(value: object) -> str:
@@ -220,21 +216,9 @@ def _identity(meta: dict) -> tuple[dict, ModelIdentity]:
     return model, identity
 
 
-def tokens_digest_of_bytes(raw: bytes | memoryview) -> str:
-    """``key.tokens_digest`` of the int32-LE ``tokens`` tensor, straight from its bytes.
-
-    The same value (tests/test_store_safety.py holds them equal) without a Python list of
-    ints, which costs 36 bytes of memory per 4-byte token.
-    """
-    h = xxhash.xxh3_128()
-    h.update(b"tokens:int32le:")
-    h.update(raw)
-    return h.hexdigest()
-
-
 def key_of(identity: ModelIdentity, prompt_digest: str, tokens_digest: str, n_tokens: int) -> str:
-    """``key.snapshot_key`` from a tokens digest (the same formula; held equal by a test)."""
-    return hexdigest(f"kvsnap-key-v{CODEC_FORMAT_VERSION}|{identity.digest}|{prompt_digest}|{tokens_digest}|{n_tokens}".encode())
+    """``key.snapshot_key`` from a tokens digest (one formula: ``key.key_from_digests``)."""
+    return key_from_digests(identity.digest, prompt_digest, tokens_digest, n_tokens)
 
 
 def _recorded(meta: dict) -> dict:
@@ -260,10 +244,11 @@ def inspect_header(path: Path, header: Header, tokens_raw: bytes | None = None) 
     missing = [k for k in REQUIRED_META if k not in meta]
     if missing:
         raise FormatError(f"not a kvsnap snapshot: metadata lacks {', '.join(missing)}")
-    if meta["kvsnap.format"] != str(FORMAT_VERSION):
-        raise FormatError(f"snapshot format version {meta['kvsnap.format'][:20]!r} is not the supported {FORMAT_VERSION}; rebuild it with this kvsnap")
+    wrong_version = check_format_field(meta["kvsnap.format"])
+    if wrong_version:
+        raise FormatError(wrong_version)
     for field in ("kvsnap.key", "kvsnap.model_digest", "kvsnap.prompt_digest", "kvsnap.tokens_digest"):
-        if not HEX32_RE.fullmatch(meta[field]):
+        if not KEY_RE.fullmatch(meta[field]):
             raise FormatError(f"{field} is {_show(meta[field])}, expected 32 lowercase hex digits")
     if not DIGITS_RE.fullmatch(meta["kvsnap.n_tokens"]):
         raise FormatError(f"kvsnap.n_tokens is {_show(meta['kvsnap.n_tokens'])}, expected a decimal token count")
@@ -282,7 +267,7 @@ def inspect_header(path: Path, header: Header, tokens_raw: bytes | None = None) 
     key = key_of(identity, meta["kvsnap.prompt_digest"], meta["kvsnap.tokens_digest"], n_tokens)
     if key != meta["kvsnap.key"]:
         raise FormatError("tokens and identity do not hash to the recorded key")
-    if path.name != key + SUFFIX:
+    if path.name != snapshot_filename(key):
         raise FormatError(f"file name does not match its key {key} (renamed or copied over another snapshot)")
     layers = _json_field(meta, "kvsnap.layers", len(header.raw))
     names = set(header.tensors) - {"tokens"}

@@ -36,6 +36,7 @@ from typing import BinaryIO, Callable, Iterator
 
 from kvsnap.errors import KvsnapError, ManifestError, SnapshotError, StoreError
 from kvsnap.store.manifest import SNAPSHOT_REL_RE, parse_manifest, referenced_files
+from kvsnap.snapshot.format import relpath_of_file
 from kvsnap.store.local import DIR_MODE, FILE_MODE, MANIFEST, SNAPSHOTS, Store
 STAGE_PREFIX = ".kvsnap-stage-"
 CHUNK = 1 << 20
@@ -90,9 +91,7 @@ def check_manifest_bytes(data: bytes, where: str, dest: Path | None = None) -> d
 
 def collect_store(root: str | os.PathLike) -> list[StoreFile]:
     """Every file of the store to ship, each fully verified; refuses a store with any bad file."""
-    store = Store.open(root, readonly=True)
-    if not store.is_initialized():
-        raise StoreError(f"{store.root} is not a kvsnap store (no manifest.json, no snapshots/); give the folder passed to `kvsnap build --out`")
+    store = Store.open(root, readonly=True).require_store()
     files: list[StoreFile] = []
     for path in store.snapshot_files():
         try:
@@ -100,14 +99,13 @@ def collect_store(root: str | os.PathLike) -> list[StoreFile]:
         except SnapshotError as exc:
             raise ShipError(f"{exc.path}: {exc.reason}; refusing to ship a store with a bad snapshot ({exc.fix}, or remove it; `kvsnap verify {store.root}` lists them)") from None
         st = path.stat()
-        files.append(StoreFile(f"{SNAPSHOTS}/{path.name}", path, st.st_size, (st.st_dev, st.st_ino)))
+        files.append(StoreFile(relpath_of_file(path.name), path, st.st_size, (st.st_dev, st.st_ino)))
     manifest = store.root / MANIFEST
     if manifest.exists() or manifest.is_symlink():
         st = manifest.lstat()
         if not stat.S_ISREG(st.st_mode):
             raise ShipError(f"{manifest}: not a regular file; refusing to ship it")
-        present = {f.relpath for f in files}
-        missing = sorted(store.referenced() - present)  # read_manifest raises StoreError for a bad one
+        missing = store.missing_files()  # read_manifest raises StoreError for a bad one
         if missing:
             raise ShipError(f"{store.root / missing[0]}: listed in the manifest but missing; run `kvsnap build` again (or `kvsnap verify {store.root}`) before shipping")
         files.append(StoreFile(MANIFEST, manifest, st.st_size, (st.st_dev, st.st_ino)))

@@ -1,6 +1,7 @@
 """The snapshot store on disk: atomic writes, header-only scans, verification, manifest, gc, lock.
 
-Layout (every path relative to the root, so the folder can be moved or shipped)::
+Layout (every path relative to the root, so the folder can be moved or shipped; the names
+are ``snapshot/format.py``'s)::
 
     ROOT/manifest.json               what each build produced: one record per (model, agents file)
     ROOT/snapshots/<key>.safetensors one file per warm prefix, named by its content key
@@ -12,11 +13,9 @@ Only ``load_arrays`` imports mlx.
 from __future__ import annotations
 
 import contextlib
-import datetime as _dt
 import errno
 import fcntl
 import os
-import re
 import stat
 import tempfile
 import threading
@@ -25,14 +24,14 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from kvsnap.errors import SnapshotError, StoreError
-from kvsnap.key import ModelIdentity, canonical_json, hexdigest, unpack_tokens
-from kvsnap.store.manifest import MANIFEST, SNAPSHOTS, SUFFIX, encode_manifest, merge_manifests, read_manifest_file, referenced_files, update_manifest
+from kvsnap.key import ModelIdentity, unpack_tokens
+from kvsnap.store.manifest import encode_manifest, merge_manifests, read_manifest_file, referenced_files, update_manifest
 from kvsnap.snapshot.file import FormatError, OutTensor, check_data, parse_header, read_header, tensor_bytes, verify_checksum, write_snapshot
-from kvsnap.snapshot.header import MAX_NAME_CHARS, REQUIRED_META, SnapshotInfo, check_offsets, expected_tensor_names, inspect_header  # noqa: F401  (re-exported)
+from kvsnap.snapshot.format import DTYPES, KEY_RE, MANIFEST, REQUIRED_META, SNAPSHOTS, SUFFIX, relpath_of_file, snapshot_filename  # noqa: F401  (re-exported)
+from kvsnap.snapshot.header import MAX_NAME_CHARS, SnapshotInfo, check_offsets, expected_tensor_names, inspect_header  # noqa: F401  (re-exported)
 
 LOCK = ".lock"
 TMP_PREFIX = ".tmp-"
-KEY_RE = re.compile(r"[0-9a-f]{32}")  # used with fullmatch: `$` would let a trailing newline through
 FILE_MODE = 0o600
 DIR_MODE = 0o700
 
@@ -57,6 +56,23 @@ def identity_mismatch(expected: ModelIdentity, found: dict) -> str:
     mine = expected.as_dict()
     fields = [k for k in sorted(set(mine) | set(found)) if mine.get(k) != found.get(k)]
     return ", ".join(fields) or "nothing"
+
+
+FOREIGN_FIX = "rebuild it for this model, or run `kvsnap gc` to drop it"
+
+
+def foreign_reason(expected: ModelIdentity | None, info: SnapshotInfo) -> str | None:
+    """None if the snapshot was built for ``expected`` (or nothing is expected); else why not, field by field."""
+    if expected is None or info.model_digest == expected.digest:
+        return None
+    return f"built for another model or KV setting (differs in: {identity_mismatch(expected, info.model)})"
+
+
+def require_model(info: SnapshotInfo, expected: ModelIdentity | None) -> None:
+    """SnapshotError (the file, the differing fields, the fix) unless the snapshot is ``expected``'s."""
+    reason = foreign_reason(expected, info)
+    if reason:
+        raise SnapshotError(str(info.path), reason, FOREIGN_FIX)
 
 
 @dataclass
@@ -95,11 +111,17 @@ class Store:
     def path_for(self, key: str) -> Path:
         if not isinstance(key, str) or not KEY_RE.fullmatch(key):
             raise StoreError(f"snapshot key {key!r} is not 32 lowercase hex digits")
-        return self.snapshots_dir / f"{key}{SUFFIX}"
+        return self.snapshots_dir / snapshot_filename(key)
 
     def is_initialized(self) -> bool:
         """Whether the folder looks like a store (a manifest or a snapshots folder)."""
         return (self.root / MANIFEST).is_file() or self.snapshots_dir.is_dir()
+
+    def require_store(self) -> "Store":
+        """This store, or a StoreError if the folder holds neither a manifest nor a snapshots folder."""
+        if not self.is_initialized():
+            raise StoreError(f"{self.root} is not a kvsnap store (no {MANIFEST}, no {SNAPSHOTS}/); give the folder passed to `kvsnap build --out`")
+        return self
 
     def _inside(self, path: Path) -> bool:
         try:
@@ -246,8 +268,7 @@ class Store:
             check_offsets(info.layers, info.n_tokens)
         except FormatError as exc:
             raise SnapshotError(str(path), str(exc)) from None
-        if expected is not None and info.model_digest != expected.digest:
-            raise SnapshotError(str(path), f"built for another model or KV setting (differs in: {identity_mismatch(expected, info.model)})", "rebuild it for this model, or run `kvsnap gc` to drop it")
+        require_model(info, expected)
         return info
 
     def scan(self, expected: ModelIdentity | None = None) -> tuple[list[SnapshotInfo], list[Problem]]:
@@ -299,15 +320,14 @@ class Store:
             check_offsets(current.layers, current.n_tokens)
             if current.key != info.key or current.layers != info.layers or current.n_tokens != info.n_tokens:
                 raise SnapshotError(str(path), f"now holds another snapshot (key {current.key}) than the one indexed ({info.key})", "restart, or rebuild it with `kvsnap build`")
-            if expected is not None and current.model_digest != expected.digest:
-                raise SnapshotError(str(path), f"built for another model or KV setting (differs in: {identity_mismatch(expected, current.model)})", "rebuild it for this model, or run `kvsnap gc` to drop it")
+            require_model(current, expected)
         except FormatError as exc:
             raise SnapshotError(str(path), str(exc)) from None
         except OSError as exc:
             raise SnapshotError(str(path), f"cannot be read ({exc.strerror or exc})", "check the file's permissions") from None
         arrays = {}
         for name, entry in header.tensors.items():
-            arrays[name] = buf[entry.start : entry.end].view(_MX_DTYPES[entry.dtype]()).reshape(entry.shape)
+            arrays[name] = buf[entry.start : entry.end].view(getattr(mx, DTYPES[entry.dtype][0])).reshape(entry.shape)
         mx.eval(list(arrays.values()))
         return arrays
 
@@ -316,6 +336,11 @@ class Store:
     def referenced(self) -> set[str]:
         """Every snapshot path a manifest record lists; ManifestError (deleting nothing) if the manifest is damaged."""
         return referenced_files(self.read_manifest())
+
+    def missing_files(self, referenced: set[str] | None = None) -> list[str]:
+        """The snapshot paths the manifest lists (``referenced``, else read now) that are not in the folder, sorted."""
+        listed = self.referenced() if referenced is None else referenced
+        return sorted(listed - {relpath_of_file(p.name) for p in self.snapshot_files()})
 
     def gc(self, apply: bool) -> tuple[list[Path], int]:
         """Temp files and snapshots no manifest record refers to; removed only when ``apply``.
@@ -328,7 +353,7 @@ class Store:
             live = self.referenced()
             candidates = self.temp_files()
             if (self.root / MANIFEST).exists():
-                candidates += [p for p in self.snapshot_files() if f"{SNAPSHOTS}/{p.name}" not in live]
+                candidates += [p for p in self.snapshot_files() if relpath_of_file(p.name) not in live]
             doomed = [p for p in candidates if not stat.S_ISDIR(p.lstat().st_mode)]
             freed = sum(p.lstat().st_size for p in doomed)
             if apply:
@@ -352,10 +377,11 @@ def classify(infos: list[SnapshotInfo], expected: ModelIdentity | None) -> tuple
         return list(infos), []
     good, foreign = [], []
     for info in infos:
-        if info.model_digest == expected.digest:
-            good.append(info)
+        reason = foreign_reason(expected, info)
+        if reason:
+            foreign.append(Problem(info.path, reason))
         else:
-            foreign.append(Problem(info.path, f"built for another model or KV setting (differs in: {identity_mismatch(expected, info.model)})"))
+            good.append(info)
     return good, foreign
 
 
@@ -392,28 +418,3 @@ def read_into(fd: int, view: memoryview, offset: int) -> None:
             w.join()
     if errors:
         raise errors[0]
-
-
-def _dtype(name: str):
-    def get():
-        import mlx.core as mx
-
-        return getattr(mx, name)
-
-    return get
-
-
-_MX_DTYPES = {
-    "BOOL": _dtype("bool_"), "U8": _dtype("uint8"), "I8": _dtype("int8"), "U16": _dtype("uint16"), "I16": _dtype("int16"),
-    "F16": _dtype("float16"), "BF16": _dtype("bfloat16"), "U32": _dtype("uint32"), "I32": _dtype("int32"),
-    "F32": _dtype("float32"), "U64": _dtype("uint64"), "I64": _dtype("int64"), "F64": _dtype("float64"),
-}
-
-
-def record_id(model_digest: str, agents_file: str) -> str:
-    """One manifest record per (model identity, agents file)."""
-    return hexdigest(canonical_json({"model": model_digest, "agents": os.path.abspath(agents_file)}).encode())[:16]
-
-
-def utc_now() -> str:
-    return _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")

@@ -6,12 +6,13 @@ with a depth bound, then every field the code uses is type-checked and bounded. 
 one is a ``ManifestError`` naming the file, the field, the value and the fix, never an
 AttributeError three calls later.
 
-Also the owner of the store's file names (``manifest.json``, ``snapshots/<key>.safetensors``):
-the manifest lists snapshots by exactly that relative path. No mlx here.
+The store's file names and the manifest's format number are ``snapshot/format.py``'s: the
+manifest lists snapshots by exactly ``format.snapshot_relpath(key)``. No mlx here.
 """
 
 from __future__ import annotations
 
+import datetime as _dt
 import json
 import os
 import re
@@ -20,13 +21,8 @@ from pathlib import Path
 from typing import Callable
 
 from kvsnap.errors import ManifestError
-
-MANIFEST = "manifest.json"
-SNAPSHOTS = "snapshots"
-SUFFIX = ".safetensors"
-MANIFEST_FORMAT = 2  # the value kvsnap has always written; any integer is read
-SNAPSHOT_REL_RE = re.compile(rf"{SNAPSHOTS}/[0-9a-f]{{32}}{re.escape(SUFFIX)}")
-HEX32_RE = re.compile(r"[0-9a-f]{32}")
+from kvsnap.key import canonical_json, hexdigest
+from kvsnap.snapshot.format import KEY_RE, MANIFEST, MANIFEST_FORMAT, SNAPSHOT_REL_HINT, SNAPSHOT_REL_MAX, SNAPSHOT_REL_RE, SNAPSHOTS, SUFFIX  # noqa: F401  (re-exported)
 
 MAX_MANIFEST_BYTES = 16 << 20  # ~60,000 entries; a build writes a few hundred bytes per agent
 MAX_RECORDS = 65536
@@ -96,13 +92,13 @@ class _Checker:
 
 def _check_entry(c: _Checker, field: str, entry: object) -> None:
     entry = c.obj(field, entry)
-    c.text(f"{field}.file", entry.get("file"), len(SNAPSHOTS) + 50, SNAPSHOT_REL_RE, f"a store path {SNAPSHOTS}/<32 hex digits>{SUFFIX}")
+    c.text(f"{field}.file", entry.get("file"), SNAPSHOT_REL_MAX, SNAPSHOT_REL_RE, f"a store path {SNAPSHOT_REL_HINT}")
     for name, value in entry.items():
         where = f"{field}.{name}"
         if name == "name":
             c.text(where, value, MAX_TEXT_CHARS)
         elif name == "key":
-            c.text(where, value, 32, HEX32_RE, "32 lowercase hex digits")
+            c.text(where, value, 32, KEY_RE, "32 lowercase hex digits")
         elif name == "prompt_digest":
             c.text(where, value, MAX_DIGEST_CHARS)
         elif name == "n_tokens":
@@ -209,3 +205,12 @@ def update_manifest(manifest: dict, record_id: str, update: Callable[[dict], dic
     data = encode_manifest(new)
     parse_manifest(data, where, "this record cannot be written; nothing was changed")
     return data
+
+
+def record_id(model_digest: str, agents_file: str) -> str:
+    """One manifest record per (model identity, agents file)."""
+    return hexdigest(canonical_json({"model": model_digest, "agents": os.path.abspath(agents_file)}).encode())[:16]
+
+
+def utc_now() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
