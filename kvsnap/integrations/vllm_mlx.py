@@ -391,6 +391,9 @@ def main(argv: Sequence[str]) -> int:
     if argv[0] != "serve":
         raise UsageError(f"`kvsnap vllm-mlx {argv[0]}` is not supported: only `serve` takes {OPTION}; run `vllm-mlx {argv[0]} ...` directly")
     store_dir, rest = split_argv(argv[1:])
+    from kvsnap.store.remote import check_kv_snapshots, resolve_kv_snapshots
+
+    check_kv_snapshots(store_dir)  # an unknown scheme is a usage error before vllm-mlx is imported
     from kvsnap.blas import preload_openblas
 
     preload_openblas()  # before vllm-mlx imports mlx: the same BLAS kvsnap build uses
@@ -407,10 +410,7 @@ def main(argv: Sequence[str]) -> int:
     ns = parse_serve_args(cli, rest)
     check_serve_args(ns)
     prompts = load_warm_prompt_file(warm_file) if warm_file else None
-    if store_dir.startswith("oci://"):
-        from kvsnap.store.oci import resolve_kv_snapshots
-
-        store_dir = resolve_kv_snapshots(store_dir)  # pulled into kvsnap's cache folder first, as `kvsnap serve` does
+    store_dir = resolve_kv_snapshots(store_dir)  # a remote URL is pulled into kvsnap's cache folder first, as `kvsnap serve` does
     store, writable = open_store(store_dir, want_write=prompts is not None)
     from kvsnap.runtime.modeling import default_digest_cache
     from kvsnap.integrations.vllm_mlx_session import Session
