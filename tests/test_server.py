@@ -61,10 +61,30 @@ def servers(request, demo_models, tmp_path_factory):
         cold.stop()
 
 
-def test_startup_summary_line_says_where_warmth_came_from(servers):
-    log = servers["warm"].log()
-    line = next(l for l in log.splitlines() if "Warm-up done (strict-prefix)" in l)
-    assert "2 completed, 0 skipped" in line and "(2 from snapshots, 0 prefilled)" in line
+def test_startup_report_says_where_warmth_came_from(servers):
+    warmup = servers["warm"].status()["warmup"]  # the report the log line is written from, as data
+    assert (warmup["completed"], warmup["skipped"], warmup["from_snapshots"], warmup["prefilled"]) == (2, 0, 2, 0), warmup
+    built = [e["n_tokens"] for r in json.loads((servers["store"] / "manifest.json").read_text())["records"].values() for e in r["entries"]]
+    assert warmup["prompt_tokens"] == sum(built) and warmup["seconds"] > 0, warmup
+    cold = servers["cold"].status()["warmup"]
+    assert (cold["completed"], cold["from_snapshots"], cold["prefilled"], cold["prompt_tokens"]) == (0, 0, 0, 0), cold
+
+
+def test_the_warm_up_log_line_tells_people_where_warmth_came_from_and_what_was_refused():
+    """The one check of the line's wording (for people; code reads /v1/status): built from the report object."""
+    from kvsnap.runtime.warmup import SnapshotCounts, WarmupReport
+
+    report = WarmupReport(completed=2, skipped=1, from_snapshots=1, prefilled=1, prompt_tokens=525, seconds=0.0412, over_budget=1, problems=["entry 3: no messages"])
+    counts = SnapshotCounts(write_back=True)
+    counts.reject("/srv/snaps/snapshots/ab12.safetensors", "built for another model")
+    assert report.summary(counts) == (
+        "[lifespan] Warm-up done (strict-prefix): 2 completed, 1 skipped, 525 prompt tokens in 0.04s (1 from snapshots, 1 prefilled)"
+        "; 1 snapshot(s) rejected (ab12.safetensors: built for another model)"
+        "; 1 warm prompt(s) invalid"
+        "; 1 over the cache budget (indexed, load on first hit)"
+    )
+    counts.write_back = False
+    assert report.summary(counts).endswith("; 1 over the cache budget and not kept")
 
 
 def test_first_request_per_agent_hits_the_snapshot_and_matches_a_cold_server(servers):

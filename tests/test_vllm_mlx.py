@@ -399,8 +399,6 @@ def test_warm_plan_takes_what_the_store_has_prefills_the_rest_once_and_writes_it
     first = _plan(lm, store, True, first_cache, prompts, str(agents)).run()
     assert (first.completed, first.from_snapshots, first.prefilled, first.written, first.skipped) == (2, 1, 1, 1, 0), first
     assert [(a.name, a.source, a.written) for a in first.agents] == [("reviewer", "snapshot", False), ("planner", "prefilled", True)]
-    assert first.summary().startswith("[lifespan] Warm-up done (strict-prefix): 2 completed, 0 skipped, ")
-    assert first.summary().endswith("(1 from snapshots, 1 prefilled)")
     assert len(store.snapshot_files()) == 2
     # Every entry starts with the BOS vllm-mlx's encode adds, and holds exactly a fresh prefill's state.
     for tokens, state in first_cache.entries.items():
@@ -768,7 +766,6 @@ def test_warm_prompts_come_from_the_store_and_survive_restart_eviction_and_delet
     last = report["last"]
     assert (last["completed"], last["from_snapshots"], last["prefilled"], last["written"], last["skipped"]) == (2, 1, 1, 1, 0), report
     assert [(a["name"], a["source"], a["written"]) for a in last["agents"]] == [("agent-0", "snapshot", False), ("agent-1", "prefilled", True)]
-    assert re.search(r"\[lifespan\] Warm-up done \(strict-prefix\): 2 completed, 0 skipped, \d+ prompt tokens in [\d.]+s \(1 from snapshots, 1 prefilled\)", log)
     assert "Warming prefix cache" not in log  # vllm-mlx's own warm-up never ran
     assert (status["steps_executed"], status["total_prompt_tokens"], status["cache"]["entry_count"]) == (0, 0, 2), status
     warm_tokens = {a["name"]: a["tokens"] for a in last["agents"]}
