@@ -629,11 +629,11 @@ def test_vllm_mlx_starts_warm_from_snapshots_and_answers_like_a_cold_vllm_mlx(wo
     finally:
         assert warm.stop() == 0, warm.log()[-3000:]
     log = warm.log()
-    # No warm-up prefill at start: no step ran, no prompt token was computed, one entry is cached.
+    # No warm-up prefill at start: no step ran, no prompt token was computed, one entry is cached
+    # (the "[kvsnap] Warm start ..." log line says the same to people).
     assert (status["steps_executed"], status["total_prompt_tokens"], status["total_requests_processed"]) == (0, 0, 0), status
     assert status["cache"]["entry_count"] == 1 and status["cache"]["hits"] == 0, status["cache"]
     assert "Warming prefix cache" not in log
-    assert re.search(r"\[kvsnap\] Warm start from .*: 1 snapshot\(s\) inserted .*0 tokens prefilled", log), log[-3000:]
     # The other snapshots in the store are skipped, with the reason.
     assert log.count("skipped snapshot") >= 2 and "built for another model" in log
     if world.venv_minor != mlx_lm_minor():
