@@ -7,8 +7,8 @@ import pytest
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, CacheList, ChunkedKVCache, KVCache, RotatingKVCache
 
-from kvsnap.errors import SnapshotError
-from kvsnap.snapshot.codec import CODECS, copy_cache, decode_cache, encode_cache, encode_layer
+from kvsnap.snapshot.cache_classes import CACHE_CLASSES, UnknownCacheClass
+from kvsnap.snapshot.codec import copy_cache, decode_cache, encode_cache, encode_layer
 
 
 def _kv(n, seed):
@@ -73,9 +73,9 @@ def test_an_unknown_cache_class_names_the_supported_ones():
     class MysteryCache:
         pass
 
-    with pytest.raises(SnapshotError) as err:
+    with pytest.raises(UnknownCacheClass) as err:
         encode_layer(MysteryCache(), "0", {})
-    assert "MysteryCache" in str(err.value) and all(name in str(err.value) for name in CODECS)
+    assert "MysteryCache" in str(err.value) and all(name in str(err.value) for name in CACHE_CLASSES)
 
 
 def test_copies_are_copy_on_write_for_in_place_writes():

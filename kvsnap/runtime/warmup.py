@@ -23,6 +23,7 @@ from kvsnap.runtime.modeling import LoadedModel
 from kvsnap.runtime.prefill import prefill
 from kvsnap.runtime.prefix import Entry, PrefixCache
 from kvsnap.prompts import WarmPromptSet, resolve_chat_template, warm_prefix
+from kvsnap.snapshot.cache_classes import layers_trimmable
 from kvsnap.snapshot.codec import cache_nbytes_of, decode_cache, is_trimmable
 from kvsnap.store.local import SnapshotInfo, Store
 
@@ -155,7 +156,7 @@ def make_entry(lm: LoadedModel, store: Store, info: SnapshotInfo, pinned: bool, 
     ``prefetched``: arrays read while the model loaded (``prefetch.Prefetched``), taken once."""
     tokens = tuple(store.read_tokens(info))
     loader = snapshot_loader(store, info, prefetched)
-    return Entry(tokens=tokens, state=None, nbytes=info.nbytes, trimmable=all(is_trimmable_meta(m) for m in info.layers), pinned=pinned, source="snapshot", name=info.name, key=info.key, loader=loader)
+    return Entry(tokens=tokens, state=None, nbytes=info.nbytes, trimmable=layers_trimmable(info.layers, str(info.path)), pinned=pinned, source="snapshot", name=info.name, key=info.key, loader=loader)
 
 
 def snapshot_loader(store: Store, info: SnapshotInfo, prefetched=None) -> Callable[[], tuple]:
@@ -169,17 +170,6 @@ def snapshot_loader(store: Store, info: SnapshotInfo, prefetched=None) -> Callab
         return state, cache_nbytes_of(state)
 
     return load
-
-
-def is_trimmable_meta(meta: dict) -> bool:
-    cls = meta.get("class")
-    if cls == "CacheList":
-        return all(is_trimmable_meta(m) for m in meta["caches"])
-    if cls == "ArraysCache":
-        return False
-    if cls == "RotatingKVCache":
-        return int(meta.get("offset", 0)) < int(meta.get("max_size", 0))
-    return True
 
 
 def recorded_prefix(by_recipe: dict, prompt, prompt_digest: str, identity: ModelIdentity, template) -> tuple[int, ...] | None:

@@ -7,7 +7,8 @@ digest, tokens that hash to the key, and a layer list whose every count is bound
 tensors the header really holds* before any name is generated from it (a
 ``"parts": 10**9`` once built a billion names before the checksum was read). Every failure is a FormatError naming the field and its value.
 
-Layer fields follow ``snapshot.py``'s codecs (one per mlx-lm cache class). No mlx here.
+Layer fields, tensor names and nesting are asked of ``cache_classes`` (one object per mlx-lm
+cache class); a class none describes is refused. No mlx here.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvsnap.key import ModelIdentity, key_from_digests, tokens_digest_of_bytes, unpack_tokens
+from kvsnap.snapshot.cache_classes import UnknownCacheClass, cache_class, member_path
 from kvsnap.snapshot.file import FormatError, Header, tensor_bytes
 from kvsnap.snapshot.format import KEY_RE, REQUIRED_META, check_format_field, snapshot_filename, snapshot_relpath
 
@@ -33,18 +35,6 @@ MAX_CACHE_NESTING = 4  # a CacheList inside a CacheList inside ...
 MAX_PARTS = 8  # QuantizedKVCache: packed data, scales, biases
 MAX_ARRAYS = 256  # ArraysCache slots (SSM conv + recurrent state: 2)
 MAX_COUNT = 2**53
-
-# class -> (fields every layer of it has, fields only a non-empty one has), as snapshot.py writes them
-LAYER_FIELDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
-    "KVCache": ((), ("offset",)),
-    "RotatingKVCache": (("max_size", "keep"), ("offset", "idx")),
-    "QuantizedKVCache": (("group_size", "bits"), ("offset", "parts")),
-    "ArraysCache": (("size", "present"), ()),
-    "ChunkedKVCache": (("chunk_size",), ("offset", "start_position")),
-    "CacheList": (("caches",), ()),
-}
-CAN_BE_EMPTY = {"KVCache", "RotatingKVCache", "QuantizedKVCache", "ChunkedKVCache"}
-
 
 @dataclass(frozen=True)
 class SnapshotInfo:
@@ -106,13 +96,13 @@ class _LayerWalk:
             raise FormatError(f"{field} implies more tensors than the {self.budget} the header holds besides tokens")
         self.names.update(names)
 
-    def layers(self, field: str, layers: object, prefix: str, depth: int) -> None:
+    def layers(self, field: str, layers: object, parent: str | None, depth: int) -> None:
         if not isinstance(layers, list):
             raise FormatError(f"{field} is {_show(layers)}, expected a JSON list of layers")
         if len(layers) > MAX_LAYERS:
             raise FormatError(f"{field} lists {len(layers)} layers, over the {MAX_LAYERS} limit")
         for i, meta in enumerate(layers):
-            self.layer(f"{field}[{i}]", meta, f"{prefix}{i}", depth)
+            self.layer(f"{field}[{i}]", meta, str(i) if parent is None else member_path(parent, i), depth)
 
     def layer(self, field: str, meta: object, path: str, depth: int) -> None:
         self.objects += 1
@@ -120,34 +110,31 @@ class _LayerWalk:
             raise FormatError(f"kvsnap.layers holds over {MAX_LAYER_OBJECTS} layer objects")
         if not isinstance(meta, dict):
             raise FormatError(f"{field} is {_show(meta)}, expected a JSON object")
-        cls = meta.get("class")
-        if not isinstance(cls, str) or cls not in LAYER_FIELDS:
-            raise FormatError(f"{field}.class is {_show(cls)}, not a cache class kvsnap knows ({', '.join(LAYER_FIELDS)})")
-        always, filled = LAYER_FIELDS[cls]
+        try:
+            spec = cache_class(meta.get("class"), f"{field}.class")
+        except UnknownCacheClass as exc:
+            raise FormatError(f"{exc.reason}; {exc.fix}") from None
+        cls = spec.name
         empty = meta.get("empty", False)
-        if empty is not False and not (empty is True and cls in CAN_BE_EMPTY):
+        if empty is not False and not (empty is True and spec.can_be_empty):
             raise FormatError(f"{field}.empty is {_show(empty)}, not valid for a {cls} layer")
-        allowed = {"class", "empty", *always, *filled}
-        required = set(always) | (set() if empty else set(filled))
+        allowed = {"class", "empty", *spec.fields, *spec.filled_fields}
+        required = set(spec.fields) | (set() if empty else set(spec.filled_fields))
         unknown = sorted(set(meta) - allowed)
         missing = sorted(required - set(meta))
         if unknown or missing:
             raise FormatError(f"{field} ({cls}) has {'unknown field ' + _show(unknown[0]) if unknown else 'no field ' + _show(missing[0])}")
-        self.fields(field, cls, meta, empty)
-        if cls == "CacheList":
+        self.fields(field, meta)
+        broken = spec.consistent(meta)
+        if broken is not None:
+            raise FormatError(f"{field}.{broken}")
+        if spec.members_field:
             if depth >= MAX_CACHE_NESTING:
-                raise FormatError(f"{field}: CacheList nested more than {MAX_CACHE_NESTING} deep")
-            self.layers(f"{field}.caches", meta["caches"], f"{path}.", depth + 1)
-        elif cls == "ArraysCache":
-            self.add(field, [f"{path}.state.{j}" for j in meta["present"]])
-        elif empty:
-            return
-        elif cls == "QuantizedKVCache":
-            self.add(field, [f"{path}.{kv}.{j}" for kv in ("keys", "values") for j in range(meta["parts"])])
-        else:
-            self.add(field, [f"{path}.keys", f"{path}.values"])
+                raise FormatError(f"{field}: {cls} nested more than {MAX_CACHE_NESTING} deep")
+            self.layers(f"{field}.{spec.members_field}", spec.members(meta), path, depth + 1)
+        self.add(field, spec.tensor_names(meta, path))
 
-    def fields(self, field: str, cls: str, meta: dict, empty: bool) -> None:
+    def fields(self, field: str, meta: dict) -> None:
         """Each number in range; the offset is the token count (the state was captured at its boundary)."""
         for name, value in meta.items():
             where = f"{field}.{name}"
@@ -169,14 +156,12 @@ class _LayerWalk:
                 _count(where, value, 0, MAX_ARRAYS)
             else:
                 _count(where, value)
-        if cls == "ChunkedKVCache" and not empty and meta["start_position"] > meta["offset"]:
-            raise FormatError(f"{field}.start_position is {meta['start_position']}, past offset {meta['offset']}")
 
 
 def expected_tensor_names(layers: object, budget: int) -> set[str]:
     """The tensor names a layer list implies; FormatError (field and value) if any field is off or they outnumber ``budget``."""
     walk = _LayerWalk(budget)
-    walk.layers("kvsnap.layers", layers, "", 0)
+    walk.layers("kvsnap.layers", layers, None, 0)
     return walk.names
 
 
