@@ -1,9 +1,9 @@
 """Start-up benchmark: cold vs --warm-prompts vs --kv-snapshots servers, launched interleaved.
 
 Each launch is measured from the moment the process starts: time to warm-ready
-(/health 200), the warm-up phase the server itself reports (model loaded -> warm, read from
-``/v1/status``), the
-first agent request's TTFT and time per output token, and the server's resident memory.
+(/health 200), the warm-up phase the server itself reports (model loaded -> warm, from
+``/v1/status``), the first agent request's TTFT and time per output token, and the
+server's resident memory.
 """
 
 from __future__ import annotations
