@@ -12,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from types import MappingProxyType
 
 import pytest
 
@@ -108,7 +109,7 @@ def pull(url, dest, plain_http=None):
 def test_a_new_scheme_is_one_module_and_one_table_row(tmp_path, monkeypatch):
     (tmp_path / "kvsnap_copy_backend.py").write_text(COPY_BACKEND)
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setitem(remote.BACKENDS, "copy", "kvsnap_copy_backend")
+    monkeypatch.setattr(remote, "BACKENDS", MappingProxyType({**remote.BACKENDS, "copy": "kvsnap_copy_backend"}))  # the one new row
     root = tmp_path / "snaps"
     root.mkdir()
     (root / MANIFEST).write_text("{}")  # the backend ships bytes; what a store holds is not its business

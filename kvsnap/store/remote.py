@@ -21,12 +21,13 @@ import importlib
 import os
 import re
 from pathlib import Path
+from types import MappingProxyType
 from typing import Protocol
 
 from kvsnap.errors import UsageError
 
-# scheme -> the module that implements it (imported lazily, on first use)
-BACKENDS = {"oci": "kvsnap.store.oci"}
+# scheme -> the module that implements it (imported lazily, on first use); read-only at run time
+BACKENDS = MappingProxyType({"oci": "kvsnap.store.oci"})
 
 SCHEME_RE = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://")
 SECRET_PATTERNS = (
