@@ -44,6 +44,8 @@ def _fed(cache, n=N):
                 sub.update_and_fetch(*_kv(n, 64))
             else:
                 sub.update_and_fetch(*_kv(n))
+            if isinstance(sub, ChunkedKVCache):
+                sub.maybe_trim_front()  # as llama4 does before each step: keeps the last chunk
     return cache
 
 
@@ -87,9 +89,18 @@ def test_a_class_names_exactly_the_tensors_encode_writes(name):
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_a_class_is_trimmable_exactly_when_mlx_lm_says_so(name):
+def test_a_class_is_trimmable_when_mlx_lm_says_so_and_its_trim_is_exact(name):
     for layer in LAYOUTS[name]():
-        assert is_trimmable([layer]) == layer.is_trimmable(), (name, type(layer).__name__)
+        dropped_front = getattr(layer, "start_position", 0) > 0
+        assert is_trimmable([layer]) == (layer.is_trimmable() and not dropped_front), (name, type(layer).__name__)
+
+
+def test_a_chunked_cache_that_dropped_its_front_is_not_trimmable_because_its_trim_falls_short():
+    full = _fed([ChunkedKVCache(4)])[0]
+    assert full.start_position == N - 4 and full.is_trimmable()  # mlx-lm says yes ...
+    assert full.trim(N - 2) == 4 and full.offset == N - 4  # ... but cuts 4 tokens, not 10
+    assert not is_trimmable(_fed([ChunkedKVCache(4)]))
+    assert is_trimmable(_fed([ChunkedKVCache(64)]))  # nothing dropped: every cut is exact
 
 
 def test_a_rotating_cache_past_its_window_is_not_trimmable_and_below_it_is():

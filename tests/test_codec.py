@@ -25,6 +25,8 @@ def _feed(cache, n, seed):
                 sub[1] = mx.random.normal((1, 2, 4, 4), key=mx.random.key(seed + 1))
             else:
                 sub.update_and_fetch(*_kv(n, seed))
+            if isinstance(sub, ChunkedKVCache):
+                sub.maybe_trim_front()  # as llama4 does before each step: the front past the chunk goes
 
 
 def _fetch_all(cache):

@@ -36,6 +36,10 @@ class UnknownCacheClass(SnapshotError):
         super().__init__(path, f"{where} is {shown}, not a cache class this kvsnap knows how to store (it knows {', '.join(CACHE_CLASSES)})", UNKNOWN_CLASS_FIX)
 
 
+def _no_rule(meta: dict) -> str | None:
+    return None
+
+
 @dataclass(frozen=True)
 class CacheClass:
     """Everything kvsnap knows about one mlx-lm cache class."""
@@ -47,9 +51,9 @@ class CacheClass:
     encode: Callable[[Any, str, dict], dict]  # (cache, path, out arrays) -> header fields but "class"
     decode: Callable[[dict, str, dict], Any]  # (header fields, path, arrays) -> a new cache object
     own_tensor_names: Callable[[dict, str], list[str]]  # the layer's own; a CacheList's members name theirs
-    trimmable: Callable[[dict], bool]  # can it drop its last tokens (mlx-lm's ``is_trimmable``)
+    trimmable: Callable[[dict], bool]  # can it drop any number of its last tokens
     members_field: str | None = None  # the field holding member layers (CacheList)
-    consistent: Callable[[dict], str | None] = lambda meta: None  # a rule between fields; the broken one, or None
+    consistent: Callable[[dict], str | None] = _no_rule  # a rule between fields: the broken one, or None
 
     def tensor_names(self, meta: dict, path: str) -> list[str]:
         """The tensors this layer itself holds in a snapshot (none when empty)."""
@@ -205,6 +209,12 @@ def _chunked_decode(meta, path, arrays):
     return c
 
 
+def _chunked_trimmable(meta: dict) -> bool:
+    # Once its front is dropped, mlx-lm's trim cannot cut below start_position and quietly
+    # cuts fewer tokens than asked (its is_trimmable still says yes): a shorter entry serves.
+    return int(meta.get("start_position", 0)) == 0
+
+
 def _chunked_consistent(meta: dict) -> str | None:
     if not meta.get("empty") and meta["start_position"] > meta["offset"]:
         return f"start_position is {meta['start_position']}, past offset {meta['offset']}"
@@ -235,7 +245,7 @@ _ALL = (
     CacheClass("RotatingKVCache", ("max_size", "keep"), ("offset", "idx"), True, _rotating_encode, _rotating_decode, _keys_values, _rotating_trimmable),
     CacheClass("QuantizedKVCache", ("group_size", "bits"), ("offset", "parts"), True, _quantized_encode, _quantized_decode, _quantized_names, _always),
     CacheClass("ArraysCache", ("size", "present"), (), False, _arrays_encode, _arrays_decode, _arrays_names, _never),
-    CacheClass("ChunkedKVCache", ("chunk_size",), ("offset", "start_position"), True, _chunked_encode, _chunked_decode, _keys_values, _always, consistent=_chunked_consistent),
+    CacheClass("ChunkedKVCache", ("chunk_size",), ("offset", "start_position"), True, _chunked_encode, _chunked_decode, _keys_values, _chunked_trimmable, consistent=_chunked_consistent),
     CacheClass("CacheList", ("caches",), (), False, _list_encode, _list_decode, _no_tensors, _list_trimmable, members_field="caches"),
 )
 
