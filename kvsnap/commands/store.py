@@ -89,12 +89,10 @@ def add_verify(sub) -> None:
 
 
 def cmd_verify(args) -> int:
-    from kvsnap.errors import SnapshotError, StoreError
+    from kvsnap.errors import SnapshotError
     from kvsnap.store.local import Store
 
-    store = Store.open(args.store, readonly=True)
-    if not store.is_initialized():
-        raise StoreError(f"{store.root} is not a kvsnap store (no manifest.json, no snapshots/); give the folder passed to `kvsnap build --out`")
+    store = Store.open(args.store, readonly=True).require_store()
     expected = None
     if args.revision and not args.model:
         raise KvsnapError(f"--revision {args.revision!r} needs --model (a hub id); add --model ORG/NAME or drop --revision")
@@ -113,14 +111,14 @@ def cmd_verify(args) -> int:
         except SnapshotError as exc:
             bad += 1
             print(f"BAD  {exc.path}: {exc.reason}; {exc.fix}")
-    bad += _verify_manifest(store, files)
+    bad += _verify_manifest(store)
     for tmp in store.temp_files():
         print(f"note {tmp}: leftover temp file of an interrupted write (harmless; `kvsnap gc --yes` removes it)")
     print(f"{ok} ok, {bad} bad")
     return EXIT_BAD if bad else EXIT_OK
 
 
-def _verify_manifest(store, files: list[Path]) -> int:
+def _verify_manifest(store) -> int:
     """Print and count what is wrong with the manifest: unreadable, or listing files that are gone."""
     from kvsnap.errors import StoreError
 
@@ -131,8 +129,7 @@ def _verify_manifest(store, files: list[Path]) -> int:
         bad += 1
         referenced = set()
         print(f"BAD  {exc}")
-    present = {f"snapshots/{p.name}" for p in files}
-    for ref in sorted(referenced - present):
+    for ref in store.missing_files(referenced):
         bad += 1
         print(f"BAD  {store.root / ref}: listed in the manifest but missing; run `kvsnap build` again")
     return bad

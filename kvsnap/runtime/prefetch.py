@@ -57,7 +57,7 @@ def prefetch(store_path: str, model_dir: Path, settings: KVSettings, budget_byte
     """Read the snapshots a start would pin (warm-prompt names first) up to the budget; None if there is no store."""
     t0 = time.perf_counter()
     root = Path(store_path).expanduser()
-    if not (root / "snapshots").is_dir():
+    if not Store(root=root).snapshots_dir.is_dir():
         return None
     try:
         store = Store.open(root, readonly=True)

@@ -141,7 +141,7 @@ def open_store(path: str, write_back: bool, counts: SnapshotCounts, fault=None) 
     if not write_back:
         counts.write_back_note = "write-back disabled (--no-write-back)"
         return Store.open(p, readonly=True)
-    folder = p / "snapshots" if (p / "snapshots").is_dir() else p
+    folder = Store(root=p).snapshots_dir if Store(root=p).snapshots_dir.is_dir() else p
     why = probe_writable(folder, fault)
     if why is not None:
         counts.write_back_note = f"{p} is not writable here ({why}): prefilled warm prompts are served but not written back"

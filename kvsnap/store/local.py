@@ -27,8 +27,8 @@ from kvsnap.errors import SnapshotError, StoreError
 from kvsnap.key import ModelIdentity, unpack_tokens
 from kvsnap.store.manifest import encode_manifest, merge_manifests, read_manifest_file, referenced_files, update_manifest
 from kvsnap.snapshot.file import FormatError, OutTensor, check_data, parse_header, read_header, tensor_bytes, verify_checksum, write_snapshot
-from kvsnap.snapshot.format import DTYPES, KEY_RE, MANIFEST, REQUIRED_META, SNAPSHOTS, SUFFIX, relpath_of_file, snapshot_filename  # noqa: F401  (re-exported)
-from kvsnap.snapshot.header import MAX_NAME_CHARS, SnapshotInfo, check_offsets, expected_tensor_names, inspect_header  # noqa: F401  (re-exported)
+from kvsnap.snapshot.format import DTYPES, KEY_RE, MANIFEST, SNAPSHOTS, SUFFIX, relpath_of_file, snapshot_filename
+from kvsnap.snapshot.header import MAX_NAME_CHARS, SnapshotInfo, check_offsets, inspect_header
 
 LOCK = ".lock"
 TMP_PREFIX = ".tmp-"

@@ -22,7 +22,7 @@ from typing import Callable
 
 from kvsnap.errors import ManifestError
 from kvsnap.key import canonical_json, hexdigest
-from kvsnap.snapshot.format import KEY_RE, MANIFEST, MANIFEST_FORMAT, SNAPSHOT_REL_HINT, SNAPSHOT_REL_MAX, SNAPSHOT_REL_RE, SNAPSHOTS, SUFFIX  # noqa: F401  (re-exported)
+from kvsnap.snapshot.format import KEY_RE, MANIFEST_FORMAT, SNAPSHOT_REL_HINT, SNAPSHOT_REL_MAX, SNAPSHOT_REL_RE
 
 MAX_MANIFEST_BYTES = 16 << 20  # ~60,000 entries; a build writes a few hundred bytes per agent
 MAX_RECORDS = 65536
