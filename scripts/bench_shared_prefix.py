@@ -59,7 +59,7 @@ def main(argv=None) -> int:
     ap.add_argument("--system-tokens", type=int, default=1700)
     args = ap.parse_args(argv)
 
-    import kvsnap.runtime.engine as engine_mod
+    import kvsnap.runtime.request_cache as engine_mod  # owns MIN_SHARED_TOKENS_TO_COMPUTE
     from kvsnap.runtime.engine import Engine, EngineConfig
     from kvsnap.prompts import request_tokens
 

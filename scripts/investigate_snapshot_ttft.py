@@ -281,7 +281,7 @@ def prime_kernels(engine, from_entry: bool = True) -> float:
         cache, suffix = copy_cache(entry.state), list(entry.tokens[:3])
     else:
         cache, suffix = engine.lm.make_cache(), list(engine.lm.tokenizer.encode("hello world"))[:3]
-    gen = engine._new_generator(1, 1)  # a throwaway generator: the engine's token counters stay exact
+    gen = engine._batch.new_generator(1, 1)  # a throwaway generator: the engine's token counters stay exact
     gen.insert([suffix], max_tokens=[1], caches=[cache], samplers=[make_request_sampler(0.0, 1.0, None)])
     while not any(r.finish_reason for r in gen.next()[1]):
         pass

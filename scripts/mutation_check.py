@@ -69,8 +69,8 @@ BREAKAGES = (
     Breakage(
         "prefix-skips-last-token",
         "2. strict prefix",
-        "lookup compares an entry with the request except the entry's last token",
-        (Patch("kvsnap/runtime/prefix.py", "if n < len(tokens) and tokens[:n] == entry.tokens:", "if n < len(tokens) and tokens[: n - 1] == entry.tokens[:-1]:"),),
+        "the trie walk compares each edge with the request except the edge's last token",
+        (Patch("kvsnap/runtime/prefix_trie.py", "            if seen == child.edge:\n", "            if seen[:-1] == child.edge[:-1] and len(seen) == len(child.edge):\n"),),
         (
             "tests/test_prefix.py::test_an_untrimmable_entry_that_differs_only_at_its_last_token_is_not_used",
             "tests/test_engine.py::test_a_request_differing_from_an_untrimmable_snapshot_only_at_its_last_token_is_prefilled",
@@ -80,7 +80,10 @@ BREAKAGES = (
         "untrimmable-entries-trimmed",
         "2. strict prefix",
         "lookup trims every entry, SSM state included",
-        (Patch("kvsnap/runtime/prefix.py", "                elif entry.trimmable:\n", "                elif True:\n"),),
+        (
+            Patch("kvsnap/runtime/prefix_trie.py", "        if not node.entry.trimmable:\n            return\n", "        if False:\n            return\n"),
+            Patch("kvsnap/runtime/prefix_trie.py", "if e is not None and e.trimmable and node.rank == rank:", "if e is not None and node.rank == rank:"),
+        ),
         (
             "tests/test_prefix.py::test_prompt_equal_to_untrimmable_entry_falls_back_to_a_shorter_entry_or_cold",
             "tests/test_engine.py::test_prompt_equal_to_a_cached_untrimmable_prefix_still_works",
@@ -198,14 +201,14 @@ BREAKAGES = (
         "ignore-namespaces",
         "no shared mutable cache / tenant isolation (server.md#security)",
         "a request prefix of one key or cache_salt matches requests of another",
-        (Patch("kvsnap/runtime/prefix.py", "                if entry.namespace is not None and entry.namespace != namespace:\n", "                if False:\n"),),
+        (Patch("kvsnap/runtime/prefix.py", "            tries = (self._tries.get(None), self._tries.get(namespace))\n", "            tries = tuple(self._tries.values())\n"),),
         ("tests/test_security.py::test_prefixes_of_two_namespaces_never_match_each_other", "tests/test_shared_prefix.py::test_requests_of_two_namespaces_never_share_a_computed_prefix"),
     ),
     Breakage(
         "never-match-prefix",
         "7. honest accounting / reuse",
         "lookup never returns an entry",
-        (Patch("kvsnap/runtime/prefix.py", "                if usable > 0 and better(entry, usable):\n", "                if False and usable > 0 and better(entry, usable):\n"),),
+        (Patch("kvsnap/runtime/prefix.py", "        return Match(best.entry, best.usable)\n", "        return None\n"),),
         ("tests/test_prefix.py::test_longest_strict_prefix_wins_and_state_is_a_copy", f"{ENGINE_FIRST}[dense]"),
     ),
     Breakage(
@@ -214,7 +217,7 @@ BREAKAGES = (
         "the engine reports the cached tokens but runs the whole prompt on a fresh cache",
         (
             Patch(
-                "kvsnap/runtime/engine.py",
+                "kvsnap/runtime/batch_runner.py",
                 "uid = gen.insert([list(suffix)], max_tokens=[r.max_tokens], caches=[cache],",
                 "uid = gen.insert([list(r.tokens)], max_tokens=[r.max_tokens], caches=[self.lm.make_cache()],",
             ),

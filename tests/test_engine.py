@@ -402,14 +402,14 @@ def test_a_corrupt_snapshot_loaded_lazily_is_rejected_on_first_hit(worlds, engin
 
 def test_computed_tokens_come_from_mlx_lm_counter(worlds, engines):
     """The engine-wide counter moves by exactly the suffix the model ran, padding excluded."""
-    from kvsnap.runtime.engine import _prompt_counter
+    from kvsnap.runtime.accounting import prompt_counter
 
     world = worlds("dense")
     engine = engines.start(world)
     before = engine.status()["tokens"]["computed"]
     st = serve(engine, world.request(0, QUESTIONS[0]))
     assert engine.status()["tokens"]["computed"] - before == st.computed_tokens
-    counter = engine.call(lambda: _prompt_counter(engine._gen))
+    counter = engine.call(lambda: prompt_counter(engine._batch.gen))
     assert counter == st.computed_tokens - 1, "mlx-lm counts the prefilled suffix; the last token runs in the decode step"
     # A batch with very different suffix lengths (padding) counts only real tokens.
     states = [st] + [submit(engine, t) for t in (world.request(1, QUESTIONS[1]), world.tokens([{"role": "user", "content": "a long cold question " * 8}]))]

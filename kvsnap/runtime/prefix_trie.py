@@ -162,12 +162,12 @@ class TokenTrie:
             child = node.children.get(tokens[depth])
             if child is None:
                 break
-            rest = tokens[depth : depth + len(child.edge)]
-            if rest == child.edge:
+            seen = tokens[depth : depth + len(child.edge)]
+            if seen == child.edge:
                 node, depth = child, depth + len(child.edge)
                 path.append((node, depth))
                 continue
-            return path, child, depth + common_prefix_length((child.edge, rest))
+            return path, child, depth + common_prefix_length((child.edge, seen))
         return path, None, depth
 
     @staticmethod
