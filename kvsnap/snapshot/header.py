@@ -172,8 +172,9 @@ def check_offsets(layers: list, n_tokens: int, field: str = "kvsnap.layers") -> 
     catches a header that is consistent but lies. ``layers`` was checked by ``expected_tensor_names``.
     """
     for i, meta in enumerate(layers):
-        if "caches" in meta:
-            check_offsets(meta["caches"], n_tokens, f"{field}[{i}].caches")
+        spec = cache_class(meta["class"])
+        if spec.members_field:
+            check_offsets(spec.members(meta), n_tokens, f"{field}[{i}].{spec.members_field}")
         elif "offset" in meta and meta["offset"] != n_tokens:
             raise FormatError(f"{field}[{i}].offset is {meta['offset']}, but the snapshot holds {n_tokens} tokens (a state is captured exactly at its tokens)")
 
