@@ -11,9 +11,9 @@ from kvsnap.errors import KvsnapError
 def add_demo_model(sub) -> None:
     p = sub.add_parser("demo-model", help="write a small random-weight mlx-lm model (no download)")
     p.add_argument("out", help="model directory to create")
-    p.add_argument("--arch", default="dense", choices=("dense", "hybrid", "sliding"), help="dense (qwen3), hybrid SSM (qwen3_next) or sliding window (gemma3_text)")
-    p.add_argument("--size", default="tiny", choices=("tiny", "qwen3-0.6b"), help="tiny for tests, qwen3-0.6b (fp32) for benchmarks")
-    p.add_argument("--template", default="chatml", choices=("chatml", "mistral", "default-system"), help="chat template")
+    p.add_argument("--arch", default="dense", choices=("dense", "hybrid", "sliding", "llama", "moe"), help="dense (qwen3), hybrid SSM (qwen3_next), sliding window (gemma3_text), llama (Llama-3 tokenizer and template) or moe (qwen3_5_moe, a Qwen3.5/3.6 MoE hybrid)")
+    p.add_argument("--size", default="tiny", choices=("tiny", "small", "qwen3-0.6b"), help="tiny for tests, small for the benchmark table (scripts/bench_table.py), qwen3-0.6b (fp32) for benchmarks")
+    p.add_argument("--template", default=None, choices=("chatml", "mistral", "default-system", "llama3"), help="chat template (default: llama3 for --arch llama, else chatml)")
     p.add_argument("--quantize", type=int, choices=(4, 8), default=None, help="quantize the weights to 4 or 8 bits")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--force", action="store_true", help="overwrite an existing directory")
@@ -26,7 +26,7 @@ def cmd_demo_model(args) -> int:
 
     preload_openblas()
     path = make_demo_model(args.out, DemoSpec(arch=args.arch, size=args.size, template=args.template, quantize_bits=args.quantize, seed=args.seed), force=args.force)
-    print(f"demo model ({args.arch}, {args.size}, {args.template}{', q' + str(args.quantize) if args.quantize else ''}) in {path}")
+    print(f"demo model ({args.arch}, {args.size}, {args.template or 'default template'}{', q' + str(args.quantize) if args.quantize else ''}) in {path}")
     return EXIT_OK
 
 

@@ -35,4 +35,14 @@ DEFAULT_SYSTEM = (
     r"{% endif %}" + CHATML
 )
 
-TEMPLATES = {"chatml": CHATML, "mistral": MISTRAL, "default-system": DEFAULT_SYSTEM}
+# Meta's Llama-3 Instruct template, as its tokenizer_config.json ships it: BOS from the
+# template, header ids around the role, contents trimmed, <|eot_id|> after each turn. The
+# tokenizer's post-processor adds another BOS on a plain encode, as Meta's does.
+LLAMA3 = (
+    r"{% set loop_messages = messages %}{% for message in loop_messages %}"
+    r"{% set content = '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'+ message['content'] | trim + '<|eot_id|>' %}"
+    r"{% if loop.index0 == 0 %}{% set content = bos_token + content %}{% endif %}{{ content }}{% endfor %}"
+    r"{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
+)
+
+TEMPLATES = {"chatml": CHATML, "mistral": MISTRAL, "default-system": DEFAULT_SYSTEM, "llama3": LLAMA3}
