@@ -1,0 +1,93 @@
+"""What every route needs, one object per app (no globals): the engine, the server's
+configuration, who is calling, the checks the endpoints share, and the in-flight count."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from fastapi import Request
+
+from kvsnap.http.api_errors import APIError
+from kvsnap.http.guard import Auth
+from kvsnap.http.limits import allowed_template_kwargs, context_length, find_lone_surrogate, vocab_bound
+from kvsnap.http.schemas import usage
+from kvsnap.runtime.engine import Engine, RequestState
+
+
+@dataclass
+class ServerConfig:
+    served_model_name: str
+    model_aliases: tuple[str, ...] = ()
+    default_max_tokens: int = 256
+    context_length: Optional[int] = None
+    auth: Auth = Auth()
+    max_request_bytes: int = 8 * 2**20
+    max_inflight: int = 72  # running + queued requests; more get 429
+    request_prefix_cache: bool = True
+    # Partial matches on a prefix shared with other clients report cached tokens in these
+    # steps, as OpenAI does (128): exact counts would spell out others' prompts token by token.
+    cached_tokens_granularity: int = 128
+
+
+@dataclass
+class ServerContext:
+    engine: Engine
+    config: ServerConfig
+    started: float = field(default_factory=time.time)  # reset when the app starts
+    inflight: int = 0  # requests submitted and not yet finished by the engine
+    _limits: dict = field(default_factory=dict)  # filled on first use: the model is loaded by then
+
+    def release(self) -> None:
+        self.inflight -= 1
+
+    def model_limits(self) -> dict:
+        if not self._limits:
+            lm = self.engine.lm
+            self._limits["vocab"] = vocab_bound(lm.model, lm.config)
+            self._limits["template_kwargs"] = allowed_template_kwargs(getattr(lm.tokenizer, "chat_template", None))
+            self._limits["context"] = self.config.context_length or context_length(lm.config)
+        return self._limits
+
+    @staticmethod
+    def caller(request: Request) -> tuple[str, bool]:
+        """(tenant, admin): admin = no keys configured, or an admin key."""
+        return getattr(request.state, "tenant", ""), getattr(request.state, "admin", True)
+
+    def require_admin(self, request: Request) -> None:
+        # Without admin keys configured, every valid key may clear the cache (one trust level).
+        if self.config.auth.admin_keys and not self.caller(request)[1]:
+            raise APIError(403, "this needs an admin key (--admin-api-key / KVSNAP_ADMIN_API_KEY)", None, "insufficient_permissions")
+
+    def check_model(self, name: str) -> None:
+        if name not in (self.config.served_model_name, *self.config.model_aliases):
+            raise APIError(404, f"model {name!r} is not served here; use {self.config.served_model_name!r} (see GET /v1/models)", "model", "model_not_found")
+
+    def check_ready(self) -> None:
+        if self.engine.failed is not None:
+            raise APIError(503, f"the engine failed to start: {self.engine.failed}", None, "engine_failed", "server_error")
+
+    @staticmethod
+    def check_text(req: Any, fields: tuple[str, ...]) -> None:
+        for name in fields:
+            where = find_lone_surrogate(getattr(req, name, None), name)
+            if where is not None:
+                raise APIError(400, f"{where}: the text holds a lone surrogate code point, which is not valid Unicode; send UTF-8 text", where, "invalid_value")
+
+    def resolve_max_tokens(self, requested: Optional[int], prompt_len: int) -> int:
+        ctx = self.model_limits()["context"]
+        max_tokens = requested if requested is not None else self.config.default_max_tokens
+        if ctx is not None:
+            if prompt_len >= ctx:
+                raise APIError(400, f"the prompt has {prompt_len} tokens but the model's context is {ctx}; shorten the messages", "messages", "context_length_exceeded")
+            if requested is not None and prompt_len + requested > ctx:
+                raise APIError(400, f"max_tokens {requested} + {prompt_len} prompt tokens exceed the model's context of {ctx}; ask for at most {ctx - prompt_len}", "max_tokens", "context_length_exceeded")
+            max_tokens = min(max_tokens, ctx - prompt_len)
+        return max_tokens
+
+    def reported_usage(self, state: RequestState) -> dict:
+        cached = state.cached_tokens
+        if state.cache_shared_partial and self.config.cached_tokens_granularity > 1:
+            cached -= cached % self.config.cached_tokens_granularity
+        return usage(state.prompt_tokens, state.completion_tokens, cached)

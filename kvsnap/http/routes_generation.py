@@ -1,0 +1,170 @@
+"""``POST /v1/chat/completions`` and ``POST /v1/completions``: a prompt becomes tokens, the
+engine generates, the answer goes back whole or as server-sent events."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any, AsyncIterator, Callable
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+
+from kvsnap.errors import MessageError, TemplateError
+from kvsnap.http.api_errors import APIError
+from kvsnap.http.context import ServerContext
+from kvsnap.http.limits import check_template_kwargs, check_token_ids
+from kvsnap.http.schemas import ChatCompletionRequest, CompletionRequest, chat_chunk, chat_response, completion_response, error_body, new_id
+from kvsnap.prompts import encode_prompt, normalize_messages, request_tokens
+from kvsnap.runtime.engine import GenerationRequest, RequestState
+
+DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks that its client is still there
+
+
+class _Bridge:
+    """Hands engine-thread events to one request's asyncio queue; ``on_end`` runs on the loop
+    once the engine has finished the request, however it ended (even unread)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, on_end: Callable[[], None]):
+        self.loop = loop
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.on_end = on_end
+
+    def __call__(self, state: RequestState, kind: str, payload: Any) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, (kind, payload))
+        if kind in ("done", "error"):
+            self.loop.call_soon_threadsafe(self.on_end)
+
+
+def generation_router(ctx: ServerContext) -> APIRouter:
+    router = APIRouter()
+    engine = ctx.engine
+
+    @router.post("/v1/chat/completions")
+    async def chat(req: ChatCompletionRequest, request: Request):
+        ctx.check_model(req.model)
+        ctx.check_ready()
+        ctx.check_text(req, ("messages", "tools", "chat_template_kwargs", "stop"))
+        try:
+            messages = normalize_messages(req.messages, "messages")
+        except MessageError as exc:
+            raise APIError(400, str(exc), exc.where, "invalid_value") from None
+        kwargs = check_template_kwargs(req.chat_template_kwargs, ctx.model_limits()["template_kwargs"])
+        try:
+            tokens = await run_in_threadpool(request_tokens, engine.lm.tokenizer, messages, req.tools, kwargs)
+        except TemplateError as exc:
+            raise APIError(400, str(exc), "messages", "invalid_value") from None
+        if not tokens:
+            raise APIError(400, "the messages render to an empty prompt", "messages", "invalid_value")
+        return await generate(ctx, req, tokens, new_id("chatcmpl"), "chat", request)
+
+    @router.post("/v1/completions")
+    async def completions(req: CompletionRequest, request: Request):
+        ctx.check_model(req.model)
+        ctx.check_ready()
+        ctx.check_text(req, ("prompt", "stop"))
+        if isinstance(req.prompt, str):
+            if not req.prompt:
+                raise APIError(400, "prompt is empty; give some text", "prompt", "invalid_value")
+            tokens = await run_in_threadpool(encode_prompt, engine.lm.tokenizer, req.prompt)
+        else:
+            if not req.prompt:
+                raise APIError(400, "prompt is an empty list; give at least one token id", "prompt", "invalid_value")
+            tokens = list(req.prompt)
+        return await generate(ctx, req, tokens, new_id("cmpl"), "completion", request)
+
+    return router
+
+
+async def generate(ctx: ServerContext, req: Any, tokens: list[int], rid: str, kind: str, request: Request):
+    """Check the token ids and the length, submit, and answer (streamed or whole)."""
+    config = ctx.config
+    check_token_ids(tokens, ctx.model_limits()["vocab"], "prompt" if kind == "completion" else "messages")
+    max_tokens = ctx.resolve_max_tokens(req.requested_max_tokens, len(tokens))
+    if ctx.inflight >= config.max_inflight:
+        raise APIError(429, f"the server has {ctx.inflight} requests running or queued (--max-queued-requests); retry shortly", None, "rate_limit_exceeded", "rate_limit_error", {"Retry-After": "1"})
+    tenant, _ = ctx.caller(request)
+    namespace = f"{tenant}/{req.cache_salt or ''}" if (tenant or req.cache_salt) else ""
+    bridge = _Bridge(asyncio.get_running_loop(), ctx.release)
+    gen = GenerationRequest(tokens=tokens, max_tokens=max_tokens, temperature=float(req.temperature), top_p=float(req.top_p), seed=req.seed, stop=tuple(req.stop_list), namespace=namespace, tenant=tenant, capture=config.request_prefix_cache)
+    ctx.inflight += 1
+    state = ctx.engine.submit(gen, bridge)
+    if req.stream:
+        return StreamingResponse(stream_events(ctx, state, bridge, rid, kind, req), media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    if not await wait_for_answer(ctx, state, bridge, request):
+        return JSONResponse(error_body("the client disconnected", "invalid_request_error", None, "client_disconnected"), status_code=499)
+    u = ctx.reported_usage(state)
+    finish = "length" if state.finish_reason == "length" else "stop"
+    if kind == "chat":
+        return chat_response(rid, config.served_model_name, state.text, finish, u)
+    return completion_response(rid, config.served_model_name, state.text, finish, u)
+
+
+async def wait_for_answer(ctx: ServerContext, state: RequestState, bridge: _Bridge, request: Request) -> bool:
+    """Wait until the engine finishes ``state``; False if the client left first (the request
+    is then cancelled: nobody will read its answer)."""
+    finished = False
+    loop = asyncio.get_running_loop()
+    next_check = loop.time() + DISCONNECT_POLL_S
+    try:
+        while True:
+            try:
+                event, payload = await asyncio.wait_for(bridge.queue.get(), DISCONNECT_POLL_S)
+            except asyncio.TimeoutError:
+                event = None
+            if loop.time() >= next_check:  # tokens may arrive faster than the poll: check by the clock
+                next_check = loop.time() + DISCONNECT_POLL_S
+                if await request.is_disconnected():
+                    break
+            if event is None or event == "token":
+                continue
+            if event == "error":
+                finished = True
+                raise APIError(500, f"generation failed: {payload}", None, "generation_failed", "server_error")
+            if event == "done":
+                finished = True
+                break
+    finally:
+        if not finished:
+            ctx.engine.cancel(state)
+    return finished
+
+
+async def stream_events(ctx: ServerContext, state: RequestState, bridge: _Bridge, rid: str, kind: str, req: Any) -> AsyncIterator[bytes]:
+    model = ctx.config.served_model_name
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    finished = False
+
+    def sse(obj: dict) -> bytes:
+        return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n".encode()
+
+    try:
+        if kind == "chat":
+            yield sse(chat_chunk(rid, model, {"role": "assistant", "content": ""}))
+        while True:
+            event, payload = await bridge.queue.get()
+            if event == "token":
+                yield sse(chat_chunk(rid, model, {"content": payload}) if kind == "chat" else completion_response(rid, model, payload, None, None))
+            elif event == "error":
+                finished = True
+                yield sse(error_body(f"generation failed: {payload}", "server_error", None, "generation_failed"))
+                break
+            else:
+                finished = True
+                finish = "length" if state.finish_reason == "length" else "stop"
+                u = ctx.reported_usage(state)
+                if kind == "chat":
+                    yield sse(chat_chunk(rid, model, {}, finish))
+                else:
+                    yield sse(completion_response(rid, model, "", finish, None))
+                if include_usage:
+                    last = chat_chunk(rid, model, {}, None, u) if kind == "chat" else completion_response(rid, model, "", None, u)
+                    last["choices"] = []
+                    yield sse(last)
+                break
+        yield b"data: [DONE]\n\n"
+    finally:
+        if not finished:
+            # The client went away mid-stream: free its batch slot now.
+            ctx.engine.cancel(state)

@@ -1,0 +1,47 @@
+"""``GET /health``, ``GET /v1/models`` and ``GET /v1/status``: whether the server is warm,
+what it serves, and the engine's state as data."""
+
+from __future__ import annotations
+
+import time
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+from starlette.concurrency import run_in_threadpool
+
+from kvsnap import __version__
+from kvsnap.http.context import ServerContext
+
+# What an ordinary (non-admin) key sees: cache-wide counters and its own requests; no paths, no warm-up details.
+TENANT_STATUS_FIELDS = ("warm", "batch_size", "waiting", "requests", "cache", "requests_started", "rewarm_in_progress")
+
+
+def status_router(ctx: ServerContext) -> APIRouter:
+    router = APIRouter()
+    engine, config = ctx.engine, ctx.config
+
+    @router.get("/health")
+    async def health():
+        if engine.failed is not None:
+            return JSONResponse({"status": "failed", "warm": False, "error": str(engine.failed)}, status_code=503)
+        if not engine.warm.is_set():
+            return JSONResponse({"status": "warming", "warm": False}, status_code=503)
+        return {"status": "ok", "warm": True, "model": config.served_model_name}
+
+    @router.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": config.served_model_name, "object": "model", "created": int(ctx.started), "owned_by": "kvsnap"}]}
+
+    @router.get("/v1/status")
+    async def status(request: Request):
+        tenant, admin = ctx.caller(request)
+        # A thread, not the event loop: the engine's locks are never held for file I/O, but
+        # /health must not depend on that.
+        body = await run_in_threadpool(engine.status, None if admin else tenant)
+        if not admin:
+            body = {k: body[k] for k in TENANT_STATUS_FIELDS}
+        body["version"] = __version__
+        body["uptime_s"] = round(time.time() - ctx.started, 3)
+        return body
+
+    return router
