@@ -28,7 +28,8 @@ import pytest
 
 from conftest import LONG_SYSTEM, run_kvsnap
 from kvsnap.errors import UsageError
-from kvsnap.integrations.vllm_mlx import WARM_OPTION, check_serve_args, insert_snapshots, load_warm_prompt_file, prepended_special_tokens, split_argv
+from kvsnap.integrations.vllm_mlx import WARM_OPTION, check_serve_args, load_warm_prompt_file, split_argv
+from kvsnap.integrations.vllm_mlx_insert import insert_snapshots, prepended_special_tokens
 from kvsnap.key import mlx_lm_minor
 
 ROOT = Path(__file__).resolve().parents[1]

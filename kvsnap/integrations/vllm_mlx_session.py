@@ -100,7 +100,7 @@ class Session:
             log.error("[kvsnap] no snapshots loaded (%s: %s); vllm-mlx starts cold", type(exc).__name__, exc, exc_info=True)
 
     def _make_work(self, engine: Any, scheduler: Any, prefix_cache: Any):
-        from kvsnap.integrations.vllm_mlx import insert_snapshots
+        from kvsnap.integrations.vllm_mlx_insert import insert_snapshots
         from kvsnap.integrations.vllm_mlx_pin import pin
 
         try:
