@@ -238,3 +238,33 @@ def test_take_all_empties_both_queues_and_rows_filter_by_tenant():
 @pytest.mark.parametrize(("continuous", "kv_bits", "batched"), [(True, None, True), (True, 8, False), (False, None, False)])
 def test_quantized_kv_or_batching_off_runs_one_at_a_time(continuous, kv_bits, batched):
     assert uses_batching(continuous, kv_bits) is batched
+
+
+# --- re-warm ---------------------------------------------------------------------------------
+
+
+def test_a_clear_during_a_rewarm_is_coalesced_and_the_warm_set_comes_back_one_read_per_step():
+    from kvsnap.runtime.prefix import Entry, PrefixCache
+    from kvsnap.runtime.rewarm import Rewarmer
+
+    reads = []
+
+    def loader(tokens):
+        return lambda: (reads.append(tokens), (list(tokens), 1))[1]
+
+    prefix = PrefixCache(max_bytes=10**6, copy_state=list, trim_state=lambda s, n: s)
+    for tokens in ((1, 2), (3, 4)):
+        prefix.add(Entry(tokens=tokens, state=list(tokens), nbytes=1, trimmable=True, pinned=True, source="snapshot", loader=loader(tokens), resident=True))
+    prefix.add(Entry(tokens=(1, 2, 9), state=[1], nbytes=1, trimmable=True, pinned=False, source="request", namespace=""))
+    counts = SimpleNamespace(loaded=0, prefilled=0)
+    rewarmer = Rewarmer()
+    rewarmer.clear(prefix, lm=None, rewarm=True)  # snapshot-backed entries only: no model needed
+    assert rewarmer.running and len(prefix) == 2 and not any(e.loaded for e in prefix.entries)
+    prefix.add(Entry(tokens=(5, 5, 5), state=[5], nbytes=1, trimmable=True, pinned=False, source="request", namespace=""))
+    rewarmer.clear(prefix, lm=None, rewarm=True)  # coalesced: drops request prefixes again, no second job
+    assert (rewarmer.rewarms, rewarmer.coalesced, len(prefix)) == (1, 1, 2)
+    rewarmer.step(prefix, counts)
+    assert reads == [(1, 2)] and rewarmer.running  # one snapshot read per step
+    rewarmer.step(prefix, counts)
+    assert reads == [(1, 2), (3, 4)] and not rewarmer.running and counts.loaded == 2
+    assert rewarmer.as_dict() == {"rewarms": 1, "rewarms_coalesced": 1, "rewarm_in_progress": False, "rewarm_error": ""}

@@ -26,6 +26,7 @@ from kvsnap.runtime.accounting import TokenAccounts, cache_stats
 from kvsnap.runtime.engine_startup import run_then_park
 from kvsnap.runtime.engine_types import EngineConfig, EventFn, GenerationRequest, RequestState, check_request
 from kvsnap.runtime.request_output import finish_request
+from kvsnap.runtime.rewarm import Rewarmer
 from kvsnap.runtime.scheduler import Scheduler, uses_batching
 
 __all__ = ["Engine", "EngineConfig", "EventFn", "GenerationRequest", "RequestState"]
@@ -55,10 +56,7 @@ class Engine:
         self._stopping = False
         self._stream = None
         self._stop_tokens: list[list[int]] = []
-        self.rewarms = 0
-        self.rewarms_coalesced = 0
-        self.rewarm_error = ""
-        self._rewarm = None  # a RewarmJob while a re-warm runs
+        self.rewarmer = Rewarmer()  # re-warms after DELETE /v1/cache/prefix
         self._prefetched = None  # prefetch.Prefetched: snapshots read while the model loaded
 
     # --- lifecycle ------------------------------------------------------------
@@ -149,10 +147,7 @@ class Engine:
             "tokens": self.accounts.as_dict(batch.gen if batch is not None else None),
             "requests_started": self.accounts.started_requests,
             "shared_prefills": batch.shared_prefills if batch is not None else 0,
-            "rewarms": self.rewarms,
-            "rewarms_coalesced": self.rewarms_coalesced,
-            "rewarm_in_progress": self._rewarm is not None,
-            "rewarm_error": self.rewarm_error,
+            **self.rewarmer.as_dict(),
             "warmup": self.warmup_report.__dict__ if self.warmup_report else None,
         }
 
@@ -187,7 +182,7 @@ class Engine:
         if report is not None and report.from_snapshots and not report.prefilled:
             self._batch.prime_kernels()  # after "warm": it costs start-up nothing, and a first request rarely comes this fast
         while not self._stopping:
-            busy = self.sched.busy or self._rewarm is not None
+            busy = self.sched.busy or self.rewarmer.running
             try:
                 self._drain(block=not busy)
                 if self._stopping:
@@ -300,7 +295,7 @@ class Engine:
         elif kind == "cancel":
             self._cancel(cmd[1])
         elif kind == "clear":
-            self._clear(cmd[1])
+            self.rewarmer.clear(self.prefix, self.lm, rewarm=cmd[1])
         elif kind == "call":
             _, fn, box, done = cmd
             try:
@@ -327,8 +322,8 @@ class Engine:
             state = self.sched.next_sequential()
             if state is not None:
                 self._run_sequential(state)
-        if self._rewarm is not None:
-            self._rewarm_step()
+        if self.rewarmer.running:
+            self.rewarmer.step(self.prefix, self.counts)  # one snapshot read or prefill chunk, between decode steps
 
     def _prepare(self, state: RequestState) -> tuple[list, list[int]]:
         from kvsnap.runtime.request_cache import prepare_request
@@ -360,39 +355,6 @@ class Engine:
                 finish_request(state, "error", f"{type(exc).__name__}: {exc}")
         finally:
             self.sched.release(-state.id)
-
-    # --- re-warm after DELETE /v1/cache/prefix ---------------------------------------
-
-    def _clear(self, rewarm: bool) -> None:
-        """Drop request prefixes; re-warm in steps between serving. At most one re-warm runs:
-        a clear during one only drops request prefixes again (coalesced, never queued)."""
-        from kvsnap.runtime.rewarm import start_rewarm
-
-        if self._rewarm is not None:
-            self.rewarms_coalesced += 1
-            self.prefix.drop_request_prefixes()
-            return
-        if not rewarm:
-            self.prefix.clear()
-            return
-        self.rewarms += 1
-        self.rewarm_error = ""
-        self._rewarm = start_rewarm(self.prefix, self.lm)
-        if self._rewarm.finished:
-            self._rewarm = None
-
-    def _rewarm_step(self) -> None:
-        from kvsnap.runtime.rewarm import rewarm_step
-
-        try:
-            rewarm_step(self._rewarm, self.prefix, self.counts)
-        except Exception as exc:  # serve on (cold for what is left) rather than die; status says why
-            self.rewarm_error = f"{type(exc).__name__}: {exc}"
-            log.exception("[kvsnap] re-warm failed")
-            self._rewarm = None
-            return
-        if self._rewarm.finished:
-            self._rewarm = None
 
     def _mx_stream(self):
         """The engine's own mlx stream: mlx-lm's default thread-local one aborts the

@@ -8,12 +8,15 @@ still hits: an indexed snapshot loads on first hit.
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvsnap.runtime.prefill import PrefillCursor
 from kvsnap.runtime.prefix import Entry, PrefixCache
+
+log = logging.getLogger("kvsnap.runtime.engine")
 
 
 @dataclass
@@ -59,3 +62,47 @@ def rewarm_step(job: RewarmJob, prefix: PrefixCache, counts: Any) -> None:
             cache = cursor.cache
             prefix.add(Entry(tokens=old.tokens, state=cache, nbytes=cache_nbytes_of(cache), trimmable=old.trimmable, pinned=True, source="prefill", name=old.name, resident=True))
             counts.prefilled += 1
+
+
+@dataclass
+class Rewarmer:
+    """The engine's re-warms: at most one runs; a clear during one only drops request
+    prefixes again (coalesced, never queued). A failed step ends the re-warm, not the server."""
+
+    rewarms: int = 0
+    coalesced: int = 0
+    error: str = ""  # why the last re-warm stopped early ("" if it did not)
+    job: RewarmJob | None = None
+
+    @property
+    def running(self) -> bool:
+        return self.job is not None
+
+    def clear(self, prefix: PrefixCache, lm: Any, rewarm: bool) -> None:
+        """Drop request prefixes; with ``rewarm``, start making the warm set resident again."""
+        if self.job is not None:
+            self.coalesced += 1
+            prefix.drop_request_prefixes()
+            return
+        if not rewarm:
+            prefix.clear()
+            return
+        self.rewarms += 1
+        self.error = ""
+        self.job = start_rewarm(prefix, lm)
+        if self.job.finished:
+            self.job = None
+
+    def step(self, prefix: PrefixCache, counts: Any) -> None:
+        try:
+            rewarm_step(self.job, prefix, counts)
+        except Exception as exc:  # serve on (cold for what is left) rather than die; status says why
+            self.error = f"{type(exc).__name__}: {exc}"
+            log.exception("[kvsnap] re-warm failed")
+            self.job = None
+            return
+        if self.job.finished:
+            self.job = None
+
+    def as_dict(self) -> dict:
+        return {"rewarms": self.rewarms, "rewarms_coalesced": self.coalesced, "rewarm_in_progress": self.running, "rewarm_error": self.error}
