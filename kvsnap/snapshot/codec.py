@@ -18,9 +18,7 @@ import mlx.core as mx  # noqa: E402
 from kvsnap.errors import SnapshotError
 from kvsnap.snapshot.cache_classes import CaptureError, cache_class, decode_layer, encode_layer, layers_trimmable  # noqa: F401  (CaptureError re-exported)
 from kvsnap.snapshot.file import OutTensor
-from kvsnap.snapshot.format import DTYPES
-
-TOKENS = "tokens"
+from kvsnap.snapshot.format import DTYPES, TOKENS
 
 _MX_TO_ST = {getattr(mx, mlx_name): st_name for st_name, (mlx_name, _) in DTYPES.items()}  # format.py's one dtype table
 

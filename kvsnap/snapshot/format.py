@@ -51,6 +51,8 @@ def snapshot_relpath(key: str) -> str:
 # --- the snapshot header (``__metadata__``, every value a string) ------------------------------
 
 CHECKSUM_KEY = "kvsnap.xxh3_128"
+TOKENS = "tokens"  # the tensor of the prefix's token ids, checked against the key and the request
+TOKENS_DTYPE = "I32"
 REQUIRED_META = ("kvsnap.format", "kvsnap.key", "kvsnap.model", "kvsnap.model_digest", "kvsnap.prompt_digest", "kvsnap.n_tokens", "kvsnap.tokens_digest", "kvsnap.layers")
 OPTIONAL_META = ("kvsnap.name", "kvsnap.recorded")
 HEADER_FIELDS = REQUIRED_META + OPTIONAL_META + (CHECKSUM_KEY,)

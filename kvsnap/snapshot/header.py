@@ -21,7 +21,7 @@ from pathlib import Path
 from kvsnap.key import ModelIdentity, key_from_digests, tokens_digest_of_bytes, unpack_tokens
 from kvsnap.snapshot.cache_classes import UnknownCacheClass, cache_class, member_path
 from kvsnap.snapshot.file import FormatError, Header, tensor_bytes
-from kvsnap.snapshot.format import KEY_RE, REQUIRED_META, check_format_field, snapshot_filename, snapshot_relpath
+from kvsnap.snapshot.format import KEY_RE, REQUIRED_META, TOKENS, TOKENS_DTYPE, check_format_field, snapshot_filename, snapshot_relpath
 
 DIGITS_RE = re.compile(r"[0-9]{1,12}")  # ASCII only: int() would also take " 7", "7_0" and other scripts' digits
 
@@ -243,11 +243,11 @@ def inspect_header(path: Path, header: Header, tokens_raw: bytes | None = None) 
     if len(name) > MAX_NAME_CHARS:
         raise FormatError(f"kvsnap.name is {len(name)} characters, over the {MAX_NAME_CHARS} limit")
     model, identity = _identity(meta)
-    tok = header.tensors.get("tokens")
-    if tok is None or tok.dtype != "I32" or tok.shape != (n_tokens,):
+    tok = header.tensors.get(TOKENS)
+    if tok is None or tok.dtype != TOKENS_DTYPE or tok.shape != (n_tokens,):
         raise FormatError(f"tokens tensor missing or not int32[{n_tokens}]")
     if tokens_raw is None:
-        tokens_raw = tensor_bytes(path, header, "tokens")
+        tokens_raw = tensor_bytes(path, header, TOKENS)
     if len(tokens_raw) != tok.nbytes or tokens_digest_of_bytes(tokens_raw) != meta["kvsnap.tokens_digest"]:
         raise FormatError("tokens do not match the recorded tokens digest")
     key = key_of(identity, meta["kvsnap.prompt_digest"], meta["kvsnap.tokens_digest"], n_tokens)
@@ -256,7 +256,7 @@ def inspect_header(path: Path, header: Header, tokens_raw: bytes | None = None) 
     if path.name != snapshot_filename(key):
         raise FormatError(f"file name does not match its key {key} (renamed or copied over another snapshot)")
     layers = _json_field(meta, "kvsnap.layers", len(header.raw))
-    names = set(header.tensors) - {"tokens"}
+    names = set(header.tensors) - {TOKENS}
     expected = expected_tensor_names(layers, len(names))
     if names != expected:
         raise FormatError(f"tensors do not match the layer list (missing {sorted(expected - names)[:3]}, extra {sorted(names - expected)[:3]})")

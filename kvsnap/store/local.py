@@ -27,7 +27,7 @@ from kvsnap.errors import SnapshotError, StoreError
 from kvsnap.key import ModelIdentity, unpack_tokens
 from kvsnap.store.manifest import encode_manifest, merge_manifests, read_manifest_file, referenced_files, update_manifest
 from kvsnap.snapshot.file import FormatError, OutTensor, check_data, parse_header, read_header, tensor_bytes, verify_checksum, write_snapshot
-from kvsnap.snapshot.format import DTYPES, KEY_RE, MANIFEST, SNAPSHOTS, SUFFIX, relpath_of_file, snapshot_filename
+from kvsnap.snapshot.format import DTYPES, KEY_RE, MANIFEST, SNAPSHOTS, SUFFIX, TOKENS, relpath_of_file, snapshot_filename
 from kvsnap.snapshot.header import MAX_NAME_CHARS, SnapshotInfo, check_offsets, inspect_header
 
 LOCK = ".lock"
@@ -238,7 +238,7 @@ class Store:
         try:
             with open(path, "rb") as f:
                 header = parse_header(f, os.fstat(f.fileno()).st_size)
-                tok = header.tensors.get("tokens")
+                tok = header.tensors.get(TOKENS)
                 raw = None
                 if tok is not None:  # its bounds were checked against the file size by parse_header
                     f.seek(header.data_start + tok.start)
@@ -287,7 +287,7 @@ class Store:
         if info.tokens or info.n_tokens == 0:
             return list(info.tokens)
         try:
-            raw = tensor_bytes(info.path, read_header(info.path), "tokens")
+            raw = tensor_bytes(info.path, read_header(info.path), TOKENS)
         except (FormatError, KeyError) as exc:
             raise SnapshotError(str(info.path), f"tokens cannot be read ({exc})") from None
         except OSError as exc:
@@ -313,7 +313,7 @@ class Store:
                 mx.eval(buf)
                 view = memoryview(buf)[: header.data_len]
                 read_into(f.fileno(), view, header.data_start)
-            tok = header.tensors.get("tokens")
+            tok = header.tensors.get(TOKENS)
             # The tokens come from the bytes just read: one open, one parse, one read.
             current = inspect_header(path, header, bytes(view[tok.start : tok.end]) if tok is not None else None)
             verify_checksum(header, view)
