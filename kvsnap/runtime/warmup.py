@@ -204,35 +204,78 @@ def run_warmup(
     """Index the store, pin the warm entries, prefill (at most ``concurrency`` at once) what has no snapshot.
 
     ``prefill_many`` runs one group of warm prefixes; by default one after another with
-    build's own ``prefill``, so a written-back snapshot holds the bytes ``kvsnap build``
+    the shared ``prefill``, so a written-back snapshot holds the bytes ``kvsnap build``
     would write.
     """
     t0 = time.perf_counter()
     counts.begin_warmup()
     concurrency = max(1, int(concurrency))
     report = WarmupReport(problems=[str(p) for p in (prompts.problems if prompts else [])], prefill_concurrency=concurrency)
-    good: dict[str, SnapshotInfo] = {}
-    if store is not None:
+    run = _Warmup(lm, prefix, identity, counts, store, report, budget_bytes)
+    good = run.scan(prefetched)
+    if prompts is not None:
+        targets, stale_keys = run.targets(prompts, good)
+    else:
+        targets, stale_keys = [WarmTarget(i.name, None, i) for i in good.values()], set()
+    to_prefill, pinned_keys = run.pin(targets)
+    run.index_unnamed(good, pinned_keys | stale_keys)
+    writable = store is not None and not store.readonly and bool(agents_file)
+    if store is not None and not store.readonly and not agents_file and to_prefill:
+        counts.write_back_note = "no warm-prompt file was given, so prefilled warm prompts are not written back (the manifest records the file)"
+    if not allow_prefill:
+        report.skipped += len(to_prefill)
+        to_prefill = []
+    prefill_many = prefill_many or (lambda group: [prefill(lm, tokens) for tokens in group])
+    for start in range(0, len(to_prefill), concurrency):
+        group = to_prefill[start : start + concurrency]
+        report.max_inflight_prefills = max(report.max_inflight_prefills, len(group))
+        for t, cache in zip(group, prefill_many([t.tokens for t in group])):
+            run.keep_prefilled(t, cache, run.write_back(t, cache, agents_file) if writable else None)
+            del cache
+    counts.write_back = writable
+    report.seconds = time.perf_counter() - t0
+    return report
+
+
+@dataclass
+class _Warmup:
+    """One warm-up's state, so each step of ``run_warmup`` is a method of its own."""
+
+    lm: LoadedModel
+    prefix: PrefixCache
+    identity: ModelIdentity
+    counts: SnapshotCounts
+    store: Store | None
+    report: WarmupReport
+    budget_bytes: int
+    prefetched: object = None
+
+    def scan(self, prefetched) -> dict[str, SnapshotInfo]:
+        """The store's snapshots of this model by key; the others are reported as rejected."""
+        store, counts = self.store, self.counts
+        if store is None:
+            return {}
         if prefetched is not None and prefetched.root == store.root:
-            infos, bad = prefetched.scan(identity)  # the headers were read while the model loaded
+            self.prefetched = prefetched
+            infos, bad = prefetched.scan(self.identity)  # the headers were read while the model loaded
         else:
-            prefetched = None
-            infos, bad = store.scan(identity)
+            infos, bad = store.scan(self.identity)
         for problem in bad:
             counts.reject(str(problem.path), problem.reason)
-        good = {i.key: i for i in infos}
         if store.readonly and not counts.write_back_note:
             counts.write_back_note = f"{store.root} is opened read-only: prefilled warm prompts are not written back"
+        return {i.key: i for i in infos}
 
-    targets: list[WarmTarget] = []
-    stale_keys: set[str] = set()
-    if prompts is not None:
+    def targets(self, prompts: WarmPromptSet, good: dict[str, SnapshotInfo]) -> tuple[list[WarmTarget], set[str]]:
+        """Each warm prompt's prefix, key and snapshot (None: to prefill); and the keys its edits made stale."""
+        report, lm = self.report, self.lm
         by_recipe = {i.recorded.get("warm_recipe"): i for i in good.values() if i.recorded.get("warm_recipe")}
+        targets, stale_keys = [], set()
         for p in prompts.entries:
             try:
                 template = resolve_chat_template(lm.tokenizer, p.tools)
                 digest = prompt_identity(template, p.chat_template_kwargs, p.tools)
-                tokens = recorded_prefix(by_recipe, p, digest, identity, template)
+                tokens = recorded_prefix(by_recipe, p, digest, self.identity, template)
                 if tokens is None:
                     tokens = warm_prefix(lm.tokenizer, p).tokens
                 else:
@@ -244,94 +287,85 @@ def run_warmup(
             if not tokens:
                 report.skipped += 1
                 continue
-            key = snapshot_key(identity, digest, tokens)
-            info = good.get(key)
+            info = good.get(snapshot_key(self.identity, digest, tokens))
             if info is None:
                 for i in good.values():
                     if i.name == p.name:
                         stale_keys.add(i.key)
-                        counts.reject(str(i.path), f"stale: no longer matches warm prompt {p.name!r} (its tokens changed); rebuild with `kvsnap build`")
+                        self.counts.reject(str(i.path), f"stale: no longer matches warm prompt {p.name!r} (its tokens changed); rebuild with `kvsnap build`")
             targets.append(WarmTarget(p.name, tokens, info, digest, p))
-    else:
-        targets = [WarmTarget(i.name, None, i) for i in good.values()]
+        return targets, stale_keys
 
-    used = prefix.current_bytes
-    to_prefill: list[WarmTarget] = []
-    pinned_keys: set[str] = set()
-    for t in targets:
-        if t.info is None:
-            to_prefill.append(t)
-            continue
-        try:
-            entry = make_entry(lm, store, t.info, pinned=True, prefetched=prefetched)
-            if used + t.info.nbytes <= budget_bytes:
-                entry.state, entry.nbytes = entry.loader()
-                entry.resident = True
-                used += entry.nbytes
-                counts.loaded += 1
-            prefix.add(entry)
-            pinned_keys.add(t.info.key)
-            report.from_snapshots += 1
-            report.completed += 1
-            report.prompt_tokens += len(entry.tokens)
-        except SnapshotError as exc:
-            counts.reject(exc.path, exc.reason)
-            if t.tokens is not None:
+    def pin(self, targets: list[WarmTarget]) -> tuple[list[WarmTarget], set[str]]:
+        """Pin every target that has a snapshot (resident within the budget); returns what is left to prefill."""
+        report, counts = self.report, self.counts
+        used = self.prefix.current_bytes
+        to_prefill, pinned_keys = [], set()
+        for t in targets:
+            if t.info is None:
                 to_prefill.append(t)
-            else:
-                report.skipped += 1
-
-    # Snapshots of this model that no warm prompt names: indexed, loaded on first hit.
-    for info in good.values():
-        if info.key in pinned_keys or info.key in stale_keys:
-            continue
-        try:
-            prefix.add(make_entry(lm, store, info, pinned=False))
-        except SnapshotError as exc:
-            counts.reject(exc.path, exc.reason)
-    counts.indexed = sum(1 for e in prefix.entries if e.loader is not None)
-
-    writable = store is not None and not store.readonly and bool(agents_file)
-    if store is not None and not store.readonly and not agents_file and to_prefill:
-        counts.write_back_note = "no warm-prompt file was given, so prefilled warm prompts are not written back (the manifest records the file)"
-    if not allow_prefill:
-        report.skipped += len(to_prefill)
-        to_prefill = []
-    prefill_many = prefill_many or (lambda group: [prefill(lm, tokens) for tokens in group])
-    for start in range(0, len(to_prefill), concurrency):
-        group = to_prefill[start : start + concurrency]
-        report.max_inflight_prefills = max(report.max_inflight_prefills, len(group))
-        caches = prefill_many([t.tokens for t in group])
-        for t, cache in zip(group, caches):
-            counts.prefilled += 1
-            report.prefilled += 1
-            report.completed += 1
-            report.prompt_tokens += len(t.tokens)
-            written = None
-            if writable:
-                try:
-                    written = commit_snapshot(lm, store, identity, t.prompt, t.prompt_digest, t.tokens, cache, agents_file)
-                    counts.written += 1
-                except (StoreError, SnapshotError, OSError) as exc:
-                    counts.write_back_note = f"write-back failed: {exc}"
-                    log.warning("[kvsnap] %s", counts.write_back_note)
-            nbytes = cache_nbytes_of(cache)
-            if prefix.current_bytes + nbytes <= budget_bytes:
-                entry = Entry(tokens=t.tokens, state=cache, nbytes=nbytes, trimmable=is_trimmable(cache), pinned=True, source="prefill", name=t.name, resident=True)
-                if written is not None:
-                    # A re-warm reads it back instead of prefilling again; its header is read only then.
-                    entry.loader = lambda path=written: snapshot_loader(store, store.inspect(path))()
-                prefix.add(entry)
                 continue
-            # Over the memory budget: keep it indexed from the file just written (loads on
-            # first hit), or, with nowhere to reload it from, let it go.
-            report.over_budget += 1
+            try:
+                entry = make_entry(self.lm, self.store, t.info, pinned=True, prefetched=self.prefetched)
+                if used + t.info.nbytes <= self.budget_bytes:
+                    entry.state, entry.nbytes = entry.loader()
+                    entry.resident = True
+                    used += entry.nbytes
+                    counts.loaded += 1
+                self.prefix.add(entry)
+                pinned_keys.add(t.info.key)
+                report.from_snapshots += 1
+                report.completed += 1
+                report.prompt_tokens += len(entry.tokens)
+            except SnapshotError as exc:
+                counts.reject(exc.path, exc.reason)
+                if t.tokens is not None:
+                    to_prefill.append(t)
+                else:
+                    report.skipped += 1
+        return to_prefill, pinned_keys
+
+    def index_unnamed(self, good: dict[str, SnapshotInfo], skip_keys: set[str]) -> None:
+        """Snapshots of this model that no warm prompt names: indexed, loaded on first hit."""
+        for info in good.values():
+            if info.key in skip_keys:
+                continue
+            try:
+                self.prefix.add(make_entry(self.lm, self.store, info, pinned=False))
+            except SnapshotError as exc:
+                self.counts.reject(exc.path, exc.reason)
+        self.counts.indexed = sum(1 for e in self.prefix.entries if e.loader is not None)
+
+    def write_back(self, t: WarmTarget, cache: list, agents_file: str) -> Path | None:
+        try:
+            written = commit_snapshot(self.lm, self.store, self.identity, t.prompt, t.prompt_digest, t.tokens, cache, agents_file)
+        except (StoreError, SnapshotError, OSError) as exc:
+            self.counts.write_back_note = f"write-back failed: {exc}"
+            log.warning("[kvsnap] %s", self.counts.write_back_note)
+            return None
+        self.counts.written += 1
+        return written
+
+    def keep_prefilled(self, t: WarmTarget, cache: list, written: Path | None) -> None:
+        """A prefilled warm prompt: pinned in memory within the budget, else indexed from the file just written."""
+        store, report = self.store, self.report
+        self.counts.prefilled += 1
+        report.prefilled += 1
+        report.completed += 1
+        report.prompt_tokens += len(t.tokens)
+        nbytes = cache_nbytes_of(cache)
+        if self.prefix.current_bytes + nbytes <= self.budget_bytes:
+            entry = Entry(tokens=t.tokens, state=cache, nbytes=nbytes, trimmable=is_trimmable(cache), pinned=True, source="prefill", name=t.name, resident=True)
             if written is not None:
-                try:
-                    prefix.add(make_entry(lm, store, store.inspect(written), pinned=True))
-                except SnapshotError as exc:
-                    counts.reject(exc.path, exc.reason)
-            del cache
-    counts.write_back = writable
-    report.seconds = time.perf_counter() - t0
-    return report
+                # A re-warm reads it back instead of prefilling again; its header is read only then.
+                entry.loader = lambda path=written: snapshot_loader(store, store.inspect(path))()
+            self.prefix.add(entry)
+            return
+        # Over the memory budget: keep it indexed from the file just written (loads on
+        # first hit), or, with nowhere to reload it from, let it go.
+        report.over_budget += 1
+        if written is not None:
+            try:
+                self.prefix.add(make_entry(self.lm, store, store.inspect(written), pinned=True))
+            except SnapshotError as exc:
+                self.counts.reject(exc.path, exc.reason)
