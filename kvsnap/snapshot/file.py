@@ -199,11 +199,23 @@ def _hashed_header(header: Header) -> bytes:
     return header.raw.replace(CHECKSUM_MARKER + recorded.encode(), CHECKSUM_MARKER + CHECKSUM_PLACEHOLDER.encode())
 
 
-def file_checksum(path: str | os.PathLike, header: Header) -> str:
-    """xxh3-128 of the length prefix, the header (placeholder in place) and the data."""
+def _header_hash(header: Header) -> "xxhash.xxh3_128":
+    """The checksum's hash state after the length prefix and the header (placeholder in place)."""
     h = xxhash.xxh3_128()
     h.update(struct.pack("<Q", header.header_len))
     h.update(_hashed_header(header))
+    return h
+
+
+def _compare(header: Header, actual: str) -> None:
+    recorded = header.metadata.get(CHECKSUM_KEY)
+    if actual != recorded:
+        raise FormatError(f"checksum mismatch (header says {recorded}, the file hashes to {actual}): the file is corrupt")
+
+
+def file_checksum(path: str | os.PathLike, header: Header) -> str:
+    """xxh3-128 of the length prefix, the header (placeholder in place) and the data."""
+    h = _header_hash(header)
     with open(path, "rb") as f:
         f.seek(header.data_start)
         while chunk := f.read(min(READ_CHUNK, max(header.data_len, 1))):  # never a buffer bigger than the file
@@ -213,24 +225,14 @@ def file_checksum(path: str | os.PathLike, header: Header) -> str:
 
 def verify_checksum(header: Header, data: memoryview | bytes) -> None:
     """Check the checksum over a header and data bytes already in memory (one read, no second pass)."""
-    recorded = header.metadata.get(CHECKSUM_KEY)
-    if not recorded or recorded == CHECKSUM_PLACEHOLDER:
-        raise FormatError("the header has no checksum (written by something other than kvsnap, or never finished)")
-    h = xxhash.xxh3_128()
-    h.update(struct.pack("<Q", header.header_len))
-    h.update(_hashed_header(header))
+    h = _header_hash(header)
     h.update(data)
-    actual = h.hexdigest()
-    if actual != recorded:
-        raise FormatError(f"checksum mismatch (header says {recorded}, the file hashes to {actual}): the file is corrupt")
+    _compare(header, h.hexdigest())
 
 
 def check_data(path: str | os.PathLike, header: Header) -> None:
     """Raise FormatError unless the file's bytes (header and data) hash to the recorded checksum."""
-    recorded = header.metadata.get(CHECKSUM_KEY)
-    actual = file_checksum(path, header)
-    if actual != recorded:
-        raise FormatError(f"checksum mismatch (header says {recorded}, the file hashes to {actual}): the file is corrupt")
+    _compare(header, file_checksum(path, header))
 
 
 def tensor_bytes(path: str | os.PathLike, header: Header, name: str) -> bytes:
