@@ -145,3 +145,17 @@ def test_tokens_digest_is_stable_across_implementations():
     tokens = [1, -5, 70000, 2**31 - 1]
     assert tokens_digest(tokens) == "1c9788522fb1a72c87a3613666e3d4f1"
     assert unpack_tokens(pack_tokens(tokens)) == tokens
+
+
+def test_the_key_formula_is_one_function_of_digests():
+    """``snapshot_key`` (the writer) and ``key_from_digests`` (what a reader recomputes from a header) are one formula,
+    and the codec version in it is format.py's."""
+    from kvsnap.key import ModelIdentity, key_from_digests, pack_tokens, tokens_digest, tokens_digest_of_bytes
+    from kvsnap.snapshot import format as fmt
+
+    identity = ModelIdentity("a" * 32, "b" * 32, "c" * 32, "{}", "float32", None, None, None, None, ("KVCache",), mlx_lm_minor="0.32")
+    tokens = [5, -1, 2**31 - 1]
+    assert identity.codec_version == fmt.CODEC_FORMAT_VERSION
+    assert tokens_digest_of_bytes(pack_tokens(tokens)) == tokens_digest(tokens)
+    assert key_from_digests(identity.digest, "p" * 32, tokens_digest(tokens), 3) == snapshot_key(identity, "p" * 32, tokens)
+    assert key_from_digests(identity.digest, "p" * 32, tokens_digest(tokens), 4) != snapshot_key(identity, "p" * 32, tokens)
