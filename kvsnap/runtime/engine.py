@@ -8,10 +8,11 @@ Per request: tokens -> longest cached strict prefix (a private copy) -> only the
 is inserted into the batch -> tokens stream back. The prompt minus its last token is
 captured before any decode step and kept in an LRU for multi-turn reuse.
 
-This module owns the thread, its command queue, the start-up and the re-warm; the parts
+This module owns the thread, its command queue and the start-up; the parts
 live beside it: ``scheduler`` (queue and slots), ``accounting`` (token counts),
 ``batch_runner`` and ``sequential`` (the two ways requests run), ``request_cache`` (a
-request's prefix copy and capture), ``request_output`` and ``stop_strings`` (text out).
+request's prefix copy and capture), ``request_output`` and ``stop_strings`` (text out),
+``rewarm`` (after ``DELETE /v1/cache/prefix``), ``engine_startup``.
 """
 
 from __future__ import annotations
