@@ -3,12 +3,14 @@
 
     python scripts/plot_bench.py --median docs/bench/startup-qwen3-0.6b-median.csv --x prompt_tokens --out docs/bench/qwen3-0.6b
     python scripts/plot_bench.py --median docs/bench/startup-tiny-agents-median.csv --x agents --out docs/bench/tiny-agents
+    python scripts/plot_bench.py --table RESULTS/summary.json --out docs/bench/table   # scripts/bench_table.py: one PNG per family
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import json
 from pathlib import Path
 
 import matplotlib
@@ -26,14 +28,60 @@ PANELS = [
 ]
 
 
+# scripts/bench_table.py's modes: one line each; vllm-mlx dashed, the same colour per mode kind.
+TABLE_LINES = {
+    "kvsnap-cold": ("kvsnap cold", "#888888", "-"),
+    "kvsnap-warm": ("kvsnap --warm-prompts", "#d95f02", "-"),
+    "kvsnap-snap": ("kvsnap --warm-prompts --kv-snapshots", "#1b9e77", "-"),
+    "vllm-cold": ("vllm-mlx cold", "#888888", "--"),
+    "vllm-warm": ("vllm-mlx --warm-prompts", "#d95f02", "--"),
+    "vllm-kvsnap": ("kvsnap vllm-mlx serve --kv-snapshots --warm-prompts", "#1b9e77", "--"),
+}
+
+
+def plot_table(summary_path: Path, out_prefix: str) -> list[Path]:
+    """One PNG per family from bench_table.py's summary.json: median TTFT vs concurrency, a line per server and mode."""
+    summary = json.loads(Path(summary_path).read_text())
+    cells = list(summary["cells"].values())
+    written = []
+    for family in summary["meta"]["families"]:
+        rows = [c for c in cells if c["family"] == family and c["ttft_s"] is not None]
+        if not rows:
+            continue
+        fig, ax = plt.subplots(figsize=(6.5, 4.2))
+        for mode, (label, color, style) in TABLE_LINES.items():
+            pts = sorted((c["concurrency"], c["ttft_s"]) for c in rows if c["mode"] == mode)
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", linestyle=style, color=color, label=label)
+        ax.set_xticks(sorted({c["concurrency"] for c in rows}))
+        ax.set_xlabel("concurrent requests")
+        ax.set_ylabel("TTFT, median (s)")
+        ax.set_title(rows[0]["label"], fontsize=10)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        out = Path(f"{out_prefix}-{family}.png")
+        fig.savefig(out, dpi=110)
+        plt.close(fig)
+        written.append(out)
+    return written
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--median", required=True)
+    ap.add_argument("--table", help="bench_table.py's summary.json: one TTFT-vs-concurrency plot per family")
+    ap.add_argument("--median", help="a start-up benchmark median CSV")
     ap.add_argument("--x", default="prompt_tokens", choices=("prompt_tokens", "agents"))
     ap.add_argument("--out", required=True, help="output path prefix")
     ap.add_argument("--title", default="")
     ap.add_argument("--panels", default=",".join(f for f, _ in PANELS), help="comma-separated fields to plot (ready_s alone for --ready-only runs)")
     args = ap.parse_args()
+    if args.table:
+        for path in plot_table(Path(args.table), args.out):
+            print(f"wrote {path}")
+        return 0
+    if not args.median:
+        ap.error("give --median CSV or --table summary.json")
     panels = [(f, label) for f, label in PANELS if f in args.panels.split(",")]
 
     rows = list(csv.DictReader(open(args.median)))

@@ -184,3 +184,24 @@ def test_templates_and_sizes_must_fit_the_architecture(tmp_path):
     with pytest.raises(UsageError, match="--size 'qwen3-0.6b' has no shape for --arch moe; use one of tiny, small"):
         make_demo_model(tmp_path / "c", DemoSpec(arch="moe", size="qwen3-0.6b"))
     assert not any(tmp_path.iterdir())
+
+
+def test_text_outputs_models_never_pick_a_special_or_partial_utf8_token(tmp_path):
+    """The benchmark's models: streamed text starts with the first token and every request runs to max_tokens."""
+    import json
+
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from kvsnap.runtime.modeling import load_model
+
+    path = make_demo_model(tmp_path / "m", DemoSpec(arch="llama", quantize_bits=4, text_outputs=True))
+    assert json.loads((path / "config.json").read_text())["tie_word_embeddings"] is False
+    lm = load_model(path)
+    specials = set(lm.tokenizer.all_special_ids)
+    for user in ("hello world", "中文 内容 你好", "4 2 100 ! ? ."):
+        tokens = request_tokens(lm.tokenizer, [{"role": "system", "content": FAMILY_SYSTEM}, {"role": "user", "content": user}])
+        out = _greedy_from(lm, make_prompt_cache(lm.model), tokens, n=24)
+        assert not specials & set(out), out
+        assert all(lm.tokenizer.decode([t]) and "\ufffd" not in lm.tokenizer.decode([t]) for t in out), [lm.tokenizer.decode([t]) for t in out]
+    # Off by default for the tests' sizes: their weights stay what they were.
+    assert DemoSpec(arch="llama").plain_text_outputs is False and DemoSpec(arch="llama", size="small").plain_text_outputs is True

@@ -71,6 +71,10 @@ class DemoSpec:
     quantize_bits: int | None = None
     seed: int = 0
     sliding_window: int = 64
+    # Greedy never picks a special or partial-UTF-8 token, so streamed text (and TTFT) starts
+    # with the first generated token and every request runs to max_tokens. None: on for
+    # the benchmark size (small) only, so the tests' models keep their weights.
+    text_outputs: bool | None = None
 
     def check(self) -> None:
         if self.arch not in ARCHES:
@@ -87,6 +91,10 @@ class DemoSpec:
             raise UsageError(f"--template {self.chat_template} does not fit --arch {self.arch}: the llama3 template goes with --arch llama and only there; leave --template out or change it")
         if self.quantize_bits not in (None, 4, 8):
             raise UsageError(f"--quantize {self.quantize_bits} is not supported; use 4 or 8 (or leave it out for fp32)")
+
+    @property
+    def plain_text_outputs(self) -> bool:
+        return self.size == "small" if self.text_outputs is None else self.text_outputs
 
     @property
     def chat_template(self) -> str:
@@ -179,7 +187,7 @@ def _model_config(spec: DemoSpec, vocab_size: int, eos_ids: list[int]) -> dict:
         vocab_size=vocab_size,
         rms_norm_eps=1e-6,
         max_position_embeddings=CONTEXT,
-        tie_word_embeddings=True,
+        tie_word_embeddings=not spec.plain_text_outputs,  # an own lm_head, so its rows can be masked
         eos_token_id=eos_ids[0] if len(eos_ids) == 1 else eos_ids,
         torch_dtype="float32",
         **shape,
@@ -245,6 +253,29 @@ def _moe_config(shape: dict, common: dict) -> dict:
     return dict(model_type="qwen3_5_moe", text_config=text, tie_word_embeddings=False, eos_token_id=common["eos_token_id"], torch_dtype="float32")
 
 
+def _non_text_ids(tokenizer_json: Path) -> list[int]:
+    """Ids that decode to no text alone: special tokens, and byte pieces of a longer UTF-8 character."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tokenizer_json))
+    special = set(tok.get_added_tokens_decoder())
+    texts = {i: tok.decode([i], skip_special_tokens=False) for i in range(tok.get_vocab_size())}
+    return sorted(i for i, text in texts.items() if i in special or not text or "\ufffd" in text)
+
+
+def _mask_output_rows(model, ids: list[int], used_vocab: int) -> None:
+    """Zero lm_head rows (``ids``, and those past the tokenizer's vocabulary): a zero logit never beats the largest of hundreds of random ones."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten, tree_unflatten
+
+    (name, weight), = [(n, w) for n, w in tree_flatten(model.parameters()) if n.endswith("lm_head.weight")]
+    keep = mx.ones((weight.shape[0], 1))
+    keep[mx.array(ids)] = 0.0
+    keep[used_vocab:] = 0.0
+    model.update(tree_unflatten([(name, weight * keep)]))
+    mx.eval(model.parameters())
+
+
 def _randomize(model, seed: int, used_vocab: int) -> None:
     """Seeded Gaussian weights, scaled so outputs depend strongly on the context."""
     import mlx.core as mx
@@ -296,6 +327,8 @@ def make_demo_model(out_dir: str | Path, spec: DemoSpec = DemoSpec(), force: boo
         mx.random.seed(spec.seed)
         model = model_cls(args_cls.from_dict(config))
         _randomize(model, spec.seed, vocab)
+        if spec.plain_text_outputs:
+            _mask_output_rows(model, _non_text_ids(tmp / "tokenizer.json"), vocab)
         if spec.quantize_bits:
             # As mlx_lm.convert -q does for mlx-community models: the model's own predicate
             # (a MoE router stays at 8 bits), per-layer overrides in config["quantization"].
