@@ -98,57 +98,82 @@ def build_snapshots(
     identity = lm.identity(digests)
     store.fault("model-loaded")  # marks the start of the window crash tests kill in
     report = BuildReport(store=store.root, model_digest=identity.digest, problems=[str(p) for p in prompts.problems])
-    profile = tokenization.descriptor() if tokenization is not None else None
-    rid = profile_record_id(identity.digest, agents_file, profile)
-
-    def upsert(entry: dict) -> Callable[[dict], dict]:
-        return record_upsert(lm, identity, agents_file, entry)
-
+    build = _Build(lm, store, identity, agents_file, tokenization, force)
     for prompt in prompts.entries:
         t0 = time.perf_counter()
         progress("start", prompt.name)
         result = EntryResult(name=prompt.name, status="failed")
         try:
-            prefix = warm_prefix(lm.tokenizer, prompt, tokenization)
-            tokens = prefix.tokens
-            result = EntryResult(name=prompt.name, status="failed", n_tokens=len(tokens), entry_tokens=prefix.entry_tokens, coverage=prefix.coverage, warnings=prefix.warnings)
-            if not tokens:
-                raise TemplateError(f"{prompt.name}: the chat template leaves no token shared by every continuation; nothing to snapshot")
-            prompt_digest = prompt_identity(resolve_chat_template(lm.tokenizer, prompt.tools), prompt.chat_template_kwargs, prompt.tools, profile)
-            result.key = snapshot_key(identity, prompt_digest, tokens)
-            path = store.path_for(result.key)
-
-            def commit(written: Path, status: str) -> None:
-                # Under the store lock: the file and its manifest record appear together for gc.
-                result.status, result.nbytes = status, written.stat().st_size
-                update = upsert(manifest_entry(result.name, result.key, result.n_tokens, round(result.coverage, 4), prompt_digest, profile))
-                current = store.read_manifest()["records"].get(rid, {})
-                if _without_time(update(current)) != _without_time(current):  # an unchanged rebuild writes nothing
-                    store.update_record(rid, update)
-
-            reused = False
-            if not force:
-                with store.lock():
-                    if path.exists() or path.is_symlink():
-                        try:
-                            store.verify_file(path, identity)
-                            commit(path, "reused")
-                            reused = True
-                        except SnapshotError as exc:
-                            result.warnings += (f"{prompt.name}: replacing a bad snapshot ({exc.reason})",)
-            if not reused:
-                capture_snapshot(lm, store, identity, prompt, prompt_digest, tokens, on_commit=lambda written: commit(written, "built"), tokenization=profile)
+            build.entry(prompt, result)
         except KvsnapError as exc:
             result.status, result.error = "failed", str(exc)
         result.seconds = time.perf_counter() - t0
         report.entries.append(result)
         progress(result.status, prompt.name)
-
-    # Drop records of entries that left the agents file (their files become gc-able),
-    # but keep entries that merely failed this time; rewrite only when one really left.
-    current = {p.name for p in prompts.entries}
-    record = store.read_manifest()["records"].get(rid)
-    if record and any(e.get("name") not in current for e in record.get("entries", [])):
-        store.update_record(rid, lambda r: {**r, "entries": [e for e in r.get("entries", []) if e.get("name") in current]})
+    build.drop_departed({p.name for p in prompts.entries})
     report.seconds = time.perf_counter() - started
     return report
+
+
+@dataclass
+class _Build:
+    """What every entry of one build shares: the model, the store, the manifest record."""
+
+    lm: LoadedModel
+    store: Store
+    identity: ModelIdentity
+    agents_file: str
+    tokenization: Tokenization | None
+    force: bool
+
+    def __post_init__(self) -> None:
+        self.profile = self.tokenization.descriptor() if self.tokenization is not None else None
+        self.rid = profile_record_id(self.identity.digest, self.agents_file, self.profile)
+
+    def entry(self, prompt: WarmPrompt, result: EntryResult) -> None:
+        """One warm prompt: its prefix and key, then its snapshot reused when sound, else built.
+
+        Fills ``result`` as it goes, so a failure still reports what was known (tokens, key)."""
+        lm, store = self.lm, self.store
+        prefix = warm_prefix(lm.tokenizer, prompt, self.tokenization)
+        tokens = prefix.tokens
+        result.n_tokens, result.entry_tokens, result.coverage, result.warnings = len(tokens), prefix.entry_tokens, prefix.coverage, prefix.warnings
+        if not tokens:
+            raise TemplateError(f"{prompt.name}: the chat template leaves no token shared by every continuation; nothing to snapshot")
+        prompt_digest = prompt_identity(resolve_chat_template(lm.tokenizer, prompt.tools), prompt.chat_template_kwargs, prompt.tools, self.profile)
+        result.key = snapshot_key(self.identity, prompt_digest, tokens)
+
+        def commit(written: Path, status: str) -> None:
+            result.status, result.nbytes = status, written.stat().st_size
+            self.record(result, prompt_digest)
+
+        if not self.force and self.reuse(prompt.name, store.path_for(result.key), commit, result):
+            return
+        capture_snapshot(lm, store, self.identity, prompt, prompt_digest, tokens, on_commit=lambda written: commit(written, "built"), tokenization=self.profile)
+
+    def reuse(self, name: str, path: Path, commit: Callable[[Path, str], None], result: EntryResult) -> bool:
+        """Keep the snapshot already at ``path`` if it verifies; a bad one is replaced (with a warning)."""
+        with self.store.lock():
+            if not (path.exists() or path.is_symlink()):
+                return False
+            try:
+                self.store.verify_file(path, self.identity)
+            except SnapshotError as exc:
+                result.warnings += (f"{name}: replacing a bad snapshot ({exc.reason})",)
+                return False
+            commit(path, "reused")
+            return True
+
+    def record(self, result: EntryResult, prompt_digest: str) -> None:
+        """Put this entry in the manifest record; under the store lock, so the file and its record appear together for gc."""
+        update = record_upsert(self.lm, self.identity, self.agents_file, manifest_entry(result.name, result.key, result.n_tokens, round(result.coverage, 4), prompt_digest, self.profile))
+        current = self.store.read_manifest()["records"].get(self.rid, {})
+        if _without_time(update(current)) != _without_time(current):  # an unchanged rebuild writes nothing
+            self.store.update_record(self.rid, update)
+
+    def drop_departed(self, current: set[str]) -> None:
+        """Drop records of entries that left the agents file (their files become gc-able),
+        but keep entries that merely failed this time; rewrite only when one really left."""
+        record = self.store.read_manifest()["records"].get(self.rid)
+        if record and any(e.get("name") not in current for e in record.get("entries", [])):
+            self.store.update_record(self.rid, lambda r: {**r, "entries": [e for e in r.get("entries", []) if e.get("name") in current]})
