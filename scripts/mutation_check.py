@@ -123,7 +123,7 @@ BREAKAGES = (
         "KVCache layers are stored with their whole 256-step buffer, not sliced to the tokens",
         (
             Patch(
-                "kvsnap/snapshot/codec.py",
+                "kvsnap/snapshot/cache_classes.py",
                 '    out[f"{path}.keys"] = _slice_tokens(c.keys, c.offset)\n    out[f"{path}.values"] = _slice_tokens(c.values, c.offset)\n    return {"offset": c.offset}\n',
                 '    out[f"{path}.keys"] = c.keys\n    out[f"{path}.values"] = c.values\n    return {"offset": c.offset}\n',
             ),
@@ -159,7 +159,7 @@ BREAKAGES = (
         "restoring a KVCache zeroes one middle token's key in layer 1 (greedy text survives it)",
         (
             Patch(
-                "kvsnap/snapshot/codec.py",
+                "kvsnap/snapshot/cache_classes.py",
                 '        c.keys, c.values, c.offset = arrays[f"{path}.keys"], arrays[f"{path}.values"], int(meta["offset"])\n',
                 '        c.keys, c.values, c.offset = arrays[f"{path}.keys"], arrays[f"{path}.values"], int(meta["offset"])\n' + ZERO_KEY.lstrip("\n"),
             ),
@@ -173,7 +173,7 @@ BREAKAGES = (
         "encoding a KVCache writes one middle token's key of layer 1 as zeros",
         (
             Patch(
-                "kvsnap/snapshot/codec.py",
+                "kvsnap/snapshot/cache_classes.py",
                 '    out[f"{path}.keys"] = _slice_tokens(c.keys, c.offset)\n    out[f"{path}.values"] = _slice_tokens(c.values, c.offset)\n    return {"offset": c.offset}\n',
                 '    out[f"{path}.keys"] = _slice_tokens(c.keys, c.offset)\n    out[f"{path}.values"] = _slice_tokens(c.values, c.offset)\n'
                 '    if path == "1":  # breakage\n        _k = out[f"{path}.keys"] * 1\n        _k[..., c.offset // 2, :] = 0\n        out[f"{path}.keys"] = _k\n'
