@@ -50,7 +50,9 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from kvsnap.blas import find_openblas  # noqa: E402
+from kvsnap.blas import find_openblas, preload_openblas  # noqa: E402
+
+preload_openblas()  # before mlx loads (the demo models and the rate probe use it here)
 from kvsnap.tools.client import stream_chat  # noqa: E402
 from kvsnap.tools.demo import DemoSpec, make_demo_model  # noqa: E402
 from kvsnap.tools.serverproc import ServerProcess, free_port, start_server  # noqa: E402
@@ -301,7 +303,25 @@ def run_restart(env: Env, prep: Prepared, mode: str, rep: int, out: Path, limit_
 # --- preparation: models, prompts, snapshot stores ----------------------------------------
 
 
-def prepare(env: Env, name: str, family: Family, system_tokens: int, system_file: Path | None, need_vllm: bool) -> Prepared:
+# docs/design.md's measured figure (2,048 tokens in 54 s): not probed, loading 2.4 GB here costs more than it tells.
+QWEN3_06B_FP32_TOKENS_PER_S = 38.0
+
+
+def prefill_rate(model: Path, system: str, user_tokens: int) -> float:
+    """Prompt tokens/s of one full request (system + a user prompt) in this process: the budget's yardstick."""
+    from kvsnap.prompts import request_tokens
+    from kvsnap.runtime.modeling import load_model
+    from kvsnap.runtime.prefill import prefill
+
+    lm = load_model(model)
+    user = text_of(TokenCounter(model), "probe0 asks: review this code.", user_tokens, seed=-1)
+    tokens = request_tokens(lm.tokenizer, [{"role": "system", "content": system}, {"role": "user", "content": user}])
+    t0 = time.perf_counter()
+    prefill(lm, tokens)
+    return len(tokens) / (time.perf_counter() - t0)
+
+
+def prepare(env: Env, name: str, family: Family, system_tokens: int, system_file: Path | None, need_vllm: bool, user_tokens: int) -> Prepared:
     folder = env.work / "families" / name
     folder.mkdir(parents=True, exist_ok=True)
     model = make_demo_model(env.work / "models" / name, family.spec)
@@ -319,9 +339,8 @@ def prepare(env: Env, name: str, family: Family, system_tokens: int, system_file
     if need_vllm:
         vllm_store = folder / "snaps-vllm-mlx"
         run([str(env.vllm_python), "-m", "kvsnap", "build", str(agents), "--model", str(model), "--out", str(vllm_store), "--for", "vllm-mlx"], env.venv_env(folder))
-    # A rough rate for the budget: the build's wall time includes process start and model load.
-    rate = n_tokens / max(build_s, 1e-3)
-    print(f"[prepare] {name}: {model} system prompt {n_tokens} tokens; build {build_s:.1f}s", flush=True)
+    rate = prefill_rate(model, system, user_tokens) if family.spec.size != "qwen3-0.6b" else QWEN3_06B_FP32_TOKENS_PER_S
+    print(f"[prepare] {name}: {model} system prompt {n_tokens} tokens; build {build_s:.1f}s; prefill ≈ {rate:.0f} tokens/s", flush=True)
     return Prepared(name, family, model, agents, system, n_tokens, store, vllm_store, rate, counter)
 
 
@@ -497,7 +516,7 @@ def markdown(summary: dict, meta: dict) -> str:
                             " / ".join(_fmt(get(m, "ready_s"), " s", 1) for m in (cold_m, warm_m, snap_m)),
                             " / ".join(_fmt(get(m, "computed_at_start")) for m in (warm_m, snap_m)),
                             " / ".join(_fmt(_ratio(get(m, "decode_tok_s"), decode_cold), "x") for m in (warm_m, snap_m)),
-                            " / ".join(_fmt(get(m, "cached_tokens")) for m in (cold_m, warm_m, snap_m)),
+                            " / ".join(_fmt(None if get(m, "cached_tokens") is None else round(get(m, "cached_tokens"))) for m in (cold_m, warm_m, snap_m)),
                         ]
                     )
                     + " |"
@@ -572,14 +591,14 @@ def main(argv=None) -> int:
     specs = {name: FAMILIES[name] for name in families}
     if args.smoke:  # the same architectures and quantization, tiny
         specs = {name: Family(f.label + " [smoke: tiny]", DemoSpec(arch=f.spec.arch, size="tiny", quantize_bits=f.spec.quantize_bits, seed=f.spec.seed, text_outputs=True)) for name, f in specs.items()}
-    prepared = {name: prepare(env, name, fam, args.system_tokens, args.system_prompt_file, need_vllm) for name, fam in specs.items()}
+    prepared = {name: prepare(env, name, fam, args.system_tokens, args.system_prompt_file, need_vllm, args.user_tokens) for name, fam in specs.items()}
     restart_reps = args.reps if args.restart_reps is None else args.restart_reps
     restart_modes = [m for m in RESTART_MODES if m in modes]
     restart_prep = None
     restart_s = 0.0
     if restart_reps:
         restart_family = Family(RESTART_FAMILY.label + " [smoke: tiny]", DemoSpec(arch="dense", text_outputs=True)) if args.smoke else RESTART_FAMILY
-        restart_prep = prepare(env, "restart-" + restart_family.spec.size, restart_family, args.restart_system_tokens or args.system_tokens, args.system_prompt_file, need_vllm and any(m.startswith("vllm") for m in restart_modes))
+        restart_prep = prepare(env, "restart-" + restart_family.spec.size, restart_family, args.restart_system_tokens or args.system_tokens, args.system_prompt_file, need_vllm and any(m.startswith("vllm") for m in restart_modes), 32)
         restart_s = sum(args.start_overhead_s + (restart_prep.system_tokens / restart_prep.prefill_tokens_per_s if m.endswith("warm") else 0) + 20 for m in restart_modes)
 
     plan = plan_budget(
