@@ -190,3 +190,29 @@ def test_the_warm_up_indexes_a_rotating_snapshot_past_its_window_as_untrimmable(
     path = tmp_path / "x.safetensors"
     assert make_entry(None, store, _info(path, past), pinned=False).trimmable is False
     assert make_entry(None, store, _info(path, below), pinned=False).trimmable is True
+
+
+class PagedKVCache(KVCache):
+    """A cache class mlx-lm might add one day: kvsnap has no codec for it."""
+
+
+@pytest.mark.parametrize("nested", [False, True])
+def test_a_model_whose_cache_holds_an_unknown_class_is_refused_at_load(nested, demo_models, monkeypatch):
+    from kvsnap.errors import ModelError
+    from kvsnap.runtime.modeling import load_model
+
+    def make_prompt_cache(model, max_kv_size=None):
+        layer = CacheList(KVCache(), PagedKVCache()) if nested else PagedKVCache()
+        return [KVCache(), layer]
+
+    monkeypatch.setattr("mlx_lm.models.cache.make_prompt_cache", make_prompt_cache)
+    with pytest.raises(ModelError) as err:
+        load_model(demo_models.path("dense"))
+    where = "cache layer[1].caches[1]" if nested else "cache layer[1]"
+    assert where in str(err.value) and "PagedKVCache" in str(err.value) and "upgrade kvsnap" in str(err.value)
+
+
+def test_a_model_with_known_cache_classes_loads(demo_models):
+    from kvsnap.runtime.modeling import load_model
+
+    assert load_model(demo_models.path("hybrid")).layout

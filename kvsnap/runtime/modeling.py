@@ -81,7 +81,26 @@ def load_model(model_ref: str | os.PathLike | ResolvedModel, settings: KVSetting
         model, tokenizer = load(str(model_dir))
     except (ValueError, FileNotFoundError, KeyError) as exc:
         raise ModelError(f"{model_dir}: mlx-lm cannot load this model ({exc}); check that it is a complete mlx-lm model directory") from exc
-    return LoadedModel(path=model_dir, model=model, tokenizer=tokenizer, config=config, settings=settings)
+    lm = LoadedModel(path=model_dir, model=model, tokenizer=tokenizer, config=config, settings=settings)
+    check_cache_classes(lm)
+    return lm
+
+
+def check_cache_classes(lm: LoadedModel) -> None:
+    """Refuse at load a model whose cache holds a class kvsnap cannot store, copy or trim,
+    instead of failing on its first snapshot or request."""
+    from kvsnap.snapshot.cache_classes import UnknownCacheClass, cache_class
+
+    def walk(layers, where: str) -> None:
+        for i, layer in enumerate(layers):
+            cache_class(type(layer).__name__, f"{where}[{i}]", str(lm.path))
+            if type(layer).__name__ == "CacheList":
+                walk(layer.caches, f"{where}[{i}].caches")
+
+    try:
+        walk(lm.make_cache(), "cache layer")
+    except UnknownCacheClass as exc:
+        raise ModelError(f"{lm.path}: {exc.reason}; {exc.fix}") from None
 
 
 def default_digest_cache() -> DigestCache:
