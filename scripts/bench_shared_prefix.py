@@ -13,8 +13,6 @@ import argparse
 import statistics
 import sys
 import tempfile
-import threading
-import time
 from pathlib import Path
 
 from kvsnap.blas import preload_openblas
@@ -29,7 +27,7 @@ SYSTEM = (
 
 
 def make_model(root: Path) -> Path:
-    from kvsnap import demo
+    from kvsnap.tools import demo
 
     demo._SHAPES[("dense", "mid")] = MID_SHAPE  # a benchmark-only shape: hidden 512, 8 layers
     demo.SIZES = tuple(dict.fromkeys((*demo.SIZES, "mid")))

@@ -53,7 +53,7 @@ WORDS = ["apple", "river", "orange", "zebra", "violet", "mango", "copper", "lemo
 
 
 def make_model(root: Path) -> Path:
-    from kvsnap import demo
+    from kvsnap.tools import demo
 
     demo._SHAPES[("dense", "mid")] = MID_SHAPE  # a benchmark-only shape: hidden 512, 8 layers (demo.py untouched)
     demo.SIZES = tuple(dict.fromkeys((*demo.SIZES, "mid")))
