@@ -12,7 +12,7 @@ from kvsnap.key import DigestCache, ModelIdentity, prompt_identity, snapshot_key
 from kvsnap.runtime.modeling import LoadedModel
 from kvsnap.runtime.prefill import prefill
 from kvsnap.prompts import Tokenization, WarmPrompt, WarmPromptSet, resolve_chat_template, warm_prefix
-from kvsnap.runtime.writeback import manifest_entry, profile_record_id, record_upsert, snapshot_payload
+from kvsnap.runtime.writeback import manifest_entry, profile_record_id, put_snapshot, record_upsert
 from kvsnap.store.local import Store
 
 Progress = Callable[[str, str], None]  # (event, entry name)
@@ -65,12 +65,7 @@ def capture_snapshot(
     """
     cache = prefill(lm, tokens)
     store.fault("after-prefill")
-    key, tensors, metadata = snapshot_payload(lm, identity, prompt, prompt_digest, tokens, cache, tokenization)
-    with store.lock():
-        path = store.put(key, tensors, metadata)
-        if on_commit is not None:
-            on_commit(path)
-        return path
+    return put_snapshot(lm, store, identity, prompt, prompt_digest, tokens, cache, tokenization, on_commit)
 
 
 def _without_time(record: dict) -> dict:

@@ -91,6 +91,28 @@ def record_upsert(lm: LoadedModel, identity: ModelIdentity, agents_file: str, en
     return apply
 
 
+def put_snapshot(
+    lm: LoadedModel,
+    store: Store,
+    identity: ModelIdentity,
+    prompt: WarmPrompt,
+    prompt_digest: str,
+    tokens: Sequence[int],
+    cache: list,
+    tokenization: dict | None = None,
+    on_commit: Callable[[Path], None] | None = None,
+) -> Path:
+    """Encode a captured state and put its file in the store. ``on_commit(path)`` runs under the
+    store lock right after the file lands, so a manifest record written there is in place
+    before a concurrent ``gc`` can look."""
+    key, tensors, metadata = snapshot_payload(lm, identity, prompt, prompt_digest, tokens, cache, tokenization)
+    with store.lock():
+        path = store.put(key, tensors, metadata)
+        if on_commit is not None:
+            on_commit(path)
+        return path
+
+
 def commit_snapshot(
     lm: LoadedModel,
     store: Store,
@@ -102,10 +124,10 @@ def commit_snapshot(
     agents_file: str,
     tokenization: dict | None = None,
 ) -> Path:
-    """Write an already-prefilled warm state back to the store (the server's write-back)."""
-    key, tensors, metadata = snapshot_payload(lm, identity, prompt, prompt_digest, tokens, cache, tokenization)
-    with store.lock():
-        path = store.put(key, tensors, metadata)
-        entry = manifest_entry(prompt.name, key, len(tokens), None, prompt_digest, tokenization)
+    """Write an already-prefilled warm state back to the store (the server's write-back), with its manifest record."""
+
+    def record(path: Path) -> None:
+        entry = manifest_entry(prompt.name, path.stem, len(tokens), None, prompt_digest, tokenization)
         store.update_record(profile_record_id(identity.digest, agents_file, tokenization), record_upsert(lm, identity, agents_file, entry))
-    return path
+
+    return put_snapshot(lm, store, identity, prompt, prompt_digest, tokens, cache, tokenization, on_commit=record)
