@@ -55,7 +55,7 @@ from kvsnap.blas import find_openblas, preload_openblas  # noqa: E402
 preload_openblas()  # before mlx loads (the demo models and the rate probe use it here)
 from kvsnap.tools.client import stream_chat  # noqa: E402
 from kvsnap.tools.demo import DemoSpec, make_demo_model  # noqa: E402
-from kvsnap.tools.serverproc import ServerProcess, free_port, start_server  # noqa: E402
+from kvsnap.tools.serverproc import ServerProcess, free_port, start_server, under_hard_limit  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -183,7 +183,7 @@ def launch(env: Env, prep: Prepared, mode: str, log: Path, limit_s: int) -> Serv
         if blas:  # kvsnap's own launchers load it in process; plain vllm-mlx gets the same BLAS this way
             extra["LD_PRELOAD"] = blas
     port = free_port()
-    full = ["/usr/bin/timeout", "-k", "5", str(limit_s), *cmd, "--host", "127.0.0.1", "--port", str(port)]
+    full = under_hard_limit([*cmd, "--host", "127.0.0.1", "--port", str(port)], limit_s)
     with open(log, "wb") as out:
         launched = time.perf_counter()
         proc = subprocess.Popen(full, stdout=out, stderr=subprocess.STDOUT, env={**env.venv_env(home), **extra})

@@ -570,12 +570,10 @@ def world(vllm_mlx_python, tmp_path_factory):
 
 
 def _launch(cmd: list[str], home: Path, log: Path, extra_env: dict | None = None):
-    from kvsnap.tools.serverproc import ServerProcess, free_port
+    from kvsnap.tools.serverproc import ServerProcess, free_port, under_hard_limit
 
     port = free_port()
-    full = [*cmd, "--host", "127.0.0.1", "--port", str(port)]
-    if os.path.exists("/usr/bin/timeout"):  # a hard limit, so a hung server never outlives the test
-        full = ["/usr/bin/timeout", "-k", "5", "300", *full]
+    full = under_hard_limit([*cmd, "--host", "127.0.0.1", "--port", str(port)], 300)  # a hung server never outlives the test
     env = {**_venv_env(home), **(extra_env or {})}
     with open(log, "wb") as out:
         proc = subprocess.Popen(full, stdout=out, stderr=subprocess.STDOUT, env=env)

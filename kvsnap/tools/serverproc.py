@@ -67,12 +67,23 @@ class ServerProcess:
         return self.proc.returncode
 
 
+def under_hard_limit(cmd: list[str], limit_s: int) -> list[str]:
+    """``cmd`` under ``timeout -k 5 limit_s`` so it never outlives a stuck session.
+
+    ``--foreground`` keeps timeout from re-sending a forwarded SIGINT to its whole process
+    group: without it the server sees Ctrl-C twice, uvicorn force-exits and skips the
+    lifespan shutdown (a traceback in the log, seen as a flaky test).
+    """
+    if not os.path.exists("/usr/bin/timeout"):
+        return cmd
+    return ["/usr/bin/timeout", "--foreground", "-k", "5", str(limit_s), *cmd]
+
+
 def start_server(model: str | Path, args: list[str], log_path: Path, port: int | None = None, env: dict | None = None, limit_s: int = 900, prefix: list[str] | None = None) -> ServerProcess:
     """Launch `kvsnap serve` under `timeout -k` so it can never outlive ``limit_s``."""
     port = port or free_port()
     cmd = [*(prefix or []), sys.executable, "-m", "kvsnap", "serve", str(model), "--host", "127.0.0.1", "--port", str(port), *args]
-    if os.path.exists("/usr/bin/timeout"):
-        cmd = ["/usr/bin/timeout", "-k", "5", str(limit_s), *cmd]
+    cmd = under_hard_limit(cmd, limit_s)
     full_env = {**os.environ, **(env or {})}
     log_file = open(log_path, "wb")
     launched = time.perf_counter()
