@@ -107,9 +107,13 @@ def text_of(count: TokenCounter, head: str, target: int, seed: int) -> str:
     """``head`` then seeded words until ``target`` tokens (within a few)."""
     rng = random.Random(seed)
     words = [head]
-    while count(" ".join(words)) < target:
-        words += [rng.choice(_WORDS) for _ in range(max(1, (target - count(" ".join(words))) // 2))]
-    return " ".join(words)
+    while count(" ".join(words)) < target:  # enough words, then the shortest prefix that reaches target
+        words += [rng.choice(_WORDS) for _ in range(max(1, target - count(" ".join(words))))]
+    lo, hi = 1, len(words)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (mid + 1, hi) if count(" ".join(words[:mid])) < target else (lo, mid)
+    return " ".join(words[:lo])
 
 
 class UserPrompts:
@@ -556,6 +560,7 @@ def parse_args(argv=None):
     ap.add_argument("--vllm-python", help="python of a venv with vllm-mlx 0.6.0 (default: the one tests/test_vllm_mlx.py caches)")
     ap.add_argument("--build-vllm-venv", action="store_true", help="make that venv through tests/test_vllm_mlx.py when it is missing")
     ap.add_argument("--no-vllm", action="store_true", help="kvsnap modes only")
+    ap.add_argument("--merge", type=Path, help="an earlier run's --out folder: its cells for the families this run does not measure join the table (same settings)")
     ap.add_argument("--smoke", action="store_true", help="tiny models, ~300-token system and ~200-token user prompts, max_tokens 8, 1 rep, concurrency 1,4 (each overridable)")
     args = ap.parse_args(argv)
     defaults = dict(reps=1, system_tokens=300, user_tokens=200, max_tokens=8, concurrency="1,4") if args.smoke else dict(reps=3, system_tokens=1700, user_tokens=2500, max_tokens=128, concurrency="1,4,8")
@@ -563,6 +568,26 @@ def parse_args(argv=None):
         if getattr(args, name) is None:
             setattr(args, name, value)
     return args
+
+
+def merge_earlier_run(folder: Path, measured: list[str], cells: list[dict], settings: dict) -> dict:
+    """Add the cells of families this run did not measure from an earlier run's folder (same
+    script, same settings: the caller checks). Restart rows are never merged: this run has its own."""
+    earlier = json.loads((folder / "summary.json").read_text())["meta"]
+    for name, value in settings.items():
+        if earlier[name] != value:
+            raise SystemExit(f"--merge {folder}: its {name} is {earlier[name]}, this run's {value}; merge runs of the same settings")
+    families = [f for f in earlier["families"] if f not in measured]
+    for path in sorted((folder / "cells").glob("*.json")):
+        cell = json.loads(path.read_text())
+        if cell.get("family") in families:
+            cells.append({**cell, "merged_from": str(folder)})
+    return {
+        "families": families,
+        "system_tokens": {f: earlier["system_tokens"][f] for f in families},
+        "shapes": {f: earlier["shapes"][f] for f in families},
+        "merged_from": {"folder": str(folder), "command": earlier["command"], "families": families},
+    }
 
 
 def main(argv=None) -> int:
@@ -636,6 +661,13 @@ def main(argv=None) -> int:
                 print(f"[restart] rep {rep} {mode}: launch → first token {row.get('first_token_from_launch_s', float('nan')):.2f}s ready {row.get('ready_s', float('nan')):.2f}s {row.get('error', '')}", flush=True)
                 restarts.append(row)
 
+    for rep in range(plan.reps, plan.restart_reps if restart_prep is not None else 0):  # restart reps beyond --reps
+        for mode in restart_modes[rep % len(restart_modes):] + restart_modes[: rep % len(restart_modes)]:
+            row = run_restart(env, restart_prep, mode, rep, out / "restart", args.server_limit_s)
+            print(f"[restart] rep {rep} {mode}: launch → first token {row.get('first_token_from_launch_s', float('nan')):.2f}s ready {row.get('ready_s', float('nan')):.2f}s {row.get('error', '')}", flush=True)
+            restarts.append(row)
+
+    merged = merge_earlier_run(args.merge, plan.families, cells, {"max_tokens": args.max_tokens, "user_tokens": args.user_tokens, "concurrency": plan.concurrency, "reps": plan.reps}) if args.merge else {}
     summary = summarize(cells, restarts)
     meta = {
         "families": plan.families,
@@ -651,6 +683,10 @@ def main(argv=None) -> int:
         "wall_s": round(time.perf_counter() - t_start, 1),
         "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
     }
+    for key in ("families", "system_tokens", "shapes"):
+        meta[key] = merged[key] + meta[key] if isinstance(meta[key], list) and key in merged else ({**merged[key], **meta[key]} if key in merged else meta[key])
+    if merged:
+        meta["merged_from"] = merged["merged_from"]
     (out / "summary.json").write_text(json.dumps({"meta": meta, **summary}, indent=1))
     table = markdown(summary, {**meta, "system_tokens": ", ".join(f"{v}" for v in meta["system_tokens"].values())})
     (out / "summary.md").write_text(table)
