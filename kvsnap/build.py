@@ -9,10 +9,11 @@ from typing import Callable, Sequence
 
 from kvsnap.errors import KvsnapError, SnapshotError, TemplateError
 from kvsnap.key import DigestCache, ModelIdentity, prompt_identity, snapshot_key
+from kvsnap.snapshot.blocks import BlockSettings, branch_points
 from kvsnap.runtime.modeling import LoadedModel
-from kvsnap.runtime.prefill import prefill
+from kvsnap.runtime.prefill import PrefillCursor
 from kvsnap.prompts import Tokenization, WarmPrompt, WarmPromptSet, resolve_chat_template, warm_prefix
-from kvsnap.runtime.writeback import manifest_entry, profile_record_id, put_snapshot, record_upsert
+from kvsnap.runtime.writeback import ChainPlan, manifest_entry, profile_record_id, put_snapshot, record_upsert
 from kvsnap.store.local import Store
 
 Progress = Callable[[str, str], None]  # (event, entry name)
@@ -30,6 +31,10 @@ class EntryResult:
     seconds: float = 0.0
     error: str = ""
     warnings: tuple[str, ...] = ()
+    tokens_reused: int = 0  # restored from blocks already in the store
+    tokens_prefilled: int = 0
+    blocks_written: int = 0  # blocks and checkpoints this entry added
+    bytes_written: int = 0  # of those, and of its record
 
 
 @dataclass
@@ -57,15 +62,51 @@ def capture_snapshot(
     tokens: Sequence[int],
     on_commit: Callable[[Path], None] | None = None,
     tokenization: dict | None = None,
+    plan: ChainPlan | None = None,
+    start: tuple[int, list | None] = (0, None),
 ) -> Path:
-    """Prefill ``tokens``, check the state holds exactly them, and commit the file. Returns its path.
+    """Prefill ``tokens`` from ``start`` (a restored (token count, cache), default nothing) one
+    block at a time, capturing checkpoints where the chain has them, then commit the parts the
+    store lacks and the record. Returns the record's path.
 
-    ``on_commit(path)`` runs under the store lock right after the file lands, so a
-    manifest record written there is in place before a concurrent ``gc`` can look.
+    Prefilling block by block makes every block's bytes the same whichever prefix was reused.
+    ``on_commit(path)`` runs under the store lock right after the record lands, so a manifest
+    record written there is in place before a concurrent ``gc`` can look.
     """
-    cache = prefill(lm, tokens)
+    from kvsnap.snapshot.codec import encode_cache
+
+    plan = plan or ChainPlan()
+    done, cache = start
+    cache = cache if cache is not None else lm.make_cache()
+    whole = set(lm_whole_tensor_classes(lm))
+    probe = plan.links(identity, tokens, bool(whole), captured_only=False)
+    for link in probe:
+        if link.end <= done:
+            continue
+        cursor = PrefillCursor(lm, tuple(tokens[done : link.end]), cache=cache)
+        while cursor.step():
+            pass
+        done = link.end
+        if whole and link.checkpoint_key and link.end < len(tokens):
+            arrays, layers = encode_cache(cache, tokens[: link.end])
+            kept = {k: v for k, v in arrays.items() if k.split(".")[0] in whole}
+            mx_eval(kept)
+            plan.checkpoints[link.end] = (kept, layers)
     store.fault("after-prefill")
-    return put_snapshot(lm, store, identity, prompt, prompt_digest, tokens, cache, tokenization, on_commit)
+    return put_snapshot(lm, store, identity, prompt, prompt_digest, tokens, cache, tokenization, on_commit, plan)
+
+
+def lm_whole_tensor_classes(lm: LoadedModel) -> list[str]:
+    """Layer indexes (as tensor-name prefixes) only a checkpoint can restore."""
+    from kvsnap.snapshot.cache_classes import CACHE_CLASSES
+
+    return [str(i) for i, name in enumerate(lm.layout) if not (name in CACHE_CLASSES and CACHE_CLASSES[name].sliceable)]
+
+
+def mx_eval(arrays: dict) -> None:
+    import mlx.core as mx
+
+    mx.eval(list(arrays.values()))
 
 
 def _without_time(record: dict) -> dict:
@@ -81,11 +122,13 @@ def build_snapshots(
     progress: Progress | None = None,
     digests: DigestCache | None = None,
     tokenization: Tokenization | None = None,
+    blocks: BlockSettings | None = None,
 ) -> BuildReport:
     """Build (or reuse) one snapshot per valid warm prompt; never raises for one bad entry.
 
     ``tokenization``: the request path of the server the snapshots are for (default:
-    kvsnap's own; ``kvsnap build --for vllm-mlx`` passes vllm-mlx's).
+    kvsnap's own; ``kvsnap build --for vllm-mlx`` passes vllm-mlx's). ``blocks``: block and
+    checkpoint spacing (default 256 / 1,024 tokens).
     """
     progress = progress or (lambda event, name: None)
     started = time.perf_counter()
@@ -93,21 +136,37 @@ def build_snapshots(
     identity = lm.identity(digests)
     store.fault("model-loaded")  # marks the start of the window crash tests kill in
     report = BuildReport(store=store.root, model_digest=identity.digest, problems=[str(p) for p in prompts.problems])
-    build = _Build(lm, store, identity, agents_file, tokenization, force)
+    build = _Build(lm, store, identity, agents_file, tokenization, force, blocks or BlockSettings())
+    results = {prompt.name: EntryResult(name=prompt.name, status="failed") for prompt in prompts.entries}
+    planned = {}
+    for prompt in prompts.entries:  # every prefix first: the branch points need them all
+        try:
+            planned[prompt.name] = build.plan(prompt, results[prompt.name])
+        except KvsnapError as exc:
+            results[prompt.name].error = str(exc)
+    branches = dict(zip(planned, branch_points([p.tokens for p in planned.values()])))
     for prompt in prompts.entries:
         t0 = time.perf_counter()
         progress("start", prompt.name)
-        result = EntryResult(name=prompt.name, status="failed")
-        try:
-            build.entry(prompt, result)
-        except KvsnapError as exc:
-            result.status, result.error = "failed", str(exc)
+        result = results[prompt.name]
+        if prompt.name in planned:
+            try:
+                build.entry(planned[prompt.name], frozenset(branches[prompt.name]), result)
+            except KvsnapError as exc:
+                result.status, result.error = "failed", str(exc)
         result.seconds = time.perf_counter() - t0
         report.entries.append(result)
         progress(result.status, prompt.name)
     build.drop_departed({p.name for p in prompts.entries})
     report.seconds = time.perf_counter() - started
     return report
+
+
+@dataclass
+class _Planned:
+    prompt: WarmPrompt
+    tokens: list
+    prompt_digest: str
 
 
 @dataclass
@@ -120,16 +179,16 @@ class _Build:
     agents_file: str
     tokenization: Tokenization | None
     force: bool
+    blocks: BlockSettings
 
     def __post_init__(self) -> None:
         self.profile = self.tokenization.descriptor() if self.tokenization is not None else None
         self.rid = profile_record_id(self.identity.digest, self.agents_file, self.profile)
+        self.hybrid = bool(lm_whole_tensor_classes(self.lm))
 
-    def entry(self, prompt: WarmPrompt, result: EntryResult) -> None:
-        """One warm prompt: its prefix and key, then its snapshot reused when sound, else built.
-
-        Fills ``result`` as it goes, so a failure still reports what was known (tokens, key)."""
-        lm, store = self.lm, self.store
+    def plan(self, prompt: WarmPrompt, result: EntryResult) -> _Planned:
+        """A warm prompt's prefix, digest and key (fills ``result`` as it goes, so a failure still reports them)."""
+        lm = self.lm
         prefix = warm_prefix(lm.tokenizer, prompt, self.tokenization)
         tokens = prefix.tokens
         result.n_tokens, result.entry_tokens, result.coverage, result.warnings = len(tokens), prefix.entry_tokens, prefix.coverage, prefix.warnings
@@ -137,25 +196,43 @@ class _Build:
             raise TemplateError(f"{prompt.name}: the chat template leaves no token shared by every continuation; nothing to snapshot")
         prompt_digest = prompt_identity(resolve_chat_template(lm.tokenizer, prompt.tools), prompt.chat_template_kwargs, prompt.tools, self.profile)
         result.key = snapshot_key(self.identity, prompt_digest, tokens)
+        return _Planned(prompt, list(tokens), prompt_digest)
+
+    def entry(self, planned: _Planned, branches: frozenset, result: EntryResult) -> None:
+        """One warm prompt: its record reused when sound; else the longest chain of blocks the
+        store has is restored and only the rest prefilled, block by block."""
+        store, prompt, tokens = self.store, planned.prompt, planned.tokens
 
         def commit(written: Path, status: str) -> None:
-            result.status, result.nbytes = status, written.stat().st_size
-            self.record(result, prompt_digest)
+            result.status = status
+            self.record(result, planned.prompt_digest)
 
         if not self.force and self.reuse(prompt.name, store.path_for(result.key), commit, result):
+            result.tokens_reused = len(tokens)
             return
-        capture_snapshot(lm, store, self.identity, prompt, prompt_digest, tokens, on_commit=lambda written: commit(written, "built"), tokenization=self.profile)
+        plan = ChainPlan(self.blocks, branches)
+        start, replace = (0, None), set()
+        if not self.force:
+            start, replace, warnings = restore_longest(self.lm, store, self.identity, tokens, plan, self.hybrid)
+            result.warnings += warnings
+        plan.replace = replace if not self.force else None
+        path = capture_snapshot(self.lm, store, self.identity, prompt, planned.prompt_digest, tokens, on_commit=lambda written: commit(written, "built"), tokenization=self.profile, plan=plan, start=start)
+        result.tokens_reused, result.tokens_prefilled = start[0], len(tokens) - start[0]
+        result.blocks_written = plan.written.blocks + plan.written.checkpoints
+        result.bytes_written = plan.written.nbytes + path.stat().st_size
+        result.nbytes = result.bytes_written
 
     def reuse(self, name: str, path: Path, commit: Callable[[Path, str], None], result: EntryResult) -> bool:
-        """Keep the snapshot already at ``path`` if it verifies; a bad one is replaced (with a warning)."""
+        """Keep the record already at ``path`` if it and every part it names verify; a bad one is replaced (with a warning)."""
         with self.store.lock():
             if not (path.exists() or path.is_symlink()):
                 return False
             try:
-                self.store.verify_file(path, self.identity)
+                info = self.store.verify_file(path, self.identity)
             except SnapshotError as exc:
                 result.warnings += (f"{name}: replacing a bad snapshot ({exc.reason})",)
                 return False
+            result.nbytes = info.nbytes
             commit(path, "reused")
             return True
 
@@ -172,3 +249,53 @@ class _Build:
         record = self.store.read_manifest()["records"].get(self.rid)
         if record and any(e.get("name") not in current for e in record.get("entries", [])):
             self.store.update_record(self.rid, lambda r: {**r, "entries": [e for e in r.get("entries", []) if e.get("name") in current]})
+
+
+def restore_longest(lm: LoadedModel, store: Store, identity: ModelIdentity, tokens: Sequence[int], plan: ChainPlan, hybrid: bool) -> tuple[tuple[int, list | None], set, tuple[str, ...]]:
+    """The longest prefix of ``tokens`` the store's blocks (and, for hybrids, a checkpoint) restore:
+    ((token count, cache or None), keys of bad parts to rewrite, warnings).
+
+    A block or checkpoint that fails its checks is named in a warning and the chain is
+    prefilled from the last good restore point before it."""
+    from kvsnap.snapshot.codec import decode_cache
+    from kvsnap.snapshot.format import BLOCK_KIND, CHECKPOINT_KIND
+    from kvsnap.store.parts import assemble_state, has_part
+
+    links = plan.links(identity, tokens, hybrid, captured_only=False)
+    present = []
+    for link in links:
+        if not has_part(store, BLOCK_KIND, link.key):
+            break
+        present.append(link)
+    points = [link for link in present if not hybrid or has_part(store, CHECKPOINT_KIND, _checkpoint_key(identity, link))]
+    replace: set = set()
+    warnings: tuple[str, ...] = ()
+    while points:
+        point = points[-1]
+        upto = [(link.key, link.start, link.end) for link in present if link.end <= point.end]
+        checkpoint = (_checkpoint_key(identity, point), point.end) if hybrid else None
+        try:
+            arrays, layers = assemble_state(store, str(store.root), identity.digest, tokens, upto, checkpoint, None)
+        except SnapshotError as exc:
+            bad = Path(exc.path).stem
+            replace.add(bad)
+            warnings += (f"replacing a bad block or checkpoint ({exc.path}: {exc.reason})",)
+            points = [p for p in points if p.end < _end_of(present, bad, point.end)]
+            continue
+        return (point.end, decode_cache(arrays, layers)), replace, warnings
+    return (0, None), replace, warnings
+
+
+def _checkpoint_key(identity: ModelIdentity, link) -> str:
+    from kvsnap.snapshot.blocks import checkpoint_key
+
+    return link.checkpoint_key or checkpoint_key(identity.digest, link.prefix_digest)
+
+
+def _end_of(links: Sequence, key: str, default: int) -> int:
+    """Where the block with ``key`` starts being needed: restore points must end before its end
+    (a bad checkpoint at ``default`` rules out only that point)."""
+    for link in links:
+        if link.key == key:
+            return link.start + 1
+    return default

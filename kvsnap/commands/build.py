@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 from kvsnap.commands.common import EXIT_BAD, EXIT_OK, MODEL_HELP, REVISION_HELP, add_kv_options, console, human_bytes, kv_settings
 
 def add_build(sub) -> None:
@@ -13,8 +15,22 @@ def add_build(sub) -> None:
     p.add_argument("--force", action="store_true", help="re-prefill and rewrite every snapshot")
     p.add_argument("--for", dest="for_server", choices=("kvsnap", "vllm-mlx"), default="kvsnap", help="the server whose requests the snapshots must match: kvsnap serve (default) or vllm-mlx (it encodes with the tokenizer's special tokens and its own enable_thinking); see docs/vllm-mlx.md")
     p.add_argument("--served-model-name", metavar="NAME", help="with --for vllm-mlx: the MODEL name vllm-mlx serve is started with, from which it picks enable_thinking (false when the name contains 'coder'); default: --model")
+    p.add_argument("--block-tokens", type=int, default=256, metavar="B", help="tokens per stored block (default 256): prompts sharing a prefix share its blocks; an edit re-prefills from the block it falls in")
+    p.add_argument("--checkpoint-every", type=int, default=1024, metavar="C", help="for hybrid models (SSM, sliding window): store those layers' whole state every C tokens too (default 1024), besides branch points and prompt ends")
+    p.add_argument("--json", action="store_true", help="print the report as JSON (per entry: tokens reused and prefilled, blocks and bytes written) instead of a table")
     add_kv_options(p)
     p.set_defaults(run=cmd_build)
+
+
+def block_settings(args):
+    """--block-tokens / --checkpoint-every, checked (a UsageError names the flag, the value and the range)."""
+    from kvsnap.errors import UsageError
+    from kvsnap.snapshot.blocks import MAX_BLOCK_TOKENS, BlockSettings
+
+    for flag, value in (("--block-tokens", args.block_tokens), ("--checkpoint-every", args.checkpoint_every)):
+        if not 1 <= value <= MAX_BLOCK_TOKENS:
+            raise UsageError(f"{flag} {value}: give a number of tokens from 1 to {MAX_BLOCK_TOKENS}")
+    return BlockSettings(args.block_tokens, args.checkpoint_every)
 
 
 def build_tokenization(args):
@@ -44,10 +60,11 @@ def cmd_build(args) -> int:
     from kvsnap.store.local import Store
 
     tokenization = build_tokenization(args)
+    blocks = block_settings(args)
     prompts = load_warm_prompts(args.agents)
     source = resolve_model(args.model, args.revision)  # a bad id or folder fails before the store is created
     store = Store.open(args.out, create=True, fault=FaultHook.from_env())
-    out = console()
+    out = console(stderr=args.json)
     for problem in prompts.problems:
         out.print(f"[yellow]skipped[/] {problem}", markup=True)
     lm = load_model(source, kv_settings(args))
@@ -60,9 +77,29 @@ def cmd_build(args) -> int:
             else:
                 bar.advance(task)
 
-        report = build_snapshots(lm, prompts, store, args.agents, force=args.force, progress=progress, digests=default_digest_cache(), tokenization=tokenization)
-    print_build_report(out, report)
+        report = build_snapshots(lm, prompts, store, args.agents, force=args.force, progress=progress, digests=default_digest_cache(), tokenization=tokenization, blocks=blocks)
+    if args.json:
+        print(json.dumps(build_report_json(report, blocks), indent=1))
+    else:
+        print_build_report(out, report)
     return EXIT_OK if report.ok else EXIT_BAD
+
+
+def build_report_json(report, blocks) -> dict:
+    """What `kvsnap build --json` prints: the totals, then per entry what was reused, prefilled and written."""
+    fields = ("name", "status", "key", "n_tokens", "coverage", "tokens_reused", "tokens_prefilled", "blocks_written", "bytes_written", "seconds", "warnings", "error")
+    entries = [{f: (list(getattr(e, f)) if f == "warnings" else getattr(e, f)) for f in fields} for e in report.entries]
+    return {
+        "store": str(report.store),
+        "model_digest": report.model_digest,
+        **blocks.as_dict(),
+        "built": report.count("built"), "reused": report.count("reused"), "failed": report.count("failed"),
+        "tokens_prefilled": sum(e.tokens_prefilled for e in report.entries),
+        "bytes_written": sum(e.bytes_written for e in report.entries),
+        "seconds": round(report.seconds, 3),
+        "problems": report.problems,
+        "entries": entries,
+    }
 
 
 def print_build_report(out, report) -> None:
@@ -70,10 +107,10 @@ def print_build_report(out, report) -> None:
     from rich.table import Table
 
     table = Table(title=f"kvsnap build → {report.store}")
-    for col in ("agent", "status", "tokens", "coverage", "bytes", "seconds"):
+    for col in ("agent", "status", "tokens", "reused", "prefilled", "coverage", "written", "seconds"):
         table.add_column(col, justify="left" if col in ("agent", "status") else "right")
     for e in report.entries:
-        table.add_row(e.name, e.status, str(e.n_tokens), f"{e.coverage:.0%}", human_bytes(e.nbytes), f"{e.seconds:.2f}")
+        table.add_row(e.name, e.status, str(e.n_tokens), str(e.tokens_reused), str(e.tokens_prefilled), f"{e.coverage:.0%}", human_bytes(e.bytes_written), f"{e.seconds:.2f}")
     out.print(table)
     for e in report.entries:
         for w in e.warnings:
@@ -81,7 +118,7 @@ def print_build_report(out, report) -> None:
         if e.error:
             out.print(f"failed: {e.error}", markup=False)
     total_tokens = sum(e.n_tokens for e in report.entries if e.status != "failed")
-    total_bytes = sum(e.nbytes for e in report.entries)
+    total_bytes = sum(e.bytes_written for e in report.entries)
     out.print(
         f"{report.count('built')} built, {report.count('reused')} reused, {report.count('failed')} failed, "
         f"{len(report.problems)} invalid; {total_tokens} tokens, {human_bytes(total_bytes)} in {report.seconds:.1f}s",

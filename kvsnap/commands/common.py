@@ -41,10 +41,10 @@ def kv_settings(args: argparse.Namespace):
     )
 
 
-def console():
+def console(stderr: bool = False):
     from rich.console import Console
 
-    return Console(stderr=False, highlight=False)
+    return Console(stderr=stderr, highlight=False)
 
 
 def human_bytes(n: float) -> str:

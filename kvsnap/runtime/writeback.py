@@ -3,6 +3,7 @@ header -> an atomic put in the store plus its manifest record."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -10,8 +11,10 @@ from kvsnap import __version__
 from kvsnap.key import KVSettings, ModelIdentity, package_version, snapshot_key, tokens_digest
 from kvsnap.prompts import WarmPrompt, resolve_chat_template
 from kvsnap.runtime.modeling import LoadedModel
-from kvsnap.snapshot.format import header_metadata, snapshot_relpath
+from kvsnap.snapshot.blocks import BlockSettings
+from kvsnap.snapshot.format import TOKENS, header_metadata, snapshot_relpath
 from kvsnap.store.local import Store
+from kvsnap.store.parts import Written
 from kvsnap.store.manifest import record_id, utc_now
 
 
@@ -42,22 +45,49 @@ def recipe_fields(lm: LoadedModel, identity: ModelIdentity, prompt: WarmPrompt, 
     return {"warm_recipe": recipe} if recipe else {}
 
 
-def snapshot_metadata(identity: ModelIdentity, prompt: WarmPrompt, prompt_digest: str, key: str, tokens: Sequence[int], layers: list, recorded: dict) -> dict[str, str]:
-    """The header of one warm prompt's snapshot (its fields are ``format.header_metadata``'s)."""
+def snapshot_metadata(identity: ModelIdentity, prompt: WarmPrompt, prompt_digest: str, key: str, tokens: Sequence[int], layers: list, recorded: dict, chain: dict | None = None) -> dict[str, str]:
+    """The header of one warm prompt's record (its fields are ``format.header_metadata``'s)."""
     return header_metadata(
         key=key, name=prompt.name, model=identity.as_dict(), model_digest=identity.digest, prompt_digest=prompt_digest,
-        n_tokens=len(tokens), tokens_digest=tokens_digest(tokens), layers=layers, recorded=recorded,
+        n_tokens=len(tokens), tokens_digest=tokens_digest(tokens), layers=layers, recorded=recorded, chain=chain,
     )
 
 
-def snapshot_payload(lm: LoadedModel, identity: ModelIdentity, prompt: WarmPrompt, prompt_digest: str, tokens: Sequence[int], cache: list, tokenization: dict | None = None) -> tuple[str, list, dict[str, str]]:
-    """The key, tensors and header of a captured warm state: what build and the server's write-back store."""
+@dataclass
+class ChainPlan:
+    """How one warm prefix is cut into blocks, and what a write stored (filled by ``put_snapshot``)."""
+
+    settings: BlockSettings = field(default_factory=BlockSettings)
+    branches: frozenset = frozenset()  # depths where another warm prefix of this model leaves this one
+    checkpoints: dict = field(default_factory=dict)  # end -> (arrays, layers) captured there (hybrids)
+    written: Written = field(default_factory=Written)
+    replace: set | None = field(default_factory=set)  # keys of parts to rewrite though present (bad ones); None: all (--force)
+
+    def links(self, identity: ModelIdentity, tokens: Sequence[int], hybrid: bool, captured_only: bool = True) -> list:
+        """The chain. ``captured_only``: a planned checkpoint whose state was not captured is left
+        out (the server's write-back captures only the end)."""
+        from kvsnap.snapshot.blocks import ChainLink, chain_of, plan_cuts
+
+        links = chain_of(identity.digest, tokens, plan_cuts(len(tokens), set(self.branches), self.settings), hybrid)
+        if not captured_only:
+            return links
+        keep = set(self.checkpoints) | {len(tokens)}
+        return [link if link.checkpoint_key is None or link.end in keep else ChainLink(link.start, link.end, link.key, link.prefix_digest, None) for link in links]
+
+
+def snapshot_payload(lm: LoadedModel, identity: ModelIdentity, prompt: WarmPrompt, prompt_digest: str, tokens: Sequence[int], cache: list, tokenization: dict | None, plan: ChainPlan) -> tuple:
+    """(key, arrays, layers, links, record tensors, record header) of a captured warm state."""
+    from kvsnap.snapshot.blocks import chain_field
     from kvsnap.snapshot.codec import encode_cache, to_out_tensors
 
     key = snapshot_key(identity, prompt_digest, tokens)
+    from kvsnap.snapshot.cache_classes import needs_checkpoints
+
     arrays, layers = encode_cache(cache, tokens)
+    links = plan.links(identity, tokens, needs_checkpoints(layers))
     recorded = recorded_fields(lm.settings, tokenization) | lm.origin_fields() | recipe_fields(lm, identity, prompt, prompt_digest)
-    return key, to_out_tensors(arrays), snapshot_metadata(identity, prompt, prompt_digest, key, tokens, layers, recorded)
+    metadata = snapshot_metadata(identity, prompt, prompt_digest, key, tokens, layers, recorded, chain_field(links, plan.settings))
+    return key, arrays, layers, links, to_out_tensors({TOKENS: arrays[TOKENS]}), metadata
 
 
 def profile_record_id(model_digest: str, agents_file: str, tokenization: dict | None) -> str:
@@ -101,13 +131,21 @@ def put_snapshot(
     cache: list,
     tokenization: dict | None = None,
     on_commit: Callable[[Path], None] | None = None,
+    plan: ChainPlan | None = None,
 ) -> Path:
-    """Encode a captured state and put its file in the store. ``on_commit(path)`` runs under the
-    store lock right after the file lands, so a manifest record written there is in place
-    before a concurrent ``gc`` can look."""
-    key, tensors, metadata = snapshot_payload(lm, identity, prompt, prompt_digest, tokens, cache, tokenization)
+    """Encode a captured state, write the blocks and checkpoints the store lacks, then the record.
+
+    Under the store lock: the record lands after every part it names, and ``on_commit(path)``
+    runs right after it, so a manifest record written there is in place before a concurrent
+    ``gc`` can look. ``plan.written`` counts what was new."""
+    from kvsnap.snapshot.cache_classes import needs_checkpoints
+    from kvsnap.store.parts import write_chain
+
+    plan = plan or ChainPlan()
+    key, arrays, layers, links, record_tensors, metadata = snapshot_payload(lm, identity, prompt, prompt_digest, tokens, cache, tokenization, plan)
     with store.lock():
-        path = store.put(key, tensors, metadata)
+        plan.written = write_chain(store, identity.digest, links, arrays, layers, plan.checkpoints, dense=not needs_checkpoints(layers), replace=plan.replace)
+        path = store.put(key, record_tensors, metadata)
         if on_commit is not None:
             on_commit(path)
         return path

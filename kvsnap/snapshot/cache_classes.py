@@ -53,6 +53,7 @@ class CacheClass:
     own_tensor_names: Callable[[dict, str], list[str]]  # the layer's own; a CacheList's members name theirs
     trimmable: Callable[[dict], bool]  # can it drop any number of its last tokens
     members_field: str | None = None  # the field holding member layers (CacheList)
+    sliceable: bool = False  # its tensors are per-token along axis -2: a block stores a run of them (else: checkpoints only)
     consistent: Callable[[dict], str | None] = _no_rule  # a rule between fields: the broken one, or None
 
     def tensor_names(self, meta: dict, path: str) -> list[str]:
@@ -241,9 +242,9 @@ def _no_tensors(meta: dict, path: str) -> list[str]:
 
 
 _ALL = (
-    CacheClass("KVCache", (), ("offset",), True, _kv_encode, _kv_decode, _keys_values, _always),
+    CacheClass("KVCache", (), ("offset",), True, _kv_encode, _kv_decode, _keys_values, _always, sliceable=True),
     CacheClass("RotatingKVCache", ("max_size", "keep"), ("offset", "idx"), True, _rotating_encode, _rotating_decode, _keys_values, _rotating_trimmable),
-    CacheClass("QuantizedKVCache", ("group_size", "bits"), ("offset", "parts"), True, _quantized_encode, _quantized_decode, _quantized_names, _always),
+    CacheClass("QuantizedKVCache", ("group_size", "bits"), ("offset", "parts"), True, _quantized_encode, _quantized_decode, _quantized_names, _always, sliceable=True),
     CacheClass("ArraysCache", ("size", "present"), (), False, _arrays_encode, _arrays_decode, _arrays_names, _never),
     CacheClass("ChunkedKVCache", ("chunk_size",), ("offset", "start_position"), True, _chunked_encode, _chunked_decode, _keys_values, _chunked_trimmable, consistent=_chunked_consistent),
     CacheClass("CacheList", ("caches",), (), False, _list_encode, _list_decode, _no_tensors, _list_trimmable, members_field="caches"),
@@ -276,3 +277,51 @@ def layers_trimmable(layers: Sequence[dict], path: str = "<cache>") -> bool:
 
     ``path``: the snapshot the list came from, named by ``UnknownCacheClass``."""
     return all(cache_class(meta.get("class"), f"layer {i} class", path).trimmable(meta) for i, meta in enumerate(layers))
+
+
+def split_tensor_names(layers: Sequence[dict], parent: str | None = None) -> tuple[list[str], list[str]]:
+    """(sliced, checkpointed): the tensors a block stores a run of tokens of, and those only a
+    checkpoint stores whole (SSM state, rotating windows, chunked attention)."""
+    sliced: list[str] = []
+    whole: list[str] = []
+    for i, meta in enumerate(layers):
+        path = str(i) if parent is None else member_path(parent, i)
+        spec = cache_class(meta.get("class"), f"cache layer {path}")
+        if spec.members_field:
+            s, w = split_tensor_names(spec.members(meta), path)
+            sliced += s
+            whole += w
+        else:
+            (sliced if spec.sliceable else whole).extend(spec.tensor_names(meta, path))
+    return sliced, whole
+
+
+def needs_checkpoints(layers: Sequence[dict]) -> bool:
+    """Whether any layer is one only a checkpoint can restore (a hybrid, a sliding window)."""
+
+    def walk(metas: Sequence[dict]) -> bool:
+        for meta in metas:
+            spec = cache_class(meta.get("class"))
+            if spec.members_field:
+                if walk(spec.members(meta)):
+                    return True
+            elif not spec.sliceable:
+                return True
+        return False
+
+    return walk(layers)
+
+
+def layers_at(layers: Sequence[dict], n_tokens: int) -> list[dict]:
+    """The sliceable layers' header fields as they read at ``n_tokens`` (their offset); others unchanged."""
+    out = []
+    for meta in layers:
+        spec = cache_class(meta.get("class"))
+        if spec.members_field:
+            out.append({**meta, spec.members_field: layers_at(spec.members(meta), n_tokens)})
+        elif spec.sliceable and not meta.get("empty"):
+            out.append({**meta, "offset": n_tokens})
+        else:
+            out.append(dict(meta))
+    return out
+

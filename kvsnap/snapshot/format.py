@@ -15,7 +15,13 @@ import re
 
 # --- versions -------------------------------------------------------------------------------
 
-FORMAT_VERSION = 2  # the snapshot file; v2: the checksum covers the header too (v1 covered only the data)
+# The snapshot file. v3: a prompt record (its tokens, and the chain of content-addressed blocks
+# and checkpoints that hold its state); v2: one file holding every layer's tensors (still read;
+# `kvsnap migrate` turns it into v3). v2 made the checksum cover the header (v1: only the data).
+FORMAT_VERSION = 3
+WHOLE_FILE_FORMAT = 2  # the last format whose file holds the state itself
+READ_FORMATS = (WHOLE_FILE_FORMAT, FORMAT_VERSION)
+BLOCK_FORMAT_VERSION = 1  # a block or checkpoint file; keyed (the block and checkpoint key prefixes)
 CODEC_FORMAT_VERSION = 1  # how cache objects become tensors + layer metadata; keyed (identity and key prefix)
 # manifest.json's layout. Its first and only layout was written as 2 (the snapshot's number at the
 # time) and readers take any integer, so 2 it stays: a lower number would read as older.
@@ -31,6 +37,11 @@ KEY_RE = re.compile(r"[0-9a-f]{32}")  # a key, and every 128-bit digest in a hea
 SNAPSHOT_REL_RE = re.compile(rf"{SNAPSHOTS}/[0-9a-f]{{32}}{re.escape(SUFFIX)}")
 SNAPSHOT_REL_HINT = f"{SNAPSHOTS}/<32 hex digits>{SUFFIX}"  # how messages describe the path
 SNAPSHOT_REL_MAX = len(SNAPSHOTS) + 1 + 32 + len(SUFFIX)
+BLOCKS = "blocks"  # blocks/<key>.safetensors: the attention-KV slice of one run of tokens
+CHECKPOINTS = "checkpoints"  # checkpoints/<key>.safetensors: non-trimmable layers' whole state at one token count
+PART_FOLDERS = (BLOCKS, CHECKPOINTS)
+PART_REL_RE = re.compile(rf"(?:{BLOCKS}|{CHECKPOINTS})/[0-9a-f]{{32}}{re.escape(SUFFIX)}")
+STORE_FILE_RE = re.compile(rf"{SNAPSHOT_REL_RE.pattern}|{PART_REL_RE.pattern}")  # every file a store ships besides the manifest
 
 
 def snapshot_filename(key: str) -> str:
@@ -48,6 +59,16 @@ def snapshot_relpath(key: str) -> str:
     return relpath_of_file(snapshot_filename(key))
 
 
+def block_relpath(key: str) -> str:
+    """``blocks/<key>.safetensors``."""
+    return f"{BLOCKS}/{snapshot_filename(key)}"
+
+
+def checkpoint_relpath(key: str) -> str:
+    """``checkpoints/<key>.safetensors``."""
+    return f"{CHECKPOINTS}/{snapshot_filename(key)}"
+
+
 # --- the snapshot header (``__metadata__``, every value a string) ------------------------------
 
 CHECKSUM_KEY = "kvsnap.xxh3_128"
@@ -55,18 +76,25 @@ TOKENS = "tokens"  # the tensor of the prefix's token ids, checked against the k
 TOKENS_DTYPE = "I32"
 REQUIRED_META = ("kvsnap.format", "kvsnap.key", "kvsnap.model", "kvsnap.model_digest", "kvsnap.prompt_digest", "kvsnap.n_tokens", "kvsnap.tokens_digest", "kvsnap.layers")
 OPTIONAL_META = ("kvsnap.name", "kvsnap.recorded")
-HEADER_FIELDS = REQUIRED_META + OPTIONAL_META + (CHECKSUM_KEY,)
+CHAIN = "kvsnap.chain"  # v3 records: {"block_tokens", "checkpoint_every", "blocks": [[key, start, end]], "checkpoints": [[key, end]]}
+# Block and checkpoint files (``kvsnap.kind`` says which).
+PART_META = ("kvsnap.format", "kvsnap.kind", "kvsnap.key", "kvsnap.model_digest", "kvsnap.start", "kvsnap.end", "kvsnap.prefix_digest")  # + kvsnap.layers
+BLOCK_KIND, CHECKPOINT_KIND = "block", "checkpoint"
+HEADER_FIELDS = REQUIRED_META + OPTIONAL_META + (CHAIN, "kvsnap.kind", "kvsnap.start", "kvsnap.end", "kvsnap.prefix_digest", CHECKSUM_KEY)
 
 
 def header_metadata(
-    *, key: str, name: str, model: dict, model_digest: str, prompt_digest: str, n_tokens: int, tokens_digest: str, layers: list, recorded: dict
+    *, key: str, name: str, model: dict, model_digest: str, prompt_digest: str, n_tokens: int, tokens_digest: str, layers: list, recorded: dict,
+    chain: dict | None = None,
 ) -> dict[str, str]:
     """The ``__metadata__`` a snapshot is written with (the writer adds the checksum).
 
-    Field order and JSON spelling are part of the file's bytes: keep them.
+    With ``chain`` it is a v3 prompt record; without, a v2 whole file (what ``kvsnap migrate``
+    reads and the tests write). Field order and JSON spelling are part of the file's bytes: keep them.
     """
+    extra = {CHAIN: json.dumps(chain, sort_keys=True, separators=(",", ":"))} if chain is not None else {}
     return {
-        "kvsnap.format": str(FORMAT_VERSION),
+        "kvsnap.format": str(FORMAT_VERSION if chain is not None else WHOLE_FILE_FORMAT),
         "kvsnap.key": key,
         "kvsnap.name": name,
         "kvsnap.model": json.dumps(model, sort_keys=True),
@@ -76,14 +104,32 @@ def header_metadata(
         "kvsnap.tokens_digest": tokens_digest,
         "kvsnap.layers": json.dumps(layers),
         "kvsnap.recorded": json.dumps(recorded, sort_keys=True),
+        **extra,
+    }
+
+
+def part_metadata(*, kind: str, key: str, model_digest: str, start: int, end: int, prefix_digest: str, layers: list | None) -> dict[str, str]:
+    """The header of a block (``kind`` "block": the sliceable layers' tensors for tokens [start, end))
+    or a checkpoint (the other layers' whole state at ``end``, start 0). ``layers``: the whole
+    layer list as of ``end`` -- a checkpoint's always, a block's only when every layer is
+    sliceable (then it is exact; a hybrid restores its layer list from a checkpoint)."""
+    return {
+        "kvsnap.format": str(BLOCK_FORMAT_VERSION),
+        "kvsnap.kind": kind,
+        "kvsnap.key": key,
+        "kvsnap.model_digest": model_digest,
+        "kvsnap.start": str(start),
+        "kvsnap.end": str(end),
+        "kvsnap.prefix_digest": prefix_digest,
+        **({"kvsnap.layers": json.dumps(layers)} if layers is not None else {}),
     }
 
 
 def check_format_field(value: str) -> str | None:
-    """None if a header's ``kvsnap.format`` is the one this kvsnap reads; else what is wrong, with the fix."""
-    if value == str(FORMAT_VERSION):
+    """None if a header's ``kvsnap.format`` is one this kvsnap reads; else what is wrong, with the fix."""
+    if value in {str(v) for v in READ_FORMATS}:
         return None
-    return f"snapshot format version {value[:20]!r} is not the supported {FORMAT_VERSION}; rebuild it with this kvsnap"
+    return f"snapshot format version {value[:20]!r} is not one this kvsnap reads ({' or '.join(map(str, READ_FORMATS))}); rebuild it with this kvsnap"
 
 
 # --- tensor dtypes: safetensors name -> (mlx dtype attribute, bytes per element) -------------
@@ -99,4 +145,5 @@ DTYPE_SIZES = {name: size for name, (_, size) in DTYPES.items()}
 
 ARTIFACT_TYPE = f"application/vnd.kvsnap.store.v{OCI_ARTIFACT_VERSION}"
 SNAPSHOT_MEDIA_TYPE = f"application/vnd.kvsnap.snapshot.v{FORMAT_VERSION}+safetensors"
+BLOCK_MEDIA_TYPE = f"application/vnd.kvsnap.block.v{BLOCK_FORMAT_VERSION}+safetensors"  # blocks and checkpoints
 MANIFEST_MEDIA_TYPE = f"application/vnd.kvsnap.manifest.v{MANIFEST_FORMAT}+json"

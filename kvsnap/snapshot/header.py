@@ -19,9 +19,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvsnap.key import ModelIdentity, key_from_digests, tokens_digest_of_bytes, unpack_tokens
-from kvsnap.snapshot.cache_classes import UnknownCacheClass, cache_class, member_path
+from kvsnap.snapshot.blocks import BlockSettings, block_key, checkpoint_key, prefix_digests
+from kvsnap.snapshot.cache_classes import UnknownCacheClass, cache_class, member_path, needs_checkpoints, split_tensor_names
 from kvsnap.snapshot.file import FormatError, Header, tensor_bytes
-from kvsnap.snapshot.format import KEY_RE, REQUIRED_META, TOKENS, TOKENS_DTYPE, check_format_field, snapshot_filename, snapshot_relpath
+from kvsnap.snapshot.format import (
+    BLOCK_FORMAT_VERSION, BLOCK_KIND, CHAIN, CHECKPOINT_KIND, FORMAT_VERSION, KEY_RE, PART_META, REQUIRED_META, TOKENS, TOKENS_DTYPE,
+    check_format_field, snapshot_filename, snapshot_relpath,
+)
 
 DIGITS_RE = re.compile(r"[0-9]{1,12}")  # ASCII only: int() would also take " 7", "7_0" and other scripts' digits
 
@@ -35,6 +39,7 @@ MAX_CACHE_NESTING = 4  # a CacheList inside a CacheList inside ...
 MAX_PARTS = 8  # QuantizedKVCache: packed data, scales, biases
 MAX_ARRAYS = 256  # ArraysCache slots (SSM conv + recurrent state: 2)
 MAX_COUNT = 2**53
+RECORD_NAME_BUDGET = 2 * MAX_PARTS * MAX_LAYERS  # a v3 record holds no layer tensors; its layer list may still name this many
 
 @dataclass(frozen=True)
 class SnapshotInfo:
@@ -51,10 +56,34 @@ class SnapshotInfo:
     recorded: dict
     nbytes: int
     tokens: tuple[int, ...] = ()  # read in the same pass as the header: nothing re-reads the file for them
+    chain: "Chain | None" = None  # v3: the blocks and checkpoints holding the state; None: a v2 file holds it itself
 
     @property
     def relpath(self) -> str:
         return snapshot_relpath(self.key)  # the file's name is its key (inspect_header checks)
+
+
+@dataclass(frozen=True)
+class Chain:
+    """A v3 record's blocks ``(key, start, end)`` and checkpoints ``(key, end)``, checked against its tokens."""
+
+    block_tokens: int
+    checkpoint_every: int
+    blocks: tuple[tuple[str, int, int], ...]
+    checkpoints: tuple[tuple[str, int], ...]
+
+
+@dataclass(frozen=True)
+class PartInfo:
+    """A block's or checkpoint's header, checked against itself (the chain checks it against the record)."""
+
+    kind: str
+    key: str
+    model_digest: str
+    start: int
+    end: int
+    prefix_digest: str
+    layers: list | None
 
 
 def _show(value: object) -> str:
@@ -221,6 +250,86 @@ def _recorded(meta: dict) -> dict:
     return recorded
 
 
+def _chain(meta: dict, model_digest: str, tokens: list[int], layers: list, limit: int) -> Chain:
+    """Parse ``kvsnap.chain`` and prove it: blocks tile [0, n) in order, and every key is the one
+    this record's tokens and model give, so a record can name no block of other tokens or models."""
+    raw = _json_field(meta, CHAIN, limit)
+    if not isinstance(raw, dict) or set(raw) != {"block_tokens", "checkpoint_every", "blocks", "checkpoints"}:
+        raise FormatError(f"{CHAIN} is {_show(raw)}, expected an object of block_tokens, checkpoint_every, blocks and checkpoints")
+    try:
+        settings = BlockSettings(raw["block_tokens"], raw["checkpoint_every"])
+    except ValueError as exc:
+        raise FormatError(f"{CHAIN}: {exc}") from None
+    n = len(tokens)
+    blocks, checkpoints = raw["blocks"], raw["checkpoints"]
+    if not isinstance(blocks, list) or not isinstance(checkpoints, list) or len(blocks) > max(n, 1) or len(checkpoints) > len(blocks):
+        raise FormatError(f"{CHAIN}: blocks and checkpoints must be lists, at most one block per token and one checkpoint per block")
+    ends, start = [], 0
+    for i, item in enumerate(blocks):
+        if not (isinstance(item, list) and len(item) == 3 and isinstance(item[0], str) and KEY_RE.fullmatch(item[0])):
+            raise FormatError(f"{CHAIN}.blocks[{i}] is {_show(item)}, expected [key, start, end]")
+        if _count(f"{CHAIN}.blocks[{i}][1]", item[1]) != start or not start < _count(f"{CHAIN}.blocks[{i}][2]", item[2], 1, n) or item[2] - start > settings.block_tokens:
+            raise FormatError(f"{CHAIN}.blocks[{i}] covers [{item[1]}, {item[2]}); blocks must tile the {n} tokens in order, each at most {settings.block_tokens}")
+        ends.append(item[2])
+        start = item[2]
+    if start != n:
+        raise FormatError(f"{CHAIN}: the blocks cover {start} of the record's {n} tokens")
+    digests = dict(zip(ends, prefix_digests(tokens, ends)))
+    for i, item in enumerate(blocks):
+        if item[0] != block_key(model_digest, item[1], digests[item[2]]):
+            raise FormatError(f"{CHAIN}.blocks[{i}] key {item[0]} is not the key of these tokens [{item[1]}, {item[2]}) and this model")
+    last = 0
+    for i, item in enumerate(checkpoints):
+        if not (isinstance(item, list) and len(item) == 2 and isinstance(item[0], str) and KEY_RE.fullmatch(item[0]) and item[1] in digests and item[1] > last):
+            raise FormatError(f"{CHAIN}.checkpoints[{i}] is {_show(item)}, expected [key, end] at a block end, ends increasing")
+        if item[0] != checkpoint_key(model_digest, digests[item[1]]):
+            raise FormatError(f"{CHAIN}.checkpoints[{i}] key {item[0]} is not the key of these tokens [0, {item[1]}) and this model")
+        last = item[1]
+    if needs_checkpoints(layers) and last != n:
+        raise FormatError(f"{CHAIN}: the model has layers only a checkpoint restores, and no checkpoint is at the record's end ({n})")
+    return Chain(settings.block_tokens, settings.checkpoint_every, tuple((b[0], b[1], b[2]) for b in blocks), tuple((c[0], c[1]) for c in checkpoints))
+
+
+def inspect_part(path: Path, header: Header) -> PartInfo:
+    """Check a block's or checkpoint's header against itself: fields, the key its fields hash to,
+    its file name, and its tensors against its layer list (a checkpoint's; a block's when it has one)."""
+    meta = header.metadata
+    missing = [k for k in PART_META if k not in meta]
+    if missing:
+        raise FormatError(f"not a kvsnap block or checkpoint: metadata lacks {', '.join(missing)}")
+    if meta["kvsnap.format"] != str(BLOCK_FORMAT_VERSION):
+        raise FormatError(f"block format version {meta['kvsnap.format'][:20]!r} is not the supported {BLOCK_FORMAT_VERSION}; rebuild the store with this kvsnap")
+    kind = meta["kvsnap.kind"]
+    if kind not in (BLOCK_KIND, CHECKPOINT_KIND):
+        raise FormatError(f"kvsnap.kind is {_show(kind)}, expected {BLOCK_KIND!r} or {CHECKPOINT_KIND!r}")
+    for field in ("kvsnap.key", "kvsnap.model_digest", "kvsnap.prefix_digest"):
+        if not KEY_RE.fullmatch(meta[field]):
+            raise FormatError(f"{field} is {_show(meta[field])}, expected 32 lowercase hex digits")
+    for field in ("kvsnap.start", "kvsnap.end"):
+        if not DIGITS_RE.fullmatch(meta[field]):
+            raise FormatError(f"{field} is {_show(meta[field])}, expected a decimal token count")
+    start, end = int(meta["kvsnap.start"]), int(meta["kvsnap.end"])
+    if not start < end or (kind == CHECKPOINT_KIND and start != 0):
+        raise FormatError(f"kvsnap.start {start} and kvsnap.end {end} do not make a {kind}")
+    key = block_key(meta["kvsnap.model_digest"], start, meta["kvsnap.prefix_digest"]) if kind == BLOCK_KIND else checkpoint_key(meta["kvsnap.model_digest"], meta["kvsnap.prefix_digest"])
+    if key != meta["kvsnap.key"]:
+        raise FormatError(f"its fields do not hash to the recorded key {meta['kvsnap.key']}")
+    if path.name != snapshot_filename(key):
+        raise FormatError(f"file name does not match its key {key} (renamed or copied over another {kind})")
+    layers = None
+    if "kvsnap.layers" in meta:
+        layers = _json_field(meta, "kvsnap.layers", len(header.raw))
+        expected_tensor_names(layers, RECORD_NAME_BUDGET)
+        check_offsets(layers, end)
+        sliced, whole = split_tensor_names(layers)
+        names = set(sliced if kind == BLOCK_KIND else whole)
+        if set(header.tensors) != names:
+            raise FormatError(f"tensors do not match the layer list (missing {sorted(names - set(header.tensors))[:3]}, extra {sorted(set(header.tensors) - names)[:3]})")
+    elif kind == CHECKPOINT_KIND:
+        raise FormatError("a checkpoint has no kvsnap.layers")
+    return PartInfo(kind, key, meta["kvsnap.model_digest"], start, end, meta["kvsnap.prefix_digest"], layers)
+
+
 def inspect_header(path: Path, header: Header, tokens_raw: bytes | None = None) -> SnapshotInfo:
     """Check a header's identity fields against themselves and the tokens; no checksum yet.
 
@@ -257,9 +366,14 @@ def inspect_header(path: Path, header: Header, tokens_raw: bytes | None = None) 
         raise FormatError(f"file name does not match its key {key} (renamed or copied over another snapshot)")
     layers = _json_field(meta, "kvsnap.layers", len(header.raw))
     names = set(header.tensors) - {TOKENS}
-    expected = expected_tensor_names(layers, len(names))
-    if names != expected:
+    record = meta["kvsnap.format"] == str(FORMAT_VERSION)
+    if record != (CHAIN in meta):
+        raise FormatError(f"format {meta['kvsnap.format']} " + ("needs" if record else "cannot have") + f" a {CHAIN}")
+    expected = expected_tensor_names(layers, RECORD_NAME_BUDGET if record else len(names))
+    if names != (set() if record else expected):
         raise FormatError(f"tensors do not match the layer list (missing {sorted(expected - names)[:3]}, extra {sorted(names - expected)[:3]})")
+    tokens = unpack_tokens(bytes(tokens_raw))
+    chain = _chain(meta, meta["kvsnap.model_digest"], tokens, layers, len(header.raw)) if record else None
     return SnapshotInfo(
         path=path,
         key=key,
@@ -271,5 +385,6 @@ def inspect_header(path: Path, header: Header, tokens_raw: bytes | None = None) 
         layers=layers,
         recorded=_recorded(meta),
         nbytes=header.file_size,
-        tokens=tuple(unpack_tokens(bytes(tokens_raw))),
+        tokens=tuple(tokens),
+        chain=chain,
     )

@@ -27,7 +27,7 @@ from kvsnap.errors import SnapshotError, StoreError
 from kvsnap.key import ModelIdentity, unpack_tokens
 from kvsnap.store.manifest import encode_manifest, merge_manifests, read_manifest_file, referenced_files, update_manifest
 from kvsnap.snapshot.file import FormatError, OutTensor, check_data, parse_header, read_header, tensor_bytes, verify_checksum, write_snapshot
-from kvsnap.snapshot.format import DTYPES, KEY_RE, MANIFEST, SNAPSHOTS, SUFFIX, TOKENS, relpath_of_file, snapshot_filename
+from kvsnap.snapshot.format import DTYPES, KEY_RE, MANIFEST, PART_FOLDERS, SNAPSHOTS, SUFFIX, TOKENS, relpath_of_file, snapshot_filename
 from kvsnap.snapshot.header import MAX_NAME_CHARS, SnapshotInfo, check_offsets, inspect_header
 
 LOCK = ".lock"
@@ -226,7 +226,7 @@ class Store:
 
     def temp_files(self) -> list[Path]:
         found = []
-        for folder in (self.root, self.snapshots_dir):
+        for folder in (self.root, self.snapshots_dir, *(self.root / f for f in PART_FOLDERS)):
             if folder.is_dir():
                 found += [p for p in folder.iterdir() if p.name.startswith(TMP_PREFIX)]
         return sorted(found)
@@ -269,6 +269,10 @@ class Store:
         except FormatError as exc:
             raise SnapshotError(str(path), str(exc)) from None
         require_model(info, expected)
+        if info.chain is not None:
+            from kvsnap.store.parts import verify_chain
+
+            verify_chain(self, info)
         return info
 
     def scan(self, expected: ModelIdentity | None = None) -> tuple[list[SnapshotInfo], list[Problem]]:
@@ -304,6 +308,11 @@ class Store:
         """
         import mlx.core as mx
 
+        if info.chain is not None:  # a v3 record: its state is in blocks and checkpoints
+            from kvsnap.store.parts import assemble
+
+            require_model(info, expected)
+            return assemble(self, info)[0]
         path = info.path
         self._check_regular(path)
         try:
@@ -349,11 +358,20 @@ class Store:
         without it, or written only by a server), so only temp files go. Folders are
         never removed; a symbolic link is removed, never what it points to.
         """
+        from kvsnap.store.parts import part_files, part_relpath_of_file, reached_parts
+
         with self.lock():
             live = self.referenced()
             candidates = self.temp_files()
             if (self.root / MANIFEST).exists():
                 candidates += [p for p in self.snapshot_files() if relpath_of_file(p.name) not in live]
+                kept = [p for p in self.snapshot_files() if relpath_of_file(p.name) in live]
+                try:  # a block stays while any kept record reaches it
+                    reached: set[str] | None = reached_parts([self.inspect(p) for p in kept])
+                except SnapshotError:
+                    reached = None  # an unreadable record might reach any of them: keep them all
+                if reached is not None:
+                    candidates += [p for p in part_files(self) if part_relpath_of_file(p) not in reached]
             doomed = [p for p in candidates if not stat.S_ISDIR(p.lstat().st_mode)]
             freed = sum(p.lstat().st_size for p in doomed)
             if apply:

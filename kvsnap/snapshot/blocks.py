@@ -1,0 +1,150 @@
+"""Where a warm prefix is cut into content-addressed blocks, and what each block is called.
+
+A prefix of ``n`` tokens becomes a chain of blocks ``[start, end)`` of at most ``block_tokens``
+tokens, cut at every multiple of ``block_tokens``, at every branch point (a depth where another
+warm prefix of the same model leaves this one, or ends) and at ``n``. Non-trimmable layers
+(SSM state, rotating windows) are stored whole only at checkpoints: every branch point, the
+prefix's end and every multiple of ``checkpoint_every``.
+
+Keys are content addresses: a block's is a hash of the model identity digest, its start and
+every token up to its end; a checkpoint's of the model identity digest and every token up to
+its position. Two prompts that share their first 2,000 tokens therefore name the same blocks,
+whatever else differs (template, name, agents file). Pure: no mlx, no files.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+from typing import Sequence
+
+import xxhash
+
+from kvsnap.key import pack_tokens
+from kvsnap.snapshot.format import BLOCK_FORMAT_VERSION
+
+DEFAULT_BLOCK_TOKENS = 256
+DEFAULT_CHECKPOINT_EVERY = 1024
+MAX_BLOCK_TOKENS = 1 << 20
+
+
+@dataclass(frozen=True)
+class BlockSettings:
+    block_tokens: int = DEFAULT_BLOCK_TOKENS
+    checkpoint_every: int = DEFAULT_CHECKPOINT_EVERY
+
+    def __post_init__(self) -> None:
+        for name in ("block_tokens", "checkpoint_every"):
+            value = getattr(self, name)
+            if type(value) is not int or not 1 <= value <= MAX_BLOCK_TOKENS:
+                raise ValueError(f"{name} is {value!r}; give a whole number of tokens from 1 to {MAX_BLOCK_TOKENS}")
+
+    def as_dict(self) -> dict:
+        return {"block_tokens": self.block_tokens, "checkpoint_every": self.checkpoint_every}
+
+
+@dataclass(frozen=True)
+class Cut:
+    start: int
+    end: int
+    checkpoint: bool  # non-trimmable layers' state is stored at ``end``
+
+
+def _lcp(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def branch_points(prefixes: Sequence[Sequence[int]]) -> list[set[int]]:
+    """Per prefix, the depths ``0 < d < len`` where another prefix leaves it or ends: the branch
+    points of the token trie on its path. Sorted neighbours suffice: the common prefix with a
+    farther prefix is the running minimum of the neighbour ones."""
+    order = sorted(range(len(prefixes)), key=lambda i: tuple(prefixes[i]))
+    adjacent = [_lcp(prefixes[order[j]], prefixes[order[j + 1]]) for j in range(len(order) - 1)]
+    out: list[set[int]] = [set() for _ in prefixes]
+    for pos, i in enumerate(order):
+        n = len(prefixes[i])
+        for step in (-1, 1):  # walk left, then right, while something is still shared
+            low = n
+            j = pos
+            while 0 <= j + step < len(order):
+                between = adjacent[min(j, j + step)]
+                low = min(low, between)
+                if low == 0:
+                    break
+                if low < n:
+                    out[i].add(low)
+                j += step
+    return out
+
+
+def plan_cuts(n_tokens: int, branches: set[int], settings: BlockSettings) -> list[Cut]:
+    """The chain of a prefix of ``n_tokens``: block boundaries and which of them are checkpoints."""
+    if n_tokens <= 0:
+        return []
+    b, c = settings.block_tokens, settings.checkpoint_every
+    ends = set(range(b, n_tokens, b)) | {d for d in branches if 0 < d < n_tokens} | {n_tokens}
+    checkpoints = {d for d in branches if 0 < d < n_tokens} | {n_tokens} | set(range(c, n_tokens, c))
+    ends |= checkpoints
+    cuts, start = [], 0
+    for end in sorted(ends):
+        cuts.append(Cut(start, end, end in checkpoints))
+        start = end
+    return cuts
+
+
+def prefix_digests(tokens: Sequence[int], ends: Sequence[int]) -> list[str]:
+    """The digest of ``tokens[:end]`` for every end, in one pass over the tokens."""
+    h = xxhash.xxh3_128()
+    h.update(b"tokens:int32le:")  # the same bytes key.tokens_digest hashes: a whole prefix's digest is its tokens digest
+    out, done = [], 0
+    for end in ends:
+        h.update(pack_tokens(tokens[done:end]))
+        done = end
+        out.append(h.hexdigest())
+    return out
+
+
+def block_key(model_digest: str, start: int, prefix_digest: str) -> str:
+    return xxhash.xxh3_128_hexdigest(f"kvsnap-block-v{BLOCK_FORMAT_VERSION}|{model_digest}|{start}|{prefix_digest}".encode())
+
+
+def checkpoint_key(model_digest: str, prefix_digest: str) -> str:
+    return xxhash.xxh3_128_hexdigest(f"kvsnap-checkpoint-v{BLOCK_FORMAT_VERSION}|{model_digest}|{prefix_digest}".encode())
+
+
+@dataclass(frozen=True)
+class ChainLink:
+    start: int
+    end: int
+    key: str  # the block's
+    prefix_digest: str  # of tokens[:end]
+    checkpoint_key: str | None  # set where the plan stores a checkpoint (hybrids only)
+
+
+def chain_of(model_digest: str, tokens: Sequence[int], cuts: Sequence[Cut], with_checkpoints: bool) -> list[ChainLink]:
+    digests = prefix_digests(tokens, [c.end for c in cuts])
+    return [
+        ChainLink(c.start, c.end, block_key(model_digest, c.start, d), d, checkpoint_key(model_digest, d) if (with_checkpoints and c.checkpoint) else None)
+        for c, d in zip(cuts, digests)
+    ]
+
+
+def chain_field(links: Sequence[ChainLink], settings: BlockSettings) -> dict:
+    """What a v3 record's ``kvsnap.chain`` holds."""
+    return {
+        **settings.as_dict(),
+        "blocks": [[link.key, link.start, link.end] for link in links],
+        "checkpoints": [[link.checkpoint_key, link.end] for link in links if link.checkpoint_key],
+    }
+
+
+def restore_point(ends: Sequence[int], checkpoint_ends: Sequence[int], limit: int, needs_checkpoint: bool) -> int:
+    """The longest prefix at or before ``limit`` a chain can restore: any block end for trimmable
+    models, the last checkpoint for hybrids (0: nothing)."""
+    candidates = sorted(checkpoint_ends if needs_checkpoint else ends)
+    i = bisect.bisect_right(candidates, limit)
+    return candidates[i - 1] if i else 0

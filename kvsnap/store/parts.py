@@ -1,0 +1,229 @@
+"""Blocks and checkpoints in a store: writing the ones a chain lacks, reading and checking them,
+and assembling a v3 record's state from them.
+
+A record (``snapshots/<key>.safetensors``, format 3) holds tokens and a chain; its state is
+in ``blocks/`` (the attention KV of each run of tokens) and ``checkpoints/`` (the whole state of
+layers that cannot be sliced, at chosen token counts). Assembly concatenates the block slices
+along the token axis and adds the last checkpoint: the same named arrays a v2 file held, so
+everything downstream decodes them unchanged. Only the readers import mlx.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Sequence
+
+from kvsnap.errors import SnapshotError, StoreError
+from kvsnap.snapshot.blocks import ChainLink
+from kvsnap.snapshot.cache_classes import split_tensor_names
+from kvsnap.snapshot.file import FormatError, OutTensor, parse_header, verify_checksum, write_snapshot
+from kvsnap.snapshot.format import (
+    BLOCK_KIND, BLOCKS, CHECKPOINT_KIND, CHECKPOINTS, DTYPES, KEY_RE, SUFFIX, TOKENS, block_relpath, checkpoint_relpath, part_metadata,
+    snapshot_filename,
+)
+from kvsnap.snapshot.header import PartInfo, SnapshotInfo, inspect_part
+from kvsnap.store.local import TMP_PREFIX, Store, read_into
+
+FOLDER = {BLOCK_KIND: BLOCKS, CHECKPOINT_KIND: CHECKPOINTS}
+FIX = "rebuild it with `kvsnap build` (the chain is prefilled from the last good block)"
+
+
+def part_path(store: Store, kind: str, key: str) -> Path:
+    if not isinstance(key, str) or not KEY_RE.fullmatch(key):
+        raise StoreError(f"{kind} key {key!r} is not 32 lowercase hex digits")
+    return store.root / FOLDER[kind] / snapshot_filename(key)
+
+
+def part_relpath(kind: str, key: str) -> str:
+    return block_relpath(key) if kind == BLOCK_KIND else checkpoint_relpath(key)
+
+
+def has_part(store: Store, kind: str, key: str) -> bool:
+    """A regular file is there (its contents are checked when read)."""
+    try:
+        return stat.S_ISREG(part_path(store, kind, key).lstat().st_mode)
+    except FileNotFoundError:
+        return False
+
+
+def part_files(store: Store) -> list[Path]:
+    """Every block and checkpoint file (temp files excluded), sorted."""
+    found = []
+    for kind in (BLOCK_KIND, CHECKPOINT_KIND):
+        folder = store.root / FOLDER[kind]
+        if folder.is_dir():
+            found += [p for p in folder.iterdir() if p.name.endswith(SUFFIX) and not p.name.startswith(TMP_PREFIX)]
+    return sorted(found)
+
+
+def part_relpath_of_file(path: Path) -> str:
+    """``blocks/<name>`` or ``checkpoints/<name>`` for a file in one of those folders."""
+    return f"{path.parent.name}/{path.name}"
+
+
+def chain_relpaths(info: SnapshotInfo) -> list[str]:
+    """The block and checkpoint files a record reaches (none for a v2 file)."""
+    if info.chain is None:
+        return []
+    return [block_relpath(k) for k, _, _ in info.chain.blocks] + [checkpoint_relpath(k) for k, _ in info.chain.checkpoints]
+
+
+# --- writing --------------------------------------------------------------------------------
+
+
+@dataclass
+class Written:
+    blocks: int = 0
+    checkpoints: int = 0
+    nbytes: int = 0
+
+
+def put_part(store: Store, kind: str, key: str, tensors: list[OutTensor], metadata: dict[str, str]) -> int:
+    """Write one block or checkpoint atomically (the caller holds the lock); returns its size."""
+    target = part_path(store, kind, key)
+    try:
+        store._atomic_write(target, lambda f: write_snapshot(f, tensors, metadata, on_progress=store.fault))
+    except OSError as exc:
+        hint = "free some disk space" if exc.errno == errno.ENOSPC else "check the folder's permissions"
+        raise StoreError(f"cannot write {kind} {target} ({exc.strerror or exc}); the store is unchanged; {hint}") from exc
+    return target.stat().st_size
+
+
+def write_chain(
+    store: Store, model_digest: str, links: Sequence[ChainLink], arrays: dict, layers: list, checkpoint_arrays: dict[int, tuple[dict, list]], dense: bool,
+    replace: set | None = frozenset(),
+) -> Written:
+    """Write every block and checkpoint of ``links`` the store lacks (the caller holds the lock).
+
+    ``arrays``/``layers``: the state at the chain's end; blocks are its slices. ``checkpoint_arrays``:
+    end -> (arrays, layers) captured there (the chain's end is taken from ``arrays``). ``replace``:
+    keys written even though a file is there (found bad); None rewrites every one."""
+    from kvsnap.snapshot.cache_classes import layers_at
+    from kvsnap.snapshot.codec import to_out_tensors
+
+    sliced, whole = split_tensor_names(layers)
+    n = links[-1].end if links else 0
+    done = Written()
+    for link in links:
+        if replace is None or link.key in replace or not has_part(store, BLOCK_KIND, link.key):
+            part = {name: arrays[name][..., link.start : link.end, :] for name in sliced}
+            meta = part_metadata(kind=BLOCK_KIND, key=link.key, model_digest=model_digest, start=link.start, end=link.end, prefix_digest=link.prefix_digest, layers=layers_at(layers, link.end) if dense else None)
+            done.nbytes += put_part(store, BLOCK_KIND, link.key, to_out_tensors(part), meta)
+            done.blocks += 1
+        if link.checkpoint_key and (replace is None or link.checkpoint_key in replace or not has_part(store, CHECKPOINT_KIND, link.checkpoint_key)):
+            state, state_layers = (arrays, layers) if link.end == n else checkpoint_arrays[link.end]
+            part = {name: state[name] for name in whole}
+            meta = part_metadata(kind=CHECKPOINT_KIND, key=link.checkpoint_key, model_digest=model_digest, start=0, end=link.end, prefix_digest=link.prefix_digest, layers=state_layers)
+            done.nbytes += put_part(store, CHECKPOINT_KIND, link.checkpoint_key, to_out_tensors(part), meta)
+            done.checkpoints += 1
+    return done
+
+
+# --- reading --------------------------------------------------------------------------------
+
+
+def read_part(store: Store, kind: str, key: str, model_digest: str, start: int, end: int, prefix_digest: str | None = None) -> tuple[PartInfo, dict]:
+    """One open and one read into mlx memory; the header checked against itself and against what
+    the chain expects (model, span, prefix), the checksum over exactly the bytes returned."""
+    import mlx.core as mx
+
+    path = part_path(store, kind, key)
+    store._check_regular(path)
+    try:
+        with open(path, "rb") as f:
+            header = parse_header(f, os.fstat(f.fileno()).st_size)
+            info = inspect_part(path, header)
+            if info.kind != kind or info.model_digest != model_digest or (info.start, info.end) != (start, end) or (prefix_digest and info.prefix_digest != prefix_digest):
+                raise FormatError(f"holds a {info.kind} of [{info.start}, {info.end}) for model {info.model_digest[:8]}, not the {kind} of [{start}, {end}) the chain names")
+            buf = mx.zeros((max(1, header.data_len),), dtype=mx.uint8)
+            mx.eval(buf)
+            view = memoryview(buf)[: header.data_len]
+            read_into(f.fileno(), view, header.data_start)
+        verify_checksum(header, view)
+    except FormatError as exc:
+        raise SnapshotError(str(path), str(exc), FIX) from None
+    except FileNotFoundError:
+        raise SnapshotError(str(path), f"is missing (the chain names this {kind})", FIX) from None
+    except OSError as exc:
+        raise SnapshotError(str(path), f"cannot be read ({exc.strerror or exc})", "check the file's permissions") from None
+    arrays = {name: buf[e.start : e.end].view(getattr(mx, DTYPES[e.dtype][0])).reshape(e.shape) for name, e in header.tensors.items()}
+    return info, arrays
+
+
+def assemble_state(
+    store: Store, where: str, model_digest: str, tokens: Sequence[int], blocks: Sequence[tuple[str, int, int]], checkpoint: tuple[str, int] | None, layers: list | None,
+) -> tuple[dict, list]:
+    """The named arrays and layer list of the state after ``blocks`` (which tile [0, n)).
+
+    The attention slices are concatenated along the token axis; the other layers come whole
+    from ``checkpoint`` (at n). ``layers``: the list at n when known (a record's end), else the
+    checkpoint's, else the last block's (dense models). Raises SnapshotError naming the first
+    bad block or checkpoint."""
+    import mlx.core as mx
+
+    from kvsnap.snapshot.blocks import prefix_digests
+
+    n = blocks[-1][2]
+    digests = prefix_digests(tokens, [b[2] for b in blocks])
+    whole_arrays: dict = {}
+    if checkpoint is not None:
+        cinfo, whole_arrays = read_part(store, CHECKPOINT_KIND, checkpoint[0], model_digest, 0, n, digests[-1])
+        layers = layers if layers is not None else cinfo.layers
+    parts = []
+    for (key, start, end), digest in zip(blocks, digests):
+        binfo, arrays = read_part(store, BLOCK_KIND, key, model_digest, start, end, digest)
+        if layers is None and end == n:
+            layers = binfo.layers
+        parts.append((key, start, end, arrays))
+    if layers is None:
+        raise SnapshotError(where, f"has no layer list at {n} tokens (a hybrid model restores only at a checkpoint)")
+    sliced, whole = split_tensor_names(layers)
+    out = {TOKENS: mx.array(list(tokens[:n]), dtype=mx.int32)}
+    for name in sliced:
+        pieces = []
+        for key, start, end, arrays in parts:
+            a = arrays.get(name)
+            if a is None or a.ndim < 2 or a.shape[-2] != end - start:
+                raise SnapshotError(str(part_path(store, BLOCK_KIND, key)), f"tensor {name} is missing or not {end - start} tokens long", FIX)
+            pieces.append(a)
+        out[name] = pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=-2)
+    for name in whole:
+        if name not in whole_arrays:
+            raise SnapshotError(where, f"its checkpoint at {n} lacks tensor {name}", FIX)
+        out[name] = whole_arrays[name]
+    mx.eval(list(out.values()))
+    return out, layers
+
+
+def assemble(store: Store, info: SnapshotInfo) -> tuple[dict, list]:
+    """A v3 record's whole state: the arrays a v2 file of it would hold, and its layer list."""
+    checkpoint = info.chain.checkpoints[-1] if info.chain.checkpoints and info.chain.checkpoints[-1][1] == info.n_tokens else None
+    return assemble_state(store, str(info.path), info.model_digest, info.tokens, info.chain.blocks, checkpoint, info.layers)
+
+
+def verify_chain(store: Store, info: SnapshotInfo) -> int:
+    """Read and checksum every block and checkpoint a record reaches; returns their bytes."""
+    total = 0
+    digests = dict(zip([b[2] for b in info.chain.blocks], _digests(info)))
+    for key, start, end in info.chain.blocks:
+        _, arrays = read_part(store, BLOCK_KIND, key, info.model_digest, start, end, digests[end])
+        total += sum(a.nbytes for a in arrays.values())
+    for key, end in info.chain.checkpoints:
+        _, arrays = read_part(store, CHECKPOINT_KIND, key, info.model_digest, 0, end, digests[end])
+        total += sum(a.nbytes for a in arrays.values())
+    return total
+
+
+def _digests(info: SnapshotInfo) -> list[str]:
+    from kvsnap.snapshot.blocks import prefix_digests
+
+    return prefix_digests(info.tokens, [b[2] for b in info.chain.blocks])
+
+
+def reached_parts(infos: Iterable[SnapshotInfo]) -> set[str]:
+    """Relative paths of every block and checkpoint these records reach."""
+    return {rel for info in infos for rel in chain_relpaths(info)}
