@@ -11,7 +11,7 @@ from kvsnap.errors import KvsnapError, SnapshotError, TemplateError
 from kvsnap.key import DigestCache, ModelIdentity, prompt_identity, snapshot_key
 from kvsnap.snapshot.blocks import BlockSettings, branch_points
 from kvsnap.runtime.modeling import LoadedModel
-from kvsnap.runtime.prefill import PrefillCursor
+from kvsnap.runtime.prefill import prefill_in_blocks
 from kvsnap.prompts import Tokenization, WarmPrompt, WarmPromptSet, resolve_chat_template, warm_prefix
 from kvsnap.runtime.writeback import ChainPlan, manifest_entry, profile_record_id, put_snapshot, record_upsert
 from kvsnap.store.local import Store
@@ -77,21 +77,18 @@ def capture_snapshot(
 
     plan = plan or ChainPlan()
     done, cache = start
-    cache = cache if cache is not None else lm.make_cache()
     whole = set(lm_whole_tensor_classes(lm))
-    probe = plan.links(identity, tokens, bool(whole), captured_only=False)
-    for link in probe:
-        if link.end <= done:
-            continue
-        cursor = PrefillCursor(lm, tuple(tokens[done : link.end]), cache=cache)
-        while cursor.step():
-            pass
-        done = link.end
-        if whole and link.checkpoint_key and link.end < len(tokens):
-            arrays, layers = encode_cache(cache, tokens[: link.end])
+    links = plan.links(identity, tokens, bool(whole), captured_only=False)
+    checkpoints = {link.end for link in links if link.checkpoint_key and link.end < len(tokens)} if whole else set()
+
+    def capture(end: int, state: list) -> None:
+        if end in checkpoints:
+            arrays, layers = encode_cache(state, tokens[:end])
             kept = {k: v for k, v in arrays.items() if k.split(".")[0] in whole}
             mx_eval(kept)
-            plan.checkpoints[link.end] = (kept, layers)
+            plan.checkpoints[end] = (kept, layers)
+
+    cache = prefill_in_blocks(lm, tokens, [link.end for link in links], cache, done, capture)
     store.fault("after-prefill")
     return put_snapshot(lm, store, identity, prompt, prompt_digest, tokens, cache, tokenization, on_commit, plan)
 

@@ -212,7 +212,7 @@ def assert_served_from_the_exact_snapshot_state(engine, warm, tokens) -> None:
     """
     import mlx.core as mx
 
-    from kvsnap.build import prefill
+    from kvsnap.runtime.prefill import prefill
     from kvsnap.snapshot.codec import encode_cache
 
     warm = tuple(warm)

@@ -8,7 +8,8 @@ import mlx.core as mx
 from mlx_lm.generate import maybe_quantize_kv_cache
 
 from conftest import LONG_SYSTEM
-from kvsnap.build import prefill
+from kvsnap.runtime.prefill import prefill, prefill_in_blocks
+from kvsnap.snapshot.blocks import BlockSettings, plan_cuts
 from kvsnap.key import prompt_identity
 from kvsnap.prompts import parse_entry, request_tokens, resolve_chat_template, warm_prefix
 from kvsnap.snapshot.codec import decode_cache, encode_cache, to_out_tensors
@@ -70,8 +71,8 @@ def test_restored_snapshot_matches_fresh_prefill(demo_models, isolated_cache, tm
     restored, _ = _snapshot_roundtrip(lm, entry, warm, tmp_path)
     suffix = full[len(warm) :]
 
-    # (a) bitwise against a fresh prefill split at the same boundary
-    fresh = prefill(lm, warm)
+    # (a) bitwise against a fresh prefill split at the same boundaries (the blocks' ends)
+    fresh = prefill_in_blocks(lm, warm, [c.end for c in plan_cuts(len(warm), set(), BlockSettings())])
     tok_fresh, logits_fresh = _continue(lm, fresh, suffix)
     tok_restored, logits_restored = _continue(lm, restored, suffix)
     assert tok_restored == tok_fresh
@@ -99,17 +100,21 @@ def test_altered_kv_with_recomputed_checksum_changes_logits(demo_models, isolate
     suffix = full[len(warm) :]
     tok_ok, logits_ok = _continue(lm, restored, suffix, n=1)
 
-    # Rewrite the file with one layer's values perturbed, through the real writer
+    # Rewrite the last block with one layer's values perturbed, through the real writer
     # (so the checksum matches), and check the logits move.
+    from kvsnap.snapshot.file import read_header
+    from kvsnap.store.parts import part_path, put_part, read_part
+
     store = Store(root=(tmp_path / "store").resolve())
     info = store.inspect(path)
-    arrays = store.load_arrays(info)
+    key, start, end = info.chain.blocks[-1]
+    block = part_path(store, "block", key)
+    _, arrays = read_part(store, "block", key, info.model_digest, start, end)
+    arrays = dict(arrays)
     arrays["1.values"] = arrays["1.values"] * 1.5
-    from kvsnap.snapshot.file import read_header
-
-    metadata = {k: v for k, v in read_header(path).metadata.items() if k != "kvsnap.data_xxh3_128"}
+    metadata = {k: v for k, v in read_header(block).metadata.items() if k != "kvsnap.xxh3_128"}
     with store.lock():
-        store.put(info.key, to_out_tensors(arrays), metadata)
+        put_part(store, "block", key, to_out_tensors(arrays), metadata)
     info2 = store.verify_file(path)  # passes: checksum recomputed
     altered = decode_cache(store.load_arrays(info2), info2.layers)
     _, logits_bad = _continue(lm, altered, suffix, n=1)
@@ -144,9 +149,13 @@ def _expected_state_bytes(config: dict, settings, n: int) -> int:
         conv_dim = 2 * config["linear_num_key_heads"] * config["linear_key_head_dim"] + config["linear_num_value_heads"] * config["linear_value_head_dim"]
         ssm = (config["linear_conv_kernel_dim"] - 1) * conv_dim + config["linear_num_value_heads"] * config["linear_key_head_dim"] * config["linear_value_head_dim"]
         return attention * 2 * heads * n * per_vector + (layers - attention) * ssm * act
-    # gemma3_text's window layers too: a one-chunk prefill keeps all of its tokens (mlx-lm keeps
-    # window - 1 + chunk so every token sees a full window); the cases stay within one chunk.
-    assert n <= settings.prefill_step_size
+    if config["model_type"] == "gemma3_text":
+        # Window layers keep window - 1 + the last chunk (so every token of it sees a full
+        # window); the build prefills block by block, so the last chunk is the last block.
+        full = layers // config["sliding_window_pattern"]
+        last_chunk = n - plan_cuts(n, set(), BlockSettings())[-1].start
+        kept = min(n, config["sliding_window"] - 1 + last_chunk)
+        return full * 2 * heads * n * per_vector + (layers - full) * 2 * heads * kept * per_vector
     return layers * 2 * heads * n * per_vector
 
 
@@ -158,12 +167,19 @@ def test_snapshot_size_is_exact_kv_bytes(demo_models, isolated_cache, tmp_path, 
 
     lm = demo_models.load(name, **settings)
     entry, warm, _ = _request(lm)
+    from kvsnap.store.parts import chain_relpaths
+
     _, path = _snapshot_roundtrip(lm, entry, warm, tmp_path)
-    raw = path.read_bytes()
-    (header_len,) = struct.unpack("<Q", raw[:8])
-    tensors = {k: v for k, v in json.loads(raw[8 : 8 + header_len]).items() if k != "__metadata__"}
-    data = sum(end - start for start, end in (t["data_offsets"] for t in tensors.values()))
-    assert tensors["tokens"]["shape"] == [len(warm)]
+    info = Store(root=(tmp_path / "store").resolve()).inspect(path)
+    data = 0
+    for file in [path, *(tmp_path / "store" / rel for rel in chain_relpaths(info))]:  # the record, its blocks and checkpoint
+        raw = file.read_bytes()
+        (header_len,) = struct.unpack("<Q", raw[:8])
+        tensors = {k: v for k, v in json.loads(raw[8 : 8 + header_len]).items() if k != "__metadata__"}
+        size = sum(end - start for start, end in (t["data_offsets"] for t in tensors.values()))
+        assert len(raw) == 8 + header_len + size  # nothing but the header and the tensors
+        if file == path:
+            assert tensors["tokens"]["shape"] == [len(warm)] and size == 4 * len(warm)
+        data += size
     expected = _expected_state_bytes(lm.config, lm.settings, len(warm)) + 4 * len(warm)
     assert data == expected, f"{data} bytes of tensors, {expected} expected ({data / expected:.2f}x)"
-    assert len(raw) == 8 + header_len + expected  # nothing but the header and the tensors

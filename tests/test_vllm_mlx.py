@@ -142,7 +142,7 @@ def dense_store(tmp_path_factory, demo_models):
 def test_insert_puts_exactly_the_snapshot_state_into_the_cache_and_skips_foreign_ones(dense_store, demo_models):
     import mlx.core as mx
 
-    from kvsnap.build import prefill
+    from kvsnap.runtime.prefill import prefill
 
     lm = demo_models.load("dense")
     cache = FakePrefixCache()

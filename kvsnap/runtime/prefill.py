@@ -49,3 +49,22 @@ def prefill(lm: Any, tokens: Sequence[int]) -> list:
     while cursor.step():
         pass
     return cursor.cache
+
+
+def prefill_in_blocks(lm: Any, tokens: Sequence[int], ends: Sequence[int], cache: list | None = None, start: int = 0, on_end=None) -> list:
+    """Prefill ``tokens[start:]`` stopping at every block end (then in step-size chunks inside a
+    block), so a block's state is the same whichever earlier block a build restored from;
+    ``on_end(end, cache)`` runs at each end past ``start``."""
+    cache = cache if cache is not None else lm.make_cache()
+    done = start
+    for end in ends:
+        if end <= done:
+            continue
+        cursor = PrefillCursor(lm, tuple(tokens[done:end]), cache=cache)
+        while cursor.step():
+            pass
+        done = end
+        if on_end is not None:
+            on_end(end, cache)
+    return cache
+
