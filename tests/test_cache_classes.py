@@ -16,7 +16,8 @@ from kvsnap.errors import SnapshotError
 from kvsnap.key import ModelIdentity, snapshot_key, tokens_digest
 from kvsnap.snapshot.cache_classes import CACHE_CLASSES, UnknownCacheClass, cache_class, encode_layer, layers_trimmable
 from kvsnap.snapshot.codec import decode_cache, encode_cache, is_trimmable, to_out_tensors
-from kvsnap.snapshot.file import FORMAT_VERSION, FormatError
+from kvsnap.snapshot.format import WHOLE_FILE_FORMAT
+from kvsnap.snapshot.file import FormatError
 from kvsnap.snapshot.header import SnapshotInfo, expected_tensor_names
 from kvsnap.store.local import Store
 
@@ -145,7 +146,7 @@ def _write_store(root: Path, layers: list, arrays: dict) -> Path:
     identity = ModelIdentity("a" * 32, "b" * 32, "c" * 32, "{}", "float32", None, None, None, None, classes, 1, "0.32")
     key = snapshot_key(identity, "d" * 32, tokens)
     metadata = {
-        "kvsnap.format": str(FORMAT_VERSION), "kvsnap.key": key, "kvsnap.name": "agent", "kvsnap.model": json.dumps(identity.as_dict()),
+        "kvsnap.format": str(WHOLE_FILE_FORMAT), "kvsnap.key": key, "kvsnap.name": "agent", "kvsnap.model": json.dumps(identity.as_dict()),
         "kvsnap.model_digest": identity.digest, "kvsnap.prompt_digest": "d" * 32, "kvsnap.n_tokens": str(N),
         "kvsnap.tokens_digest": tokens_digest(tokens), "kvsnap.layers": json.dumps(layers), "kvsnap.recorded": json.dumps({"created": "2026-11-30T00:00:00Z"}),
     }

@@ -24,6 +24,7 @@ import xxhash
 from kvsnap.errors import SnapshotError, StoreError
 from kvsnap.key import ModelIdentity, snapshot_key, tokens_digest
 from kvsnap.snapshot import format as fmt
+from kvsnap.snapshot.blocks import BlockSettings, chain_field, chain_of, plan_cuts
 from kvsnap.snapshot.file import OutTensor, write_snapshot
 from kvsnap.store.local import Store, foreign_reason
 
@@ -35,11 +36,12 @@ LAYERS = [{"class": "KVCache", "offset": 5}, {"class": "ArraysCache", "size": 2,
 RECORDED = {"created": "2026-11-30T00:00:00Z", "backend": "cpu", "prefill_step_size": 512}
 
 
-def _metadata(identity: ModelIdentity = IDENTITY, tokens: list[int] = TOKENS) -> dict[str, str]:
+def _metadata(identity: ModelIdentity = IDENTITY, tokens: list[int] = TOKENS, chain: dict | None = None) -> dict[str, str]:
     key = snapshot_key(identity, "d" * 32, tokens)
+    layers = [{**LAYERS[0], "offset": len(tokens)}, LAYERS[1]]
     return fmt.header_metadata(
         key=key, name="reviewer ü", model=identity.as_dict(), model_digest=identity.digest, prompt_digest="d" * 32,
-        n_tokens=len(tokens), tokens_digest=tokens_digest(tokens), layers=LAYERS, recorded=RECORDED,
+        n_tokens=len(tokens), tokens_digest=tokens_digest(tokens), layers=layers, recorded=RECORDED, chain=chain,
     )
 
 
@@ -73,7 +75,9 @@ def test_header_fields_key_and_file_bytes_equal_what_the_code_before_the_owner_w
 
 def test_header_fields_are_the_schema():
     assert set(_metadata()) == set(fmt.REQUIRED_META) | set(fmt.OPTIONAL_META)
-    assert set(fmt.HEADER_FIELDS) == set(fmt.REQUIRED_META) | set(fmt.OPTIONAL_META) | {fmt.CHECKSUM_KEY}
+    assert set(fmt.HEADER_FIELDS) == set(fmt.REQUIRED_META) | set(fmt.OPTIONAL_META) | {fmt.CHAIN} | set(fmt.PART_META) | {"kvsnap.layers", fmt.CHECKSUM_KEY}
+    part = fmt.part_metadata(kind=fmt.CHECKPOINT_KIND, key="a" * 32, model_digest="b" * 32, start=0, end=4, prefix_digest="c" * 32, layers=[])
+    assert set(part) == set(fmt.PART_META) | {"kvsnap.layers"}
 
 
 def test_every_header_field_the_package_names_is_in_the_schema():
@@ -194,6 +198,7 @@ import kvsnap
 assert Path(kvsnap.__file__).resolve().is_relative_to(Path(sys.argv[1]).resolve()), kvsnap.__file__
 from kvsnap.errors import SnapshotError
 from kvsnap.key import ModelIdentity, snapshot_key, tokens_digest
+from kvsnap.snapshot.blocks import BlockSettings, chain_field, chain_of, plan_cuts
 from kvsnap.snapshot.format import header_metadata
 from kvsnap.store.local import Store
 from kvsnap.store.manifest import empty_manifest
@@ -203,16 +208,17 @@ from kvsnap.snapshot.file import OutTensor
 identity = ModelIdentity("a" * 32, "b" * 32, "c" * 32, "{}", "float32", None, None, None, None, ("KVCache",), mlx_lm_minor="0.32")
 tokens = [1, 2, 3]
 key = snapshot_key(identity, "d" * 32, tokens)
+chain = chain_field(chain_of(identity.digest, tokens, plan_cuts(3, set(), BlockSettings()), False), BlockSettings())
 meta = header_metadata(key=key, name="a", model=identity.as_dict(), model_digest=identity.digest, prompt_digest="d" * 32,
-                       n_tokens=3, tokens_digest=tokens_digest(tokens), layers=[{"class": "KVCache", "empty": True}], recorded={})
+                       n_tokens=3, tokens_digest=tokens_digest(tokens), layers=[{"class": "KVCache", "offset": 3}], recorded={}, chain=chain)
 store = Store.open(sys.argv[2], create=True)
 with store.lock():
     path = store.put(key, [OutTensor("tokens", "I32", (3,), memoryview(struct.pack("<3i", *tokens)))], meta)
-own = store.verify_file(path)
+own = store.inspect(path)  # the header: the version is what is checked (its blocks are not written here)
 refused = []
 for old in sorted(Path(sys.argv[3]).glob("snapshots/*.safetensors")):
     try:
-        store.verify_file(old)
+        store.inspect(old)
     except SnapshotError as exc:
         refused.append(exc.reason)
 print(json.dumps({"key": key, "codec_version": identity.codec_version, "format_field": meta["kvsnap.format"], "verified": own.key,
@@ -231,11 +237,14 @@ def _run_bumped(tmp_path: Path, edits: dict[str, int]) -> dict:
         text, n = re.subn(rf"^{name} = \d+", f"{name} = {value}", text, flags=re.M)
         assert n == 1, f"{name} is not assigned once at the top of format.py"
     owner.write_text(text)
-    old_store = tmp_path / "old"  # written by the unbumped package
+    old_store = tmp_path / "old"  # written by the unbumped package: a v2 whole file and a v3 record
     store = Store.open(old_store, create=True)
     meta = _metadata()
+    tokens = TOKENS[:3]
+    record = _metadata(tokens=tokens, chain=chain_field(chain_of(IDENTITY.digest, tokens, plan_cuts(3, set(), BlockSettings()), True), BlockSettings()))
     with store.lock():
         store.put(meta["kvsnap.key"], _tensors(), meta)
+        store.put(record["kvsnap.key"], _tensors(tokens)[:1], record)
     env = {**os.environ, "PYTHONPATH": str(copy)}
     r = subprocess.run([sys.executable, "-c", BUMP_CHECK, str(copy), str(tmp_path / "new"), str(old_store)], capture_output=True, text=True, env=env, cwd=copy, timeout=120)
     assert r.returncode == 0, r.stderr
@@ -244,12 +253,13 @@ def _run_bumped(tmp_path: Path, edits: dict[str, int]) -> dict:
 
 def test_bumping_the_format_version_moves_writer_reader_and_media_type_together(tmp_path):
     now = _run_bumped(tmp_path / "same", {})
-    assert (now["format_field"], now["snapshot_media"], now["refused"]) == ("2", "application/vnd.kvsnap.snapshot.v2+safetensors", [])
-    bumped = _run_bumped(tmp_path / "bumped", {"FORMAT_VERSION": 3})
-    assert bumped["format_field"] == "3" and bumped["verified"] == bumped["key"]  # it writes v3 and reads it back
-    assert bumped["snapshot_media"] == "application/vnd.kvsnap.snapshot.v3+safetensors"
-    assert bumped["refused"] == ["snapshot format version '2' is not the supported 3; rebuild it with this kvsnap"]
-    assert bumped["key"] == now["key"]  # the file format is not keyed: a v2 file is refused by version, not missed
+    assert (now["format_field"], now["snapshot_media"], now["refused"]) == ("3", "application/vnd.kvsnap.snapshot.v3+safetensors", [])
+    bumped = _run_bumped(tmp_path / "bumped", {"FORMAT_VERSION": 4})
+    assert bumped["format_field"] == "4" and bumped["verified"] == bumped["key"]  # it writes v4 and reads it back
+    assert bumped["snapshot_media"] == "application/vnd.kvsnap.snapshot.v4+safetensors"
+    # The whole-file format stays readable (kvsnap migrate's input); the record format it replaced does not.
+    assert bumped["refused"] == ["snapshot format version '3' is not one this kvsnap reads (2 or 4); rebuild it with this kvsnap"]
+    assert bumped["key"] == now["key"]  # the file format is not keyed: an old record is refused by version, not missed
 
 
 def test_bumping_the_codec_version_changes_every_key_and_identity(tmp_path):

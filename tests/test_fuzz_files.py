@@ -26,7 +26,8 @@ from hypothesis import strategies as st
 from kvsnap.errors import ManifestError, SnapshotError
 from kvsnap.key import ModelIdentity, pack_tokens, snapshot_key, tokens_digest
 from kvsnap.store.manifest import merge_manifests, parse_manifest, read_manifest_file, referenced_files
-from kvsnap.snapshot.file import FORMAT_VERSION, FormatError, OutTensor, parse_header, write_snapshot
+from kvsnap.snapshot.format import WHOLE_FILE_FORMAT
+from kvsnap.snapshot.file import FormatError, OutTensor, parse_header, write_snapshot
 from kvsnap.snapshot.header import inspect_header
 from kvsnap.store.local import Store
 
@@ -80,7 +81,7 @@ def snapshots(draw) -> tuple[str, bytes]:
     identity = ModelIdentity("a" * 32, "b" * 32, "c" * 32, "{}", "float32", None, None, None, None, tuple(kinds), 1, "0.32")
     key = snapshot_key(identity, "d" * 32, tokens)
     metadata = {
-        "kvsnap.format": str(FORMAT_VERSION), "kvsnap.key": key, "kvsnap.name": "agent", "kvsnap.model": json.dumps(identity.as_dict()),
+        "kvsnap.format": str(WHOLE_FILE_FORMAT), "kvsnap.key": key, "kvsnap.name": "agent", "kvsnap.model": json.dumps(identity.as_dict()),
         "kvsnap.model_digest": identity.digest, "kvsnap.prompt_digest": "d" * 32, "kvsnap.n_tokens": str(n),
         "kvsnap.tokens_digest": tokens_digest(tokens), "kvsnap.layers": "", "kvsnap.recorded": json.dumps({"created": "2026-11-30T00:00:00Z"}),
     }

@@ -127,9 +127,9 @@ def flip_layer_offset(path: Path, **_):
 def flip_format_version(path: Path, **_):
     data = path.read_bytes()
     start, end = header_bounds(data)
-    at = data.index(f'"kvsnap.format":"{FORMAT_VERSION}"'.encode(), start, end) + len('"kvsnap.format":"')
+    at = data.index(f'"kvsnap.format":"{FORMAT_VERSION}"'.encode(), start, end) + len('"kvsnap.format":"')  # a record
     b = bytearray(data)
-    b[at] = ord(str(FORMAT_VERSION - 1))
+    b[at] = ord("1")  # no kvsnap reads format 1 any more
     path.write_bytes(bytes(b))
 
 
@@ -179,7 +179,7 @@ FAULTS = {
     "header-checksum-flipped": (flip_in_metadata(CHECKSUM_KEY), r"checksum mismatch"),
     "header-layer-offset-flipped": (flip_layer_offset, r"checksum mismatch"),
     "header-json-broken": (lambda path, **_: flip_at(path, 8), r"header is not valid JSON"),
-    "old-format-version": (flip_format_version, rf"format version '{FORMAT_VERSION - 1}' is not the supported {FORMAT_VERSION}; rebuild"),
+    "old-format-version": (flip_format_version, rf"format version '1' is not one this kvsnap reads \(2 or {FORMAT_VERSION}\); rebuild"),
     "truncated": (truncate_to(0.6), r"truncated"),
     "zero-length": (truncate_to(0), r"file is 0 bytes"),
     "huge-header-size": (set_length_prefix(lambda size: 1 << 40), r"declared header size \d+ exceeds the \d+-byte limit"),
