@@ -174,7 +174,7 @@ def make_directory(path: Path, **_):
 
 # name -> (how to damage a good snapshot in place, what the refusal must say)
 FAULTS = {
-    "data-byte-flipped": (lambda path, **_: flip_kv_byte(path), r"checksum mismatch"),
+    "data-byte-flipped": (lambda path, **_: flip_kv_byte(path), r"tokens do not match the recorded tokens digest"),  # a record's data is its tokens
     "header-tokens-digest-flipped": (flip_in_metadata("kvsnap.tokens_digest"), r"tokens do not match the recorded tokens digest"),
     "header-checksum-flipped": (flip_in_metadata(CHECKSUM_KEY), r"checksum mismatch"),
     "header-layer-offset-flipped": (flip_layer_offset, r"checksum mismatch"),
@@ -439,8 +439,8 @@ def test_an_unchanged_rebuild_prefills_nothing_and_rewrites_no_snapshot(dense, f
     before = stamps(store)
     manifest_before = (store.root / MANIFEST).read_bytes()
     prefills = []
-    real_prefill = kvsnap.build.prefill
-    monkeypatch.setattr(kvsnap.build, "prefill", lambda lm, tokens: prefills.append(len(tokens)) or real_prefill(lm, tokens))
+    real_prefill = kvsnap.build.prefill_in_blocks
+    monkeypatch.setattr(kvsnap.build, "prefill_in_blocks", lambda lm, tokens, *a, **k: prefills.append(len(tokens)) or real_prefill(lm, tokens, *a, **k))
     rec = Recorder()
     report = build(dense, agents_file, store.root, fault=rec)
     assert statuses(report) == {"alpha": "reused", "beta": "reused", "gamma": "reused"} and report.ok
@@ -525,17 +525,23 @@ def test_gc_removes_a_dropped_entry_but_never_one_another_model_uses(dense, dens
     write_agents(agents_file, agents(["alpha", "beta"]))  # gamma leaves the agents file
     report = build(dense, agents_file, store.root)
     assert statuses(report) == {"alpha": "reused", "beta": "reused"}
+    from kvsnap.store.parts import chain_relpaths
+
     gone = store.path_for(keys(first)["gamma"])
+    staying = [store.inspect(store.path_for(k)) for k in [*keys(report).values(), *keys(other).values()]]
+    shared = {rel for info in staying for rel in chain_relpaths(info)}
+    own = [store.root / rel for rel in chain_relpaths(store.inspect(gone)) if rel not in shared]
+    assert own and set(chain_relpaths(store.inspect(gone))) & shared  # gamma has blocks of its own and shares its preamble's
     before = tree(store.root)
 
     doomed, freed = store.gc(apply=False)
-    assert doomed == [gone] and freed == gone.stat().st_size
+    assert sorted(doomed) == sorted([gone, *own]) and freed == sum(p.stat().st_size for p in doomed)
     assert tree(store.root) == before  # a dry run deletes nothing
 
     doomed, _ = store.gc(apply=True)
-    assert doomed == [gone] and not gone.exists()
+    assert sorted(doomed) == sorted([gone, *own]) and not gone.exists()
     kept = store.path_for(keys(other)["gamma"])  # the other model's record still lists it
-    assert kept.exists()
+    assert kept.exists() and all((store.root / rel).exists() for rel in shared)  # never a shared block
     for p in store.snapshot_files():
         store.verify_file(p)
     assert store.gc(apply=True) == ([], 0)

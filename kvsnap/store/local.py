@@ -308,11 +308,6 @@ class Store:
         """
         import mlx.core as mx
 
-        if info.chain is not None:  # a v3 record: its state is in blocks and checkpoints
-            from kvsnap.store.parts import assemble
-
-            require_model(info, expected)
-            return assemble(self, info)[0]
         path = info.path
         self._check_regular(path)
         try:
@@ -327,13 +322,17 @@ class Store:
             current = inspect_header(path, header, bytes(view[tok.start : tok.end]) if tok is not None else None)
             verify_checksum(header, view)
             check_offsets(current.layers, current.n_tokens)
-            if current.key != info.key or current.layers != info.layers or current.n_tokens != info.n_tokens:
+            if current.key != info.key or current.layers != info.layers or current.n_tokens != info.n_tokens or current.chain != info.chain:
                 raise SnapshotError(str(path), f"now holds another snapshot (key {current.key}) than the one indexed ({info.key})", "restart, or rebuild it with `kvsnap build`")
             require_model(current, expected)
         except FormatError as exc:
             raise SnapshotError(str(path), str(exc)) from None
         except OSError as exc:
             raise SnapshotError(str(path), f"cannot be read ({exc.strerror or exc})", "check the file's permissions") from None
+        if current.chain is not None:  # a v3 record (just read and checked): its state is in blocks and checkpoints
+            from kvsnap.store.parts import assemble
+
+            return assemble(self, current)[0]
         arrays = {}
         for name, entry in header.tensors.items():
             arrays[name] = buf[entry.start : entry.end].view(getattr(mx, DTYPES[entry.dtype][0])).reshape(entry.shape)
