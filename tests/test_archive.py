@@ -55,8 +55,11 @@ def tree(root: Path) -> dict[str, object]:
 
 def store_files(root: Path) -> dict[str, bytes]:
     files = {MANIFEST: (root / MANIFEST).read_bytes()}
-    for p in Store.open(root, readonly=True).snapshot_files():
-        files[f"snapshots/{p.name}"] = p.read_bytes()
+    from kvsnap.store.parts import part_files
+
+    store = Store.open(root, readonly=True)
+    for p in [*store.snapshot_files(), *part_files(store)]:
+        files[f"{p.parent.name}/{p.name}"] = p.read_bytes()
     return files
 
 
@@ -96,12 +99,12 @@ def test_pack_unpack_round_trip_verifies_and_keeps_modes(built, tmp_path, name):
     archive = tmp_path / name
     r = run_kvsnap("pack", built, "-o", archive)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "packed 3 file(s)" in r.stdout
+    assert f"packed {len(store_files(built))} file(s)" in r.stdout and len(store_files(built)) > 3  # the manifest, 2 records, their blocks
     assert stat.S_IMODE(archive.stat().st_mode) == 0o600
     with tarfile.open(archive) as tar:
         members = tar.getmembers()
     names = sorted(m.name for m in members)
-    assert names == sorted(store_files(built))  # manifest + snapshots only: no .lock, no temp files
+    assert names == sorted(store_files(built))  # manifest, records and their blocks only: no .lock, no temp files
     assert all(m.isreg() and m.mode == 0o600 and m.uid == 0 and m.uname == "" for m in members)
 
     r = run_kvsnap("unpack", archive, tmp_path / "out")
@@ -110,7 +113,8 @@ def test_pack_unpack_round_trip_verifies_and_keeps_modes(built, tmp_path, name):
     out = tmp_path / "out"
     assert store_files(out) == store_files(built)
     assert stat.S_IMODE(out.stat().st_mode) == 0o700 and stat.S_IMODE((out / "snapshots").stat().st_mode) == 0o700
-    assert all(stat.S_IMODE(p.stat().st_mode) == 0o600 for p in [out / MANIFEST, *(out / "snapshots").iterdir()])
+    assert all(stat.S_IMODE(p.stat().st_mode) == 0o600 for p in [out / MANIFEST, *(out / "snapshots").iterdir(), *(out / "blocks").iterdir()])
+    assert stat.S_IMODE((out / "blocks").stat().st_mode) == 0o700
     assert run_kvsnap("verify", out).returncode == 0
     assert no_stage_dirs(tmp_path)
 

@@ -269,22 +269,27 @@ def test_gc_dry_run_lists_then_yes_removes_a_dropped_entry_and_temp_files(light,
     write_agents(agents_file, agents(["alpha", "beta"]))
     build(dense, agents_file, tmp_path / "store")
     store = Store.open(tmp_path / "store")
+    from kvsnap.store.parts import chain_relpaths
+
     gamma = store.path_for(next(e.key for e in first.entries if e.name == "gamma"))
+    shared = {rel for p in store.snapshot_files() if p != gamma for rel in chain_relpaths(store.inspect(p))}
+    own = [store.root / rel for rel in chain_relpaths(store.inspect(gamma)) if rel not in shared]  # its tail's blocks
     tmp = store.snapshots_dir / f"{TMP_PREFIX}{gamma.name}.abc"
     tmp.write_bytes(b"interrupted")
     before = tree(store.root)
+    n = 2 + len(own)
 
     proc = light("gc", store.root)
     assert proc.returncode == 0
-    assert f"would remove {gamma}" in proc.stdout and f"would remove {tmp}" in proc.stdout
-    assert "would remove 2 file(s)" in proc.stdout and "run again with --yes to delete" in proc.stdout
+    assert f"would remove {gamma}" in proc.stdout and f"would remove {tmp}" in proc.stdout and all(f"would remove {p}" in proc.stdout for p in own)
+    assert f"would remove {n} file(s)" in proc.stdout and "run again with --yes to delete" in proc.stdout
     assert tree(store.root) == before
 
     proc = light("gc", store.root, "--yes")
-    assert proc.returncode == 0 and f"removed {gamma}" in proc.stdout and "removed 2 file(s)" in proc.stdout
-    assert not gamma.exists() and not tmp.exists()
+    assert proc.returncode == 0 and f"removed {gamma}" in proc.stdout and f"removed {n} file(s)" in proc.stdout
+    assert not gamma.exists() and not tmp.exists() and not any(p.exists() for p in own)
     after = tree(store.root)
-    assert after == {k: v for k, v in before.items() if k in after} and len(after) == len(before) - 2
+    assert after == {k: v for k, v in before.items() if k in after} and len(after) == len(before) - n
     proc = light("verify", store.root)
     assert proc.returncode == 0 and lines(proc.stdout)[-1] == "2 ok, 0 bad"
 

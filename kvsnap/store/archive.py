@@ -1,7 +1,8 @@
 """A store as a set of files to ship: the checked file list, a staged atomic install, plain tarballs.
 
-Shipping moves exactly two kinds of file, by their path relative to the store root:
-``manifest.json`` and ``snapshots/<key>.safetensors``. Nothing else is packed, pushed,
+Shipping moves exactly these files, by their path relative to the store root:
+``manifest.json``, ``snapshots/<key>.safetensors`` (records, or v2 whole files) and the
+``blocks/<key>.safetensors`` and ``checkpoints/<key>.safetensors`` a record reaches. Nothing else is packed, pushed,
 unpacked or pulled, so a name from an archive or a registry can never point outside the
 store (``../x``, ``/etc/x``, ``snapshots/../../x`` are refused), nor at ``.lock`` or a
 temp file.
@@ -35,8 +36,8 @@ from pathlib import Path
 from typing import BinaryIO, Callable, Iterator
 
 from kvsnap.errors import KvsnapError, ManifestError, SnapshotError, StoreError
-from kvsnap.store.manifest import SNAPSHOT_REL_RE, parse_manifest, referenced_files
-from kvsnap.snapshot.format import relpath_of_file
+from kvsnap.store.manifest import parse_manifest, referenced_files
+from kvsnap.snapshot.format import PART_FOLDERS, PART_REL_RE, STORE_FILE_RE, relpath_of_file
 from kvsnap.store.local import DIR_MODE, FILE_MODE, MANIFEST, SNAPSHOTS, Store
 STAGE_PREFIX = ".kvsnap-stage-"
 CHUNK = 1 << 20
@@ -53,8 +54,11 @@ class ArchiveError(ShipError):
 # --- which paths may be shipped -----------------------------------------------------------
 
 
+SHIPPED = "only manifest.json and snapshots/, blocks/, checkpoints/<key>.safetensors are shipped"
+
+
 def is_store_relpath(name: str) -> bool:
-    return name == MANIFEST or bool(SNAPSHOT_REL_RE.fullmatch(name))
+    return name == MANIFEST or bool(STORE_FILE_RE.fullmatch(name))
 
 
 def check_relpath(name: str, where: str) -> str:
@@ -65,8 +69,8 @@ def check_relpath(name: str, where: str) -> str:
         return name
     parts = name.replace("\\", "/").split("/")
     if name.startswith(("/", "\\")) or re.match(r"[A-Za-z]:", name) or ".." in parts or "\x00" in name:
-        raise ShipError(f"{where}: {name!r} escapes the store folder; refusing it (only manifest.json and snapshots/<key>.safetensors are shipped)")
-    raise ShipError(f"{where}: {name!r} is not a store file (only manifest.json and snapshots/<key>.safetensors are shipped); refusing it")
+        raise ShipError(f"{where}: {name!r} escapes the store folder; refusing it ({SHIPPED})")
+    raise ShipError(f"{where}: {name!r} is not a store file ({SHIPPED}); refusing it")
 
 
 # --- the files of a local store -----------------------------------------------------------
@@ -92,14 +96,20 @@ def check_manifest_bytes(data: bytes, where: str, dest: Path | None = None) -> d
 def collect_store(root: str | os.PathLike) -> list[StoreFile]:
     """Every file of the store to ship, each fully verified; refuses a store with any bad file."""
     store = Store.open(root, readonly=True).require_store()
+    from kvsnap.store.parts import chain_relpaths
+
     files: list[StoreFile] = []
+    reached: set[str] = set()
     for path in store.snapshot_files():
         try:
-            store.verify_file(path)
+            reached.update(chain_relpaths(store.verify_file(path)))  # a record's blocks and checkpoints too
         except SnapshotError as exc:
             raise ShipError(f"{exc.path}: {exc.reason}; refusing to ship a store with a bad snapshot ({exc.fix}, or remove it; `kvsnap verify {store.root}` lists them)") from None
         st = path.stat()
         files.append(StoreFile(relpath_of_file(path.name), path, st.st_size, (st.st_dev, st.st_ino)))
+    for rel in sorted(reached):  # parts no record reaches are gc's, not shipped
+        st = (store.root / rel).stat()
+        files.append(StoreFile(rel, store.root / rel, st.st_size, (st.st_dev, st.st_ino)))
     manifest = store.root / MANIFEST
     if manifest.exists() or manifest.is_symlink():
         st = manifest.lstat()
@@ -188,6 +198,7 @@ class StagedInstall:
     tmp: Path | None = None
     staged: list[str] = field(default_factory=list)
     manifest: dict | None = None  # the shipped manifest, once verified
+    reached: set[str] = field(default_factory=set)  # blocks and checkpoints the staged records need
 
     def __post_init__(self) -> None:
         self.dest = check_destination(self.dest)
@@ -195,8 +206,9 @@ class StagedInstall:
             os.makedirs(self.dest.parent, mode=DIR_MODE, exist_ok=True)
             self.tmp = Path(tempfile.mkdtemp(prefix=f"{STAGE_PREFIX}{self.dest.name}-", dir=self.dest.parent))
             os.chmod(self.tmp, DIR_MODE)
-            (self.tmp / SNAPSHOTS).mkdir(mode=DIR_MODE)
-            os.chmod(self.tmp / SNAPSHOTS, DIR_MODE)
+            for folder in (SNAPSHOTS, *PART_FOLDERS):
+                (self.tmp / folder).mkdir(mode=DIR_MODE)
+                os.chmod(self.tmp / folder, DIR_MODE)
         except OSError as exc:
             self.cleanup()
             raise ShipError(f"cannot make a temp folder next to {self.dest} ({exc.strerror or exc}); check the parent folder's permissions") from None
@@ -223,21 +235,31 @@ class StagedInstall:
         self.staged.append(relpath)
 
     def verify(self, source: str) -> None:
-        """Every staged snapshot's own checks (header, key, checksum) and the manifest's JSON."""
+        """Every staged file's own checks (header, key, checksum; a block's or checkpoint's too) and
+        the manifest's JSON. A record's parts are checked where they will be: staged, or already in ``dest``."""
+        from kvsnap.store.parts import chain_relpaths, check_part
+
         assert self.tmp is not None
         store = Store(root=self.tmp.resolve(), readonly=True)
+        self.reached = set()
         for relpath in self.staged:
             path = store.root / relpath
             if relpath == MANIFEST:
                 self.manifest = check_manifest_bytes(path.read_bytes(), source, self.dest)
                 continue
             try:
-                store.verify_file(path)
+                if PART_REL_RE.fullmatch(relpath):
+                    check_part(store, "block" if relpath.startswith(PART_FOLDERS[0]) else "checkpoint", path.stem, path=path)
+                else:
+                    self.reached.update(chain_relpaths(store.verify_file(path, parts=False)))
             except SnapshotError as exc:
                 raise ShipError(f"{source}: {relpath}: {exc.reason}; refusing it (nothing was changed in {self.dest})") from None
 
     def _check_references(self, present: Callable[[str], bool]) -> None:
         """Every snapshot the shipped manifest lists is shipped too, or already in the store."""
+        parts = sorted(r for r in self.reached if r not in self.staged and not present(r))
+        if parts:
+            raise ShipError(f"a shipped record needs {parts[0]}, which was not shipped and is not in {self.dest}; refusing it (nothing was changed in {self.dest}); ship the whole store with `kvsnap pack` or `kvsnap push`")
         if self.manifest is None:
             return
         missing = sorted(r for r in referenced_files(self.manifest) if r not in self.staged and not present(r))
@@ -250,7 +272,7 @@ class StagedInstall:
         if not self.staged:  # everything was already in place: leave the store untouched
             self.cleanup()
             return
-        for folder in (self.tmp / SNAPSHOTS, self.tmp):
+        for folder in (*(self.tmp / f for f in (SNAPSHOTS, *PART_FOLDERS)), self.tmp):
             _fsync_dir(folder)
         if not self.dest.exists():
             self._check_references(lambda relpath: False)
@@ -271,11 +293,13 @@ class StagedInstall:
                 except ManifestError as exc:
                     raise ShipError(f"{exc}; the install merges into it, so nothing was changed in {self.dest}") from None
                 self._check_references(lambda relpath: _is_regular_file(store.root / relpath))
-                snaps = [r for r in self.staged if r != MANIFEST]
-                for relpath in snaps:
+                # Parts before records, records before the manifest: what lands is always whole.
+                files = sorted((r for r in self.staged if r != MANIFEST), key=lambda r: not PART_REL_RE.fullmatch(r))
+                for relpath in files:
+                    (store.root / relpath).parent.mkdir(mode=DIR_MODE, exist_ok=True)
                     os.replace(self.tmp / relpath, store.root / relpath)
-                if snaps:
-                    _fsync_dir(store.snapshots_dir)
+                for folder in sorted({(store.root / r).parent for r in files}):
+                    _fsync_dir(folder)
                 if self.manifest is not None:
                     store.merge_manifest(self.manifest)
         except OSError as exc:
@@ -391,7 +415,7 @@ def unpack(archive: str | os.PathLike, dest: str | os.PathLike) -> UnpackReport:
                 if member.issym() or member.islnk():
                     raise ArchiveError(f"{label} is a {'symbolic' if member.issym() else 'hard'} link (to {member.linkname!r}); refusing it (a store holds only regular files)")
                 if member.isdir():
-                    if name in ("", ".", SNAPSHOTS):
+                    if name in ("", ".", SNAPSHOTS, *PART_FOLDERS):
                         continue
                     _check_name(name, where)  # says escape or unknown
                     raise ArchiveError(f"{label}: unexpected folder; refusing it")

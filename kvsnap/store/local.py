@@ -260,8 +260,9 @@ class Store:
         if not stat.S_ISREG(st.st_mode):
             raise SnapshotError(str(path), "is not a regular file", "delete it")
 
-    def verify_file(self, path: Path, expected: ModelIdentity | None = None) -> SnapshotInfo:
-        """Full check: header, identity, tokens, data checksum, and (optionally) the model."""
+    def verify_file(self, path: Path, expected: ModelIdentity | None = None, parts: bool = True) -> SnapshotInfo:
+        """Full check: header, identity, tokens, data checksum, and (optionally) the model; for a
+        v3 record also every block and checkpoint it reaches (unless ``parts`` is False)."""
         info = self.inspect(path)
         try:
             check_data(path, read_header(path))
@@ -269,7 +270,7 @@ class Store:
         except FormatError as exc:
             raise SnapshotError(str(path), str(exc)) from None
         require_model(info, expected)
-        if info.chain is not None:
+        if info.chain is not None and parts:
             from kvsnap.store.parts import verify_chain
 
             verify_chain(self, info)

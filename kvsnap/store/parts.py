@@ -20,7 +20,7 @@ from typing import Iterable, Sequence
 from kvsnap.errors import SnapshotError, StoreError
 from kvsnap.snapshot.blocks import ChainLink
 from kvsnap.snapshot.cache_classes import split_tensor_names
-from kvsnap.snapshot.file import FormatError, OutTensor, parse_header, verify_checksum, write_snapshot
+from kvsnap.snapshot.file import FormatError, OutTensor, check_data, parse_header, read_header, verify_checksum, write_snapshot
 from kvsnap.snapshot.format import (
     BLOCK_KIND, BLOCKS, CHECKPOINT_KIND, CHECKPOINTS, DTYPES, KEY_RE, SUFFIX, TOKENS, block_relpath, checkpoint_relpath, part_metadata,
     snapshot_filename,
@@ -126,6 +126,28 @@ def write_chain(
 # --- reading --------------------------------------------------------------------------------
 
 
+def _expect(info: PartInfo, kind: str, model_digest: str | None, start: int | None, end: int | None, prefix_digest: str | None) -> None:
+    if info.kind != kind or (model_digest and info.model_digest != model_digest) or (start is not None and (info.start, info.end) != (start, end)) or (prefix_digest and info.prefix_digest != prefix_digest):
+        raise FormatError(f"holds a {info.kind} of [{info.start}, {info.end}) for model {info.model_digest[:8]}, not the {kind} of [{start}, {end}) the chain names")
+
+
+def check_part(store: Store, kind: str, key: str, model_digest: str | None = None, start: int | None = None, end: int | None = None, prefix_digest: str | None = None, path: Path | None = None) -> tuple[PartInfo, dict]:
+    """A block's or checkpoint's header and checksum, streamed from the file (no mlx): its
+    ``PartInfo`` and tensor entries. With the chain's expectations, checks it is that part."""
+    path = path or part_path(store, kind, key)
+    store._check_regular(path)
+    try:
+        header = read_header(path)
+        info = inspect_part(path, header)
+        _expect(info, kind, model_digest, start, end, prefix_digest)
+        check_data(path, header)
+    except FormatError as exc:
+        raise SnapshotError(str(path), str(exc), FIX) from None
+    except OSError as exc:
+        raise SnapshotError(str(path), f"cannot be read ({exc.strerror or exc})", "check the file's permissions") from None
+    return info, header.tensors
+
+
 def read_part(store: Store, kind: str, key: str, model_digest: str, start: int, end: int, prefix_digest: str | None = None) -> tuple[PartInfo, dict]:
     """One open and one read into mlx memory; the header checked against itself and against what
     the chain expects (model, span, prefix), the checksum over exactly the bytes returned."""
@@ -137,8 +159,7 @@ def read_part(store: Store, kind: str, key: str, model_digest: str, start: int, 
         with open(path, "rb") as f:
             header = parse_header(f, os.fstat(f.fileno()).st_size)
             info = inspect_part(path, header)
-            if info.kind != kind or info.model_digest != model_digest or (info.start, info.end) != (start, end) or (prefix_digest and info.prefix_digest != prefix_digest):
-                raise FormatError(f"holds a {info.kind} of [{info.start}, {info.end}) for model {info.model_digest[:8]}, not the {kind} of [{start}, {end}) the chain names")
+            _expect(info, kind, model_digest, start, end, prefix_digest)
             buf = mx.zeros((max(1, header.data_len),), dtype=mx.uint8)
             mx.eval(buf)
             view = memoryview(buf)[: header.data_len]
@@ -206,16 +227,30 @@ def assemble(store: Store, info: SnapshotInfo) -> tuple[dict, list]:
 
 
 def verify_chain(store: Store, info: SnapshotInfo) -> int:
-    """Read and checksum every block and checkpoint a record reaches; returns their bytes."""
+    """Check every block and checkpoint a record reaches, streamed (no mlx): header, key, span,
+    checksum, and tensors against the record's layer list. Returns their bytes."""
+    sliced, whole = split_tensor_names(info.layers)
     total = 0
     digests = dict(zip([b[2] for b in info.chain.blocks], _digests(info)))
     for key, start, end in info.chain.blocks:
-        _, arrays = read_part(store, BLOCK_KIND, key, info.model_digest, start, end, digests[end])
-        total += sum(a.nbytes for a in arrays.values())
+        part, tensors = check_part(store, BLOCK_KIND, key, info.model_digest, start, end, digests[end])
+        _check_tensors(store, part, tensors, set(sliced), end - start)
+        total += part_path(store, BLOCK_KIND, key).stat().st_size
     for key, end in info.chain.checkpoints:
-        _, arrays = read_part(store, CHECKPOINT_KIND, key, info.model_digest, 0, end, digests[end])
-        total += sum(a.nbytes for a in arrays.values())
+        part, tensors = check_part(store, CHECKPOINT_KIND, key, info.model_digest, 0, end, digests[end])
+        _check_tensors(store, part, tensors, set(split_tensor_names(part.layers)[1]), None)
+        total += part_path(store, CHECKPOINT_KIND, key).stat().st_size
     return total
+
+
+def _check_tensors(store: Store, part: PartInfo, tensors: dict, names: set, tokens: int | None) -> None:
+    path = str(part_path(store, part.kind, part.key))
+    if set(tensors) != names:
+        raise SnapshotError(path, f"holds tensors {sorted(set(tensors) - names)[:3] or sorted(names - set(tensors))[:3]} the record's layers do not (or lacks them)", FIX)
+    if tokens is not None:
+        for name, entry in tensors.items():
+            if len(entry.shape) < 2 or entry.shape[-2] != tokens:
+                raise SnapshotError(path, f"tensor {name} has shape {list(entry.shape)}, not {tokens} tokens on its token axis", FIX)
 
 
 def _digests(info: SnapshotInfo) -> list[str]:
