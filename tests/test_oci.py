@@ -230,11 +230,11 @@ def test_bearer_token_flow_against_a_real_registry(token_registry, built, tmp_pa
     creds = Credentials("ci", "tok-pw", "test")
     first_call = len(tokens.calls)
     report = push(built, ref, credentials=creds)
-    assert len(report.uploaded) == 4  # empty config + 2 snapshots + manifest.json
+    assert len(report.uploaded) == 1 + len(store_files(built))  # the empty config + 2 records, their blocks, manifest.json
     user, query = tokens.calls[first_call]
     assert user == "ci" and ("service", SERVICE) in query and ("scope", "repository:team/snaps:pull,push") in query, query
     pulled = pull(ref, tmp_path / "pulled", credentials=creds)
-    assert len(pulled.downloaded) == 3 and store_files(tmp_path / "pulled") == store_files(built)
+    assert len(pulled.downloaded) == len(store_files(built)) and store_files(tmp_path / "pulled") == store_files(built)
     r = run_kvsnap("pull", str(ref), tmp_path / "cli-pulled", env={"KVSNAP_REGISTRY_USER": "ci", "KVSNAP_REGISTRY_PASSWORD": "tok-pw"})
     assert r.returncode == 0 and "tok-pw" not in r.stdout + r.stderr, r.stdout + r.stderr
     assert store_files(tmp_path / "cli-pulled") == store_files(built)
@@ -264,7 +264,8 @@ def test_push_pull_verify_round_trip(registry, built, tmp_path):
     ref = registry.ref("team/snaps")
     pushed = run_kvsnap("push", built, ref)
     assert pushed.returncode == 0, pushed.stdout + pushed.stderr
-    assert "4 blob(s) uploaded" in pushed.stdout and "0 already in the registry" in pushed.stdout
+    n = len(store_files(built))  # manifest.json, 2 records and the blocks they reach
+    assert f"{n + 1} blob(s) uploaded" in pushed.stdout and "0 already in the registry" in pushed.stdout
 
     # The artifact: an OCI image manifest of type kvsnap store, the empty config, one layer per file.
     doc = registry.manifest("team/snaps", "v1").json()
@@ -277,11 +278,11 @@ def test_push_pull_verify_round_trip(registry, built, tmp_path):
     out = tmp_path / "pulled"
     r = run_kvsnap("pull", ref, out)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "3 file(s) downloaded" in r.stdout and "0 already there" in r.stdout
+    assert f"{n} file(s) downloaded" in r.stdout and "0 already there" in r.stdout
     assert store_files(out) == store_files(built)
-    assert sorted(os.listdir(out)) == [MANIFEST, "snapshots"]  # a new store appears whole: no .lock, no temp files
-    assert oct(out.stat().st_mode & 0o777) == "0o700" and oct((out / "snapshots").stat().st_mode & 0o777) == "0o700"
-    assert {oct(p.stat().st_mode & 0o777) for p in [out / MANIFEST, *(out / "snapshots").iterdir()]} == {"0o600"}
+    assert sorted(os.listdir(out)) == ["blocks", "checkpoints", MANIFEST, "snapshots"]  # a new store appears whole: no .lock, no temp files
+    assert {oct((out / d).stat().st_mode & 0o777) for d in ("", "snapshots", "blocks")} == {"0o700"}
+    assert {oct(p.stat().st_mode & 0o777) for p in [out / MANIFEST, *(out / "snapshots").iterdir(), *(out / "blocks").iterdir()]} == {"0o600"}
     v = run_kvsnap("verify", out)
     assert v.returncode == 0 and "2 ok, 0 bad" in v.stdout, v.stdout
     assert no_stage_dirs(tmp_path)
@@ -289,11 +290,11 @@ def test_push_pull_verify_round_trip(registry, built, tmp_path):
     # Again: nothing to download, nothing touched; re-push: nothing uploaded, same manifest digest.
     before = tree(out)
     r = run_kvsnap("pull", ref, out)
-    assert r.returncode == 0 and "0 file(s) downloaded" in r.stdout and "3 already there" in r.stdout
+    assert r.returncode == 0 and "0 file(s) downloaded" in r.stdout and f"{n} already there" in r.stdout
     assert tree(out) == before
     since = registry.log_size()
     r2 = run_kvsnap("push", built, ref)
-    assert r2.returncode == 0 and "0 blob(s) uploaded" in r2.stdout and "4 already in the registry" in r2.stdout
+    assert r2.returncode == 0 and "0 blob(s) uploaded" in r2.stdout and f"{n + 1} already in the registry" in r2.stdout
     assert registry.uploads(since) == []
     digest = re.compile(r"\((sha256:[0-9a-f]{64})\)")
     assert digest.search(r2.stdout).group(1) == digest.search(pushed.stdout).group(1)  # same manifest digest
@@ -306,23 +307,24 @@ def test_repush_after_changing_one_agent_uploads_one_new_snapshot_blob(registry,
     ref = Reference.parse(registry.ref("ci/agents"))
     first = push(store, ref)
     replica = tmp_path / "replica"
-    assert len(pull(ref, replica).downloaded) == 3
+    assert len(pull(ref, replica).downloaded) == len(store_files(store))
 
     # CI edits one agent, rebuilds the same store, pushes the same tag.
     agents[1] = {"name": "planner", "messages": [{"role": "system", "content": "You are a planner agent. Plan briefly, then list the steps."}]}
     build_store(lm, store, agents, agents_file)
-    new_snaps = sorted(set(store_files(store)) - set(store_files(replica)))
-    assert len(new_snaps) == 1
+    new_files = sorted(set(store_files(store)) - set(store_files(replica)))
+    assert len([f for f in new_files if f.startswith("snapshots/")]) == 1 and any(f.startswith("blocks/") for f in new_files)
     since = registry.log_size()
     report = push(store, ref)
-    assert report.uploaded == [new_snaps[0], MANIFEST]  # the new snapshot and the changed manifest.json only
-    assert len(report.skipped) == 3 and report.manifest_digest != first.manifest_digest
+    assert sorted(report.uploaded) == sorted([*new_files, MANIFEST])  # the new record, its new blocks and the changed manifest.json only
+    unchanged = [f for f in store_files(store) if f not in new_files and f != MANIFEST]
+    assert sorted(report.skipped) == sorted(["config", *unchanged]) and report.manifest_digest != first.manifest_digest
     uploaded = registry.uploads(since)  # counted by the registry itself
-    assert sorted(uploaded) == sorted([sha256(store / new_snaps[0]), sha256(store / MANIFEST)])
+    assert sorted(uploaded) == sorted([sha256(store / f) for f in [*new_files, MANIFEST]])
 
     # A replica pulls only what it lacks.
     again = pull(ref, replica)
-    assert sorted(again.downloaded) == sorted([new_snaps[0], MANIFEST]) and len(again.present) == 2
+    assert sorted(again.downloaded) == sorted([*new_files, MANIFEST]) and sorted(again.present) == sorted(f for f in unchanged if f in again.present)
     assert store_files(replica) == store_files(store)
     assert run_kvsnap("verify", replica).returncode == 0
 
@@ -340,7 +342,7 @@ def test_serve_from_oci_pulls_into_the_cache_and_the_first_request_hits(registry
         server.wait_ready(120)
         log = server.log()
         pulled = cache / "oci" / registry.host.replace(":", "_") / "serve/snaps/prod"
-        assert f"pulled {ref}" in log and "3 file(s) downloaded" in log, log[-2000:]
+        assert f"pulled {ref}" in log and f"{len(store_files(built))} file(s) downloaded" in log, log[-2000:]
         warmup = server.status()["warmup"]
         assert (warmup["from_snapshots"], warmup["prefilled"]) == (2, 0), warmup
         assert store_files(pulled) == store_files(built)

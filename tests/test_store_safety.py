@@ -130,8 +130,9 @@ def test_an_install_replaces_only_the_record_it_ships_and_gc_drops_only_what_tha
     build_store(lm, b, AGENTS_B[:1], agents_file)  # v2 of B: delta left the agents file
     unpack(pack(b, tmp_path / "v2.tar").archive, store_a)
     doomed, _ = Store.open(store_a).gc(apply=True)
-    dropped = sorted(v1 - Store.open(b).referenced())  # delta's snapshot, which only B-v1 listed
-    assert len(dropped) == 1 and [f"snapshots/{p.name}" for p in doomed] == dropped
+    dropped = sorted(v1 - Store.open(b).referenced())  # delta's record, which only B-v1 listed
+    assert len(dropped) == 1 and [f"snapshots/{p.name}" for p in doomed if p.parent.name == "snapshots"] == dropped
+    assert all(p.parent.name == "blocks" for p in doomed if p.parent.name != "snapshots")  # and its own blocks, no other
     assert len(Store.open(store_a).snapshot_files()) == 3  # A's two + gamma
     for path in Store.open(store_a).snapshot_files():
         Store.open(store_a).verify_file(path)
@@ -152,7 +153,8 @@ def test_regression_pull_into_a_store_merges_and_gc_keeps_its_snapshots(registry
     # and merged into one that already holds B's record; no snapshot is downloaded.
     before = tree(store_a)
     again = run_kvsnap("pull", ref, store_a)
-    assert again.returncode == 0 and "1 file(s) downloaded" in again.stdout and "2 already there" in again.stdout, again.stdout + again.stderr
+    shipped = len(store_files(built_b)) - 1  # B's records and blocks
+    assert again.returncode == 0 and "1 file(s) downloaded" in again.stdout and f"{shipped} already there" in again.stdout, again.stdout + again.stderr
     assert {k: v for k, v in tree(store_a).items() if k != ".lock"} == {k: v for k, v in before.items() if k != ".lock"}
 
 

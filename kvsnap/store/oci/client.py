@@ -166,6 +166,19 @@ class RegistryClient:
         resp = self.request("HEAD", f"{self.base}/blobs/{digest}")
         return resp.status_code == 200
 
+    def blobs_exist(self, digests: list[str], workers: int = 8) -> dict[str, bool]:
+        """HEAD each blob, up to ``workers`` at once (a store of blocks has thousands). The first
+        goes alone, so a token the registry asks for is fetched once, not by every thread."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        unique = list(dict.fromkeys(digests))
+        if not unique:
+            return {}
+        found = {unique[0]: self.blob_exists(unique[0])}
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvsnap-head") as pool:
+            found.update(zip(unique[1:], pool.map(self.blob_exists, unique[1:])))
+        return found
+
     def upload_blob(self, digest: str, size: int, opener: Callable[[], BinaryIO]) -> None:
         """Monolithic upload: POST for a session, then PUT the bytes with ``?digest=``; the registry checks the digest."""
         resp = self.request("POST", f"{self.base}/blobs/uploads/", headers={"Content-Length": "0"}, ok=(202,))

@@ -15,7 +15,9 @@ from pathlib import Path
 import httpx
 
 from kvsnap.errors import ManifestError, SnapshotError
+from kvsnap.snapshot.format import BLOCKS, PART_REL_RE
 from kvsnap.store.archive import ShipError, StagedInstall, check_destination, present_with_digest
+from kvsnap.store.parts import check_part
 from kvsnap.store.local import MANIFEST, Store
 from kvsnap.store.manifest import read_manifest_file
 from kvsnap.store.oci.artifact import Layer, parse_artifact
@@ -77,8 +79,10 @@ def _verify_present(root: Path, relpaths: list[str], ref: Reference) -> None:
         try:
             if relpath == MANIFEST:
                 read_manifest_file(store.root / MANIFEST, f"refusing it (nothing was changed in {root})")
+            elif PART_REL_RE.fullmatch(relpath):
+                check_part(store, "block" if relpath.startswith(BLOCKS) else "checkpoint", Path(relpath).stem, path=store.root / relpath)
             else:
-                store.verify_file(store.root / relpath)
+                store.verify_file(store.root / relpath, parts=False)  # its parts: staged or present, each checked
         except ManifestError as exc:
             raise ShipError(f"{ref}: {exc}") from None
         except SnapshotError as exc:
