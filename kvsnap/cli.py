@@ -35,6 +35,7 @@ SUBCOMMANDS = (
     store.add_inspect,
     store.add_verify,
     store.add_gc,
+    store.add_migrate,
     transfer.add_push,
     transfer.add_pull,
     transfer.add_pack,

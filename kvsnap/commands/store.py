@@ -154,3 +154,29 @@ def cmd_gc(args) -> int:
         print(f"{verb} {p}")
     print(f"{verb} {len(doomed)} file(s), {human_bytes(freed)}" + ("" if args.yes else "; run again with --yes to delete"))
     return EXIT_OK
+
+
+def add_migrate(sub) -> None:
+    p = sub.add_parser("migrate", help="turn a store's v2 whole-file snapshots into v3 records and shared blocks (no model needed)")
+    p.add_argument("store")
+    p.add_argument("--block-tokens", type=int, default=256, metavar="B", help="tokens per block (default 256)")
+    p.add_argument("--dry-run", action="store_true", help="list the files that would be migrated, change nothing")
+    p.set_defaults(run=cmd_migrate)
+
+
+def cmd_migrate(args) -> int:
+    from kvsnap.errors import UsageError
+    from kvsnap.snapshot.blocks import MAX_BLOCK_TOKENS, BlockSettings
+    from kvsnap.store.migrate import migrate_store
+
+    if not 1 <= args.block_tokens <= MAX_BLOCK_TOKENS:
+        raise UsageError(f"--block-tokens {args.block_tokens}: give a number of tokens from 1 to {MAX_BLOCK_TOKENS}")
+    report = migrate_store(args.store, BlockSettings(block_tokens=args.block_tokens), dry_run=args.dry_run)
+    verb = "would migrate" if args.dry_run else "migrated"
+    for path in report.migrated:
+        print(f"{verb} {path}")
+    for problem in report.problems:
+        print(f"left as it is: {problem}")
+    sizes = "" if args.dry_run else f"; {human_bytes(report.bytes_before)} of whole files became {human_bytes(report.bytes_after)} of records and new blocks"
+    print(f"{verb} {len(report.migrated)} file(s), {report.already} already v3, {len(report.problems)} unreadable{sizes}")
+    return EXIT_BAD if report.problems else EXIT_OK

@@ -92,7 +92,7 @@ def header_metadata(
     With ``chain`` it is a v3 prompt record; without, a v2 whole file (what ``kvsnap migrate``
     reads and the tests write). Field order and JSON spelling are part of the file's bytes: keep them.
     """
-    extra = {CHAIN: json.dumps(chain, sort_keys=True, separators=(",", ":"))} if chain is not None else {}
+    extra = {CHAIN: encode_chain(chain)} if chain is not None else {}
     return {
         "kvsnap.format": str(FORMAT_VERSION if chain is not None else WHOLE_FILE_FORMAT),
         "kvsnap.key": key,
@@ -106,6 +106,11 @@ def header_metadata(
         "kvsnap.recorded": json.dumps(recorded, sort_keys=True),
         **extra,
     }
+
+
+def encode_chain(chain: dict) -> str:
+    """``kvsnap.chain``'s text: compact, keys sorted (part of the file's bytes)."""
+    return json.dumps(chain, sort_keys=True, separators=(",", ":"))
 
 
 def part_metadata(*, kind: str, key: str, model_digest: str, start: int, end: int, prefix_digest: str, layers: list | None) -> dict[str, str]:
