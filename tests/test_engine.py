@@ -212,14 +212,17 @@ def assert_served_from_the_exact_snapshot_state(engine, warm, tokens) -> None:
     """
     import mlx.core as mx
 
-    from kvsnap.runtime.prefill import prefill
+    from kvsnap.runtime.prefill import prefill_in_blocks
     from kvsnap.snapshot.codec import encode_cache
 
     warm = tuple(warm)
 
     def check():
         lm = engine.lm
-        fresh, _ = encode_cache(prefill(lm, warm), warm)
+        # A snapshot's state was prefilled block by block (at its chain's ends); the engine's own warm-up prefill in one run.
+        info = next((i for i in engine.store.scan()[0] if i.tokens == warm and i.chain is not None), None) if engine.store is not None else None
+        ends = [end for _, _, end in info.chain.blocks] if info is not None else [len(warm)]
+        fresh, _ = encode_cache(prefill_in_blocks(lm, warm, ends), warm)
         entry = warm_entry(engine, warm)
         copy = engine.prefix.copy_state(entry.state)
         for label, state in (("stored", entry.state), ("private copy", copy)):
@@ -312,6 +315,17 @@ def test_restored_hybrid_request_batched_with_cold_requests_of_other_lengths(wor
 # --- 4. rejected snapshots fall back to prefill ------------------------------------------
 
 
+def _flip_own_state_byte(store: Path, record: Path) -> Path:
+    """Flip a byte in the last block of ``record`` (its tail: no other agent's); returns that block."""
+    from kvsnap.store.local import Store
+    from kvsnap.store.parts import chain_relpaths
+
+    info = Store.open(store).inspect(record)
+    block = store / [rel for rel in chain_relpaths(info) if rel.startswith("blocks/")][-1]
+    _flip_data_byte(block)
+    return block
+
+
 def _flip_data_byte(path: Path) -> None:
     raw = bytearray(path.read_bytes())
     header = int.from_bytes(raw[:8], "little")
@@ -353,7 +367,7 @@ def test_rejected_snapshots_are_reported_and_replaced_by_a_prefill(kind, worlds,
     elif kind == "corrupt":
         world.copy_store(store)
         victim = sorted((store / "snapshots").iterdir())[0]
-        _flip_data_byte(victim)
+        _flip_own_state_byte(store, victim)
         expect_rejected, expect_prefilled, reason = 1, 1, "checksum"
     else:
         world.copy_store(store)
@@ -379,7 +393,7 @@ def test_rejected_snapshots_are_reported_and_replaced_by_a_prefill(kind, worlds,
 def test_a_corrupt_snapshot_loaded_lazily_is_rejected_on_first_hit(worlds, engines, oracle, tmp_path):
     world = worlds("dense")
     store = world.copy_store(tmp_path / "snaps")
-    for f in (store / "snapshots").iterdir():
+    for f in (store / "blocks").iterdir():
         _flip_data_byte(f)
     engine = engines.start(world, snapshots=store, cache_memory_mb=0.001)  # nothing loads at start
     assert engine.status()["snapshots"]["rejected"] == 0

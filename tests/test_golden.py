@@ -1,7 +1,8 @@
 """Refactors change no byte: for the same inputs, keys, tensor bytes and every header field but
-``kvsnap.recorded`` (and the checksum that covers it) equal what the code at the start of issue 16
-wrote (tests/fixtures/golden/summary.json, made by tests/golden_summary.py from 18e6c05), and a
-store that code wrote still loads, hits and answers like a cold server."""
+``kvsnap.recorded`` (and the checksum that covers it) of every record, block and checkpoint
+equal the baseline (tests/fixtures/golden/summary.json, written by ``tests/golden_summary.py
+--write`` when the format 3 block store landed, issue 17); and a store written before blocks
+(format 2, at 18e6c05: fixtures/golden/store-dense) still loads, hits and answers like a cold server."""
 
 from __future__ import annotations
 

@@ -182,11 +182,14 @@ def test_snapshots_restored_during_the_model_load_answer_like_a_cold_start(arch_
 
 
 def test_a_corrupt_snapshot_found_during_the_overlapped_read_is_rejected_and_prefilled(world, monkeypatch):
-    victim = sorted((world["store"] / "snapshots").iterdir())[0]
     from kvsnap.snapshot.file import read_header
+    from kvsnap.store.local import Store
+    from kvsnap.store.parts import chain_relpaths
 
+    record = sorted((world["store"] / "snapshots").iterdir())[0]
+    victim = world["store"] / chain_relpaths(Store.open(world["store"]).inspect(record))[-1]  # its own last block (or checkpoint)
     header = read_header(victim)
-    layer = next(e for name, e in header.tensors.items() if name != "tokens")
+    layer = next(iter(header.tensors.values()))
     data = bytearray(victim.read_bytes())
     data[header.data_start + layer.start + 5] ^= 0xFF  # one byte of KV: only the checksum can tell
     victim.write_bytes(bytes(data))
