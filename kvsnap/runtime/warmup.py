@@ -172,6 +172,36 @@ def snapshot_loader(store: Store, info: SnapshotInfo, prefetched=None) -> Callab
     return load
 
 
+def checkpoint_loader(store: Store, info: SnapshotInfo, end: int, checkpoint_key: str) -> Callable[[], tuple]:
+    """Loads a record's state at one of its checkpoints: its blocks up to ``end`` and the checkpoint there."""
+    from kvsnap.store.parts import assemble_state
+
+    def load():
+        blocks = [b for b in info.chain.blocks if b[2] <= end]
+        arrays, layers = assemble_state(store, str(info.path), info.model_digest, info.tokens, blocks, (checkpoint_key, end), None)
+        state = decode_cache(arrays, layers)
+        return state, cache_nbytes_of(state)
+
+    return load
+
+
+def checkpoint_entries(store: Store, good: dict[str, SnapshotInfo]) -> list[Entry]:
+    """Hybrid models restore only at checkpoints: one entry (indexed, loaded on first hit) per
+    checkpoint inside a record -- a branch point or every C tokens -- so a request that shares an
+    agent's preamble but not its tail still starts from the preamble. Records sharing a
+    checkpoint share its entry."""
+    seen: dict[tuple, Entry] = {}
+    for info in good.values():
+        if info.chain is None or layers_trimmable(info.layers, str(info.path)):
+            continue  # whole files have no checkpoints; trimmable prefixes hit at any token already
+        per_token = info.nbytes / max(1, info.n_tokens)
+        for key, end in info.chain.checkpoints:
+            tokens = tuple(info.tokens[:end])
+            if end < info.n_tokens and tokens not in seen:
+                seen[tokens] = Entry(tokens=tokens, state=None, nbytes=int(per_token * end), trimmable=False, pinned=False, source="snapshot", name=f"{info.name}@{end}", key=key, loader=checkpoint_loader(store, info, end, key))
+    return list(seen.values())
+
+
 def recorded_prefix(by_recipe: dict, prompt, prompt_digest: str, identity: ModelIdentity, template) -> tuple[int, ...] | None:
     """The warm-prefix tokens a snapshot recorded for exactly this recipe, if its key still
     follows from them (so the model matches too); None means: compute them."""
@@ -334,6 +364,9 @@ class _Warmup:
                 self.prefix.add(make_entry(self.lm, self.store, info, pinned=False))
             except SnapshotError as exc:
                 self.counts.reject(exc.path, exc.reason)
+        if self.store is not None:
+            for entry in checkpoint_entries(self.store, good):
+                self.prefix.add(entry)
         self.counts.indexed = sum(1 for e in self.prefix.entries if e.loader is not None)
 
     def write_back(self, t: WarmTarget, cache: list, agents_file: str) -> Path | None:

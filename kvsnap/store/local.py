@@ -243,11 +243,18 @@ class Store:
                 if tok is not None:  # its bounds were checked against the file size by parse_header
                     f.seek(header.data_start + tok.start)
                     raw = f.read(tok.nbytes)
-            return inspect_header(path, header, raw)
+            info = inspect_header(path, header, raw)
         except FormatError as exc:
             raise SnapshotError(str(path), str(exc)) from None
         except OSError as exc:
             raise SnapshotError(str(path), f"cannot be read ({exc.strerror or exc})", "check the file's permissions") from None
+        if info.chain is not None:  # a record's size is its state's: its blocks and checkpoints (a stat each)
+            from dataclasses import replace
+
+            from kvsnap.store.parts import chain_relpaths
+
+            info = replace(info, nbytes=info.nbytes + sum(_size(self.root / rel) for rel in chain_relpaths(info)))
+        return info
 
     def _check_regular(self, path: Path) -> None:
         if path.is_symlink():
@@ -387,6 +394,14 @@ class Store:
             self.fsync(fd)
         finally:
             os.close(fd)
+
+
+def _size(path: Path) -> int:
+    """A file's size, 0 when it is missing (reading it later names the problem)."""
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
 
 
 def classify(infos: list[SnapshotInfo], expected: ModelIdentity | None) -> tuple[list[SnapshotInfo], list[Problem]]:
