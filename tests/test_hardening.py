@@ -90,8 +90,8 @@ def test_build_killed_at_each_fault_point_leaves_a_sound_store_that_resumes(poin
 
 
 def _temp_files(store: Path) -> list[Path]:
-    """Temp files a killed write leaves behind (snapshots and the manifest are both written through one)."""
-    return [p for folder in (store, store / "snapshots") if folder.is_dir() for p in folder.iterdir() if p.name.startswith(".tmp-")]
+    """Temp files a killed write leaves behind (records, blocks, checkpoints and the manifest are all written through one)."""
+    return [p for folder in (store, *(store / f for f in ("snapshots", "blocks", "checkpoints"))) if folder.is_dir() for p in folder.iterdir() if p.name.startswith(".tmp-")]
 
 
 def _wait_for_point(log: Path, point: str, count: int, proc: subprocess.Popen, deadline: float) -> bool:

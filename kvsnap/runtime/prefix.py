@@ -53,6 +53,7 @@ class Entry:
     last_used: int = 0
     resident: bool = False
     namespace: str | None = None  # None: shared (warm); else the owning request namespace
+    inner: bool = False  # a checkpoint inside a warm prompt: a hit on it is a partial match of that prompt
 
     @property
     def slot(self) -> tuple:

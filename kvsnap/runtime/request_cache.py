@@ -27,7 +27,7 @@ def prepare_request(lm: Any, prefix: PrefixCache, accounts: TokenAccounts, state
     accounts.start_request(state, n_cached)
     state.cache_source = match.entry.source if match else ""
     # A partial match on an entry shared with others tells how far the prompts agree.
-    state.cache_shared_partial = bool(match) and n_cached < len(match.entry.tokens) and (match.entry.namespace is None or match.entry.namespace == "")
+    state.cache_shared_partial = bool(match) and (n_cached < len(match.entry.tokens) or match.entry.inner) and (match.entry.namespace is None or match.entry.namespace == "")
     state.detok = lm.tokenizer.detokenizer
     state.detok.reset()
     return cache, tokens[n_cached:]

@@ -198,7 +198,7 @@ def checkpoint_entries(store: Store, good: dict[str, SnapshotInfo]) -> list[Entr
         for key, end in info.chain.checkpoints:
             tokens = tuple(info.tokens[:end])
             if end < info.n_tokens and tokens not in seen:
-                seen[tokens] = Entry(tokens=tokens, state=None, nbytes=int(per_token * end), trimmable=False, pinned=False, source="snapshot", name=f"{info.name}@{end}", key=key, loader=checkpoint_loader(store, info, end, key))
+                seen[tokens] = Entry(tokens=tokens, state=None, nbytes=int(per_token * end), trimmable=False, pinned=False, source="snapshot", name=f"{info.name}@{end}", key=key, loader=checkpoint_loader(store, info, end, key), inner=True)
     return list(seen.values())
 
 
