@@ -265,6 +265,8 @@ def restore_longest(lm: LoadedModel, store: Store, identity: ModelIdentity, toke
             break
         present.append(link)
     points = [link for link in present if not hybrid or has_part(store, CHECKPOINT_KIND, _checkpoint_key(identity, link))]
+    if hybrid:  # checkpoints the plan wants that are already stored stay in the record's chain
+        plan.stored = {link.end for link in points if link.checkpoint_key}
     replace: set = set()
     warnings: tuple[str, ...] = ()
     while points:
@@ -278,6 +280,7 @@ def restore_longest(lm: LoadedModel, store: Store, identity: ModelIdentity, toke
             replace.add(bad)
             warnings += (f"replacing a bad block or checkpoint ({exc.path}: {exc.reason})",)
             points = [p for p in points if p.end < _end_of(present, bad, point.end)]
+            plan.stored = {end for end in plan.stored if end < _end_of(present, bad, point.end)}
             continue
         return (point.end, decode_cache(arrays, layers)), replace, warnings
     return (0, None), replace, warnings

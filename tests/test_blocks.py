@@ -254,3 +254,16 @@ def test_migrate_turns_a_v2_store_into_records_and_blocks_with_the_same_state(tm
     assert store.gc(apply=False) == ([], 0)  # every block is reached
     again = migrate_store(tmp_path / "s")
     assert again.migrated == [] and again.already == len(before)
+
+
+def test_a_hybrid_record_lists_the_checkpoints_it_passes_through_even_when_reused(hybrid, tmp_path):
+    """The second agent restores from the branch-point checkpoint the first one wrote; its own
+    record must still name it (gc keeps what a record names; partial hits start from it)."""
+    agents_file = _agents(tmp_path / "agents.json", _text(8, 300), [_text(800, 30), _text(801, 30)])
+    report = _build(hybrid, agents_file, tmp_path / "s", blocks=BlockSettings(64, 128))
+    store = Store.open(tmp_path / "s")
+    chains = [store.inspect(store.path_for(e.key)).chain for e in report.entries]
+    assert report.entries[1].tokens_reused > 0
+    first, second = ({end for _, end in c.checkpoints} for c in chains)
+    shared_ends = {end for _, _, end in chains[1].blocks} & {end for _, _, end in chains[0].blocks}
+    assert {e for e in first if e in shared_ends} == {e for e in second if e in shared_ends} != set()

@@ -62,6 +62,7 @@ class ChainPlan:
     checkpoints: dict = field(default_factory=dict)  # end -> (arrays, layers) captured there (hybrids)
     written: Written = field(default_factory=Written)
     replace: set | None = field(default_factory=set)  # keys of parts to rewrite though present (bad ones); None: all (--force)
+    stored: set = field(default_factory=set)  # ends whose checkpoint the store already has (a build restored past them)
 
     def links(self, identity: ModelIdentity, tokens: Sequence[int], hybrid: bool, captured_only: bool = True) -> list:
         """The chain. ``captured_only``: a planned checkpoint whose state was not captured is left
@@ -71,7 +72,7 @@ class ChainPlan:
         links = chain_of(identity.digest, tokens, plan_cuts(len(tokens), set(self.branches), self.settings), hybrid)
         if not captured_only:
             return links
-        keep = set(self.checkpoints) | {len(tokens)}
+        keep = set(self.checkpoints) | self.stored | {len(tokens)}
         return [link if link.checkpoint_key is None or link.end in keep else ChainLink(link.start, link.end, link.key, link.prefix_digest, None) for link in links]
 
 
