@@ -24,6 +24,7 @@ import threading
 from typing import Any, Callable
 
 from kvsnap.runtime.accounting import TokenAccounts, cache_stats
+from kvsnap.runtime.composed import BlockPool
 from kvsnap.runtime.engine_startup import run_then_park
 from kvsnap.runtime.engine_types import EngineConfig, EventFn, GenerationRequest, RequestState, check_request
 from kvsnap.runtime.request_output import finish_request
@@ -43,6 +44,7 @@ class Engine:
         self.prefix = None
         self.counts = None
         self.store = None
+        self.pool = BlockPool()  # blocks of v3 records, each held once however many warm entries share it
         self.warmup_report = None
         self.warm = threading.Event()
         self.loaded = threading.Event()
@@ -168,7 +170,7 @@ class Engine:
     def _prefetch(self) -> None:
         from kvsnap.runtime.engine_startup import prefetch_snapshots
 
-        self._prefetched = prefetch_snapshots(self.config, self._mx_stream)
+        self._prefetched = prefetch_snapshots(self.config, self._mx_stream, self.pool)
 
     def _serve(self) -> None:
         try:
@@ -226,7 +228,8 @@ class Engine:
         from kvsnap.runtime.modeling import load_model
         from kvsnap.runtime.prefix import PrefixCache
         from kvsnap.runtime.warmup import SnapshotCounts
-        from kvsnap.snapshot.codec import copy_cache, trim_cache
+        from kvsnap.runtime.composed import copy_state
+        from kvsnap.snapshot.codec import trim_cache
 
         cfg = self.config
         self.lm = load_model(cfg.model, cfg.settings)
@@ -234,7 +237,7 @@ class Engine:
         self.counts = SnapshotCounts()
         self.prefix = PrefixCache(
             max_bytes=int(cfg.cache_memory_mb * 2**20),
-            copy_state=copy_cache,
+            copy_state=copy_state,
             trim_state=trim_cache,
             load_errors=(SnapshotError, OSError),
             on_load_error=self._on_load_error,
@@ -270,6 +273,7 @@ class Engine:
             prefill_many=lambda token_lists: prefill_many(self.lm, self._batch.new_generator, token_lists),
             concurrency=prefill_concurrency(cfg, self.lm.settings.kv_bits),
             prefetched=self._prefetched,
+            pool=self.pool,
         )
         if self._prefetched is not None:
             report.prefetch_seconds = round(self._prefetched.seconds, 3)

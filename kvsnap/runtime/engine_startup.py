@@ -13,7 +13,7 @@ from kvsnap.runtime.engine_types import EngineConfig
 log = logging.getLogger("kvsnap.runtime.engine")
 
 
-def prefetch_snapshots(cfg: EngineConfig, stream: Callable[[], Any]) -> Any:
+def prefetch_snapshots(cfg: EngineConfig, stream: Callable[[], Any], pool=None) -> Any:
     """Read and checksum the snapshots to pin, on the engine's own stream, while the model
     loads; a ``prefetch.Prefetched``, or None (no local store, or the prefetch failed)."""
     if not cfg.snapshots or "://" in cfg.snapshots:
@@ -27,7 +27,7 @@ def prefetch_snapshots(cfg: EngineConfig, stream: Callable[[], Any]) -> Any:
         model_dir = resolve_model(cfg.model).path
         names = [p.name for p in cfg.warm_prompts.entries] if cfg.warm_prompts else []
         with mx.stream(stream()):
-            return prefetch(cfg.snapshots, model_dir, cfg.settings, int(cfg.cache_memory_mb * 2**20), names)
+            return prefetch(cfg.snapshots, model_dir, cfg.settings, int(cfg.cache_memory_mb * 2**20), names, pool)
     except Exception as exc:  # an optimisation only: the warm-up reads the files itself
         log.warning("[kvsnap] snapshot prefetch skipped: %s", exc)
         return None

@@ -24,7 +24,7 @@ class Prefetched:
     root: Path
     infos: list[SnapshotInfo] = field(default_factory=list)  # the one header pass, reused by the warm-up
     problems: list[Problem] = field(default_factory=list)
-    arrays: dict[Path, dict] = field(default_factory=dict)  # read and checksummed
+    arrays: dict[Path, object] = field(default_factory=dict)  # read and checksummed: arrays, or (ComposedState, bytes added) for a record
     errors: dict[Path, SnapshotError] = field(default_factory=dict)
     seconds: float = 0.0
 
@@ -33,7 +33,7 @@ class Prefetched:
         good, foreign = classify(self.infos, expected)
         return good, self.problems + foreign
 
-    def take(self, info: SnapshotInfo) -> dict | None:
+    def take(self, info: SnapshotInfo) -> object | None:
         """The arrays read for ``info`` (once), or None to read the file now; a read that failed raises its error."""
         if info.path in self.errors:
             raise self.errors.pop(info.path)
@@ -53,7 +53,7 @@ def knowable_identity(model_dir: Path, settings: KVSettings) -> dict:
     }
 
 
-def prefetch(store_path: str, model_dir: Path, settings: KVSettings, budget_bytes: int, prefer: Iterable[str] = ()) -> Prefetched | None:
+def prefetch(store_path: str, model_dir: Path, settings: KVSettings, budget_bytes: int, prefer: Iterable[str] = (), pool=None) -> Prefetched | None:
     """Read the snapshots a start would pin (warm-prompt names first) up to the budget; None if there is no store."""
     t0 = time.perf_counter()
     root = Path(store_path).expanduser()
@@ -73,6 +73,12 @@ def prefetch(store_path: str, model_dir: Path, settings: KVSettings, budget_byte
         if used + info.nbytes > budget_bytes or any(info.model.get(k) != v for k, v in want.items()):
             continue
         try:
+            if info.chain is not None and pool is not None:  # a record: its blocks, each read once however many records share it
+                from kvsnap.runtime.composed import load_composed
+
+                out.arrays[info.path] = composed = load_composed(store, info, pool)
+                used += composed[1]
+                continue
             out.arrays[info.path] = store.load_arrays(info)
             used += info.nbytes
         except SnapshotError as exc:

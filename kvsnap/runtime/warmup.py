@@ -150,20 +150,27 @@ def open_store(path: str, write_back: bool, counts: SnapshotCounts, fault=None) 
     return Store.open(p, create=True, fault=fault)
 
 
-def make_entry(lm: LoadedModel, store: Store, info: SnapshotInfo, pinned: bool, prefetched=None) -> Entry:
+def make_entry(lm: LoadedModel, store: Store, info: SnapshotInfo, pinned: bool, prefetched=None, pool=None) -> Entry:
     """A prefix entry for a snapshot, only indexed: it loads when pinned within budget, else on first hit.
 
-    ``prefetched``: arrays read while the model loaded (``prefetch.Prefetched``), taken once."""
+    ``prefetched``: arrays read while the model loaded (``prefetch.Prefetched``), taken once.
+    ``pool``: where a record's blocks are held, once for every entry that shares them."""
     tokens = tuple(store.read_tokens(info))
-    loader = snapshot_loader(store, info, prefetched)
+    loader = snapshot_loader(store, info, prefetched, pool)
     return Entry(tokens=tokens, state=None, nbytes=info.nbytes, trimmable=layers_trimmable(info.layers, str(info.path)), pinned=pinned, source="snapshot", name=info.name, key=info.key, loader=loader)
 
 
-def snapshot_loader(store: Store, info: SnapshotInfo, prefetched=None) -> Callable[[], tuple]:
-    """Loads one snapshot's cache state: from ``prefetched`` when it was read already, else from the file."""
+def snapshot_loader(store: Store, info: SnapshotInfo, prefetched=None, pool=None) -> Callable[[], tuple]:
+    """Loads one snapshot's cache state: from ``prefetched`` when it was read already, else from
+    the file. A record with a ``pool`` stays as its shared blocks (a ``ComposedState``); its
+    size is what its blocks added to the pool."""
 
     def load():
         arrays = prefetched.take(info) if prefetched is not None else None
+        if info.chain is not None and pool is not None:
+            from kvsnap.runtime.composed import load_composed
+
+            return arrays if isinstance(arrays, tuple) else load_composed(store, info, pool)
         if arrays is None:
             arrays = store.load_arrays(info)
         state = decode_cache(arrays, info.layers)
@@ -172,11 +179,15 @@ def snapshot_loader(store: Store, info: SnapshotInfo, prefetched=None) -> Callab
     return load
 
 
-def checkpoint_loader(store: Store, info: SnapshotInfo, end: int, checkpoint_key: str) -> Callable[[], tuple]:
+def checkpoint_loader(store: Store, info: SnapshotInfo, end: int, checkpoint_key: str, pool=None) -> Callable[[], tuple]:
     """Loads a record's state at one of its checkpoints: its blocks up to ``end`` and the checkpoint there."""
     from kvsnap.store.parts import assemble_state
 
     def load():
+        if pool is not None:
+            from kvsnap.runtime.composed import load_composed
+
+            return load_composed(store, info, pool, end, checkpoint_key)
         blocks = [b for b in info.chain.blocks if b[2] <= end]
         arrays, layers = assemble_state(store, str(info.path), info.model_digest, info.tokens, blocks, (checkpoint_key, end), None)
         state = decode_cache(arrays, layers)
@@ -185,7 +196,7 @@ def checkpoint_loader(store: Store, info: SnapshotInfo, end: int, checkpoint_key
     return load
 
 
-def checkpoint_entries(store: Store, good: dict[str, SnapshotInfo]) -> list[Entry]:
+def checkpoint_entries(store: Store, good: dict[str, SnapshotInfo], pool=None) -> list[Entry]:
     """Hybrid models restore only at checkpoints: one entry (indexed, loaded on first hit) per
     checkpoint inside a record -- a branch point or every C tokens -- so a request that shares an
     agent's preamble but not its tail still starts from the preamble. Records sharing a
@@ -198,7 +209,7 @@ def checkpoint_entries(store: Store, good: dict[str, SnapshotInfo]) -> list[Entr
         for key, end in info.chain.checkpoints:
             tokens = tuple(info.tokens[:end])
             if end < info.n_tokens and tokens not in seen:
-                seen[tokens] = Entry(tokens=tokens, state=None, nbytes=int(per_token * end), trimmable=False, pinned=False, source="snapshot", name=f"{info.name}@{end}", key=key, loader=checkpoint_loader(store, info, end, key), inner=True)
+                seen[tokens] = Entry(tokens=tokens, state=None, nbytes=int(per_token * end), trimmable=False, pinned=False, source="snapshot", name=f"{info.name}@{end}", key=key, loader=checkpoint_loader(store, info, end, key, pool), inner=True)
     return list(seen.values())
 
 
@@ -230,6 +241,7 @@ def run_warmup(
     prefill_many: PrefillFn | None = None,
     concurrency: int = 1,
     prefetched=None,
+    pool=None,
 ) -> WarmupReport:
     """Index the store, pin the warm entries, prefill (at most ``concurrency`` at once) what has no snapshot.
 
@@ -241,7 +253,7 @@ def run_warmup(
     counts.begin_warmup()
     concurrency = max(1, int(concurrency))
     report = WarmupReport(problems=[str(p) for p in (prompts.problems if prompts else [])], prefill_concurrency=concurrency)
-    run = _Warmup(lm, prefix, identity, counts, store, report, budget_bytes)
+    run = _Warmup(lm, prefix, identity, counts, store, report, budget_bytes, pool=pool)
     good = run.scan(prefetched)
     if prompts is not None:
         targets, stale_keys = run.targets(prompts, good)
@@ -279,6 +291,7 @@ class _Warmup:
     report: WarmupReport
     budget_bytes: int
     prefetched: object = None
+    pool: object = None  # runtime.composed.BlockPool: a record's blocks, held once
 
     def scan(self, prefetched) -> dict[str, SnapshotInfo]:
         """The store's snapshots of this model by key; the others are reported as rejected."""
@@ -336,7 +349,7 @@ class _Warmup:
                 to_prefill.append(t)
                 continue
             try:
-                entry = make_entry(self.lm, self.store, t.info, pinned=True, prefetched=self.prefetched)
+                entry = make_entry(self.lm, self.store, t.info, pinned=True, prefetched=self.prefetched, pool=self.pool)
                 if used + t.info.nbytes <= self.budget_bytes:
                     entry.state, entry.nbytes = entry.loader()
                     entry.resident = True
@@ -361,11 +374,11 @@ class _Warmup:
             if info.key in skip_keys:
                 continue
             try:
-                self.prefix.add(make_entry(self.lm, self.store, info, pinned=False))
+                self.prefix.add(make_entry(self.lm, self.store, info, pinned=False, pool=self.pool))
             except SnapshotError as exc:
                 self.counts.reject(exc.path, exc.reason)
         if self.store is not None:
-            for entry in checkpoint_entries(self.store, good):
+            for entry in checkpoint_entries(self.store, good, self.pool):
                 self.prefix.add(entry)
         self.counts.indexed = sum(1 for e in self.prefix.entries if e.loader is not None)
 
@@ -391,7 +404,7 @@ class _Warmup:
             entry = Entry(tokens=t.tokens, state=cache, nbytes=nbytes, trimmable=is_trimmable(cache), pinned=True, source="prefill", name=t.name, resident=True)
             if written is not None:
                 # A re-warm reads it back instead of prefilling again; its header is read only then.
-                entry.loader = lambda path=written: snapshot_loader(store, store.inspect(path))()
+                entry.loader = lambda path=written: snapshot_loader(store, store.inspect(path), pool=self.pool)()
             self.prefix.add(entry)
             return
         # Over the memory budget: keep it indexed from the file just written (loads on
@@ -399,6 +412,6 @@ class _Warmup:
         report.over_budget += 1
         if written is not None:
             try:
-                self.prefix.add(make_entry(self.lm, store, store.inspect(written), pinned=True))
+                self.prefix.add(make_entry(self.lm, store, store.inspect(written), pinned=True, pool=self.pool))
             except SnapshotError as exc:
                 self.counts.reject(exc.path, exc.reason)

@@ -1,0 +1,143 @@
+"""Warm states held as their blocks, each block once in memory however many prompts share it.
+
+A v3 record's state is its chain of blocks plus a checkpoint. The server keeps it that way:
+a ``ComposedState`` holds references to shared ``Block`` objects from one ``BlockPool``, so
+ten agents with one 2,000-token preamble pin the preamble's KV once. A hit materializes a
+private cache by concatenating the slices (with room for the request's own tokens, so its
+first step writes in place): the one copy a request made anyway when it first wrote to a
+shared buffer.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+
+class Block:
+    """One block's (or checkpoint's) arrays, shared by every state that passes through it."""
+
+    __slots__ = ("key", "arrays", "layers", "nbytes", "__weakref__")
+
+    def __init__(self, key: str, arrays: dict, layers: list | None):
+        self.key = key
+        self.arrays = arrays
+        self.layers = layers  # the layer list at its end, when its header has one
+        self.nbytes = sum(a.nbytes for a in arrays.values())
+
+
+class BlockPool:
+    """Blocks by key, held only while some state holds them (weak values): dropping the last
+    prompt that uses a block frees it."""
+
+    def __init__(self) -> None:
+        self._blocks: "weakref.WeakValueDictionary[str, Block]" = weakref.WeakValueDictionary()
+        self._lock = threading.Lock()
+
+    def get(self, key: str) -> Block | None:
+        with self._lock:
+            return self._blocks.get(key)
+
+    def add(self, key: str, arrays: dict, layers: list | None) -> tuple[Block, bool]:
+        """The pooled block for ``key`` (``arrays`` if it is new) and whether it was new."""
+        with self._lock:
+            found = self._blocks.get(key)
+            if found is not None:
+                return found, False
+            block = Block(key, arrays, layers)
+            self._blocks[key] = block
+            return block, True
+
+    @property
+    def nbytes(self) -> int:
+        with self._lock:
+            return sum(b.nbytes for b in self._blocks.values())
+
+
+@dataclass
+class ComposedState:
+    """A warm state as shared blocks: slices ``(start, end, Block)`` tiling [0, n), the
+    checkpoint holding the other layers whole (None for attention-only models), the layer list at n."""
+
+    blocks: list
+    checkpoint: Block | None
+    layers: list
+    n_tokens: int
+
+    def materialize(self, spare: int = 256) -> list:
+        """A private cache: the slices concatenated along the token axis, plus ``spare`` empty
+        positions, so the request's first tokens are written in place, not by another copy."""
+        import mlx.core as mx
+
+        from kvsnap.snapshot.cache_classes import split_tensor_names
+        from kvsnap.snapshot.codec import decode_cache
+
+        sliced, whole = split_tensor_names(self.layers)
+        arrays: dict[str, Any] = {}
+        for name in sliced:
+            pieces = [block.arrays[name] for _, _, block in self.blocks]
+            room = pieces[-1]
+            pad = mx.zeros((*room.shape[:-2], spare, room.shape[-1]), dtype=room.dtype) if spare else None
+            arrays[name] = mx.concatenate(pieces + ([pad] if pad is not None else []), axis=-2)
+        for name in whole:
+            arrays[name] = self.checkpoint.arrays[name][...]  # a view: copied on its first write
+        cache = decode_cache(arrays, self.layers)  # sliceable layers: offset n in a buffer of n + spare
+        mx.eval([c.state for c in cache])
+        return cache
+
+
+def load_composed(store, info, pool: BlockPool, end: int | None = None, checkpoint_key: str | None = None) -> tuple[ComposedState, int]:
+    """A v3 record's state at ``end`` (default: all of it) as pooled blocks; blocks already in
+    the pool are not read again. Returns the state and the bytes this load added to the pool.
+    Every block read is checked (``store.parts.read_part``); SnapshotError names a bad one."""
+    from kvsnap.errors import SnapshotError
+    from kvsnap.snapshot.blocks import prefix_digests
+    from kvsnap.snapshot.cache_classes import split_tensor_names
+    from kvsnap.snapshot.format import BLOCK_KIND, CHECKPOINT_KIND
+    from kvsnap.store.parts import FIX, part_path, read_part
+
+    chain = info.chain
+    n = info.n_tokens if end is None else end
+    spans = [b for b in chain.blocks if b[2] <= n]
+    digests = dict(zip([b[2] for b in chain.blocks], prefix_digests(info.tokens, [b[2] for b in chain.blocks])))
+    if checkpoint_key is None and n == info.n_tokens and chain.checkpoints and chain.checkpoints[-1][1] == n:
+        checkpoint_key = chain.checkpoints[-1][0]
+    added = 0
+
+    def pooled(kind: str, key: str, start: int, stop: int) -> Block:
+        nonlocal added
+        block = pool.get(key)
+        if block is None:
+            part, arrays = read_part(store, kind, key, info.model_digest, start, stop, digests[stop])
+            block, new = pool.add(key, arrays, part.layers)
+            added += block.nbytes if new else 0
+        return block
+
+    layers = info.layers if n == info.n_tokens else None
+    checkpoint = pooled(CHECKPOINT_KIND, checkpoint_key, 0, n) if checkpoint_key is not None else None
+    if layers is None and checkpoint is not None:
+        layers = checkpoint.layers
+    blocks = [(start, stop, pooled(BLOCK_KIND, key, start, stop)) for key, start, stop in spans]
+    if layers is None and blocks:
+        layers = blocks[-1][2].layers
+    if layers is None or not blocks or blocks[-1][1] != n:
+        raise SnapshotError(str(info.path), f"has no restorable state at {n} tokens (a hybrid restores only at a checkpoint)")
+    sliced, whole = split_tensor_names(layers)
+    for start, stop, block in blocks:
+        bad = [name for name in sliced if name not in block.arrays or block.arrays[name].shape[-2] != stop - start]
+        if bad:
+            raise SnapshotError(str(part_path(store, BLOCK_KIND, block.key)), f"tensor {bad[0]} is missing or not {stop - start} tokens long", FIX)
+    if whole and (checkpoint is None or any(name not in checkpoint.arrays for name in whole)):
+        raise SnapshotError(str(info.path), f"its checkpoint at {n} lacks the layers only a checkpoint restores", FIX)
+    return ComposedState(blocks, checkpoint, layers, n), added
+
+
+def copy_state(state: Any) -> Any:
+    """The prefix cache's copy: a private cache from a composed state, else ``codec.copy_cache``."""
+    from kvsnap.snapshot.codec import copy_cache
+
+    if isinstance(state, ComposedState):
+        return state.materialize()
+    return copy_cache(state)
