@@ -267,3 +267,39 @@ def test_a_hybrid_record_lists_the_checkpoints_it_passes_through_even_when_reuse
     first, second = ({end for _, end in c.checkpoints} for c in chains)
     shared_ends = {end for _, _, end in chains[1].blocks} & {end for _, _, end in chains[0].blocks}
     assert {e for e in first if e in shared_ends} == {e for e in second if e in shared_ends} != set()
+
+
+# --- held once in memory -------------------------------------------------------------------
+
+
+def test_a_server_pins_a_shared_preamble_once_and_answers_from_it(demo_models, tmp_path):
+    """Six agents, one preamble: the pinned bytes are the unique blocks' (not six copies), and
+    an agent's request hits its whole prefix and answers as a cold server does."""
+    import httpx
+
+    from kvsnap.tools.serverproc import start_server
+
+    lm = demo_models.load("dense")
+    preamble = _text(9, 400)
+    agents_file = _agents(tmp_path / "agents.json", preamble, [_text(900 + i, 30) for i in range(6)])
+    report = _build(lm, agents_file, tmp_path / "s")
+    store = Store.open(tmp_path / "s")
+    unique = sum(p.stat().st_size for p in part_files(store))  # headers included: an upper bound on the tensors
+    whole = sum(store.inspect(store.path_for(e.key)).nbytes for e in report.entries)
+    assert whole > 4 * unique  # the six states, each whole, would be this much
+    messages = json.loads(agents_file.read_text())[3]["messages"] + [{"role": "user", "content": "Check the tests first."}]
+    body = {"model": "m", "messages": messages, "max_tokens": 12, "temperature": 0}
+    answers = {}
+    for mode, flags in (("snapshots", ["--warm-prompts", str(agents_file), "--kv-snapshots", str(tmp_path / "s"), "--no-write-back"]), ("cold", [])):
+        server = start_server(demo_models.path("dense"), ["--continuous-batching", "--served-model-name", "m", *flags], tmp_path / f"{mode}.log", limit_s=300)
+        try:
+            server.wait_ready(120)
+            pinned = server.status()["cache"]["current_memory_mb"] * 2**20
+            with httpx.Client(timeout=120) as client:
+                answers[mode] = client.post(f"{server.url}/v1/chat/completions", json=body).json()
+        finally:
+            server.stop()
+        if mode == "snapshots":
+            assert 0.8 * unique < pinned <= 1.1 * unique, (pinned, unique, whole)
+    assert answers["snapshots"]["usage"]["prompt_tokens_details"]["cached_tokens"] == report.entries[3].n_tokens
+    assert answers["snapshots"]["choices"][0]["message"]["content"] == answers["cold"]["choices"][0]["message"]["content"]
