@@ -135,17 +135,24 @@ def part_edit(work: Path, prompt_tokens: int) -> dict:
     return out
 
 
-def _restore_once(store_root: Path) -> float:
+def _restore_once(store_root: Path, how: str) -> float:
+    """One restore: ``server`` reads a record's blocks into a pool as the server does (a v2 file:
+    its arrays); ``assembled`` builds the whole cache (what build and the vllm-mlx route do)."""
     import mlx.core as mx
 
+    from kvsnap.runtime.composed import BlockPool, load_composed
     from kvsnap.snapshot.codec import decode_cache
     from kvsnap.store.local import Store
 
     store = Store.open(store_root, readonly=True)
     info = store.scan()[0][0]
     t0 = time.perf_counter()
-    cache = decode_cache(store.load_arrays(info), info.layers)
-    mx.eval([c.state for c in cache])
+    if how == "server" and info.chain is not None:
+        state, _ = load_composed(store, info, BlockPool())
+        mx.eval([a for _, _, b in state.blocks for a in b.arrays.values()])
+    else:
+        cache = decode_cache(store.load_arrays(info), info.layers)
+        mx.eval([c.state for c in cache])
     return time.perf_counter() - t0
 
 
@@ -179,18 +186,18 @@ def first_ttft(model: Path, store: Path, agents: Path, system: str, log: Path) -
         server.stop()
 
 
-def part_restore(work: Path, tokens: int, reps: int) -> dict:
-    model = make_demo_model(work / "qwen3-0.6b", DemoSpec(arch="dense", size="qwen3-0.6b", text_outputs=True))
+def part_restore(work: Path, tokens: int, reps: int, size: str) -> dict:
+    model = make_demo_model(work / f"restore-{size}", DemoSpec(arch="dense", size=size, text_outputs=True))
     count = token_counter(model)
     system = words_for(count, 5, tokens)
     agents = work / "restore.json"
     agents.write_text(json.dumps([{"name": "agent", "messages": [{"role": "system", "content": system}]}]))
     build_json(agents, model, work / "restore-blocks")
     whole_file_copy(work / "restore-blocks", work / "restore-whole")
-    restore: dict[str, list[float]] = {"blocks": [], "whole": []}
+    restore: dict[str, list[float]] = {"blocks-server": [], "blocks-assembled": [], "whole": []}
     for _ in range(reps):  # interleaved
         for name in restore:
-            restore[name].append(_restore_once(work / f"restore-{name}"))
+            restore[name].append(_restore_once(work / f"restore-{name.split('-')[0]}", name.split("-")[-1] if "-" in name else "server"))
     ttft: dict[str, list[dict]] = {"blocks": [], "whole": []}
     for rep in range(reps):
         for name in (("blocks", "whole") if rep % 2 == 0 else ("whole", "blocks")):
@@ -200,7 +207,7 @@ def part_restore(work: Path, tokens: int, reps: int) -> dict:
     ttft_med = {k: statistics.median(x["ttft_s"] for x in v) for k, v in ttft.items()}
     return {
         "tokens": tokens, "state_bytes": state, "restore_s": med, "restore_runs": restore,
-        "read_speed_ratio": med["whole"] / med["blocks"], "GB_per_s": {k: state / v / 1e9 for k, v in med.items()},
+        "read_speed_ratio": {k: med["whole"] / v for k, v in med.items() if k != "whole"}, "GB_per_s": {k: state / v / 1e9 for k, v in med.items()},
         "first_ttft_s": ttft_med, "ttft_ratio": ttft_med["blocks"] / ttft_med["whole"], "ttft_runs": ttft,
     }
 
@@ -249,6 +256,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=Path("/tmp/kvsnap-bench-blocks"))
     ap.add_argument("--only", default=",".join(PARTS), help=f"comma-separated: {', '.join(PARTS)}")
     ap.add_argument("--reps", type=int, default=3, help="restore / TTFT repetitions, interleaved (default 3)")
+    ap.add_argument("--restore-size", default="qwen3-0.6b", choices=("tiny", "qwen3-0.6b"), help="the restore part's model: Qwen3-0.6B-shaped fp32 (the goal's), or tiny for a smoke run")
     args = ap.parse_args(argv)
     only = [p for p in args.only.split(",") if p]
     unknown = sorted(set(only) - set(PARTS))
@@ -259,7 +267,7 @@ def main(argv=None) -> int:
     runs = {
         "sharing": lambda: part_sharing(args.out, 10, 2000, 200),
         "edit": lambda: part_edit(args.out, 4000),
-        "restore": lambda: part_restore(args.out, 2048, args.reps),
+        "restore": lambda: part_restore(args.out, 2048, args.reps, args.restore_size),
         "new-agent": lambda: part_new_agent(args.out, 1500),
         "registry": lambda: part_registry(1000, 8, 1),
     }
