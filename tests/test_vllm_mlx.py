@@ -142,7 +142,7 @@ def dense_store(tmp_path_factory, demo_models):
 def test_insert_puts_exactly_the_snapshot_state_into_the_cache_and_skips_foreign_ones(dense_store, demo_models):
     import mlx.core as mx
 
-    from kvsnap.runtime.prefill import prefill
+    from kvsnap.runtime.prefill import prefill_in_blocks
 
     lm = demo_models.load("dense")
     cache = FakePrefixCache()
@@ -151,7 +151,9 @@ def test_insert_puts_exactly_the_snapshot_state_into_the_cache_and_skips_foreign
     assert len(report.skipped) == 1 and "built for another model" in report.skipped[0][1]
     (tokens, state), = cache.entries.items()
     assert report.tokens == len(tokens) > 128
-    fresh = prefill(lm, tokens)
+    # The snapshot was prefilled block by block (kvsnap build): the same cuts give the same bytes.
+    info = next(i for i in dense_store.scan()[0] if i.tokens == tuple(tokens))
+    fresh = prefill_in_blocks(lm, tokens, [end for _, _, end in info.chain.blocks])
     for got, want in zip(state, fresh):
         assert got.offset == len(tokens)
         assert mx.array_equal(got.keys, want.keys[..., : len(tokens), :]) and mx.array_equal(got.values, want.values[..., : len(tokens), :])
@@ -381,8 +383,9 @@ def _plan(lm, store, writable, cache, prompts, agents_file):
 def test_warm_plan_takes_what_the_store_has_prefills_the_rest_once_and_writes_it_back(demo_models, tmp_path):
     import mlx.core as mx
 
-    from kvsnap.build import build_snapshots, prefill
+    from kvsnap.build import build_snapshots
     from kvsnap.integrations.vllm_mlx_profile import vllm_mlx_tokenization
+    from kvsnap.runtime.prefill import prefill_in_blocks
     from kvsnap.key import DigestCache
     from kvsnap.prompts import parse_warm_prompts
     from kvsnap.store.local import Store
@@ -402,9 +405,12 @@ def test_warm_plan_takes_what_the_store_has_prefills_the_rest_once_and_writes_it
     assert [(a.name, a.source, a.written) for a in first.agents] == [("reviewer", "snapshot", False), ("planner", "prefilled", True)]
     assert len(store.snapshot_files()) == 2
     # Every entry starts with the BOS vllm-mlx's encode adds, and holds exactly a fresh prefill's state.
-    for tokens, state in first_cache.entries.items():
+    # (A snapshot's state was prefilled block by block, at its chain's ends; the plan's own prefill in one run.)
+    chains = {i.tokens: [end for _, _, end in i.chain.blocks] for i in store.scan()[0]}
+    for (tokens, state), agent in zip(first_cache.entries.items(), first.agents):
         assert tokens[0] == 1 and sum(len(t) for t in first_cache.entries) == first.prompt_tokens
-        for got, want in zip(state, prefill(lm, tokens)):
+        ends = chains[tuple(tokens)] if agent.source == "snapshot" else [len(tokens)]
+        for got, want in zip(state, prefill_in_blocks(lm, tokens, ends)):
             assert got.offset == len(tokens)
             assert mx.array_equal(got.keys[..., : len(tokens), :], want.keys[..., : len(tokens), :])
 
