@@ -54,9 +54,15 @@ def cmd_inspect(args) -> int:
 
     path = Path(args.file)
     if not path.is_file():
-        raise KvsnapError(f"{path}: no such snapshot file; give a path like STORE/snapshots/<key>.safetensors")
+        raise KvsnapError(f"{path}: no such snapshot file; give a path like STORE/snapshots/<key>.safetensors (or blocks/, checkpoints/)")
     try:
         header = read_header(path)
+        if "kvsnap.kind" in header.metadata:  # a block or a checkpoint
+            from kvsnap.snapshot.header import inspect_part
+
+            part = inspect_part(path, header)
+            print(json.dumps({"file": str(path), **part.__dict__, "bytes": header.file_size, "tensors": {n: {"dtype": t.dtype, "shape": list(t.shape)} for n, t in sorted(header.tensors.items())}}, indent=1))
+            return EXIT_OK
         info = inspect_header(path, header)
     except FormatError as exc:
         raise SnapshotError(str(path), str(exc), "give a kvsnap snapshot file (STORE/snapshots/<key>.safetensors); `kvsnap verify STORE` checks them all") from None
@@ -73,6 +79,7 @@ def cmd_inspect(args) -> int:
         "prompt_digest": info.prompt_digest,
         "recorded": info.recorded,
         "layers": info.layers,
+        "chain": info.chain.__dict__ if info.chain is not None else None,
         "tensors": {n: {"dtype": t.dtype, "shape": list(t.shape)} for n, t in sorted(header.tensors.items())},
     }
     print(json.dumps(out, indent=1))
