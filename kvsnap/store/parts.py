@@ -172,6 +172,7 @@ def read_part(store: Store, kind: str, key: str, model_digest: str, start: int, 
     except OSError as exc:
         raise SnapshotError(str(path), f"cannot be read ({exc.strerror or exc})", "check the file's permissions") from None
     arrays = {name: buf[e.start : e.end].view(getattr(mx, DTYPES[e.dtype][0])).reshape(e.shape) for name, e in header.tensors.items()}
+    mx.eval(list(arrays.values()))  # views, evaluated here: the reading thread's stream may not outlive it
     return info, arrays
 
 
