@@ -23,6 +23,7 @@ CASES = [
     pytest.param("dense-q4", {}, id="4bit-weights"),
 ]
 N_GEN = 32
+BLOCKS = BlockSettings(64, 128)  # small, so every case composes several blocks (and, on hybrids, checkpoints)
 
 
 def _continue(lm, cache, suffix, n=N_GEN):
@@ -48,14 +49,17 @@ def _request(lm, system=LONG_SYSTEM, user="Please check the server function and 
     return entry, list(prefix.tokens), full
 
 
-def _snapshot_roundtrip(lm, entry, tokens, tmp_path):
+def _snapshot_roundtrip(lm, entry, tokens, tmp_path, blocks=BLOCKS):
     """Capture, write through the store, read back with mlx: the real path."""
     from kvsnap.build import capture_snapshot
 
     store = Store.open(tmp_path / "store", create=True)
     identity = lm.identity()
     digest = prompt_identity(resolve_chat_template(lm.tokenizer), None, None)
-    path = capture_snapshot(lm, store, identity, entry, digest, tokens)
+    from kvsnap.runtime.writeback import ChainPlan
+
+    path = capture_snapshot(lm, store, identity, entry, digest, tokens, plan=ChainPlan(blocks))
+    assert blocks != BLOCKS or len(store.inspect(path).chain.blocks) > 2
     info = store.verify_file(path, identity)
     arrays = store.load_arrays(info)
     return decode_cache(arrays, info.layers), path
@@ -72,7 +76,7 @@ def test_restored_snapshot_matches_fresh_prefill(demo_models, isolated_cache, tm
     suffix = full[len(warm) :]
 
     # (a) bitwise against a fresh prefill split at the same boundaries (the blocks' ends)
-    fresh = prefill_in_blocks(lm, warm, [c.end for c in plan_cuts(len(warm), set(), BlockSettings())])
+    fresh = prefill_in_blocks(lm, warm, [c.end for c in plan_cuts(len(warm), set(), BLOCKS)])
     tok_fresh, logits_fresh = _continue(lm, fresh, suffix)
     tok_restored, logits_restored = _continue(lm, restored, suffix)
     assert tok_restored == tok_fresh
@@ -169,7 +173,7 @@ def test_snapshot_size_is_exact_kv_bytes(demo_models, isolated_cache, tmp_path, 
     entry, warm, _ = _request(lm)
     from kvsnap.store.parts import chain_relpaths
 
-    _, path = _snapshot_roundtrip(lm, entry, warm, tmp_path)
+    _, path = _snapshot_roundtrip(lm, entry, warm, tmp_path, BlockSettings())  # the defaults: one checkpoint, at the end
     info = Store(root=(tmp_path / "store").resolve()).inspect(path)
     data = 0
     for file in [path, *(tmp_path / "store" / rel for rel in chain_relpaths(info))]:  # the record, its blocks and checkpoint
