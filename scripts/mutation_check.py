@@ -226,6 +226,32 @@ BREAKAGES = (
         ),
         (f"{ENGINE_FIRST}[dense]", "tests/test_engine.py::test_computed_tokens_come_from_mlx_lm_counter"),
     ),
+    Breakage(
+        "chain-not-proven",
+        "3. never stale, never foreign",
+        "a record's chain is read without checking that its block keys follow from its own tokens and model",
+        (
+            Patch(
+                "kvsnap/snapshot/header.py",
+                "        if item[0] != block_key(model_digest, item[1], digests[item[2]]):\n",
+                "        if False:\n",
+            ),
+        ),
+        ("tests/test_blocks.py::test_a_record_cannot_name_another_models_or_prefixs_block",),
+    ),
+    Breakage(
+        "gc-drops-shared-blocks",
+        "4. nothing lost",
+        "gc removes every block a dropped record reached, shared ones included",
+        (
+            Patch(
+                "kvsnap/store/local.py",
+                "                    reached: set[str] | None = reached_parts([self.inspect(p) for p in kept])\n",
+                "                    reached: set[str] | None = set()\n",
+            ),
+        ),
+        ("tests/test_store.py::test_gc_removes_a_dropped_entry_but_never_one_another_model_uses", "tests/test_blocks.py::test_gc_keeps_every_block_a_record_reaches"),
+    ),
 )
 
 

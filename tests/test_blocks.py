@@ -194,9 +194,11 @@ def test_a_record_cannot_name_another_models_or_prefixs_block(dense, tmp_path):
     store = Store.open(tmp_path / "s")
     a, b = (store.path_for(e.key) for e in report.entries)
     header_a = read_header(a)
-    chain_b = json.loads(read_header(b).metadata["kvsnap.chain"])
+    chain = json.loads(header_a.metadata["kvsnap.chain"])
+    other = json.loads(read_header(b).metadata["kvsnap.chain"])["blocks"][-1][0]  # agent b's own last block
+    chain["blocks"][-1][0] = other  # same span, another prompt's key: only the key proof can tell
     meta = dict(header_a.metadata)
-    meta["kvsnap.chain"] = json.dumps(chain_b, sort_keys=True, separators=(",", ":"))
+    meta["kvsnap.chain"] = json.dumps(chain, sort_keys=True, separators=(",", ":"))
     meta.pop("kvsnap.xxh3_128")
     from kvsnap.snapshot.file import OutTensor
     import struct
@@ -204,7 +206,7 @@ def test_a_record_cannot_name_another_models_or_prefixs_block(dense, tmp_path):
     tokens = store.inspect(a).tokens
     with store.lock():
         store.put(a.stem, [OutTensor("tokens", "I32", (len(tokens),), memoryview(struct.pack(f"<{len(tokens)}i", *tokens)))], meta)
-    with pytest.raises(SnapshotError, match=r"kvsnap.chain.* (is not the key of these tokens|blocks must tile|cover)"):
+    with pytest.raises(SnapshotError, match=r"kvsnap.chain.blocks\[\d+\] key [0-9a-f]{32} is not the key of these tokens"):
         store.inspect(a)
 
 
