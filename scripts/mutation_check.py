@@ -120,12 +120,12 @@ BREAKAGES = (
     Breakage(
         "store-padded-buffer",
         "snapshot bytes = exact KV (format.md)",
-        "KVCache layers are stored with their whole 256-step buffer, not sliced to the tokens",
+        "each block stores the attention KV from its start to the prompt's end (the buffer's tail), not just its own tokens",
         (
             Patch(
-                "kvsnap/snapshot/cache_classes.py",
-                '    out[f"{path}.keys"] = _slice_tokens(c.keys, c.offset)\n    out[f"{path}.values"] = _slice_tokens(c.values, c.offset)\n    return {"offset": c.offset}\n',
-                '    out[f"{path}.keys"] = c.keys\n    out[f"{path}.values"] = c.values\n    return {"offset": c.offset}\n',
+                "kvsnap/store/parts.py",
+                "            part = {name: arrays[name][..., link.start : link.end, :] for name in sliced}\n",
+                "            part = {name: arrays[name][..., link.start :, :] for name in sliced}\n",
             ),
         ),
         ("tests/test_snapshot_equivalence.py::test_snapshot_size_is_exact_kv_bytes",),

@@ -47,11 +47,18 @@ def _committed(store: Path) -> set[str]:
 
 
 def _assert_store_sound(store: Path, env: dict) -> None:
-    """verify passes and no visible snapshot is half-written."""
+    """verify passes and no visible file is half-written: every record, and every block and
+    checkpoint, even one no record names yet (a kill between a block and its record)."""
     if not store.exists() or not any(store.iterdir()):
         return
     v = run_kvsnap("verify", store, env=env)
     assert v.returncode == 0, v.stdout + v.stderr
+    from kvsnap.store.local import Store
+    from kvsnap.store.parts import check_part, part_files
+
+    opened = Store.open(store, readonly=True)
+    for path in part_files(opened):
+        check_part(opened, "block" if path.parent.name == "blocks" else "checkpoint", path.stem, path=path)
 
 
 @pytest.fixture(scope="module")
