@@ -271,8 +271,8 @@ def restore_longest(lm: LoadedModel, store: Store, identity: ModelIdentity, toke
     warnings: tuple[str, ...] = ()
     while points:
         point = points[-1]
-        upto = [(link.key, link.start, link.end) for link in present if link.end <= point.end]
-        checkpoint = (_checkpoint_key(identity, point), point.end) if hybrid else None
+        upto = [(link.key, link.start, link.end, link.prefix_digest) for link in present if link.end <= point.end]
+        checkpoint = _checkpoint_key(identity, point) if hybrid else None
         try:
             arrays, layers = assemble_state(store, str(store.root), identity.digest, tokens, upto, checkpoint, None)
         except SnapshotError as exc:

@@ -226,14 +226,14 @@ def test_a_corrupt_snapshot_found_during_the_overlapped_read_is_rejected_and_pre
 def test_the_two_thread_read_gives_the_same_bytes_and_names_a_truncation(world, monkeypatch, tmp_path):
     import mlx.core as mx
 
-    import kvsnap.store.local
+    import kvsnap.snapshot.file
     from kvsnap.errors import SnapshotError
     from kvsnap.store.local import Store
 
     store = Store.open(world["store"], readonly=True)
     info = store.scan()[0][0]
     one = store.load_arrays(info)
-    monkeypatch.setattr(kvsnap.store.local, "PARALLEL_READ_MIN", 1024)  # the tiny files take the two-thread path too
+    monkeypatch.setattr(kvsnap.snapshot.file, "PARALLEL_READ_MIN", 1024)  # the tiny files take the two-thread path too
     two = store.load_arrays(info)
     assert one.keys() == two.keys() and all(mx.array_equal(one[k], two[k]) for k in one)
     # A file cut short after it was indexed: named, never served.

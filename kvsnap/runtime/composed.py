@@ -91,47 +91,29 @@ class ComposedState:
 def load_composed(store, info, pool: BlockPool, end: int | None = None, checkpoint_key: str | None = None) -> tuple[ComposedState, int]:
     """A v3 record's state at ``end`` (default: all of it) as pooled blocks; blocks already in
     the pool are not read again. Returns the state and the bytes this load added to the pool.
-    Every block read is checked (``store.parts.read_part``); SnapshotError names a bad one."""
-    from kvsnap.errors import SnapshotError
-    from kvsnap.snapshot.blocks import prefix_digests
-    from kvsnap.snapshot.cache_classes import split_tensor_names
-    from kvsnap.snapshot.format import BLOCK_KIND, CHECKPOINT_KIND
-    from kvsnap.store.parts import FIX, part_path, read_part
+    Reading and checking are ``store.parts.read_state_parts``'s; SnapshotError names a bad part."""
+    from kvsnap.store.parts import end_checkpoint, read_part, read_state_parts
 
-    chain = info.chain
     n = info.n_tokens if end is None else end
-    spans = [b for b in chain.blocks if b[2] <= n]
-    digests = dict(zip([b[2] for b in chain.blocks], prefix_digests(info.tokens, [b[2] for b in chain.blocks])))
-    if checkpoint_key is None and n == info.n_tokens and chain.checkpoints and chain.checkpoints[-1][1] == n:
-        checkpoint_key = chain.checkpoints[-1][0]
+    if checkpoint_key is None and n == info.n_tokens:
+        checkpoint_key = end_checkpoint(info)
+    spans = info.chain.spans(n)
+    held: dict[str, Block] = {}
     added = 0
 
-    def pooled(kind: str, key: str, start: int, stop: int) -> Block:
+    def fetch(kind: str, key: str, start: int, stop: int, digest: str) -> tuple[dict, list | None]:
         nonlocal added
         block = pool.get(key)
         if block is None:
-            part, arrays = read_part(store, kind, key, info.model_digest, start, stop, digests[stop])
+            part, arrays = read_part(store, kind, key, info.model_digest, start, stop, digest)
             block, new = pool.add(key, arrays, part.layers)
             added += block.nbytes if new else 0
-        return block
+        held[key] = block
+        return block.arrays, block.layers
 
-    layers = info.layers if n == info.n_tokens else None
-    checkpoint = pooled(CHECKPOINT_KIND, checkpoint_key, 0, n) if checkpoint_key is not None else None
-    if layers is None and checkpoint is not None:
-        layers = checkpoint.layers
-    blocks = [(start, stop, pooled(BLOCK_KIND, key, start, stop)) for key, start, stop in spans]
-    if layers is None and blocks:
-        layers = blocks[-1][2].layers
-    if layers is None or not blocks or blocks[-1][1] != n:
-        raise SnapshotError(str(info.path), f"has no restorable state at {n} tokens (a hybrid restores only at a checkpoint)")
-    sliced, whole = split_tensor_names(layers)
-    for start, stop, block in blocks:
-        bad = [name for name in sliced if name not in block.arrays or block.arrays[name].shape[-2] != stop - start]
-        if bad:
-            raise SnapshotError(str(part_path(store, BLOCK_KIND, block.key)), f"tensor {bad[0]} is missing or not {stop - start} tokens long", FIX)
-    if whole and (checkpoint is None or any(name not in checkpoint.arrays for name in whole)):
-        raise SnapshotError(str(info.path), f"its checkpoint at {n} lacks the layers only a checkpoint restores", FIX)
-    return ComposedState(blocks, checkpoint, layers, n), added
+    _, _, layers = read_state_parts(store, str(info.path), info.model_digest, spans, checkpoint_key, info.layers if n == info.n_tokens else None, fetch)
+    blocks = [(start, stop, held[key]) for key, start, stop, _ in spans]
+    return ComposedState(blocks, held[checkpoint_key] if checkpoint_key is not None else None, layers, n), added
 
 
 def copy_state(state: Any) -> Any:

@@ -179,24 +179,14 @@ def snapshot_loader(store: Store, info: SnapshotInfo, prefetched=None, pool=None
     return load
 
 
-def checkpoint_loader(store: Store, info: SnapshotInfo, end: int, checkpoint_key: str, pool=None) -> Callable[[], tuple]:
+def checkpoint_loader(store: Store, info: SnapshotInfo, end: int, checkpoint_key: str, pool) -> Callable[[], tuple]:
     """Loads a record's state at one of its checkpoints: its blocks up to ``end`` and the checkpoint there."""
-    from kvsnap.store.parts import assemble_state
+    from kvsnap.runtime.composed import load_composed
 
-    def load():
-        if pool is not None:
-            from kvsnap.runtime.composed import load_composed
-
-            return load_composed(store, info, pool, end, checkpoint_key)
-        blocks = [b for b in info.chain.blocks if b[2] <= end]
-        arrays, layers = assemble_state(store, str(info.path), info.model_digest, info.tokens, blocks, (checkpoint_key, end), None)
-        state = decode_cache(arrays, layers)
-        return state, cache_nbytes_of(state)
-
-    return load
+    return lambda: load_composed(store, info, pool, end, checkpoint_key)
 
 
-def checkpoint_entries(store: Store, good: dict[str, SnapshotInfo], pool=None) -> list[Entry]:
+def checkpoint_entries(store: Store, good: dict[str, SnapshotInfo], pool) -> list[Entry]:
     """Hybrid models restore only at checkpoints: one entry (indexed, loaded on first hit) per
     checkpoint inside a record -- a branch point or every C tokens -- so a request that shares an
     agent's preamble but not its tail still starts from the preamble. Records sharing a
@@ -253,7 +243,9 @@ def run_warmup(
     counts.begin_warmup()
     concurrency = max(1, int(concurrency))
     report = WarmupReport(problems=[str(p) for p in (prompts.problems if prompts else [])], prefill_concurrency=concurrency)
-    run = _Warmup(lm, prefix, identity, counts, store, report, budget_bytes, pool=pool)
+    from kvsnap.runtime.composed import BlockPool
+
+    run = _Warmup(lm, prefix, identity, counts, store, report, budget_bytes, pool=pool if pool is not None else BlockPool())
     good = run.scan(prefetched)
     if prompts is not None:
         targets, stale_keys = run.targets(prompts, good)

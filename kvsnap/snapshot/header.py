@@ -71,6 +71,14 @@ class Chain:
     checkpoint_every: int
     blocks: tuple[tuple[str, int, int], ...]
     checkpoints: tuple[tuple[str, int], ...]
+    digests: tuple[str, ...]  # the prefix digest at each block's end (proving the keys computed them)
+
+    def digest_at(self, end: int) -> str:
+        return self.digests[[b[2] for b in self.blocks].index(end)]
+
+    def spans(self, upto: int) -> list[tuple[str, int, int, str]]:
+        """``(key, start, end, prefix digest)`` of the blocks up to ``upto`` tokens."""
+        return [(key, start, end, d) for (key, start, end), d in zip(self.blocks, self.digests) if end <= upto]
 
 
 @dataclass(frozen=True)
@@ -287,7 +295,7 @@ def _chain(meta: dict, model_digest: str, tokens: list[int], layers: list, limit
         last = item[1]
     if needs_checkpoints(layers) and last != n:
         raise FormatError(f"{CHAIN}: the model has layers only a checkpoint restores, and no checkpoint is at the record's end ({n})")
-    return Chain(settings.block_tokens, settings.checkpoint_every, tuple((b[0], b[1], b[2]) for b in blocks), tuple((c[0], c[1]) for c in checkpoints))
+    return Chain(settings.block_tokens, settings.checkpoint_every, tuple((b[0], b[1], b[2]) for b in blocks), tuple((c[0], c[1]) for c in checkpoints), tuple(digests[e] for e in ends))
 
 
 def inspect_part(path: Path, header: Header) -> PartInfo:

@@ -18,7 +18,6 @@ import fcntl
 import os
 import stat
 import tempfile
-import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -26,7 +25,7 @@ from typing import Any, Callable, Iterator
 from kvsnap.errors import SnapshotError, StoreError
 from kvsnap.key import ModelIdentity, unpack_tokens
 from kvsnap.store.manifest import encode_manifest, merge_manifests, read_manifest_file, referenced_files, update_manifest
-from kvsnap.snapshot.file import FormatError, OutTensor, check_data, parse_header, read_header, tensor_bytes, verify_checksum, write_snapshot
+from kvsnap.snapshot.file import FormatError, OutTensor, check_data, parse_header, read_header, read_into, tensor_bytes, verify_checksum, write_snapshot
 from kvsnap.snapshot.format import DTYPES, KEY_RE, MANIFEST, PART_FOLDERS, SNAPSHOTS, SUFFIX, TOKENS, relpath_of_file, snapshot_filename
 from kvsnap.snapshot.header import MAX_NAME_CHARS, SnapshotInfo, check_offsets, inspect_header
 
@@ -416,38 +415,3 @@ def classify(infos: list[SnapshotInfo], expected: ModelIdentity | None) -> tuple
         else:
             good.append(info)
     return good, foreign
-
-
-PARALLEL_READ_MIN = 64 * 2**20  # below this one thread reads as fast as two
-
-
-def read_into(fd: int, view: memoryview, offset: int) -> None:
-    """Fill ``view`` from ``fd`` at ``offset``: two threads for large files. The pages are
-    fresh memory, and first-touching them is what bounds a restore: two threads read a
-    450 MiB snapshot in 0.15 s against 0.28 s (scripts/bench_restore_threads.py, 2 cores)."""
-    total = len(view)
-    parts = 2 if total >= PARALLEL_READ_MIN and (os.cpu_count() or 1) > 1 else 1
-    bounds = [total * i // parts for i in range(parts + 1)]
-    errors: list[BaseException] = []
-
-    def part(lo: int, hi: int) -> None:
-        try:
-            done = lo
-            while done < hi:
-                n = os.preadv(fd, [view[done:hi]], offset + done)
-                if not n:
-                    raise FormatError(f"file ended after {done} of {total} data bytes (truncated while reading)")
-                done += n
-        except BaseException as exc:  # handed to the caller's thread, raised there
-            errors.append(exc)
-
-    if parts == 1:
-        part(0, total)
-    else:
-        workers = [threading.Thread(target=part, args=(bounds[i], bounds[i + 1]), name="kvsnap-read") for i in range(parts)]
-        for w in workers:
-            w.start()
-        for w in workers:
-            w.join()
-    if errors:
-        raise errors[0]

@@ -15,18 +15,18 @@ import os
 import stat
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 from kvsnap.errors import SnapshotError, StoreError
 from kvsnap.snapshot.blocks import ChainLink
 from kvsnap.snapshot.cache_classes import split_tensor_names
-from kvsnap.snapshot.file import FormatError, OutTensor, check_data, parse_header, read_header, verify_checksum, write_snapshot
+from kvsnap.snapshot.file import FormatError, OutTensor, check_data, parse_header, read_header, read_into, verify_checksum, write_snapshot
 from kvsnap.snapshot.format import (
     BLOCK_KIND, BLOCKS, CHECKPOINT_KIND, CHECKPOINTS, DTYPES, KEY_RE, SUFFIX, TOKENS, block_relpath, checkpoint_relpath, part_metadata,
     snapshot_filename,
 )
 from kvsnap.snapshot.header import PartInfo, SnapshotInfo, inspect_part
-from kvsnap.store.local import TMP_PREFIX, Store, read_into
+from kvsnap.store.local import TMP_PREFIX, Store
 
 FOLDER = {BLOCK_KIND: BLOCKS, CHECKPOINT_KIND: CHECKPOINTS}
 FIX = "rebuild it with `kvsnap build` (the chain is prefilled from the last good block)"
@@ -176,55 +176,73 @@ def read_part(store: Store, kind: str, key: str, model_digest: str, start: int, 
     return info, arrays
 
 
-def assemble_state(
-    store: Store, where: str, model_digest: str, tokens: Sequence[int], blocks: Sequence[tuple[str, int, int]], checkpoint: tuple[str, int] | None, layers: list | None,
-) -> tuple[dict, list]:
-    """The named arrays and layer list of the state after ``blocks`` (which tile [0, n)).
+Span = tuple[str, int, int, str]  # a block: (key, start, end, prefix digest at end)
+Fetch = Callable[[str, str, int, int, str], tuple[dict, "list | None"]]  # (kind, key, start, end, digest) -> (arrays, layers)
 
-    The attention slices are concatenated along the token axis; the other layers come whole
-    from ``checkpoint`` (at n). ``layers``: the list at n when known (a record's end), else the
-    checkpoint's, else the last block's (dense models). Raises SnapshotError naming the first
-    bad block or checkpoint."""
-    import mlx.core as mx
 
-    from kvsnap.snapshot.blocks import prefix_digests
+def read_state_parts(
+    store: Store, where: str, model_digest: str, spans: Sequence[Span], checkpoint: str | None, layers: list | None, fetch: Fetch | None = None,
+) -> tuple[list[dict], dict, list]:
+    """The arrays of each block of ``spans`` (tiling [0, n)) and of the ``checkpoint`` at n (its
+    key, or None), and the layer list at n: ``layers`` when known (a record's end), else the
+    checkpoint's, else the last block's (attention-only models). Every part is checked against
+    the chain and that layer list; SnapshotError names the first bad one. ``fetch`` gets a part
+    (default: ``read_part`` from its file; the server's pool passes one that reuses held blocks)."""
 
-    n = blocks[-1][2]
-    digests = prefix_digests(tokens, [b[2] for b in blocks])
+    def read(kind: str, key: str, start: int, end: int, digest: str) -> tuple[dict, list | None]:
+        part, arrays = read_part(store, kind, key, model_digest, start, end, digest)
+        return arrays, part.layers
+
+    fetch = fetch or read
+    n = spans[-1][2]
     whole_arrays: dict = {}
     if checkpoint is not None:
-        cinfo, whole_arrays = read_part(store, CHECKPOINT_KIND, checkpoint[0], model_digest, 0, n, digests[-1])
-        layers = layers if layers is not None else cinfo.layers
-    parts = []
-    for (key, start, end), digest in zip(blocks, digests):
-        binfo, arrays = read_part(store, BLOCK_KIND, key, model_digest, start, end, digest)
+        whole_arrays, part_layers = fetch(CHECKPOINT_KIND, checkpoint, 0, n, spans[-1][3])
+        layers = layers if layers is not None else part_layers
+    blocks = []
+    for key, start, end, digest in spans:
+        arrays, part_layers = fetch(BLOCK_KIND, key, start, end, digest)
         if layers is None and end == n:
-            layers = binfo.layers
-        parts.append((key, start, end, arrays))
+            layers = part_layers
+        blocks.append(arrays)
     if layers is None:
         raise SnapshotError(where, f"has no layer list at {n} tokens (a hybrid model restores only at a checkpoint)")
     sliced, whole = split_tensor_names(layers)
-    out = {TOKENS: mx.array(list(tokens[:n]), dtype=mx.int32)}
+    for (key, start, end, _), arrays in zip(spans, blocks):
+        bad = [name for name in sliced if name not in arrays or arrays[name].ndim < 2 or arrays[name].shape[-2] != end - start]
+        if bad:
+            raise SnapshotError(str(part_path(store, BLOCK_KIND, key)), f"tensor {bad[0]} is missing or not {end - start} tokens long", FIX)
+    missing = [name for name in whole if name not in whole_arrays]
+    if missing:
+        raise SnapshotError(where, f"its checkpoint at {n} lacks tensor {missing[0]}", FIX)
+    return blocks, whole_arrays, layers
+
+
+def assemble_state(store: Store, where: str, model_digest: str, tokens: Sequence[int], spans: Sequence[Span], checkpoint: str | None, layers: list | None) -> tuple[dict, list]:
+    """The named arrays and layer list of the state after ``spans``: the attention slices
+    concatenated along the token axis, the other layers whole from ``checkpoint`` (at n)."""
+    import mlx.core as mx
+
+    blocks, whole_arrays, layers = read_state_parts(store, where, model_digest, spans, checkpoint, layers)
+    sliced, whole = split_tensor_names(layers)
+    out = {TOKENS: mx.array(list(tokens[: spans[-1][2]]), dtype=mx.int32)}
     for name in sliced:
-        pieces = []
-        for key, start, end, arrays in parts:
-            a = arrays.get(name)
-            if a is None or a.ndim < 2 or a.shape[-2] != end - start:
-                raise SnapshotError(str(part_path(store, BLOCK_KIND, key)), f"tensor {name} is missing or not {end - start} tokens long", FIX)
-            pieces.append(a)
+        pieces = [arrays[name] for arrays in blocks]
         out[name] = pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=-2)
-    for name in whole:
-        if name not in whole_arrays:
-            raise SnapshotError(where, f"its checkpoint at {n} lacks tensor {name}", FIX)
-        out[name] = whole_arrays[name]
+    out.update({name: whole_arrays[name] for name in whole})
     mx.eval(list(out.values()))
     return out, layers
 
 
+def end_checkpoint(info: SnapshotInfo) -> str | None:
+    """The key of a record's checkpoint at its end (hybrids), or None."""
+    last = info.chain.checkpoints[-1] if info.chain.checkpoints else None
+    return last[0] if last is not None and last[1] == info.n_tokens else None
+
+
 def assemble(store: Store, info: SnapshotInfo) -> tuple[dict, list]:
     """A v3 record's whole state: the arrays a v2 file of it would hold, and its layer list."""
-    checkpoint = info.chain.checkpoints[-1] if info.chain.checkpoints and info.chain.checkpoints[-1][1] == info.n_tokens else None
-    return assemble_state(store, str(info.path), info.model_digest, info.tokens, info.chain.blocks, checkpoint, info.layers)
+    return assemble_state(store, str(info.path), info.model_digest, info.tokens, info.chain.spans(info.n_tokens), end_checkpoint(info), info.layers)
 
 
 def verify_chain(store: Store, info: SnapshotInfo) -> int:
@@ -232,13 +250,12 @@ def verify_chain(store: Store, info: SnapshotInfo) -> int:
     checksum, and tensors against the record's layer list. Returns their bytes."""
     sliced, whole = split_tensor_names(info.layers)
     total = 0
-    digests = dict(zip([b[2] for b in info.chain.blocks], _digests(info)))
-    for key, start, end in info.chain.blocks:
-        part, tensors = check_part(store, BLOCK_KIND, key, info.model_digest, start, end, digests[end])
+    for key, start, end, digest in info.chain.spans(info.n_tokens):
+        part, tensors = check_part(store, BLOCK_KIND, key, info.model_digest, start, end, digest)
         _check_tensors(store, part, tensors, set(sliced), end - start)
         total += part_path(store, BLOCK_KIND, key).stat().st_size
     for key, end in info.chain.checkpoints:
-        part, tensors = check_part(store, CHECKPOINT_KIND, key, info.model_digest, 0, end, digests[end])
+        part, tensors = check_part(store, CHECKPOINT_KIND, key, info.model_digest, 0, end, info.chain.digest_at(end))
         _check_tensors(store, part, tensors, set(split_tensor_names(part.layers)[1]), None)
         total += part_path(store, CHECKPOINT_KIND, key).stat().st_size
     return total
@@ -252,12 +269,6 @@ def _check_tensors(store: Store, part: PartInfo, tensors: dict, names: set, toke
         for name, entry in tensors.items():
             if len(entry.shape) < 2 or entry.shape[-2] != tokens:
                 raise SnapshotError(path, f"tensor {name} has shape {list(entry.shape)}, not {tokens} tokens on its token axis", FIX)
-
-
-def _digests(info: SnapshotInfo) -> list[str]:
-    from kvsnap.snapshot.blocks import prefix_digests
-
-    return prefix_digests(info.tokens, [b[2] for b in info.chain.blocks])
 
 
 def reached_parts(infos: Iterable[SnapshotInfo]) -> set[str]:
