@@ -121,19 +121,16 @@ def test_regression_unpack_into_a_store_keeps_its_records_and_gc_keeps_its_snaps
     assert no_stage_dirs(tmp_path)
 
 
-def test_an_install_replaces_only_the_record_it_ships_and_gc_drops_only_what_that_build_dropped(store_a, lm, tmp_path):
-    """The same (model, agents file) record shipped again wins; every other record is kept."""
+def test_an_install_of_a_newer_build_of_a_record_only_adds_and_gc_drops_nothing(store_a, lm, tmp_path):
+    """The same (model, agents file) record shipped again only adds (issue 24: merges never shrink)."""
     agents_file = tmp_path / "b-agents.json"
     b = build_store(lm, tmp_path / "B", AGENTS_B, agents_file)
     unpack(pack(b, tmp_path / "v1.tar").archive, store_a)
-    v1 = Store.open(b).referenced()
     build_store(lm, b, AGENTS_B[:1], agents_file)  # v2 of B: delta left the agents file
     unpack(pack(b, tmp_path / "v2.tar").archive, store_a)
     doomed, _ = Store.open(store_a).gc(apply=True)
-    dropped = sorted(v1 - Store.open(b).referenced())  # delta's record, which only B-v1 listed
-    assert len(dropped) == 1 and [f"snapshots/{p.name}" for p in doomed if p.parent.name == "snapshots"] == dropped
-    assert all(p.parent.name == "blocks" for p in doomed if p.parent.name != "snapshots")  # and its own blocks, no other
-    assert len(Store.open(store_a).snapshot_files()) == 3  # A's two + gamma
+    assert doomed == []  # delta's entry stays in the store's record, so its files stay live
+    assert len(Store.open(store_a).snapshot_files()) == 4  # A's two + gamma + delta
     for path in Store.open(store_a).snapshot_files():
         Store.open(store_a).verify_file(path)
 

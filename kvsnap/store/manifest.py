@@ -189,14 +189,27 @@ def referenced_files(manifest: dict) -> set[str]:
     return {entry["file"] for record in manifest["records"].values() for entry in record.get("entries", [])}
 
 
-def merge_manifests(current: dict, incoming: dict) -> dict:
-    """What an install leaves: every current record, plus the incoming ones (an incoming record replaces one with its id).
+def _merge_record(current: dict, incoming: dict) -> dict:
+    """``current`` with the incoming entries it lacks added: its fields and entries are kept as they are."""
+    have = {(e.get("name"), e["file"]) for e in current.get("entries", [])}
+    added = [e for e in incoming.get("entries", []) if (e.get("name"), e["file"]) not in have]
+    if not added:
+        return current
+    return {**current, "entries": [*current.get("entries", []), *added]}
 
-    A record is one (model, agents file) build; the same id means a newer (or older, on a
-    rollback) build of the same thing, so the shipped one wins. Records it does not name are
-    kept, so their snapshots stay referenced and ``gc`` keeps them.
+
+def merge_manifests(current: dict, incoming: dict) -> dict:
+    """What an install leaves: every current record as it is, plus what the incoming ones add.
+
+    Installs merge, never replace or shrink: an incoming record with an id the store already
+    has only adds the entries that record lacks (a shipped manifest with that id and no
+    entries once emptied a record, and ``gc`` then deleted its live files). A store's
+    records, and so every snapshot they list, stay referenced and ``gc`` keeps them.
     """
-    return {**incoming, **current, "records": {**current["records"], **incoming["records"]}}
+    records = dict(current["records"])
+    for rid, record in incoming["records"].items():
+        records[rid] = _merge_record(records[rid], record) if rid in records else record
+    return {**incoming, **current, "records": records}
 
 
 def update_manifest(manifest: dict, record_id: str, update: Callable[[dict], dict], where: str) -> bytes:

@@ -1,0 +1,86 @@
+"""Issue 24: shipped content is hostile -- installs merge and never shrink, never overwrite a good file.
+
+Real stores built with the tiny demo model, real tarballs, the real `gc` and `verify`.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import shutil
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from conftest import run_kvsnap
+from kvsnap.store.archive import unpack
+from kvsnap.store.local import MANIFEST, Store
+from test_archive import AGENTS, build_store, store_files
+
+
+@pytest.fixture(scope="module")
+def lm(demo_models):
+    return demo_models.load("dense")
+
+
+@pytest.fixture(scope="module")
+def model_dir(demo_models) -> Path:
+    return demo_models.path("dense")
+
+
+@pytest.fixture(scope="module")
+def built(lm, tmp_path_factory) -> Path:
+    return build_store(lm, tmp_path_factory.mktemp("ship-installs") / "snaps", AGENTS)
+
+
+@pytest.fixture()
+def store(built, tmp_path) -> Path:
+    dest = tmp_path / "store"
+    shutil.copytree(built, dest)
+    return dest
+
+
+def tarball(path: Path, files: dict[str, bytes]) -> Path:
+    with tarfile.open(path, "w:gz") as tar:
+        for name, data in files.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return path
+
+
+def live_files(root: Path) -> dict[str, bytes]:
+    return {k: v for k, v in store_files(root).items() if k != MANIFEST}
+
+
+def test_regression_a_tiny_tarball_with_an_empty_record_cannot_erase_a_store(store, model_dir, tmp_path):
+    """Once: a 59-byte manifest naming an existing record with no entries replaced it; gc deleted 15 files."""
+    manifest = json.loads((store / MANIFEST).read_text())
+    rid = next(iter(manifest["records"]))
+    body = json.dumps({"format": manifest["format"], "records": {rid: {"entries": []}}}).encode()
+    archive = tarball(tmp_path / "tiny.tar.gz", {MANIFEST: body})
+    assert archive.stat().st_size < 200
+    before = live_files(store)
+    assert len(before) >= 3  # records and their blocks
+
+    unpack(archive, store)
+    assert json.loads((store / MANIFEST).read_text())["records"][rid] == manifest["records"][rid]
+    gc = run_kvsnap("gc", store, "--yes")
+    assert gc.returncode == 0 and "removed 0 file(s)" in gc.stdout, gc.stdout + gc.stderr
+    assert live_files(store) == before
+    v = run_kvsnap("verify", store, "--model", model_dir)
+    assert v.returncode == 0 and f"{len(Store.open(store).snapshot_files())} ok, 0 bad" in v.stdout, v.stdout + v.stderr
+
+
+def test_an_existing_record_only_gains_entries_from_a_shipped_one(store, tmp_path):
+    """A shipped record with the same id adds the entries it lacks and keeps every one it has."""
+    manifest = json.loads((store / MANIFEST).read_text())
+    rid, record = next(iter(manifest["records"].items()))
+    kept, other = record["entries"][0], record["entries"][1:]
+    extra = {**kept, "name": "renamed-agent"}
+    shipped = {"format": manifest["format"], "records": {rid: {**record, "entries": [extra], "model_path": "/elsewhere"}}}
+    unpack(tarball(tmp_path / "one.tar.gz", {MANIFEST: json.dumps(shipped).encode()}), store)
+    merged = json.loads((store / MANIFEST).read_text())["records"][rid]
+    assert merged["entries"] == [kept, *other, extra]
+    assert merged["model_path"] == record["model_path"]  # the store's own fields stay
