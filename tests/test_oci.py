@@ -325,7 +325,12 @@ def test_repush_after_changing_one_agent_uploads_one_new_snapshot_blob(registry,
     # A replica pulls only what it lacks.
     again = pull(ref, replica)
     assert sorted(again.downloaded) == sorted([*new_files, MANIFEST]) and sorted(again.present) == sorted(f for f in unchanged if f in again.present)
-    assert store_files(replica) == store_files(store)
+    have, want = store_files(replica), store_files(store)
+    assert all(have.get(name) == data for name, data in want.items() if name != MANIFEST)
+    # Installs never shrink a record (issue 24): the replica's keeps the old planner entry too.
+    (rid, record), = json.loads(want[MANIFEST])["records"].items()
+    kept = json.loads(have[MANIFEST])["records"][rid]["entries"]
+    assert all(e in kept for e in record["entries"]) and len(kept) == len(record["entries"]) + 1
     assert run_kvsnap("verify", replica).returncode == 0
 
 

@@ -84,3 +84,48 @@ def test_an_existing_record_only_gains_entries_from_a_shipped_one(store, tmp_pat
     merged = json.loads((store / MANIFEST).read_text())["records"][rid]
     assert merged["entries"] == [kept, *other, extra]
     assert merged["model_path"] == record["model_path"]  # the store's own fields stay
+
+
+def forged_copy(path: Path) -> bytes:
+    """``path``'s bytes with one data byte changed and the checksum recomputed: it passes its own checks."""
+    from kvsnap.snapshot.file import CHECKSUM_KEY, file_checksum, read_header
+
+    original = path.read_bytes()
+    scratch = path.parent.parent.parent / f"forged-{path.name}"
+    data = bytearray(original)
+    data[-1] ^= 0x01
+    scratch.write_bytes(bytes(data))
+    header = read_header(scratch)
+    data = bytes(data).replace(header.metadata[CHECKSUM_KEY].encode(), file_checksum(scratch, header).encode(), 1)
+    scratch.unlink()
+    return data
+
+
+def test_regression_unpack_never_overwrites_a_good_block_with_a_forged_one(store, tmp_path):
+    """Block keys name content but do not hash it: shipped bytes under an existing name are reported, not installed."""
+    from kvsnap.store.parts import check_part
+
+    block = sorted((store / "blocks").iterdir())[0]
+    forged = forged_copy(block)
+    assert forged != block.read_bytes()
+    planted = tmp_path / "planted" / "blocks" / block.name
+    planted.parent.mkdir(parents=True)
+    planted.write_bytes(forged)
+    check_part(Store.open(store), "block", block.stem, path=planted)  # the forgery passes its own checks
+    before = store_files(store)
+    archive = tarball(tmp_path / "forged.tar.gz", {f"blocks/{block.name}": forged})
+    report = unpack(archive, store)
+    assert report.kept == [f"blocks/{block.name}"]
+    assert store_files(store) == before
+    r = run_kvsnap("unpack", archive, store)
+    assert r.returncode == 0 and f"blocks/{block.name}" in r.stdout and "not installed" in r.stdout, r.stdout + r.stderr
+    assert store_files(store) == before
+
+
+def test_a_damaged_file_under_a_shipped_name_is_repaired_by_the_install(store, built, tmp_path):
+    """The other side of the rule: a copy that fails its own checks is replaced by the verified shipped one."""
+    block = sorted((store / "blocks").iterdir())[0]
+    good = block.read_bytes()
+    block.write_bytes(good[:-1] + bytes([good[-1] ^ 0x01]))
+    report = unpack(tarball(tmp_path / "good.tar.gz", {f"blocks/{block.name}": good}), store)
+    assert report.kept == [] and block.read_bytes() == good

@@ -38,6 +38,7 @@ def cmd_pull(args) -> int:
     report = pull(args.ref, args.store, plain_http=args.plain_http)
     print(f"pulled {report.ref} ({report.manifest_digest}) into {report.dest}")
     print(f"{len(report.downloaded)} file(s) downloaded ({human_bytes(report.downloaded_bytes)}), {len(report.present)} already there; all verified")
+    print_kept(getattr(report, "kept", []))
     return EXIT_OK
 
 
@@ -68,4 +69,12 @@ def cmd_unpack(args) -> int:
 
     report = unpack(args.archive, args.store)
     print(f"unpacked {len(report.files)} file(s), {human_bytes(report.nbytes)}, from {args.archive} into {report.dest}; all verified")
+    print_kept(report.kept)
     return EXIT_OK
+
+
+def print_kept(kept: list[str]) -> None:
+    """Shipped files that differ from the store's good file of the same name: reported, never installed."""
+    if kept:
+        shown = ", ".join(kept[:5]) + (f" and {len(kept) - 5} more" if len(kept) > 5 else "")
+        print(f"{len(kept)} shipped file(s) differ from the store's good file of the same name and were not installed: {shown}")

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import filecmp
 import hashlib
 import lzma
 import os
@@ -162,6 +163,21 @@ def present_with_digest(path: Path, size: int, digest: str) -> bool:
 # --- staged, atomic install ---------------------------------------------------------------
 
 
+def existing_file_is_good(store: Store, relpath: str) -> bool:
+    """A store file that passes its own checks (a record's parts are checked on their own)."""
+    from kvsnap.store.parts import check_part
+
+    path = store.root / relpath
+    try:
+        if PART_REL_RE.fullmatch(relpath):
+            check_part(store, "block" if relpath.startswith(PART_FOLDERS[0]) else "checkpoint", path.stem, path=path)
+        else:
+            store.verify_file(path, parts=False)
+    except (SnapshotError, OSError):
+        return False
+    return True
+
+
 def _fsync_dir(folder: Path) -> None:
     fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
     try:
@@ -199,6 +215,7 @@ class StagedInstall:
     staged: list[str] = field(default_factory=list)
     manifest: dict | None = None  # the shipped manifest, once verified
     reached: set[str] = field(default_factory=set)  # blocks and checkpoints the staged records need
+    kept: list[str] = field(default_factory=list)  # shipped files that differ from the store's good one: not installed
 
     def __post_init__(self) -> None:
         self.dest = check_destination(self.dest)
@@ -295,6 +312,7 @@ class StagedInstall:
                 self._check_references(lambda relpath: _is_regular_file(store.root / relpath))
                 # Parts before records, records before the manifest: what lands is always whole.
                 files = sorted((r for r in self.staged if r != MANIFEST), key=lambda r: not PART_REL_RE.fullmatch(r))
+                files = [r for r in files if not self._keeps_existing(store, r)]
                 for relpath in files:
                     (store.root / relpath).parent.mkdir(mode=DIR_MODE, exist_ok=True)
                     os.replace(self.tmp / relpath, store.root / relpath)
@@ -306,6 +324,20 @@ class StagedInstall:
             raise ShipError(f"cannot move files into {self.dest} ({exc.strerror or exc}); check its permissions") from None
         finally:
             self.cleanup()
+
+    def _keeps_existing(self, store: Store, relpath: str) -> bool:
+        """True when ``dest`` already has a good file of that name: a key names content but does not
+        hash it, so shipped bytes never replace it (a different one is listed in ``kept``)."""
+        assert self.tmp is not None
+        target = store.root / relpath
+        if not _is_regular_file(target):
+            return False
+        if filecmp.cmp(self.tmp / relpath, target, shallow=False):
+            return True
+        if not existing_file_is_good(store, relpath):
+            return False  # a damaged copy: the verified shipped one repairs it
+        self.kept.append(relpath)
+        return True
 
     def cleanup(self) -> None:
         if self.tmp is not None:
@@ -328,6 +360,7 @@ class UnpackReport:
     dest: Path
     files: list[str]
     nbytes: int
+    kept: list[str] = field(default_factory=list)  # differed from the store's good file of that name: not installed
 
 
 def _tar_mode(name: str, write: bool) -> str:
@@ -439,4 +472,4 @@ def unpack(archive: str | os.PathLike, dest: str | os.PathLike) -> UnpackReport:
         staging.verify(where)
         files = list(staging.staged)
         staging.commit()
-        return UnpackReport(staging.dest, files, total)
+        return UnpackReport(staging.dest, files, total, list(staging.kept))

@@ -16,7 +16,7 @@ import httpx
 
 from kvsnap.errors import ManifestError, SnapshotError
 from kvsnap.snapshot.format import BLOCKS, PART_REL_RE
-from kvsnap.store.archive import ShipError, StagedInstall, check_destination, present_with_digest
+from kvsnap.store.archive import ShipError, StagedInstall, check_destination, existing_file_is_good, present_with_digest
 from kvsnap.store.parts import check_part
 from kvsnap.store.local import MANIFEST, Store
 from kvsnap.store.manifest import read_manifest_file
@@ -37,12 +37,27 @@ class PullReport:
     downloaded: list[str] = field(default_factory=list)
     present: list[str] = field(default_factory=list)
     downloaded_bytes: int = 0
+    kept: list[str] = field(default_factory=list)  # differ from the store's good file of that name: not installed
+
+
+def _kept_existing(dest: Path, layers: list[Layer], have: list[Layer]) -> list[str]:
+    """Layers whose name the store already holds as a good file with other bytes: never downloaded
+    over it (a key names content but does not hash it); the manifest is merged, not kept."""
+    if not dest.is_dir():
+        return []
+    store = Store(root=dest.resolve(), readonly=True)
+    return [
+        l.relpath for l in layers
+        if l not in have and l.relpath != MANIFEST and (dest / l.relpath).is_file() and existing_file_is_good(store, l.relpath)
+    ]
 
 
 def _download_missing(client: RegistryClient, layers: list[Layer], have: list[Layer], staging: StagedInstall, report: PullReport) -> None:
     for layer in layers:
         if layer in have:
             report.present.append(layer.relpath)
+            continue
+        if layer.relpath in report.kept:
             continue
         with staging.open(layer.relpath) as out:
             client.download_blob(layer.digest, layer.size, out, layer.relpath)
@@ -59,6 +74,7 @@ def pull(ref: Reference | str, dest: str | os.PathLike, plain_http: bool | None 
         layers = parse_artifact(body, ref)
         report = PullReport(ref, dest_path, digest)
         have = [l for l in layers if present_with_digest(dest_path / l.relpath, l.size, l.digest)]
+        report.kept = _kept_existing(dest_path, layers, have)
         with StagedInstall(dest_path) as staging:
             try:
                 _download_missing(client, layers, have, staging, report)
