@@ -25,6 +25,19 @@ from kvsnap.store.remote import redact
 log = logging.getLogger("kvsnap")
 
 TIMEOUT = httpx.Timeout(60.0, connect=10.0)
+REDIRECTS = (301, 302, 303, 307, 308)
+MAX_REDIRECTS = 5
+DEFAULT_PORTS = {"http": 80, "https": 443}
+
+
+def origin_of(url: httpx.URL | str) -> str:
+    """``scheme://host:port`` with the default port written out: what credentials are bound to."""
+    url = httpx.URL(url)
+    return f"{url.scheme}://{url.host}:{url.port or DEFAULT_PORTS.get(url.scheme, 0)}"
+
+
+def is_same_origin(url: httpx.URL | str, base: httpx.URL | str) -> bool:
+    return origin_of(url) == origin_of(base)
 
 
 def _challenge(header: str) -> tuple[str, dict[str, str]]:
@@ -56,7 +69,7 @@ class RegistryClient:
         self.credentials = credentials or None
         self.scope = f"repository:{ref.repo}:{'pull,push' if push else 'pull'}"
         self._auth: str | None = None
-        self.client = httpx.Client(timeout=TIMEOUT, follow_redirects=True, transport=transport, trust_env=False)
+        self.client = httpx.Client(timeout=TIMEOUT, follow_redirects=False, transport=transport, trust_env=False)
 
     def __enter__(self) -> "RegistryClient":
         return self
@@ -76,14 +89,27 @@ class RegistryClient:
             return None
 
     def _send(self, method: str, url: str, headers: dict | None, content: Callable[[], object] | None, stream: bool) -> httpx.Response:
-        h = dict(headers or {})
-        if self._auth:
-            h["Authorization"] = self._auth
-        request = self.client.build_request(method, url, headers=h, content=content() if content else None)
-        try:
-            return self.client.send(request, stream=stream)
-        except httpx.TransportError as exc:
-            raise self._unreachable(exc) from None
+        """One call, following redirects itself: credentials go only to the registry's own origin
+        (scheme, host, port), never to a host it redirects to, and https never drops to http."""
+        for _ in range(MAX_REDIRECTS + 1):
+            h = dict(headers or {})
+            if self._auth and is_same_origin(url, self.base):
+                h["Authorization"] = self._auth
+            request = self.client.build_request(method, url, headers=h, content=content() if content else None)
+            try:
+                resp = self.client.send(request, stream=stream)
+            except httpx.TransportError as exc:
+                raise self._unreachable(exc) from None
+            location = resp.headers.get("Location")
+            if resp.status_code not in REDIRECTS or not location:
+                return resp
+            resp.close()
+            target = httpx.URL(url).join(location)
+            if httpx.URL(url).scheme == "https" and target.scheme != "https":
+                raise RegistryError(f"registry {self.ref.host} redirected {method} {httpx.URL(url).path} from https to plain http ({origin_of(target)}); refusing it (nothing is sent over plain http after https)")
+            method = "GET" if resp.status_code == 303 and method != "HEAD" else method
+            url = str(target)
+        raise RegistryError(f"registry {self.ref.host} redirected {method} more than {MAX_REDIRECTS} times; check the registry's setup")
 
     def _unreachable(self, exc: Exception) -> RegistryUnreachableError:
         text = redact(str(exc)) or type(exc).__name__
@@ -107,6 +133,9 @@ class RegistryClient:
     def _bearer_token(self, params: dict[str, str]) -> str:
         """The token flow: ask the realm for this repository's scope, with Basic credentials if there are any."""
         creds = self.credentials
+        realm = httpx.URL(params["realm"])
+        if httpx.URL(self.base).scheme == "https" and realm.scheme != "https":
+            raise RegistryAuthError(f"registry {self.ref.host} (https) names a plain-http token service {origin_of(realm)}; refusing to send credentials there; check the registry's auth setup")
         scopes = [s for s in dict.fromkeys([params.get("scope", ""), self.scope]) if s]
         query = [("scope", s) for s in scopes] + ([("service", params["service"])] if params.get("service") else [])
         headers = {"Authorization": creds.basic()} if creds else {}
@@ -136,9 +165,20 @@ class RegistryClient:
         where = self.credentials.source if self.credentials else "none given"
         return RegistryAuthError(f"registry {self.ref.host} refused the credentials from {where} (HTTP 401) for {self.ref.repo}; check the user name and password")
 
+    def _foreign_401(self, resp: httpx.Response, method: str) -> RegistryAuthError:
+        """A 401 from a host the registry redirected to: never answered with the registry's credentials."""
+        resp.close()
+        return RegistryAuthError(
+            f"{origin_of(resp.request.url)}, where registry {self.ref.host} redirected {method}, answered HTTP 401; "
+            f"kvsnap sends credentials only to {origin_of(httpx.URL(self.base))}, so it refuses to log in there; "
+            "check the registry's storage redirect setup"
+        )
+
     def request(self, method: str, url: str, headers: dict | None = None, content: Callable[[], object] | None = None, stream: bool = False, ok: tuple[int, ...] = (200,)) -> httpx.Response:
         """One call; answers a 401 challenge once. Returns the response if its status is in ``ok`` or 404."""
         resp = self._send(method, url, headers, content, stream)
+        if resp.status_code == 401 and not is_same_origin(resp.request.url, self.base):
+            raise self._foreign_401(resp, method)
         if resp.status_code == 401:
             had_auth = self._auth
             challenge = resp.headers.get("WWW-Authenticate", "")
@@ -147,6 +187,8 @@ class RegistryClient:
                 raise self._refused()
             self._authenticate(challenge)
             resp = self._send(method, url, headers, content, stream)
+            if resp.status_code == 401 and not is_same_origin(resp.request.url, self.base):
+                raise self._foreign_401(resp, method)
             if resp.status_code == 401:
                 resp.close()
                 raise self._refused() if self.credentials else self._needs_credentials()
