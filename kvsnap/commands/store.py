@@ -97,23 +97,31 @@ def add_verify(sub) -> None:
 
 def cmd_verify(args) -> int:
     from kvsnap.errors import SnapshotError
-    from kvsnap.store.local import Store
+    from kvsnap.store.local import Store, foreign_reason
 
     store = Store.open(args.store, readonly=True).require_store()
-    expected = None
+    expected = shapes = None
     if args.revision and not args.model:
         raise KvsnapError(f"--revision {args.revision!r} needs --model (a hub id); add --model ORG/NAME or drop --revision")
     if args.model:
         from kvsnap.runtime.modeling import default_digest_cache, load_model
+        from kvsnap.runtime.state_shapes import ModelShapes
 
-        expected = load_model(args.model, kv_settings(args), args.revision).identity(default_digest_cache())
-    ok = bad = 0
-    files = store.snapshot_files()
-    for path in files:
+        lm = load_model(args.model, kv_settings(args), args.revision)
+        expected, shapes = lm.identity(default_digest_cache()), ModelShapes(lm)
+    ok = bad = other = 0
+    for path in store.snapshot_files():
         try:
-            info = store.verify_file(path, expected)
-            ok += 1
+            info = store.verify_file(path)
             name = info.name if info.name.isprintable() else repr(info.name)  # a name from a file must not forge output lines
+            foreign = foreign_reason(expected, info)
+            if foreign:  # sound, for another model: a shared store may hold several
+                other += 1
+                print(f"other {info.relpath}  {name}: {foreign}")
+                continue
+            if shapes is not None:
+                _check_shapes(store, info, shapes)
+            ok += 1
             print(f"ok   {info.relpath}  {name}  {info.n_tokens} tokens")
         except SnapshotError as exc:
             bad += 1
@@ -121,8 +129,23 @@ def cmd_verify(args) -> int:
     bad += _verify_manifest(store)
     for tmp in store.temp_files():
         print(f"note {tmp}: leftover temp file of an interrupted write (harmless; `kvsnap gc --yes` removes it)")
-    print(f"{ok} ok, {bad} bad")
+    print(f"{ok} ok, {bad} bad" + (f", {other} for another model (not checked against this one)" if other else ""))
     return EXIT_BAD if bad else EXIT_OK
+
+
+def _check_shapes(store, info, shapes) -> None:
+    """SnapshotError unless every tensor of the record (its blocks and checkpoints) has the shape
+    and dtype of the model's own cache: a block's key does not hash its data, so only the model
+    can tell a block rewritten with another head dim."""
+    from kvsnap.errors import SnapshotError
+    from kvsnap.snapshot.file import read_header
+    from kvsnap.store.parts import chain_relpaths
+
+    parts = [store.root / rel for rel in chain_relpaths(info)] if info.chain is not None else [info.path]
+    for path in parts:
+        why = shapes.problem_in_header(read_header(path).tensors, f"{path.parent.name}/{path.name}: ")
+        if why:
+            raise SnapshotError(str(info.path), why, "it was not built for this model's cache (forged or damaged); rebuild it with `kvsnap build`")
 
 
 def _verify_manifest(store) -> int:

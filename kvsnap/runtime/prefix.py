@@ -37,6 +37,15 @@ CopyFn = Callable[[Any], Any]
 TrimFn = Callable[[Any, int], Any]
 LoadFn = Callable[[], tuple[Any, int]]
 LoadErrorFn = Callable[["Entry", BaseException], None]
+CheckFn = Callable[[Any], "str | None"]
+
+
+class UnusableState(ValueError):
+    """A cached state that cannot serve this model (its shapes, or its copy failed)."""
+
+    def __init__(self, where: str, reason: str):
+        super().__init__(f"{where}: {reason}")
+        self.path, self.reason = where, reason
 
 
 @dataclass
@@ -90,6 +99,9 @@ class PrefixCache:
     # lookup falls back to the next best entry (or a cold prefill).
     load_errors: tuple[type[BaseException], ...] = ()
     on_load_error: LoadErrorFn | None = None
+    # Why a state cannot serve this model (None: it can): checked on every copy handed out, so
+    # a bad entry is dropped and the request served from the next best one, never failing a batch.
+    check_state: CheckFn | None = None
     stats: PrefixStats = field(default_factory=PrefixStats)
     _entries: dict[tuple, Entry] = field(default_factory=dict)  # (namespace, tokens) -> entry
     _tries: dict[str | None, TokenTrie] = field(default_factory=dict)  # namespace -> its entries' trie
@@ -229,12 +241,17 @@ class PrefixCache:
                     self.stats.misses += 1
                     return None, 0, None
                 if match.entry.loaded:
-                    return self._serve(match)
+                    served = self._serve_checked(match)
+                    if served is not None:
+                        return served
+                    continue
             if self.load(match.entry):
                 with self._lock:
                     if match.entry.loaded and self._entries.get(match.entry.slot) is match.entry:
-                        return self._serve(match)
-            # Failed, or cleared while it loaded: look again.
+                        served = self._serve_checked(match)
+                        if served is not None:
+                            return served
+            # Failed, unusable, or cleared while it loaded: look again.
 
     def load(self, entry: Entry, resident: bool = False) -> bool:
         """Load an indexed entry from its file, outside the lock; False if the file is bad
@@ -262,12 +279,30 @@ class PrefixCache:
             self._evict_to_budget(keep=entry)
         return True
 
-    def _serve(self, match: Match) -> tuple[Any, int, Match]:
+    def _serve_checked(self, match: Match) -> tuple[Any, int, Match] | None:
+        """A private copy of the match, or None when the entry's state cannot be used: it is then
+        dropped from the index and reported like a bad file, and only this lookup moves on."""
         entry = match.entry
-        entry.last_used = next(self._clock)
+        try:
+            state = self._copy(match)
+            why = self.check_state(state) if self.check_state is not None else None
+        except (ValueError, RuntimeError, TypeError, IndexError) as exc:  # how mlx refuses bad shapes
+            why = f"its copy failed ({type(exc).__name__}: {exc})"
+        if why is None:
+            entry.last_used = next(self._clock)
+            self.stats.hits += 1
+            self.stats.tokens_saved += match.n_cached
+            return state, match.n_cached, match
+        if self._entries.get(entry.slot) is entry:
+            self._unindex(entry)
+        self.stats.load_errors += 1
+        if self.on_load_error is not None:
+            self.on_load_error(entry, UnusableState(entry.name or entry.key or "cached prefix", why))
+        return None
+
+    def _copy(self, match: Match) -> Any:
+        entry = match.entry
         state = self.copy_state(entry.state)
         if match.n_cached < len(entry.tokens):
             state = self.trim_state(state, len(entry.tokens) - match.n_cached)
-        self.stats.hits += 1
-        self.stats.tokens_saved += match.n_cached
-        return state, match.n_cached, match
+        return state

@@ -21,7 +21,7 @@ from kvsnap.errors import KvsnapError, SnapshotError, StoreError
 from kvsnap.key import ModelIdentity, prompt_identity, snapshot_key
 from kvsnap.runtime.modeling import LoadedModel
 from kvsnap.runtime.prefill import prefill
-from kvsnap.runtime.prefix import Entry, PrefixCache
+from kvsnap.runtime.prefix import CheckFn, Entry, PrefixCache
 from kvsnap.prompts import WarmPromptSet, resolve_chat_template, warm_prefix
 from kvsnap.snapshot.cache_classes import layers_trimmable
 from kvsnap.snapshot.codec import cache_nbytes_of, decode_cache, is_trimmable
@@ -150,43 +150,57 @@ def open_store(path: str, write_back: bool, counts: SnapshotCounts, fault=None) 
     return Store.open(p, create=True, fault=fault)
 
 
-def make_entry(lm: LoadedModel, store: Store, info: SnapshotInfo, pinned: bool, prefetched=None, pool=None) -> Entry:
+def make_entry(lm: LoadedModel, store: Store, info: SnapshotInfo, pinned: bool, prefetched=None, pool=None, check: CheckFn | None = None) -> Entry:
     """A prefix entry for a snapshot, only indexed: it loads when pinned within budget, else on first hit.
 
     ``prefetched``: arrays read while the model loaded (``prefetch.Prefetched``), taken once.
-    ``pool``: where a record's blocks are held, once for every entry that shares them."""
+    ``pool``: where a record's blocks are held, once for every entry that shares them.
+    ``check``: why a loaded state does not fit the model (a load error), or None."""
     tokens = tuple(store.read_tokens(info))
-    loader = snapshot_loader(store, info, prefetched, pool)
+    loader = snapshot_loader(store, info, prefetched, pool, check)
     return Entry(tokens=tokens, state=None, nbytes=info.nbytes, trimmable=layers_trimmable(info.layers, str(info.path)), pinned=pinned, source="snapshot", name=info.name, key=info.key, loader=loader)
 
 
-def snapshot_loader(store: Store, info: SnapshotInfo, prefetched=None, pool=None) -> Callable[[], tuple]:
+def snapshot_loader(store: Store, info: SnapshotInfo, prefetched=None, pool=None, check: CheckFn | None = None) -> Callable[[], tuple]:
     """Loads one snapshot's cache state: from ``prefetched`` when it was read already, else from
     the file. A record with a ``pool`` stays as its shared blocks (a ``ComposedState``); its
-    size is what its blocks added to the pool."""
+    size is what its blocks added to the pool. A state ``check`` refuses is a SnapshotError."""
 
     def load():
         arrays = prefetched.take(info) if prefetched is not None else None
         if info.chain is not None and pool is not None:
             from kvsnap.runtime.composed import load_composed
 
-            return arrays if isinstance(arrays, tuple) else load_composed(store, info, pool)
+            loaded = arrays if isinstance(arrays, tuple) else load_composed(store, info, pool)
+            return _checked(loaded, info, check)
         if arrays is None:
             arrays = store.load_arrays(info)
+        _checked((arrays, 0), info, check)  # before decoding: the arrays are what a forger wrote
         state = decode_cache(arrays, info.layers)
         return state, cache_nbytes_of(state)
 
     return load
 
 
-def checkpoint_loader(store: Store, info: SnapshotInfo, end: int, checkpoint_key: str, pool) -> Callable[[], tuple]:
+SHAPE_FIX = "it was not built for this model's cache (forged or damaged); rebuild it with `kvsnap build`"
+
+
+def _checked(loaded: tuple, info: SnapshotInfo, check: CheckFn | None) -> tuple:
+    """``loaded`` if its state fits the model, else a SnapshotError naming the record and the tensor."""
+    why = check(loaded[0]) if check is not None else None
+    if why:
+        raise SnapshotError(str(info.path), why, SHAPE_FIX)
+    return loaded
+
+
+def checkpoint_loader(store: Store, info: SnapshotInfo, end: int, checkpoint_key: str, pool, check: CheckFn | None = None) -> Callable[[], tuple]:
     """Loads a record's state at one of its checkpoints: its blocks up to ``end`` and the checkpoint there."""
     from kvsnap.runtime.composed import load_composed
 
-    return lambda: load_composed(store, info, pool, end, checkpoint_key)
+    return lambda: _checked(load_composed(store, info, pool, end, checkpoint_key), info, check)
 
 
-def checkpoint_entries(store: Store, good: dict[str, SnapshotInfo], pool) -> list[Entry]:
+def checkpoint_entries(store: Store, good: dict[str, SnapshotInfo], pool, check: CheckFn | None = None) -> list[Entry]:
     """Hybrid models restore only at checkpoints: one entry (indexed, loaded on first hit) per
     checkpoint inside a record -- a branch point or every C tokens -- so a request that shares an
     agent's preamble but not its tail still starts from the preamble. Records sharing a
@@ -199,7 +213,7 @@ def checkpoint_entries(store: Store, good: dict[str, SnapshotInfo], pool) -> lis
         for key, end in info.chain.checkpoints:
             tokens = tuple(info.tokens[:end])
             if end < info.n_tokens and tokens not in seen:
-                seen[tokens] = Entry(tokens=tokens, state=None, nbytes=int(per_token * end), trimmable=False, pinned=False, source="snapshot", name=f"{info.name}@{end}", key=key, loader=checkpoint_loader(store, info, end, key, pool), inner=True)
+                seen[tokens] = Entry(tokens=tokens, state=None, nbytes=int(per_token * end), trimmable=False, pinned=False, source="snapshot", name=f"{info.name}@{end}", key=key, loader=checkpoint_loader(store, info, end, key, pool, check), inner=True)
     return list(seen.values())
 
 
@@ -245,6 +259,10 @@ def run_warmup(
     report = WarmupReport(problems=[str(p) for p in (prompts.problems if prompts else [])], prefill_concurrency=concurrency)
     from kvsnap.runtime.composed import BlockPool
 
+    if prefix.check_state is None:  # every state served is checked against the model's own cache
+        from kvsnap.runtime.state_shapes import ModelShapes
+
+        prefix.check_state = ModelShapes(lm).problem
     run = _Warmup(lm, prefix, identity, counts, store, report, budget_bytes, pool=pool if pool is not None else BlockPool())
     good = run.scan(prefetched)
     if prompts is not None:
@@ -341,7 +359,7 @@ class _Warmup:
                 to_prefill.append(t)
                 continue
             try:
-                entry = make_entry(self.lm, self.store, t.info, pinned=True, prefetched=self.prefetched, pool=self.pool)
+                entry = make_entry(self.lm, self.store, t.info, pinned=True, prefetched=self.prefetched, pool=self.pool, check=self.prefix.check_state)
                 if used + t.info.nbytes <= self.budget_bytes:
                     entry.state, entry.nbytes = entry.loader()
                     entry.resident = True
@@ -366,11 +384,11 @@ class _Warmup:
             if info.key in skip_keys:
                 continue
             try:
-                self.prefix.add(make_entry(self.lm, self.store, info, pinned=False, pool=self.pool))
+                self.prefix.add(make_entry(self.lm, self.store, info, pinned=False, pool=self.pool, check=self.prefix.check_state))
             except SnapshotError as exc:
                 self.counts.reject(exc.path, exc.reason)
         if self.store is not None:
-            for entry in checkpoint_entries(self.store, good, self.pool):
+            for entry in checkpoint_entries(self.store, good, self.pool, self.prefix.check_state):
                 self.prefix.add(entry)
         self.counts.indexed = sum(1 for e in self.prefix.entries if e.loader is not None)
 
@@ -396,7 +414,7 @@ class _Warmup:
             entry = Entry(tokens=t.tokens, state=cache, nbytes=nbytes, trimmable=is_trimmable(cache), pinned=True, source="prefill", name=t.name, resident=True)
             if written is not None:
                 # A re-warm reads it back instead of prefilling again; its header is read only then.
-                entry.loader = lambda path=written: snapshot_loader(store, store.inspect(path), pool=self.pool)()
+                entry.loader = lambda path=written: snapshot_loader(store, store.inspect(path), pool=self.pool, check=self.prefix.check_state)()
             self.prefix.add(entry)
             return
         # Over the memory budget: keep it indexed from the file just written (loads on
@@ -404,6 +422,6 @@ class _Warmup:
         report.over_budget += 1
         if written is not None:
             try:
-                self.prefix.add(make_entry(self.lm, store, store.inspect(written), pinned=True, pool=self.pool))
+                self.prefix.add(make_entry(self.lm, store, store.inspect(written), pinned=True, pool=self.pool, check=self.prefix.check_state))
             except SnapshotError as exc:
                 self.counts.reject(exc.path, exc.reason)
