@@ -41,6 +41,7 @@ SUBCOMMANDS = (
     transfer.add_pack,
     transfer.add_unpack,
     serve.add_vllm_mlx,
+    serve.add_mlx_lm,
 )
 
 

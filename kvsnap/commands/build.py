@@ -13,8 +13,9 @@ def add_build(sub) -> None:
     p.add_argument("--revision", metavar="REV", help=REVISION_HELP)
     p.add_argument("--out", required=True, help="snapshot store directory (created if absent)")
     p.add_argument("--force", action="store_true", help="re-prefill and rewrite every snapshot")
-    p.add_argument("--for", dest="for_server", choices=("kvsnap", "vllm-mlx"), default="kvsnap", help="the server whose requests the snapshots must match: kvsnap serve (default) or vllm-mlx (it encodes with the tokenizer's special tokens and its own enable_thinking); see docs/vllm-mlx.md")
+    p.add_argument("--for", dest="for_server", choices=("kvsnap", "vllm-mlx", "mlx-lm"), default="kvsnap", help="the server whose requests the snapshots must match: kvsnap serve (default), vllm-mlx (it encodes with the tokenizer's special tokens and its own enable_thinking; docs/vllm-mlx.md) or mlx-lm (mlx_lm.server with its --chat-template-args; docs/mlx-lm.md)")
     p.add_argument("--served-model-name", metavar="NAME", help="with --for vllm-mlx: the MODEL name vllm-mlx serve is started with, from which it picks enable_thinking (false when the name contains 'coder'); default: --model")
+    p.add_argument("--chat-template-args", metavar="JSON", help="with --for mlx-lm: the --chat-template-args JSON object mlx_lm.server is started with (its defaults for every request's template)")
     p.add_argument("--block-tokens", type=int, default=256, metavar="B", help="tokens per stored block (default 256): prompts sharing a prefix share its blocks; an edit re-prefills from the block it falls in")
     p.add_argument("--checkpoint-every", type=int, default=1024, metavar="C", help="for hybrid models (SSM, sliding window): store those layers' whole state every C tokens too (default 1024), besides branch points and prompt ends")
     p.add_argument("--json", action="store_true", help="print the report as JSON (per entry: tokens reused and prefilled, blocks and bytes written) instead of a table")
@@ -37,6 +38,10 @@ def build_tokenization(args):
     """The request path `build --for` names (None: kvsnap's own); bad combinations are usage errors."""
     from kvsnap.errors import UsageError
 
+    if args.for_server == "mlx-lm":
+        return mlx_lm_build_tokenization(args)
+    if getattr(args, "chat_template_args", None) is not None:
+        raise UsageError(f"--chat-template-args {args.chat_template_args!r} only applies with --for mlx-lm; add --for mlx-lm or drop it")
     if args.for_server != "vllm-mlx":
         if args.served_model_name is not None:
             raise UsageError(f"--served-model-name {args.served_model_name!r} only applies with --for vllm-mlx; add --for vllm-mlx or drop it")
@@ -48,6 +53,19 @@ def build_tokenization(args):
     from kvsnap.integrations.vllm_mlx_profile import vllm_mlx_tokenization
 
     return vllm_mlx_tokenization(args.served_model_name or args.model)
+
+
+def mlx_lm_build_tokenization(args):
+    """`build --for mlx-lm`: mlx_lm.server's batched KV is never quantized or bounded."""
+    from kvsnap.errors import UsageError
+    from kvsnap.integrations.mlx_lm_profile import mlx_lm_tokenization, parse_chat_template_args
+
+    if args.served_model_name is not None:
+        raise UsageError(f"--served-model-name {args.served_model_name!r} only applies with --for vllm-mlx; drop it (mlx_lm.server's rendering does not depend on the model name)")
+    given = [f"{flag} {value}" for flag, value in (("--kv-bits", args.kv_bits), ("--max-kv-size", args.max_kv_size)) if value is not None]
+    if given:
+        raise UsageError(f"--for mlx-lm with {', '.join(given)}: mlx_lm.server's prompt cache holds full-precision, unbounded KV, so it could not use these snapshots; drop {', '.join(f.split()[0] for f in given)}")
+    return mlx_lm_tokenization(parse_chat_template_args(args.chat_template_args))
 
 
 def cmd_build(args) -> int:

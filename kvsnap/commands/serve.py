@@ -1,4 +1,5 @@
-"""`kvsnap serve` (kvsnap's OpenAI-compatible server) and `kvsnap vllm-mlx` (vllm-mlx's own, started warm)."""
+"""`kvsnap serve` (kvsnap's OpenAI-compatible server), `kvsnap vllm-mlx` and `kvsnap mlx-lm`
+(vllm-mlx's and mlx-lm's own servers, started warm)."""
 
 from __future__ import annotations
 
@@ -140,6 +141,35 @@ def cmd_vllm_mlx(args) -> int:
         # vllm-mlx has shut down cleanly. Skip interpreter finalization: a thread that ran mlx
         # work and ends there aborts the process ("terminate called without an active
         # exception", mlx's per-thread compile cache), turning a clean exit into SIGABRT.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        logging.shutdown()
+        os._exit(rc)
+    return rc
+
+
+def add_mlx_lm(sub) -> None:
+    p = sub.add_parser(
+        "mlx-lm",
+        help="run mlx-lm's own server warm from a store: "
+        "kvsnap mlx-lm serve --model MODEL [its flags] --kv-snapshots DIR",
+        description="Run mlx_lm.server with the store's snapshots of MODEL in its prompt "
+        "cache before the port opens. Every argument but --kv-snapshots and --warm-prompts "
+        "goes to mlx_lm.server unchanged; `kvsnap mlx-lm serve --help` shows both. "
+        "See docs/mlx-lm.md.",
+    )
+    p.add_argument("mlx_lm_args", nargs=argparse.REMAINDER,
+                   metavar="serve --model MODEL [mlx_lm.server flags] --kv-snapshots DIR")
+    p.set_defaults(run=cmd_mlx_lm)
+
+
+def cmd_mlx_lm(args) -> int:
+    from kvsnap.integrations.mlx_lm import main as mlx_lm_main
+
+    rc = mlx_lm_main(args.mlx_lm_args)
+    if args.mlx_lm_args[:1] == ["serve"]:
+        # As for vllm-mlx: a thread that ran mlx work ending in interpreter finalization
+        # can abort the process; mlx_lm.server has already shut down cleanly here.
         sys.stdout.flush()
         sys.stderr.flush()
         logging.shutdown()

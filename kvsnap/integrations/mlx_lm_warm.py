@@ -1,0 +1,159 @@
+"""``warm_prompt_cache``: the one public function that warms mlx_lm.server from a kvsnap store.
+
+``kvsnap mlx-lm serve`` and the patched ``mlx_lm.server --kv-snapshots``
+(contrib/mlx-lm/) both call it from mlx-lm's ``run``, in place of
+``LRUPromptCache(args.prompt_cache_size)``, before the generation thread starts and
+before the port opens. It loads mlx-lm's default model (so the generation thread finds it
+loaded), puts the store's matching snapshots into a ``PinnedPromptCache`` as protected
+``system`` entries and returns that cache. With ``warm_prompts`` only those entries are
+warmed: each from its snapshot, else prefilled once with kvsnap's ``prefill`` on the model
+mlx-lm loaded, captured at the exact prefix boundary, and written back to a writable store.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvsnap.errors import SnapshotError, UsageError
+from kvsnap.integrations.vllm_mlx_warm import WarmPlan, WarmReport
+
+log = logging.getLogger("kvsnap.mlx_lm")
+
+
+def check_cli_args(args: Any) -> None:
+    """mlx_lm.server settings under which a store's snapshots are valid; else a UsageError."""
+    problems = []
+    if getattr(args, "adapter_path", None):
+        problems.append("drop --adapter-path (an adapter changes the weights the snapshots hold)")
+    if getattr(args, "draft_model", None):
+        problems.append("drop --draft-model (its cache layers are not in the snapshots)")
+    if getattr(args, "kv_bits", None) is not None:
+        problems.append("drop --kv-bits (the snapshots hold full-precision KV)")
+    if getattr(args, "model", None) is None:
+        problems.append("add --model MODEL (the snapshots are loaded for mlx-lm's default model)")
+    if problems:
+        raise UsageError("--kv-snapshots cannot work with these mlx_lm.server options: "
+                         + "; ".join(problems))
+
+
+@dataclass
+class InsertReport(WarmReport):
+    """``--kv-snapshots`` alone: every snapshot of the model, as read from the store."""
+
+    nbytes: int = 0
+    rejected: list[str] = field(default_factory=list)
+
+
+class MlxLmWarmPlan(WarmPlan):
+    """vllm-mlx's warm plan, pinning into mlx_lm.server's prompt cache instead."""
+
+    model_key: Any = None
+
+    def _insert(self, name: str, tokens: tuple, state: list, report: WarmReport) -> bool:
+        self.prefix_cache.pin(self.model_key, list(tokens), state)
+        return True
+
+    def _warn_other_renderings(self, prompt, infos, key, info, report) -> None:
+        from kvsnap.integrations.mlx_lm_profile import built_for
+        from kvsnap.integrations.vllm_mlx_profile import recorded_tokenization
+
+        for other in infos:
+            if other.name == prompt.name and other.key != key and other is not info:
+                report.warn(f"{prompt.name}: snapshot {other.path.name} was built for "
+                            f"{built_for(recorded_tokenization(other.recorded))}'s tokenization, not "
+                            "mlx_lm.server's; prefilling instead; build for it with "
+                            "`kvsnap build … --for mlx-lm`")
+
+
+def pin_store(cache: Any, model_key: Any, store: Any, identity: Any) -> InsertReport:
+    """Pin every snapshot of this model (its own tokens); foreign and broken files are skipped."""
+    from kvsnap.integrations.mlx_lm_profile import SERVER, built_for
+    from kvsnap.integrations.vllm_mlx_profile import recorded_tokenization
+    from kvsnap.snapshot.codec import cache_nbytes_of, decode_cache
+
+    t0 = time.perf_counter()
+    report = InsertReport()
+    good, bad = store.scan(identity)
+    report.rejected = [f"{p.path}: {p.reason}" for p in bad]
+    # Built for mlx-lm first: a record of the same tokens built for another server is then skipped.
+    good.sort(key=lambda i: (built_for(recorded_tokenization(i.recorded)) != SERVER, i.name, i.key))
+    pinned: set[tuple] = set()
+    for info in good:
+        server = built_for(recorded_tokenization(info.recorded))
+        if server not in (SERVER, "kvsnap"):
+            report.warn(f"{info.name or info.path.name}: snapshot {info.path.name} was built for "
+                        f"{server}'s tokenization; mlx_lm.server's requests may not start with "
+                        "its tokens; rebuild with `kvsnap build … --for mlx-lm`")
+        try:
+            tokens = tuple(store.read_tokens(info))
+            if tokens in pinned:
+                continue
+            state = decode_cache(store.load_arrays(info, identity), info.layers)
+        except SnapshotError as exc:
+            report.skip(info.name or info.path.name, f"{exc.path}: {exc.reason}")
+            continue
+        cache.pin(model_key, list(tokens), state)
+        pinned.add(tokens)
+        report.completed += 1
+        report.from_snapshots += 1
+        report.prompt_tokens += len(tokens)
+        report.nbytes += cache_nbytes_of(state)
+    report.seconds = time.perf_counter() - t0
+    return report
+
+
+def warm_prompt_cache(model_provider: Any, kv_snapshots: str | None = None,
+                      warm_prompts: str | None = None) -> Any:
+    """mlx_lm.server's prompt cache, warm from the store ``kv_snapshots`` (a folder or oci://…).
+
+    ``kv_snapshots`` and ``warm_prompts`` default to ``model_provider.cli_args``'
+    ``kv_snapshots`` / ``warm_prompts`` (the patched server's flags). Runs on the thread
+    that calls mlx-lm's ``run``, before its generation thread starts.
+    """
+    from kvsnap.integrations.mlx_lm_cache import PinnedPromptCache
+    from kvsnap.integrations.mlx_lm_profile import mlx_lm_tokenization
+    from kvsnap.integrations.vllm_mlx import load_warm_prompt_file, open_store
+    from kvsnap.key import KVSettings, read_config
+    from kvsnap.runtime.model_source import resolve_model
+    from kvsnap.runtime.modeling import LoadedModel, default_digest_cache
+    from kvsnap.store.remote import resolve_kv_snapshots
+
+    args = model_provider.cli_args
+    kv_snapshots = kv_snapshots or getattr(args, "kv_snapshots", None)
+    warm_prompts = warm_prompts or getattr(args, "warm_prompts", None)
+    cache = PinnedPromptCache(args.prompt_cache_size)
+    cache.report = None
+    if not kv_snapshots:
+        if warm_prompts:
+            raise UsageError(f"--warm-prompts {warm_prompts} needs --kv-snapshots DIR "
+                             "(the store its entries are read from and written back to)")
+        return cache
+    check_cli_args(args)
+    prompts = load_warm_prompt_file(warm_prompts) if warm_prompts else None
+    store, writable = open_store(resolve_kv_snapshots(kv_snapshots), want_write=prompts is not None)
+    model_provider.load_default()  # here, not on the generation thread: the port opens warm
+    model_key = model_provider.model_key
+    model_dir = resolve_model(model_key[0]).path  # a hub id: the cached files mlx-lm loaded
+    # mlx_lm.server's batched KV is mlx-lm's default cache: no quantization, no bound.
+    lm = LoadedModel(path=model_dir, model=model_provider.model,
+                     tokenizer=model_provider.tokenizer, config=read_config(model_dir),
+                     settings=KVSettings())
+    identity = lm.identity(default_digest_cache())
+    if prompts is None:
+        report = pin_store(cache, model_key, store, identity)
+    else:
+        plan = MlxLmWarmPlan(
+            prefix_cache=cache, pins=None, lm=lm, identity=identity, store=store,
+            writable=writable, prompts=prompts, agents_file=str(warm_prompts),
+            tokenization=mlx_lm_tokenization(getattr(args, "chat_template_args", None)))
+        plan.model_key = model_key
+        report = plan.run()
+    cache.report = report
+    log.info("%s", report.summary())
+    log.info("[kvsnap] mlx_lm.server prompt cache: %d warm entries (%.1f MiB) from %s, protected "
+             "from eviction, beside --prompt-cache-size %d", cache.pinned_count,
+             cache.pinned_nbytes / 2**20, store.root, args.prompt_cache_size)
+    return cache
