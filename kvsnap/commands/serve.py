@@ -37,15 +37,27 @@ def add_serve(sub) -> None:
     g.add_argument("--max-request-bytes", type=positive_int, default=8 * 2**20, help="larger request bodies get 413 (default: 8 MiB)")
     g.add_argument("--max-queued-requests", type=int, default=64, help="requests waiting beyond --max-batch-size before new ones get 429 (default: 64)")
     g.add_argument("--no-request-prefix-cache", action="store_true", help="never keep request prompts for reuse; only warm prompts are cached")
+    g.add_argument("--max-connections", type=positive_int, default=512, help="most open client connections; at the cap a new one replaces the one waiting longest for its request head (default: 512; lowered to stay below the open-files limit)")
+    g.add_argument("--header-timeout", type=positive_float, default=10.0, metavar="SECONDS", help="close a connection whose request head (request line and headers) is not complete in this time (default: 10)")
     g.add_argument("--cached-tokens-granularity", type=positive_int, default=128, help="partial matches on prefixes shared between clients report cached_tokens in these steps (default: 128, as OpenAI; 1 = exact)")
     add_kv_options(p)
     p.set_defaults(run=cmd_serve)
 
 
-def cmd_serve(args) -> int:
-    import uvicorn
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text} must be a positive number of seconds")
+    return value
 
+
+def cmd_serve(args) -> int:
+    from kvsnap.http.connections import ConnectionGuard, effective_max_connections, raise_open_files_limit
     from kvsnap.http.guard import Auth
+    from kvsnap.http.listen import bind_socket, make_server
     from kvsnap.http.server import create_app
     from kvsnap.http.watch import exit_when_warm_up_fails, is_loopback
     from kvsnap.prompts import load_warm_prompts
@@ -54,10 +66,11 @@ def cmd_serve(args) -> int:
     from kvsnap.store.remote import check_kv_snapshots, resolve_kv_snapshots
 
     check_kv_snapshots(args.kv_snapshots)  # an unknown scheme fails before the model is resolved
-    source = resolve_model(args.model, args.revision)
     auth = Auth.from_flags(args.api_key, args.admin_api_key)
     if args.max_queued_requests < 0:
         raise KvsnapError(f"--max-queued-requests {args.max_queued_requests} must be 0 or more")
+    sock = bind_socket(args.host, args.port)  # a busy port fails now, not after the model loads
+    source = resolve_model(args.model, args.revision)
     if not auth.enabled and not is_loopback(args.host):
         log.warning("[kvsnap] serving on %s without API keys: anyone who can reach this port can use and clear the cache; set KVSNAP_API_KEY", args.host)
     if args.kv_snapshots and "://" not in args.kv_snapshots and Path(args.kv_snapshots).expanduser().is_file():
@@ -69,9 +82,13 @@ def cmd_serve(args) -> int:
     engine = Engine(engine_config(args, source.path, prompts))
     server_config = serve_config(args, source, auth)
     engine.start()  # load the model on the main thread, before the port opens
-    server = uvicorn.Server(uvicorn.Config(create_app(engine, server_config), host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=5))
+    # After the load: importing mlx-lm sets the open-files limit itself (2048, hard 4096).
+    max_connections = effective_max_connections(args.max_connections, raise_open_files_limit())
+    guard = ConnectionGuard(max_connections=max_connections, header_timeout_s=args.header_timeout)
+    server = make_server(create_app(engine, server_config), guard, log_level="info", timeout_graceful_shutdown=5)
     exit_when_warm_up_fails(engine, server)
-    server.run()
+    log.info("[kvsnap] listening on http://%s:%d (at most %d connections)", args.host, args.port, max_connections)
+    server.run(sockets=[sock])
     if engine.failed:
         print(f"kvsnap serve: error: warm-up failed: {engine.failed}", file=sys.stderr)
         return EXIT_BAD

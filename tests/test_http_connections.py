@@ -1,0 +1,151 @@
+"""`kvsnap serve` against floods of connections (issue 24, item 2; item 11's busy port).
+
+Real `kvsnap serve` processes on 127.0.0.1 with the tiny dense demo model. The slow
+clients are bounded (a few hundred sockets, a few seconds) and the caps lowered by flag.
+"""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from kvsnap.tools.serverproc import free_port, start_server
+
+N_SLOW = 300
+HEADER_TIMEOUT_S = 2.0
+
+
+def _open_slow(url_port: int, n: int) -> list[socket.socket]:
+    """``n`` connections that each send a request line and then nothing complete."""
+    socks = []
+    for _ in range(n):
+        s = socket.socket()
+        s.settimeout(2)
+        try:
+            s.connect(("127.0.0.1", url_port))
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
+        except OSError:
+            s.close()  # refused or reset at the cap: the guard at work
+            continue
+        socks.append(s)
+    return socks
+
+
+def _trickle(socks: list[socket.socket]) -> int:
+    """One more header line on each; returns how many are still open."""
+    alive = 0
+    for s in socks:
+        try:
+            s.sendall(b"X-Slow: 1\r\n")
+            alive += 1
+        except OSError:
+            pass
+    return alive
+
+
+def _closed_by_server(s: socket.socket) -> bool:
+    s.settimeout(0.2)
+    try:
+        return s.recv(1) == b""
+    except socket.timeout:
+        return False
+    except OSError:
+        return True  # reset
+
+
+def _health_latency(url: str) -> float:
+    t0 = time.monotonic()
+    r = httpx.get(f"{url}/health", timeout=5)
+    assert r.status_code == 200, r.text
+    return time.monotonic() - t0
+
+
+@pytest.fixture()
+def slow_server(demo_models, tmp_path):
+    args = ["--max-connections", "64", "--header-timeout", str(HEADER_TIMEOUT_S)]
+    server = start_server(demo_models.path("dense"), args, tmp_path / "serve.log", limit_s=300,
+                          env={"KVSNAP_CACHE_DIR": str(tmp_path / "cache")})
+    try:
+        server.wait_ready(120)
+        yield server
+    finally:
+        server.stop()
+
+
+def test_slowloris_connections_are_closed_and_health_still_answers(slow_server):
+    port = int(slow_server.url.rsplit(":", 1)[1])
+    log_before = slow_server.log_path.stat().st_size
+    socks = _open_slow(port, N_SLOW)
+    try:
+        latencies = []
+        deadline = time.monotonic() + HEADER_TIMEOUT_S + 3
+        while time.monotonic() < deadline:  # bounded: a few seconds of trickling
+            _trickle(socks)
+            latencies.append(_health_latency(slow_server.url))
+            time.sleep(0.5)
+        assert max(latencies) < 1.0, latencies
+        # Every slow connection has been closed by now: trickling does not reset the deadline.
+        still_open = [s for s in socks if not _closed_by_server(s)]
+        assert not still_open, f"{len(still_open)} of {len(socks)} slow connections still open"
+    finally:
+        for s in socks:
+            s.close()
+    grown = slow_server.log_path.stat().st_size - log_before
+    assert grown < 20_000, slow_server.log()[-3000:]  # counted lines, not one per connection
+
+
+def test_the_connection_cap_stays_below_the_open_files_limit(demo_models, tmp_path):
+    """A cap above the descriptors the process may open is lowered, with a reserve, at start."""
+    server = start_server(demo_models.path("dense"), ["--max-connections", "100000"], tmp_path / "s.log",
+                          limit_s=300, env={"KVSNAP_CACHE_DIR": str(tmp_path / "cache")},
+                          prefix=["prlimit", "--nofile=4096:4096", "--"])
+    try:
+        server.wait_ready(120)
+        assert "--max-connections 100000 lowered to 3968" in server.log()
+        assert "at most 3968 connections" in server.log()
+    finally:
+        server.stop()
+
+
+def test_accept_errors_from_running_out_of_descriptors_are_logged_rate_limited(caplog):
+    """EMFILE on accept() is reported by asyncio once per attempt: the guard counts them
+    and writes one line per interval with the count."""
+    import asyncio
+    import errno
+    import logging
+
+    from kvsnap.http.connections import ConnectionGuard
+
+    guard = ConnectionGuard(max_connections=8, header_timeout_s=1)
+    loop = asyncio.new_event_loop()
+    try:
+        loop.set_exception_handler(guard.exception_handler)
+        with caplog.at_level(logging.WARNING):
+            for _ in range(2000):
+                exc = OSError(errno.EMFILE, "Too many open files")
+                loop.call_exception_handler({"message": "socket.accept() out of system resource", "exception": exc})
+    finally:
+        loop.close()
+    lines = [r for r in caplog.records if "accept failed" in r.getMessage()]
+    assert len(lines) == 1 and "Too many open files" in lines[0].getMessage()
+    assert len(caplog.records) == 1  # asyncio's own handler never saw them
+
+
+def test_a_busy_port_fails_before_the_model_loads_with_exit_2(demo_models, tmp_path):
+    port = free_port()
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", port))
+        holder.listen(1)
+        t0 = time.monotonic()
+        # A model folder that does not exist: the port check must come first to name the port.
+        r = subprocess.run([sys.executable, "-m", "kvsnap", "serve", str(tmp_path / "no-model"),
+                            "--port", str(port)], capture_output=True, text=True, timeout=120)
+        took = time.monotonic() - t0
+    assert r.returncode == 2, r.stderr
+    assert f"127.0.0.1:{port}" in r.stderr and "already in use" in r.stderr and "--port" in r.stderr
+    assert took < 30
