@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import re
 from typing import Any, AsyncIterator, Callable
 
 from fastapi import APIRouter, Request
@@ -20,6 +22,19 @@ from kvsnap.prompts import encode_prompt, normalize_messages, request_tokens
 from kvsnap.runtime.engine import GenerationRequest, RequestState
 
 DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks that its client is still there
+ERROR_TYPE = re.compile(r"([A-Z][A-Za-z0-9_]{0,60}): ")  # "TypeName: text", as the engine reports
+
+log = logging.getLogger("kvsnap.http.server")
+
+
+def failure_message(state: RequestState, detail: Any) -> str:
+    """What a client hears of a failed generation: the error type only (an exception's text
+    may hold paths or other requests' data, and goes to every request of the batch); the
+    detail goes to the server log."""
+    log.warning("[kvsnap] request %d failed: %s", state.id, detail)
+    found = ERROR_TYPE.match(str(detail))
+    kind = found.group(1) if found else "error"
+    return f"generation failed ({kind}); the server log has the details"
 
 
 class _Bridge:
@@ -121,7 +136,7 @@ async def wait_for_answer(ctx: ServerContext, state: RequestState, bridge: _Brid
                 continue
             if event == "error":
                 finished = True
-                raise APIError(500, f"generation failed: {payload}", None, "generation_failed", "server_error")
+                raise APIError(500, failure_message(state, payload), None, "generation_failed", "server_error")
             if event == "done":
                 finished = True
                 break
@@ -148,7 +163,7 @@ async def stream_events(ctx: ServerContext, state: RequestState, bridge: _Bridge
                 yield sse(chat_chunk(rid, model, {"content": payload}) if kind == "chat" else completion_response(rid, model, payload, None, None))
             elif event == "error":
                 finished = True
-                yield sse(error_body(f"generation failed: {payload}", "server_error", None, "generation_failed"))
+                yield sse(error_body(failure_message(state, payload), "server_error", None, "generation_failed"))
                 break
             else:
                 finished = True

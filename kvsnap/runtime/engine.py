@@ -193,7 +193,7 @@ class Engine:
                 self._step()
             except Exception as exc:  # a failed step fails its requests, never the server
                 log.exception("[kvsnap] generation step failed")
-                self._finish_all("error", str(exc))
+                self._finish_all("error", f"{type(exc).__name__}: {exc}")
                 self._batch.drop()
         self._finish_all("cancelled")
         self._batch.drop()
