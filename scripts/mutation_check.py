@@ -252,6 +252,20 @@ BREAKAGES = (
         ),
         ("tests/test_store.py::test_gc_removes_a_dropped_entry_but_never_one_another_model_uses", "tests/test_blocks.py::test_gc_keeps_every_block_a_record_reaches"),
     ),
+    Breakage(
+        "restored-shapes-not-checked",
+        "4. hostile files",
+        "a restored state is served without comparing its tensors with the model's own cache",
+        (Patch("kvsnap/runtime/warmup.py", "    if prefix.check_state is None:  # every state served", "    if False:  # every state served"),),
+        ("tests/test_forged_shapes.py::test_regression_forged_head_dim_blocks_are_dropped_and_never_fail_a_batch",),
+    ),
+    Breakage(
+        "verify-model-ignores-shapes",
+        "4. hostile files",
+        "verify --model trusts the parts' tensor shapes",
+        (Patch("kvsnap/commands/store.py", "            if shapes is not None:\n", "            if False:\n"),),
+        ("tests/test_forged_shapes.py::test_verify_with_the_model_names_the_forged_block_shapes",),
+    ),
 )
 
 
