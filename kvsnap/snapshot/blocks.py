@@ -1,10 +1,12 @@
 """Where a warm prefix is cut into content-addressed blocks, and what each block is called.
 
-A prefix of ``n`` tokens becomes a chain of blocks ``[start, end)`` of at most ``block_tokens``
-tokens, cut at every multiple of ``block_tokens``, at every branch point (a depth where another
-warm prefix of the same model leaves this one, or ends) and at ``n``. Non-trimmable layers
-(SSM state, rotating windows) are stored whole only at checkpoints: every branch point, the
-prefix's end and every multiple of ``checkpoint_every``.
+A prefix of ``n`` tokens becomes a chain of blocks ``[start, end)`` cut at every multiple of
+``block_tokens`` and of ``checkpoint_every`` and at ``n``: a grid fixed from token 0 that no
+other prefix moves, so adding, editing or removing one agent never renames another's blocks.
+Non-trimmable layers (SSM state, rotating windows) are stored whole only at checkpoints: every
+multiple of ``checkpoint_every``, the prefix's end, and each branch point (a depth where another
+warm prefix leaves this one) rounded down to the block grid, so a sibling restores there;
+a checkpoint is an extra file, never an extra cut.
 
 Keys are content addresses: a block's is a hash of the model identity digest, its start and
 every token up to its end; a checkpoint's of the model identity digest and every token up to
@@ -82,13 +84,16 @@ def branch_points(prefixes: Sequence[Sequence[int]]) -> list[set[int]]:
 
 
 def plan_cuts(n_tokens: int, branches: set[int], settings: BlockSettings) -> list[Cut]:
-    """The chain of a prefix of ``n_tokens``: block boundaries and which of them are checkpoints."""
+    """The chain of a prefix of ``n_tokens``: block boundaries and which of them are checkpoints.
+
+    The boundaries depend on ``n_tokens`` and ``settings`` only; ``branches`` only adds
+    checkpoints, each at the block boundary at or before its branch point."""
     if n_tokens <= 0:
         return []
     b, c = settings.block_tokens, settings.checkpoint_every
-    ends = set(range(b, n_tokens, b)) | {d for d in branches if 0 < d < n_tokens} | {n_tokens}
-    checkpoints = {d for d in branches if 0 < d < n_tokens} | {n_tokens} | set(range(c, n_tokens, c))
-    ends |= checkpoints
+    ends = set(range(b, n_tokens, b)) | set(range(c, n_tokens, c)) | {n_tokens}
+    on_grid = {d // b * b for d in branches if 0 < d < n_tokens} - {0}  # multiples of b below n: ends
+    checkpoints = on_grid | {n_tokens} | set(range(c, n_tokens, c))
     cuts, start = [], 0
     for end in sorted(ends):
         cuts.append(Cut(start, end, end in checkpoints))
