@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import os
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable
 
 import httpx
 import pytest
 
+from conftest import run_kvsnap
 from kvsnap.store.oci import Credentials, Reference, RegistryAuthError, RegistryClient, RegistryError
 
 BASIC = "Basic " + base64.b64encode(b"alice:s3cret-pw").decode()
@@ -130,3 +133,65 @@ def test_a_redirect_from_https_to_plain_http_is_refused():
         with pytest.raises(RegistryError, match=r"from https to plain http \(http://registry.example.com:80\)"):
             client.download_blob(DIGEST, len(BLOB), open("/dev/null", "wb"), "blocks/x.safetensors")
     assert all(url.startswith("https://") for url in sent)
+
+
+# --- deadlines: a registry that trickles ------------------------------------------------------
+
+
+def trickle(h: BaseHTTPRequestHandler, headers_too: bool, stop: threading.Event) -> None:
+    """An answer one byte a second (the headers too, if asked): every read makes progress, none ends."""
+    head = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 4000\r\n\r\n"
+    body = b'{"schemaVersion": 2' + b" " * 4000
+    data = head + body if headers_too else body
+    if not headers_too:
+        h.wfile.write(head)
+    for i in range(len(data)):
+        if stop.wait(0.5 if i else 0):
+            return
+        try:
+            h.wfile.write(data[i : i + 1])
+            h.wfile.flush()
+        except OSError:
+            return
+
+
+@pytest.fixture()
+def stop_trickle():
+    stop = threading.Event()
+    yield stop
+    stop.set()
+
+
+@pytest.mark.parametrize("headers_too", [False, True], ids=["body", "headers"])
+def test_regression_a_trickling_registry_hits_the_request_deadline(servers, stop_trickle, headers_too):
+    """Once: a registry sending a byte every few seconds never timed out (httpx bounds each read, not the request)."""
+    from kvsnap.store.oci import RegistryUnreachableError
+    from kvsnap.store.oci.deadlines import Deadlines
+
+    server = servers(lambda h: trickle(h, headers_too, stop_trickle))
+    ref = Reference.parse(f"oci://{server.host}/team/snaps:v1")
+    t0 = time.monotonic()
+    with RegistryClient(ref, deadlines=Deadlines(total_s=1.0, idle_s=5.0, min_rate=1e9)) as client:
+        with pytest.raises(RegistryUnreachableError, match=r"within its deadline of 1 s .*--registry-timeout"):
+            client.get_manifest()
+    assert time.monotonic() - t0 < 4  # the idle timeout (5 s) never fired: bytes kept coming
+
+
+def test_serve_from_a_trickling_registry_stops_at_its_deadline(servers, stop_trickle, demo_models, tmp_path):
+    """`serve --kv-snapshots oci://…` once hung at start; the deadline comes from the environment."""
+    server = servers(lambda h: trickle(h, False, stop_trickle))
+    env = {**os.environ, "KVSNAP_REGISTRY_TIMEOUT": "1", "KVSNAP_CACHE_DIR": str(tmp_path / "cache"), "DOCKER_CONFIG": str(tmp_path / "none")}
+    t0 = time.monotonic()
+    r = run_kvsnap("serve", demo_models.path("dense"), "--port", "9", "--kv-snapshots", f"oci://{server.host}/team/snaps:v1", env=env, timeout=60)
+    assert r.returncode == 2 and "deadline of 1 s" in r.stderr, (r.returncode, r.stderr[-2000:])
+    assert time.monotonic() - t0 < 30
+
+
+def test_deadlines_from_the_environment_are_checked():
+    from kvsnap.errors import UsageError
+    from kvsnap.store.oci.deadlines import Deadlines
+
+    assert Deadlines.from_env({"KVSNAP_REGISTRY_TIMEOUT": "7", "KVSNAP_REGISTRY_MIN_RATE": "1024"}) == Deadlines(total_s=7, min_rate=1024)
+    with pytest.raises(UsageError, match=r"\$KVSNAP_REGISTRY_IDLE_TIMEOUT is 'soon'; give a positive number"):
+        Deadlines.from_env({"KVSNAP_REGISTRY_IDLE_TIMEOUT": "soon"})
+    assert Deadlines(total_s=10, min_rate=100).seconds_for(1000) == 20

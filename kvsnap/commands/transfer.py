@@ -7,18 +7,40 @@ from kvsnap.commands.common import EXIT_OK, human_bytes
 PLAIN_HTTP_HELP = "plain HTTP instead of HTTPS (the default for localhost and 127.0.0.1; or set KVSNAP_REGISTRY_PLAIN_HTTP=1)"
 
 
+def add_deadline_flags(p) -> None:
+    """Per-request registry deadlines (docs/deploy.md#deadlines-and-limits); unset: env, then defaults."""
+    p.add_argument("--registry-timeout", type=float, metavar="S", help="seconds one registry request may take, plus its bytes at --registry-min-rate (default 120; env KVSNAP_REGISTRY_TIMEOUT)")
+    p.add_argument("--registry-idle-timeout", type=float, metavar="S", help="seconds a registry may send nothing (default 30; env KVSNAP_REGISTRY_IDLE_TIMEOUT)")
+    p.add_argument("--registry-min-rate", type=float, metavar="BYTES_PER_S", help="slowest transfer a blob's deadline allows (default 262144; env KVSNAP_REGISTRY_MIN_RATE)")
+
+
+def deadlines_of(args):
+    """The flags over the environment's deadlines; None without flags (the backend reads the
+    environment itself). Imported lazily: --help loads no HTTP client."""
+    given = {"total_s": args.registry_timeout, "idle_s": args.registry_idle_timeout, "min_rate": args.registry_min_rate}
+    given = {k: v for k, v in given.items() if v is not None}
+    if not given:
+        return None
+    from dataclasses import replace
+
+    from kvsnap.store.oci.deadlines import Deadlines
+
+    return replace(Deadlines.from_env(), **given)
+
+
 def add_push(sub) -> None:
     p = sub.add_parser("push", help="verify a store and upload it to an OCI registry (blobs the registry has are not sent again)")
     p.add_argument("store", help="snapshot store directory")
     p.add_argument("ref", help="oci://HOST[:PORT]/REPO:TAG")
     p.add_argument("--plain-http", action="store_true", default=None, help=PLAIN_HTTP_HELP)
+    add_deadline_flags(p)
     p.set_defaults(run=cmd_push)
 
 
 def cmd_push(args) -> int:
     from kvsnap.store.remote import push
 
-    report = push(args.store, args.ref, plain_http=args.plain_http)
+    report = push(args.store, args.ref, plain_http=args.plain_http, deadlines=deadlines_of(args))
     print(f"pushed {args.store} to {report.ref} ({report.manifest_digest})")
     print(f"{len(report.uploaded)} blob(s) uploaded ({human_bytes(report.uploaded_bytes)}), {len(report.skipped)} already in the registry")
     return EXIT_OK
@@ -29,13 +51,14 @@ def add_pull(sub) -> None:
     p.add_argument("ref", help="oci://HOST[:PORT]/REPO:TAG or oci://HOST/REPO@sha256:…")
     p.add_argument("store", help="snapshot store directory (created if absent; files already there are reused)")
     p.add_argument("--plain-http", action="store_true", default=None, help=PLAIN_HTTP_HELP)
+    add_deadline_flags(p)
     p.set_defaults(run=cmd_pull)
 
 
 def cmd_pull(args) -> int:
     from kvsnap.store.remote import pull
 
-    report = pull(args.ref, args.store, plain_http=args.plain_http)
+    report = pull(args.ref, args.store, plain_http=args.plain_http, deadlines=deadlines_of(args))
     print(f"pulled {report.ref} ({report.manifest_digest}) into {report.dest}")
     print(f"{len(report.downloaded)} file(s) downloaded ({human_bytes(report.downloaded_bytes)}), {len(report.present)} already there; all verified")
     print_kept(getattr(report, "kept", []))

@@ -42,9 +42,9 @@ class Backend(Protocol):
 
     def fetch(self, url: str) -> Path: ...
 
-    def push(self, root: str | os.PathLike, url: str, plain_http: bool | None = None): ...  # report: ref, manifest_digest, uploaded, skipped, uploaded_bytes
+    def push(self, root: str | os.PathLike, url: str, plain_http: bool | None = None, deadlines=None): ...  # report: ref, manifest_digest, uploaded, skipped, uploaded_bytes
 
-    def pull(self, url: str, dest: str | os.PathLike, plain_http: bool | None = None): ...  # report: ref, dest, manifest_digest, downloaded, present, downloaded_bytes
+    def pull(self, url: str, dest: str | os.PathLike, plain_http: bool | None = None, deadlines=None): ...  # report: ref, dest, manifest_digest, downloaded, present, downloaded_bytes, kept
 
 
 def redact(text: str) -> str:
@@ -94,11 +94,17 @@ def resolve_kv_snapshots(value: str | None) -> str | None:
     return str(backend_for(value, "--kv-snapshots").fetch(value))
 
 
-def push(root: str | os.PathLike, url: str, plain_http: bool | None = None):
-    """Ship the store at ``root`` to ``url``; the backend's push report."""
-    return backend_for(url, "push to").push(root, url, plain_http=plain_http)
+def push(root: str | os.PathLike, url: str, plain_http: bool | None = None, deadlines=None):
+    """Ship the store at ``root`` to ``url``; the backend's push report. ``deadlines``: the
+    backend's per-request limits (None: its defaults and environment)."""
+    return backend_for(url, "push to").push(root, url, plain_http=plain_http, **_given(deadlines=deadlines))
 
 
-def pull(url: str, dest: str | os.PathLike, plain_http: bool | None = None):
+def pull(url: str, dest: str | os.PathLike, plain_http: bool | None = None, deadlines=None):
     """Install the store at ``url`` into ``dest`` (merged, staged, verified); the backend's pull report."""
-    return backend_for(url, "pull from").pull(url, dest, plain_http=plain_http)
+    return backend_for(url, "pull from").pull(url, dest, plain_http=plain_http, **_given(deadlines=deadlines))
+
+
+def _given(**options) -> dict:
+    """Only the options given: a backend without them still works with their defaults."""
+    return {name: value for name, value in options.items() if value is not None}

@@ -17,6 +17,7 @@ import httpx
 
 from kvsnap.store.archive import CHUNK
 from kvsnap.store.oci.artifact import DOCKER_MANIFEST, MAX_MANIFEST_BYTES, OCI_INDEX, OCI_MANIFEST
+from kvsnap.store.oci.deadlines import ENV_IDLE, ENV_MIN_RATE, ENV_TIMEOUT, Deadlines, RequestClock, deadline_transport
 from kvsnap.store.oci.credentials import ENV_PASSWORD, ENV_USER, Credentials, find_credentials
 from kvsnap.store.oci.errors import ArtifactNotFoundError, CredentialError, DigestMismatchError, RegistryAuthError, RegistryError, RegistryUnreachableError
 from kvsnap.store.oci.reference import Reference, default_plain_http
@@ -24,7 +25,7 @@ from kvsnap.store.remote import redact
 
 log = logging.getLogger("kvsnap")
 
-TIMEOUT = httpx.Timeout(60.0, connect=10.0)
+CONNECT_TIMEOUT = 10.0
 REDIRECTS = (301, 302, 303, 307, 308)
 MAX_REDIRECTS = 5
 DEFAULT_PORTS = {"http": 80, "https": 443}
@@ -59,8 +60,10 @@ def _registry_message(resp: httpx.Response) -> str:
 class RegistryClient:
     """The handful of distribution-API calls kvsnap needs, with auth, against one repository."""
 
-    def __init__(self, ref: Reference, plain_http: bool | None = None, credentials: Credentials | None | bool = True, push: bool = False, transport: httpx.BaseTransport | None = None):
+    def __init__(self, ref: Reference, plain_http: bool | None = None, credentials: Credentials | None | bool = True, push: bool = False, transport: httpx.BaseTransport | None = None, deadlines: Deadlines | None = None):
         self.ref = ref
+        self.deadlines = deadlines or Deadlines.from_env()
+        self.clock = RequestClock()
         self.plain_http = default_plain_http(ref.host) if plain_http is None else plain_http
         self.base = f"{'http' if self.plain_http else 'https'}://{ref.host}/v2/{ref.repo}"
         self.credential_problem: CredentialError | None = None
@@ -69,7 +72,10 @@ class RegistryClient:
         self.credentials = credentials or None
         self.scope = f"repository:{ref.repo}:{'pull,push' if push else 'pull'}"
         self._auth: str | None = None
-        self.client = httpx.Client(timeout=TIMEOUT, follow_redirects=False, transport=transport, trust_env=False)
+        idle = self.deadlines.idle_s
+        timeout = httpx.Timeout(idle, connect=min(idle, CONNECT_TIMEOUT))
+        transport = transport or deadline_transport(self.clock)  # every read also bounded by the request's deadline
+        self.client = httpx.Client(timeout=timeout, follow_redirects=False, transport=transport, trust_env=False)
 
     def __enter__(self) -> "RegistryClient":
         return self
@@ -112,6 +118,18 @@ class RegistryClient:
         raise RegistryError(f"registry {self.ref.host} redirected {method} more than {MAX_REDIRECTS} times; check the registry's setup")
 
     def _unreachable(self, exc: Exception) -> RegistryUnreachableError:
+        if self.clock.expired():
+            d = self.deadlines
+            return RegistryUnreachableError(
+                f"registry {self.ref.host} did not finish a request within its deadline of {self.clock.seconds:.0f} s "
+                f"({d.total_s:g} s + its bytes at {d.min_rate:g} bytes/s); a slow or stalled registry; raise it with "
+                f"--registry-timeout / --registry-min-rate (or ${ENV_TIMEOUT} / ${ENV_MIN_RATE})"
+            )
+        if isinstance(exc, httpx.TimeoutException):
+            return RegistryUnreachableError(
+                f"registry {self.ref.host} sent nothing for {self.deadlines.idle_s:g} s ({type(exc).__name__}); "
+                f"a stalled registry; raise it with --registry-idle-timeout (or ${ENV_IDLE})"
+            )
         text = redact(str(exc)) or type(exc).__name__
         hint = "check the address and that the registry is up"
         if not self.plain_http and re.search(r"ssl|tls|certificate|wrong version", text, re.I):
@@ -174,8 +192,10 @@ class RegistryClient:
             "check the registry's storage redirect setup"
         )
 
-    def request(self, method: str, url: str, headers: dict | None = None, content: Callable[[], object] | None = None, stream: bool = False, ok: tuple[int, ...] = (200,)) -> httpx.Response:
-        """One call; answers a 401 challenge once. Returns the response if its status is in ``ok`` or 404."""
+    def request(self, method: str, url: str, headers: dict | None = None, content: Callable[[], object] | None = None, stream: bool = False, ok: tuple[int, ...] = (200,), nbytes: int = 0) -> httpx.Response:
+        """One call; answers a 401 challenge once. Returns the response if its status is in ``ok`` or 404.
+        The whole call, body included, runs under one deadline sized for ``nbytes``."""
+        self.clock.start(self.deadlines.seconds_for(nbytes))
         resp = self._send(method, url, headers, content, stream)
         if resp.status_code == 401 and not is_same_origin(resp.request.url, self.base):
             raise self._foreign_401(resp, method)
@@ -239,13 +259,13 @@ class RegistryClient:
 
             return chunks()
 
-        put = self.request("PUT", str(url), headers={"Content-Type": "application/octet-stream", "Content-Length": str(size)}, content=body, ok=(201,))
+        put = self.request("PUT", str(url), headers={"Content-Type": "application/octet-stream", "Content-Length": str(size)}, content=body, ok=(201,), nbytes=size)
         if put.status_code == 404:
             raise RegistryError(f"registry {self.ref.host} lost the upload session of {digest} (HTTP 404); push again")
 
     def download_blob(self, digest: str, size: int, out: BinaryIO, what: str) -> None:
         """Stream a blob into ``out``, checking its size and sha256 as it arrives."""
-        resp = self.request("GET", f"{self.base}/blobs/{digest}", stream=True)
+        resp = self.request("GET", f"{self.base}/blobs/{digest}", stream=True, nbytes=size)
         try:
             if resp.status_code == 404:
                 raise ArtifactNotFoundError(f"{self.ref}: blob {digest} ({what}) is listed in the manifest but missing from the registry; push the store again")

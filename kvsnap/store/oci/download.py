@@ -23,6 +23,7 @@ from kvsnap.store.manifest import read_manifest_file
 from kvsnap.store.oci.artifact import Layer, parse_artifact
 from kvsnap.store.oci.client import RegistryClient
 from kvsnap.store.oci.credentials import Credentials
+from kvsnap.store.oci.deadlines import Deadlines
 from kvsnap.store.oci.errors import RegistryError, RegistryUnreachableError
 from kvsnap.store.oci.reference import Reference, as_reference
 
@@ -65,11 +66,11 @@ def _download_missing(client: RegistryClient, layers: list[Layer], have: list[La
         report.downloaded_bytes += layer.size
 
 
-def pull(ref: Reference | str, dest: str | os.PathLike, plain_http: bool | None = None, credentials: Credentials | None | bool = True, transport: httpx.BaseTransport | None = None) -> PullReport:
+def pull(ref: Reference | str, dest: str | os.PathLike, plain_http: bool | None = None, credentials: Credentials | None | bool = True, transport: httpx.BaseTransport | None = None, deadlines: Deadlines | None = None) -> PullReport:
     """Fetch the manifest, download what ``dest`` lacks into a temp folder, verify all, move it in."""
     ref = as_reference(ref)
     dest_path = check_destination(dest)  # before any network call
-    with RegistryClient(ref, plain_http, credentials, transport=transport) as client:
+    with RegistryClient(ref, plain_http, credentials, transport=transport, deadlines=deadlines) as client:
         body, digest = client.get_manifest()
         layers = parse_artifact(body, ref)
         report = PullReport(ref, dest_path, digest)

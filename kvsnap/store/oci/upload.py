@@ -14,6 +14,7 @@ from kvsnap.store.archive import collect_store, open_checked, sha256_file
 from kvsnap.store.oci.artifact import EMPTY_CONFIG, EMPTY_JSON, Layer, artifact_manifest
 from kvsnap.store.oci.client import RegistryClient
 from kvsnap.store.oci.credentials import Credentials
+from kvsnap.store.oci.deadlines import Deadlines
 from kvsnap.store.oci.reference import Reference, as_reference
 
 
@@ -39,7 +40,7 @@ class BytesOpener:
         return None
 
 
-def push(root: str | os.PathLike, ref: Reference | str, plain_http: bool | None = None, credentials: Credentials | None | bool = True, transport: httpx.BaseTransport | None = None) -> PushReport:
+def push(root: str | os.PathLike, ref: Reference | str, plain_http: bool | None = None, credentials: Credentials | None | bool = True, transport: httpx.BaseTransport | None = None, deadlines: Deadlines | None = None) -> PushReport:
     """Verify the store, upload the blobs the registry lacks, then tag the manifest."""
     ref = as_reference(ref)
     if not ref.tag:
@@ -52,7 +53,7 @@ def push(root: str | os.PathLike, ref: Reference | str, plain_http: bool | None 
     by_path = {f.relpath: f for f in files}
     manifest = artifact_manifest(layers)  # too large for a registry: refused before any upload
     report = PushReport(ref, "")
-    with RegistryClient(ref, plain_http, credentials, push=True, transport=transport) as client:
+    with RegistryClient(ref, plain_http, credentials, push=True, transport=transport, deadlines=deadlines) as client:
         blobs: list[tuple[str, str, int, Callable[[], BinaryIO]]] = [("config", EMPTY_CONFIG["digest"], EMPTY_CONFIG["size"], lambda: BytesOpener(EMPTY_JSON))]
         blobs += [(l.relpath, l.digest, l.size, (lambda f=by_path[l.relpath]: open_checked(f))) for l in layers]
         seen: set[str] = set()
