@@ -195,3 +195,44 @@ def test_deadlines_from_the_environment_are_checked():
     with pytest.raises(UsageError, match=r"\$KVSNAP_REGISTRY_IDLE_TIMEOUT is 'soon'; give a positive number"):
         Deadlines.from_env({"KVSNAP_REGISTRY_IDLE_TIMEOUT": "soon"})
     assert Deadlines(total_s=10, min_rate=100).seconds_for(1000) == 20
+
+
+# --- declared sizes ------------------------------------------------------------------------------
+
+
+def artifact_server(servers, layers: list[dict], blob: Callable[[BaseHTTPRequestHandler], None]) -> Server:
+    import json
+
+    from kvsnap.store.oci import ARTIFACT_TYPE, EMPTY_CONFIG, OCI_MANIFEST, TITLE
+
+    doc = {"schemaVersion": 2, "mediaType": OCI_MANIFEST, "artifactType": ARTIFACT_TYPE, "config": EMPTY_CONFIG,
+           "layers": [{"mediaType": "application/octet-stream", "digest": l["digest"], "size": l["size"], "annotations": {TITLE: l["title"]}} for l in layers]}
+    body = json.dumps(doc).encode()
+
+    def handle(h):
+        if "/manifests/" in h.path:
+            return answer(h, 200, body, {"Content-Type": OCI_MANIFEST})
+        blob(h)
+
+    return servers(handle)
+
+
+@pytest.mark.parametrize("title, size", [("manifest.json", 10**12), ("blocks/" + "a" * 32 + ".safetensors", 10**15)])
+def test_regression_an_oversize_declared_layer_is_refused_before_any_download(servers, tmp_path, title, size):
+    """Once: a manifest layer declared 10^12 bytes streamed 1.1 GB before anything was checked."""
+    from kvsnap.store.oci import pull
+
+    server = artifact_server(servers, [{"title": title, "digest": DIGEST, "size": size}], lambda h: answer(h, 200, b"x" * 1000))
+    with pytest.raises(RegistryError, match=rf"layer {title} declares {size} bytes, over .*refusing it before downloading anything"):
+        pull(f"oci://{server.host}/team/snaps:v1", tmp_path / "dest")
+    assert [p for _, p, _ in server.seen if "/blobs/" in p] == [] and not (tmp_path / "dest").exists()
+
+
+def test_a_blob_sent_larger_than_declared_is_refused_from_its_length(servers, tmp_path):
+    """A registry answering with a Content-Length over the declared size: refused before the body is read."""
+    server = artifact_server(servers, [], lambda h: answer(h, 200, b"x" * 5000))
+    ref = Reference.parse(f"oci://{server.host}/team/snaps:v1")
+    from kvsnap.store.oci import DigestMismatchError
+
+    with RegistryClient(ref) as client, pytest.raises(DigestMismatchError, match=r"sent as 5000 bytes, not the 10"):
+        client.download_blob(DIGEST, len(BLOB), (tmp_path / "out").open("wb"), "blocks/x.safetensors")

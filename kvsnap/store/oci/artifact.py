@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import dataclass
 
 from kvsnap import __version__
+from kvsnap.errors import UsageError
 from kvsnap.snapshot.format import ARTIFACT_TYPE, BLOCK_MEDIA_TYPE, MANIFEST_MEDIA_TYPE, PART_REL_RE, SNAPSHOT_MEDIA_TYPE  # named after the format versions
 from kvsnap.store.archive import ShipError, check_relpath
 from kvsnap.store.local import MANIFEST
+from kvsnap.store.manifest import MAX_MANIFEST_BYTES as MAX_STORE_MANIFEST_BYTES
 from kvsnap.store.oci.errors import RegistryError
 from kvsnap.store.oci.reference import DIGEST_RE, Reference
 
@@ -28,6 +31,18 @@ EMPTY_JSON = b"{}"
 EMPTY_CONFIG = {"mediaType": "application/vnd.oci.empty.v1+json", "digest": "sha256:" + hashlib.sha256(EMPTY_JSON).hexdigest(), "size": len(EMPTY_JSON)}
 TITLE = "org.opencontainers.image.title"
 MAX_MANIFEST_BYTES = 4 << 20
+MAX_BLOB_BYTES = 64 << 30  # one store file; a 2,048-token fp32 snapshot of a 0.6B model is 470 MB
+ENV_MAX_BLOB = "KVSNAP_REGISTRY_MAX_BLOB_BYTES"
+
+
+def max_blob_bytes(environ=os.environ) -> int:
+    """The largest blob a pull accepts: MAX_BLOB_BYTES, or ``$KVSNAP_REGISTRY_MAX_BLOB_BYTES``."""
+    text = environ.get(ENV_MAX_BLOB, "").strip()
+    if not text:
+        return MAX_BLOB_BYTES
+    if not text.isdigit() or int(text) <= 0:
+        raise UsageError(f"${ENV_MAX_BLOB} is {text!r}; give a positive number of bytes")
+    return int(text)
 
 
 @dataclass
@@ -76,7 +91,7 @@ def _check_kind(doc: object, ref: Reference) -> dict:
     return doc
 
 
-def _parse_layer(layer: object, i: int, ref: Reference) -> Layer:
+def _parse_layer(layer: object, i: int, ref: Reference, max_blob: int) -> Layer:
     """One layer descriptor: a store path as its title, a sha256 digest, a size."""
     if not isinstance(layer, dict):
         raise RegistryError(f"{ref}: layer {i} is not a JSON object; not a kvsnap store")
@@ -92,11 +107,16 @@ def _parse_layer(layer: object, i: int, ref: Reference) -> Layer:
         raise RegistryError(f"{ref}: layer {title} has digest {digest!r}, not a sha256 digest; refusing it")
     if not isinstance(size, int) or isinstance(size, bool) or size < 0:
         raise RegistryError(f"{ref}: layer {title} has size {size!r}; refusing it")
+    # Declared sizes bound what a pull streams: checked here, before any download.
+    cap, why = (MAX_STORE_MANIFEST_BYTES, "the limit for a store manifest") if title == MANIFEST else (max_blob, f"the blob limit (${ENV_MAX_BLOB} raises it)")
+    if size > cap:
+        raise RegistryError(f"{ref}: layer {title} declares {size} bytes, over {cap}, {why}; refusing it before downloading anything")
     return Layer(title, digest, size)
 
 
-def parse_artifact(body: bytes, ref: Reference) -> list[Layer]:
-    """The layers of a kvsnap store manifest, each with a checked digest, size and store path."""
+def parse_artifact(body: bytes, ref: Reference, max_blob: int | None = None) -> list[Layer]:
+    """The layers of a kvsnap store manifest, each with a checked digest, size (bounded) and store path."""
+    max_blob = max_blob_bytes() if max_blob is None else max_blob
     try:
         doc = _check_kind(json.loads(body), ref)
     except ValueError:
@@ -107,7 +127,7 @@ def parse_artifact(body: bytes, ref: Reference) -> list[Layer]:
     layers: list[Layer] = []
     seen: set[str] = set()
     for i, raw in enumerate(raw_layers):
-        layer = _parse_layer(raw, i, ref)
+        layer = _parse_layer(raw, i, ref, max_blob)
         if layer.relpath in seen:
             raise RegistryError(f"{ref}: {layer.relpath} is listed twice; refusing it")
         seen.add(layer.relpath)

@@ -269,6 +269,9 @@ class RegistryClient:
         try:
             if resp.status_code == 404:
                 raise ArtifactNotFoundError(f"{self.ref}: blob {digest} ({what}) is listed in the manifest but missing from the registry; push the store again")
+            declared = resp.headers.get("Content-Length", "")
+            if declared.isdigit() and int(declared) > size:
+                raise DigestMismatchError(f"{self.ref}: blob {digest} ({what}) is sent as {declared} bytes, not the {size} its manifest says (tampered or corrupt in the registry); refusing it")
             h = hashlib.sha256()
             got = 0
             try:
