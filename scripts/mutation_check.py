@@ -266,6 +266,33 @@ BREAKAGES = (
         (Patch("kvsnap/commands/store.py", "            if shapes is not None:\n", "            if False:\n"),),
         ("tests/test_forged_shapes.py::test_verify_with_the_model_names_the_forged_block_shapes",),
     ),
+    Breakage(
+        "verify-model-fails-on-other-models",
+        "3. never foreign",
+        "verify --model counts another model's sound records as bad",
+        (Patch("kvsnap/commands/store.py", "            info = store.verify_file(path)\n", "            info = store.verify_file(path, expected)\n"),),
+        ("tests/test_forged_shapes.py::test_verify_with_the_model_reports_another_models_records_and_exits_0",),
+    ),
+    Breakage(
+        "mlx-lm-warm-entries-evictable",
+        "2. strict prefix (warm stays warm)",
+        "kvsnap mlx-lm pins its warm entries as ordinary mlx-lm 'system' LRU entries",
+        (Patch("kvsnap/integrations/mlx_lm_cache.py", "        # A plain dict trie insert: the pinned set never drops a warm prefix of another.\n", "        return super().insert_cache(model, list(tokens), prompt_cache, cache_type=\"system\")\n"),),
+        (
+            "tests/test_mlx_lm_server.py::test_pinned_warm_entries_survive_size_bytes_and_prefix_eviction_and_are_private_copies",
+            "tests/test_mlx_lm_server.py::test_agents_stay_warm_under_prompt_cache_size_and_bytes_pressure",
+        ),
+    ),
+    Breakage(
+        "mlx-lm-profile-bos-on-encode",
+        "2. strict prefix",
+        "the --for mlx-lm profile encodes with the tokenizer's special tokens (a second BOS on Llama 3)",
+        (Patch("kvsnap/integrations/mlx_lm_profile.py", "server=SERVER, add_special_tokens=False,", "server=SERVER, add_special_tokens=True,"),),
+        (
+            "tests/test_mlx_lm_server.py::test_mlx_lm_profile_prefix_is_a_strict_prefix_of_mlx_lm_servers_own_tokens[llama]",
+            "tests/test_mlx_lm_server.py::test_real_llama3_tokenizer_mlx_lm_requests_start_with_one_bos_and_hit",
+        ),
+    ),
 )
 
 

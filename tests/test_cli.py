@@ -238,10 +238,11 @@ def test_verify_with_model_rejects_a_snapshot_of_another_seed(light, dense, demo
     foreign = Store.open(store_copy).path_for(report.entries[0].key)
     assert light("verify", store_copy).stdout.splitlines()[-1] == "4 ok, 0 bad"  # fine on its own
     proc = run_kvsnap("verify", store_copy, "--model", model_dir, env=env, timeout=120)
-    assert proc.returncode == 1, proc.stdout + proc.stderr
-    [line] = [ln for ln in proc.stdout.splitlines() if ln.startswith("BAD")]
-    assert line.startswith(f"BAD  {foreign}: built for another model or KV setting (differs in: ") and "weights" in line
-    assert proc.stdout.splitlines()[-1] == "3 ok, 1 bad"
+    # Sound but another model's (issue 24 item 11): named as such, not a failure.
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    [line] = [ln for ln in proc.stdout.splitlines() if ln.startswith("other")]
+    assert line.startswith(f"other snapshots/{foreign.name}  alpha: built for another model or KV setting (differs in: ") and "weights" in line
+    assert proc.stdout.splitlines()[-1] == "3 ok, 0 bad, 1 for another model"
 
 
 def test_verify_reports_a_missing_snapshot_and_a_damaged_manifest(light, store_copy):

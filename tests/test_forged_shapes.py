@@ -139,3 +139,14 @@ def test_regression_forged_head_dim_blocks_are_dropped_and_never_fail_a_batch(fo
     assert all("this model's cache holds" in r["reason"] for r in rejected), rejected
     assert status["warmup"]["prefilled"] == 1 and status["warmup"]["from_snapshots"] == 1  # alpha prefilled, beta restored
     assert status["cache"]["load_errors"] >= 1  # gamma, dropped on its first hit
+
+
+def test_verify_with_the_model_reports_another_models_records_and_exits_0(demo_models, tmp_path):
+    """Issue 24 item 11: a sound store that also holds another model's records made `verify --model` exit 1."""
+    root = build_store(demo_models.load("dense"), tmp_path / "store", _agents(["alpha"]), tmp_path / "a.json")
+    build_store(demo_models.load("mistral"), root, _agents(["beta"]), tmp_path / "b.json")
+    r = run_kvsnap("verify", root, "--model", demo_models.path("dense"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    lines = r.stdout.splitlines()
+    assert sum(line.startswith("ok ") for line in lines) == 1 and any(line.startswith("other ") and "beta: built for another model" in line for line in lines), r.stdout
+    assert r.stdout.splitlines()[-1] == "1 ok, 0 bad, 1 for another model", r.stdout

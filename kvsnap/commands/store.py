@@ -129,7 +129,7 @@ def cmd_verify(args) -> int:
     bad += _verify_manifest(store)
     for tmp in store.temp_files():
         print(f"note {tmp}: leftover temp file of an interrupted write (harmless; `kvsnap gc --yes` removes it)")
-    print(f"{ok} ok, {bad} bad" + (f", {other} for another model (not checked against this one)" if other else ""))
+    print(f"{ok} ok, {bad} bad" + (f", {other} for another model" if other else ""))
     return EXIT_BAD if bad else EXIT_OK
 
 
