@@ -8,11 +8,12 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from kvsnap.errors import KvsnapError, SnapshotError, TemplateError
-from kvsnap.key import DigestCache, ModelIdentity, prompt_identity, snapshot_key
+from kvsnap.key import DigestCache, ModelIdentity
 from kvsnap.snapshot.blocks import BlockSettings, branch_points
 from kvsnap.runtime.modeling import LoadedModel
 from kvsnap.runtime.prefill import prefill_in_blocks
-from kvsnap.prompts import Tokenization, WarmPrompt, WarmPromptSet, resolve_chat_template, warm_prefix
+from kvsnap.prompts import Tokenization, WarmPrompt, WarmPromptSet
+from kvsnap.runtime.warm_recipe import warm_key
 from kvsnap.runtime.writeback import ChainPlan, manifest_entry, profile_record_id, put_snapshot, record_upsert
 from kvsnap.store.local import Store
 
@@ -185,15 +186,13 @@ class _Build:
 
     def plan(self, prompt: WarmPrompt, result: EntryResult) -> _Planned:
         """A warm prompt's prefix, digest and key (fills ``result`` as it goes, so a failure still reports them)."""
-        lm = self.lm
-        prefix = warm_prefix(lm.tokenizer, prompt, self.tokenization)
-        tokens = prefix.tokens
+        warm = warm_key(self.lm.tokenizer, self.identity, prompt, self.tokenization)
+        tokens, prefix = warm.tokens, warm.prefix
         result.n_tokens, result.entry_tokens, result.coverage, result.warnings = len(tokens), prefix.entry_tokens, prefix.coverage, prefix.warnings
         if not tokens:
             raise TemplateError(f"{prompt.name}: the chat template leaves no token shared by every continuation; nothing to snapshot")
-        prompt_digest = prompt_identity(resolve_chat_template(lm.tokenizer, prompt.tools), prompt.chat_template_kwargs, prompt.tools, self.profile)
-        result.key = snapshot_key(self.identity, prompt_digest, tokens)
-        return _Planned(prompt, list(tokens), prompt_digest)
+        result.key = warm.key
+        return _Planned(prompt, list(tokens), warm.prompt_digest)
 
     def entry(self, planned: _Planned, branches: frozenset, result: EntryResult) -> None:
         """One warm prompt: its record reused when sound; else the longest chain of blocks the

@@ -77,11 +77,11 @@ def test_each_pinned_snapshot_is_opened_and_parsed_once_to_index_and_once_to_res
 
 
 def test_unchanged_warm_prompts_reuse_their_recorded_tokens(world, monkeypatch):
-    import kvsnap.runtime.warmup
+    import kvsnap.runtime.warm_recipe
 
     calls = []
-    real = kvsnap.runtime.warmup.warm_prefix
-    monkeypatch.setattr(kvsnap.runtime.warmup, "warm_prefix", lambda *a, **k: calls.append(a) or real(*a, **k))
+    real = kvsnap.runtime.warm_recipe.warm_prefix
+    monkeypatch.setattr(kvsnap.runtime.warm_recipe, "warm_prefix", lambda *a, **k: calls.append(a) or real(*a, **k))
     engine = _start(world)
     try:
         status = engine.status()
@@ -92,15 +92,15 @@ def test_unchanged_warm_prompts_reuse_their_recorded_tokens(world, monkeypatch):
 
 
 def test_a_template_edit_falls_back_to_the_full_computation(world, monkeypatch):
-    import kvsnap.runtime.warmup
+    import kvsnap.runtime.warm_recipe
 
     config = world["model"] / "tokenizer_config.json"
     data = json.loads(config.read_text())
     data["chat_template"] = "{{ '<|edited|>' }}" + data["chat_template"]
     config.write_text(json.dumps(data))
     calls = []
-    real = kvsnap.runtime.warmup.warm_prefix
-    monkeypatch.setattr(kvsnap.runtime.warmup, "warm_prefix", lambda *a, **k: calls.append(a) or real(*a, **k))
+    real = kvsnap.runtime.warm_recipe.warm_prefix
+    monkeypatch.setattr(kvsnap.runtime.warm_recipe, "warm_prefix", lambda *a, **k: calls.append(a) or real(*a, **k))
     engine = _start(world)
     try:
         status = engine.status()
@@ -114,7 +114,7 @@ def test_a_recipe_whose_tokens_do_not_give_the_key_is_not_trusted(world, monkeyp
     import kvsnap.runtime.warm_recipe
     from kvsnap.runtime.modeling import load_model
     from kvsnap.store.local import Store
-    from kvsnap.runtime.warmup import recorded_prefix
+    from kvsnap.runtime.warm_recipe import recorded_prefix
 
     identity = load_model(world["model"]).identity()
     info = Store.open(world["store"], readonly=True).scan(identity)[0][0]

@@ -111,26 +111,23 @@ class WarmPlan:
 
     def _warm_prefix(self, prompt, report: WarmReport) -> tuple[tuple, str, str] | None:
         """(tokens, prompt digest, key) as vllm-mlx tokenizes this agent; None (and a skip) when it cannot be warmed."""
-        from kvsnap.key import prompt_identity, snapshot_key
-        from kvsnap.prompts import resolve_chat_template, warm_prefix
+        from kvsnap.runtime.warm_recipe import warm_key
 
-        tokenizer = self.lm.tokenizer
         try:
-            prefix = warm_prefix(tokenizer, prompt, self.tokenization)
-            digest = prompt_identity(resolve_chat_template(tokenizer, prompt.tools), prompt.chat_template_kwargs, prompt.tools, self.tokenization.descriptor())
+            warm = warm_key(self.lm.tokenizer, self.identity, prompt, self.tokenization)
         except KvsnapError as exc:
             report.skip(prompt.name, str(exc))
             return None
         except Exception as exc:  # vllm-mlx's own rendering raises jinja's and its own types; one entry must not stop the rest
             report.skip(prompt.name, f"vllm-mlx cannot render it ({type(exc).__name__}: {exc})")
             return None
-        tokens = prefix.tokens
+        tokens = warm.tokens
         config = getattr(self.prefix_cache, "_config", None)
         min_tokens = int(getattr(config, "min_prefix_tokens", 1) or 1)
         if len(tokens) < min_tokens:
             report.skip(prompt.name, f"its warm prefix holds {len(tokens)} tokens, under vllm-mlx's minimum reusable prefix of {min_tokens} tokens", len(tokens))
             return None
-        return tokens, digest, snapshot_key(self.identity, digest, tokens)
+        return tokens, warm.prompt_digest, warm.key
 
     def _restore(self, prompt, info, report: WarmReport) -> list | None:
         from kvsnap.snapshot.codec import decode_cache

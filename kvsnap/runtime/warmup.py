@@ -18,11 +18,12 @@ from typing import Callable, Sequence
 
 from kvsnap.runtime.writeback import commit_snapshot
 from kvsnap.errors import KvsnapError, SnapshotError, StoreError
-from kvsnap.key import ModelIdentity, prompt_identity, snapshot_key
+from kvsnap.key import ModelIdentity
 from kvsnap.runtime.modeling import LoadedModel
 from kvsnap.runtime.prefill import prefill
 from kvsnap.runtime.prefix import CheckFn, Entry, PrefixCache
-from kvsnap.prompts import WarmPromptSet, resolve_chat_template, warm_prefix
+from kvsnap.runtime.warm_recipe import warm_key
+from kvsnap.prompts import WarmPromptSet
 from kvsnap.snapshot.cache_classes import layers_trimmable
 from kvsnap.snapshot.codec import cache_nbytes_of, decode_cache, is_trimmable
 from kvsnap.store.local import SnapshotInfo, Store
@@ -217,18 +218,6 @@ def checkpoint_entries(store: Store, good: dict[str, SnapshotInfo], pool, check:
     return list(seen.values())
 
 
-def recorded_prefix(by_recipe: dict, prompt, prompt_digest: str, identity: ModelIdentity, template) -> tuple[int, ...] | None:
-    """The warm-prefix tokens a snapshot recorded for exactly this recipe, if its key still
-    follows from them (so the model matches too); None means: compute them."""
-    from kvsnap.runtime.warm_recipe import warm_recipe
-
-    recipe = warm_recipe(prompt, prompt_digest, identity.tokenizer, template)
-    info = by_recipe.get(recipe) if recipe else None
-    if info is None or not info.tokens or snapshot_key(identity, prompt_digest, info.tokens) != info.key:
-        return None
-    return tuple(info.tokens)
-
-
 PrefillFn = Callable[[Sequence[Sequence[int]]], list]  # token lists -> one cache per list
 
 
@@ -326,21 +315,17 @@ class _Warmup:
         targets, stale_keys = [], set()
         for p in prompts.entries:
             try:
-                template = resolve_chat_template(lm.tokenizer, p.tools)
-                digest = prompt_identity(template, p.chat_template_kwargs, p.tools)
-                tokens = recorded_prefix(by_recipe, p, digest, self.identity, template)
-                if tokens is None:
-                    tokens = warm_prefix(lm.tokenizer, p).tokens
-                else:
-                    report.recipes_reused += 1
+                warm = warm_key(lm.tokenizer, self.identity, p, by_recipe=by_recipe)
+                report.recipes_reused += warm.recipe_reused
             except KvsnapError as exc:
                 report.skipped += 1
                 report.problems.append(f"{p.name}: {exc}")
                 continue
+            tokens, digest = warm.tokens, warm.prompt_digest
             if not tokens:
                 report.skipped += 1
                 continue
-            info = good.get(snapshot_key(self.identity, digest, tokens))
+            info = good.get(warm.key)
             if info is None:
                 for i in good.values():
                     if i.name == p.name:
