@@ -118,6 +118,121 @@ def test_the_check_sees_a_forbidden_arrow(source, importer, arrow, monkeypatch):
     assert any(v.startswith(arrow) for v in violations()), violations()
 
 
+
+def import_graph() -> dict[str, set[str]]:
+    return {name: imports_of(name, path) for name, path in modules().items()}
+
+
+def _reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    """Modules reached from ``start`` by one import or more (``start`` only through a cycle)."""
+    seen, todo = set(), list(graph.get(start, ()))
+    while todo:
+        node = todo.pop()
+        if node not in seen:
+            seen.add(node)
+            todo.extend(graph.get(node, ()))
+    return seen
+
+
+def _shortest_cycle(graph: dict[str, set[str]], start: str, group: set[str]) -> list[str]:
+    """A shortest import path from ``start`` back to itself, inside its group."""
+    paths, frontier = {start: [start]}, [start]
+    while frontier:
+        following = []
+        for node in frontier:
+            for nxt in sorted(graph.get(node, ()) & group):
+                if nxt == start:
+                    return paths[node] + [start]
+                if nxt not in paths:
+                    paths[nxt] = paths[node] + [nxt]
+                    following.append(nxt)
+        frontier = following
+    raise AssertionError(f"{start} is in an import cycle but no path leads back to it")
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One cycle per group of modules that import each other (directly or through others), as a
+    path that ends where it starts; a group of n modules is named once, not n times."""
+    reach = {node: _reachable(graph, node) for node in graph}
+    found, placed = [], set()
+    for node in sorted(graph):
+        if node in placed or node not in reach[node]:
+            continue
+        group = {other for other in reach[node] if node in reach[other]}
+        placed |= group
+        found.append(_shortest_cycle(graph, node, group))
+    return found
+
+
+def test_no_import_cycle():
+    """Modules that import each other (lazy imports included) cannot be understood, tested or
+    moved alone; a lazy import that closes a cycle only hides it from the interpreter."""
+    cycles = [" -> ".join(cycle) for cycle in import_cycles(import_graph())]
+    fix = "break each by moving the shared part down a layer"
+    assert cycles == [], f"import cycles; {fix}:\n" + "\n".join(cycles)
+
+
+@pytest.mark.parametrize(
+    "graph, expected",
+    [
+        ({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}, [["a", "b", "c", "a"]]),
+        ({"a": {"b"}, "b": {"a", "c"}, "c": {"d"}, "d": {"c"}}, [["a", "b", "a"], ["c", "d", "c"]]),
+        ({"a": {"b", "c"}, "b": {"c"}, "c": set()}, []),  # a diamond shares a module, no cycle
+    ],
+)
+def test_the_cycle_check_names_each_cycle(graph, expected):
+    assert import_cycles(graph) == expected
+
+
+def test_the_cycle_check_sees_a_lazy_import_that_closes_a_cycle(monkeypatch):
+    """prefill is imported by warmup; a lazy import of warmup inside prefill closes a cycle."""
+    real = Path.read_text
+    target = PACKAGE / "runtime" / "prefill.py"
+    lazy = "\ndef _breakage():\n    from kvsnap.runtime.warmup import run_warmup\n"
+
+    def patched(self, *a, **k):
+        return real(self, *a, **k) + (lazy if self == target else "")
+
+    monkeypatch.setattr(Path, "read_text", patched)
+    cycles = import_cycles(import_graph())
+    pair = {"kvsnap.runtime.prefill", "kvsnap.runtime.warmup"}
+    assert any(pair <= set(cycle) for cycle in cycles), cycles
+
+
+# warm prompt -> prefix tokens (warm_prefix) and prompt digest (prompt_identity): composed in one
+# place, so build writes exactly the key each server's warm-up looks up.
+WARM_KEY_OWNER = "kvsnap.runtime.warm_recipe"
+WARM_KEY_STEPS = ("prompt_identity", "warm_prefix")
+
+
+def warm_key_step_callers() -> list[str]:
+    found = []
+    for name, path in modules().items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not isinstance(node, ast.Call):
+                continue
+            called = getattr(node.func, "id", None) or getattr(node.func, "attr", None)
+            if called in WARM_KEY_STEPS and name != WARM_KEY_OWNER:
+                found.append(f"{name} calls {called}")
+    return sorted(set(found))
+
+
+def test_only_warm_key_turns_a_warm_prompt_into_tokens_digest_and_key():
+    callers = warm_key_step_callers()
+    assert callers == [], f"call {WARM_KEY_OWNER}.warm_key instead: {callers}"
+
+
+def test_the_owner_check_sees_a_second_composer(monkeypatch):
+    real = Path.read_text
+    target = PACKAGE / "build.py"
+    extra = "\ndef _breakage(tok, p):\n    return kvsnap.prompts.warm_prefix(tok, p)\n"
+
+    def patched(self, *a, **k):
+        return real(self, *a, **k) + (extra if self == target else "")
+
+    monkeypatch.setattr(Path, "read_text", patched)
+    assert warm_key_step_callers() == ["kvsnap.build calls warm_prefix"]
+
 def test_design_doc_module_map_matches_the_tree():
     doc = (ROOT / "docs" / "design.md").read_text()
     table = doc.split("\n## Modules\n", 1)[1].split("\n## ", 1)[0]
