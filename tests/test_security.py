@@ -87,7 +87,7 @@ def test_only_an_admin_key_clears_the_cache_and_sees_every_request(keyed, client
     url = keyed.url
     assert_openai_error(client.delete(f"{url}/v1/cache/prefix", headers=auth(USER_A)), 403, "insufficient_permissions")
     user = client.get(f"{url}/v1/status", headers=auth(USER_A)).json()
-    assert "cache" in user and "snapshots" not in user and "warmup" not in user and "model" not in user
+    assert "snapshots" not in user and "warmup" not in user and "model" not in user
     assert str(keyed.log_path.parent) not in json.dumps(user)  # no file paths for ordinary keys
     admin = client.get(f"{url}/v1/status", headers=auth(ADMIN)).json()
     assert "snapshots" in admin and "warmup" in admin
@@ -152,8 +152,69 @@ def test_warm_snapshots_stay_shared_and_partial_matches_are_coarse(keyed, client
     assert full["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # every key hits the operator's warm prompt
     # A probe that shares only part of the warm prompt learns at most a multiple of 128 tokens.
     probe = [{"role": "system", "content": LONG_SYSTEM[:200] + " something else entirely"}, {"role": "user", "content": "q"}]
-    r = client.post(f"{url}/v1/chat/completions", json={**chat_body("q"), "messages": probe}, headers=auth(USER_A, )).json()
+    # (A fresh salt: the count is never below the caller's own best match, and A has entries.)
+    r = client.post(f"{url}/v1/chat/completions", json={**chat_body("q", cache_salt="coarse"), "messages": probe}, headers=auth(USER_A)).json()
     assert r["usage"]["prompt_tokens_details"]["cached_tokens"] % 128 == 0
+
+
+def test_tenant_status_shows_nothing_that_moves_with_other_tenants_traffic(keyed, client):
+    """Issue 24: cache counters, memory and queue lengths moved with others' requests and
+    spelled out match lengths (``tokens_saved`` deltas); in-flight rows gave exact counts."""
+    url = keyed.url
+    before = client.get(f"{url}/v1/status", headers=auth(USER_A)).json()
+    _cached(client, url, USER_B, "Another tenant's request about the weather today.")
+    after = client.get(f"{url}/v1/status", headers=auth(USER_A)).json()
+    assert set(after) == {"warm", "requests", "rewarm_in_progress", "version", "uptime_s"}
+    assert {k: v for k, v in before.items() if k != "uptime_s"} == {k: v for k, v in after.items() if k != "uptime_s"}
+    admin = client.get(f"{url}/v1/status", headers=auth(ADMIN)).json()
+    assert admin["cache"]["hits"] >= 1 and "tokens" in admin  # admin keys keep the full view
+
+
+def _warm_tokens(demo_models) -> list[int]:
+    from kvsnap.prompts import parse_warm_prompts, warm_prefix
+
+    lm = demo_models.load("dense")
+    return list(warm_prefix(lm.tokenizer, parse_warm_prompts(AGENTS).entries[0]).tokens)
+
+
+def _attack_transcript(client, url, warm: list[int], m: int, run: str) -> list[int]:
+    """The binary search of issue 24 on a probe sharing ``m`` tokens with the warm prompt:
+    for each length L, an own entry of L probe tokens (a fresh salt per step), then the probe.
+    Returns every ``cached_tokens`` it was told."""
+    free = [t for t in range(5, 700) if t not in warm[: len(warm)]]
+    probe = warm[:m] + free[: 300 - m]  # one length for every m: only the match differs
+
+    def cached(prompt: list[int], salt: str) -> int:
+        body = {"model": "m", "prompt": prompt, "max_tokens": 1, "temperature": 0, "cache_salt": salt}
+        r = client.post(f"{url}/v1/completions", json=body, headers=auth(USER_B))
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    seen = [cached(probe, f"{run}-base")]
+    lo, hi = seen[0], len(probe) - 1  # the smallest L whose own entry wins lies in (lo, hi]
+    for step in range(12):  # bounded: log2(len(probe)) steps suffice
+        if hi - lo <= 1:
+            break
+        mid = (lo + hi) // 2
+        salt = f"{run}-{step}"
+        cached(probe[:mid] + [free[-1 - step]], salt)  # the tenant's own entry: probe[:mid]
+        got = cached(probe, salt)
+        seen.append(got)
+        lo, hi = (lo, mid) if got == mid else (mid, hi)
+    return seen + [hi]
+
+
+def test_cached_tokens_binary_search_against_own_entries_learns_only_the_rounded_match(keyed, client, demo_models):
+    """Issue 24: with entries of its own of chosen lengths, a tenant binary-searched the exact
+    length a probe shares with the operator's warm prompt. Two probes sharing 150 and 220
+    tokens (both 128 once rounded) must give the attacker the very same answers."""
+    warm = _warm_tokens(demo_models)
+    assert len(warm) > 240
+    first = _attack_transcript(client, keyed.url, warm, 150, "atk-150")
+    second = _attack_transcript(client, keyed.url, warm, 220, "atk-220")
+    assert first[0] == second[0] == 128
+    assert first == second, (first, second)
+    assert first[-1] not in (150, 151, 220, 221)
 
 
 # --- findings 1, 3, 9: templates, token ids, bad numbers and text -----------------------

@@ -13,6 +13,7 @@ from kvsnap.http.api_errors import APIError
 from kvsnap.http.guard import Auth
 from kvsnap.http.limits import allowed_template_kwargs, context_length, find_lone_surrogate, vocab_bound
 from kvsnap.http.schemas import usage
+from kvsnap.runtime.accounting import reported_cached_tokens
 from kvsnap.runtime.engine import Engine, RequestState
 
 
@@ -87,7 +88,5 @@ class ServerContext:
         return max_tokens
 
     def reported_usage(self, state: RequestState) -> dict:
-        cached = state.cached_tokens
-        if state.cache_shared_partial and self.config.cached_tokens_granularity > 1:
-            cached -= cached % self.config.cached_tokens_granularity
+        cached = reported_cached_tokens(state, self.config.cached_tokens_granularity)
         return usage(state.prompt_tokens, state.completion_tokens, cached)

@@ -12,8 +12,11 @@ from starlette.concurrency import run_in_threadpool
 from kvsnap import __version__
 from kvsnap.http.context import ServerContext
 
-# What an ordinary (non-admin) key sees: cache-wide counters and its own requests; no paths, no warm-up details.
-TENANT_STATUS_FIELDS = ("warm", "batch_size", "waiting", "requests", "cache", "requests_started", "rewarm_in_progress")
+# What an ordinary (non-admin) key sees: nothing that moves with other tenants' traffic
+# (cache counters, memory, queue lengths) and no exact cached-token count, which would tell
+# how far a prompt matched the operator's (issue 24); no paths, no warm-up details.
+TENANT_STATUS_FIELDS = ("warm", "requests", "rewarm_in_progress")
+TENANT_REQUEST_FIELDS = ("id", "prompt_tokens", "completion_tokens")
 
 
 def status_router(ctx: ServerContext) -> APIRouter:
@@ -40,6 +43,7 @@ def status_router(ctx: ServerContext) -> APIRouter:
         body = await run_in_threadpool(engine.status, None if admin else tenant)
         if not admin:
             body = {k: body[k] for k in TENANT_STATUS_FIELDS}
+            body["requests"] = [{k: row[k] for k in TENANT_REQUEST_FIELDS} for row in body["requests"]]
         body["version"] = __version__
         body["uptime_s"] = round(time.time() - ctx.started, 3)
         return body

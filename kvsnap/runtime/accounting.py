@@ -87,6 +87,20 @@ class TokenAccounts:
         return {"prompt": self.prompt, "cached": self.cached, "computed": self.computed(gen), "computed_source": COUNTED if self.counter_missing else MEASURED}
 
 
+def reported_cached_tokens(state: RequestState, granularity: int) -> int:
+    """The ``cached_tokens`` a client is told: exact, except that a partial match on a shared
+    entry counts in steps of ``granularity``, and never below the request's own best match.
+
+    max(own, rounded shared) depends on the shared match only through its rounded value: a
+    tenant comparing it with entries of its own learns nothing finer (issue 24). Never more
+    than the engine really reused.
+    """
+    cached = state.cached_tokens
+    if not state.cache_shared_partial or granularity <= 1:
+        return cached
+    return max(min(state.own_cached_tokens, cached), cached - cached % granularity)
+
+
 def cache_stats(prefix: Any, max_memory_mb: float) -> dict:
     """The ``cache`` object of ``/v1/status`` (zeros before the prefix cache exists)."""
     st = prefix.stats if prefix is not None else None  # an empty PrefixCache is falsy: test for None

@@ -211,17 +211,17 @@ class PrefixCache:
 
     # --- lookup ----------------------------------------------------------------
 
-    def lookup(self, tokens: Sequence[int], namespace: str = "") -> Match | None:
+    def lookup(self, tokens: Sequence[int], namespace: str = "", shared: bool = True) -> Match | None:
         """The entry that saves the most tokens; strict prefix only, trimming where allowed.
 
         At least one request token is always left to compute, so a prompt equal to an
         untrimmable entry falls back to a shorter entry (or a cold prefill). There is no
         minimum length: one shared token is a hit. Only shared entries and those of
-        ``namespace`` are candidates.
+        ``namespace`` are candidates (only the latter with ``shared=False``).
         """
         tokens = tuple(tokens)
         with self._lock:
-            tries = (self._tries.get(None), self._tries.get(namespace))
+            tries = (self._tries.get(None) if shared else None, self._tries.get(namespace))
             found = [t.best(tokens) for t in tries if t is not None]
         best = max((c for c in found if c is not None), key=lambda c: (c.usable, c.rank), default=None)
         if best is None:

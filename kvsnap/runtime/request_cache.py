@@ -28,6 +28,15 @@ def prepare_request(lm: Any, prefix: PrefixCache, accounts: TokenAccounts, state
     state.cache_source = match.entry.source if match else ""
     # A partial match on an entry shared with others tells how far the prompts agree.
     state.cache_shared_partial = bool(match) and (n_cached < len(match.entry.tokens) or match.entry.inner) and (match.entry.namespace is None or match.entry.namespace == "")
+    private = state.request.namespace != ""
+    if state.cache_shared_partial and private:
+        own = prefix.lookup(tokens, state.request.namespace, shared=False)
+        state.own_cached_tokens = own.n_cached if own else 0
+    if private and match and match.entry.namespace != state.request.namespace and n_cached == len(tokens) - 1:
+        # Nothing left to prefill, so the usual capture would not run: keep the prefix now.
+        # Whether a tenant's own entry exists must not depend on how far a shared one matched
+        # (issue 24: its existence would spell out the shared match length).
+        capture_request_prefix(prefix, state, cache)
     state.detok = lm.tokenizer.detokenizer
     state.detok.reset()
     return cache, tokens[n_cached:]
