@@ -27,7 +27,7 @@ from kvsnap.key import ModelIdentity, unpack_tokens
 from kvsnap.store.manifest import encode_manifest, merge_manifests, read_manifest_file, referenced_files, update_manifest
 from kvsnap.snapshot.file import FormatError, OutTensor, check_data, parse_header, read_header, read_into, tensor_bytes, verify_checksum, write_snapshot
 from kvsnap.snapshot.format import DTYPES, KEY_RE, MANIFEST, PART_FOLDERS, SNAPSHOTS, SUFFIX, TOKENS, relpath_of_file, snapshot_filename
-from kvsnap.snapshot.header import MAX_NAME_CHARS, SnapshotInfo, check_offsets, inspect_header
+from kvsnap.snapshot.header import MAX_NAME_CHARS, MAX_TOKENS, SnapshotInfo, check_offsets, check_token_count, inspect_header
 
 LOCK = ".lock"
 TMP_PREFIX = ".tmp-"
@@ -230,19 +230,21 @@ class Store:
                 found += [p for p in folder.iterdir() if p.name.startswith(TMP_PREFIX)]
         return sorted(found)
 
-    def inspect(self, path: Path) -> SnapshotInfo:
+    def inspect(self, path: Path, max_tokens: int = MAX_TOKENS) -> SnapshotInfo:
         """Header checks only (cheap), tokens included, from one open and one header parse;
-        raises SnapshotError naming the file and the reason."""
+        raises SnapshotError naming the file and the reason. ``max_tokens`` bounds the token
+        count before the tokens are read (the model's context, when the caller knows it)."""
         self._check_regular(path)
         try:
             with open(path, "rb") as f:
                 header = parse_header(f, os.fstat(f.fileno()).st_size)
+                check_token_count(header, max_tokens)
                 tok = header.tensors.get(TOKENS)
                 raw = None
                 if tok is not None:  # its bounds were checked against the file size by parse_header
                     f.seek(header.data_start + tok.start)
                     raw = f.read(tok.nbytes)
-            info = inspect_header(path, header, raw)
+            info = inspect_header(path, header, raw, max_tokens)
         except FormatError as exc:
             raise SnapshotError(str(path), str(exc)) from None
         except OSError as exc:
@@ -282,12 +284,12 @@ class Store:
             verify_chain(self, info)
         return info
 
-    def scan(self, expected: ModelIdentity | None = None) -> tuple[list[SnapshotInfo], list[Problem]]:
+    def scan(self, expected: ModelIdentity | None = None, max_tokens: int = MAX_TOKENS) -> tuple[list[SnapshotInfo], list[Problem]]:
         """Header-only scan of every snapshot; foreign ones are problems only when ``expected`` is given."""
         infos, bad = [], []
         for path in self.snapshot_files():
             try:
-                infos.append(self.inspect(path))
+                infos.append(self.inspect(path, max_tokens))
             except SnapshotError as exc:
                 bad.append(Problem(path, exc.reason))
         good, foreign = classify(infos, expected)
