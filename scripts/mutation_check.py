@@ -274,6 +274,20 @@ BREAKAGES = (
         ("tests/test_forged_shapes.py::test_verify_with_the_model_reports_another_models_records_and_exits_0",),
     ),
     Breakage(
+        "token-count-unbounded",
+        "4. hostile files",
+        "a record's token count is not bounded before its tokens are read",
+        (Patch("kvsnap/snapshot/header.py", "    if n > max_tokens:\n", "    if False:\n"),),
+        ("tests/test_forged_token_counts.py::test_regression_a_25m_token_record_is_refused_by_ls_and_scan_before_its_tokens_are_read",),
+    ),
+    Breakage(
+        "start-scan-ignores-context",
+        "4. hostile files",
+        "the start scan reads records longer than the model's context",
+        (Patch("kvsnap/runtime/prefetch.py", "store.scan(max_tokens=context_tokens(model_dir))", "store.scan()"),),
+        ("tests/test_forged_token_counts.py::test_regression_a_record_longer_than_the_models_context_is_refused_by_the_start_scan",),
+    ),
+    Breakage(
         "mlx-lm-warm-entries-evictable",
         "2. strict prefix (warm stays warm)",
         "kvsnap mlx-lm pins its warm entries as ordinary mlx-lm 'system' LRU entries",

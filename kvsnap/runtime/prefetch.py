@@ -14,8 +14,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable
 
-from kvsnap.errors import SnapshotError, StoreError
+from kvsnap.errors import ModelError, SnapshotError, StoreError
 from kvsnap.key import KVSettings, canonical_json, hexdigest, read_config, tokenizer_digest
+from kvsnap.snapshot.header import MAX_TOKENS
 from kvsnap.store.local import Problem, SnapshotInfo, Store, classify
 
 
@@ -40,6 +41,26 @@ class Prefetched:
         return self.arrays.pop(info.path, None)
 
 
+CONTEXT_KEYS = ("max_position_embeddings", "max_sequence_length", "seq_length", "n_positions", "max_seq_len")
+NESTED_CONFIGS = ("text_config", "language_config", "llm_config")
+
+
+def context_tokens(model_dir: Path) -> int:
+    """The most tokens a record may hold for this model: its context from config.json (or a
+    nested text config), within kvsnap's ``MAX_TOKENS``. A longer prefix could never be served,
+    so the start scan refuses it before reading its tokens."""
+    try:
+        config = read_config(Path(model_dir))
+    except ModelError:
+        return MAX_TOKENS
+    for part in (config, *(config.get(k) for k in NESTED_CONFIGS)):
+        for key in CONTEXT_KEYS if isinstance(part, dict) else ():
+            value = part.get(key)
+            if type(value) is int and value > 0:
+                return min(value, MAX_TOKENS)
+    return MAX_TOKENS
+
+
 def knowable_identity(model_dir: Path, settings: KVSettings) -> dict:
     """Identity fields knowable before the model loads: config, tokenizer files, KV settings."""
     quantized_kv = settings.kv_bits is not None
@@ -61,7 +82,7 @@ def prefetch(store_path: str, model_dir: Path, settings: KVSettings, budget_byte
         return None
     try:
         store = Store.open(root, readonly=True)
-        infos, problems = store.scan()
+        infos, problems = store.scan(max_tokens=context_tokens(model_dir))
     except (StoreError, OSError):
         return None  # the warm-up opens it again and reports why
     out = Prefetched(root=store.root, infos=infos, problems=problems)

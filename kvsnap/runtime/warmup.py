@@ -301,7 +301,9 @@ class _Warmup:
             self.prefetched = prefetched
             infos, bad = prefetched.scan(self.identity)  # the headers were read while the model loaded
         else:
-            infos, bad = store.scan(self.identity)
+            from kvsnap.runtime.prefetch import context_tokens
+
+            infos, bad = store.scan(self.identity, max_tokens=context_tokens(self.lm.path))
         for problem in bad:
             counts.reject(str(problem.path), problem.reason)
         if store.readonly and not counts.write_back_note:

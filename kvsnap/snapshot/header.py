@@ -40,6 +40,9 @@ MAX_PARTS = 8  # QuantizedKVCache: packed data, scales, biases
 MAX_ARRAYS = 256  # ArraysCache slots (SSM conv + recurrent state: 2)
 MAX_COUNT = 2**53
 RECORD_NAME_BUDGET = 2 * MAX_PARTS * MAX_LAYERS  # a v3 record holds no layer tensors; its layer list may still name this many
+# Tokens a record may hold (4,194,304): checked before any token is read, so a header claiming
+# 25M tokens costs nothing; a reader that knows the model bounds it by the model's context.
+MAX_TOKENS = 1 << 22
 
 @dataclass(frozen=True)
 class SnapshotInfo:
@@ -338,11 +341,26 @@ def inspect_part(path: Path, header: Header) -> PartInfo:
     return PartInfo(kind, key, meta["kvsnap.model_digest"], start, end, meta["kvsnap.prefix_digest"], layers)
 
 
-def inspect_header(path: Path, header: Header, tokens_raw: bytes | None = None) -> SnapshotInfo:
+def check_token_count(header: Header, max_tokens: int = MAX_TOKENS) -> int:
+    """The header's token count, refused over ``max_tokens`` before a token is read."""
+    raw = header.metadata.get("kvsnap.n_tokens", "")
+    if not DIGITS_RE.fullmatch(raw):
+        raise FormatError(f"kvsnap.n_tokens is {_show(raw)}, expected a decimal token count")
+    n = int(raw)
+    if n > max_tokens:
+        raise FormatError(
+            f"kvsnap.n_tokens is {n}, over the {max_tokens} a record may hold here (kvsnap's limit is {MAX_TOKENS}, "
+            "and the model's context when it is known); a prefix that long cannot be served: rebuild the store for this model"
+        )
+    return n
+
+
+def inspect_header(path: Path, header: Header, tokens_raw: bytes | None = None, max_tokens: int = MAX_TOKENS) -> SnapshotInfo:
     """Check a header's identity fields against themselves and the tokens; no checksum yet.
 
     ``tokens_raw``: the ``tokens`` tensor's bytes when the caller already holds them (read
-    through the descriptor it parsed the header from); else they are read here."""
+    through the descriptor it parsed the header from); else they are read here, after the
+    token count was bounded by ``max_tokens``."""
     meta = header.metadata
     missing = [k for k in REQUIRED_META if k not in meta]
     if missing:
@@ -353,9 +371,7 @@ def inspect_header(path: Path, header: Header, tokens_raw: bytes | None = None) 
     for field in ("kvsnap.key", "kvsnap.model_digest", "kvsnap.prompt_digest", "kvsnap.tokens_digest"):
         if not KEY_RE.fullmatch(meta[field]):
             raise FormatError(f"{field} is {_show(meta[field])}, expected 32 lowercase hex digits")
-    if not DIGITS_RE.fullmatch(meta["kvsnap.n_tokens"]):
-        raise FormatError(f"kvsnap.n_tokens is {_show(meta['kvsnap.n_tokens'])}, expected a decimal token count")
-    n_tokens = int(meta["kvsnap.n_tokens"])
+    n_tokens = check_token_count(header, max_tokens)
     name = meta.get("kvsnap.name", "")
     if len(name) > MAX_NAME_CHARS:
         raise FormatError(f"kvsnap.name is {len(name)} characters, over the {MAX_NAME_CHARS} limit")
