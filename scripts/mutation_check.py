@@ -307,6 +307,20 @@ BREAKAGES = (
             "tests/test_mlx_lm_server.py::test_real_llama3_tokenizer_mlx_lm_requests_start_with_one_bos_and_hit",
         ),
     ),
+    Breakage(
+        "warm-key-drops-the-servers-profile",
+        "3. never foreign",
+        "warm_key digests every server's warm prompts as kvsnap's own request path",
+        (Patch("kvsnap/runtime/warm_recipe.py", "    profile = tokenization.descriptor() if tokenization is not None else None\n", "    profile = None\n"),),
+        ("tests/test_prompts.py::test_warm_key_keys_another_servers_tokenization_apart_from_kvsnaps",),
+    ),
+    Breakage(
+        "lazy-import-cycle",
+        "shape of the code",
+        "a lazy import inside a function closes an import cycle (warm_recipe <-> warmup)",
+        (Patch("kvsnap/runtime/warm_recipe.py", "    template = resolve_chat_template(tokenizer, prompt.tools)\n", "    from kvsnap.runtime.warmup import run_warmup  # noqa: F401\n    template = resolve_chat_template(tokenizer, prompt.tools)\n"),),
+        ("tests/test_architecture.py::test_no_import_cycle",),
+    ),
 )
 
 

@@ -203,3 +203,27 @@ def test_coverage_counts_a_system_prompt_the_template_moves_to_the_last_user_tur
     prefix = warm_prefix(LastTurnMistral(inner), parse_entry(ENTRIES["system"], 0))
     assert prefix.entry_tokens >= len(inner.encode(SYSTEM, add_special_tokens=False))
     assert prefix.coverage < 0.5 and any("covers only" in w for w in prefix.warnings)
+
+
+# --- warm key: the one composition build and every warm-up share -----------------------
+
+
+def test_warm_key_keys_another_servers_tokenization_apart_from_kvsnaps(demo_models):
+    """Same tokens under another server's name: another prompt digest and key, so a server never
+    pins a snapshot built for a request path it does not have; kvsnap's own keeps the digest
+    keys had before profiles existed."""
+    from kvsnap.key import prompt_identity, snapshot_key
+    from kvsnap.prompts import KVSNAP_TOKENIZATION, Tokenization, resolve_chat_template
+    from kvsnap.runtime.warm_recipe import warm_key
+
+    lm = demo_models.load("dense")
+    identity = lm.identity()
+    entry = parse_entry([{"role": "system", "content": SYSTEM}], 0)
+    own = warm_key(lm.tokenizer, identity, entry)
+    other = warm_key(lm.tokenizer, identity, entry, Tokenization(server="mlx-lm"))
+    assert own.tokens == other.tokens == warm_prefix(lm.tokenizer, entry).tokens
+    assert own.prompt_digest == prompt_identity(resolve_chat_template(lm.tokenizer), None, None)
+    assert own.key == snapshot_key(identity, own.prompt_digest, own.tokens)
+    assert warm_key(lm.tokenizer, identity, entry, KVSNAP_TOKENIZATION) == own
+    assert other.prompt_digest != own.prompt_digest and other.key != own.key
+    assert not own.recipe_reused and own.prefix.tokens == own.tokens
