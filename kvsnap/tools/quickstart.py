@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from kvsnap.errors import KvsnapError
+
 EXAMPLE_AGENTS = [
     {
         "name": "reviewer",
@@ -29,6 +31,16 @@ EXAMPLE_AGENTS = [
         ],
     },
 ]
+
+
+def size_words(store, entry) -> str:
+    """Both sizes, named: the entry's whole state on disk (record, blocks, checkpoints) and what
+    this build wrote (0 when it was reused; less than the state when blocks were shared)."""
+    try:
+        state = store.inspect(store.path_for(entry.key)).nbytes
+    except (KvsnapError, ValueError):
+        return f"{entry.bytes_written} bytes written"
+    return f"{state} bytes of state, {entry.bytes_written} bytes written"
 
 
 def write_example_agents(path: Path) -> Path:
@@ -77,7 +89,7 @@ def build_and_verify(workdir: Path, print_fn):
     store = Store.open(workdir / "snaps", create=True)
     report = build_snapshots(lm, load_warm_prompts(agents), store, str(agents), digests=digests)
     for e in report.entries:
-        print_fn(f"[2/4] build {e.name}: {e.status}, {e.n_tokens} tokens ({e.coverage:.0%} of the entry), {e.nbytes} bytes, {e.seconds:.2f}s")
+        print_fn(f"[2/4] build {e.name}: {e.status}, {e.n_tokens} tokens ({e.coverage:.0%} of the entry), {size_words(store, e)}, {e.seconds:.2f}s")
     identity = lm.identity(digests)
     for path in store.snapshot_files():
         store.verify_file(path, identity)
