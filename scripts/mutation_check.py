@@ -321,6 +321,56 @@ BREAKAGES = (
         (Patch("kvsnap/runtime/warm_recipe.py", "    template = resolve_chat_template(tokenizer, prompt.tools)\n", "    from kvsnap.runtime.warmup import run_warmup  # noqa: F401\n    template = resolve_chat_template(tokenizer, prompt.tools)\n"),),
         ("tests/test_architecture.py::test_no_import_cycle",),
     ),
+    Breakage(
+        "slowloris-head-deadline-off",
+        "server under attack",
+        "a connection whose request head never completes is left open (slowloris)",
+        (Patch("kvsnap/http/connections.py", "            self.close_slow()\n\n        def close_slow", "            pass\n\n        def close_slow"),),
+        ("tests/test_http_connections.py::test_slowloris_connections_are_closed_and_health_still_answers",),
+    ),
+    Breakage(
+        "accept-errors-flood-the-log",
+        "server under attack",
+        "EMFILE on accept() goes to asyncio's handler, one traceback per attempt",
+        (Patch("kvsnap/http/connections.py", "exc.errno in ACCEPT_ERRNOS:", "exc.errno in ():"),),
+        ("tests/test_http_connections.py::test_accept_errors_from_running_out_of_descriptors_are_logged_rate_limited",),
+    ),
+    Breakage(
+        "cached-tokens-own-entry-leaks-match",
+        "server under attack",
+        "a tenant's own entry is not kept when a shared match left nothing to prefill: its existence spells out the match",
+        (Patch("kvsnap/runtime/request_cache.py", "        capture_request_prefix(prefix, state, cache)\n", "        pass\n"),),
+        ("tests/test_security.py::test_cached_tokens_binary_search_against_own_entries_learns_only_the_rounded_match",),
+    ),
+    Breakage(
+        "tenant-status-shows-cache-counters",
+        "server under attack",
+        "a non-admin key sees the cache-wide counters again",
+        (Patch("kvsnap/http/routes_status.py", 'TENANT_STATUS_FIELDS = ("warm", "requests", "rewarm_in_progress")', 'TENANT_STATUS_FIELDS = ("warm", "requests", "rewarm_in_progress", "cache")'),),
+        ("tests/test_security.py::test_tenant_status_shows_nothing_that_moves_with_other_tenants_traffic",),
+    ),
+    Breakage(
+        "generation-failed-carries-exception-text",
+        "server under attack",
+        "a generation_failed 500 carries the exception text to the client",
+        (Patch("kvsnap/http/routes_generation.py", 'return f"generation failed ({kind}); the server log has the details"', 'return f"generation failed: {detail}"'),),
+        ("tests/test_http_errors.py::test_generation_failed_500_names_only_the_error_type",),
+    ),
+    Breakage(
+        "busy-port-found-after-model-load",
+        "server under attack",
+        "the port is bound only when uvicorn starts, after the model loads",
+        (Patch("kvsnap/commands/serve.py", "    sock = bind_socket(args.host, args.port)  # a busy port fails now, not after the model loads\n", ""),
+         Patch("kvsnap/commands/serve.py", "    server.run(sockets=[sock])", "    server.run(sockets=[bind_socket(args.host, args.port)])")),
+        ("tests/test_http_connections.py::test_a_busy_port_fails_before_the_model_loads_with_exit_2",),
+    ),
+    Breakage(
+        "unused-dependency-declared",
+        "shape of the code",
+        "pyproject.toml declares safetensors again, which kvsnap never imports",
+        (Patch("pyproject.toml", '    "xxhash>=3.0",\n', '    "safetensors>=0.4",\n    "xxhash>=3.0",\n'),),
+        ("tests/test_architecture.py::test_every_declared_dependency_is_imported",),
+    ),
 )
 
 
