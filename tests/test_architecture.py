@@ -233,6 +233,37 @@ def test_the_owner_check_sees_a_second_composer(monkeypatch):
     monkeypatch.setattr(Path, "read_text", patched)
     assert warm_key_step_callers() == ["kvsnap.build calls warm_prefix"]
 
+
+def declared_dependencies() -> dict[str, str]:
+    """pyproject's runtime dependencies: the import name each one gives -> the line declaring it."""
+    text = (ROOT / "pyproject.toml").read_text()
+    block = re.search(r"^dependencies = \[(.*?)^\]", text, re.M | re.S)
+    assert block, "pyproject.toml has no [project] dependencies list"
+    found = {}
+    for line in re.findall(r'"([^"]+)"', block.group(1)):
+        name = re.match(r"[A-Za-z0-9_.-]+", line).group(0)
+        found[name.lower().replace("-", "_")] = line
+    return found
+
+
+def imported_packages() -> set[str]:
+    """Top-level names of every package kvsnap imports (lazy imports included)."""
+    found = set()
+    for path in modules().values():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                found.update(a.name.split(".")[0] for a in node.names)
+            elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                found.add(node.module.split(".")[0])
+    return found
+
+
+def test_every_declared_dependency_is_imported():
+    """A dependency nothing imports only costs installs (and a reader's trust in the list)."""
+    used = imported_packages()
+    unused = sorted(line for name, line in declared_dependencies().items() if name not in used)
+    assert unused == [], f"pyproject.toml declares packages kvsnap never imports; drop them: {unused}"
+
 def test_design_doc_module_map_matches_the_tree():
     doc = (ROOT / "docs" / "design.md").read_text()
     table = doc.split("\n## Modules\n", 1)[1].split("\n## ", 1)[0]
