@@ -6,7 +6,10 @@ from what it staged; stale stage folders are cleaned.
 
 from __future__ import annotations
 
+import os
+import re
 import shutil
+import signal
 from pathlib import Path
 
 import pytest
@@ -14,7 +17,7 @@ import pytest
 from conftest import run_kvsnap
 from kvsnap.store.local import MANIFEST
 from kvsnap.store.oci import Reference, pull
-from test_archive import AGENTS, build_store, store_files
+from test_archive import AGENTS, build_store, no_stage_dirs, store_files
 from test_oci import _push_raw, no_ambient_credentials, registry  # noqa: F401  (fixtures)
 from test_shipping_installs import forged_copy
 
@@ -49,3 +52,48 @@ def test_regression_pull_never_overwrites_a_good_block_with_a_forged_one(registr
     r = run_kvsnap("pull", str(ref), store)
     assert r.returncode == 0 and "not installed" in r.stdout and block.name in r.stdout, r.stdout + r.stderr
     assert block.read_bytes() == before[f"blocks/{block.name}"]
+
+
+def blob_gets(registry, since: int) -> list[str]:  # noqa: F811
+    """Blob downloads the registry itself logged since a log offset."""
+    with open(registry.log_path, "rb") as f:
+        f.seek(since)
+        text = f.read().decode(errors="replace")
+    return re.findall(r'"GET /v2/\S+/blobs/(sha256:[0-9a-f]{64}) HTTP/1\.[01]" 200', text)
+
+
+def test_regression_a_killed_pull_resumes_from_its_stage_and_downloads_only_what_is_missing(registry, built, tmp_path):  # noqa: F811
+    """Once: a killed pull left `.kvsnap-stage-*` forever, and the next pull downloaded everything again."""
+    ref = registry.ref("ship/resume")
+    assert run_kvsnap("push", built, ref).returncode == 0
+    dest = tmp_path / "replica"
+    killed = run_kvsnap("pull", ref, dest, env={**os.environ, "KVSNAP_FAULT": "pull-staged-blob=kill"})
+    assert killed.returncode == -signal.SIGKILL, (killed.returncode, killed.stderr)
+    stages = [p for p in tmp_path.iterdir() if p.name.startswith(".kvsnap-stage-replica-")]
+    assert len(stages) == 1 and not dest.exists()
+    staged = [str(p.relative_to(stages[0])) for p in stages[0].rglob("*") if p.is_file()]
+    assert len(staged) == 1  # killed right after its first blob
+
+    since = registry.log_size()
+    report = pull(Reference.parse(ref), dest)
+    assert report.resumed == staged and staged[0] not in report.downloaded
+    total = len(store_files(built))
+    assert len(report.downloaded) == total - 1
+    assert len(blob_gets(registry, since)) == total - 1  # counted by the registry itself
+    assert store_files(dest) == store_files(built) and no_stage_dirs(tmp_path)
+    assert run_kvsnap("verify", dest).returncode == 0
+
+
+def test_a_staged_file_that_does_not_match_its_blob_is_downloaded_again(registry, built, tmp_path):  # noqa: F811
+    ref = registry.ref("ship/resume-bad")
+    assert run_kvsnap("push", built, ref).returncode == 0
+    dest = tmp_path / "replica"
+    assert run_kvsnap("pull", ref, dest, env={**os.environ, "KVSNAP_FAULT": "pull-staged-blob=kill"}).returncode == -signal.SIGKILL
+    (stage,) = [p for p in tmp_path.iterdir() if p.name.startswith(".kvsnap-stage-replica-")]
+    (staged,) = [p for p in stage.rglob("*") if p.is_file()]
+    data = staged.read_bytes()
+    staged.write_bytes(data[:-1] + bytes([data[-1] ^ 0x01]))
+    (stage / "junk.txt").write_text("not a store file")
+    report = pull(Reference.parse(ref), dest)
+    assert report.resumed == [] and len(report.downloaded) == len(store_files(built))
+    assert store_files(dest) == store_files(built) and not (dest / "junk.txt").exists()

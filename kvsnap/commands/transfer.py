@@ -61,6 +61,8 @@ def cmd_pull(args) -> int:
     report = pull(args.ref, args.store, plain_http=args.plain_http, deadlines=deadlines_of(args))
     print(f"pulled {report.ref} ({report.manifest_digest}) into {report.dest}")
     print(f"{len(report.downloaded)} file(s) downloaded ({human_bytes(report.downloaded_bytes)}), {len(report.present)} already there; all verified")
+    if getattr(report, "resumed", None):
+        print(f"{len(report.resumed)} file(s) taken from an interrupted pull's stage (sha256 checked), not downloaded again")
     print_kept(getattr(report, "kept", []))
     return EXIT_OK
 

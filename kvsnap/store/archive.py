@@ -40,7 +40,7 @@ from kvsnap.errors import KvsnapError, ManifestError, SnapshotError, StoreError
 from kvsnap.store.manifest import parse_manifest, referenced_files
 from kvsnap.snapshot.format import PART_FOLDERS, PART_REL_RE, STORE_FILE_RE, relpath_of_file
 from kvsnap.store.local import DIR_MODE, FILE_MODE, MANIFEST, SNAPSHOTS, Store
-STAGE_PREFIX = ".kvsnap-stage-"
+from kvsnap.store.stage import STAGE_PREFIX, adopt_stage, clean_stale_stages, new_stage  # noqa: F401  (STAGE_PREFIX re-exported)
 CHUNK = 1 << 20
 
 
@@ -139,11 +139,9 @@ def open_checked(f: StoreFile) -> Iterator[BinaryIO]:
 
 
 def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while chunk := fh.read(CHUNK):
-            h.update(chunk)
-    return "sha256:" + h.hexdigest()
+    from kvsnap.store.fileio import hash_file
+
+    return "sha256:" + hash_file(path, hashlib.sha256()).hexdigest()
 
 
 def present_with_digest(path: Path, size: int, digest: str) -> bool:
@@ -186,6 +184,15 @@ def _fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
+def _remove(path: Path) -> None:
+    """Remove a file, link or folder of a stage (already gone is fine)."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+
+
 def _is_regular_file(path: Path) -> bool:
     try:
         return stat.S_ISREG(path.lstat().st_mode)
@@ -216,15 +223,21 @@ class StagedInstall:
     manifest: dict | None = None  # the shipped manifest, once verified
     reached: set[str] = field(default_factory=set)  # blocks and checkpoints the staged records need
     kept: list[str] = field(default_factory=list)  # shipped files that differ from the store's good one: not installed
+    resume: bool = False  # take over a killed install's stage for this dest (pull: its files are digest-checked)
+    leftover: set[str] = field(default_factory=set)  # files of an adopted stage not yet reused
+    _lock_fd: int | None = None  # held while this install runs: a live stage is never cleaned or adopted
 
     def __post_init__(self) -> None:
         self.dest = check_destination(self.dest)
         try:
             os.makedirs(self.dest.parent, mode=DIR_MODE, exist_ok=True)
-            self.tmp = Path(tempfile.mkdtemp(prefix=f"{STAGE_PREFIX}{self.dest.name}-", dir=self.dest.parent))
-            os.chmod(self.tmp, DIR_MODE)
+            clean_stale_stages(self.dest.parent)
+            adopted = adopt_stage(self.dest) if self.resume else None
+            self.tmp, self._lock_fd = adopted or new_stage(self.dest, DIR_MODE)
+            if adopted:
+                self.leftover = self._sweep_adopted()
             for folder in (SNAPSHOTS, *PART_FOLDERS):
-                (self.tmp / folder).mkdir(mode=DIR_MODE)
+                (self.tmp / folder).mkdir(mode=DIR_MODE, exist_ok=True)
                 os.chmod(self.tmp / folder, DIR_MODE)
         except OSError as exc:
             self.cleanup()
@@ -236,12 +249,52 @@ class StagedInstall:
     def __exit__(self, *exc) -> None:
         self.cleanup()
 
+    def _sweep_adopted(self) -> set[str]:
+        """The store files an adopted stage holds; anything else in it is removed."""
+        assert self.tmp is not None
+        found = set()
+        for entry in self.tmp.iterdir():
+            if entry.name in (SNAPSHOTS, *PART_FOLDERS) and not entry.is_symlink() and entry.is_dir():
+                for f in entry.iterdir():
+                    rel = f"{entry.name}/{f.name}"
+                    if is_store_relpath(rel) and _is_regular_file(f):
+                        found.add(rel)
+                    else:
+                        _remove(f)
+            elif entry.name == MANIFEST and _is_regular_file(entry):
+                found.add(MANIFEST)
+            else:
+                _remove(entry)
+        return found
+
+    def reuse(self, relpath: str, size: int, digest: str) -> bool:
+        """Count a file a killed install staged as staged, if it has this size and sha256; else drop it."""
+        assert self.tmp is not None
+        if relpath not in self.leftover or relpath in self.staged:
+            return False
+        self.leftover.discard(relpath)
+        if present_with_digest(self.tmp / relpath, size, digest):
+            self.staged.append(relpath)
+            return True
+        _remove(self.tmp / relpath)
+        return False
+
+    def _drop_leftovers(self) -> None:
+        """An adopted stage's files this install did not reuse never reach the store."""
+        assert self.tmp is not None
+        for relpath in sorted(self.leftover):
+            _remove(self.tmp / relpath)
+        self.leftover.clear()
+
     @contextlib.contextmanager
     def open(self, relpath: str) -> Iterator[BinaryIO]:
         """A new ``0600`` file at ``relpath`` in the temp folder, fsynced when the block ends."""
         assert self.tmp is not None and is_store_relpath(relpath), relpath
         if relpath in self.staged:
             raise ShipError(f"{relpath}: given twice; refusing it")
+        if relpath in self.leftover:
+            self.leftover.discard(relpath)
+            _remove(self.tmp / relpath)
         target = self.tmp / relpath
         fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), FILE_MODE)
         os.fchmod(fd, FILE_MODE)
@@ -257,6 +310,7 @@ class StagedInstall:
         from kvsnap.store.parts import chain_relpaths, check_part
 
         assert self.tmp is not None
+        self._drop_leftovers()
         store = Store(root=self.tmp.resolve(), readonly=True)
         self.reached = set()
         for relpath in self.staged:
@@ -300,6 +354,7 @@ class StagedInstall:
                     raise ShipError(f"cannot move the new store into {self.dest} ({exc.strerror or exc})") from None
             else:
                 self.tmp = None
+                self.cleanup()  # releases the stage lock, now on the new store's folder
                 _fsync_dir(self.dest.parent)
                 return
         try:
@@ -343,6 +398,9 @@ class StagedInstall:
         if self.tmp is not None:
             shutil.rmtree(self.tmp, ignore_errors=True)
             self.tmp = None
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
 
 
 # --- tarballs -----------------------------------------------------------------------------

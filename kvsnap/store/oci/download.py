@@ -15,6 +15,7 @@ from pathlib import Path
 import httpx
 
 from kvsnap.errors import ManifestError, SnapshotError
+from kvsnap.faults import FaultHook
 from kvsnap.snapshot.format import BLOCKS, PART_REL_RE
 from kvsnap.store.archive import ShipError, StagedInstall, check_destination, existing_file_is_good, present_with_digest
 from kvsnap.store.parts import check_part
@@ -30,6 +31,12 @@ from kvsnap.store.oci.reference import Reference, as_reference
 log = logging.getLogger("kvsnap")
 
 
+def fault(point: str) -> None:
+    """Crash tests kill a pull here (``KVSNAP_FAULT=pull-staged-blob``); inert otherwise."""
+    if os.environ.get("KVSNAP_FAULT"):
+        FaultHook.from_env()(point)
+
+
 @dataclass
 class PullReport:
     ref: Reference
@@ -39,6 +46,7 @@ class PullReport:
     present: list[str] = field(default_factory=list)
     downloaded_bytes: int = 0
     kept: list[str] = field(default_factory=list)  # differ from the store's good file of that name: not installed
+    resumed: list[str] = field(default_factory=list)  # staged by a killed pull, digest-checked, not downloaded again
 
 
 def _kept_existing(dest: Path, layers: list[Layer], have: list[Layer]) -> list[str]:
@@ -60,10 +68,14 @@ def _download_missing(client: RegistryClient, layers: list[Layer], have: list[La
             continue
         if layer.relpath in report.kept:
             continue
+        if staging.reuse(layer.relpath, layer.size, layer.digest):  # staged by a killed pull: sha256 checked
+            report.resumed.append(layer.relpath)
+            continue
         with staging.open(layer.relpath) as out:
             client.download_blob(layer.digest, layer.size, out, layer.relpath)
         report.downloaded.append(layer.relpath)
         report.downloaded_bytes += layer.size
+        fault("pull-staged-blob")
 
 
 def pull(ref: Reference | str, dest: str | os.PathLike, plain_http: bool | None = None, credentials: Credentials | None | bool = True, transport: httpx.BaseTransport | None = None, deadlines: Deadlines | None = None) -> PullReport:
@@ -76,7 +88,7 @@ def pull(ref: Reference | str, dest: str | os.PathLike, plain_http: bool | None 
         report = PullReport(ref, dest_path, digest)
         have = [l for l in layers if present_with_digest(dest_path / l.relpath, l.size, l.digest)]
         report.kept = _kept_existing(dest_path, layers, have)
-        with StagedInstall(dest_path) as staging:
+        with StagedInstall(dest_path, resume=True) as staging:
             try:
                 _download_missing(client, layers, have, staging, report)
             except RegistryError as exc:
