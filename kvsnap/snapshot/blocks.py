@@ -23,6 +23,7 @@ from typing import Sequence
 import xxhash
 
 from kvsnap.key import pack_tokens
+from kvsnap.prompts import common_prefix_length
 from kvsnap.snapshot.format import BLOCK_FORMAT_VERSION
 
 DEFAULT_BLOCK_TOKENS = 256
@@ -53,11 +54,7 @@ class Cut:
 
 
 def _lcp(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
+    return common_prefix_length((a, b))  # the one common-prefix function (C-speed slices)
 
 
 def branch_points(prefixes: Sequence[Sequence[int]]) -> list[set[int]]:
