@@ -129,3 +129,98 @@ def test_a_damaged_file_under_a_shipped_name_is_repaired_by_the_install(store, b
     block.write_bytes(good[:-1] + bytes([good[-1] ^ 0x01]))
     report = unpack(tarball(tmp_path / "good.tar.gz", {f"blocks/{block.name}": good}), store)
     assert report.kept == [] and block.read_bytes() == good
+
+
+# --- expansion limits and stale stages ----------------------------------------------------------
+
+
+class Zeros(io.RawIOBase):
+    """``n`` zero bytes, read in chunks (a bomb is made without holding it in memory)."""
+
+    def __init__(self, n: int):
+        self.left = n
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buf) -> int:
+        k = min(len(buf), self.left)
+        buf[:k] = bytes(k)
+        self.left -= k
+        return k
+
+
+def test_regression_a_gzip_bomb_is_refused_before_anything_is_written(store, tmp_path):
+    """Once: a 1 MB .tar.gz expanded to 1 GiB in the stage folder before any check."""
+    from kvsnap.store.archive import ArchiveError
+
+    size = 1 << 30
+    bomb = tmp_path / "bomb.tar.gz"
+    with tarfile.open(bomb, "w:gz", compresslevel=1) as tar:
+        info = tarfile.TarInfo("blocks/" + "0" * 32 + ".safetensors")
+        info.size = size
+        tar.addfile(info, io.BufferedReader(Zeros(size), 1 << 20))
+    assert bomb.stat().st_size < 8 << 20
+    before = store_files(store)
+    with pytest.raises(ArchiveError, match=r"expands to 1073741824 bytes from a \d+-byte archive, over 50 times"):
+        unpack(bomb, store)
+    assert store_files(store) == before and not [p for p in tmp_path.iterdir() if p.name.startswith(".kvsnap-stage-")]
+
+
+@pytest.mark.parametrize("limit, expected", [
+    ({"max_files": 2}, r"holds more than 2 entries \(\$KVSNAP_UNPACK_MAX_FILES raises it\)"),
+    ({"max_file_bytes": 100}, r"declares \d+ bytes, over the 100-byte limit for one file"),
+    ({"max_total_bytes": 1000}, r"expands past 1000 bytes in all"),
+])
+def test_unpack_limits_on_entries_and_sizes(built, tmp_path, limit, expected):
+    from kvsnap.store.archive import ArchiveError, pack
+    from kvsnap.store.tar_limits import UnpackLimits
+
+    archive = pack(built, tmp_path / "snaps.tar").archive
+    with pytest.raises(ArchiveError, match=expected):
+        unpack(archive, tmp_path / "new", limits=UnpackLimits(**limit))
+    assert not (tmp_path / "new").exists()
+
+
+def test_a_huge_pax_header_is_refused_before_tarfile_reads_it(store, tmp_path):
+    from kvsnap.store.archive import ArchiveError
+
+    archive = tmp_path / "pax.tar"
+    with open(archive, "wb") as f:  # a pax header entry declaring 2 GiB: tarfile would read it whole
+        first = tarfile.TarInfo(MANIFEST)
+        first.size = len((store / MANIFEST).read_bytes())
+        data = (store / MANIFEST).read_bytes()
+        f.write(first.tobuf(tarfile.USTAR_FORMAT) + data + bytes(-len(data) % 512))
+        header = tarfile.TarInfo("././@PaxHeader")
+        header.type, header.size = tarfile.XHDTYPE, 2 << 30
+        f.write(header.tobuf(tarfile.USTAR_FORMAT) + bytes(1024))
+    with pytest.raises(ArchiveError, match=r"metadata entry of 2147483648 bytes"):
+        unpack(archive, store)
+
+
+def test_stale_stages_nobody_holds_are_removed_and_live_ones_kept(built, tmp_path):
+    import fcntl
+    import os
+    import time
+
+    from kvsnap.store.archive import pack
+
+    archive = pack(built, tmp_path / "snaps.tar").archive
+    old = time.time() - 7 * 3600
+    stages = {}
+    for name in ("dead-old", "live-old", "dead-young"):
+        folder = tmp_path / f".kvsnap-stage-snaps-{name}"
+        (folder / "blocks").mkdir(parents=True)
+        (folder / "blocks" / "x").write_bytes(b"left by a killed unpack")
+        if "old" in name:
+            for p in (folder / "blocks", folder):
+                os.utime(p, (old, old))
+        stages[name] = folder
+    held = os.open(stages["live-old"], os.O_RDONLY)
+    fcntl.flock(held, fcntl.LOCK_EX)  # a live install elsewhere holds its stage
+    try:
+        unpack(archive, tmp_path / "snaps")
+    finally:
+        os.close(held)
+    assert not stages["dead-old"].exists()
+    assert stages["live-old"].exists() and stages["dead-young"].exists()

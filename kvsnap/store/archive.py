@@ -40,6 +40,7 @@ from kvsnap.errors import KvsnapError, ManifestError, SnapshotError, StoreError
 from kvsnap.store.manifest import parse_manifest, referenced_files
 from kvsnap.snapshot.format import PART_FOLDERS, PART_REL_RE, STORE_FILE_RE, relpath_of_file
 from kvsnap.store.local import DIR_MODE, FILE_MODE, MANIFEST, SNAPSHOTS, Store
+from kvsnap.store.tar_limits import BoundedTarInfo, ExpansionGuard, UnpackLimits
 from kvsnap.store.stage import STAGE_PREFIX, adopt_stage, clean_stale_stages, new_stage  # noqa: F401  (STAGE_PREFIX re-exported)
 CHUNK = 1 << 20
 
@@ -485,15 +486,18 @@ def _check_name(name: str, where: str) -> None:
         raise ArchiveError(str(exc)) from None
 
 
-def unpack(archive: str | os.PathLike, dest: str | os.PathLike) -> UnpackReport:
-    """Unpack a tarball made by ``pack`` into ``dest``: checked entry by entry, verified, installed atomically."""
+def unpack(archive: str | os.PathLike, dest: str | os.PathLike, limits: UnpackLimits | None = None) -> UnpackReport:
+    """Unpack a tarball made by ``pack`` into ``dest``: checked entry by entry (names, kinds, and
+    sizes against ``limits`` before a byte is written), verified, installed atomically."""
+    limits = limits or UnpackLimits.from_env()
     path = Path(archive).expanduser()
     if not path.is_file():
         raise ArchiveError(f"{path}: no such archive file; make one with `kvsnap pack STORE -o {path}`")
     where = str(path)
     check_destination(dest)  # before reading anything: a bad destination is a usage error
     try:
-        tar = tarfile.open(path, _tar_mode(path.name, False))
+        tar = tarfile.open(path, _tar_mode(path.name, False), tarinfo=BoundedTarInfo)
+        guard = ExpansionGuard(limits, path.stat().st_size)
     except (tarfile.TarError, OSError, EOFError, zlib.error, lzma.LZMAError) as exc:
         first = (str(exc).splitlines() or [type(exc).__name__])[0].rstrip(":")
         raise ArchiveError(f"{path}: not a readable tar archive (.tar, .tar.gz, .tar.bz2, .tar.xz: {first}); make one with `kvsnap pack`") from None
@@ -507,6 +511,9 @@ def unpack(archive: str | os.PathLike, dest: str | os.PathLike) -> UnpackReport:
                     raise ArchiveError(f"{label} is a {'symbolic' if member.issym() else 'hard'} link (to {member.linkname!r}); refusing it (a store holds only regular files)")
                 if member.isdir():
                     if name in ("", ".", SNAPSHOTS, *PART_FOLDERS):
+                        too_many = guard.admit(0)  # only the entry count can be broken here
+                        if too_many:
+                            raise ArchiveError(f"{label}: the archive {too_many}; refusing it")
                         continue
                     _check_name(name, where)  # says escape or unknown
                     raise ArchiveError(f"{label}: unexpected folder; refusing it")
@@ -516,6 +523,9 @@ def unpack(archive: str | os.PathLike, dest: str | os.PathLike) -> UnpackReport:
                 _check_name(name, where)
                 if name in staging.staged:
                     raise ArchiveError(f"{label} appears twice; refusing the archive")
+                too_big = guard.admit(member.size)
+                if too_big:
+                    raise ArchiveError(f"{label}: the archive {too_big}; refusing it (nothing was changed in {staging.dest})")
                 src = tar.extractfile(member)
                 assert src is not None
                 with staging.open(name) as out:
