@@ -519,11 +519,16 @@ def test_a_build_refuses_a_damaged_manifest_before_prefilling(dense, fresh):
 # --- gc -----------------------------------------------------------------------------------
 
 
-def test_gc_removes_a_dropped_entry_but_never_one_another_model_uses(dense, dense_seed1, fresh):
-    agents_file, store, first = fresh
-    other = build(dense_seed1, agents_file, store.root)  # a second record in the same store
+def test_gc_removes_a_dropped_entry_but_never_one_another_model_uses(dense, dense_seed1, tmp_path):
+    from kvsnap.snapshot.blocks import BlockSettings
+
+    small = BlockSettings(4, 1024)  # blocks on a fixed grid: short prompts share whole 4-token blocks
+    agents_file = write_agents(tmp_path / "agents.json", agents(["alpha", "beta", "gamma"]))
+    first = build(dense, agents_file, tmp_path / "store", blocks=small)
+    store = Store.open(tmp_path / "store")
+    other = build(dense_seed1, agents_file, store.root, blocks=small)  # a second record in the same store
     write_agents(agents_file, agents(["alpha", "beta"]))  # gamma leaves the agents file
-    report = build(dense, agents_file, store.root)
+    report = build(dense, agents_file, store.root, blocks=small)
     assert statuses(report) == {"alpha": "reused", "beta": "reused"}
     from kvsnap.store.parts import chain_relpaths
 

@@ -17,24 +17,21 @@ import errno
 import fcntl
 import os
 import stat
-import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from kvsnap.errors import SnapshotError, StoreError
 from kvsnap.key import ModelIdentity, unpack_tokens
 from kvsnap.store.manifest import encode_manifest, merge_manifests, read_manifest_file, referenced_files, update_manifest
-from kvsnap.snapshot.file import FormatError, OutTensor, check_data, parse_header, read_header, read_into, tensor_bytes, verify_checksum, write_snapshot
+from kvsnap.snapshot.file import FormatError, OutTensor, check_data, parse_header, read_header, tensor_bytes, verify_checksum, write_snapshot
 from kvsnap.snapshot.format import DTYPES, KEY_RE, MANIFEST, PART_FOLDERS, SNAPSHOTS, SUFFIX, TOKENS, relpath_of_file, snapshot_filename
 from kvsnap.snapshot.header import MAX_NAME_CHARS, MAX_TOKENS, SnapshotInfo, check_offsets, check_token_count, inspect_header
+from kvsnap.store.fileio import DIR_MODE, FILE_MODE, TMP_PREFIX, FaultFn, atomic_write, check_regular, fsync_dir, make_dirs, read_whole
+from kvsnap.store.parts import assemble, chain_relpaths, part_files, part_relpath_of_file, reached_parts, verify_chain
 
 LOCK = ".lock"
-TMP_PREFIX = ".tmp-"
-FILE_MODE = 0o600
-DIR_MODE = 0o700
-
-FaultFn = Callable[[str], None]
+__all__ = ["DIR_MODE", "FILE_MODE", "TMP_PREFIX", "Problem", "Store"]  # the modes and prefix others import from here
 
 
 def _no_fault(point: str) -> None:
@@ -93,14 +90,10 @@ class Store:
         if not path.exists():
             if not create:
                 raise StoreError(f"snapshot store {str(root)!r} does not exist; build one with `kvsnap build agents.json --model M --out {root}`")
-            path.mkdir(parents=True, mode=DIR_MODE)
-            os.chmod(path, DIR_MODE)
+            make_dirs(path, cls.fsync)
         store = cls(root=path.resolve(), readonly=readonly, fault=fault or _no_fault)
         if create and not readonly:
-            snaps = store.root / SNAPSHOTS
-            if not snaps.exists():
-                snaps.mkdir(mode=DIR_MODE)
-                os.chmod(snaps, DIR_MODE)
+            make_dirs(store.root / SNAPSHOTS, store.fsync)
         return store
 
     @property
@@ -153,23 +146,7 @@ class Store:
     # --- writing ----------------------------------------------------------------
 
     def _atomic_write(self, target: Path, write: Callable[[Any], None]) -> None:
-        """Temp file in the same directory, fsync, rename, fsync the directory."""
-        target.parent.mkdir(parents=True, exist_ok=True, mode=DIR_MODE)
-        fd, tmp = tempfile.mkstemp(prefix=TMP_PREFIX + target.name + ".", dir=target.parent)
-        try:
-            os.fchmod(fd, FILE_MODE)
-            with os.fdopen(fd, "wb") as f:
-                write(f)
-                f.flush()
-                self.fault("after-write")
-                self.fsync(f.fileno())
-            self.fault("after-fsync")
-            os.replace(tmp, target)
-        except BaseException:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
-            raise
-        self._fsync_dir(target.parent)
+        atomic_write(target, write, self.fault, self.fsync)
 
     def put(self, key: str, tensors: list[OutTensor], metadata: dict[str, str]) -> Path:
         """Write one snapshot atomically. The caller holds the lock."""
@@ -250,23 +227,11 @@ class Store:
         except OSError as exc:
             raise SnapshotError(str(path), f"cannot be read ({exc.strerror or exc})", "check the file's permissions") from None
         if info.chain is not None:  # a record's size is its state's: its blocks and checkpoints (a stat each)
-            from dataclasses import replace
-
-            from kvsnap.store.parts import chain_relpaths
-
             info = replace(info, nbytes=info.nbytes + sum(_size(self.root / rel) for rel in chain_relpaths(info)))
         return info
 
     def _check_regular(self, path: Path) -> None:
-        if path.is_symlink():
-            where = "outside" if not self._inside(path) else "inside"
-            raise SnapshotError(str(path), f"is a symbolic link (pointing {where} the store); snapshots must be regular files", "replace it with the real file or delete it")
-        try:
-            st = path.lstat()
-        except FileNotFoundError:
-            raise SnapshotError(str(path), "does not exist") from None
-        if not stat.S_ISREG(st.st_mode):
-            raise SnapshotError(str(path), "is not a regular file", "delete it")
+        check_regular(path, self.root)
 
     def verify_file(self, path: Path, expected: ModelIdentity | None = None, parts: bool = True) -> SnapshotInfo:
         """Full check: header, identity, tokens, data checksum, and (optionally) the model; for a
@@ -279,8 +244,6 @@ class Store:
             raise SnapshotError(str(path), str(exc)) from None
         require_model(info, expected)
         if info.chain is not None and parts:
-            from kvsnap.store.parts import verify_chain
-
             verify_chain(self, info)
         return info
 
@@ -320,12 +283,7 @@ class Store:
         path = info.path
         self._check_regular(path)
         try:
-            with open(path, "rb") as f:
-                header = parse_header(f, os.fstat(f.fileno()).st_size)
-                buf = mx.zeros((max(1, header.data_len),), dtype=mx.uint8)
-                mx.eval(buf)
-                view = memoryview(buf)[: header.data_len]
-                read_into(f.fileno(), view, header.data_start)
+            header, buf, view = read_whole(path)
             tok = header.tensors.get(TOKENS)
             # The tokens come from the bytes just read: one open, one parse, one read.
             current = inspect_header(path, header, bytes(view[tok.start : tok.end]) if tok is not None else None)
@@ -339,8 +297,6 @@ class Store:
         except OSError as exc:
             raise SnapshotError(str(path), f"cannot be read ({exc.strerror or exc})", "check the file's permissions") from None
         if current.chain is not None:  # a v3 record (just read and checked): its state is in blocks and checkpoints
-            from kvsnap.store.parts import assemble
-
             return assemble(self, current)[0]
         arrays = {}
         for name, entry in header.tensors.items():
@@ -366,8 +322,6 @@ class Store:
         without it, or written only by a server), so only temp files go. Folders are
         never removed; a symbolic link is removed, never what it points to.
         """
-        from kvsnap.store.parts import part_files, part_relpath_of_file, reached_parts
-
         with self.lock():
             live = self.referenced()
             candidates = self.temp_files()
@@ -390,11 +344,7 @@ class Store:
             return doomed, freed
 
     def _fsync_dir(self, folder: Path) -> None:
-        fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-        try:
-            self.fsync(fd)
-        finally:
-            os.close(fd)
+        fsync_dir(folder, self.fsync)
 
 
 def _size(path: Path) -> int:

@@ -11,7 +11,6 @@ everything downstream decodes them unchanged. Only the readers import mlx.
 from __future__ import annotations
 
 import errno
-import os
 import stat
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,19 +19,19 @@ from typing import Callable, Iterable, Sequence
 from kvsnap.errors import SnapshotError, StoreError
 from kvsnap.snapshot.blocks import ChainLink
 from kvsnap.snapshot.cache_classes import split_tensor_names
-from kvsnap.snapshot.file import FormatError, OutTensor, check_data, parse_header, read_header, read_into, verify_checksum, write_snapshot
+from kvsnap.snapshot.file import FormatError, OutTensor, check_data, read_header, verify_checksum, write_snapshot
 from kvsnap.snapshot.format import (
     BLOCK_KIND, BLOCKS, CHECKPOINT_KIND, CHECKPOINTS, DTYPES, KEY_RE, SUFFIX, TOKENS, block_relpath, checkpoint_relpath, part_metadata,
     snapshot_filename,
 )
 from kvsnap.snapshot.header import PartInfo, SnapshotInfo, inspect_part
-from kvsnap.store.local import TMP_PREFIX, Store
+from kvsnap.store.fileio import TMP_PREFIX, StoreFiles, atomic_write, check_regular, read_whole
 
 FOLDER = {BLOCK_KIND: BLOCKS, CHECKPOINT_KIND: CHECKPOINTS}
 FIX = "rebuild it with `kvsnap build` (the chain is prefilled from the last good block)"
 
 
-def part_path(store: Store, kind: str, key: str) -> Path:
+def part_path(store: StoreFiles, kind: str, key: str) -> Path:
     if not isinstance(key, str) or not KEY_RE.fullmatch(key):
         raise StoreError(f"{kind} key {key!r} is not 32 lowercase hex digits")
     return store.root / FOLDER[kind] / snapshot_filename(key)
@@ -42,7 +41,7 @@ def part_relpath(kind: str, key: str) -> str:
     return block_relpath(key) if kind == BLOCK_KIND else checkpoint_relpath(key)
 
 
-def has_part(store: Store, kind: str, key: str) -> bool:
+def has_part(store: StoreFiles, kind: str, key: str) -> bool:
     """A regular file is there (its contents are checked when read)."""
     try:
         return stat.S_ISREG(part_path(store, kind, key).lstat().st_mode)
@@ -50,7 +49,7 @@ def has_part(store: Store, kind: str, key: str) -> bool:
         return False
 
 
-def part_files(store: Store) -> list[Path]:
+def part_files(store: StoreFiles) -> list[Path]:
     """Every block and checkpoint file (temp files excluded), sorted."""
     found = []
     for kind in (BLOCK_KIND, CHECKPOINT_KIND):
@@ -82,11 +81,11 @@ class Written:
     nbytes: int = 0
 
 
-def put_part(store: Store, kind: str, key: str, tensors: list[OutTensor], metadata: dict[str, str]) -> int:
+def put_part(store: StoreFiles, kind: str, key: str, tensors: list[OutTensor], metadata: dict[str, str]) -> int:
     """Write one block or checkpoint atomically (the caller holds the lock); returns its size."""
     target = part_path(store, kind, key)
     try:
-        store._atomic_write(target, lambda f: write_snapshot(f, tensors, metadata, on_progress=store.fault))
+        atomic_write(target, lambda f: write_snapshot(f, tensors, metadata, on_progress=store.fault), store.fault, store.fsync)
     except OSError as exc:
         hint = "free some disk space" if exc.errno == errno.ENOSPC else "check the folder's permissions"
         raise StoreError(f"cannot write {kind} {target} ({exc.strerror or exc}); the store is unchanged; {hint}") from exc
@@ -94,7 +93,7 @@ def put_part(store: Store, kind: str, key: str, tensors: list[OutTensor], metada
 
 
 def write_chain(
-    store: Store, model_digest: str, links: Sequence[ChainLink], arrays: dict, layers: list, checkpoint_arrays: dict[int, tuple[dict, list]], dense: bool,
+    store: StoreFiles, model_digest: str, links: Sequence[ChainLink], arrays: dict, layers: list, checkpoint_arrays: dict[int, tuple[dict, list]], dense: bool,
     replace: set | None = frozenset(),
 ) -> Written:
     """Write every block and checkpoint of ``links`` the store lacks (the caller holds the lock).
@@ -131,11 +130,11 @@ def _expect(info: PartInfo, kind: str, model_digest: str | None, start: int | No
         raise FormatError(f"holds a {info.kind} of [{info.start}, {info.end}) for model {info.model_digest[:8]}, not the {kind} of [{start}, {end}) the chain names")
 
 
-def check_part(store: Store, kind: str, key: str, model_digest: str | None = None, start: int | None = None, end: int | None = None, prefix_digest: str | None = None, path: Path | None = None) -> tuple[PartInfo, dict]:
+def check_part(store: StoreFiles, kind: str, key: str, model_digest: str | None = None, start: int | None = None, end: int | None = None, prefix_digest: str | None = None, path: Path | None = None) -> tuple[PartInfo, dict]:
     """A block's or checkpoint's header and checksum, streamed from the file (no mlx): its
     ``PartInfo`` and tensor entries. With the chain's expectations, checks it is that part."""
     path = path or part_path(store, kind, key)
-    store._check_regular(path)
+    check_regular(path, store.root)
     try:
         header = read_header(path)
         info = inspect_part(path, header)
@@ -148,22 +147,17 @@ def check_part(store: Store, kind: str, key: str, model_digest: str | None = Non
     return info, header.tensors
 
 
-def read_part(store: Store, kind: str, key: str, model_digest: str, start: int, end: int, prefix_digest: str | None = None) -> tuple[PartInfo, dict]:
+def read_part(store: StoreFiles, kind: str, key: str, model_digest: str, start: int, end: int, prefix_digest: str | None = None) -> tuple[PartInfo, dict]:
     """One open and one read into mlx memory; the header checked against itself and against what
     the chain expects (model, span, prefix), the checksum over exactly the bytes returned."""
     import mlx.core as mx
 
     path = part_path(store, kind, key)
-    store._check_regular(path)
+    check_regular(path, store.root)
     try:
-        with open(path, "rb") as f:
-            header = parse_header(f, os.fstat(f.fileno()).st_size)
-            info = inspect_part(path, header)
-            _expect(info, kind, model_digest, start, end, prefix_digest)
-            buf = mx.zeros((max(1, header.data_len),), dtype=mx.uint8)
-            mx.eval(buf)
-            view = memoryview(buf)[: header.data_len]
-            read_into(f.fileno(), view, header.data_start)
+        header, buf, view = read_whole(path)
+        info = inspect_part(path, header)
+        _expect(info, kind, model_digest, start, end, prefix_digest)
         verify_checksum(header, view)
     except FormatError as exc:
         raise SnapshotError(str(path), str(exc), FIX) from None
@@ -181,7 +175,7 @@ Fetch = Callable[[str, str, int, int, str], tuple[dict, "list | None"]]  # (kind
 
 
 def read_state_parts(
-    store: Store, where: str, model_digest: str, spans: Sequence[Span], checkpoint: str | None, layers: list | None, fetch: Fetch | None = None,
+    store: StoreFiles, where: str, model_digest: str, spans: Sequence[Span], checkpoint: str | None, layers: list | None, fetch: Fetch | None = None,
 ) -> tuple[list[dict], dict, list]:
     """The arrays of each block of ``spans`` (tiling [0, n)) and of the ``checkpoint`` at n (its
     key, or None), and the layer list at n: ``layers`` when known (a record's end), else the
@@ -218,7 +212,7 @@ def read_state_parts(
     return blocks, whole_arrays, layers
 
 
-def assemble_state(store: Store, where: str, model_digest: str, tokens: Sequence[int], spans: Sequence[Span], checkpoint: str | None, layers: list | None) -> tuple[dict, list]:
+def assemble_state(store: StoreFiles, where: str, model_digest: str, tokens: Sequence[int], spans: Sequence[Span], checkpoint: str | None, layers: list | None) -> tuple[dict, list]:
     """The named arrays and layer list of the state after ``spans``: the attention slices
     concatenated along the token axis, the other layers whole from ``checkpoint`` (at n)."""
     import mlx.core as mx
@@ -240,12 +234,12 @@ def end_checkpoint(info: SnapshotInfo) -> str | None:
     return last[0] if last is not None and last[1] == info.n_tokens else None
 
 
-def assemble(store: Store, info: SnapshotInfo) -> tuple[dict, list]:
+def assemble(store: StoreFiles, info: SnapshotInfo) -> tuple[dict, list]:
     """A v3 record's whole state: the arrays a v2 file of it would hold, and its layer list."""
     return assemble_state(store, str(info.path), info.model_digest, info.tokens, info.chain.spans(info.n_tokens), end_checkpoint(info), info.layers)
 
 
-def verify_chain(store: Store, info: SnapshotInfo) -> int:
+def verify_chain(store: StoreFiles, info: SnapshotInfo) -> int:
     """Check every block and checkpoint a record reaches, streamed (no mlx): header, key, span,
     checksum, and tensors against the record's layer list. Returns their bytes."""
     sliced, whole = split_tensor_names(info.layers)
@@ -261,7 +255,7 @@ def verify_chain(store: Store, info: SnapshotInfo) -> int:
     return total
 
 
-def _check_tensors(store: Store, part: PartInfo, tensors: dict, names: set, tokens: int | None) -> None:
+def _check_tensors(store: StoreFiles, part: PartInfo, tensors: dict, names: set, tokens: int | None) -> None:
     path = str(part_path(store, part.kind, part.key))
     if set(tensors) != names:
         raise SnapshotError(path, f"holds tensors {sorted(set(tensors) - names)[:3] or sorted(names - set(tensors))[:3]} the record's layers do not (or lacks them)", FIX)

@@ -1,0 +1,131 @@
+"""Checked file I/O for a store: the one place that creates folders, writes files atomically,
+hashes files in chunks and reads a file whole into mlx memory.
+
+``store/local.py`` (records, manifest, gc) and ``store/parts.py`` (blocks, checkpoints) both
+use it, so neither needs the other for a write or a read. Only ``read_whole`` imports mlx.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import stat
+import tempfile
+from pathlib import Path
+from typing import Any, Callable, Protocol
+
+from kvsnap.errors import SnapshotError
+from kvsnap.snapshot.file import Header, parse_header, read_into
+
+TMP_PREFIX = ".tmp-"
+FILE_MODE = 0o600
+DIR_MODE = 0o700
+CHUNK = 1 << 20
+
+FaultFn = Callable[[str], None]
+Fsync = Callable[[int], None]
+
+
+class Hasher(Protocol):
+    def update(self, data: bytes, /) -> Any: ...
+
+
+class StoreFiles(Protocol):
+    """What a store's file readers and writers need of it (``store.local.Store`` has it)."""
+
+    root: Path
+    fault: FaultFn
+    fsync: Fsync
+
+
+def fsync_dir(folder: Path, fsync: Fsync = os.fsync) -> None:
+    """Make a folder's entries (a rename, a new or removed file or folder) durable."""
+    fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def make_dirs(folder: Path, fsync: Fsync = os.fsync) -> None:
+    """Create ``folder`` and any missing parents (0700), each fsynced in its parent: a new
+    folder's entry is not durable until its parent is, and a crash must not lose it while
+    the files renamed into it are on disk."""
+    missing = []
+    here = Path(folder)
+    while not here.is_dir():
+        missing.append(here)
+        if here.parent == here:
+            break
+        here = here.parent
+    for new in reversed(missing):
+        try:
+            new.mkdir(mode=DIR_MODE)
+        except FileExistsError:
+            if not new.is_dir():
+                raise
+            continue  # another writer made it first; its own fsync covers it
+        os.chmod(new, DIR_MODE)  # mkdir's mode is masked by the umask
+        fsync_dir(new.parent, fsync)
+
+
+def atomic_write(target: Path, write: Callable[[Any], None], fault: FaultFn, fsync: Fsync = os.fsync) -> None:
+    """Temp file in the target's folder, fsync, rename over the target, fsync the folder.
+    A crash at any point leaves the old file or the new one, never a mix."""
+    make_dirs(target.parent, fsync)
+    fd, tmp = tempfile.mkstemp(prefix=TMP_PREFIX + target.name + ".", dir=target.parent)
+    try:
+        os.fchmod(fd, FILE_MODE)
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            fault("after-write")
+            fsync(f.fileno())
+        fault("after-fsync")
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    fsync_dir(target.parent, fsync)
+
+
+def hash_file(path: Path, hasher: Hasher) -> Hasher:
+    """Feed a file to ``hasher`` in CHUNK-sized reads (never the whole file in memory)."""
+    with open(path, "rb") as fh:
+        while chunk := fh.read(CHUNK):
+            hasher.update(chunk)
+    return hasher
+
+
+def check_regular(path: Path, root: Path) -> None:
+    """SnapshotError unless ``path`` is a regular file (a link, even one inside ``root``, is not)."""
+    if path.is_symlink():
+        try:
+            path.resolve().relative_to(root)
+            where = "inside"
+        except ValueError:
+            where = "outside"
+        reason = f"is a symbolic link (pointing {where} the store); snapshots must be regular files"
+        raise SnapshotError(str(path), reason, "replace it with the real file or delete it")
+    try:
+        st = path.lstat()
+    except FileNotFoundError:
+        raise SnapshotError(str(path), "does not exist") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise SnapshotError(str(path), "is not a regular file", "delete it")
+
+
+def read_whole(path: Path) -> tuple[Header, Any, memoryview]:
+    """One open: the header parsed, the data read into a fresh mlx buffer (nothing memory-mapped).
+    Returns (header, buffer, a view of its data bytes); the caller checksums exactly that view.
+    FormatError / OSError propagate for the caller to name."""
+    import mlx.core as mx
+
+    with open(path, "rb") as f:
+        header = parse_header(f, os.fstat(f.fileno()).st_size)
+        buf = mx.zeros((max(1, header.data_len),), dtype=mx.uint8)
+        mx.eval(buf)
+        view = memoryview(buf)[: header.data_len]
+        read_into(f.fileno(), view, header.data_start)
+    return header, buf, view
