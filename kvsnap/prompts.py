@@ -341,7 +341,8 @@ KVSNAP_TOKENIZATION = Tokenization()
 def common_prefix_length(sequences: Iterable[Sequence[int]]) -> int:
     """How many leading tokens every sequence shares (0 for no sequence).
 
-    The one common-prefix function (warm prefixes, shared prefixes, the prefix trie).
+    The one common-prefix function (warm prefixes, shared prefixes, the prefix trie, the block
+    store's branch points).
     A binary search over slice equality: the comparisons run in C, not token by token.
     """
     seqs = [tuple(s) for s in sequences]
