@@ -4,7 +4,9 @@ Layout (every path relative to the root, so the folder can be moved or shipped; 
 are ``snapshot/format.py``'s)::
 
     ROOT/manifest.json               what each build produced: one record per (model, agents file)
-    ROOT/snapshots/<key>.safetensors one file per warm prefix, named by its content key
+    ROOT/snapshots/<key>.safetensors   one record per warm prefix, named by its content key
+    ROOT/blocks/<key>.safetensors      attention KV of one run of tokens, shared by records
+    ROOT/checkpoints/<key>.safetensors non-trimmable layers' state at one token count
     ROOT/.lock                       writers hold an exclusive flock on it
 
 Only ``load_arrays`` imports mlx.

@@ -3,7 +3,8 @@
 A store is pushed as one OCI image manifest (``artifactType`` ``application/vnd.kvsnap.store.v1``,
 the empty config) whose layers are its files, one blob each, content-addressed by sha256
 and named by the ``org.opencontainers.image.title`` annotation (``manifest.json``,
-``snapshots/<key>.safetensors``). A blob the registry already has (HEAD) is not uploaded
+``snapshots/<key>.safetensors``, ``blocks/<key>.safetensors``, ``checkpoints/<key>.safetensors``).
+A blob the registry already has (HEAD) is not uploaded
 again; a pull downloads only the files the folder lacks.
 
 - ``reference``: ``oci://[USER:PASSWORD@]HOST[:PORT]/REPO:TAG`` parsing, display, cache folder
