@@ -26,6 +26,11 @@ FaultFn = Callable[[str], None]
 Fsync = Callable[[int], None]
 
 
+def default_fsync(fd: int) -> None:
+    """``os.fsync``, looked up at each call (so a test's spy on it sees every one)."""
+    os.fsync(fd)
+
+
 class Hasher(Protocol):
     def update(self, data: bytes, /) -> Any: ...
 
@@ -38,7 +43,7 @@ class StoreFiles(Protocol):
     fsync: Fsync
 
 
-def fsync_dir(folder: Path, fsync: Fsync = os.fsync) -> None:
+def fsync_dir(folder: Path, fsync: Fsync = default_fsync) -> None:
     """Make a folder's entries (a rename, a new or removed file or folder) durable."""
     fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
     try:
@@ -47,7 +52,7 @@ def fsync_dir(folder: Path, fsync: Fsync = os.fsync) -> None:
         os.close(fd)
 
 
-def make_dirs(folder: Path, fsync: Fsync = os.fsync) -> None:
+def make_dirs(folder: Path, fsync: Fsync = default_fsync) -> None:
     """Create ``folder`` and any missing parents (0700), each fsynced in its parent: a new
     folder's entry is not durable until its parent is, and a crash must not lose it while
     the files renamed into it are on disk."""
@@ -61,15 +66,14 @@ def make_dirs(folder: Path, fsync: Fsync = os.fsync) -> None:
     for new in reversed(missing):
         try:
             new.mkdir(mode=DIR_MODE)
+            os.chmod(new, DIR_MODE)  # mkdir's mode is masked by the umask
         except FileExistsError:
             if not new.is_dir():
-                raise
-            continue  # another writer made it first; its own fsync covers it
-        os.chmod(new, DIR_MODE)  # mkdir's mode is masked by the umask
-        fsync_dir(new.parent, fsync)
+                raise  # a file in the way: the caller names it
+        fsync_dir(new.parent, fsync)  # even when another writer made it: it may not have got this far
 
 
-def atomic_write(target: Path, write: Callable[[Any], None], fault: FaultFn, fsync: Fsync = os.fsync) -> None:
+def atomic_write(target: Path, write: Callable[[Any], None], fault: FaultFn, fsync: Fsync = default_fsync) -> None:
     """Temp file in the target's folder, fsync, rename over the target, fsync the folder.
     A crash at any point leaves the old file or the new one, never a mix."""
     make_dirs(target.parent, fsync)

@@ -29,7 +29,7 @@ from kvsnap.store.manifest import encode_manifest, merge_manifests, read_manifes
 from kvsnap.snapshot.file import FormatError, OutTensor, check_data, parse_header, read_header, tensor_bytes, verify_checksum, write_snapshot
 from kvsnap.snapshot.format import DTYPES, KEY_RE, MANIFEST, PART_FOLDERS, SNAPSHOTS, SUFFIX, TOKENS, relpath_of_file, snapshot_filename
 from kvsnap.snapshot.header import MAX_NAME_CHARS, MAX_TOKENS, SnapshotInfo, check_offsets, check_token_count, inspect_header
-from kvsnap.store.fileio import DIR_MODE, FILE_MODE, TMP_PREFIX, FaultFn, atomic_write, check_regular, fsync_dir, make_dirs, read_whole
+from kvsnap.store.fileio import DIR_MODE, FILE_MODE, TMP_PREFIX, FaultFn, atomic_write, check_regular, default_fsync, fsync_dir, make_dirs, read_whole
 from kvsnap.store.parts import assemble, chain_relpaths, part_files, part_relpath_of_file, reached_parts, verify_chain
 
 LOCK = ".lock"
@@ -78,7 +78,7 @@ class Store:
     root: Path
     readonly: bool = False
     fault: FaultFn = _no_fault
-    fsync: Callable[[int], None] = os.fsync  # a seam: tests spy on it
+    fsync: Callable[[int], None] = default_fsync  # a seam: tests spy on it
     _lock_depth: int = field(default=0, repr=False)
     _lock_fd: int | None = field(default=None, repr=False)
 
@@ -92,7 +92,7 @@ class Store:
         if not path.exists():
             if not create:
                 raise StoreError(f"snapshot store {str(root)!r} does not exist; build one with `kvsnap build agents.json --model M --out {root}`")
-            make_dirs(path, cls.fsync)
+            make_dirs(path)
         store = cls(root=path.resolve(), readonly=readonly, fault=fault or _no_fault)
         if create and not readonly:
             make_dirs(store.root / SNAPSHOTS, store.fsync)
