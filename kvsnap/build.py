@@ -255,7 +255,7 @@ def restore_longest(lm: LoadedModel, store: Store, identity: ModelIdentity, toke
     prefilled from the last good restore point before it."""
     from kvsnap.snapshot.codec import decode_cache
     from kvsnap.snapshot.format import BLOCK_KIND, CHECKPOINT_KIND
-    from kvsnap.store.parts import assemble_state, has_part
+    from kvsnap.store.parts import assemble_state, check_checkpoint, has_part
 
     links = plan.links(identity, tokens, hybrid, captured_only=False)
     present = []
@@ -264,10 +264,23 @@ def restore_longest(lm: LoadedModel, store: Store, identity: ModelIdentity, toke
             break
         present.append(link)
     points = [link for link in present if not hybrid or has_part(store, CHECKPOINT_KIND, _checkpoint_key(identity, link))]
-    if hybrid:  # checkpoints the plan wants that are already stored stay in the record's chain
-        plan.stored = {link.end for link in points if link.checkpoint_key}
     replace: set = set()
     warnings: tuple[str, ...] = ()
+    if hybrid:
+        # The restore reads only the checkpoint it restores at: check every other one here, and
+        # restore from before the first bad one, so the prefill recaptures it and it is rewritten.
+        bad_ends = []
+        for link in points:
+            key = _checkpoint_key(identity, link)
+            try:
+                check_checkpoint(store, key, identity.digest, link.end, link.prefix_digest)
+            except SnapshotError as exc:
+                replace.add(key)
+                bad_ends.append(link.end)
+                warnings += (f"replacing a bad checkpoint ({exc.path}: {exc.reason})",)
+        points = [link for link in points if not bad_ends or link.end < bad_ends[0]]
+        # checkpoints the plan wants that are already stored (and sound) stay in the record's chain
+        plan.stored = {link.end for link in points if link.checkpoint_key}
     while points:
         point = points[-1]
         upto = [(link.key, link.start, link.end, link.prefix_digest) for link in present if link.end <= point.end]
@@ -281,8 +294,28 @@ def restore_longest(lm: LoadedModel, store: Store, identity: ModelIdentity, toke
             points = [p for p in points if p.end < _end_of(present, bad, point.end)]
             plan.stored = {end for end in plan.stored if end < _end_of(present, bad, point.end)}
             continue
+        warnings += _bad_past(store, identity, links, point.end, replace)
         return (point.end, decode_cache(arrays, layers)), replace, warnings
+    warnings += _bad_past(store, identity, links, 0, replace)
     return (0, None), replace, warnings
+
+
+def _bad_past(store: Store, identity: ModelIdentity, links: Sequence, done: int, replace: set) -> tuple[str, ...]:
+    """Stored blocks past the restore point are prefilled again but kept when present: add the
+    ones that fail their checks to ``replace`` (so they are rewritten); their warnings."""
+    from kvsnap.snapshot.format import BLOCK_KIND
+    from kvsnap.store.parts import check_part, has_part
+
+    warnings: tuple[str, ...] = ()
+    for link in links:
+        if link.start < done or link.key in replace or not has_part(store, BLOCK_KIND, link.key):
+            continue
+        try:
+            check_part(store, BLOCK_KIND, link.key, identity.digest, link.start, link.end, link.prefix_digest)
+        except SnapshotError as exc:
+            replace.add(link.key)
+            warnings += (f"replacing a bad block ({exc.path}: {exc.reason})",)
+    return warnings
 
 
 def _checkpoint_key(identity: ModelIdentity, link) -> str:

@@ -64,6 +64,16 @@ class ChainPlan:
     replace: set | None = field(default_factory=set)  # keys of parts to rewrite though present (bad ones); None: all (--force)
     stored: set = field(default_factory=set)  # ends whose checkpoint the store already has (a build restored past them)
 
+    def keep_stored(self, store: Store, identity: ModelIdentity, tokens: Sequence[int]) -> None:
+        """Forget stored checkpoints that are no longer in the store (the caller holds the lock)."""
+        from kvsnap.snapshot.blocks import checkpoint_key, prefix_digests
+        from kvsnap.snapshot.format import CHECKPOINT_KIND
+        from kvsnap.store.parts import has_part
+
+        ends = sorted(self.stored)
+        digests = prefix_digests(tokens, ends)
+        self.stored = {e for e, d in zip(ends, digests) if has_part(store, CHECKPOINT_KIND, checkpoint_key(identity.digest, d))}
+
     def links(self, identity: ModelIdentity, tokens: Sequence[int], hybrid: bool, captured_only: bool = True) -> list:
         """The chain. ``captured_only``: a planned checkpoint whose state was not captured is left
         out (the server's write-back captures only the end)."""
@@ -143,8 +153,11 @@ def put_snapshot(
     from kvsnap.store.parts import write_chain
 
     plan = plan or ChainPlan()
-    key, arrays, layers, links, record_tensors, metadata = snapshot_payload(lm, identity, prompt, prompt_digest, tokens, cache, tokenization, plan)
     with store.lock():
+        # What a restore found may be gone (a gc between it and this lock): the chain names
+        # only checkpoints still stored or captured, decided where no gc can run.
+        plan.keep_stored(store, identity, tokens)
+        key, arrays, layers, links, record_tensors, metadata = snapshot_payload(lm, identity, prompt, prompt_digest, tokens, cache, tokenization, plan)
         plan.written = write_chain(store, identity.digest, links, arrays, layers, plan.checkpoints, dense=not needs_checkpoints(layers), replace=plan.replace)
         path = store.put(key, record_tensors, metadata)
         if on_commit is not None:

@@ -114,6 +114,8 @@ def write_chain(
             done.nbytes += put_part(store, BLOCK_KIND, link.key, to_out_tensors(part), meta)
             done.blocks += 1
         if link.checkpoint_key and (replace is None or link.checkpoint_key in replace or not has_part(store, CHECKPOINT_KIND, link.checkpoint_key)):
+            if link.end != n and link.end not in checkpoint_arrays:  # a chain names only what it has
+                raise StoreError(f"the checkpoint at {link.end} tokens ({link.checkpoint_key}) is neither in the store nor captured; the store is unchanged; run the build again")
             state, state_layers = (arrays, layers) if link.end == n else checkpoint_arrays[link.end]
             part = {name: state[name] for name in whole}
             meta = part_metadata(kind=CHECKPOINT_KIND, key=link.checkpoint_key, model_digest=model_digest, start=0, end=link.end, prefix_digest=link.prefix_digest, layers=state_layers)
@@ -249,10 +251,16 @@ def verify_chain(store: StoreFiles, info: SnapshotInfo) -> int:
         _check_tensors(store, part, tensors, set(sliced), end - start)
         total += part_path(store, BLOCK_KIND, key).stat().st_size
     for key, end in info.chain.checkpoints:
-        part, tensors = check_part(store, CHECKPOINT_KIND, key, info.model_digest, 0, end, info.chain.digest_at(end))
-        _check_tensors(store, part, tensors, set(split_tensor_names(part.layers)[1]), None)
+        check_checkpoint(store, key, info.model_digest, end, info.chain.digest_at(end))
         total += part_path(store, CHECKPOINT_KIND, key).stat().st_size
     return total
+
+
+def check_checkpoint(store: StoreFiles, key: str, model_digest: str, end: int, prefix_digest: str) -> None:
+    """A checkpoint's header, span, checksum and tensors (its layer list's whole layers),
+    streamed (no mlx); SnapshotError names it."""
+    part, tensors = check_part(store, CHECKPOINT_KIND, key, model_digest, 0, end, prefix_digest)
+    _check_tensors(store, part, tensors, set(split_tensor_names(part.layers)[1]), None)
 
 
 def _check_tensors(store: StoreFiles, part: PartInfo, tensors: dict, names: set, tokens: int | None) -> None:
