@@ -371,6 +371,33 @@ BREAKAGES = (
         (Patch("pyproject.toml", '    "xxhash>=3.0",\n', '    "safetensors>=0.4",\n    "xxhash>=3.0",\n'),),
         ("tests/test_architecture.py::test_every_declared_dependency_is_imported",),
     ),
+    Breakage(
+        "stop-earliest-start",
+        "served text",
+        "a stop string that starts earlier wins over one that completes first: the cut depends on the chunking (issue 24)",
+        (Patch("kvsnap/runtime/stop_strings.py", '        return StopScan(text[: min(hits)[1]], "", True)', '        return StopScan(text[: min(start for _, start in hits)], "", True)'),),
+        (
+            "tests/test_engine_parts.py::test_a_stop_string_that_completes_first_wins_over_one_that_starts_earlier_issue_24",
+            "tests/test_engine_parts.py::test_any_chunking_sends_what_one_scan_of_the_whole_text_sends",
+        ),
+    ),
+    Breakage(
+        "golden-tensor-bytes-exact",
+        "tests hold on any CPU",
+        "the golden check wants tensor values bit for bit: another CPU's OpenBLAS kernels fail it (issue 24)",
+        (Patch("tests/golden_summary.py", "RTOL = 1e-4\n", "RTOL = 0.0\n"),),
+        ("tests/test_golden.py::test_golden_tensor_bytes_changed_on_another_cpu_is_float_noise_not_a_failure[Prescott]",),
+    ),
+    Breakage(
+        "golden-blind-to-values",
+        "tests hold on any CPU",
+        "the golden check's tolerance swallows real changes (a zeroed token, a 1e-3 scale)",
+        (Patch("tests/golden_summary.py", "RTOL = 1e-4\n", "RTOL = 0.1\n"),),
+        (
+            "tests/test_golden.py::test_the_golden_comparison_sees_a_real_change[one-token-zeroed]",
+            "tests/test_golden.py::test_the_golden_comparison_sees_a_real_change[one-tensor-scaled-1e-3]",
+        ),
+    ),
 )
 
 
