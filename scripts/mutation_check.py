@@ -146,7 +146,7 @@ BREAKAGES = (
         "snapshots are written straight to their final name instead of a temp file",
         (
             Patch(
-                "kvsnap/store/local.py",
+                "kvsnap/store/fileio.py",
                 'fd, tmp = tempfile.mkstemp(prefix=TMP_PREFIX + target.name + ".", dir=target.parent)',
                 "fd, tmp = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), str(target)",
             ),
@@ -397,6 +397,40 @@ BREAKAGES = (
             "tests/test_golden.py::test_the_golden_comparison_sees_a_real_change[one-token-zeroed]",
             "tests/test_golden.py::test_the_golden_comparison_sees_a_real_change[one-tensor-scaled-1e-3]",
         ),
+    ),
+    Breakage(
+        "cuts-follow-branch-points",
+        "4. nothing lost (block store)",
+        "every branch point with another agent is a block end again: an unrelated agent moves every chain's cuts",
+        (
+            Patch(
+                "kvsnap/snapshot/blocks.py",
+                "    ends = set(range(b, n_tokens, b)) | set(range(c, n_tokens, c)) | {n_tokens}\n",
+                "    ends = set(range(b, n_tokens, b)) | set(range(c, n_tokens, c)) | {n_tokens} | {d for d in branches if 0 < d < n_tokens}\n",
+            ),
+        ),
+        ("tests/test_block_store_cuts.py::test_adding_an_unrelated_agent_never_moves_another_chains_blocks",),
+    ),
+    Breakage(
+        "intermediate-checkpoint-never-repaired",
+        "4. nothing half-written (bad parts rewritten)",
+        "a rebuild does not check the stored checkpoints its restore does not read",
+        (Patch("kvsnap/build.py", "                check_checkpoint(store, key, identity.digest, link.end, link.prefix_digest)\n", "                pass\n"),),
+        ("tests/test_block_store_repair.py::test_a_bad_intermediate_checkpoint_of_a_hybrid_is_rewritten_by_a_rebuild[flipped]",),
+    ),
+    Breakage(
+        "chain-decided-before-the-lock",
+        "4. nothing lost (gc during a build)",
+        "a build's chain names the checkpoints its restore saw, though a gc may have removed them since",
+        (Patch("kvsnap/runtime/writeback.py", "        plan.keep_stored(store, identity, tokens)\n", "        pass\n"),),
+        ("tests/test_block_store_repair.py::test_gc_between_a_hybrid_builds_prefill_and_its_commit_never_breaks_it",),
+    ),
+    Breakage(
+        "new-folder-not-fsynced",
+        "4. nothing lost (durable folders)",
+        "a folder the store creates is not fsynced in its parent",
+        (Patch("kvsnap/store/fileio.py", "        fsync_dir(new.parent, fsync)  # even when", "        pass  # even when"),),
+        ("tests/test_block_store_durability.py::test_every_folder_a_store_creates_is_fsynced_in_its_parent_before_it_is_used",),
     ),
 )
 
