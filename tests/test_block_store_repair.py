@@ -118,8 +118,8 @@ def test_gc_between_a_hybrid_builds_prefill_and_its_commit_never_breaks_it(hybri
     report = _build(hybrid, agents_file, Store.open(store_root, fault=gc_after_prefill))
     entry = {e.name: e for e in report.entries}["b"]
     assert collected and any(p.parent.name == "checkpoints" for p in collected[0])  # gc really ran
-    assert entry.tokens_reused > 0  # it had restored from the checkpoints gc then removed
     assert report.ok and entry.status == "built", entry
+    assert entry.tokens_reused > 0  # it had restored from the checkpoints gc then removed
     store = Store.open(store_root)
     for e in report.entries:
         store.verify_file(store.path_for(e.key))  # no record names a missing part
