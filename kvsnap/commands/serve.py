@@ -37,6 +37,7 @@ def add_serve(sub) -> None:
     g.add_argument("--max-request-bytes", type=positive_int, default=8 * 2**20, help="larger request bodies get 413 (default: 8 MiB)")
     g.add_argument("--max-queued-requests", type=int, default=64, help="requests waiting beyond --max-batch-size before new ones get 429 (default: 64)")
     g.add_argument("--no-request-prefix-cache", action="store_true", help="never keep request prompts for reuse; only warm prompts are cached")
+    g.add_argument("--max-messages", type=positive_int, default=2048, help="chat requests with more messages get 400 before anything is rendered (default: 2048)")
     g.add_argument("--max-connections", type=positive_int, default=512, help="most open client connections; at the cap a new one replaces the one waiting longest for its request head (default: 512; lowered to stay below the open-files limit)")
     g.add_argument("--header-timeout", type=positive_float, default=10.0, metavar="SECONDS", help="close a connection whose request head (request line and headers) is not complete in this time (default: 10)")
     g.add_argument("--cached-tokens-granularity", type=positive_int, default=128, help="partial matches on prefixes shared between clients report cached_tokens in these steps (default: 128, as OpenAI; 1 = exact)")
@@ -134,6 +135,7 @@ def serve_config(args, source, auth):
         max_inflight=max_batch + args.max_queued_requests,
         request_prefix_cache=not args.no_request_prefix_cache,
         cached_tokens_granularity=args.cached_tokens_granularity,
+        max_messages=args.max_messages,
     )
 
 

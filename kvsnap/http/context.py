@@ -3,6 +3,7 @@ configuration, who is calling, the checks the endpoints share, and the in-flight
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -30,6 +31,9 @@ class ServerConfig:
     # Partial matches on a prefix shared with other clients report cached tokens in these
     # steps, as OpenAI does (128): exact counts would spell out others' prompts token by token.
     cached_tokens_granularity: int = 128
+    max_messages: int = 2048  # counted before anything is normalised or rendered
+    max_tools: int = 256
+    max_preparing: int = 2  # prompts checked, rendered and tokenized at once (worker threads)
 
 
 @dataclass
@@ -37,11 +41,32 @@ class ServerContext:
     engine: Engine
     config: ServerConfig
     started: float = field(default_factory=time.time)  # reset when the app starts
-    inflight: int = 0  # requests submitted and not yet finished by the engine
+    inflight: int = 0  # requests admitted (being prepared, queued or running) and not yet ended
     _limits: dict = field(default_factory=dict)  # filled on first use: the model is loaded by then
+    _preparing: Optional[asyncio.Semaphore] = None
+
+    def admit(self) -> None:
+        """Take an in-flight slot or answer 429: before any costly work on the request."""
+        if self.inflight >= self.config.max_inflight:
+            raise APIError(429, f"the server has {self.inflight} requests being prepared, running or queued (--max-queued-requests); retry shortly", None, "rate_limit_exceeded", "rate_limit_error", {"Retry-After": "1"})
+        self.inflight += 1
 
     def release(self) -> None:
         self.inflight -= 1
+
+    def preparing(self) -> asyncio.Semaphore:
+        """At most ``max_preparing`` prompts rendered at once; the rest wait, holding their slot."""
+        if self._preparing is None:
+            self._preparing = asyncio.Semaphore(self.config.max_preparing)
+        return self._preparing
+
+    def check_sizes(self, req: Any) -> None:
+        """Counts that make rendering expensive, refused before any of it runs."""
+        n = len(req.messages)
+        if n > self.config.max_messages:
+            raise APIError(400, f"messages: {n} messages is more than this server takes ({self.config.max_messages}); send fewer, or start the server with a larger --max-messages", "messages", "invalid_value")
+        if req.tools is not None and len(req.tools) > self.config.max_tools:
+            raise APIError(400, f"tools: {len(req.tools)} tools is more than {self.config.max_tools}; send fewer", "tools", "invalid_value")
 
     def model_limits(self) -> dict:
         if not self._limits:

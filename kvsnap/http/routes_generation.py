@@ -56,10 +56,8 @@ def generation_router(ctx: ServerContext) -> APIRouter:
     router = APIRouter()
     engine = ctx.engine
 
-    @router.post("/v1/chat/completions")
-    async def chat(req: ChatCompletionRequest, request: Request):
-        ctx.check_model(req.model)
-        ctx.check_ready()
+    def chat_tokens(req: ChatCompletionRequest) -> list[int]:
+        """Check, normalise, render and tokenize: a worker thread's job, never the loop's."""
         ctx.check_text(req, ("messages", "tools", "chat_template_kwargs", "stop"))
         try:
             messages = normalize_messages(req.messages, "messages")
@@ -67,44 +65,68 @@ def generation_router(ctx: ServerContext) -> APIRouter:
             raise APIError(400, str(exc), exc.where, "invalid_value") from None
         kwargs = check_template_kwargs(req.chat_template_kwargs, ctx.model_limits()["template_kwargs"])
         try:
-            tokens = await run_in_threadpool(request_tokens, engine.lm.tokenizer, messages, req.tools, kwargs)
+            tokens = request_tokens(engine.lm.tokenizer, messages, req.tools, kwargs)
         except TemplateError as exc:
             raise APIError(400, str(exc), "messages", "invalid_value") from None
         if not tokens:
             raise APIError(400, "the messages render to an empty prompt", "messages", "invalid_value")
-        return await generate(ctx, req, tokens, new_id("chatcmpl"), "chat", request)
+        return tokens
+
+    def completion_tokens(req: CompletionRequest) -> list[int]:
+        ctx.check_text(req, ("prompt", "stop"))
+        if isinstance(req.prompt, str):
+            if not req.prompt:
+                raise APIError(400, "prompt is empty; give some text", "prompt", "invalid_value")
+            return encode_prompt(engine.lm.tokenizer, req.prompt)
+        if not req.prompt:
+            raise APIError(400, "prompt is an empty list; give at least one token id", "prompt", "invalid_value")
+        return list(req.prompt)
+
+    @router.post("/v1/chat/completions")
+    async def chat(req: ChatCompletionRequest, request: Request):
+        ctx.check_model(req.model)
+        ctx.check_ready()
+        ctx.check_sizes(req)
+        return await admitted(ctx, req, lambda: chat_tokens(req), new_id("chatcmpl"), "chat", request)
 
     @router.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
         ctx.check_model(req.model)
         ctx.check_ready()
-        ctx.check_text(req, ("prompt", "stop"))
-        if isinstance(req.prompt, str):
-            if not req.prompt:
-                raise APIError(400, "prompt is empty; give some text", "prompt", "invalid_value")
-            tokens = await run_in_threadpool(encode_prompt, engine.lm.tokenizer, req.prompt)
-        else:
-            if not req.prompt:
-                raise APIError(400, "prompt is an empty list; give at least one token id", "prompt", "invalid_value")
-            tokens = list(req.prompt)
-        return await generate(ctx, req, tokens, new_id("cmpl"), "completion", request)
+        return await admitted(ctx, req, lambda: completion_tokens(req), new_id("cmpl"), "completion", request)
 
     return router
 
 
+async def admitted(ctx: ServerContext, req: Any, tokens_of: Callable[[], list[int]], rid: str, kind: str, request: Request):
+    """A request holds an in-flight slot from before its prompt is prepared (so requests
+    rejected after the work count toward 429 too), and prepares it in a worker thread, a
+    bounded number at a time (``/health`` stays responsive)."""
+    ctx.admit()
+    try:
+        async with ctx.preparing():
+            tokens = await run_in_threadpool(tokens_of)
+    except BaseException:
+        ctx.release()
+        raise
+    return await generate(ctx, req, tokens, rid, kind, request)
+
+
 async def generate(ctx: ServerContext, req: Any, tokens: list[int], rid: str, kind: str, request: Request):
-    """Check the token ids and the length, submit, and answer (streamed or whole)."""
+    """Check the token ids and the length, submit, and answer (streamed or whole); the
+    caller holds an in-flight slot, which the engine's end of the request releases."""
     config = ctx.config
-    check_token_ids(tokens, ctx.model_limits()["vocab"], "prompt" if kind == "completion" else "messages")
-    max_tokens = ctx.resolve_max_tokens(req.requested_max_tokens, len(tokens))
-    if ctx.inflight >= config.max_inflight:
-        raise APIError(429, f"the server has {ctx.inflight} requests running or queued (--max-queued-requests); retry shortly", None, "rate_limit_exceeded", "rate_limit_error", {"Retry-After": "1"})
-    tenant, _ = ctx.caller(request)
-    namespace = f"{tenant}/{req.cache_salt or ''}" if (tenant or req.cache_salt) else ""
     bridge = _Bridge(asyncio.get_running_loop(), ctx.release)
-    gen = GenerationRequest(tokens=tokens, max_tokens=max_tokens, temperature=float(req.temperature), top_p=float(req.top_p), seed=req.seed, stop=tuple(req.stop_list), namespace=namespace, tenant=tenant, capture=config.request_prefix_cache)
-    ctx.inflight += 1
-    state = ctx.engine.submit(gen, bridge)
+    try:
+        check_token_ids(tokens, ctx.model_limits()["vocab"], "prompt" if kind == "completion" else "messages")
+        max_tokens = ctx.resolve_max_tokens(req.requested_max_tokens, len(tokens))
+        tenant, _ = ctx.caller(request)
+        namespace = f"{tenant}/{req.cache_salt or ''}" if (tenant or req.cache_salt) else ""
+        gen = GenerationRequest(tokens=tokens, max_tokens=max_tokens, temperature=float(req.temperature), top_p=float(req.top_p), seed=req.seed, stop=tuple(req.stop_list), namespace=namespace, tenant=tenant, capture=config.request_prefix_cache)
+        state = ctx.engine.submit(gen, bridge)
+    except BaseException:
+        ctx.release()  # not submitted: the engine will not end it, so release the slot here
+        raise
     if req.stream:
         return StreamingResponse(stream_events(ctx, state, bridge, rid, kind, req), media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     if not await wait_for_answer(ctx, state, bridge, request):
