@@ -20,6 +20,7 @@ message = st.fixed_dictionaries({"role": st.sampled_from(list(ROLES) + ["bot"]),
 message_lists = st.lists(message | json_values, max_size=4)
 
 
+@pytest.mark.slow
 @settings(max_examples=EXAMPLES, deadline=None)
 @given(data=json_values | st.lists(message_lists | st.fixed_dictionaries({"messages": message_lists}, optional={"name": json_values, "tools": json_values, "chat_template_kwargs": json_values}), max_size=4))
 def test_warm_prompt_parser_never_crashes(data):
@@ -36,6 +37,7 @@ def test_warm_prompt_parser_never_crashes(data):
         assert str(problem).startswith(f"entry {problem.index}: entries[{problem.index}]")
 
 
+@pytest.mark.slow
 @settings(max_examples=EXAMPLES, deadline=None)
 @given(data=message_lists | json_values)
 def test_message_normaliser_accepts_or_explains(data):
@@ -87,6 +89,7 @@ def _cache(client):
     return c["entry_count"], c["hits"], c["misses"], c["tokens_saved"]
 
 
+@pytest.mark.slow
 @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(body=request_bodies | json_values)
 def test_request_schema_never_500s_and_bad_requests_never_touch_the_cache(app_client, body):

@@ -189,6 +189,7 @@ def _check_snapshot(root: Path, name: str, data: bytes) -> None:
         assert peak <= len(data) + SLACK, (peak, len(data))
 
 
+@pytest.mark.slow
 @FUZZ
 @given(case=snapshots())
 def test_hostile_snapshot_headers_end_in_kvsnap_errors_within_bounded_memory(fuzz_dir, case):
@@ -196,6 +197,7 @@ def test_hostile_snapshot_headers_end_in_kvsnap_errors_within_bounded_memory(fuz
     _check_snapshot(fuzz_dir, name, data)
 
 
+@pytest.mark.slow
 @FUZZ
 @given(data=st.binary(max_size=2048) | st.binary(min_size=8, max_size=512).map(lambda b: struct.pack("<Q", len(b)) + b))
 def test_random_bytes_as_a_snapshot_end_in_kvsnap_errors(fuzz_dir, data):
@@ -281,12 +283,14 @@ def _check_manifest(root: Path, data: bytes) -> None:
     assert not isinstance(gc, Exception) or isinstance(gc, ManifestError), repr(gc)
 
 
+@pytest.mark.slow
 @FUZZ
 @given(data=manifests())
 def test_hostile_manifests_end_in_manifest_errors_within_bounded_memory(fuzz_dir, data):
     _check_manifest(fuzz_dir, data)
 
 
+@pytest.mark.slow
 @FUZZ
 @given(data=st.binary(max_size=1024))
 def test_random_bytes_as_a_manifest_end_in_manifest_errors(fuzz_dir, data):

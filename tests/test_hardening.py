@@ -112,6 +112,7 @@ def _wait_for_point(log: Path, point: str, count: int, proc: subprocess.Popen, d
         time.sleep(0.001)
 
 
+@pytest.mark.slow
 def test_build_killed_at_random_times_always_resumes_and_at_least_five_kills_interrupt_a_write(model, tmp_path, env):
     """SIGKILL at random times until five kills have landed inside a write; the fault log says where each landed.
 

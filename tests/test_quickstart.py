@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from conftest import run_kvsnap
 
 
+@pytest.mark.slow
 def test_quickstart_builds_serves_and_shows_a_warm_hit(tmp_path):
     demo = tmp_path / "demo"
     r = run_kvsnap("quickstart", "--dir", demo, env={"KVSNAP_CACHE_DIR": str(tmp_path / "cache")}, timeout=600)
