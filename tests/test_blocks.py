@@ -289,7 +289,9 @@ def test_a_server_pins_a_shared_preamble_once_and_answers_from_it(demo_models, t
     store = Store.open(tmp_path / "s")
     unique = sum(p.stat().st_size for p in part_files(store))  # headers included: an upper bound on the tensors
     whole = sum(store.inspect(store.path_for(e.key)).nbytes for e in report.entries)
-    assert whole > 4 * unique  # the six states, each whole, would be this much
+    # Six whole states against the shared grid blocks plus six tails (cuts sit on a fixed 256-token
+    # grid, so each tail starts at the last grid cut inside the preamble): well over twice.
+    assert whole > 2.2 * unique, (whole, unique)
     messages = json.loads(agents_file.read_text())[3]["messages"] + [{"role": "user", "content": "Check the tests first."}]
     body = {"model": "m", "messages": messages, "max_tokens": 12, "temperature": 0}
     answers = {}

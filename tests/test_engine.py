@@ -484,8 +484,10 @@ def test_a_request_differing_from_an_untrimmable_snapshot_only_at_its_last_token
     st = serve(engine, tokens)
     # Never the whole snapshot (its last token differs): at most the checkpoint before it.
     below = checkpoint_below(engine, tokens[: len(warm) - 1] + [None])
-    assert 0 < below < len(warm) - 1, below  # the warm prompts share a preamble: its branch point is a checkpoint
-    assert st.cached_tokens == below and st.cache_source == "snapshot", (st.cached_tokens, st.cache_source)
+    # Checkpoints sit on a fixed 256-token grid: these short agents may have none, so ``below`` may be 0.
+    assert 0 <= below < len(warm) - 1, below
+    assert st.cached_tokens == below, (st.cached_tokens, st.cache_source)
+    assert st.cache_source == ("snapshot" if below else ""), st.cache_source
     assert answer_of(st) == oracle(world, tokens)
     assert_accounting(engine, [st])
 

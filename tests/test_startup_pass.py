@@ -54,7 +54,7 @@ def test_each_pinned_snapshot_is_opened_and_parsed_once_to_index_and_once_to_res
     def no_reread(*args, **kwargs):
         raise AssertionError("a snapshot file was re-read for its tokens")
 
-    import kvsnap.store.parts
+    import kvsnap.store.fileio
     from kvsnap.store.local import Store
     from kvsnap.store.parts import chain_relpaths
 
@@ -62,7 +62,7 @@ def test_each_pinned_snapshot_is_opened_and_parsed_once_to_index_and_once_to_res
     store = Store.open(world["store"])
     parts = sorted({str(world["store"] / rel) for r in records for rel in chain_relpaths(store.inspect(Path(r)))})
     monkeypatch.setattr(kvsnap.store.local, "parse_header", counting_parse)
-    monkeypatch.setattr(kvsnap.store.parts, "parse_header", counting_parse)
+    monkeypatch.setattr(kvsnap.store.fileio, "parse_header", counting_parse)  # restores read whole files there
     monkeypatch.setattr(kvsnap.store.local, "read_header", no_reread)
     monkeypatch.setattr(kvsnap.snapshot.header, "tensor_bytes", no_reread)
     engine = _start(world)
@@ -142,7 +142,7 @@ def _slow_load_and_count_reads(engine_holder, monkeypatch):
     import kvsnap.runtime.modeling
     import kvsnap.store.local
 
-    import kvsnap.store.parts
+    import kvsnap.store.fileio
 
     reads = []
     real_load, real_read = kvsnap.runtime.modeling.load_model, kvsnap.store.parts.read_part

@@ -16,9 +16,9 @@ before the port opens. Without ``--kv-snapshots`` mlx_lm.server runs unchanged.
 from __future__ import annotations
 
 import logging
-import sys
 from typing import Any, Sequence
 
+from kvsnap.integrations.argv import run_main
 from kvsnap.errors import UsageError
 
 log = logging.getLogger("kvsnap.mlx_lm")
@@ -66,13 +66,8 @@ def make_warm_run(server: Any, store_dir: str, warm_file: str | None):
     """mlx_lm.server's ``run`` with the prompt cache from the store: the upstream patch's ``run``."""
 
     def warm_run(host, port, model_provider, server_class=None, handler_class=None):
-        import mlx.core as mx
-
         from kvsnap.integrations.mlx_lm_warm import warm_prompt_cache
 
-        if mx.distributed.init().size() > 1:
-            raise UsageError(f"{OPTION} is not supported for a distributed mlx_lm.server; "
-                             "run one process per machine without it")
         prompt_cache = warm_prompt_cache(model_provider, store_dir, warm_file)
         response_generator = server.ResponseGenerator(model_provider, prompt_cache)
         extra = {k: v for k, v in (("server_class", server_class),
@@ -84,16 +79,7 @@ def make_warm_run(server: Any, store_dir: str, warm_file: str | None):
 
 def run_mlx_lm(server: Any, args: list[str]) -> int:
     """mlx-lm's own ``main``, as if run as ``mlx_lm.server ARGS``; its exit status is returned."""
-    saved = sys.argv
-    sys.argv = ["mlx_lm.server", *args]
-    try:
-        server.main()
-    except SystemExit as exc:
-        code = exc.code
-        return code if isinstance(code, int) else (0 if code is None else 1)
-    finally:
-        sys.argv = saved
-    return 0
+    return run_main(server.main, ["mlx_lm.server", *args])
 
 
 def main(argv: Sequence[str]) -> int:

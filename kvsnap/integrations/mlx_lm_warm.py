@@ -132,6 +132,11 @@ def warm_prompt_cache(model_provider: Any, kv_snapshots: str | None = None,
                              "(the store its entries are read from and written back to)")
         return cache
     check_cli_args(args)
+    import mlx.core as mx
+
+    if mx.distributed.init().size() > 1:
+        raise UsageError("--kv-snapshots is not supported for a distributed mlx_lm.server; "
+                         "run it without --kv-snapshots")
     prompts = load_warm_prompt_file(warm_prompts) if warm_prompts else None
     store, writable = open_store(resolve_kv_snapshots(kv_snapshots), want_write=prompts is not None)
     model_provider.load_default()  # here, not on the generation thread: the port opens warm

@@ -28,6 +28,7 @@ import logging
 import sys
 from typing import Any, Sequence
 
+from kvsnap.integrations.argv import run_main
 from kvsnap.errors import StoreError, UsageError
 
 log = logging.getLogger("kvsnap.vllm_mlx")
@@ -230,16 +231,7 @@ def parse_serve_args(cli: Any, rest: list[str]) -> Any:
 
 def run_vllm_mlx(cli: Any, args: list[str]) -> int:
     """vllm-mlx's own ``main``, as if run as ``vllm-mlx ARGS``; its exit status is returned."""
-    saved = sys.argv
-    sys.argv = ["vllm-mlx", *args]
-    try:
-        cli.main()
-    except SystemExit as exc:
-        code = exc.code
-        return code if isinstance(code, int) else (0 if code is None else 1)
-    finally:
-        sys.argv = saved
-    return 0
+    return run_main(cli.main, ["vllm-mlx", *args])
 
 
 def main(argv: Sequence[str]) -> int:

@@ -343,7 +343,9 @@ def inspect_part(path: Path, header: Header) -> PartInfo:
 
 def check_token_count(header: Header, max_tokens: int = MAX_TOKENS) -> int:
     """The header's token count, refused over ``max_tokens`` before a token is read."""
-    raw = header.metadata.get("kvsnap.n_tokens", "")
+    if "kvsnap.n_tokens" not in header.metadata:  # a file that is not ours says so, not "n_tokens is ''"
+        raise FormatError("not a kvsnap snapshot: metadata lacks kvsnap.n_tokens")
+    raw = header.metadata["kvsnap.n_tokens"]
     if not DIGITS_RE.fullmatch(raw):
         raise FormatError(f"kvsnap.n_tokens is {_show(raw)}, expected a decimal token count")
     n = int(raw)
