@@ -77,7 +77,10 @@ def generation_router(ctx: ServerContext) -> APIRouter:
         if isinstance(req.prompt, str):
             if not req.prompt:
                 raise APIError(400, "prompt is empty; give some text", "prompt", "invalid_value")
-            return encode_prompt(engine.lm.tokenizer, req.prompt)
+            tokens = encode_prompt(engine.lm.tokenizer, req.prompt)
+            if not tokens:  # e.g. only characters the tokenizer drops: nothing to run
+                raise APIError(400, "prompt encodes to no tokens; give some text", "prompt", "invalid_value")
+            return tokens
         if not req.prompt:
             raise APIError(400, "prompt is an empty list; give at least one token id", "prompt", "invalid_value")
         return list(req.prompt)

@@ -228,8 +228,11 @@ class PrefixCache:
             return None
         return Match(best.entry, best.usable)
 
-    def fetch(self, tokens: Sequence[int], namespace: str = "") -> tuple[Any, int, Match | None]:
+    def fetch(self, tokens: Sequence[int], namespace: str = "", count: bool = True) -> tuple[Any, int, Match | None]:
         """A private cache state for ``tokens`` and how many tokens it already holds.
+
+        ``count``: a request's lookup, counted in ``stats`` (hits, misses, tokens saved); the
+        engine's own lookups (a shared prefix computed for a batch) are not requests.
 
         A snapshot that fails to load is dropped from the index (reported through
         ``on_load_error``) and the next best entry is tried.
@@ -238,17 +241,17 @@ class PrefixCache:
             with self._lock:
                 match = self.lookup(tokens, namespace)
                 if match is None:
-                    self.stats.misses += 1
+                    self.stats.misses += 1 if count else 0
                     return None, 0, None
                 if match.entry.loaded:
-                    served = self._serve_checked(match)
+                    served = self._serve_checked(match, count)
                     if served is not None:
                         return served
                     continue
             if self.load(match.entry):
                 with self._lock:
                     if match.entry.loaded and self._entries.get(match.entry.slot) is match.entry:
-                        served = self._serve_checked(match)
+                        served = self._serve_checked(match, count)
                         if served is not None:
                             return served
             # Failed, unusable, or cleared while it loaded: look again.
@@ -279,7 +282,7 @@ class PrefixCache:
             self._evict_to_budget(keep=entry)
         return True
 
-    def _serve_checked(self, match: Match) -> tuple[Any, int, Match] | None:
+    def _serve_checked(self, match: Match, count: bool) -> tuple[Any, int, Match] | None:
         """A private copy of the match, or None when the entry's state cannot be used: it is then
         dropped from the index and reported like a bad file, and only this lookup moves on."""
         entry = match.entry
@@ -290,8 +293,9 @@ class PrefixCache:
             why = f"its copy failed ({type(exc).__name__}: {exc})"
         if why is None:
             entry.last_used = next(self._clock)
-            self.stats.hits += 1
-            self.stats.tokens_saved += match.n_cached
+            if count:
+                self.stats.hits += 1
+                self.stats.tokens_saved += match.n_cached
             return state, match.n_cached, match
         if self._entries.get(entry.slot) is entry:
             self._unindex(entry)

@@ -92,7 +92,7 @@ def prefill_shared_prefixes(lm: Any, prefix: PrefixCache, accounts: TokenAccount
         if group.length - start < MIN_SHARED_TOKENS_TO_COMPUTE:
             continue  # the cache already holds (nearly) all of it
         try:
-            cache, start, _ = prefix.fetch(first.tokens[: group.length + 1], first.namespace)
+            cache, start, _ = prefix.fetch(first.tokens[: group.length + 1], first.namespace, count=False)
             cursor = PrefillCursor(lm, shared, done_tokens=start, cache=cache or lm.make_cache())
             while cursor.step():
                 pass
