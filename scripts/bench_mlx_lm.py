@@ -1,0 +1,299 @@
+#!/usr/bin/env python
+"""docs/mlx-lm.md's side-by-side table (issue 25): three servers on one model, from a restart.
+
+    python scripts/bench_mlx_lm.py                          # Qwen3-0.6B-shaped fp32, 3 reps
+    python scripts/bench_mlx_lm.py --size tiny --reps 1     # a smoke run, seconds
+
+Servers, each a real process on 127.0.0.1, launched in turn (order rotated every repetition):
+
+  mlx_lm.server       python -m mlx_lm.server --model M                        (cold)
+  kvsnap mlx-lm serve kvsnap mlx-lm serve --model M --kv-snapshots S1          (--for mlx-lm)
+  kvsnap serve        kvsnap serve M --kv-snapshots S2 --warm-prompts A
+
+S1 and S2 are built once beforehand (`kvsnap build A --model M --out S1 --for mlx-lm`; S2
+without --for). Per launch: launch -> /health 200, then agent 1's request (streamed: TTFT to
+the first content chunk, launch -> that chunk), then agent 2's; `cached_tokens` from usage;
+answer texts at temperature 0. All servers get OpenBLAS through LD_PRELOAD (DESIGN.md §6).
+Writes OUT/mlx_lm-TAG.json (every launch, the builds, medians) and OUT/mlx_lm-TAG.md (the
+table); OUT/mlx_lm-TAG.png too when matplotlib is installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from kvsnap.blas import find_openblas, preload_openblas  # noqa: E402
+
+preload_openblas()  # before mlx loads (the demo model is made here)
+from kvsnap.tools.demo import DemoSpec, make_demo_model  # noqa: E402
+from kvsnap.tools.serverproc import ServerProcess, free_port, under_hard_limit  # noqa: E402
+
+SERVERS = ("mlx_lm.server", "kvsnap mlx-lm serve", "kvsnap serve")
+AGENT_HEADS = (
+    "You are the house code reviewer for a python and rust server. Read the tests first. ",
+    "You plan the work of a small infrastructure team, step by step, with owners and risks. ",
+)
+USER = ("Please review the request handler.", "Plan the database migration for next week.")
+_WORDS = (
+    "request handler parser cache eviction policy flaky test build pipeline retry loop database "
+    "migration logging setup function class module error value return import file path server "
+    "response token review check fix explain step plan data time week goal code thread lock queue"
+).split()
+
+
+def system_prompt(tokenizer, head: str, target: int, seed: int) -> str:
+    """``head`` then seeded words, cut to the shortest text of at least ``target`` tokens."""
+    rng = random.Random(seed)
+    words = head.split() + [rng.choice(_WORDS) for _ in range(target * 2)]
+    count = lambda n: len(tokenizer.encode(" ".join(words[:n]), add_special_tokens=False).ids)
+    lo, hi = 1, len(words)
+    while lo < hi:  # bisect: the word count where the text first reaches target tokens
+        mid = (lo + hi) // 2
+        lo, hi = (mid + 1, hi) if count(mid) < target else (lo, mid)
+    return " ".join(words[:lo])
+
+
+def make_agents(model: Path, tokens: list[int], path: Path) -> list[dict]:
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(model / "tokenizer.json"))
+    agents = [{"name": f"agent{i + 1}", "messages": [{"role": "system", "content": system_prompt(
+        tok, AGENT_HEADS[i], n, seed=i)}]} for i, n in enumerate(tokens)]
+    path.write_text(json.dumps(agents, indent=1))
+    return agents
+
+
+def server_env(workdir: Path) -> dict:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1",
+           "KVSNAP_CACHE_DIR": str(workdir / "cache")}
+    blas = find_openblas()
+    if blas:  # python -m mlx_lm.server would otherwise run on mlx-cpu's reference BLAS
+        env["LD_PRELOAD"] = blas
+    return env
+
+
+def build(model: Path, agents: Path, out: Path, extra: list[str], env: dict) -> dict:
+    cmd = [sys.executable, "-m", "kvsnap", "build", str(agents), "--model", str(model),
+           "--out", str(out), "--json", *extra]
+    t0 = time.perf_counter()
+    r = subprocess.run(under_hard_limit(cmd, 1800), capture_output=True, text=True, env=env)
+    if r.returncode != 0:
+        raise SystemExit(f"build failed ({' '.join(cmd)}):\n{r.stderr[-3000:]}")
+    report = json.loads(r.stdout)
+    return {"command": " ".join(cmd[1:]), "seconds": round(time.perf_counter() - t0, 2),
+            "entries": [{k: e.get(k) for k in ("name", "status", "n_tokens", "tokens_prefilled")}
+                        for e in report["entries"]]}
+
+
+def command(server: str, model: Path, agents: Path, stores: dict) -> list[str]:
+    py = sys.executable
+    if server == "mlx_lm.server":
+        return [py, "-m", "mlx_lm.server", "--model", str(model)]
+    if server == "kvsnap mlx-lm serve":
+        return [py, "-m", "kvsnap", "mlx-lm", "serve", "--model", str(model),
+                "--kv-snapshots", str(stores["mlx-lm"])]
+    return [py, "-m", "kvsnap", "serve", str(model), "--kv-snapshots", str(stores["kvsnap"]),
+            "--warm-prompts", str(agents)]
+
+
+def launch(cmd: list[str], log: Path, env: dict) -> ServerProcess:
+    port = free_port()
+    full = under_hard_limit([*cmd, "--host", "127.0.0.1", "--port", str(port)], 900)
+    with open(log, "wb") as out:
+        t0 = time.perf_counter()  # before Popen: interpreter start and imports count
+        proc = subprocess.Popen(full, stdout=out, stderr=subprocess.STDOUT, env=env)
+    return ServerProcess(proc=proc, url=f"http://127.0.0.1:{port}", log_path=log, launched_at=t0)
+
+
+def ask(server: ServerProcess, body_model: str | None, system: str, user: str,
+        max_tokens: int) -> dict:
+    """One streamed chat request; TTFT is the first chunk with content."""
+    body = {"messages": [{"role": "system", "content": system}, {"role": "user", "content": user}],
+            "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    if body_model:  # kvsnap serve needs it; mlx_lm.server would load another model by that name
+        body["model"] = body_model
+    text, usage, ttft = "", {}, None
+    t0 = time.perf_counter()
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, timeout=900) as r:
+        if r.status_code != 200:
+            r.read()
+            raise RuntimeError(f"HTTP {r.status_code} from {server.url}: {r.text[:300]}")
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            usage = chunk.get("usage") or usage
+            for choice in chunk.get("choices", []):
+                piece = (choice.get("delta") or {}).get("content")
+                if piece:
+                    ttft = ttft if ttft is not None else time.perf_counter()
+                    text += piece
+    if ttft is None:
+        raise RuntimeError(f"no content chunk from {server.url}; usage {usage}")
+    details = usage.get("prompt_tokens_details") or {}
+    return {"ttft_s": round(ttft - t0, 4), "first_token_from_launch_s":
+            round(ttft - server.launched_at, 3), "text": text,
+            "prompt_tokens": usage.get("prompt_tokens"),
+            "cached_tokens": details.get("cached_tokens"),
+            "completion_tokens": usage.get("completion_tokens")}
+
+
+def warmup_report(server_name: str, server: ServerProcess) -> dict | str | None:
+    """What the server says it restored or prefilled before it was ready."""
+    if server_name == "kvsnap serve":
+        return server.status().get("warmup")
+    if server_name == "kvsnap mlx-lm serve":
+        found = re.findall(r"Warm-up done[^\n]*", server.log())
+        return found[-1] if found else None
+    return None
+
+
+def one_launch(name: str, args, model: Path, agents: list[dict], agents_file: Path, stores: dict,
+               env: dict, rep: int) -> dict:
+    logs = args.workdir / "logs"
+    logs.mkdir(exist_ok=True)
+    log = logs / f"{name.replace(' ', '_')}-{rep}.log"
+    server = launch(command(name, model, agents_file, stores), log, env)
+    try:
+        ready = server.wait_ready(900)
+        body_model = model.name if name == "kvsnap serve" else None
+        answers = [ask(server, body_model, a["messages"][0]["content"], USER[i], args.max_tokens)
+                   for i, a in enumerate(agents)]
+        warm = warmup_report(name, server)
+    finally:
+        rc = server.stop()
+    row = {"server": name, "rep": rep, "ready_s": round(ready, 3), "answers": answers,
+           "warmup": warm, "exit_code": rc, "log": str(log)}
+    a1 = answers[0]
+    print(f"rep {rep} {name:<20} ready {ready:6.2f}s  TTFT {a1['ttft_s']:7.3f}s  launch->token "
+          f"{a1['first_token_from_launch_s']:6.2f}s  cached {a1['cached_tokens']}/"
+          f"{a1['prompt_tokens']}  {a1['text']!r}", flush=True)
+    return row
+
+
+def med(rows: list[dict], pick) -> float:
+    return round(statistics.median(pick(r) for r in rows), 3)
+
+
+def summarize(runs: list[dict]) -> list[dict]:
+    texts = {(i, a["text"]) for r in runs for i, a in enumerate(r["answers"])}
+    same = len(texts) == len({i for i, _ in texts})  # one text per agent over every launch
+    out = []
+    for name in SERVERS:
+        rows = [r for r in runs if r["server"] == name]
+        out.append({
+            "server": name, "launches": len(rows),
+            "ready_s": med(rows, lambda r: r["ready_s"]),
+            "ttft_agent1_s": med(rows, lambda r: r["answers"][0]["ttft_s"]),
+            "first_token_from_launch_s": med(
+                rows, lambda r: r["answers"][0]["first_token_from_launch_s"]),
+            "ttft_agent2_s": med(rows, lambda r: r["answers"][1]["ttft_s"]),
+            "cached_tokens": sorted({tuple(a["cached_tokens"] for a in r["answers"]) for r in rows}),
+            "prompt_tokens": sorted({tuple(a["prompt_tokens"] for a in r["answers"]) for r in rows}),
+            "answers_identical_across_servers": same,
+        })
+    return out
+
+
+def table(summary: list[dict]) -> str:
+    lines = ["| server | ready | 1st agent TTFT | launch → 1st token | 2nd agent TTFT "
+             "| cached / prompt tokens (agent 1, 2) | same answers |",
+             "|---|---:|---:|---:|---:|---|---|"]
+    for s in summary:
+        cached = "; ".join(", ".join(f"{c} / {p}" for c, p in zip(cs, ps))
+                           for cs, ps in zip(s["cached_tokens"], s["prompt_tokens"]))
+        lines.append(f"| {s['server']} | {s['ready_s']:.2f} s | {s['ttft_agent1_s']:.2f} s "
+                     f"| {s['first_token_from_launch_s']:.2f} s | {s['ttft_agent2_s']:.2f} s "
+                     f"| {cached} | {'yes' if s['answers_identical_across_servers'] else 'NO'} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(summary: list[dict], path: Path, title: str) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot (pip install 'kvsnap[bench]')")
+        return False
+    fig, ax = plt.subplots(figsize=(7, 3))
+    names = [s["server"] for s in summary]
+    ready = [s["ready_s"] for s in summary]
+    rest = [s["first_token_from_launch_s"] - s["ready_s"] for s in summary]
+    ax.barh(names, ready, label="launch → /health 200")
+    ax.barh(names, rest, left=ready, label="→ first token of agent 1")
+    ax.set_xlabel("seconds (median)")
+    ax.set_title(title)
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return True
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--size", default="qwen3-0.6b", choices=("tiny", "small", "qwen3-0.6b"))
+    ap.add_argument("--model", help="use this model folder instead of a demo model")
+    ap.add_argument("--tokens", default="1800,1600", help="two agents' system-prompt tokens")
+    ap.add_argument("--reps", type=int, default=3, help="launches per server (median reported)")
+    ap.add_argument("--max-tokens", type=int, default=8)
+    ap.add_argument("--workdir", type=Path, default=Path(".kvsnap-bench/mlx-lm"))
+    ap.add_argument("--out", type=Path, default=Path("docs/bench"))
+    ap.add_argument("--tag", default="", help="output name suffix (default: the model's name)")
+    args = ap.parse_args()
+    args.workdir = args.workdir.resolve()
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.model:
+        model = Path(args.model).resolve()
+    else:
+        spec = DemoSpec(arch="dense", size=args.size, text_outputs=True)
+        model = make_demo_model(args.workdir / f"demo-{args.size}", spec)
+    tokens = [int(t) for t in args.tokens.split(",")]
+    if len(tokens) != 2:
+        raise SystemExit(f"--tokens {args.tokens!r}: give two counts, one per agent, e.g. 1800,1600")
+    agents_file = args.workdir / "agents.json"
+    agents = make_agents(model, tokens, agents_file)
+    env = server_env(args.workdir)
+    stores = {"mlx-lm": args.workdir / "snaps-mlx-lm", "kvsnap": args.workdir / "snaps-kvsnap"}
+    builds = {"mlx-lm": build(model, agents_file, stores["mlx-lm"], ["--for", "mlx-lm"], env),
+              "kvsnap": build(model, agents_file, stores["kvsnap"], [], env)}
+    print("builds:", json.dumps(builds), flush=True)
+    runs = []
+    for rep in range(args.reps):
+        order = SERVERS[rep % 3:] + SERVERS[: rep % 3]  # interleaved: each server leads once
+        runs += [one_launch(n, args, model, agents, agents_file, stores, env, rep) for n in order]
+    summary = summarize(runs)
+    tag = args.tag or model.name
+    md = table(summary)
+    print(md)
+    (args.out / f"mlx_lm-{tag}.md").write_text(md)
+    result = {"command": " ".join(sys.argv), "model": str(model), "size": args.size,
+              "agents": agents, "users": USER, "max_tokens": args.max_tokens,
+              "openblas": env.get("LD_PRELOAD"), "builds": builds,
+              "commands": {n: command(n, model, agents_file, stores) for n in SERVERS},
+              "summary": summary, "runs": runs}
+    (args.out / f"mlx_lm-{tag}.json").write_text(json.dumps(result, indent=1))
+    plot(summary, args.out / f"mlx_lm-{tag}.png", f"restart to first token, {tag}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
