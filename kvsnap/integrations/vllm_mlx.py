@@ -3,10 +3,12 @@
     kvsnap vllm-mlx serve MODEL [vllm-mlx's flags] --kv-snapshots DIR [--warm-prompts FILE]
 
 vllm-mlx 0.6 has no plugin hook in its command line, so kvsnap launches it instead of
-adding a flag to it: it takes ``--kv-snapshots DIR`` out of the arguments, checks the rest
-with vllm-mlx's own parser, replaces the two functions vllm-mlx's lifespan calls to load
-and save its disk prefix cache (``vllm_mlx.server._load_prefix_cache_from_disk`` and
-``_save_prefix_cache_to_disk``), then runs vllm-mlx's own ``main`` with the rest.
+adding a flag to it: it takes ``--kv-snapshots DIR`` out of the arguments, parses the rest
+with vllm-mlx's own parser and calls ``use_kv_snapshots`` (the one function the upstream
+patch in contrib/vllm-mlx/ calls too), which checks them and replaces the two functions
+vllm-mlx's lifespan calls to load and save its disk prefix cache
+(``vllm_mlx.server._load_prefix_cache_from_disk`` and ``_save_prefix_cache_to_disk``);
+then it runs vllm-mlx's own ``main`` with the rest.
 
 The replacement loader runs where vllm-mlx would read its disk cache: after the model is
 loaded, before its warm-up and before the port opens. On the thread that owns the model
@@ -242,7 +244,7 @@ def main(argv: Sequence[str]) -> int:
     if argv[0] != "serve":
         raise UsageError(f"`kvsnap vllm-mlx {argv[0]}` is not supported: only `serve` takes {OPTION}; run `vllm-mlx {argv[0]} ...` directly")
     store_dir, rest = split_argv(argv[1:])
-    from kvsnap.store.remote import check_kv_snapshots, resolve_kv_snapshots
+    from kvsnap.store.remote import check_kv_snapshots
 
     check_kv_snapshots(store_dir)  # an unknown scheme is a usage error before vllm-mlx is imported
     from kvsnap.blas import preload_openblas
@@ -259,15 +261,37 @@ def main(argv: Sequence[str]) -> int:
     # --warm-prompts is kvsnap's in such a run: vllm-mlx never sees it, so its own warm-up never runs.
     warm_file, rest = split_argv(rest, WARM_OPTION, "a file, e.g. --warm-prompts agents.json")
     ns = parse_serve_args(cli, rest)
-    check_serve_args(ns)
-    prompts = load_warm_prompt_file(warm_file) if warm_file else None
-    store_dir = resolve_kv_snapshots(store_dir)  # a remote URL is pulled into kvsnap's cache folder first, as `kvsnap serve` does
-    store, writable = open_store(store_dir, want_write=prompts is not None)
-    from kvsnap.runtime.modeling import default_digest_cache
-    from kvsnap.integrations.vllm_mlx_session import Session
-
-    session = Session(server=server, store=store, writable=writable, prompts=prompts, agents_file=str(warm_file or ""), digests=default_digest_cache())
-    install(server, session)
-    what = f"warm prompts of {warm_file} from" if prompts is not None else "snapshots from"
-    log.info("[kvsnap] vllm-mlx %s: %s %s go into its prefix cache at start-up%s", version, what, store.root, " (write-back on)" if writable else "")
+    ns.kv_snapshots, ns.warm_prompts = store_dir, warm_file
+    use_kv_snapshots(server, ns)  # what the patched `vllm-mlx serve --kv-snapshots` calls
     return run_vllm_mlx(cli, ["serve", *rest])
+
+
+def use_kv_snapshots(server: Any, args: Any) -> Any:
+    """Warm ``vllm-mlx serve`` from the kvsnap store ``args.kv_snapshots``: the one public entry.
+
+    ``server`` is the ``vllm_mlx.server`` module, ``args`` vllm-mlx's parsed ``serve``
+    arguments; call it before ``load_model``. It checks the options, reads
+    ``args.warm_prompts`` (then set to None: the entries are served from the store, so
+    vllm-mlx's own warm-up never runs), opens the store (an oci:// one is pulled first) and
+    hooks the prefix-cache load, save and routes. ``kvsnap vllm-mlx serve`` and the patched
+    ``vllm-mlx serve --kv-snapshots`` (contrib/vllm-mlx/) both run it. Returns the session;
+    raises a KvsnapError naming the option, its value and the fix.
+    """
+    from kvsnap.integrations.vllm_mlx_session import Session
+    from kvsnap.runtime.modeling import default_digest_cache
+    from kvsnap.store.remote import check_kv_snapshots, resolve_kv_snapshots
+
+    store_dir, warm_file = args.kv_snapshots, getattr(args, "warm_prompts", None)
+    check_kv_snapshots(store_dir)
+    check_serve_args(args)
+    prompts = load_warm_prompt_file(warm_file) if warm_file else None
+    # A remote URL is pulled into kvsnap's cache folder first, as `kvsnap serve` does.
+    store, writable = open_store(resolve_kv_snapshots(store_dir), want_write=prompts is not None)
+    session = Session(server=server, store=store, writable=writable, prompts=prompts,
+                      agents_file=str(warm_file or ""), digests=default_digest_cache())
+    install(server, session)
+    args.warm_prompts = None
+    what = f"warm prompts of {warm_file} from" if prompts is not None else "snapshots from"
+    log.info("[kvsnap] vllm-mlx: %s %s go into its prefix cache at start-up%s", what,
+             store.root, " (write-back on)" if writable else "")
+    return session
