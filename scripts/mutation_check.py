@@ -382,7 +382,7 @@ BREAKAGES = (
         "install-overwrites-good-block",
         "shipped content",
         "unpack and pull move shipped bytes over a store's good block of the same name",
-        (Patch("kvsnap/store/archive.py", "        if not existing_file_is_good(store, relpath):\n            return False", "        if True:\n            return False"),),
+        (Patch("kvsnap/store/install.py", "        if not existing_file_is_good(store, relpath):\n            return False", "        if True:\n            return False"),),
         ("tests/test_shipping_installs.py::test_regression_unpack_never_overwrites_a_good_block_with_a_forged_one",),
     ),
     Breakage(

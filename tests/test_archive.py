@@ -13,7 +13,9 @@ from pathlib import Path
 import pytest
 
 from conftest import LONG_SYSTEM, run_kvsnap
-from kvsnap.store.archive import STAGE_PREFIX, ArchiveError, ShipError, pack, unpack
+from kvsnap.store.archive import ArchiveError, pack, unpack
+from kvsnap.store.shipping import ShipError
+from kvsnap.store.stage import STAGE_PREFIX
 from kvsnap.store.local import MANIFEST, Store
 
 AGENTS = [

@@ -26,7 +26,8 @@ from pathlib import Path
 import pytest
 
 from conftest import run_kvsnap
-from kvsnap.store.archive import ShipError, pack, unpack
+from kvsnap.store.archive import pack, unpack
+from kvsnap.store.shipping import ShipError
 from kvsnap.errors import ManifestError, SnapshotError, StoreError
 from kvsnap.key import snapshot_key, tokens_digest
 from kvsnap.store.manifest import MAX_MANIFEST_BYTES, parse_manifest

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from kvsnap import __version__
 from kvsnap.errors import UsageError
 from kvsnap.snapshot.format import ARTIFACT_TYPE, BLOCK_MEDIA_TYPE, MANIFEST_MEDIA_TYPE, PART_REL_RE, SNAPSHOT_MEDIA_TYPE  # named after the format versions
-from kvsnap.store.archive import ShipError, check_relpath
+from kvsnap.store.shipping import ShipError, check_relpath
 from kvsnap.store.local import MANIFEST
 from kvsnap.store.manifest import MAX_MANIFEST_BYTES as MAX_STORE_MANIFEST_BYTES
 from kvsnap.store.oci.errors import RegistryError

@@ -15,7 +15,7 @@ from typing import BinaryIO, Callable
 
 import httpx
 
-from kvsnap.store.archive import CHUNK
+from kvsnap.store.fileio import CHUNK
 from kvsnap.store.oci.artifact import DOCKER_MANIFEST, MAX_MANIFEST_BYTES, OCI_INDEX, OCI_MANIFEST
 from kvsnap.store.oci.deadlines import ENV_IDLE, ENV_MIN_RATE, ENV_TIMEOUT, Deadlines, RequestClock, deadline_transport
 from kvsnap.store.oci.credentials import ENV_PASSWORD, ENV_USER, Credentials, find_credentials

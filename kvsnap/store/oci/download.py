@@ -17,7 +17,8 @@ import httpx
 from kvsnap.errors import ManifestError, SnapshotError
 from kvsnap.faults import FaultHook
 from kvsnap.snapshot.format import BLOCKS, PART_REL_RE
-from kvsnap.store.archive import ShipError, StagedInstall, check_destination, existing_file_is_good, present_with_digest
+from kvsnap.store.install import StagedInstall, check_destination, existing_file_is_good
+from kvsnap.store.shipping import ShipError, present_with_digest
 from kvsnap.store.parts import check_part
 from kvsnap.store.local import MANIFEST, Store
 from kvsnap.store.manifest import read_manifest_file

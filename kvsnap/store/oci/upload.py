@@ -10,7 +10,7 @@ from typing import BinaryIO, Callable
 import httpx
 
 from kvsnap.errors import UsageError
-from kvsnap.store.archive import collect_store, open_checked, sha256_file
+from kvsnap.store.shipping import collect_store, open_checked, sha256_file
 from kvsnap.store.oci.artifact import EMPTY_CONFIG, EMPTY_JSON, Layer, artifact_manifest
 from kvsnap.store.oci.client import RegistryClient
 from kvsnap.store.oci.credentials import Credentials
