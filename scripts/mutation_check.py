@@ -232,7 +232,7 @@ BREAKAGES = (
         "a record's chain is read without checking that its block keys follow from its own tokens and model",
         (
             Patch(
-                "kvsnap/snapshot/header.py",
+                "kvsnap/snapshot/chain.py",
                 "        if item[0] != block_key(model_digest, item[1], digests[item[2]]):\n",
                 "        if False:\n",
             ),

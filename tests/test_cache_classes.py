@@ -18,7 +18,8 @@ from kvsnap.snapshot.cache_classes import CACHE_CLASSES, UnknownCacheClass, cach
 from kvsnap.snapshot.codec import decode_cache, encode_cache, is_trimmable, to_out_tensors
 from kvsnap.snapshot.format import WHOLE_FILE_FORMAT
 from kvsnap.snapshot.file import FormatError
-from kvsnap.snapshot.header import SnapshotInfo, expected_tensor_names
+from kvsnap.snapshot.header import SnapshotInfo
+from kvsnap.snapshot.layer_list import expected_tensor_names
 from kvsnap.store.local import Store
 
 N = 12  # past the rotating window (8) and the chunk (4): both have dropped their front

@@ -564,7 +564,7 @@ def test_every_cache_class_the_codec_writes_passes_the_layer_checks():
     import mlx.core as mx
     from mlx_lm.models.cache import ArraysCache, CacheList, ChunkedKVCache, KVCache, QuantizedKVCache, RotatingKVCache
 
-    from kvsnap.snapshot.header import check_offsets, expected_tensor_names
+    from kvsnap.snapshot.layer_list import check_offsets, expected_tensor_names
     from kvsnap.snapshot.codec import encode_cache
 
     def kv(n, dim=8):

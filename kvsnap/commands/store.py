@@ -58,7 +58,7 @@ def cmd_inspect(args) -> int:
     try:
         header = read_header(path)
         if "kvsnap.kind" in header.metadata:  # a block or a checkpoint
-            from kvsnap.snapshot.header import inspect_part
+            from kvsnap.snapshot.chain import inspect_part
 
             part = inspect_part(path, header)
             print(json.dumps({"file": str(path), **part.__dict__, "bytes": header.file_size, "tensors": {n: {"dtype": t.dtype, "shape": list(t.shape)} for n, t in sorted(header.tensors.items())}}, indent=1))

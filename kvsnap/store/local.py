@@ -28,7 +28,8 @@ from kvsnap.key import ModelIdentity, unpack_tokens
 from kvsnap.store.manifest import encode_manifest, merge_manifests, read_manifest_file, referenced_files, update_manifest
 from kvsnap.snapshot.file import FormatError, OutTensor, check_data, parse_header, read_header, tensor_bytes, verify_checksum, write_snapshot
 from kvsnap.snapshot.format import DTYPES, KEY_RE, MANIFEST, PART_FOLDERS, SNAPSHOTS, SUFFIX, TOKENS, relpath_of_file, snapshot_filename
-from kvsnap.snapshot.header import MAX_NAME_CHARS, MAX_TOKENS, SnapshotInfo, check_offsets, check_token_count, inspect_header
+from kvsnap.snapshot.header import MAX_NAME_CHARS, MAX_TOKENS, SnapshotInfo, check_token_count, inspect_header
+from kvsnap.snapshot.layer_list import check_offsets
 from kvsnap.store.fileio import DIR_MODE, FILE_MODE, TMP_PREFIX, FaultFn, atomic_write, check_regular, default_fsync, fsync_dir, make_dirs, read_whole
 from kvsnap.store.parts import assemble, chain_relpaths, part_files, part_relpath_of_file, reached_parts, verify_chain
 

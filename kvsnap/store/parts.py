@@ -24,7 +24,8 @@ from kvsnap.snapshot.format import (
     BLOCK_KIND, BLOCKS, CHECKPOINT_KIND, CHECKPOINTS, DTYPES, KEY_RE, SUFFIX, TOKENS, block_relpath, checkpoint_relpath, part_metadata,
     snapshot_filename,
 )
-from kvsnap.snapshot.header import PartInfo, SnapshotInfo, inspect_part
+from kvsnap.snapshot.chain import PartInfo, inspect_part
+from kvsnap.snapshot.header import SnapshotInfo
 from kvsnap.store.fileio import TMP_PREFIX, StoreFiles, atomic_write, check_regular, read_whole
 
 FOLDER = {BLOCK_KIND: BLOCKS, CHECKPOINT_KIND: CHECKPOINTS}
