@@ -12,7 +12,8 @@ from kvsnap.key import DigestCache, ModelIdentity
 from kvsnap.snapshot.blocks import BlockSettings, branch_points
 from kvsnap.runtime.modeling import LoadedModel
 from kvsnap.runtime.prefill import prefill_in_blocks
-from kvsnap.prompts import Tokenization, WarmPrompt, WarmPromptSet
+from kvsnap.chat import Tokenization
+from kvsnap.prompts import WarmPrompt, WarmPromptSet
 from kvsnap.runtime.warm_recipe import warm_key
 from kvsnap.runtime.writeback import ChainPlan, manifest_entry, profile_record_id, put_snapshot, record_upsert
 from kvsnap.store.local import Store

@@ -1,7 +1,7 @@
-"""Warm-prompt files, message normalisation, request rendering and the token-level strict prefix.
+"""Warm prompts: the files (each entry the leading messages of future requests, checked) and
+the token-level strict prefix every request starting with an entry begins with.
 
-No mlx here: the tokenizer is anything with ``apply_chat_template`` and ``encode``
-(a Hugging Face tokenizer or mlx-lm's ``TokenizerWrapper``).
+Messages are normalised, rendered and encoded by ``chat.py``. No mlx here.
 """
 
 from __future__ import annotations
@@ -10,13 +10,12 @@ import datetime as _dt
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Protocol, Sequence
+from typing import Any, Iterable, Sequence
 
+from kvsnap.chat import KVSNAP_TOKENIZATION, ChatTokenizer, Tokenization, encode_prompt, normalize_messages
 from kvsnap.errors import MessageError, TemplateError, WarmPromptError
 
-ROLES = ("system", "developer", "user", "assistant", "tool")
 ENTRY_KEYS = ("name", "messages", "tools", "chat_template_kwargs")
-MESSAGE_KEYS = ("role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content")
 
 # Probe user turns whose first characters differ in every way a BPE merge can
 # care about: letter, space, newlines, tab, digit, CJK, punctuation, markup.
@@ -33,12 +32,6 @@ PROBE_CONTENTS = (
     "'quoted'",
 )
 COVERAGE_WARN_BELOW = 0.90
-
-
-class ChatTokenizer(Protocol):
-    def apply_chat_template(self, conversation: Any, **kwargs: Any) -> Any: ...
-
-    def encode(self, text: str, **kwargs: Any) -> list[int]: ...
 
 
 @dataclass(frozen=True)
@@ -92,66 +85,7 @@ class WarmPrefix:
         return min(1.0, len(self.tokens) / self.entry_tokens)
 
 
-# --- messages -----------------------------------------------------------------
-
-
-def _content_to_text(content: Any, where: str) -> str | None:
-    if content is None or isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        texts = []
-        for i, part in enumerate(content):
-            here = f"{where}[{i}]"
-            if isinstance(part, str):
-                texts.append(part)
-                continue
-            if not isinstance(part, dict):
-                raise MessageError(here, f"content part is a {type(part).__name__}", 'use {"type": "text", "text": "..."}')
-            kind = part.get("type", "text")
-            if kind not in ("text", "input_text"):
-                raise MessageError(here + ".type", f"content part type {kind!r} is not supported", 'only "text" parts can be served by a text model')
-            text = part.get("text")
-            if not isinstance(text, str):
-                raise MessageError(here + ".text", f"expected a string, got {type(text).__name__}", "give the part's text as a string")
-            texts.append(text)
-        return "".join(texts)
-    raise MessageError(where, f"content is a {type(content).__name__}", "give a string or a list of text parts")
-
-
-def normalize_message(message: Any, where: str) -> dict:
-    """One message → a plain dict: text content, ``developer`` folded into ``system``."""
-    if not isinstance(message, dict):
-        raise MessageError(where, f"a message must be an object, got {type(message).__name__}", 'write {"role": ..., "content": ...}')
-    role = message.get("role")
-    if role not in ROLES:
-        raise MessageError(where + ".role", f"unknown role {role!r}", f"use one of {', '.join(ROLES)}")
-    unknown = sorted(set(message) - set(MESSAGE_KEYS))
-    if unknown:
-        raise MessageError(where, f"unknown field(s) {', '.join(map(repr, unknown))}", f"a message may only have {', '.join(MESSAGE_KEYS)}")
-    content = _content_to_text(message.get("content"), where + ".content")
-    if content is None and not (role == "assistant" and message.get("tool_calls")):
-        raise MessageError(where + ".content", "content is missing", "give the message's text as a string")
-    out: dict = {"role": "system" if role == "developer" else role, "content": content if content is not None else ""}
-    for key in ("name", "tool_call_id", "reasoning_content"):
-        if key in message and message[key] is not None:
-            if not isinstance(message[key], str):
-                raise MessageError(f"{where}.{key}", f"expected a string, got {type(message[key]).__name__}", f"give {key} as a string")
-            out[key] = message[key]
-    if message.get("tool_calls") is not None:
-        calls = message["tool_calls"]
-        if not isinstance(calls, list) or not all(isinstance(c, dict) for c in calls):
-            raise MessageError(where + ".tool_calls", "expected a list of objects", "use OpenAI's tool_calls shape")
-        out["tool_calls"] = calls
-    return out
-
-
-def normalize_messages(messages: Any, where: str = "messages") -> list[dict]:
-    """The one normaliser used by warm-prompt files and by the server's request path."""
-    if not isinstance(messages, list):
-        raise MessageError(where, f"expected a list of messages, got {type(messages).__name__}", "give a JSON list of chat messages")
-    if not messages:
-        raise MessageError(where, "the message list is empty", "give at least one message")
-    return [normalize_message(m, f"{where}[{i}]") for i, m in enumerate(messages)]
+# --- warm-prompt files ----------------------------------------------------------
 
 
 def _check_tools(tools: Any, where: str) -> tuple[dict, ...] | None:
@@ -168,9 +102,6 @@ def _check_kwargs(kwargs: Any, where: str) -> dict | None:
     if not isinstance(kwargs, dict):
         raise MessageError(where, f"expected an object, got {type(kwargs).__name__}", 'e.g. {"enable_thinking": false}')
     return dict(kwargs)
-
-
-# --- warm-prompt files ----------------------------------------------------------
 
 
 def parse_entry(raw: Any, index: int) -> WarmPrompt:
@@ -244,95 +175,6 @@ def load_warm_prompts(path: str | Path) -> WarmPromptSet:
         detail = "; ".join(str(p) for p in result.problems[:3]) or "the list is empty"
         raise WarmPromptError(f"{path}: no valid warm-prompt entry ({detail})")
     return result
-
-
-# --- rendering ------------------------------------------------------------------
-
-
-def resolve_chat_template(tokenizer: Any, tools: Sequence[dict] | None = None) -> str:
-    """The template text that will actually render: a named one when the tokenizer has several."""
-    template = getattr(tokenizer, "chat_template", None)
-    if isinstance(template, dict):
-        if tools and "tool_use" in template:
-            return template["tool_use"]
-        return template.get("default") or next(iter(template.values()))
-    if not template:
-        raise TemplateError("the tokenizer has no chat template; add one to tokenizer_config.json (\"chat_template\") or chat_template.jinja")
-    return template
-
-
-def render_messages(
-    tokenizer: ChatTokenizer,
-    messages: Sequence[dict],
-    tools: Sequence[dict] | None = None,
-    chat_template_kwargs: dict | None = None,
-    add_generation_prompt: bool = True,
-) -> str:
-    """Render normalised messages to the prompt string with the tokenizer's own template."""
-    kwargs = dict(chat_template_kwargs or {})
-    try:
-        text = tokenizer.apply_chat_template(
-            list(messages),
-            tools=list(tools) if tools else None,
-            tokenize=False,
-            add_generation_prompt=add_generation_prompt,
-            **kwargs,
-        )
-    except Exception as exc:  # jinja raises many types; all mean the template refused these messages
-        raise TemplateError(f"the chat template failed to render the messages ({type(exc).__name__}: {exc}); check the roles and order of the messages") from exc
-    if not isinstance(text, str):
-        raise TemplateError(f"apply_chat_template returned {type(text).__name__}, not a string; this tokenizer is not supported")
-    return text
-
-
-def encode_prompt(tokenizer: ChatTokenizer, text: str) -> list[int]:
-    """Tokenize a rendered prompt. The template carries BOS itself, as in Hugging Face's tokenize=True."""
-    return list(tokenizer.encode(text, add_special_tokens=False))
-
-
-def request_tokens(
-    tokenizer: ChatTokenizer,
-    messages: Sequence[dict],
-    tools: Sequence[dict] | None = None,
-    chat_template_kwargs: dict | None = None,
-) -> list[int]:
-    """The tokens of a chat request: the one function both warm-up and the request path use."""
-    return encode_prompt(tokenizer, render_messages(tokenizer, messages, tools, chat_template_kwargs))
-
-
-@dataclass(frozen=True)
-class Tokenization:
-    """How a server turns a chat request into token ids; part of a snapshot's key.
-
-    kvsnap's own server (the default) renders with the request's kwargs and encodes
-    without special tokens (the template carries BOS); its descriptor is None, so its
-    keys are exactly what they were before profiles existed. Another server's profile
-    names the kwargs it passes before the request's own and whether its ``encode``
-    adds the tokenizer's special tokens (vllm-mlx: yes, so Llama-3 prompts start with
-    two BOS).
-    """
-
-    server: str = "kvsnap"
-    add_special_tokens: bool = False
-    template_defaults: tuple[tuple[str, Any], ...] = ()
-
-    def render(self, tokenizer: ChatTokenizer, messages: Sequence[dict], tools: Sequence[dict] | None, chat_template_kwargs: dict | None, add_generation_prompt: bool = True) -> str:
-        kwargs = {**dict(self.template_defaults), **(chat_template_kwargs or {})}
-        return render_messages(tokenizer, messages, tools, kwargs, add_generation_prompt)
-
-    def encode(self, tokenizer: ChatTokenizer, text: str) -> list[int]:
-        if not self.add_special_tokens:
-            return encode_prompt(tokenizer, text)
-        return list(tokenizer.encode(text))
-
-    def descriptor(self) -> dict | None:
-        """What enters the key (None for kvsnap's own server: keys unchanged)."""
-        if self.server == "kvsnap" and not self.add_special_tokens and not self.template_defaults:
-            return None
-        return {"server": self.server, "add_special_tokens": self.add_special_tokens, "template_defaults": dict(self.template_defaults)}
-
-
-KVSNAP_TOKENIZATION = Tokenization()
 
 
 # --- strict prefix --------------------------------------------------------------

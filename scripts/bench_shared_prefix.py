@@ -59,7 +59,7 @@ def main(argv=None) -> int:
 
     import kvsnap.runtime.request_cache as engine_mod  # owns MIN_SHARED_TOKENS_TO_COMPUTE
     from kvsnap.runtime.engine import Engine, EngineConfig
-    from kvsnap.prompts import request_tokens
+    from kvsnap.chat import request_tokens
 
     with tempfile.TemporaryDirectory() as tmp:
         model = make_model(Path(tmp))

@@ -313,7 +313,7 @@ QWEN3_06B_FP32_TOKENS_PER_S = 38.0
 
 def prefill_rate(model: Path, system: str, user_tokens: int) -> float:
     """Prompt tokens/s of one full request (system + a user prompt) in this process: the budget's yardstick."""
-    from kvsnap.prompts import request_tokens
+    from kvsnap.chat import request_tokens
     from kvsnap.runtime.modeling import load_model
     from kvsnap.runtime.prefill import prefill
 

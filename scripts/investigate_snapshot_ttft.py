@@ -61,7 +61,7 @@ def make_model(root: Path) -> Path:
 
 
 def system_prompt(tokenizer, target: int) -> str:
-    from kvsnap.prompts import request_tokens
+    from kvsnap.chat import request_tokens
 
     text = SYSTEM
     while len(request_tokens(tokenizer, [{"role": "system", "content": text}])) < target:
@@ -118,7 +118,7 @@ def timed_request(engine, tokens: list[int], max_tokens: int, warm_len: int) -> 
 
 def engine_ab(engines: dict, tokenizer, system: str, warm_len: int, kinds: list[str], reps: int, max_tokens_list: list[int], label: str) -> dict:
     """Interleaved A/B: for every rep, kind and max_tokens, both engines get a fresh user message, in alternating order."""
-    from kvsnap.prompts import request_tokens
+    from kvsnap.chat import request_tokens
 
     results: dict = {}
     n = 0
@@ -163,7 +163,7 @@ def micro(model: Path, agents: Path, store_dir: Path, system: str, reps: int) ->
 
     from kvsnap.runtime.modeling import load_model
     from kvsnap.runtime.prefill import prefill
-    from kvsnap.prompts import request_tokens
+    from kvsnap.chat import request_tokens
     from kvsnap.snapshot.codec import cache_arrays, copy_cache
     from kvsnap.store.local import Store
 
@@ -303,7 +303,7 @@ def install_prime_patch(from_entry: bool = True) -> None:
 
 def child_first_requests(model: Path, agents: Path, store_dir: Path | None, system: str, kinds: list[str], seed: int, prime: str | None = None) -> dict:
     """In a fresh process: start one engine, then time its first requests (what a fresh server per cell measures)."""
-    from kvsnap.prompts import request_tokens
+    from kvsnap.chat import request_tokens
 
     if prime:
         install_prime_patch(from_entry=(prime == "entry"))

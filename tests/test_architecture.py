@@ -16,7 +16,7 @@ PACKAGE = ROOT / "kvsnap"
 # Every module belongs to one layer; a new top-level module must be placed here on purpose.
 # kvsnap.snapshot.format is a leaf (version constants, header field names, the snapshot path) that
 # the identity in key.py needs too, so it counts as base.
-BASE = {"kvsnap", "kvsnap.errors", "kvsnap.key", "kvsnap.prompts", "kvsnap.blas", "kvsnap.faults", "kvsnap.snapshot.format"}
+BASE = {"kvsnap", "kvsnap.errors", "kvsnap.key", "kvsnap.chat", "kvsnap.prompts", "kvsnap.blas", "kvsnap.faults", "kvsnap.snapshot.format"}
 LAYERS = ("snapshot", "store", "runtime", "http", "tools", "integrations")
 APPS = {"kvsnap.build", "kvsnap.cli", "kvsnap.__main__"}
 CLI = ("kvsnap.cli", "kvsnap.commands")  # the command line: its parser and its command implementations

@@ -9,7 +9,7 @@ import mlx.core as mx
 from kvsnap.tools.demo import DemoSpec, make_demo_model
 from kvsnap.errors import UsageError
 from kvsnap.key import hash_file
-from kvsnap.prompts import request_tokens
+from kvsnap.chat import request_tokens
 
 
 def _greedy(lm, tokens, n=16):

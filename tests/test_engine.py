@@ -62,7 +62,7 @@ class World:
         assert report.ok and report.count("built") == len(agents), report
 
     def tokens(self, messages) -> list[int]:
-        from kvsnap.prompts import request_tokens
+        from kvsnap.chat import request_tokens
 
         return request_tokens(self.lm.tokenizer, messages)
 

@@ -9,7 +9,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvsnap.errors import MessageError, WarmPromptError
-from kvsnap.prompts import ROLES, normalize_messages, parse_warm_prompts
+from kvsnap.chat import ROLES, normalize_messages
+from kvsnap.prompts import parse_warm_prompts
 
 EXAMPLES = 1000
 KEYS = ["role", "content", "name", "messages", "tools", "chat_template_kwargs", "type", "text", "tool_calls", "tool_call_id", "model", "max_tokens", "stream", "stop", "temperature", "top_p", "seed", "prompt", "x"]

@@ -248,7 +248,8 @@ def test_a_read_only_store_serves_and_says_it_cannot_write_back(model, tmp_path,
 
 def test_warm_up_of_many_prompts_respects_concurrency_and_memory_budget(demo_models, tmp_path, monkeypatch):
     from kvsnap.runtime.engine import Engine, EngineConfig, GenerationRequest
-    from kvsnap.prompts import parse_warm_prompts, request_tokens
+    from kvsnap.chat import request_tokens
+    from kvsnap.prompts import parse_warm_prompts
 
     monkeypatch.setenv("KVSNAP_CACHE_DIR", str(tmp_path / "cache"))
     systems = [f"Agent {i}. " + SYSTEMS[i % 4] * 2 for i in range(8)]

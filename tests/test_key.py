@@ -9,7 +9,8 @@ import shutil
 import pytest
 
 from kvsnap.key import DIGEST_CHUNK, DigestCache, KVSettings, hash_file, model_identity, prompt_identity, snapshot_key
-from kvsnap.prompts import parse_entry, resolve_chat_template, warm_prefix
+from kvsnap.chat import resolve_chat_template
+from kvsnap.prompts import parse_entry, warm_prefix
 
 SYSTEM = [{"role": "system", "content": "You are a planner. Plan each step."}]
 

@@ -9,16 +9,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvsnap.errors import MessageError, WarmPromptError
-from kvsnap.prompts import (
-    encode_prompt,
-    load_warm_prompts,
-    normalize_messages,
-    parse_entry,
-    parse_warm_prompts,
-    render_messages,
-    request_tokens,
-    warm_prefix,
-)
+from kvsnap.chat import encode_prompt, normalize_messages, render_messages, request_tokens
+from kvsnap.prompts import load_warm_prompts, parse_entry, parse_warm_prompts, warm_prefix
 
 SYSTEM = "You are a careful code reviewer. Check the tests first, then explain each fix briefly."
 
@@ -213,7 +205,7 @@ def test_warm_key_keys_another_servers_tokenization_apart_from_kvsnaps(demo_mode
     pins a snapshot built for a request path it does not have; kvsnap's own keeps the digest
     keys had before profiles existed."""
     from kvsnap.key import prompt_identity, snapshot_key
-    from kvsnap.prompts import KVSNAP_TOKENIZATION, Tokenization, resolve_chat_template
+    from kvsnap.chat import KVSNAP_TOKENIZATION, Tokenization, resolve_chat_template
     from kvsnap.runtime.warm_recipe import warm_key
 
     lm = demo_models.load("dense")

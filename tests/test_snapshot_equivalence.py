@@ -11,7 +11,8 @@ from conftest import LONG_SYSTEM
 from kvsnap.runtime.prefill import prefill, prefill_in_blocks
 from kvsnap.snapshot.blocks import BlockSettings, plan_cuts
 from kvsnap.key import prompt_identity
-from kvsnap.prompts import parse_entry, request_tokens, resolve_chat_template, warm_prefix
+from kvsnap.chat import request_tokens, resolve_chat_template
+from kvsnap.prompts import parse_entry, warm_prefix
 from kvsnap.snapshot.codec import decode_cache, encode_cache, to_out_tensors
 from kvsnap.store.local import Store
 

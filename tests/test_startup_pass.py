@@ -170,7 +170,8 @@ def _answer(engine, tokens):
 
 def test_snapshots_restored_during_the_model_load_answer_like_a_cold_start(arch_world, monkeypatch):
     from kvsnap.runtime.engine import Engine, EngineConfig
-    from kvsnap.prompts import load_warm_prompts, request_tokens
+    from kvsnap.chat import request_tokens
+    from kvsnap.prompts import load_warm_prompts
 
     holder: list = []
     reads = _slow_load_and_count_reads(holder, monkeypatch)

@@ -263,7 +263,7 @@ def make_llama3_model(out: Path) -> Path:
 def test_kvsnap_profile_keeps_todays_prompt_digest_and_vllm_mlx_profile_changes_it():
     from kvsnap.integrations.vllm_mlx_profile import vllm_mlx_tokenization
     from kvsnap.key import prompt_identity
-    from kvsnap.prompts import KVSNAP_TOKENIZATION
+    from kvsnap.chat import KVSNAP_TOKENIZATION
 
     assert KVSNAP_TOKENIZATION.descriptor() is None
     assert prompt_identity("T", {"a": 1}, None, KVSNAP_TOKENIZATION.descriptor()) == prompt_identity("T", {"a": 1}, None)
@@ -329,7 +329,8 @@ def test_a_llama3_tokenizer_hits_in_both_servers_with_their_own_profile(tmp_path
     from transformers import AutoTokenizer
 
     from kvsnap.integrations.vllm_mlx_profile import vllm_mlx_tokenization
-    from kvsnap.prompts import parse_warm_prompts, request_tokens, warm_prefix
+    from kvsnap.chat import request_tokens
+    from kvsnap.prompts import parse_warm_prompts, warm_prefix
 
     tok = AutoTokenizer.from_pretrained(llama3_tokenizer_files(tmp_path / "llama3"))
     bos = tok.convert_tokens_to_ids("<|begin_of_text|>")

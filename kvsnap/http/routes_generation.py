@@ -18,7 +18,7 @@ from kvsnap.http.api_errors import APIError
 from kvsnap.http.context import ServerContext
 from kvsnap.http.limits import check_template_kwargs, check_token_ids
 from kvsnap.http.schemas import ChatCompletionRequest, CompletionRequest, chat_chunk, chat_response, completion_response, error_body, new_id
-from kvsnap.prompts import encode_prompt, normalize_messages, request_tokens
+from kvsnap.chat import encode_prompt, normalize_messages, request_tokens
 from kvsnap.runtime.engine import GenerationRequest, RequestState
 
 DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks that its client is still there

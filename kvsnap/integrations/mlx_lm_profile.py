@@ -26,7 +26,7 @@ from __future__ import annotations
 import json
 
 from kvsnap.errors import UsageError
-from kvsnap.prompts import Tokenization
+from kvsnap.chat import Tokenization
 
 SERVER = "mlx-lm"
 

@@ -63,7 +63,7 @@ def prepended_special_tokens(tokenizer: Any) -> list[int]:
 
 def reads_enable_thinking(tokenizer: Any) -> bool:
     """Whether the chat template renders differently with ``enable_thinking`` on and off."""
-    from kvsnap.prompts import render_messages
+    from kvsnap.chat import render_messages
 
     probe = [{"role": "user", "content": "hi"}]
     try:

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from kvsnap.prompts import ChatTokenizer, Tokenization
+from kvsnap.chat import ChatTokenizer, Tokenization
 
 SERVER = "vllm-mlx"
 

@@ -18,7 +18,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from kvsnap.errors import KvsnapError, SnapshotError, StoreError
-from kvsnap.prompts import Tokenization, WarmPromptSet
+from kvsnap.chat import Tokenization
+from kvsnap.prompts import WarmPromptSet
 
 log = logging.getLogger("kvsnap.vllm_mlx")
 

@@ -26,15 +26,8 @@ from kvsnap.key import (
     prompt_identity,
     snapshot_key,
 )
-from kvsnap.prompts import (
-    PROBE_CONTENTS,
-    ChatTokenizer,
-    Tokenization,
-    WarmPrefix,
-    WarmPrompt,
-    resolve_chat_template,
-    warm_prefix,
-)
+from kvsnap.chat import ChatTokenizer, Tokenization, resolve_chat_template
+from kvsnap.prompts import PROBE_CONTENTS, WarmPrefix, WarmPrompt, warm_prefix
 
 RECIPE_VERSION = 1  # bump when warm_prefix's algorithm changes in a way the probes do not show
 

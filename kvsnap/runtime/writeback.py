@@ -9,7 +9,8 @@ from typing import Callable, Sequence
 
 from kvsnap import __version__
 from kvsnap.key import KVSettings, ModelIdentity, package_version, snapshot_key, tokens_digest
-from kvsnap.prompts import WarmPrompt, resolve_chat_template
+from kvsnap.chat import resolve_chat_template
+from kvsnap.prompts import WarmPrompt
 from kvsnap.runtime.modeling import LoadedModel
 from kvsnap.snapshot.blocks import BlockSettings
 from kvsnap.snapshot.format import TOKENS, header_metadata, snapshot_relpath
