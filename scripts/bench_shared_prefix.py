@@ -27,10 +27,10 @@ SYSTEM = (
 
 
 def make_model(root: Path) -> Path:
-    from kvsnap.tools import demo
+    from kvsnap.tools import demo, demo_families
 
-    demo._SHAPES[("dense", "mid")] = MID_SHAPE  # a benchmark-only shape: hidden 512, 8 layers
-    demo.SIZES = tuple(dict.fromkeys((*demo.SIZES, "mid")))
+    demo_families._SHAPES[("dense", "mid")] = MID_SHAPE  # a benchmark-only shape: hidden 512, 8 layers
+    demo_families.SIZES = tuple(dict.fromkeys((*demo_families.SIZES, "mid")))
     return demo.make_demo_model(root / "mid", demo.DemoSpec(arch="dense", size="mid"))
 
 

@@ -53,10 +53,10 @@ WORDS = ["apple", "river", "orange", "zebra", "violet", "mango", "copper", "lemo
 
 
 def make_model(root: Path) -> Path:
-    from kvsnap.tools import demo
+    from kvsnap.tools import demo, demo_families
 
-    demo._SHAPES[("dense", "mid")] = MID_SHAPE  # a benchmark-only shape: hidden 512, 8 layers (demo.py untouched)
-    demo.SIZES = tuple(dict.fromkeys((*demo.SIZES, "mid")))
+    demo_families._SHAPES[("dense", "mid")] = MID_SHAPE  # a benchmark-only shape: hidden 512, 8 layers (demo_families.py untouched)
+    demo_families.SIZES = tuple(dict.fromkeys((*demo_families.SIZES, "mid")))
     return demo.make_demo_model(root / "mid", demo.DemoSpec(arch="dense", size="mid"))
 
 
