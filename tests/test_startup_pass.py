@@ -242,3 +242,72 @@ def test_the_two_thread_read_gives_the_same_bytes_and_names_a_truncation(world, 
     info.path.write_bytes(data[: len(data) - 100])
     with pytest.raises(SnapshotError, match="truncated"):
         store.load_arrays(info)
+
+
+def _start_and_record(world, with_prompts: bool) -> dict:
+    """One start on ``world``'s store: the header parses, part reads and every ``mx.eval`` made
+    before the engine was warm, by the module that called it."""
+    import sys
+
+    import mlx.core as mx
+
+    import kvsnap.store.fileio
+    import kvsnap.store.local
+    import kvsnap.store.parts
+    from kvsnap.prompts import load_warm_prompts
+    from kvsnap.runtime.engine import Engine, EngineConfig
+
+    seen: dict = {"parses": [], "reads": [], "evals": []}
+    holder: list = []
+    real_parse, real_read = kvsnap.store.local.parse_header, kvsnap.store.parts.read_part
+    real_eval = mx.eval
+
+    def parse(f, size):
+        seen["parses"].append(f.name)
+        return real_parse(f, size)
+
+    def read(*a, **k):
+        seen["reads"].append(str(a[1:3]))
+        return real_read(*a, **k)
+
+    def evaluate(*a, **k):
+        if holder and not holder[0].warm.is_set():
+            seen["evals"].append(sys._getframe(1).f_globals.get("__name__", "?"))
+        return real_eval(*a, **k)
+
+    agents = world["agents"]
+    prompts = {"warm_prompts": load_warm_prompts(agents), "warm_prompts_file": str(agents)}
+    config = EngineConfig(
+        model=str(world["model"]), snapshots=str(world["store"]), write_back=False,
+        **(prompts if with_prompts else {}),
+    )
+    with pytest.MonkeyPatch.context() as patch:  # undone before the next start
+        patch.setattr(kvsnap.store.local, "parse_header", parse)
+        patch.setattr(kvsnap.store.fileio, "parse_header", parse)
+        patch.setattr(kvsnap.store.parts, "read_part", read)
+        patch.setattr(mx, "eval", evaluate)
+        engine = Engine(config)
+        holder.append(engine)
+        engine.start()
+        try:
+            assert engine.wait_warm(120)
+            snaps = engine.status()["snapshots"]
+            assert (snaps["loaded"], snaps["prefilled"], snaps["rejected"]) == (2, 0, 0), snaps
+        finally:
+            engine.shutdown()
+    return {k: sorted(v) for k, v in seen.items()}
+
+
+def test_regression_kv_snapshots_alone_does_the_work_of_warm_prompts(arch_world):
+    """Issue 24 item 11: ``--kv-snapshots`` alone was slower to warm than with ``--warm-prompts``
+    on the same store. Both starts parse, read and evaluate the same things, and before warm
+    nothing is evaluated but the model load and the store's reads: the shape check learned from
+    an evaluated one-token pass put the model's first pass (its kernel compiles, ~1 s at 0.6B)
+    before warm on both; the kernel priming runs it after warm."""
+    alone = _start_and_record(arch_world, with_prompts=False)
+    with_prompts = _start_and_record(arch_world, with_prompts=True)
+    assert alone == with_prompts
+    assert alone["parses"] and alone["reads"]
+    computed = [m for m in alone["evals"] if not m.startswith(("kvsnap.store.", "mlx_lm."))]
+    where = "outside the model load and the store's reads"
+    assert computed == [], f"evaluated before warm {where}: {computed}"

@@ -56,7 +56,8 @@ def _show(spec: Spec) -> str:
 
 
 class ModelShapes:
-    """This model's cache tensors, learned once from a one-token prefill (on the engine thread)."""
+    """This model's cache tensors, learned once from a one-token forward pass that is built but
+    never evaluated (on the engine thread)."""
 
     def __init__(self, lm: Any):
         self._lm = lm
@@ -78,7 +79,8 @@ class ModelShapes:
         if s.kv_bits is not None:  # the names and dtypes of quantized parts, whatever the start
             maybe_quantize_kv_cache(cache, 0, s.kv_group_size, s.kv_bits)
         layers, arrays = named_arrays(cache)
-        mx.eval(list(arrays.values()))
+        # Shapes and dtypes are known from the lazy graph: evaluating it would run the model's first
+        # pass (kernel compiles, ~1 s at 0.6B) before warm; the kernel priming runs it after warm.
         self._per_token = _token_axis_names(layers)
         return {name: _spec(name, a.shape, _mlx_dtype(a), self._per_token) for name, a in arrays.items()}
 
