@@ -72,7 +72,7 @@ def test_startup_report_says_where_warmth_came_from(servers):
 
 def test_the_warm_up_log_line_tells_people_where_warmth_came_from_and_what_was_refused():
     """The one check of the line's wording (for people; code reads /v1/status): built from the report object."""
-    from kvsnap.runtime.warmup import SnapshotCounts, WarmupReport
+    from kvsnap.runtime.warmup_report import SnapshotCounts, WarmupReport
 
     report = WarmupReport(completed=2, skipped=1, from_snapshots=1, prefilled=1, prompt_tokens=525, seconds=0.0412, over_budget=1, problems=["entry 3: no messages"])
     counts = SnapshotCounts(write_back=True)

@@ -227,7 +227,7 @@ class Engine:
         from kvsnap.runtime.batch_runner import BatchRunner
         from kvsnap.runtime.modeling import load_model
         from kvsnap.runtime.prefix import PrefixCache
-        from kvsnap.runtime.warmup import SnapshotCounts
+        from kvsnap.runtime.warmup_report import SnapshotCounts
         from kvsnap.runtime.composed import copy_state
         from kvsnap.snapshot.codec import trim_cache
 
@@ -253,7 +253,8 @@ class Engine:
 
     def _warm_up(self, allow_prefill: bool = True) -> None:
         from kvsnap.runtime.engine_startup import prefill_concurrency, prefill_many
-        from kvsnap.runtime.warmup import open_store, run_warmup
+        from kvsnap.runtime.warmup import run_warmup
+        from kvsnap.runtime.warmup_store import open_store
 
         cfg = self.config
         if self.store is None and cfg.snapshots:

@@ -101,7 +101,7 @@ def serve_and_ask(workdir: Path, model_dir: Path, agents: Path, store, print_fn)
     """Steps 3-4: a server warm from the store, its warm-up report (from /v1/status), a cold and a warm request."""
     import httpx
 
-    from kvsnap.runtime.warmup import WarmupReport, warmup_line
+    from kvsnap.runtime.warmup_report import WarmupReport, warmup_line
     from kvsnap.tools.client import stream_chat
     from kvsnap.tools.serverproc import start_server
 
