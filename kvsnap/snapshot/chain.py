@@ -16,7 +16,7 @@ from kvsnap.snapshot.cache_classes import needs_checkpoints, split_tensor_names
 from kvsnap.snapshot.file import FormatError, Header
 from kvsnap.snapshot.format import BLOCK_FORMAT_VERSION, BLOCK_KIND, CHAIN, CHECKPOINT_KIND, KEY_RE, PART_META, snapshot_filename
 from kvsnap.snapshot.header_fields import DIGITS_RE, check_count, json_field, show
-from kvsnap.snapshot.layer_list import RECORD_NAME_BUDGET, check_offsets, expected_tensor_names
+from kvsnap.snapshot.layer_list import RECORD_NAME_BUDGET, check_offsets, checked_layers
 
 
 @dataclass(frozen=True)
@@ -118,8 +118,7 @@ def inspect_part(path: Path, header: Header) -> PartInfo:
         raise FormatError(f"file name does not match its key {key} (renamed or copied over another {kind})")
     layers = None
     if "kvsnap.layers" in meta:
-        layers = json_field(meta, "kvsnap.layers", len(header.raw))
-        expected_tensor_names(layers, RECORD_NAME_BUDGET)
+        layers, _ = checked_layers(json_field(meta, "kvsnap.layers", len(header.raw)), RECORD_NAME_BUDGET)
         check_offsets(layers, end)
         sliced, whole = split_tensor_names(layers)
         names = set(sliced if kind == BLOCK_KIND else whole)

@@ -64,7 +64,7 @@ def to_out_tensors(arrays: dict[str, mx.array]) -> list[OutTensor]:
             raise SnapshotError("<cache>", f"tensor {name} has dtype {a.dtype}, which safetensors cannot hold", "use a float16/bfloat16/float32 model")
         a = mx.contiguous(a)
         mx.eval(a)
-        out.append(OutTensor(name, _MX_TO_ST[a.dtype], tuple(a.shape), memoryview(a).cast("B")))
+        out.append(OutTensor(name, _MX_TO_ST[a.dtype], tuple(a.shape), memoryview(a).cast("B")))  # type: ignore[arg-type]  # an mlx array is a buffer
     return out
 
 

@@ -17,7 +17,7 @@ from kvsnap.snapshot.chain import Chain, parse_chain
 from kvsnap.snapshot.file import FormatError, Header, tensor_bytes
 from kvsnap.snapshot.format import CHAIN, FORMAT_VERSION, KEY_RE, REQUIRED_META, TOKENS, TOKENS_DTYPE, check_format_field, snapshot_filename, snapshot_relpath
 from kvsnap.snapshot.header_fields import DIGITS_RE, check_count, json_field, show
-from kvsnap.snapshot.layer_list import MAX_LAYERS, RECORD_NAME_BUDGET, expected_tensor_names
+from kvsnap.snapshot.layer_list import MAX_LAYERS, RECORD_NAME_BUDGET, checked_layers
 
 MAX_NAME_CHARS = 4096
 MAX_MODEL_JSON = 1 << 20  # the identity; a per-layer quantization config is its largest part
@@ -138,12 +138,12 @@ def inspect_header(path: Path, header: Header, tokens_raw: bytes | None = None, 
         raise FormatError("tokens and identity do not hash to the recorded key")
     if path.name != snapshot_filename(key):
         raise FormatError(f"file name does not match its key {key} (renamed or copied over another snapshot)")
-    layers = json_field(meta, "kvsnap.layers", len(header.raw))
+    raw_layers = json_field(meta, "kvsnap.layers", len(header.raw))
     names = set(header.tensors) - {TOKENS}
     record = meta["kvsnap.format"] == str(FORMAT_VERSION)
     if record != (CHAIN in meta):
         raise FormatError(f"format {meta['kvsnap.format']} " + ("needs" if record else "cannot have") + f" a {CHAIN}")
-    expected = expected_tensor_names(layers, RECORD_NAME_BUDGET if record else len(names))
+    layers, expected = checked_layers(raw_layers, RECORD_NAME_BUDGET if record else len(names))
     if names != (set() if record else expected):
         raise FormatError(f"tensors do not match the layer list (missing {sorted(expected - names)[:3]}, extra {sorted(names - expected)[:3]})")
     tokens = unpack_tokens(bytes(tokens_raw))

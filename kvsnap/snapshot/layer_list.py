@@ -8,6 +8,7 @@ the field and its value. No mlx here.
 """
 
 from __future__ import annotations
+from typing import cast
 
 from kvsnap.snapshot.cache_classes import UnknownCacheClass, cache_class, member_path
 from kvsnap.snapshot.file import FormatError
@@ -101,6 +102,12 @@ def expected_tensor_names(layers: object, budget: int) -> set[str]:
     walk = _LayerWalk(budget)
     walk.layers("kvsnap.layers", layers, None, 0)
     return walk.names
+
+
+def checked_layers(layers: object, budget: int) -> tuple[list, set[str]]:
+    """``layers`` checked as a layer list (FormatError otherwise), and the tensor names it implies."""
+    names = expected_tensor_names(layers, budget)
+    return cast(list, layers), names  # expected_tensor_names refuses anything but a list
 
 
 def check_offsets(layers: list, n_tokens: int, field: str = "kvsnap.layers") -> None:

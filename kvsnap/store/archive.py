@@ -74,7 +74,7 @@ def pack(root: str | os.PathLike, out: str | os.PathLike) -> PackReport:
     try:
         os.fchmod(fd, FILE_MODE)
         with os.fdopen(fd, "wb") as raw:
-            with tarfile.open(fileobj=raw, mode=_tar_mode(out_path.name, True), format=tarfile.PAX_FORMAT) as tar:
+            with tarfile.open(fileobj=raw, mode=_tar_mode(out_path.name, True), format=tarfile.PAX_FORMAT) as tar:  # type: ignore[call-overload]  # mode from the file name
                 for f in files:
                     with open_checked(f) as fh:
                         info = tarfile.TarInfo(f.relpath)
@@ -122,7 +122,7 @@ def unpack(archive: str | os.PathLike, dest: str | os.PathLike, limits: UnpackLi
     where = str(path)
     check_destination(dest)  # before reading anything: a bad destination is a usage error
     try:
-        tar = tarfile.open(path, _tar_mode(path.name, False), tarinfo=BoundedTarInfo)
+        tar = tarfile.open(path, _tar_mode(path.name, False), tarinfo=BoundedTarInfo)  # type: ignore[call-overload]
         guard = ExpansionGuard(limits, path.stat().st_size)
     except (tarfile.TarError, OSError, EOFError, zlib.error, lzma.LZMAError) as exc:
         first = (str(exc).splitlines() or [type(exc).__name__])[0].rstrip(":")

@@ -12,7 +12,7 @@ import os
 import stat
 import tempfile
 from pathlib import Path
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Protocol, TypeVar
 
 from kvsnap.errors import SnapshotError
 from kvsnap.snapshot.file import Header, parse_header, read_into
@@ -38,9 +38,14 @@ class Hasher(Protocol):
 class StoreFiles(Protocol):
     """What a store's file readers and writers need of it (``store.local.Store`` has it)."""
 
-    root: Path
-    fault: FaultFn
-    fsync: Fsync
+    @property
+    def root(self) -> Path: ...
+
+    @property
+    def fault(self) -> FaultFn: ...
+
+    @property
+    def fsync(self) -> Fsync: ...
 
 
 def fsync_dir(folder: Path, fsync: Fsync = default_fsync) -> None:
@@ -73,7 +78,7 @@ def make_dirs(folder: Path, fsync: Fsync = default_fsync) -> None:
         fsync_dir(new.parent, fsync)  # even when another writer made it: it may not have got this far
 
 
-def atomic_write(target: Path, write: Callable[[Any], None], fault: FaultFn, fsync: Fsync = default_fsync) -> None:
+def atomic_write(target: Path, write: Callable[[Any], object], fault: FaultFn, fsync: Fsync = default_fsync) -> None:
     """Temp file in the target's folder, fsync, rename over the target, fsync the folder.
     A crash at any point leaves the old file or the new one, never a mix."""
     make_dirs(target.parent, fsync)
@@ -94,7 +99,10 @@ def atomic_write(target: Path, write: Callable[[Any], None], fault: FaultFn, fsy
     fsync_dir(target.parent, fsync)
 
 
-def hash_file(path: Path, hasher: Hasher) -> Hasher:
+H = TypeVar("H", bound=Hasher)
+
+
+def hash_file(path: Path, hasher: H) -> H:
     """Feed a file to ``hasher`` in CHUNK-sized reads (never the whole file in memory)."""
     with open(path, "rb") as fh:
         while chunk := fh.read(CHUNK):
@@ -130,6 +138,6 @@ def read_whole(path: Path) -> tuple[Header, Any, memoryview]:
         header = parse_header(f, os.fstat(f.fileno()).st_size)
         buf = mx.zeros((max(1, header.data_len),), dtype=mx.uint8)
         mx.eval(buf)
-        view = memoryview(buf)[: header.data_len]
+        view = memoryview(buf)[: header.data_len]  # type: ignore[arg-type]  # mlx arrays are buffers; its stubs do not say so
         read_into(f.fileno(), view, header.data_start)
     return header, buf, view

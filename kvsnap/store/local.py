@@ -148,7 +148,7 @@ class Store:
 
     # --- writing ----------------------------------------------------------------
 
-    def _atomic_write(self, target: Path, write: Callable[[Any], None]) -> None:
+    def _atomic_write(self, target: Path, write: Callable[[Any], object]) -> None:
         atomic_write(target, write, self.fault, self.fsync)
 
     def put(self, key: str, tensors: list[OutTensor], metadata: dict[str, str]) -> Path:

@@ -72,11 +72,11 @@ class _Checker:
     def count(self, field: str, value: object, optional: bool = True) -> None:
         if value is None and optional:
             return
-        if type(value) is not int or not 0 <= value <= MAX_COUNT:
+        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_COUNT:
             raise self.fail(field, value, f"an integer from 0 to {MAX_COUNT}" + (" or null" if optional else ""))
 
     def number(self, field: str, value: object) -> None:
-        if value is not None and (type(value) not in (int, float) or not 0 <= value <= MAX_COUNT):
+        if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value <= MAX_COUNT):
             raise self.fail(field, value, "a number from 0 or null")
 
     def shallow(self, field: str, value: object) -> None:

@@ -24,7 +24,7 @@ from kvsnap.snapshot.format import (
     BLOCK_KIND, BLOCKS, CHECKPOINT_KIND, CHECKPOINTS, DTYPES, KEY_RE, SUFFIX, TOKENS, block_relpath, checkpoint_relpath, part_metadata,
     snapshot_filename,
 )
-from kvsnap.snapshot.chain import PartInfo, inspect_part
+from kvsnap.snapshot.chain import Chain, PartInfo, inspect_part
 from kvsnap.snapshot.header import SnapshotInfo
 from kvsnap.store.fileio import TMP_PREFIX, StoreFiles, atomic_write, check_regular, read_whole
 
@@ -95,7 +95,7 @@ def put_part(store: StoreFiles, kind: str, key: str, tensors: list[OutTensor], m
 
 def write_chain(
     store: StoreFiles, model_digest: str, links: Sequence[ChainLink], arrays: dict, layers: list, checkpoint_arrays: dict[int, tuple[dict, list]], dense: bool,
-    replace: set | None = frozenset(),
+    replace: set | frozenset | None = frozenset(),
 ) -> Written:
     """Write every block and checkpoint of ``links`` the store lacks (the caller holds the lock).
 
@@ -231,28 +231,36 @@ def assemble_state(store: StoreFiles, where: str, model_digest: str, tokens: Seq
     return out, layers
 
 
+def chain_of(info: SnapshotInfo) -> Chain:
+    """A v3 record's chain; these readers are only called on records that have one."""
+    if info.chain is None:
+        raise SnapshotError(str(info.path), "holds its own state, not a chain of blocks", "read it as a whole file")
+    return info.chain
+
+
 def end_checkpoint(info: SnapshotInfo) -> str | None:
     """The key of a record's checkpoint at its end (hybrids), or None."""
-    last = info.chain.checkpoints[-1] if info.chain.checkpoints else None
+    chain = chain_of(info)
+    last = chain.checkpoints[-1] if chain.checkpoints else None
     return last[0] if last is not None and last[1] == info.n_tokens else None
 
 
 def assemble(store: StoreFiles, info: SnapshotInfo) -> tuple[dict, list]:
     """A v3 record's whole state: the arrays a v2 file of it would hold, and its layer list."""
-    return assemble_state(store, str(info.path), info.model_digest, info.tokens, info.chain.spans(info.n_tokens), end_checkpoint(info), info.layers)
+    return assemble_state(store, str(info.path), info.model_digest, info.tokens, chain_of(info).spans(info.n_tokens), end_checkpoint(info), info.layers)
 
 
 def verify_chain(store: StoreFiles, info: SnapshotInfo) -> int:
     """Check every block and checkpoint a record reaches, streamed (no mlx): header, key, span,
     checksum, and tensors against the record's layer list. Returns their bytes."""
     sliced, whole = split_tensor_names(info.layers)
-    total = 0
-    for key, start, end, digest in info.chain.spans(info.n_tokens):
+    chain, total = chain_of(info), 0
+    for key, start, end, digest in chain.spans(info.n_tokens):
         part, tensors = check_part(store, BLOCK_KIND, key, info.model_digest, start, end, digest)
         _check_tensors(store, part, tensors, set(sliced), end - start)
         total += part_path(store, BLOCK_KIND, key).stat().st_size
-    for key, end in info.chain.checkpoints:
-        check_checkpoint(store, key, info.model_digest, end, info.chain.digest_at(end))
+    for key, end in chain.checkpoints:
+        check_checkpoint(store, key, info.model_digest, end, chain.digest_at(end))
         total += part_path(store, CHECKPOINT_KIND, key).stat().st_size
     return total
 
@@ -261,7 +269,7 @@ def check_checkpoint(store: StoreFiles, key: str, model_digest: str, end: int, p
     """A checkpoint's header, span, checksum and tensors (its layer list's whole layers),
     streamed (no mlx); SnapshotError names it."""
     part, tensors = check_part(store, CHECKPOINT_KIND, key, model_digest, 0, end, prefix_digest)
-    _check_tensors(store, part, tensors, set(split_tensor_names(part.layers)[1]), None)
+    _check_tensors(store, part, tensors, set(split_tensor_names(part.layers or [])[1]), None)
 
 
 def _check_tensors(store: StoreFiles, part: PartInfo, tensors: dict, names: set, tokens: int | None) -> None:

@@ -84,7 +84,7 @@ def _check_kind(doc: object, ref: Reference) -> dict:
     media = doc.get("mediaType")
     if media == OCI_INDEX or "manifests" in doc:
         raise RegistryError(f"{ref} is an image index, not a kvsnap store; give the tag `kvsnap push` wrote")
-    config = doc.get("config") if isinstance(doc.get("config"), dict) else {}
+    config = doc["config"] if isinstance(doc.get("config"), dict) else {}
     if doc.get("artifactType") != ARTIFACT_TYPE and config.get("mediaType") != ARTIFACT_TYPE:
         kind = str(doc.get("artifactType") or config.get("mediaType") or media or "unknown")[:100]
         raise RegistryError(f"{ref} is not a kvsnap store (its type is {kind!r}); give a tag written by `kvsnap push`")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import re
-from typing import BinaryIO, Callable
+from typing import Any, BinaryIO, Callable, ContextManager
 
 import httpx
 
@@ -94,7 +94,7 @@ class RegistryClient:
             self.credential_problem = exc
             return None
 
-    def _send(self, method: str, url: str, headers: dict | None, content: Callable[[], object] | None, stream: bool) -> httpx.Response:
+    def _send(self, method: str, url: str, headers: dict | None, content: Callable[[], Any] | None, stream: bool) -> httpx.Response:
         """One call, following redirects itself: credentials go only to the registry's own origin
         (scheme, host, port), never to a host it redirects to, and https never drops to http."""
         for _ in range(MAX_REDIRECTS + 1):
@@ -155,7 +155,8 @@ class RegistryClient:
         if httpx.URL(self.base).scheme == "https" and realm.scheme != "https":
             raise RegistryAuthError(f"registry {self.ref.host} (https) names a plain-http token service {origin_of(realm)}; refusing to send credentials there; check the registry's auth setup")
         scopes = [s for s in dict.fromkeys([params.get("scope", ""), self.scope]) if s]
-        query = [("scope", s) for s in scopes] + ([("service", params["service"])] if params.get("service") else [])
+        query: list[tuple[str, str | int | float | bool | None]] = [("scope", s) for s in scopes]
+        query += [("service", params["service"])] if params.get("service") else []
         headers = {"Authorization": creds.basic()} if creds else {}
         try:
             resp = self.client.get(params["realm"], params=query, headers=headers)
@@ -192,7 +193,7 @@ class RegistryClient:
             "check the registry's storage redirect setup"
         )
 
-    def request(self, method: str, url: str, headers: dict | None = None, content: Callable[[], object] | None = None, stream: bool = False, ok: tuple[int, ...] = (200,), nbytes: int = 0) -> httpx.Response:
+    def request(self, method: str, url: str, headers: dict | None = None, content: Callable[[], Any] | None = None, stream: bool = False, ok: tuple[int, ...] = (200,), nbytes: int = 0) -> httpx.Response:
         """One call; answers a 401 challenge once. Returns the response if its status is in ``ok`` or 404.
         The whole call, body included, runs under one deadline sized for ``nbytes``."""
         self.clock.start(self.deadlines.seconds_for(nbytes))
@@ -241,7 +242,7 @@ class RegistryClient:
             found.update(zip(unique[1:], pool.map(self.blob_exists, unique[1:])))
         return found
 
-    def upload_blob(self, digest: str, size: int, opener: Callable[[], BinaryIO]) -> None:
+    def upload_blob(self, digest: str, size: int, opener: Callable[[], ContextManager[BinaryIO]]) -> None:
         """Monolithic upload: POST for a session, then PUT the bytes with ``?digest=``; the registry checks the digest."""
         resp = self.request("POST", f"{self.base}/blobs/uploads/", headers={"Content-Length": "0"}, ok=(202,))
         if resp.status_code == 404:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import io
 import os
 from dataclasses import dataclass, field
-from typing import BinaryIO, Callable
+from functools import partial
+from typing import BinaryIO, Callable, ContextManager
 
 import httpx
 
@@ -54,8 +55,9 @@ def push(root: str | os.PathLike, ref: Reference | str, plain_http: bool | None 
     manifest = artifact_manifest(layers)  # too large for a registry: refused before any upload
     report = PushReport(ref, "")
     with RegistryClient(ref, plain_http, credentials, push=True, transport=transport, deadlines=deadlines) as client:
-        blobs: list[tuple[str, str, int, Callable[[], BinaryIO]]] = [("config", EMPTY_CONFIG["digest"], EMPTY_CONFIG["size"], lambda: BytesOpener(EMPTY_JSON))]
-        blobs += [(l.relpath, l.digest, l.size, (lambda f=by_path[l.relpath]: open_checked(f))) for l in layers]
+        config_blob = ("config", str(EMPTY_CONFIG["digest"]), len(EMPTY_JSON), lambda: BytesOpener(EMPTY_JSON))
+        blobs: list[tuple[str, str, int, Callable[[], ContextManager[BinaryIO]]]] = [config_blob]
+        blobs += [(layer.relpath, layer.digest, layer.size, partial(open_checked, by_path[layer.relpath])) for layer in layers]
         seen: set[str] = set()
         present = client.blobs_exist([digest for _, digest, _, _ in blobs])  # in parallel: only what is missing goes up
         for name, digest, size, opener in blobs:
