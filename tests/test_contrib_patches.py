@@ -191,6 +191,26 @@ def test_patched_mlx_lm_server_kv_snapshots_first_request_hits_and_answers_like_
     ]
 
 
+def test_patched_mlx_lm_server_refuses_a_bad_option_in_one_line(demo_models, tmp_path):
+    """A refused option ends the patched server as argparse would: one line, no traceback."""
+    import mlx_lm
+
+    patched = apply_patch(MLX_LM_PATCH, Path(mlx_lm.__file__).parent, tmp_path / "mlx-lm")
+    agents = tmp_path / "agents.json"
+    agents.write_text(json.dumps(mlx_lm_tests.AGENTS))
+    command = [sys.executable, "-m", "mlx_lm.server", "--model", str(demo_models.path("dense"))]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(PYTHONPATH=f"{patched}{os.pathsep}{ROOT}", HF_HUB_OFFLINE="1")
+    cases = [
+        (["--warm-prompts", str(agents)], 2, "needs --kv-snapshots"),
+        (["--kv-snapshots", str(tmp_path / "missing")], 1, str(tmp_path / "missing")),
+    ]
+    for extra, code, said in cases:
+        r = subprocess.run([*command, *extra], capture_output=True, text=True, timeout=120, env=env)
+        assert r.returncode == code and "mlx_lm.server: error: " in r.stderr, r.stderr[-2000:]
+        assert said in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+
+
 def test_patched_mlx_lm_server_warm_prompts_prefill_once_and_write_back(demo_models, tmp_path):
     import mlx_lm
 

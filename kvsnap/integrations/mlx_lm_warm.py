@@ -13,11 +13,12 @@ mlx-lm loaded, captured at the exact prefix boundary, and written back to a writ
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvsnap.errors import SnapshotError, UsageError
+from kvsnap.errors import KvsnapError, SnapshotError, UsageError
 from kvsnap.integrations.vllm_mlx_warm import WarmPlan, WarmReport
 
 log = logging.getLogger("kvsnap.mlx_lm")
@@ -111,8 +112,20 @@ def warm_prompt_cache(model_provider: Any, kv_snapshots: str | None = None,
 
     ``kv_snapshots`` and ``warm_prompts`` default to ``model_provider.cli_args``'
     ``kv_snapshots`` / ``warm_prompts`` (the patched server's flags). Runs on the thread
-    that calls mlx-lm's ``run``, before its generation thread starts.
+    that calls mlx-lm's ``run``, before its generation thread starts. Called that way (by the
+    patched server), a refused option or store ends the process with one line, as argparse
+    does; ``kvsnap mlx-lm serve`` passes both and reports kvsnap's errors itself.
     """
+    if kv_snapshots is not None or warm_prompts is not None:
+        return _warm_prompt_cache(model_provider, kv_snapshots, warm_prompts)
+    try:
+        return _warm_prompt_cache(model_provider, None, None)
+    except KvsnapError as exc:
+        print(f"mlx_lm.server: error: {exc}", file=sys.stderr)
+        raise SystemExit(2 if isinstance(exc, UsageError) else 1) from None
+
+
+def _warm_prompt_cache(model_provider: Any, kv_snapshots: str | None, warm_prompts: str | None) -> Any:
     from kvsnap.integrations.mlx_lm_cache import PinnedPromptCache
     from kvsnap.integrations.mlx_lm_profile import mlx_lm_tokenization
     from kvsnap.integrations.vllm_mlx import load_warm_prompt_file, open_store
