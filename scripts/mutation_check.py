@@ -203,7 +203,7 @@ BREAKAGES = (
         "ignore-namespaces",
         "no shared mutable cache / tenant isolation (server.md#security)",
         "a request prefix of one key or cache_salt matches requests of another",
-        (Patch("kvsnap/runtime/prefix.py", "            tries = (self._tries.get(None), self._tries.get(namespace))\n", "            tries = tuple(self._tries.values())\n"),),
+        (Patch("kvsnap/runtime/prefix.py", "            tries = (self._tries.get(None) if shared else None, self._tries.get(namespace))\n", "            tries = tuple(self._tries.values())\n"),),
         ("tests/test_security.py::test_prefixes_of_two_namespaces_never_match_each_other", "tests/test_shared_prefix.py::test_requests_of_two_namespaces_never_share_a_computed_prefix"),
     ),
     Breakage(
