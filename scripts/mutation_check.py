@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-COPIED = ("kvsnap", "tests", "pyproject.toml")
+COPIED = ("kvsnap", "tests", "contrib", "pyproject.toml")  # contrib: the upstream patches the tests apply
 TIMEOUT_S = 900
 
 
