@@ -2,7 +2,10 @@
 
     python scripts/bench_overlap_ab.py load|prefetch|both MODEL_DIR STORE_DIR
 """
-import os, sys, time, threading
+import os
+import sys
+import time
+import threading
 os.environ.setdefault("KVSNAP_CACHE_DIR", ".kvsnap-bench/cache")
 from kvsnap.blas import preload_openblas; preload_openblas()
 import mlx.core as mx

@@ -499,7 +499,7 @@ def markdown(summary: dict, meta: dict) -> str:
     for family in meta["families"]:
         for server, cold_m, warm_m, snap_m in SERVERS:
             for conc in meta["concurrency"]:
-                get = lambda m, k: (cells.get(f"{family}|{m}|{conc}") or {}).get(k)  # noqa: E731
+                get = lambda m, k: (cells.get(f"{family}|{m}|{conc}") or {}).get(k)  # noqa: E731, B023 (called at once, in this iteration)
                 if all(get(m, "runs") is None for m in (cold_m, warm_m, snap_m)):
                     continue
                 cold, warm, snap = (get(m, "ttft_s") for m in (cold_m, warm_m, snap_m))

@@ -127,7 +127,9 @@ def test_unpack_into_an_existing_store_adds_and_keeps_other_files(built, lm, tmp
     before = store_files(other)
     report = unpack(archive, other)
     after = store_files(other)
-    records = lambda root: set(json.loads((root / MANIFEST).read_text())["records"])
+    def records(root):
+        return set(json.loads((root / MANIFEST).read_text())["records"])
+
     assert records(other) == records(built) | {r for r in json.loads(before[MANIFEST])["records"]}  # merged: both stores' records
     assert {k for k in before if k != MANIFEST} <= set(after)  # nothing removed
     assert set(after) == set(before) | set(store_files(built))

@@ -270,7 +270,7 @@ def test_push_pull_verify_round_trip(registry, built, tmp_path):
     # The artifact: an OCI image manifest of type kvsnap store, the empty config, one layer per file.
     doc = registry.manifest("team/snaps", "v1").json()
     assert doc["mediaType"] == OCI_MANIFEST and doc["artifactType"] == ARTIFACT_TYPE and doc["config"] == EMPTY_CONFIG
-    layers = {l["annotations"][TITLE]: l for l in doc["layers"]}
+    layers = {layer["annotations"][TITLE]: layer for layer in doc["layers"]}
     assert set(layers) == set(store_files(built))
     for rel, layer in layers.items():
         assert layer["digest"] == sha256(built / rel) and layer["size"] == (built / rel).stat().st_size

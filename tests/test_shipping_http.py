@@ -206,7 +206,7 @@ def artifact_server(servers, layers: list[dict], blob: Callable[[BaseHTTPRequest
     from kvsnap.store.oci import ARTIFACT_TYPE, EMPTY_CONFIG, OCI_MANIFEST, TITLE
 
     doc = {"schemaVersion": 2, "mediaType": OCI_MANIFEST, "artifactType": ARTIFACT_TYPE, "config": EMPTY_CONFIG,
-           "layers": [{"mediaType": "application/octet-stream", "digest": l["digest"], "size": l["size"], "annotations": {TITLE: l["title"]}} for l in layers]}
+           "layers": [{"mediaType": "application/octet-stream", "digest": layer["digest"], "size": layer["size"], "annotations": {TITLE: layer["title"]}} for layer in layers]}
     body = json.dumps(doc).encode()
 
     def handle(h):

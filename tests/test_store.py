@@ -283,7 +283,7 @@ def test_files_are_0600_and_folders_0700_whatever_the_umask(tmp_path):
 
 
 def test_a_built_store_has_private_modes_and_no_temp_files(base_store):
-    for dirpath, dirnames, filenames in os.walk(base_store):
+    for dirpath, _dirnames, filenames in os.walk(base_store):
         assert stat.S_IMODE(os.stat(dirpath).st_mode) == 0o700, dirpath
         for name in filenames:
             assert not name.startswith(TMP_PREFIX)

@@ -65,7 +65,7 @@ def artifact_manifest(layers: list[Layer]) -> bytes:
         "mediaType": OCI_MANIFEST,
         "artifactType": ARTIFACT_TYPE,
         "config": EMPTY_CONFIG,
-        "layers": [{"mediaType": media_type(l.relpath), "digest": l.digest, "size": l.size, "annotations": {TITLE: l.relpath}} for l in layers],
+        "layers": [{"mediaType": media_type(layer.relpath), "digest": layer.digest, "size": layer.size, "annotations": {TITLE: layer.relpath}} for layer in layers],
         "annotations": {"io.kvsnap.version": __version__},  # no timestamp: an unchanged store pushes the same manifest digest
     }
     body = json.dumps(doc, separators=(",", ":")).encode()

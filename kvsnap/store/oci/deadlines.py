@@ -33,7 +33,7 @@ class Deadlines:
     min_rate: float = 256 * 1024  # bytes per second a blob must at least arrive at
 
     def __post_init__(self) -> None:
-        for name, value, flag in (("total_s", self.total_s, "--registry-timeout"), ("idle_s", self.idle_s, "--registry-idle-timeout"), ("min_rate", self.min_rate, "--registry-min-rate")):
+        for _name, value, flag in (("total_s", self.total_s, "--registry-timeout"), ("idle_s", self.idle_s, "--registry-idle-timeout"), ("min_rate", self.min_rate, "--registry-min-rate")):
             if not isinstance(value, (int, float)) or not 0 < value < float("inf"):
                 raise UsageError(f"{flag} is {value!r}; give a positive number")
 

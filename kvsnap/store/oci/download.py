@@ -57,8 +57,8 @@ def _kept_existing(dest: Path, layers: list[Layer], have: list[Layer]) -> list[s
         return []
     store = Store(root=dest.resolve(), readonly=True)
     return [
-        l.relpath for l in layers
-        if l not in have and l.relpath != MANIFEST and (dest / l.relpath).is_file() and existing_file_is_good(store, l.relpath)
+        layer.relpath for layer in layers
+        if layer not in have and layer.relpath != MANIFEST and (dest / layer.relpath).is_file() and existing_file_is_good(store, layer.relpath)
     ]
 
 
@@ -87,7 +87,7 @@ def pull(ref: Reference | str, dest: str | os.PathLike, plain_http: bool | None 
         body, digest = client.get_manifest()
         layers = parse_artifact(body, ref)
         report = PullReport(ref, dest_path, digest)
-        have = [l for l in layers if present_with_digest(dest_path / l.relpath, l.size, l.digest)]
+        have = [layer for layer in layers if present_with_digest(dest_path / layer.relpath, layer.size, layer.digest)]
         report.kept = _kept_existing(dest_path, layers, have)
         with StagedInstall(dest_path, resume=True) as staging:
             try:
@@ -95,7 +95,7 @@ def pull(ref: Reference | str, dest: str | os.PathLike, plain_http: bool | None 
             except RegistryError as exc:
                 raise type(exc)(f"{exc}; nothing was changed in {dest_path}") from None
             staging.verify(str(ref))
-            _verify_present(dest_path, [l.relpath for l in have], ref)
+            _verify_present(dest_path, [layer.relpath for layer in have], ref)
             staging.commit()
     return report
 
