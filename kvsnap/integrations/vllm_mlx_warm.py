@@ -49,7 +49,7 @@ class WarmReport:
     warnings: list[str] = field(default_factory=list)
 
     def summary(self) -> str:
-        from kvsnap.runtime.warmup import warmup_line
+        from kvsnap.runtime.warmup_report import warmup_line
 
         return warmup_line(self)
 

@@ -30,7 +30,6 @@ from kvsnap.runtime.warmup_entries import (
 from kvsnap.runtime.warmup_report import (
     SnapshotCounts,
     WarmupReport,
-    warmup_line,  # noqa: F401  (integrations/vllm_mlx_warm.py)
 )
 from kvsnap.runtime.writeback import commit_snapshot
 from kvsnap.snapshot.codec import cache_nbytes_of, is_trimmable
