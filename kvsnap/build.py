@@ -7,15 +7,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
+from kvsnap.chat import Tokenization
 from kvsnap.errors import KvsnapError, SnapshotError, TemplateError
 from kvsnap.key import DigestCache, ModelIdentity
-from kvsnap.snapshot.blocks import BlockSettings, branch_points
+from kvsnap.prompts import WarmPrompt, WarmPromptSet
 from kvsnap.runtime.modeling import LoadedModel
 from kvsnap.runtime.prefill import prefill_in_blocks
-from kvsnap.chat import Tokenization
-from kvsnap.prompts import WarmPrompt, WarmPromptSet
 from kvsnap.runtime.warm_recipe import warm_key
-from kvsnap.runtime.writeback import ChainPlan, manifest_entry, profile_record_id, put_snapshot, record_upsert
+from kvsnap.runtime.writeback import (
+    ChainPlan,
+    manifest_entry,
+    profile_record_id,
+    put_snapshot,
+    record_upsert,
+)
+from kvsnap.snapshot.blocks import BlockSettings, branch_points
 from kvsnap.store.local import Store
 
 Progress = Callable[[str, str], None]  # (event, entry name)
@@ -81,7 +87,11 @@ def capture_snapshot(
     done, cache = start
     whole = set(lm_whole_tensor_classes(lm))
     links = plan.links(identity, tokens, bool(whole), captured_only=False)
-    checkpoints = {link.end for link in links if link.checkpoint_key and link.end < len(tokens)} if whole else set()
+    checkpoints = (
+        {link.end for link in links if link.checkpoint_key and link.end < len(tokens)}
+        if whole
+        else set()
+    )
 
     def capture(end: int, state: list) -> None:
         if end in checkpoints:
@@ -92,14 +102,20 @@ def capture_snapshot(
 
     cache = prefill_in_blocks(lm, tokens, [link.end for link in links], cache, done, capture)
     store.fault("after-prefill")
-    return put_snapshot(lm, store, identity, prompt, prompt_digest, tokens, cache, tokenization, on_commit, plan)
+    return put_snapshot(
+        lm, store, identity, prompt, prompt_digest, tokens, cache, tokenization, on_commit, plan
+    )
 
 
 def lm_whole_tensor_classes(lm: LoadedModel) -> list[str]:
     """Layer indexes (as tensor-name prefixes) only a checkpoint can restore."""
     from kvsnap.snapshot.cache_classes import CACHE_CLASSES
 
-    return [str(i) for i, name in enumerate(lm.layout) if not (name in CACHE_CLASSES and CACHE_CLASSES[name].sliceable)]
+    return [
+        str(i)
+        for i, name in enumerate(lm.layout)
+        if not (name in CACHE_CLASSES and CACHE_CLASSES[name].sliceable)
+    ]
 
 
 def mx_eval(arrays: dict) -> None:
@@ -134,9 +150,13 @@ def build_snapshots(
     store.read_manifest()  # a damaged manifest stops the build before any prefill (StoreError)
     identity = lm.identity(digests)
     store.fault("model-loaded")  # marks the start of the window crash tests kill in
-    report = BuildReport(store=store.root, model_digest=identity.digest, problems=[str(p) for p in prompts.problems])
+    report = BuildReport(
+        store=store.root, model_digest=identity.digest, problems=[str(p) for p in prompts.problems]
+    )
     build = _Build(lm, store, identity, agents_file, tokenization, force, blocks or BlockSettings())
-    results = {prompt.name: EntryResult(name=prompt.name, status="failed") for prompt in prompts.entries}
+    results = {
+        prompt.name: EntryResult(name=prompt.name, status="failed") for prompt in prompts.entries
+    }
     planned = {}
     for prompt in prompts.entries:  # every prefix first: the branch points need them all
         try:
@@ -186,12 +206,21 @@ class _Build:
         self.hybrid = bool(lm_whole_tensor_classes(self.lm))
 
     def plan(self, prompt: WarmPrompt, result: EntryResult) -> _Planned:
-        """A warm prompt's prefix, digest and key (fills ``result`` as it goes, so a failure still reports them)."""
+        """A warm prompt's prefix, digest and key (fills ``result`` as it goes, so a failure still
+        reports them)."""
         warm = warm_key(self.lm.tokenizer, self.identity, prompt, self.tokenization)
         tokens, prefix = warm.tokens, warm.prefix
-        result.n_tokens, result.entry_tokens, result.coverage, result.warnings = len(tokens), prefix.entry_tokens, prefix.coverage, prefix.warnings
+        result.n_tokens, result.entry_tokens, result.coverage, result.warnings = (
+            len(tokens),
+            prefix.entry_tokens,
+            prefix.coverage,
+            prefix.warnings,
+        )
         if not tokens:
-            raise TemplateError(f"{prompt.name}: the chat template leaves no token shared by every continuation; nothing to snapshot")
+            raise TemplateError(
+                f"{prompt.name}: the chat template leaves no token shared by every continuation; "
+                f"nothing to snapshot"
+            )
         result.key = warm.key
         return _Planned(prompt, list(tokens), warm.prompt_digest)
 
@@ -210,17 +239,33 @@ class _Build:
         plan = ChainPlan(self.blocks, branches)
         start, replace = (0, None), set()
         if not self.force:
-            start, replace, warnings = restore_longest(self.lm, store, self.identity, tokens, plan, self.hybrid)
+            start, replace, warnings = restore_longest(
+                self.lm, store, self.identity, tokens, plan, self.hybrid
+            )
             result.warnings += warnings
         plan.replace = replace if not self.force else None
-        path = capture_snapshot(self.lm, store, self.identity, prompt, planned.prompt_digest, tokens, on_commit=lambda written: commit(written, "built"), tokenization=self.profile, plan=plan, start=start)
+        path = capture_snapshot(
+            self.lm,
+            store,
+            self.identity,
+            prompt,
+            planned.prompt_digest,
+            tokens,
+            on_commit=lambda written: commit(written, "built"),
+            tokenization=self.profile,
+            plan=plan,
+            start=start,
+        )
         result.tokens_reused, result.tokens_prefilled = start[0], len(tokens) - start[0]
         result.blocks_written = plan.written.blocks + plan.written.checkpoints
         result.bytes_written = plan.written.nbytes + path.stat().st_size
         result.nbytes = result.bytes_written
 
-    def reuse(self, name: str, path: Path, commit: Callable[[Path, str], None], result: EntryResult) -> bool:
-        """Keep the record already at ``path`` if it and every part it names verify; a bad one is replaced (with a warning)."""
+    def reuse(
+        self, name: str, path: Path, commit: Callable[[Path, str], None], result: EntryResult
+    ) -> bool:
+        """Keep the record already at ``path`` if it and every part it names verify; a bad one is
+        replaced (with a warning)."""
         with self.store.lock():
             if not (path.exists() or path.is_symlink()):
                 return False
@@ -234,10 +279,25 @@ class _Build:
             return True
 
     def record(self, result: EntryResult, prompt_digest: str) -> None:
-        """Put this entry in the manifest record; under the store lock, so the file and its record appear together for gc."""
-        update = record_upsert(self.lm, self.identity, self.agents_file, manifest_entry(result.name, result.key, result.n_tokens, round(result.coverage, 4), prompt_digest, self.profile))
+        """Put this entry in the manifest record; under the store lock, so the file and its record
+        appear together for gc."""
+        update = record_upsert(
+            self.lm,
+            self.identity,
+            self.agents_file,
+            manifest_entry(
+                result.name,
+                result.key,
+                result.n_tokens,
+                round(result.coverage, 4),
+                prompt_digest,
+                self.profile,
+            ),
+        )
         current = self.store.read_manifest()["records"].get(self.rid, {})
-        if _without_time(update(current)) != _without_time(current):  # an unchanged rebuild writes nothing
+        if _without_time(update(current)) != _without_time(
+            current
+        ):  # an unchanged rebuild writes nothing
             self.store.update_record(self.rid, update)
 
     def drop_departed(self, current: set[str]) -> None:
@@ -245,10 +305,23 @@ class _Build:
         but keep entries that merely failed this time; rewrite only when one really left."""
         record = self.store.read_manifest()["records"].get(self.rid)
         if record and any(e.get("name") not in current for e in record.get("entries", [])):
-            self.store.update_record(self.rid, lambda r: {**r, "entries": [e for e in r.get("entries", []) if e.get("name") in current]})
+            self.store.update_record(
+                self.rid,
+                lambda r: {
+                    **r,
+                    "entries": [e for e in r.get("entries", []) if e.get("name") in current],
+                },
+            )
 
 
-def restore_longest(lm: LoadedModel, store: Store, identity: ModelIdentity, tokens: Sequence[int], plan: ChainPlan, hybrid: bool) -> tuple[tuple[int, list | None], set, tuple[str, ...]]:
+def restore_longest(
+    lm: LoadedModel,
+    store: Store,
+    identity: ModelIdentity,
+    tokens: Sequence[int],
+    plan: ChainPlan,
+    hybrid: bool,
+) -> tuple[tuple[int, list | None], set, tuple[str, ...]]:
     """The longest prefix of ``tokens`` the store's blocks (and, for hybrids, a checkpoint) restore:
     ((token count, cache or None), keys of bad parts to rewrite, warnings).
 
@@ -264,7 +337,11 @@ def restore_longest(lm: LoadedModel, store: Store, identity: ModelIdentity, toke
         if not has_part(store, BLOCK_KIND, link.key):
             break
         present.append(link)
-    points = [link for link in present if not hybrid or has_part(store, CHECKPOINT_KIND, _checkpoint_key(identity, link))]
+    points = [
+        link
+        for link in present
+        if not hybrid or has_part(store, CHECKPOINT_KIND, _checkpoint_key(identity, link))
+    ]
     replace: set = set()
     warnings: tuple[str, ...] = ()
     if hybrid:
@@ -284,10 +361,16 @@ def restore_longest(lm: LoadedModel, store: Store, identity: ModelIdentity, toke
         plan.stored = {link.end for link in points if link.checkpoint_key}
     while points:
         point = points[-1]
-        upto = [(link.key, link.start, link.end, link.prefix_digest) for link in present if link.end <= point.end]
+        upto = [
+            (link.key, link.start, link.end, link.prefix_digest)
+            for link in present
+            if link.end <= point.end
+        ]
         checkpoint = _checkpoint_key(identity, point) if hybrid else None
         try:
-            arrays, layers = assemble_state(store, str(store.root), identity.digest, tokens, upto, checkpoint, None)
+            arrays, layers = assemble_state(
+                store, str(store.root), identity.digest, tokens, upto, checkpoint, None
+            )
         except SnapshotError as exc:
             bad = Path(exc.path).stem
             replace.add(bad)
@@ -301,7 +384,9 @@ def restore_longest(lm: LoadedModel, store: Store, identity: ModelIdentity, toke
     return (0, None), replace, warnings
 
 
-def _bad_past(store: Store, identity: ModelIdentity, links: Sequence, done: int, replace: set) -> tuple[str, ...]:
+def _bad_past(
+    store: Store, identity: ModelIdentity, links: Sequence, done: int, replace: set
+) -> tuple[str, ...]:
     """Stored blocks past the restore point are prefilled again but kept when present: add the
     ones that fail their checks to ``replace`` (so they are rewritten); their warnings."""
     from kvsnap.snapshot.format import BLOCK_KIND
@@ -312,7 +397,15 @@ def _bad_past(store: Store, identity: ModelIdentity, links: Sequence, done: int,
         if link.start < done or link.key in replace or not has_part(store, BLOCK_KIND, link.key):
             continue
         try:
-            check_part(store, BLOCK_KIND, link.key, identity.digest, link.start, link.end, link.prefix_digest)
+            check_part(
+                store,
+                BLOCK_KIND,
+                link.key,
+                identity.digest,
+                link.start,
+                link.end,
+                link.prefix_digest,
+            )
         except SnapshotError as exc:
             replace.add(link.key)
             warnings += (f"replacing a bad block ({exc.path}: {exc.reason})",)

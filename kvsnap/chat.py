@@ -38,41 +38,76 @@ def _content_to_text(content: Any, where: str) -> str | None:
                 texts.append(part)
                 continue
             if not isinstance(part, dict):
-                raise MessageError(here, f"content part is a {type(part).__name__}", 'use {"type": "text", "text": "..."}')
+                raise MessageError(
+                    here,
+                    f"content part is a {type(part).__name__}",
+                    'use {"type": "text", "text": "..."}',
+                )
             kind = part.get("type", "text")
             if kind not in ("text", "input_text"):
-                raise MessageError(here + ".type", f"content part type {kind!r} is not supported", 'only "text" parts can be served by a text model')
+                raise MessageError(
+                    here + ".type",
+                    f"content part type {kind!r} is not supported",
+                    'only "text" parts can be served by a text model',
+                )
             text = part.get("text")
             if not isinstance(text, str):
-                raise MessageError(here + ".text", f"expected a string, got {type(text).__name__}", "give the part's text as a string")
+                raise MessageError(
+                    here + ".text",
+                    f"expected a string, got {type(text).__name__}",
+                    "give the part's text as a string",
+                )
             texts.append(text)
         return "".join(texts)
-    raise MessageError(where, f"content is a {type(content).__name__}", "give a string or a list of text parts")
+    raise MessageError(
+        where, f"content is a {type(content).__name__}", "give a string or a list of text parts"
+    )
 
 
 def normalize_message(message: Any, where: str) -> dict:
     """One message → a plain dict: text content, ``developer`` folded into ``system``."""
     if not isinstance(message, dict):
-        raise MessageError(where, f"a message must be an object, got {type(message).__name__}", 'write {"role": ..., "content": ...}')
+        raise MessageError(
+            where,
+            f"a message must be an object, got {type(message).__name__}",
+            'write {"role": ..., "content": ...}',
+        )
     role = message.get("role")
     if role not in ROLES:
-        raise MessageError(where + ".role", f"unknown role {role!r}", f"use one of {', '.join(ROLES)}")
+        raise MessageError(
+            where + ".role", f"unknown role {role!r}", f"use one of {', '.join(ROLES)}"
+        )
     unknown = sorted(set(message) - set(MESSAGE_KEYS))
     if unknown:
-        raise MessageError(where, f"unknown field(s) {', '.join(map(repr, unknown))}", f"a message may only have {', '.join(MESSAGE_KEYS)}")
+        raise MessageError(
+            where,
+            f"unknown field(s) {', '.join(map(repr, unknown))}",
+            f"a message may only have {', '.join(MESSAGE_KEYS)}",
+        )
     content = _content_to_text(message.get("content"), where + ".content")
     if content is None and not (role == "assistant" and message.get("tool_calls")):
-        raise MessageError(where + ".content", "content is missing", "give the message's text as a string")
-    out: dict = {"role": "system" if role == "developer" else role, "content": content if content is not None else ""}
+        raise MessageError(
+            where + ".content", "content is missing", "give the message's text as a string"
+        )
+    out: dict = {
+        "role": "system" if role == "developer" else role,
+        "content": content if content is not None else "",
+    }
     for key in ("name", "tool_call_id", "reasoning_content"):
         if key in message and message[key] is not None:
             if not isinstance(message[key], str):
-                raise MessageError(f"{where}.{key}", f"expected a string, got {type(message[key]).__name__}", f"give {key} as a string")
+                raise MessageError(
+                    f"{where}.{key}",
+                    f"expected a string, got {type(message[key]).__name__}",
+                    f"give {key} as a string",
+                )
             out[key] = message[key]
     if message.get("tool_calls") is not None:
         calls = message["tool_calls"]
         if not isinstance(calls, list) or not all(isinstance(c, dict) for c in calls):
-            raise MessageError(where + ".tool_calls", "expected a list of objects", "use OpenAI's tool_calls shape")
+            raise MessageError(
+                where + ".tool_calls", "expected a list of objects", "use OpenAI's tool_calls shape"
+            )
         out["tool_calls"] = calls
     return out
 
@@ -80,7 +115,11 @@ def normalize_message(message: Any, where: str) -> dict:
 def normalize_messages(messages: Any, where: str = "messages") -> list[dict]:
     """The one normaliser used by warm-prompt files and by the server's request path."""
     if not isinstance(messages, list):
-        raise MessageError(where, f"expected a list of messages, got {type(messages).__name__}", "give a JSON list of chat messages")
+        raise MessageError(
+            where,
+            f"expected a list of messages, got {type(messages).__name__}",
+            "give a JSON list of chat messages",
+        )
     if not messages:
         raise MessageError(where, "the message list is empty", "give at least one message")
     return [normalize_message(m, f"{where}[{i}]") for i, m in enumerate(messages)]
@@ -97,7 +136,10 @@ def resolve_chat_template(tokenizer: Any, tools: Sequence[dict] | None = None) -
             return template["tool_use"]
         return template.get("default") or next(iter(template.values()))
     if not template:
-        raise TemplateError("the tokenizer has no chat template; add one to tokenizer_config.json (\"chat_template\") or chat_template.jinja")
+        raise TemplateError(
+            "the tokenizer has no chat template; add one to tokenizer_config.json "
+            '("chat_template") or chat_template.jinja'
+        )
     return template
 
 
@@ -118,15 +160,24 @@ def render_messages(
             add_generation_prompt=add_generation_prompt,
             **kwargs,
         )
-    except Exception as exc:  # jinja raises many types; all mean the template refused these messages
-        raise TemplateError(f"the chat template failed to render the messages ({type(exc).__name__}: {exc}); check the roles and order of the messages") from exc
+    except (
+        Exception
+    ) as exc:  # jinja raises many types; all mean the template refused these messages
+        raise TemplateError(
+            f"the chat template failed to render the messages ({type(exc).__name__}: {exc}); check "
+            f"the roles and order of the messages"
+        ) from exc
     if not isinstance(text, str):
-        raise TemplateError(f"apply_chat_template returned {type(text).__name__}, not a string; this tokenizer is not supported")
+        raise TemplateError(
+            f"apply_chat_template returned {type(text).__name__}, not a string; this tokenizer is "
+            f"not supported"
+        )
     return text
 
 
 def encode_prompt(tokenizer: ChatTokenizer, text: str) -> list[int]:
-    """Tokenize a rendered prompt. The template carries BOS itself, as in Hugging Face's tokenize=True."""
+    """Tokenize a rendered prompt. The template carries BOS itself, as in Hugging Face's
+    tokenize=True."""
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
@@ -137,7 +188,9 @@ def request_tokens(
     chat_template_kwargs: dict | None = None,
 ) -> list[int]:
     """The tokens of a chat request: the one function both warm-up and the request path use."""
-    return encode_prompt(tokenizer, render_messages(tokenizer, messages, tools, chat_template_kwargs))
+    return encode_prompt(
+        tokenizer, render_messages(tokenizer, messages, tools, chat_template_kwargs)
+    )
 
 
 @dataclass(frozen=True)
@@ -156,7 +209,14 @@ class Tokenization:
     add_special_tokens: bool = False
     template_defaults: tuple[tuple[str, Any], ...] = ()
 
-    def render(self, tokenizer: ChatTokenizer, messages: Sequence[dict], tools: Sequence[dict] | None, chat_template_kwargs: dict | None, add_generation_prompt: bool = True) -> str:
+    def render(
+        self,
+        tokenizer: ChatTokenizer,
+        messages: Sequence[dict],
+        tools: Sequence[dict] | None,
+        chat_template_kwargs: dict | None,
+        add_generation_prompt: bool = True,
+    ) -> str:
         kwargs = {**dict(self.template_defaults), **(chat_template_kwargs or {})}
         return render_messages(tokenizer, messages, tools, kwargs, add_generation_prompt)
 
@@ -169,7 +229,11 @@ class Tokenization:
         """What enters the key (None for kvsnap's own server: keys unchanged)."""
         if self.server == "kvsnap" and not self.add_special_tokens and not self.template_defaults:
             return None
-        return {"server": self.server, "add_special_tokens": self.add_special_tokens, "template_defaults": dict(self.template_defaults)}
+        return {
+            "server": self.server,
+            "add_special_tokens": self.add_special_tokens,
+            "template_defaults": dict(self.template_defaults),
+        }
 
 
 KVSNAP_TOKENIZATION = Tokenization()

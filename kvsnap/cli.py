@@ -46,7 +46,10 @@ SUBCOMMANDS = (
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvsnap", description="Persistent, shippable warm prefix caches for LLM serving on MLX.")
+    parser = argparse.ArgumentParser(
+        prog="kvsnap",
+        description="Persistent, shippable warm prefix caches for LLM serving on MLX.",
+    )
     parser.add_argument("--version", action="version", version=f"kvsnap {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log more")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -58,7 +61,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(asctime)s %(levelname)s %(message)s" if args.command == "serve" else "%(message)s")
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(message)s"
+        if args.command == "serve"
+        else "%(message)s",
+    )
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per HTTP call drowns the output
     if not args.command:
         parser.print_help()

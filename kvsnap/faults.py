@@ -1,8 +1,10 @@
 """Named fault points in the write path, for crash tests. Inert unless asked for.
 
 ``KVSNAP_FAULT=point[,point...]`` with an action per point (``point=kill`` by default,
-``point=enospc``, ``point=erofs`` or ``point=crash`` (a RuntimeError); the server's ``write-probe`` point with ``erofs``
-simulates a read-only store, which root cannot get from chmod); ``KVSNAP_FAULT_LOG=FILE`` appends every point reached, so a test
+``point=enospc``, ``point=erofs`` or ``point=crash`` (a RuntimeError); the server's ``write-probe``
+point with ``erofs``
+simulates a read-only store, which root cannot get from chmod); ``KVSNAP_FAULT_LOG=FILE`` appends
+every point reached, so a test
 can assert the point was really hit before the process died.
 """
 
@@ -14,7 +16,14 @@ import signal
 from dataclasses import dataclass, field
 
 # In write order. "model-loaded" is only logged (a marker for kills at random times).
-POINTS = ("model-loaded", "after-prefill", "mid-write", "after-write", "after-fsync", "after-rename")
+POINTS = (
+    "model-loaded",
+    "after-prefill",
+    "mid-write",
+    "after-write",
+    "after-fsync",
+    "after-rename",
+)
 KILL_POINTS = POINTS[1:]
 
 

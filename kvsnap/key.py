@@ -62,7 +62,8 @@ def tokens_digest_of_bytes(raw: bytes | memoryview) -> str:
 
 
 def pack_tokens(tokens: Sequence[int]) -> bytes:
-    """Tokens as int32 little-endian bytes (struct, not a Python loop: 100x faster on long prompts)."""
+    """Tokens as int32 little-endian bytes (struct, not a Python loop: 100x faster on long
+    prompts)."""
     return struct.pack(f"<{len(tokens)}i", *tokens)
 
 
@@ -97,7 +98,8 @@ def default_cache_dir() -> Path:
 
 
 def hash_file(path: Path, chunk_size: int = DIGEST_CHUNK) -> str:
-    """xxh3-128 of the whole file, read ``chunk_size`` bytes at a time (tests shrink it; the digest is the same)."""
+    """xxh3-128 of the whole file, read ``chunk_size`` bytes at a time (tests shrink it; the digest
+    is the same)."""
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive number of bytes, got {chunk_size}")
     h = xxhash.xxh3_128()
@@ -107,13 +109,15 @@ def hash_file(path: Path, chunk_size: int = DIGEST_CHUNK) -> str:
     return h.hexdigest()
 
 
-# A Hugging Face cache stores LFS files (all weights) as models--ORG--NAME/blobs/<sha256 of the bytes>;
+# A Hugging Face cache stores LFS files (all weights) as models--ORG--NAME/blobs/<sha256 of the
+# bytes>;
 # small git files are named by their git blob sha1 (40 hex) and never match this.
 HUB_BLOB_NAME = re.compile(r"[0-9a-f]{64}")
 
 
 def hub_blob_sha256(path: Path) -> str | None:
-    """The sha256 that names ``path``'s bytes when it is (a link into) a Hugging Face cache blob; else None."""
+    """The sha256 that names ``path``'s bytes when it is (a link into) a Hugging Face cache blob;
+    else None."""
     real = path.resolve()
     if real.parent.name != "blobs" or not real.parent.parent.name.startswith("models--"):
         return None
@@ -181,12 +185,20 @@ class DigestCache:
         stamp = [st.st_ino, st.st_size, st.st_mtime_ns]
         real = str(path.resolve())
         entry = self._entries.get(real)
-        if isinstance(entry, dict) and entry.get("stamp") == stamp and isinstance(entry.get("digest"), str):
+        if (
+            isinstance(entry, dict)
+            and entry.get("stamp") == stamp
+            and isinstance(entry.get("digest"), str)
+        ):
             self.hits += 1
             return entry["digest"]
         blob = hub_blob_sha256(path)
         known = self._entries.get(f"sha256:{blob}") if blob else None
-        if isinstance(known, dict) and known.get("size") == st.st_size and isinstance(known.get("digest"), str):
+        if (
+            isinstance(known, dict)
+            and known.get("size") == st.st_size
+            and isinstance(known.get("digest"), str)
+        ):
             self.blob_hits += 1
             value = known["digest"]
         elif blob:
@@ -205,7 +217,10 @@ class DigestCache:
 def weight_files(model_dir: Path) -> list[Path]:
     files = sorted(model_dir.glob("model*.safetensors")) or sorted(model_dir.glob("*.safetensors"))
     if not files:
-        raise ModelError(f"{model_dir}: no *.safetensors weight files; give an mlx-lm model directory (convert with mlx_lm.convert)")
+        raise ModelError(
+            f"{model_dir}: no *.safetensors weight files; give an mlx-lm model directory (convert "
+            f"with mlx_lm.convert)"
+        )
     return files
 
 
@@ -232,7 +247,9 @@ def read_config(model_dir: Path) -> dict:
     except FileNotFoundError:
         raise ModelError(f"{model_dir}: no config.json; give an mlx-lm model directory") from None
     except (OSError, ValueError) as exc:
-        raise ModelError(f"{model_dir}/config.json cannot be read ({exc}); fix or re-download the model") from None
+        raise ModelError(
+            f"{model_dir}/config.json cannot be read ({exc}); fix or re-download the model"
+        ) from None
 
 
 # --- identities ---------------------------------------------------------------------
@@ -307,13 +324,22 @@ def model_identity(
     )
 
 
-def prompt_identity(template: str, chat_template_kwargs: dict | None, tools: Sequence[dict] | None, tokenization: dict | None = None) -> str:
+def prompt_identity(
+    template: str,
+    chat_template_kwargs: dict | None,
+    tools: Sequence[dict] | None,
+    tokenization: dict | None = None,
+) -> str:
     """Digest of what renders the messages: the resolved template, its kwargs and the tools.
 
     ``tokenization``: another server's request path (``Tokenization.descriptor()``);
     None, kvsnap's own, leaves the digest exactly as it always was.
     """
-    fields: dict = {"template": template, "kwargs": chat_template_kwargs or {}, "tools": list(tools or [])}
+    fields: dict = {
+        "template": template,
+        "kwargs": chat_template_kwargs or {},
+        "tools": list(tools or []),
+    }
     if tokenization is not None:
         fields["tokenization"] = tokenization
     return hexdigest(canonical_json(fields).encode())
@@ -324,6 +350,10 @@ def snapshot_key(model: ModelIdentity, prompt_digest: str, tokens: Sequence[int]
     return key_from_digests(model.digest, prompt_digest, tokens_digest(tokens), len(tokens))
 
 
-def key_from_digests(model_digest: str, prompt_digest: str, tokens_digest: str, n_tokens: int) -> str:
+def key_from_digests(
+    model_digest: str, prompt_digest: str, tokens_digest: str, n_tokens: int
+) -> str:
     """The key formula, from digests alone: what a reader recomputes from a header."""
-    return hexdigest(f"kvsnap-key-v{CODEC_FORMAT_VERSION}|{model_digest}|{prompt_digest}|{tokens_digest}|{n_tokens}".encode())
+    return hexdigest(
+        f"kvsnap-key-v{CODEC_FORMAT_VERSION}|{model_digest}|{prompt_digest}|{tokens_digest}|{n_tokens}".encode()
+    )

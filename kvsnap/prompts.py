@@ -12,7 +12,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from kvsnap.chat import KVSNAP_TOKENIZATION, ChatTokenizer, Tokenization, encode_prompt, normalize_messages
+from kvsnap.chat import (
+    KVSNAP_TOKENIZATION,
+    ChatTokenizer,
+    Tokenization,
+    encode_prompt,
+    normalize_messages,
+)
 from kvsnap.errors import MessageError, TemplateError, WarmPromptError
 
 ENTRY_KEYS = ("name", "messages", "tools", "chat_template_kwargs")
@@ -92,7 +98,11 @@ def _check_tools(tools: Any, where: str) -> tuple[dict, ...] | None:
     if tools is None:
         return None
     if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
-        raise MessageError(where, f"expected a list of tool objects, got {json.dumps(tools)[:60]}", "use OpenAI's tools shape")
+        raise MessageError(
+            where,
+            f"expected a list of tool objects, got {json.dumps(tools)[:60]}",
+            "use OpenAI's tools shape",
+        )
     return tuple(tools)
 
 
@@ -100,7 +110,11 @@ def _check_kwargs(kwargs: Any, where: str) -> dict | None:
     if kwargs is None:
         return None
     if not isinstance(kwargs, dict):
-        raise MessageError(where, f"expected an object, got {type(kwargs).__name__}", 'e.g. {"enable_thinking": false}')
+        raise MessageError(
+            where,
+            f"expected an object, got {type(kwargs).__name__}",
+            'e.g. {"enable_thinking": false}',
+        )
     return dict(kwargs)
 
 
@@ -111,13 +125,25 @@ def parse_entry(raw: Any, index: int) -> WarmPrompt:
     if isinstance(raw, dict):
         unknown = sorted(set(raw) - set(ENTRY_KEYS))
         if unknown:
-            raise MessageError(where, f"unknown field(s) {', '.join(map(repr, unknown))}", f"an entry object may only have {', '.join(ENTRY_KEYS)}")
+            raise MessageError(
+                where,
+                f"unknown field(s) {', '.join(map(repr, unknown))}",
+                f"an entry object may only have {', '.join(ENTRY_KEYS)}",
+            )
         if "name" in raw:
             if not isinstance(raw["name"], str) or not raw["name"].strip():
-                raise MessageError(where + ".name", f"expected a non-empty string, got {raw['name']!r}", "name the agent, e.g. \"reviewer\"")
+                raise MessageError(
+                    where + ".name",
+                    f"expected a non-empty string, got {raw['name']!r}",
+                    'name the agent, e.g. "reviewer"',
+                )
             name = raw["name"].strip()
         if "messages" not in raw:
-            raise MessageError(where + ".messages", "missing", "give the leading chat messages of this agent's requests")
+            raise MessageError(
+                where + ".messages",
+                "missing",
+                "give the leading chat messages of this agent's requests",
+            )
         messages = normalize_messages(raw["messages"], where + ".messages")
         tools = _check_tools(raw.get("tools"), where + ".tools")
         kwargs = _check_kwargs(raw.get("chat_template_kwargs"), where + ".chat_template_kwargs")
@@ -126,21 +152,32 @@ def parse_entry(raw: Any, index: int) -> WarmPrompt:
         messages = normalize_messages(raw, where)
         where_last = f"{where}[{len(messages) - 1}].role"
     else:
-        raise MessageError(where, f"an entry must be a list of messages or an object, got {type(raw).__name__}", 'write [{"role": "system", "content": "..."}]')
+        raise MessageError(
+            where,
+            f"an entry must be a list of messages or an object, got {type(raw).__name__}",
+            'write [{"role": "system", "content": "..."}]',
+        )
     last = messages[-1]["role"]
     if last in ("user", "tool"):
         raise MessageError(
             where_last,
-            f"the entry ends with a {last!r} message, so the next message of a real request would be an assistant turn the server does not know",
-            "end the entry with its system prompt or with an assistant turn (drop the trailing user message)",
+            f"the entry ends with a {last!r} message, so the next message of a real request would "
+            f"be an assistant turn the server does not know",
+            "end the entry with its system prompt or with an assistant turn (drop the trailing "
+            "user message)",
         )
-    return WarmPrompt(index=index, name=name, messages=tuple(messages), tools=tools, chat_template_kwargs=kwargs)
+    return WarmPrompt(
+        index=index, name=name, messages=tuple(messages), tools=tools, chat_template_kwargs=kwargs
+    )
 
 
 def parse_warm_prompts(data: Any, source: str = "<warm prompts>") -> WarmPromptSet:
     """Parse the decoded JSON of a warm-prompt file. Invalid entries are reported, the rest kept."""
     if not isinstance(data, list):
-        raise WarmPromptError(f"{source}: the top level must be a JSON list of entries, got {type(data).__name__}; wrap the entries in [ ... ]")
+        raise WarmPromptError(
+            f"{source}: the top level must be a JSON list of entries, got {type(data).__name__}; "
+            f"wrap the entries in [ ... ]"
+        )
     result = WarmPromptSet(source=source)
     seen: dict[str, int] = {}
     for index, raw in enumerate(data):
@@ -150,7 +187,13 @@ def parse_warm_prompts(data: Any, source: str = "<warm prompts>") -> WarmPromptS
             result.problems.append(EntryProblem(index, str(exc)))
             continue
         if entry.name in seen:
-            result.problems.append(EntryProblem(index, f"entries[{index}].name: {entry.name!r} is already used by entry {seen[entry.name]}; give every agent its own name"))
+            result.problems.append(
+                EntryProblem(
+                    index,
+                    f"entries[{index}].name: {entry.name!r} is already used by entry "
+                    f"{seen[entry.name]}; give every agent its own name",
+                )
+            )
             continue
         seen[entry.name] = index
         result.entries.append(entry)
@@ -165,11 +208,16 @@ def load_warm_prompts(path: str | Path) -> WarmPromptSet:
     except FileNotFoundError:
         raise WarmPromptError(f"{path}: no such warm-prompt file; check the path") from None
     except (OSError, UnicodeDecodeError) as exc:
-        raise WarmPromptError(f"{path}: cannot be read ({exc}); give a readable UTF-8 JSON file") from None
+        raise WarmPromptError(
+            f"{path}: cannot be read ({exc}); give a readable UTF-8 JSON file"
+        ) from None
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise WarmPromptError(f"{path}: not valid JSON at line {exc.lineno} column {exc.colno} ({exc.msg}); fix the JSON") from None
+        raise WarmPromptError(
+            f"{path}: not valid JSON at line {exc.lineno} column {exc.colno} ({exc.msg}); fix the "
+            f"JSON"
+        ) from None
     result = parse_warm_prompts(data, str(path))
     if not result.entries:
         detail = "; ".join(str(p) for p in result.problems[:3]) or "the list is empty"
@@ -218,10 +266,17 @@ def probe_conversations(prompt: WarmPrompt) -> list[list[dict]]:
 
 
 def _date_stamps(today: _dt.date) -> list[str]:
-    return [today.isoformat(), today.strftime("%d %b %Y"), today.strftime("%B %d, %Y"), today.strftime("%d %B %Y")]
+    return [
+        today.isoformat(),
+        today.strftime("%d %b %Y"),
+        today.strftime("%B %d, %Y"),
+        today.strftime("%d %B %Y"),
+    ]
 
 
-def warm_prefix(tokenizer: ChatTokenizer, prompt: WarmPrompt, tokenization: Tokenization | None = None) -> WarmPrefix:
+def warm_prefix(
+    tokenizer: ChatTokenizer, prompt: WarmPrompt, tokenization: Tokenization | None = None
+) -> WarmPrefix:
     """The longest token prefix shared by every probe continuation of ``prompt``.
 
     Cutting the rendered *string* is not enough: BPE can merge the text before
@@ -229,7 +284,10 @@ def warm_prefix(tokenizer: ChatTokenizer, prompt: WarmPrompt, tokenization: Toke
     ``tokenization``: the serving server's request path (default: kvsnap's own).
     """
     tok = tokenization or KVSNAP_TOKENIZATION
-    renders = [tok.render(tokenizer, conv, prompt.tools, prompt.chat_template_kwargs) for conv in probe_conversations(prompt)]
+    renders = [
+        tok.render(tokenizer, conv, prompt.tools, prompt.chat_template_kwargs)
+        for conv in probe_conversations(prompt)
+    ]
     token_lists = [tok.encode(tokenizer, text) for text in renders]
     n = common_prefix_length(token_lists)
     tokens = tuple(token_lists[0][:n])
@@ -239,23 +297,37 @@ def warm_prefix(tokenizer: ChatTokenizer, prompt: WarmPrompt, tokenization: Toke
     # the system prompt (a system-only render can be just BOS), whichever is larger.
     content_tokens = sum(len(encode_prompt(tokenizer, m["content"])) for m in prompt.messages)
     try:
-        alone = tok.render(tokenizer, prompt.messages, prompt.tools, prompt.chat_template_kwargs, add_generation_prompt=False)
+        alone = tok.render(
+            tokenizer,
+            prompt.messages,
+            prompt.tools,
+            prompt.chat_template_kwargs,
+            add_generation_prompt=False,
+        )
         entry_tokens = max(len(tok.encode(tokenizer, alone)), content_tokens)
     except TemplateError:
         entry_tokens = content_tokens
     coverage = 1.0 if entry_tokens <= 0 else min(1.0, n / entry_tokens)
     if coverage < COVERAGE_WARN_BELOW:
         warnings.append(
-            f"{prompt.name}: the warm prefix covers only {coverage:.0%} of the entry's {entry_tokens} tokens "
-            "(the template changes the text before the next user turn, e.g. it moves the system prompt into the last user message)"
+            f"{prompt.name}: the warm prefix covers only {coverage:.0%} of the entry's "
+            f"{entry_tokens} tokens "
+            "(the template changes the text before the next user turn, e.g. it moves the system "
+            "prompt into the last user message)"
         )
     today = _dt.date.today()
     own_text = "".join(m["content"] for m in prompt.messages)
     if any(stamp in renders[0] and stamp not in own_text for stamp in _date_stamps(today)):
         warnings.append(
-            f"{prompt.name}: the chat template stamps today's date into the prompt, so this snapshot goes stale tomorrow; "
+            f"{prompt.name}: the chat template stamps today's date into the prompt, so this "
+            f"snapshot goes stale tomorrow; "
             "pass a fixed date through chat_template_kwargs (e.g. date_string) or rebuild daily"
         )
     if n == 0:
-        warnings.append(f"{prompt.name}: no token is shared by every continuation of this entry; nothing can be warmed")
-    return WarmPrefix(prompt=prompt, tokens=tokens, entry_tokens=entry_tokens, warnings=tuple(warnings))
+        warnings.append(
+            f"{prompt.name}: no token is shared by every continuation of this entry; nothing can "
+            f"be warmed"
+        )
+    return WarmPrefix(
+        prompt=prompt, tokens=tokens, entry_tokens=entry_tokens, warnings=tuple(warnings)
+    )

@@ -3,8 +3,10 @@
 preamble, what an edit re-prefills, composed vs single-file restore, a new agent's first hit,
 and the registry manifest for 1,000 agents.
 
-    python scripts/bench_blocks.py --out /tmp/kvsnap-bench-blocks          # everything (~10 min on 2 cores)
-    python scripts/bench_blocks.py --only sharing,edit,new-agent,registry  # the fast parts (tiny models)
+    python scripts/bench_blocks.py --out /tmp/kvsnap-bench-blocks          # everything (~10 min on
+    2 cores)
+    python scripts/bench_blocks.py --only sharing,edit,new-agent,registry  # the fast parts (tiny
+    models)
 
 Writes OUT/results.json and prints a markdown table (docs/benchmarks.md, "Block store").
 Everything runs on loopback with models made locally (kvsnap demo-model); nothing is downloaded.
@@ -33,7 +35,10 @@ import httpx  # noqa: E402
 from kvsnap.tools.demo import DemoSpec, make_demo_model  # noqa: E402
 from kvsnap.tools.serverproc import start_server  # noqa: E402
 
-WORDS = "alpha beta gamma delta house rules tools call search answer review code check the tests first then every function python rust server".split()
+WORDS = (
+    "alpha beta gamma delta house rules tools call search answer review code check the tests "
+    "first then every function python rust server"
+).split()
 PARTS = ("sharing", "edit", "restore", "new-agent", "registry")
 
 
@@ -42,7 +47,9 @@ def words_for(count_tokens, seed: int, target: int) -> str:
     rng = random.Random(seed)
     words: list[str] = []
     while count_tokens(" ".join(words)) < target:
-        words += [rng.choice(WORDS) for _ in range(max(1, (target - count_tokens(" ".join(words))) // 3))]
+        words += [
+            rng.choice(WORDS) for _ in range(max(1, (target - count_tokens(" ".join(words))) // 3))
+        ]
     return " ".join(words)
 
 
@@ -54,18 +61,35 @@ def token_counter(model: Path):
 
 
 def kvsnap(*args, env=None) -> subprocess.CompletedProcess:
-    r = subprocess.run([sys.executable, "-m", "kvsnap", *map(str, args)], capture_output=True, text=True, env={**os.environ, **(env or {})})
+    r = subprocess.run(
+        [sys.executable, "-m", "kvsnap", *map(str, args)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
+    )
     if r.returncode != 0:
         raise SystemExit(f"kvsnap {' '.join(map(str, args))} failed:\n{r.stdout}\n{r.stderr}")
     return r
 
 
 def build_json(agents: Path, model: Path, out: Path, *flags) -> dict:
-    return json.loads(kvsnap("build", agents, "--model", model, "--out", out, "--json", *flags).stdout)
+    return json.loads(
+        kvsnap("build", agents, "--model", model, "--out", out, "--json", *flags).stdout
+    )
 
 
 def write_agents(path: Path, preamble: str, tails: list[str]) -> Path:
-    path.write_text(json.dumps([{"name": f"agent{i}", "messages": [{"role": "system", "content": f"{preamble} {tail}"}]} for i, tail in enumerate(tails)]))
+    path.write_text(
+        json.dumps(
+            [
+                {
+                    "name": f"agent{i}",
+                    "messages": [{"role": "system", "content": f"{preamble} {tail}"}],
+                }
+                for i, tail in enumerate(tails)
+            ]
+        )
+    )
     return path
 
 
@@ -86,7 +110,12 @@ def kv_bytes_per_token(store: Path) -> float:
 
 
 def pinned_bytes(model: Path, store: Path, agents: Path, log: Path) -> dict:
-    server = start_server(model, ["--continuous-batching", "--warm-prompts", agents, "--kv-snapshots", store], log, limit_s=600)
+    server = start_server(
+        model,
+        ["--continuous-batching", "--warm-prompts", agents, "--kv-snapshots", store],
+        log,
+        limit_s=600,
+    )
     try:
         server.wait_ready(300)
         return server.status()["cache"]
@@ -101,20 +130,31 @@ def part_sharing(work: Path, n_agents: int, preamble_tokens: int, tail_tokens: i
     model = make_demo_model(work / "dense-tiny", DemoSpec(arch="dense"))
     count = token_counter(model)
     preamble = words_for(count, 1, preamble_tokens)
-    tails = [f"You are agent {i}. " + words_for(count, 100 + i, tail_tokens) for i in range(n_agents)]
+    tails = [
+        f"You are agent {i}. " + words_for(count, 100 + i, tail_tokens) for i in range(n_agents)
+    ]
     agents = write_agents(work / "sharing.json", preamble, tails)
     report = build_json(agents, model, work / "sharing")
     per_token = kv_bytes_per_token(work / "sharing")
     n = [e["n_tokens"] for e in report["entries"]]
-    shared = min(e["tokens_reused"] for e in report["entries"][1:])  # the preamble, as the branch point cut it
+    shared = min(
+        e["tokens_reused"] for e in report["entries"][1:]
+    )  # the preamble, as the branch point cut it
     unique_tokens = shared + sum(x - shared for x in n)
     stored = folder_bytes(work / "sharing", "blocks", "checkpoints", "snapshots")
     cache = pinned_bytes(model, work / "sharing", agents, work / "sharing-serve.log")
     return {
-        "agents": n_agents, "tokens_per_agent": n, "shared_prefix_tokens": shared, "kv_bytes_per_token": per_token,
-        "unique_kv_bytes": unique_tokens * per_token, "whole_file_bytes": sum(n) * per_token,
-        "store_bytes": stored, "store_vs_unique": stored / (unique_tokens * per_token),
-        "pinned_bytes": cache["current_memory_mb"] * 2**20, "pinned_vs_unique": cache["current_memory_mb"] * 2**20 / (unique_tokens * per_token), "cache_status": cache,
+        "agents": n_agents,
+        "tokens_per_agent": n,
+        "shared_prefix_tokens": shared,
+        "kv_bytes_per_token": per_token,
+        "unique_kv_bytes": unique_tokens * per_token,
+        "whole_file_bytes": sum(n) * per_token,
+        "store_bytes": stored,
+        "store_vs_unique": stored / (unique_tokens * per_token),
+        "pinned_bytes": cache["current_memory_mb"] * 2**20,
+        "pinned_vs_unique": cache["current_memory_mb"] * 2**20 / (unique_tokens * per_token),
+        "cache_status": cache,
     }
 
 
@@ -126,12 +166,47 @@ def part_edit(work: Path, prompt_tokens: int) -> dict:
         body = words_for(count, 2, prompt_tokens)
         others = [words_for(count, 300 + i, prompt_tokens // 4) for i in range(2)]
         agents = work / f"edit-{arch}.json"
-        agents.write_text(json.dumps([{"name": "long", "messages": [{"role": "system", "content": body + " Answer in one sentence."}]}, *({"name": f"other{i}", "messages": [{"role": "system", "content": o}]} for i, o in enumerate(others))]))
+        agents.write_text(
+            json.dumps(
+                [
+                    {
+                        "name": "long",
+                        "messages": [
+                            {"role": "system", "content": body + " Answer in one sentence."}
+                        ],
+                    },
+                    *(
+                        {"name": f"other{i}", "messages": [{"role": "system", "content": o}]}
+                        for i, o in enumerate(others)
+                    ),
+                ]
+            )
+        )
         build_json(agents, model, work / f"edit-{arch}")
-        agents.write_text(agents.read_text().replace("Answer in one sentence.", "Answer in two short sentences, then stop."))
+        agents.write_text(
+            agents.read_text().replace(
+                "Answer in one sentence.", "Answer in two short sentences, then stop."
+            )
+        )
         report = build_json(agents, model, work / f"edit-{arch}")
-        out[arch] = {e["name"]: {k: e[k] for k in ("status", "n_tokens", "tokens_reused", "tokens_prefilled", "blocks_written", "bytes_written")} for e in report["entries"]}
-        out[arch]["block_tokens"], out[arch]["checkpoint_every"] = report["block_tokens"], report["checkpoint_every"]
+        out[arch] = {
+            e["name"]: {
+                k: e[k]
+                for k in (
+                    "status",
+                    "n_tokens",
+                    "tokens_reused",
+                    "tokens_prefilled",
+                    "blocks_written",
+                    "bytes_written",
+                )
+            }
+            for e in report["entries"]
+        }
+        out[arch]["block_tokens"], out[arch]["checkpoint_every"] = (
+            report["block_tokens"],
+            report["checkpoint_every"],
+        )
     return out
 
 
@@ -167,7 +242,11 @@ def whole_file_copy(src: Path, dest: Path) -> None:
     out = Store.open(dest, create=True)
     for info in store.scan()[0]:
         arrays = store.load_arrays(info)
-        meta = {k: v for k, v in read_header(info.path).metadata.items() if k not in (CHECKSUM_KEY, CHAIN)}
+        meta = {
+            k: v
+            for k, v in read_header(info.path).metadata.items()
+            if k not in (CHECKSUM_KEY, CHAIN)
+        }
         meta["kvsnap.format"] = str(WHOLE_FILE_FORMAT)
         with out.lock():
             out.put(info.key, to_out_tensors(arrays), meta)
@@ -175,40 +254,76 @@ def whole_file_copy(src: Path, dest: Path) -> None:
 
 
 def first_ttft(model: Path, store: Path, agents: Path, system: str, log: Path) -> dict:
-    server = start_server(model, ["--continuous-batching", "--warm-prompts", agents, "--kv-snapshots", store], log, limit_s=900)
+    server = start_server(
+        model,
+        ["--continuous-batching", "--warm-prompts", agents, "--kv-snapshots", store],
+        log,
+        limit_s=900,
+    )
     try:
         ready = server.wait_ready(600)
-        body = {"model": model.name, "messages": [{"role": "system", "content": system}, {"role": "user", "content": "Please review the server's request handler."}], "max_tokens": 1, "temperature": 0}
+        body = {
+            "model": model.name,
+            "messages": [
+                {"role": "system", "content": system},
+                {"role": "user", "content": "Please review the server's request handler."},
+            ],
+            "max_tokens": 1,
+            "temperature": 0,
+        }
         t0 = time.perf_counter()
         r = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=600).json()
-        return {"ready_s": ready, "ttft_s": time.perf_counter() - t0, "cached": r["usage"]["prompt_tokens_details"]["cached_tokens"]}
+        return {
+            "ready_s": ready,
+            "ttft_s": time.perf_counter() - t0,
+            "cached": r["usage"]["prompt_tokens_details"]["cached_tokens"],
+        }
     finally:
         server.stop()
 
 
 def part_restore(work: Path, tokens: int, reps: int, size: str) -> dict:
-    model = make_demo_model(work / f"restore-{size}", DemoSpec(arch="dense", size=size, text_outputs=True))
+    model = make_demo_model(
+        work / f"restore-{size}", DemoSpec(arch="dense", size=size, text_outputs=True)
+    )
     count = token_counter(model)
     system = words_for(count, 5, tokens)
     agents = work / "restore.json"
-    agents.write_text(json.dumps([{"name": "agent", "messages": [{"role": "system", "content": system}]}]))
+    agents.write_text(
+        json.dumps([{"name": "agent", "messages": [{"role": "system", "content": system}]}])
+    )
     build_json(agents, model, work / "restore-blocks")
     whole_file_copy(work / "restore-blocks", work / "restore-whole")
     restore: dict[str, list[float]] = {"blocks-server": [], "blocks-assembled": [], "whole": []}
     for _ in range(reps):  # interleaved
         for name in restore:
-            restore[name].append(_restore_once(work / f"restore-{name.split('-')[0]}", name.split("-")[-1] if "-" in name else "server"))
+            restore[name].append(
+                _restore_once(
+                    work / f"restore-{name.split('-')[0]}",
+                    name.split("-")[-1] if "-" in name else "server",
+                )
+            )
     ttft: dict[str, list[dict]] = {"blocks": [], "whole": []}
     for rep in range(reps):
-        for name in (("blocks", "whole") if rep % 2 == 0 else ("whole", "blocks")):
-            ttft[name].append(first_ttft(model, work / f"restore-{name}", agents, system, work / f"ttft-{name}-{rep}.log"))
+        for name in ("blocks", "whole") if rep % 2 == 0 else ("whole", "blocks"):
+            ttft[name].append(
+                first_ttft(
+                    model, work / f"restore-{name}", agents, system, work / f"ttft-{name}-{rep}.log"
+                )
+            )
     state = folder_bytes(work / "restore-whole", "snapshots")
     med = {k: statistics.median(v) for k, v in restore.items()}
     ttft_med = {k: statistics.median(x["ttft_s"] for x in v) for k, v in ttft.items()}
     return {
-        "tokens": tokens, "state_bytes": state, "restore_s": med, "restore_runs": restore,
-        "read_speed_ratio": {k: med["whole"] / v for k, v in med.items() if k != "whole"}, "GB_per_s": {k: state / v / 1e9 for k, v in med.items()},
-        "first_ttft_s": ttft_med, "ttft_ratio": ttft_med["blocks"] / ttft_med["whole"], "ttft_runs": ttft,
+        "tokens": tokens,
+        "state_bytes": state,
+        "restore_s": med,
+        "restore_runs": restore,
+        "read_speed_ratio": {k: med["whole"] / v for k, v in med.items() if k != "whole"},
+        "GB_per_s": {k: state / v / 1e9 for k, v in med.items()},
+        "first_ttft_s": ttft_med,
+        "ttft_ratio": ttft_med["blocks"] / ttft_med["whole"],
+        "ttft_runs": ttft,
     }
 
 
@@ -218,23 +333,54 @@ def part_new_agent(work: Path, preamble_tokens: int) -> dict:
         model = make_demo_model(work / f"{arch}-tiny", DemoSpec(arch=arch))
         count = token_counter(model)
         preamble = words_for(count, 7, preamble_tokens)
-        agents = write_agents(work / f"new-{arch}.json", preamble, [f"You are agent {i}. " + words_for(count, 700 + i, 100) for i in range(3)])
+        agents = write_agents(
+            work / f"new-{arch}.json",
+            preamble,
+            [f"You are agent {i}. " + words_for(count, 700 + i, 100) for i in range(3)],
+        )
         report = build_json(agents, model, work / f"new-{arch}")
         shared = min(e["tokens_reused"] for e in report["entries"][1:])
-        server = start_server(model, ["--continuous-batching", "--warm-prompts", agents, "--kv-snapshots", work / f"new-{arch}"], work / f"new-{arch}.log", limit_s=600)
+        server = start_server(
+            model,
+            [
+                "--continuous-batching",
+                "--warm-prompts",
+                agents,
+                "--kv-snapshots",
+                work / f"new-{arch}",
+            ],
+            work / f"new-{arch}.log",
+            limit_s=600,
+        )
         try:
             server.wait_ready(300)
-            body = {"model": model.name, "messages": [{"role": "system", "content": preamble + " You are a brand new agent nobody built."}, {"role": "user", "content": "Hello."}], "max_tokens": 1, "temperature": 0}
+            body = {
+                "model": model.name,
+                "messages": [
+                    {
+                        "role": "system",
+                        "content": preamble + " You are a brand new agent nobody built.",
+                    },
+                    {"role": "user", "content": "Hello."},
+                ],
+                "max_tokens": 1,
+                "temperature": 0,
+            }
             r = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=300).json()
         finally:
             server.stop()
         b, c = report["block_tokens"], report["checkpoint_every"]
-        out[arch] = {"preamble_tokens": shared, "cached_tokens": r["usage"]["prompt_tokens_details"]["cached_tokens"], "goal": shared // b * b if arch == "dense" else shared // c * c}
+        out[arch] = {
+            "preamble_tokens": shared,
+            "cached_tokens": r["usage"]["prompt_tokens_details"]["cached_tokens"],
+            "goal": shared // b * b if arch == "dense" else shared // c * c,
+        }
     return out
 
 
 def part_registry(n_agents: int, preamble_blocks: int, tail_blocks: int) -> dict:
-    """The manifest `kvsnap push` would tag for 1,000 agents sharing a preamble (no registry needed)."""
+    """The manifest `kvsnap push` would tag for 1,000 agents sharing a preamble (no registry
+    needed)."""
     import hashlib
 
     from kvsnap.store.oci.artifact import Layer, artifact_manifest
@@ -246,17 +392,35 @@ def part_registry(n_agents: int, preamble_blocks: int, tail_blocks: int) -> dict
         return hashlib.md5(str(i).encode()).hexdigest()
 
     rels = ["manifest.json"] + [f"snapshots/{key(i)}.safetensors" for i in range(n_agents)]
-    rels += [f"blocks/{key(10**6 + i)}.safetensors" for i in range(preamble_blocks + n_agents * tail_blocks)]
+    rels += [
+        f"blocks/{key(10**6 + i)}.safetensors"
+        for i in range(preamble_blocks + n_agents * tail_blocks)
+    ]
     body = artifact_manifest([layer(r) for r in rels])
-    return {"agents": n_agents, "files": len(rels), "manifest_bytes": len(body), "limit_bytes": 4 << 20}
+    return {
+        "agents": n_agents,
+        "files": len(rels),
+        "manifest_bytes": len(body),
+        "limit_bytes": 4 << 20,
+    }
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--out", type=Path, default=Path("/tmp/kvsnap-bench-blocks"))
     ap.add_argument("--only", default=",".join(PARTS), help=f"comma-separated: {', '.join(PARTS)}")
-    ap.add_argument("--reps", type=int, default=3, help="restore / TTFT repetitions, interleaved (default 3)")
-    ap.add_argument("--restore-size", default="qwen3-0.6b", choices=("tiny", "qwen3-0.6b"), help="the restore part's model: Qwen3-0.6B-shaped fp32 (the goal's), or tiny for a smoke run")
+    ap.add_argument(
+        "--reps", type=int, default=3, help="restore / TTFT repetitions, interleaved (default 3)"
+    )
+    ap.add_argument(
+        "--restore-size",
+        default="qwen3-0.6b",
+        choices=("tiny", "qwen3-0.6b"),
+        help="the restore part's model: Qwen3-0.6B-shaped fp32 (the goal's), or tiny for a smoke "
+        "run",
+    )
     args = ap.parse_args(argv)
     only = [p for p in args.only.split(",") if p]
     unknown = sorted(set(only) - set(PARTS))

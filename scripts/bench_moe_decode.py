@@ -3,7 +3,8 @@
 at once against B single-sequence steps, for the whole model and for its MoE blocks alone.
 
     python scripts/bench_moe_decode.py --model /tmp/table/run2/models/qwen3.6-35b-a3b-4bit
-    python scripts/bench_moe_decode.py --model DIR --dense DIR2   # the same for a dense model, side by side
+    python scripts/bench_moe_decode.py --model DIR --dense DIR2   # the same for a dense model,
+    side by side
 
 A batched step shares every dense weight read across the batch; a MoE layer's experts are
 only shared when the sequences pick the same ones (top-k of E per token), so a batch reads up
@@ -34,7 +35,9 @@ def step_times(model, batch: int, context: int, reps: int) -> list[float]:
     from mlx_lm.models.cache import make_prompt_cache
 
     cache = make_prompt_cache(model)
-    prompt = mx.array([[(7 * i + b) % 200 + 10 for i in range(context)] for b in range(batch)], dtype=mx.int32)
+    prompt = mx.array(
+        [[(7 * i + b) % 200 + 10 for i in range(context)] for b in range(batch)], dtype=mx.int32
+    )
     mx.eval(model(prompt, cache=cache))
     token = mx.array([[5] for _ in range(batch)], dtype=mx.int32)
     times = []
@@ -48,7 +51,8 @@ def step_times(model, batch: int, context: int, reps: int) -> list[float]:
 
 
 def moe_blocks(model) -> list:
-    """The sparse MoE modules of a model (mlx-lm names them ``mlp`` with a ``switch_mlp`` inside)."""
+    """The sparse MoE modules of a model (mlx-lm names them ``mlp`` with a ``switch_mlp``
+    inside)."""
     found = []
     for _, module in model.named_modules():
         if hasattr(module, "switch_mlp"):
@@ -61,7 +65,11 @@ def moe_share(model, batch: int, reps: int) -> float:
     blocks = moe_blocks(model)
     if not blocks:
         return 0.0
-    hidden = model.args.hidden_size if hasattr(model.args, "hidden_size") else model.args.text_config["hidden_size"]
+    hidden = (
+        model.args.hidden_size
+        if hasattr(model.args, "hidden_size")
+        else model.args.text_config["hidden_size"]
+    )
     x = mx.random.normal((batch, 1, hidden))
     times = []
     for _ in range(reps + 1):
@@ -79,25 +87,42 @@ def measure(path: Path, context: int, reps: int) -> dict:
     for batch in (1, 4, 8):
         step = statistics.median(step_times(model, batch, context, reps))
         moe = moe_share(model, batch, reps)
-        out[batch] = {"step_s": step, "seq_tokens_per_s": 1 / step, "batch_tokens_per_s": batch / step, "moe_s": moe, "moe_fraction": moe / step if step else 0.0}
+        out[batch] = {
+            "step_s": step,
+            "seq_tokens_per_s": 1 / step,
+            "batch_tokens_per_s": batch / step,
+            "moe_s": moe,
+            "moe_fraction": moe / step if step else 0.0,
+        }
     return out
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--model", required=True, type=Path)
     ap.add_argument("--dense", type=Path, help="a dense model to compare with")
     ap.add_argument("--context", type=int, default=2048)
     ap.add_argument("--reps", type=int, default=9)
     args = ap.parse_args(argv)
-    rows = [measure(args.model, args.context, args.reps)] + ([measure(args.dense, args.context, args.reps)] if args.dense else [])
-    print("| model | MoE layers | batch | step | tokens/s per sequence | × batch 1 | batch tokens/s | MoE share of a step |")
+    rows = [measure(args.model, args.context, args.reps)] + (
+        [measure(args.dense, args.context, args.reps)] if args.dense else []
+    )
+    print(
+        "| model | MoE layers | batch | step | tokens/s per sequence | × batch 1 | batch tokens/s "
+        "| MoE share of a step |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         base = r[1]["seq_tokens_per_s"]
         for b in (1, 4, 8):
             x = r[b]
-            print(f"| {Path(r['model']).name} | {r['moe_layers']} | {b} | {x['step_s'] * 1000:.1f} ms | {x['seq_tokens_per_s']:.1f} | {x['seq_tokens_per_s'] / base:.2f}× | {x['batch_tokens_per_s']:.1f} | {x['moe_fraction']:.0%} |")
+            print(
+                f"| {Path(r['model']).name} | {r['moe_layers']} | {b} | {x['step_s'] * 1000:.1f} "
+                f"ms | {x['seq_tokens_per_s']:.1f} | {x['seq_tokens_per_s'] / base:.2f}× | "
+                f"{x['batch_tokens_per_s']:.1f} | {x['moe_fraction']:.0%} |"
+            )
     return 0
 
 

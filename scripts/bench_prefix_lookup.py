@@ -32,7 +32,18 @@ def make_entries(n: int, rng: random.Random) -> list[Entry]:
         length = rng.randint(100, 2000)
         tokens = HEADER + tuple(rng.randrange(VOCAB) for _ in range(length - len(HEADER)))
         namespace = None if i % 4 else f"tenant-{i % 3}/"
-        entries.append(Entry(tokens=tokens, state=[i], nbytes=1, trimmable=i % 3 != 0, pinned=namespace is None, source="snapshot", namespace=namespace, resident=True))
+        entries.append(
+            Entry(
+                tokens=tokens,
+                state=[i],
+                nbytes=1,
+                trimmable=i % 3 != 0,
+                pinned=namespace is None,
+                source="snapshot",
+                namespace=namespace,
+                resident=True,
+            )
+        )
     return entries
 
 
@@ -42,9 +53,13 @@ def make_queries(entries: list[Entry], rng: random.Random) -> list[tuple[tuple[i
         ns = e.namespace or ""
         queries.append((e.tokens + tuple(rng.randrange(VOCAB) for _ in range(30)), ns))  # next turn
         half = len(e.tokens) // 2
-        queries.append((e.tokens[:half] + tuple(rng.randrange(VOCAB) for _ in range(40)), ns))  # leaves it half-way
+        queries.append(
+            (e.tokens[:half] + tuple(rng.randrange(VOCAB) for _ in range(40)), ns)
+        )  # leaves it half-way
         queries.append((e.tokens, ns))  # the entry itself
-        queries.append((HEADER + tuple(rng.randrange(VOCAB) for _ in range(len(e.tokens))), ns))  # a miss after the header
+        queries.append(
+            (HEADER + tuple(rng.randrange(VOCAB) for _ in range(len(e.tokens))), ns)
+        )  # a miss after the header
     return queries
 
 
@@ -97,10 +112,16 @@ def main(argv=None) -> int:
             cache.add(e)
         for tokens, ns in queries:  # the trie answers as the scan does (tokens saved)
             m, ref = cache.lookup(tokens, ns), scan_lookup(pool[:n], tokens, ns)
-            assert (m.n_cached if m else None) == (ref[0] if ref else None), "trie and scan disagree"
+            assert (m.n_cached if m else None) == (ref[0] if ref else None), (
+                "trie and scan disagree"
+            )
         caches[n] = cache
     trie_s = time_per_lookup({n: c.lookup for n, c in caches.items()}, queries, args.rounds)
-    scan_s = time_per_lookup({n: (lambda t, ns, es=pool[:n]: scan_lookup(es, t, ns)) for n in SIZES}, queries, max(1, args.rounds // 3))
+    scan_s = time_per_lookup(
+        {n: (lambda t, ns, es=pool[:n]: scan_lookup(es, t, ns)) for n in SIZES},
+        queries,
+        max(1, args.rounds // 3),
+    )
     for n in SIZES:
         print(f"{n:>8} {trie_s[n] * 1e6:>10.1f} {scan_s[n] * 1e6:>10.1f}")
     ratio = trie_s[max(SIZES)] / trie_s[min(SIZES)]

@@ -37,7 +37,9 @@ def read_fresh(path: Path, threads: int) -> float:
                 done += f.readinto(view[done:hi])
 
     t0 = time.perf_counter()
-    workers = [threading.Thread(target=part, args=(bounds[i], bounds[i + 1])) for i in range(threads)]
+    workers = [
+        threading.Thread(target=part, args=(bounds[i], bounds[i + 1])) for i in range(threads)
+    ]
     for w in workers:
         w.start()
     for w in workers:
@@ -64,12 +66,19 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=7)
     args = ap.parse_args(argv)
     size = args.file.stat().st_size
-    results: dict[str, list[float]] = {"read, 1 thread": [], "read, 2 threads": [], "kvsnap restore": []}
+    results: dict[str, list[float]] = {
+        "read, 1 thread": [],
+        "read, 2 threads": [],
+        "kvsnap restore": [],
+    }
     for _ in range(args.reps):  # interleaved
         results["read, 1 thread"].append(read_fresh(args.file, 1))
         results["read, 2 threads"].append(read_fresh(args.file, 2))
         results["kvsnap restore"].append(restore(args.file))
-    print(f"{args.file.name}: {size / 2**20:.0f} MiB, medians of {args.reps}, os.cpu_count()={os.cpu_count()}")
+    print(
+        f"{args.file.name}: {size / 2**20:.0f} MiB, medians of {args.reps}, "
+        f"os.cpu_count()={os.cpu_count()}"
+    )
     for name, times in results.items():
         med = statistics.median(times)
         print(f"  {name:16s} {med:6.3f} s  {size / med / 1e9:5.2f} GB/s")

@@ -29,24 +29,60 @@ from kvsnap.store.local import Store
 DTYPE_BYTES = {"BF16": 2, "U32": 4, "I32": 4, "F32": 4}
 
 
-def kv_layer(i: int, n: int, heads: int, dim: int) -> tuple[dict, list[tuple[str, str, tuple[int, ...]]]]:
-    return {"class": "KVCache", "offset": n}, [(f"{i}.{kv}", "BF16", (1, heads, n, dim)) for kv in ("keys", "values")]
+def kv_layer(
+    i: int, n: int, heads: int, dim: int
+) -> tuple[dict, list[tuple[str, str, tuple[int, ...]]]]:
+    return {"class": "KVCache", "offset": n}, [
+        (f"{i}.{kv}", "BF16", (1, heads, n, dim)) for kv in ("keys", "values")
+    ]
 
 
 def quantized_layer(i: int, n: int, heads: int, dim: int) -> tuple[dict, list]:
     shapes = [(1, heads, n, dim // 4), (1, heads, n, dim // 64), (1, heads, n, dim // 64)]
-    tensors = [(f"{i}.{kv}.{j}", "U32" if j == 0 else "BF16", shape) for kv in ("keys", "values") for j, shape in enumerate(shapes)]
-    return {"class": "QuantizedKVCache", "offset": n, "parts": 3, "group_size": 64, "bits": 8}, tensors
+    tensors = [
+        (f"{i}.{kv}.{j}", "U32" if j == 0 else "BF16", shape)
+        for kv in ("keys", "values")
+        for j, shape in enumerate(shapes)
+    ]
+    return {
+        "class": "QuantizedKVCache",
+        "offset": n,
+        "parts": 3,
+        "group_size": 64,
+        "bits": 8,
+    }, tensors
 
 
-def snapshot_bytes(n: int, layers: list, tensors: list, layers_text: str | None = None, **meta_changes: str) -> tuple[str, bytes]:
+def snapshot_bytes(
+    n: int, layers: list, tensors: list, layers_text: str | None = None, **meta_changes: str
+) -> tuple[str, bytes]:
     tokens = list(range(n))
-    identity = ModelIdentity("a" * 32, "b" * 32, "c" * 32, "{}", "bfloat16", None, None, None, None, tuple(m.get("class", "?") if isinstance(m, dict) else "?" for m in layers[:4096]), 1, "0.32")
+    identity = ModelIdentity(
+        "a" * 32,
+        "b" * 32,
+        "c" * 32,
+        "{}",
+        "bfloat16",
+        None,
+        None,
+        None,
+        None,
+        tuple(m.get("class", "?") if isinstance(m, dict) else "?" for m in layers[:4096]),
+        1,
+        "0.32",
+    )
     key = snapshot_key(identity, "d" * 32, tokens)
     metadata = {
-        "kvsnap.format": str(FORMAT_VERSION), "kvsnap.key": key, "kvsnap.name": "agent", "kvsnap.model": json.dumps(identity.as_dict()),
-        "kvsnap.model_digest": identity.digest, "kvsnap.prompt_digest": "d" * 32, "kvsnap.n_tokens": str(n), "kvsnap.tokens_digest": tokens_digest(tokens),
-        "kvsnap.layers": layers_text if layers_text is not None else json.dumps(layers), "kvsnap.recorded": json.dumps({"created": "2026-11-30T00:00:00Z"}),
+        "kvsnap.format": str(FORMAT_VERSION),
+        "kvsnap.key": key,
+        "kvsnap.name": "agent",
+        "kvsnap.model": json.dumps(identity.as_dict()),
+        "kvsnap.model_digest": identity.digest,
+        "kvsnap.prompt_digest": "d" * 32,
+        "kvsnap.n_tokens": str(n),
+        "kvsnap.tokens_digest": tokens_digest(tokens),
+        "kvsnap.layers": layers_text if layers_text is not None else json.dumps(layers),
+        "kvsnap.recorded": json.dumps({"created": "2026-11-30T00:00:00Z"}),
         **meta_changes,
     }
     out = [OutTensor("tokens", "I32", (n,), memoryview(pack_tokens(tokens)))]
@@ -72,21 +108,40 @@ def model(n: int, n_layers: int, heads: int, dim: int, make=kv_layer) -> tuple[l
 def cases() -> dict[str, tuple[str, bytes]]:
     out = {}
     out["normal: tiny (2 layers, 32 tokens)"] = snapshot_bytes(32, *model(32, 2, 2, 16))
-    out["normal: 0.6B-shape (28 layers, 512 tokens, bf16)"] = snapshot_bytes(512, *model(512, 28, 8, 128))
-    out["normal: 128 layers, 8-bit KV, 256 tokens"] = snapshot_bytes(256, *model(256, 128, 8, 128, quantized_layer))
+    out["normal: 0.6B-shape (28 layers, 512 tokens, bf16)"] = snapshot_bytes(
+        512, *model(512, 28, 8, 128)
+    )
+    out["normal: 128 layers, 8-bit KV, 256 tokens"] = snapshot_bytes(
+        256, *model(256, 128, 8, 128, quantized_layer)
+    )
     n = 32
     layers, tensors = model(n, 2, 2, 16)
-    bomb = [dict(layers[0], **{"class": "QuantizedKVCache", "parts": 10**9, "group_size": 64, "bits": 8}), layers[1]]
+    bomb = [
+        dict(
+            layers[0], **{"class": "QuantizedKVCache", "parts": 10**9, "group_size": 64, "bits": 8}
+        ),
+        layers[1],
+    ]
     out["hostile: parts = 10**9"] = snapshot_bytes(n, bomb, tensors)
-    out["hostile: kvsnap.layers nested 5000 deep"] = snapshot_bytes(n, layers, tensors, layers_text="[" * 5000 + "]" * 5000)
+    out["hostile: kvsnap.layers nested 5000 deep"] = snapshot_bytes(
+        n, layers, tensors, layers_text="[" * 5000 + "]" * 5000
+    )
     nested = {"class": "KVCache", "offset": n}
     for _ in range(10):
         nested = {"class": "CacheList", "caches": [nested]}
     out["hostile: CacheList nested 10 deep"] = snapshot_bytes(n, [nested], tensors)
-    out["hostile: 5000 empty layers"] = snapshot_bytes(n, [{"class": "KVCache", "empty": True}] * 5000, tensors)
-    out["hostile: ArraysCache size 10**9"] = snapshot_bytes(n, [{"class": "ArraysCache", "size": 10**9, "present": []}], tensors)
-    out["hostile: n_tokens of 5000 digits"] = snapshot_bytes(n, layers, tensors, **{"kvsnap.n_tokens": "9" * 5000})
-    out["hostile: 15 MB agent name"] = snapshot_bytes(n, layers, tensors, **{"kvsnap.name": "x" * (15 << 20)})
+    out["hostile: 5000 empty layers"] = snapshot_bytes(
+        n, [{"class": "KVCache", "empty": True}] * 5000, tensors
+    )
+    out["hostile: ArraysCache size 10**9"] = snapshot_bytes(
+        n, [{"class": "ArraysCache", "size": 10**9, "present": []}], tensors
+    )
+    out["hostile: n_tokens of 5000 digits"] = snapshot_bytes(
+        n, layers, tensors, **{"kvsnap.n_tokens": "9" * 5000}
+    )
+    out["hostile: 15 MB agent name"] = snapshot_bytes(
+        n, layers, tensors, **{"kvsnap.name": "x" * (15 << 20)}
+    )
     many = [(f"x.{j}", "I32", (0,)) for j in range(60000)]
     out["hostile: 60,000 empty tensors"] = snapshot_bytes(n, layers, tensors + many)
     return out
@@ -126,11 +181,23 @@ def main() -> None:
             header = int.from_bytes(data[:8], "little")
             for full in (False, True) if label.startswith("normal") else (False,):
                 outcome, seconds, peak = measure(store, path, args.repeat, full)
-                rows.append((label + (" [verify]" if full else ""), len(data), header, seconds, peak, outcome))
+                rows.append(
+                    (
+                        label + (" [verify]" if full else ""),
+                        len(data),
+                        header,
+                        seconds,
+                        peak,
+                        outcome,
+                    )
+                )
             path.unlink()
     print(f"{'file':<52} {'bytes':>11} {'header':>10} {'ms/file':>9} {'peak KiB':>9}  outcome")
     for label, size, header, seconds, peak, outcome in rows:
-        print(f"{label:<52} {size:>11,} {header:>10,} {seconds * 1000:>9.2f} {peak / 1024:>9.0f}  {outcome[:90]}")
+        print(
+            f"{label:<52} {size:>11,} {header:>10,} {seconds * 1000:>9.2f} {peak / 1024:>9.0f}  "
+            f"{outcome[:90]}"
+        )
 
 
 if __name__ == "__main__":

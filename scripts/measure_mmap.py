@@ -29,7 +29,10 @@ def main() -> None:
     size = os.path.getsize(path) / 2**20
     os.unlink(path)
     alive = mx.sum(loaded["x"]).item()
-    print(f"file {size:.0f} MiB; RSS +{after - before:.0f} MiB on load; file mapped: {mapped}; readable after unlink: {alive is not None}")
+    print(
+        f"file {size:.0f} MiB; RSS +{after - before:.0f} MiB on load; file mapped: {mapped}; "
+        f"readable after unlink: {alive is not None}"
+    )
 
 
 if __name__ == "__main__":

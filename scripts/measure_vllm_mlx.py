@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """Side by side for docs/vllm-mlx.md: plain vllm-mlx, its --warm-prompts, and kvsnap's route.
 
-    python scripts/measure_vllm_mlx.py --python VENV/bin/python --model M --system system.txt --store SNAPS
+    python scripts/measure_vllm_mlx.py --python VENV/bin/python --model M --system system.txt
+    --store SNAPS
 
 VENV is an environment with vllm-mlx 0.6.0 (tests/test_vllm_mlx.py makes one under
 ~/.cache/kvsnap-tests/vllm-mlx-venv); SNAPS was built there with `kvsnap build --for
@@ -10,7 +11,8 @@ vllm-mlx` from an agents file whose one entry is this system prompt. Modes:
   cold                  vllm-mlx serve
   warm-prompts          vllm-mlx serve --warm-prompts FILE
   kvsnap                kvsnap vllm-mlx serve --kv-snapshots SNAPS
-  kvsnap-warm-first     kvsnap vllm-mlx serve --kv-snapshots NEW --warm-prompts FILE (NEW empty: prefilled, written back)
+  kvsnap-warm-first     kvsnap vllm-mlx serve --kv-snapshots NEW --warm-prompts FILE (NEW empty:
+  prefilled, written back)
   kvsnap-warm-second    the same again, on the store the first one wrote
 
 Each server runs alone, with HOME in a temporary folder; plain vllm-mlx gets the same
@@ -41,7 +43,6 @@ sys.path.insert(0, str(ROOT))
 from kvsnap.blas import find_openblas  # noqa: E402
 from kvsnap.tools.serverproc import free_port  # noqa: E402
 
-
 MODES = ("cold", "warm-prompts", "kvsnap", "kvsnap-warm-first", "kvsnap-warm-second")
 
 
@@ -49,13 +50,40 @@ def measure(python: str, model: str, mode: str, system: str, store: str, workdir
     home = workdir / f"home-{mode}"
     home.mkdir()
     env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")}
-    env.update(HOME=str(home), HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT), KVSNAP_CACHE_DIR=os.environ.get("KVSNAP_CACHE_DIR", str(workdir / "kvsnap-cache")))
+    env.update(
+        HOME=str(home),
+        HF_HUB_OFFLINE="1",
+        PYTHONPATH=str(ROOT),
+        KVSNAP_CACHE_DIR=os.environ.get("KVSNAP_CACHE_DIR", str(workdir / "kvsnap-cache")),
+    )
     warm = workdir / "vllm-warm-prompts.json"  # vllm-mlx's own file shape
     warm.write_text(json.dumps([[{"role": "system", "content": system}]]))
     if mode == "kvsnap":
-        cmd = [python, "-m", "kvsnap", "vllm-mlx", "serve", model, "--continuous-batching", "--kv-snapshots", store]
+        cmd = [
+            python,
+            "-m",
+            "kvsnap",
+            "vllm-mlx",
+            "serve",
+            model,
+            "--continuous-batching",
+            "--kv-snapshots",
+            store,
+        ]
     elif mode.startswith("kvsnap-warm"):
-        cmd = [python, "-m", "kvsnap", "vllm-mlx", "serve", model, "--continuous-batching", "--kv-snapshots", str(workdir / "written-back"), "--warm-prompts", str(warm)]
+        cmd = [
+            python,
+            "-m",
+            "kvsnap",
+            "vllm-mlx",
+            "serve",
+            model,
+            "--continuous-batching",
+            "--kv-snapshots",
+            str(workdir / "written-back"),
+            "--warm-prompts",
+            str(warm),
+        ]
     else:
         if find_openblas():
             env["LD_PRELOAD"] = find_openblas()
@@ -66,7 +94,12 @@ def measure(python: str, model: str, mode: str, system: str, store: str, workdir
     log_path = workdir / f"{mode}.log"
     t0 = time.perf_counter()
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen(["timeout", "-k", "5", "1800", *cmd, "--host", "127.0.0.1", "--port", str(port)], stdout=log, stderr=subprocess.STDOUT, env=env)
+        proc = subprocess.Popen(
+            ["timeout", "-k", "5", "1800", *cmd, "--host", "127.0.0.1", "--port", str(port)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
     url = f"http://127.0.0.1:{port}"
     try:
         while True:
@@ -80,8 +113,21 @@ def measure(python: str, model: str, mode: str, system: str, store: str, workdir
             time.sleep(0.05)
         ready = time.perf_counter() - t0
         status = httpx.get(f"{url}/v1/status", timeout=30).json()
-        kvsnap = httpx.get(f"{url}/v1/kvsnap/status", timeout=30).json() if mode.startswith("kvsnap") else None
-        body = {"model": model, "messages": [{"role": "system", "content": system}, {"role": "user", "content": "Please review the server code."}], "max_tokens": 8, "temperature": 0, "stream": True}
+        kvsnap = (
+            httpx.get(f"{url}/v1/kvsnap/status", timeout=30).json()
+            if mode.startswith("kvsnap")
+            else None
+        )
+        body = {
+            "model": model,
+            "messages": [
+                {"role": "system", "content": system},
+                {"role": "user", "content": "Please review the server code."},
+            ],
+            "max_tokens": 8,
+            "temperature": 0,
+            "stream": True,
+        }
         result: dict = {}
 
         def send():
@@ -93,8 +139,14 @@ def measure(python: str, model: str, mode: str, system: str, store: str, workdir
                     if line.startswith("data:") and line.strip() != "data: [DONE]":
                         choice = json.loads(line[5:])["choices"][0]
                         delta = choice.get("delta") or {}
-                        result["text"] = result.get("text", "") + (delta.get("content") or "") + (delta.get("reasoning") or delta.get("reasoning_content") or "")
-                        result["finish_reason"] = choice.get("finish_reason") or result.get("finish_reason")
+                        result["text"] = (
+                            result.get("text", "")
+                            + (delta.get("content") or "")
+                            + (delta.get("reasoning") or delta.get("reasoning_content") or "")
+                        )
+                        result["finish_reason"] = choice.get("finish_reason") or result.get(
+                            "finish_reason"
+                        )
 
         thread = threading.Thread(target=send)
         seen: list = []
@@ -108,7 +160,9 @@ def measure(python: str, model: str, mode: str, system: str, store: str, workdir
         proc.send_signal(signal.SIGINT)
         proc.wait(120)
     text = log_path.read_text(errors="replace")
-    scheduled = re.findall(r"\[schedule\] request=\S+ uid=\d+ prompt_tokens=(\d+) tokens_to_prefill=(\d+)", text)
+    scheduled = re.findall(
+        r"\[schedule\] request=\S+ uid=\d+ prompt_tokens=(\d+) tokens_to_prefill=(\d+)", text
+    )
     if kvsnap is not None and kvsnap.get("last") and "agents" in kvsnap["last"]:
         at_start = sum(a["tokens"] for a in kvsnap["last"]["agents"] if a["source"] == "prefilled")
     else:  # vllm-mlx's own warm-up counts in its status; --kv-snapshots alone prefills nothing
@@ -130,21 +184,41 @@ def measure(python: str, model: str, mode: str, system: str, store: str, workdir
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--python", required=True, help="python of the environment holding vllm-mlx")
     ap.add_argument("--model", required=True)
-    ap.add_argument("--system", required=True, help="file with the system prompt the store was built for")
+    ap.add_argument(
+        "--system", required=True, help="file with the system prompt the store was built for"
+    )
     ap.add_argument("--store", required=True)
-    ap.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, from {', '.join(MODES)}")
+    ap.add_argument(
+        "--modes", default=",".join(MODES), help=f"comma-separated, from {', '.join(MODES)}"
+    )
     args = ap.parse_args()
     system = Path(args.system).read_text()
     modes = args.modes.split(",")
     unknown = [m for m in modes if m not in MODES]
     if unknown:
         ap.error(f"unknown mode(s) {', '.join(unknown)}; choose from {', '.join(MODES)}")
-    with tempfile.TemporaryDirectory() as tmp:  # one folder: kvsnap-warm-second reuses what -first wrote
+    with (
+        tempfile.TemporaryDirectory() as tmp
+    ):  # one folder: kvsnap-warm-second reuses what -first wrote
         for mode in modes:
-            print(json.dumps(measure(args.python, str(Path(args.model).resolve()), mode, system, args.store, Path(tmp))), flush=True)
+            print(
+                json.dumps(
+                    measure(
+                        args.python,
+                        str(Path(args.model).resolve()),
+                        mode,
+                        system,
+                        args.store,
+                        Path(tmp),
+                    )
+                ),
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

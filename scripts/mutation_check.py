@@ -33,7 +33,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-COPIED = ("kvsnap", "tests", "contrib", "pyproject.toml")  # contrib: the upstream patches the tests apply
+COPIED = (
+    "kvsnap",
+    "tests",
+    "contrib",
+    "pyproject.toml",
+)  # contrib: the upstream patches the tests apply
 TIMEOUT_S = 900
 
 
@@ -62,7 +67,10 @@ ZERO_KEY = """
             c.keys = _k
 """
 
-ENGINE_FIRST = "tests/test_engine.py::test_first_request_per_agent_computes_only_its_suffix_and_matches_a_full_prefill"
+ENGINE_FIRST = (
+    "tests/test_engine.py::"
+    "test_first_request_per_agent_computes_only_its_suffix_and_matches_a_full_prefill"
+)
 SERVER_EXACT = "tests/test_server.py::test_answers_over_http_come_from_the_exact_snapshot_state"
 
 BREAKAGES = (
@@ -70,7 +78,13 @@ BREAKAGES = (
         "prefix-skips-last-token",
         "2. strict prefix",
         "the trie walk compares each edge with the request except the edge's last token",
-        (Patch("kvsnap/runtime/prefix_trie.py", "            if seen == child.edge:\n", "            if seen[:-1] == child.edge[:-1] and len(seen) == len(child.edge):\n"),),
+        (
+            Patch(
+                "kvsnap/runtime/prefix_trie.py",
+                "            if seen == child.edge:\n",
+                "            if seen[:-1] == child.edge[:-1] and len(seen) == len(child.edge):\n",
+            ),
+        ),
         (
             "tests/test_prefix.py::test_an_untrimmable_entry_that_differs_only_at_its_last_token_is_not_used",
             "tests/test_engine.py::test_a_request_differing_from_an_untrimmable_snapshot_only_at_its_last_token_is_prefilled",
@@ -82,8 +96,16 @@ BREAKAGES = (
         "2. strict prefix",
         "lookup trims every entry, SSM state included",
         (
-            Patch("kvsnap/runtime/prefix_trie.py", "        if not node.entry.trimmable:\n            return\n", "        if False:\n            return\n"),
-            Patch("kvsnap/runtime/prefix_trie.py", "if e is not None and e.trimmable and node.rank == rank:", "if e is not None and node.rank == rank:"),
+            Patch(
+                "kvsnap/runtime/prefix_trie.py",
+                "        if not node.entry.trimmable:\n            return\n",
+                "        if False:\n            return\n",
+            ),
+            Patch(
+                "kvsnap/runtime/prefix_trie.py",
+                "if e is not None and e.trimmable and node.rank == rank:",
+                "if e is not None and node.rank == rank:",
+            ),
         ),
         (
             "tests/test_prefix.py::test_prompt_equal_to_untrimmable_entry_falls_back_to_a_shorter_entry_or_cold",
@@ -98,8 +120,10 @@ BREAKAGES = (
         (
             Patch(
                 "kvsnap/key.py",
-                '    h = xxhash.xxh3_128()\n    with open(path, "rb") as f:\n        while chunk := f.read(chunk_size):\n            h.update(chunk)\n',
-                '    h = xxhash.xxh3_128()\n    with open(path, "rb") as f:\n        h.update(f.read(chunk_size))\n',
+                '    h = xxhash.xxh3_128()\n    with open(path, "rb") as f:\n        while chunk '
+                ":= f.read(chunk_size):\n            h.update(chunk)\n",
+                '    h = xxhash.xxh3_128()\n    with open(path, "rb") as f:\n        '
+                "h.update(f.read(chunk_size))\n",
             ),
         ),
         (
@@ -120,12 +144,15 @@ BREAKAGES = (
     Breakage(
         "store-padded-buffer",
         "snapshot bytes = exact KV (format.md)",
-        "each block stores the attention KV from its start to the prompt's end (the buffer's tail), not just its own tokens",
+        "each block stores the attention KV from its start to the prompt's end (the buffer's "
+        "tail), not just its own tokens",
         (
             Patch(
                 "kvsnap/store/parts.py",
-                "            part = {name: arrays[name][..., link.start : link.end, :] for name in sliced}\n",
-                "            part = {name: arrays[name][..., link.start :, :] for name in sliced}\n",
+                "            part = {name: arrays[name][..., link.start : link.end, :] for name in "
+                "sliced}\n",
+                "            part = {name: arrays[name][..., link.start :, :] for name in "
+                "sliced}\n",
             ),
         ),
         ("tests/test_snapshot_equivalence.py::test_snapshot_size_is_exact_kv_bytes",),
@@ -134,7 +161,13 @@ BREAKAGES = (
         "skip-checksum",
         "4. nothing half-written (corrupt files detected)",
         "restore never compares the data checksum",
-        (Patch("kvsnap/snapshot/file.py", "    h.update(data)\n    _compare(header, h.hexdigest())\n", "    h.update(data)\n"),),
+        (
+            Patch(
+                "kvsnap/snapshot/file.py",
+                "    h.update(data)\n    _compare(header, h.hexdigest())\n",
+                "    h.update(data)\n",
+            ),
+        ),
         (
             "tests/test_engine.py::test_rejected_snapshots_are_reported_and_replaced_by_a_prefill",
             "tests/test_engine.py::test_a_corrupt_snapshot_loaded_lazily_is_rejected_on_first_hit",
@@ -147,11 +180,15 @@ BREAKAGES = (
         (
             Patch(
                 "kvsnap/store/fileio.py",
-                'fd, tmp = tempfile.mkstemp(prefix=TMP_PREFIX + target.name + ".", dir=target.parent)',
-                "fd, tmp = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), str(target)",
+                'fd, tmp = tempfile.mkstemp(prefix=TMP_PREFIX + target.name + ".", '
+                "dir=target.parent)",
+                "fd, tmp = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "
+                "str(target)",
             ),
         ),
-        ("tests/test_hardening.py::test_build_killed_at_each_fault_point_leaves_a_sound_store_that_resumes[mid-write]",),
+        (
+            "tests/test_hardening.py::test_build_killed_at_each_fault_point_leaves_a_sound_store_that_resumes[mid-write]",
+        ),
     ),
     Breakage(
         "zero-one-key",
@@ -160,12 +197,18 @@ BREAKAGES = (
         (
             Patch(
                 "kvsnap/snapshot/cache_classes.py",
-                '        c.keys, c.values, c.offset = arrays[f"{path}.keys"], arrays[f"{path}.values"], int(meta["offset"])\n',
-                '        c.keys, c.values, c.offset = arrays[f"{path}.keys"], arrays[f"{path}.values"], int(meta["offset"])\n' + ZERO_KEY.lstrip("\n"),
+                '            int(meta["offset"]),\n        )\n',
+                '            int(meta["offset"]),\n        )\n' + ZERO_KEY.lstrip("\n"),
             ),
         ),
-        # The engine and server tests alone: the bitwise equivalence test caught this before they did.
-        (f"{ENGINE_FIRST}[dense]", f"{ENGINE_FIRST}[sliding]", f"{SERVER_EXACT}[dense]", f"{SERVER_EXACT}[sliding]"),
+        # The engine and server tests alone: the bitwise equivalence test caught this before they
+        # did.
+        (
+            f"{ENGINE_FIRST}[dense]",
+            f"{ENGINE_FIRST}[sliding]",
+            f"{SERVER_EXACT}[dense]",
+            f"{SERVER_EXACT}[sliding]",
+        ),
     ),
     Breakage(
         "zero-one-key-at-build",
@@ -174,19 +217,33 @@ BREAKAGES = (
         (
             Patch(
                 "kvsnap/snapshot/cache_classes.py",
-                '    out[f"{path}.keys"] = _slice_tokens(c.keys, c.offset)\n    out[f"{path}.values"] = _slice_tokens(c.values, c.offset)\n    return {"offset": c.offset}\n',
-                '    out[f"{path}.keys"] = _slice_tokens(c.keys, c.offset)\n    out[f"{path}.values"] = _slice_tokens(c.values, c.offset)\n'
-                '    if path == "1":  # breakage\n        _k = out[f"{path}.keys"] * 1\n        _k[..., c.offset // 2, :] = 0\n        out[f"{path}.keys"] = _k\n'
+                '    out[f"{path}.keys"] = _slice_tokens(c.keys, c.offset)\n    '
+                'out[f"{path}.values"] = _slice_tokens(c.values, c.offset)\n    return {"offset": '
+                "c.offset}\n",
+                '    out[f"{path}.keys"] = _slice_tokens(c.keys, c.offset)\n    '
+                'out[f"{path}.values"] = _slice_tokens(c.values, c.offset)\n'
+                '    if path == "1":  # breakage\n        _k = out[f"{path}.keys"] * 1\n        '
+                '_k[..., c.offset // 2, :] = 0\n        out[f"{path}.keys"] = _k\n'
                 '    return {"offset": c.offset}\n',
             ),
         ),
-        ("tests/test_snapshot_equivalence.py::test_restored_snapshot_matches_fresh_prefill[dense]", f"{ENGINE_FIRST}[dense]", f"{SERVER_EXACT}[sliding]"),
+        (
+            "tests/test_snapshot_equivalence.py::test_restored_snapshot_matches_fresh_prefill[dense]",
+            f"{ENGINE_FIRST}[dense]",
+            f"{SERVER_EXACT}[sliding]",
+        ),
     ),
     Breakage(
         "shared-mutable-cache",
         "5. no shared mutable cache",
         "a fetch hands out the stored cache objects instead of a private copy",
-        (Patch("kvsnap/snapshot/codec.py", "    return decode_cache({k: v[...] for k, v in arrays.items()}, layers)\n", "    return list(cache)\n"),),
+        (
+            Patch(
+                "kvsnap/snapshot/codec.py",
+                "    return decode_cache({k: v[...] for k, v in arrays.items()}, layers)\n",
+                "    return list(cache)\n",
+            ),
+        ),
         (
             "tests/test_codec.py::test_copies_never_share_appends",
             "tests/test_prefix.py::test_fetching_a_pinned_entry_three_times_through_a_trim_leaves_it_unchanged",
@@ -196,22 +253,49 @@ BREAKAGES = (
         "capture-not-checked",
         "6. captured at the boundary",
         "a state holding a generated token is encoded anyway",
-        (Patch("kvsnap/snapshot/codec.py", "            if offset != n_tokens:\n", "            if False:\n"),),
-        ("tests/test_snapshot_equivalence.py::test_capture_refuses_a_state_with_a_generated_token",),
+        (
+            Patch(
+                "kvsnap/snapshot/codec.py",
+                "            if offset != n_tokens:\n",
+                "            if False:\n",
+            ),
+        ),
+        (
+            "tests/test_snapshot_equivalence.py::test_capture_refuses_a_state_with_a_generated_token",
+        ),
     ),
     Breakage(
         "ignore-namespaces",
         "no shared mutable cache / tenant isolation (server.md#security)",
         "a request prefix of one key or cache_salt matches requests of another",
-        (Patch("kvsnap/runtime/prefix.py", "            tries = (self._tries.get(None) if shared else None, self._tries.get(namespace))\n", "            tries = tuple(self._tries.values())\n"),),
-        ("tests/test_security.py::test_prefixes_of_two_namespaces_never_match_each_other", "tests/test_shared_prefix.py::test_requests_of_two_namespaces_never_share_a_computed_prefix"),
+        (
+            Patch(
+                "kvsnap/runtime/prefix.py",
+                "            tries = (self._tries.get(None) if shared else None, "
+                "self._tries.get(namespace))\n",
+                "            tries = tuple(self._tries.values())\n",
+            ),
+        ),
+        (
+            "tests/test_security.py::test_prefixes_of_two_namespaces_never_match_each_other",
+            "tests/test_shared_prefix.py::test_requests_of_two_namespaces_never_share_a_computed_prefix",
+        ),
     ),
     Breakage(
         "never-match-prefix",
         "7. honest accounting / reuse",
         "lookup never returns an entry",
-        (Patch("kvsnap/runtime/prefix.py", "        return Match(best.entry, best.usable)\n", "        return None\n"),),
-        ("tests/test_prefix.py::test_longest_strict_prefix_wins_and_state_is_a_copy", f"{ENGINE_FIRST}[dense]"),
+        (
+            Patch(
+                "kvsnap/runtime/prefix.py",
+                "        return Match(best.entry, best.usable)\n",
+                "        return None\n",
+            ),
+        ),
+        (
+            "tests/test_prefix.py::test_longest_strict_prefix_wins_and_state_is_a_copy",
+            f"{ENGINE_FIRST}[dense]",
+        ),
     ),
     Breakage(
         "recompute-cached-prompt",
@@ -220,16 +304,24 @@ BREAKAGES = (
         (
             Patch(
                 "kvsnap/runtime/batch_runner.py",
-                "uid = gen.insert([list(suffix)], max_tokens=[r.max_tokens], caches=[cache],",
-                "uid = gen.insert([list(r.tokens)], max_tokens=[r.max_tokens], caches=[self.lm.make_cache()],",
+                "                    [list(suffix)],\n"
+                "                    max_tokens=[r.max_tokens],\n"
+                "                    caches=[cache],\n",
+                "                    [list(r.tokens)],\n"
+                "                    max_tokens=[r.max_tokens],\n"
+                "                    caches=[self.lm.make_cache()],\n",
             ),
         ),
-        (f"{ENGINE_FIRST}[dense]", "tests/test_engine.py::test_computed_tokens_come_from_mlx_lm_counter"),
+        (
+            f"{ENGINE_FIRST}[dense]",
+            "tests/test_engine.py::test_computed_tokens_come_from_mlx_lm_counter",
+        ),
     ),
     Breakage(
         "chain-not-proven",
         "3. never stale, never foreign",
-        "a record's chain is read without checking that its block keys follow from its own tokens and model",
+        "a record's chain is read without checking that its block keys follow from its own tokens "
+        "and model",
         (
             Patch(
                 "kvsnap/snapshot/chain.py",
@@ -246,59 +338,113 @@ BREAKAGES = (
         (
             Patch(
                 "kvsnap/store/local.py",
-                "                    reached: set[str] | None = reached_parts([self.inspect(p) for p in kept])\n",
+                "                    reached: set[str] | None = reached_parts([self.inspect(p) for "
+                "p in kept])\n",
                 "                    reached: set[str] | None = set()\n",
             ),
         ),
-        ("tests/test_store.py::test_gc_removes_a_dropped_entry_but_never_one_another_model_uses", "tests/test_blocks.py::test_gc_keeps_every_block_a_record_reaches"),
+        (
+            "tests/test_store.py::test_gc_removes_a_dropped_entry_but_never_one_another_model_uses",
+            "tests/test_blocks.py::test_gc_keeps_every_block_a_record_reaches",
+        ),
     ),
     Breakage(
         "restored-shapes-not-checked",
         "4. hostile files",
         "a restored state is served without comparing its tensors with the model's own cache",
-        (Patch("kvsnap/runtime/warmup.py", "    if prefix.check_state is None:  # every state served", "    if False:  # every state served"),),
-        ("tests/test_forged_shapes.py::test_regression_forged_head_dim_blocks_are_dropped_and_never_fail_a_batch",),
+        (
+            Patch(
+                "kvsnap/runtime/warmup.py",
+                "    if prefix.check_state is None:  # every state served",
+                "    if False:  # every state served",
+            ),
+        ),
+        (
+            "tests/test_forged_shapes.py::test_regression_forged_head_dim_blocks_are_dropped_and_never_fail_a_batch",
+        ),
     ),
     Breakage(
         "shape-check-runs-the-model",
         "start-up",
-        "the model's cache shapes are learned from an evaluated one-token pass: its kernel compiles run before warm",
-        (Patch("kvsnap/runtime/state_shapes.py", "        self._per_token = _token_axis_names(layers)\n", "        mx.eval(list(arrays.values()))\n        self._per_token = _token_axis_names(layers)\n"),),
-        ("tests/test_startup_pass.py::test_regression_kv_snapshots_alone_does_the_work_of_warm_prompts",),
+        "the model's cache shapes are learned from an evaluated one-token pass: its kernel "
+        "compiles run before warm",
+        (
+            Patch(
+                "kvsnap/runtime/state_shapes.py",
+                "        self._per_token = _token_axis_names(layers)\n",
+                "        mx.eval(list(arrays.values()))\n        self._per_token = "
+                "_token_axis_names(layers)\n",
+            ),
+        ),
+        (
+            "tests/test_startup_pass.py::test_regression_kv_snapshots_alone_does_the_work_of_warm_prompts",
+        ),
     ),
     Breakage(
         "verify-model-ignores-shapes",
         "4. hostile files",
         "verify --model trusts the parts' tensor shapes",
-        (Patch("kvsnap/commands/store.py", "            if shapes is not None:\n", "            if False:\n"),),
+        (
+            Patch(
+                "kvsnap/commands/store.py",
+                "            if shapes is not None:\n",
+                "            if False:\n",
+            ),
+        ),
         ("tests/test_forged_shapes.py::test_verify_with_the_model_names_the_forged_block_shapes",),
     ),
     Breakage(
         "verify-model-fails-on-other-models",
         "3. never foreign",
         "verify --model counts another model's sound records as bad",
-        (Patch("kvsnap/commands/store.py", "            info = store.verify_file(path)\n", "            info = store.verify_file(path, expected)\n"),),
-        ("tests/test_forged_shapes.py::test_verify_with_the_model_reports_another_models_records_and_exits_0",),
+        (
+            Patch(
+                "kvsnap/commands/store.py",
+                "            info = store.verify_file(path)\n",
+                "            info = store.verify_file(path, expected)\n",
+            ),
+        ),
+        (
+            "tests/test_forged_shapes.py::test_verify_with_the_model_reports_another_models_records_and_exits_0",
+        ),
     ),
     Breakage(
         "token-count-unbounded",
         "4. hostile files",
         "a record's token count is not bounded before its tokens are read",
         (Patch("kvsnap/snapshot/header.py", "    if n > max_tokens:\n", "    if False:\n"),),
-        ("tests/test_forged_token_counts.py::test_regression_a_25m_token_record_is_refused_by_ls_and_scan_before_its_tokens_are_read",),
+        (
+            "tests/test_forged_token_counts.py::test_regression_a_25m_token_record_is_refused_by_ls_and_scan_before_its_tokens_are_read",
+        ),
     ),
     Breakage(
         "start-scan-ignores-context",
         "4. hostile files",
         "the start scan reads records longer than the model's context",
-        (Patch("kvsnap/runtime/prefetch.py", "store.scan(max_tokens=context_tokens(model_dir))", "store.scan()"),),
-        ("tests/test_forged_token_counts.py::test_regression_a_record_longer_than_the_models_context_is_refused_by_the_start_scan",),
+        (
+            Patch(
+                "kvsnap/runtime/prefetch.py",
+                "store.scan(max_tokens=context_tokens(model_dir))",
+                "store.scan()",
+            ),
+        ),
+        (
+            "tests/test_forged_token_counts.py::test_regression_a_record_longer_than_the_models_context_is_refused_by_the_start_scan",
+        ),
     ),
     Breakage(
         "mlx-lm-warm-entries-evictable",
         "2. strict prefix (warm stays warm)",
         "kvsnap mlx-lm pins its warm entries as ordinary mlx-lm 'system' LRU entries",
-        (Patch("kvsnap/integrations/mlx_lm_cache.py", "        # A plain dict trie insert: the pinned set never drops a warm prefix of another.\n", "        return super().insert_cache(model, list(tokens), prompt_cache, cache_type=\"system\")\n"),),
+        (
+            Patch(
+                "kvsnap/integrations/mlx_lm_cache.py",
+                "        # A plain dict trie insert: the pinned set never drops a warm prefix of "
+                "another.\n",
+                "        return super().insert_cache(model, list(tokens), prompt_cache, "
+                'cache_type="system")\n',
+            ),
+        ),
         (
             "tests/test_mlx_lm_server.py::test_pinned_warm_entries_survive_size_bytes_and_prefix_eviction_and_are_private_copies",
             "tests/test_mlx_lm_server.py::test_agents_stay_warm_under_prompt_cache_size_and_bytes_pressure",
@@ -307,8 +453,15 @@ BREAKAGES = (
     Breakage(
         "mlx-lm-profile-bos-on-encode",
         "2. strict prefix",
-        "the --for mlx-lm profile encodes with the tokenizer's special tokens (a second BOS on Llama 3)",
-        (Patch("kvsnap/integrations/mlx_lm_profile.py", "server=SERVER, add_special_tokens=False,", "server=SERVER, add_special_tokens=True,"),),
+        "the --for mlx-lm profile encodes with the tokenizer's special tokens (a second BOS on "
+        "Llama 3)",
+        (
+            Patch(
+                "kvsnap/integrations/mlx_lm_profile.py",
+                "server=SERVER, add_special_tokens=False,",
+                "server=SERVER, add_special_tokens=True,",
+            ),
+        ),
         (
             "tests/test_mlx_lm_server.py::test_mlx_lm_profile_prefix_is_a_strict_prefix_of_mlx_lm_servers_own_tokens[llama]",
             "tests/test_mlx_lm_server.py::test_real_llama3_tokenizer_mlx_lm_requests_start_with_one_bos_and_hit",
@@ -318,127 +471,264 @@ BREAKAGES = (
         "warm-key-drops-the-servers-profile",
         "3. never foreign",
         "warm_key digests every server's warm prompts as kvsnap's own request path",
-        (Patch("kvsnap/runtime/warm_recipe.py", "    profile = tokenization.descriptor() if tokenization is not None else None\n", "    profile = None\n"),),
-        ("tests/test_prompts.py::test_warm_key_keys_another_servers_tokenization_apart_from_kvsnaps",),
+        (
+            Patch(
+                "kvsnap/runtime/warm_recipe.py",
+                "    profile = tokenization.descriptor() if tokenization is not None else None\n",
+                "    profile = None\n",
+            ),
+        ),
+        (
+            "tests/test_prompts.py::test_warm_key_keys_another_servers_tokenization_apart_from_kvsnaps",
+        ),
     ),
     Breakage(
         "lazy-import-cycle",
         "shape of the code",
         "a lazy import inside a function closes an import cycle (warm_recipe <-> warmup)",
-        (Patch("kvsnap/runtime/warm_recipe.py", "    template = resolve_chat_template(tokenizer, prompt.tools)\n", "    from kvsnap.runtime.warmup import run_warmup  # noqa: F401\n    template = resolve_chat_template(tokenizer, prompt.tools)\n"),),
+        (
+            Patch(
+                "kvsnap/runtime/warm_recipe.py",
+                "    template = resolve_chat_template(tokenizer, prompt.tools)\n",
+                "    from kvsnap.runtime.warmup import run_warmup  # noqa: F401\n    template = "
+                "resolve_chat_template(tokenizer, prompt.tools)\n",
+            ),
+        ),
         ("tests/test_architecture.py::test_no_import_cycle",),
     ),
     Breakage(
         "slowloris-head-deadline-off",
         "server under attack",
         "a connection whose request head never completes is left open (slowloris)",
-        (Patch("kvsnap/http/connections.py", "            self.close_slow()\n\n        def close_slow", "            pass\n\n        def close_slow"),),
-        ("tests/test_http_connections.py::test_slowloris_connections_are_closed_and_health_still_answers",),
+        (
+            Patch(
+                "kvsnap/http/connections.py",
+                "            self.close_slow()\n\n        def close_slow",
+                "            pass\n\n        def close_slow",
+            ),
+        ),
+        (
+            "tests/test_http_connections.py::test_slowloris_connections_are_closed_and_health_still_answers",
+        ),
     ),
     Breakage(
         "accept-errors-flood-the-log",
         "server under attack",
         "EMFILE on accept() goes to asyncio's handler, one traceback per attempt",
         (Patch("kvsnap/http/connections.py", "exc.errno in ACCEPT_ERRNOS:", "exc.errno in ():"),),
-        ("tests/test_http_connections.py::test_accept_errors_from_running_out_of_descriptors_are_logged_rate_limited",),
+        (
+            "tests/test_http_connections.py::test_accept_errors_from_running_out_of_descriptors_are_logged_rate_limited",
+        ),
     ),
     Breakage(
         "cached-tokens-own-entry-leaks-match",
         "server under attack",
-        "a tenant's own entry is not kept when a shared match left nothing to prefill: its existence spells out the match",
-        (Patch("kvsnap/runtime/request_cache.py", "        capture_request_prefix(prefix, state, cache)\n", "        pass\n"),),
-        ("tests/test_security.py::test_cached_tokens_binary_search_against_own_entries_learns_only_the_rounded_match",),
+        "a tenant's own entry is not kept when a shared match left nothing to prefill: its "
+        "existence spells out the match",
+        (
+            Patch(
+                "kvsnap/runtime/request_cache.py",
+                "        capture_request_prefix(prefix, state, cache)\n",
+                "        pass\n",
+            ),
+        ),
+        (
+            "tests/test_security.py::test_cached_tokens_binary_search_against_own_entries_learns_only_the_rounded_match",
+        ),
     ),
     Breakage(
         "tenant-status-shows-cache-counters",
         "server under attack",
         "a non-admin key sees the cache-wide counters again",
-        (Patch("kvsnap/http/routes_status.py", 'TENANT_STATUS_FIELDS = ("warm", "requests", "rewarm_in_progress")', 'TENANT_STATUS_FIELDS = ("warm", "requests", "rewarm_in_progress", "cache")'),),
-        ("tests/test_security.py::test_tenant_status_shows_nothing_that_moves_with_other_tenants_traffic",),
+        (
+            Patch(
+                "kvsnap/http/routes_status.py",
+                'TENANT_STATUS_FIELDS = ("warm", "requests", "rewarm_in_progress")',
+                'TENANT_STATUS_FIELDS = ("warm", "requests", "rewarm_in_progress", "cache")',
+            ),
+        ),
+        (
+            "tests/test_security.py::test_tenant_status_shows_nothing_that_moves_with_other_tenants_traffic",
+        ),
     ),
     Breakage(
         "generation-failed-carries-exception-text",
         "server under attack",
         "a generation_failed 500 carries the exception text to the client",
-        (Patch("kvsnap/http/routes_generation.py", 'return f"generation failed ({kind}); the server log has the details"', 'return f"generation failed: {detail}"'),),
+        (
+            Patch(
+                "kvsnap/http/routes_generation.py",
+                'return f"generation failed ({kind}); the server log has the details"',
+                'return f"generation failed: {detail}"',
+            ),
+        ),
         ("tests/test_http_errors.py::test_generation_failed_500_names_only_the_error_type",),
     ),
     Breakage(
         "busy-port-found-after-model-load",
         "server under attack",
         "the port is bound only when uvicorn starts, after the model loads",
-        (Patch("kvsnap/commands/serve.py", "    sock = bind_socket(args.host, args.port)  # a busy port fails now, not after the model loads\n", ""),
-         Patch("kvsnap/commands/serve.py", "    server.run(sockets=[sock])", "    server.run(sockets=[bind_socket(args.host, args.port)])")),
-        ("tests/test_http_connections.py::test_a_busy_port_fails_before_the_model_loads_with_exit_2",),
+        (
+            Patch(
+                "kvsnap/commands/serve.py",
+                "    sock = bind_socket(args.host, args.port)  # a busy port fails now, not after "
+                "the model loads\n",
+                "",
+            ),
+            Patch(
+                "kvsnap/commands/serve.py",
+                "    server.run(sockets=[sock])",
+                "    server.run(sockets=[bind_socket(args.host, args.port)])",
+            ),
+        ),
+        (
+            "tests/test_http_connections.py::test_a_busy_port_fails_before_the_model_loads_with_exit_2",
+        ),
     ),
     Breakage(
         "unused-dependency-declared",
         "shape of the code",
         "pyproject.toml declares safetensors again, which kvsnap never imports",
-        (Patch("pyproject.toml", '    "xxhash>=3.0",\n', '    "safetensors>=0.4",\n    "xxhash>=3.0",\n'),),
+        (
+            Patch(
+                "pyproject.toml",
+                '    "xxhash>=3.0",\n',
+                '    "safetensors>=0.4",\n    "xxhash>=3.0",\n',
+            ),
+        ),
         ("tests/test_architecture.py::test_every_declared_dependency_is_imported",),
     ),
     Breakage(
         "install-merge-replaces-record",
         "shipped content",
         "a shipped record with an existing id replaces the store's (an empty one erases it for gc)",
-        (Patch("kvsnap/store/manifest.py", "        records[rid] = _merge_record(records[rid], record) if rid in records else record\n", "        records[rid] = record\n"),),
-        ("tests/test_shipping_installs.py::test_regression_a_tiny_tarball_with_an_empty_record_cannot_erase_a_store",),
+        (
+            Patch(
+                "kvsnap/store/manifest.py",
+                "        records[rid] = _merge_record(records[rid], record) if rid in records else "
+                "record\n",
+                "        records[rid] = record\n",
+            ),
+        ),
+        (
+            "tests/test_shipping_installs.py::test_regression_a_tiny_tarball_with_an_empty_record_cannot_erase_a_store",
+        ),
     ),
     Breakage(
         "install-overwrites-good-block",
         "shipped content",
         "unpack and pull move shipped bytes over a store's good block of the same name",
-        (Patch("kvsnap/store/install.py", "        if not existing_file_is_good(store, relpath):\n            return False", "        if True:\n            return False"),),
-        ("tests/test_shipping_installs.py::test_regression_unpack_never_overwrites_a_good_block_with_a_forged_one",),
+        (
+            Patch(
+                "kvsnap/store/install.py",
+                "        if not existing_file_is_good(store, relpath):\n            return False",
+                "        if True:\n            return False",
+            ),
+        ),
+        (
+            "tests/test_shipping_installs.py::test_regression_unpack_never_overwrites_a_good_block_with_a_forged_one",
+        ),
     ),
     Breakage(
         "pull-downloads-over-good-block",
         "shipped content",
         "pull downloads a blob under the name of a good store file and does not report it",
-        (Patch("kvsnap/store/oci/download.py", "        report.kept = _kept_existing(dest_path, layers, have)\n", "        report.kept = []\n"),),
-        ("tests/test_shipping_registry.py::test_regression_pull_never_overwrites_a_good_block_with_a_forged_one",),
+        (
+            Patch(
+                "kvsnap/store/oci/download.py",
+                "        report.kept = _kept_existing(dest_path, layers, have)\n",
+                "        report.kept = []\n",
+            ),
+        ),
+        (
+            "tests/test_shipping_registry.py::test_regression_pull_never_overwrites_a_good_block_with_a_forged_one",
+        ),
     ),
     Breakage(
         "credentials-to-redirect-target",
         "shipped content",
         "a 401 from a host the registry redirected to is answered with the registry's credentials",
-        (Patch("kvsnap/store/oci/client.py", "        if resp.status_code == 401 and not is_same_origin(resp.request.url, self.base):\n            raise self._foreign_401(resp, method)\n        if resp.status_code == 401:\n            had_auth", "        if resp.status_code == 401:\n            had_auth"),),
-        ("tests/test_shipping_http.py::test_regression_registry_credentials_never_reach_a_redirect_target",),
+        (
+            Patch(
+                "kvsnap/store/oci/client.py",
+                "        if resp.status_code == 401 and not is_same_origin(resp.request.url, "
+                "self.base):\n            raise self._foreign_401(resp, method)\n        if "
+                "resp.status_code == 401:\n            had_auth",
+                "        if resp.status_code == 401:\n            had_auth",
+            ),
+        ),
+        (
+            "tests/test_shipping_http.py::test_regression_registry_credentials_never_reach_a_redirect_target",
+        ),
     ),
     Breakage(
         "registry-request-without-deadline",
         "shipped content",
         "registry reads are bounded per read only, not by the request's deadline",
-        (Patch("kvsnap/store/oci/deadlines.py", "        left = self.remaining()\n        if left is None:\n            return timeout", "        left = None\n        if left is None:\n            return timeout"),),
-        ("tests/test_shipping_http.py::test_regression_a_trickling_registry_hits_the_request_deadline",),
+        (
+            Patch(
+                "kvsnap/store/oci/deadlines.py",
+                "        left = self.remaining()\n        if left is None:\n            return "
+                "timeout",
+                "        left = None\n        if left is None:\n            return timeout",
+            ),
+        ),
+        (
+            "tests/test_shipping_http.py::test_regression_a_trickling_registry_hits_the_request_deadline",
+        ),
     ),
     Breakage(
         "declared-layer-size-unbounded",
         "shipped content",
         "a layer's declared size is not bounded before the download",
         (Patch("kvsnap/store/oci/artifact.py", "    if size > cap:\n", "    if False:\n"),),
-        ("tests/test_shipping_http.py::test_regression_an_oversize_declared_layer_is_refused_before_any_download",),
+        (
+            "tests/test_shipping_http.py::test_regression_an_oversize_declared_layer_is_refused_before_any_download",
+        ),
     ),
     Breakage(
         "unpack-expansion-unbounded",
         "shipped content",
         "unpack writes an entry before checking how far the archive expands",
-        (Patch("kvsnap/store/archive.py", "                too_big = guard.admit(member.size)\n", "                too_big = None\n"),),
-        ("tests/test_shipping_installs.py::test_regression_a_gzip_bomb_is_refused_before_anything_is_written",),
+        (
+            Patch(
+                "kvsnap/store/archive.py",
+                "                too_big = guard.admit(member.size)\n",
+                "                too_big = None\n",
+            ),
+        ),
+        (
+            "tests/test_shipping_installs.py::test_regression_a_gzip_bomb_is_refused_before_anything_is_written",
+        ),
     ),
     Breakage(
         "killed-pull-not-resumed",
         "shipped content",
-        "a pull never takes over a killed pull's stage: everything is downloaded again, the stage stays",
-        (Patch("kvsnap/store/oci/download.py", "        with StagedInstall(dest_path, resume=True) as staging:", "        with StagedInstall(dest_path) as staging:"),),
-        ("tests/test_shipping_registry.py::test_regression_a_killed_pull_resumes_from_its_stage_and_downloads_only_what_is_missing",),
+        "a pull never takes over a killed pull's stage: everything is downloaded again, the stage "
+        "stays",
+        (
+            Patch(
+                "kvsnap/store/oci/download.py",
+                "        with StagedInstall(dest_path, resume=True) as staging:",
+                "        with StagedInstall(dest_path) as staging:",
+            ),
+        ),
+        (
+            "tests/test_shipping_registry.py::test_regression_a_killed_pull_resumes_from_its_stage_and_downloads_only_what_is_missing",
+        ),
     ),
     Breakage(
         "stop-earliest-start",
         "served text",
-        "a stop string that starts earlier wins over one that completes first: the cut depends on the chunking (issue 24)",
-        (Patch("kvsnap/runtime/stop_strings.py", '        return StopScan(text[: min(hits)[1]], "", True)', '        return StopScan(text[: min(start for _, start in hits)], "", True)'),),
+        "a stop string that starts earlier wins over one that completes first: the cut depends on "
+        "the chunking (issue 24)",
+        (
+            Patch(
+                "kvsnap/runtime/stop_strings.py",
+                '        return StopScan(text[: min(hits)[1]], "", True)',
+                '        return StopScan(text[: min(start for _, start in hits)], "", True)',
+            ),
+        ),
         (
             "tests/test_engine_parts.py::test_a_stop_string_that_completes_first_wins_over_one_that_starts_earlier_issue_24",
             "tests/test_engine_parts.py::test_any_chunking_sends_what_one_scan_of_the_whole_text_sends",
@@ -447,9 +737,12 @@ BREAKAGES = (
     Breakage(
         "golden-tensor-bytes-exact",
         "tests hold on any CPU",
-        "the golden check wants tensor values bit for bit: another CPU's OpenBLAS kernels fail it (issue 24)",
+        "the golden check wants tensor values bit for bit: another CPU's OpenBLAS kernels fail it "
+        "(issue 24)",
         (Patch("tests/golden_summary.py", "RTOL = 1e-4\n", "RTOL = 0.0\n"),),
-        ("tests/test_golden.py::test_golden_tensor_bytes_changed_on_another_cpu_is_float_noise_not_a_failure[Prescott]",),
+        (
+            "tests/test_golden.py::test_golden_tensor_bytes_changed_on_another_cpu_is_float_noise_not_a_failure[Prescott]",
+        ),
     ),
     Breakage(
         "golden-blind-to-values",
@@ -464,44 +757,92 @@ BREAKAGES = (
     Breakage(
         "cuts-follow-branch-points",
         "4. nothing lost (block store)",
-        "every branch point with another agent is a block end again: an unrelated agent moves every chain's cuts",
+        "every branch point with another agent is a block end again: an unrelated agent moves "
+        "every chain's cuts",
         (
             Patch(
                 "kvsnap/snapshot/blocks.py",
                 "    ends = set(range(b, n_tokens, b)) | set(range(c, n_tokens, c)) | {n_tokens}\n",
-                "    ends = set(range(b, n_tokens, b)) | set(range(c, n_tokens, c)) | {n_tokens} | {d for d in branches if 0 < d < n_tokens}\n",
+                "    ends = set(range(b, n_tokens, b)) | set(range(c, n_tokens, c)) | {n_tokens} | "
+                "{d for d in branches if 0 < d < n_tokens}\n",
             ),
         ),
-        ("tests/test_block_store_cuts.py::test_adding_an_unrelated_agent_never_moves_another_chains_blocks",),
+        (
+            "tests/test_block_store_cuts.py::test_adding_an_unrelated_agent_never_moves_another_chains_blocks",
+        ),
     ),
     Breakage(
         "intermediate-checkpoint-never-repaired",
         "4. nothing half-written (bad parts rewritten)",
         "a rebuild does not check the stored checkpoints its restore does not read",
-        (Patch("kvsnap/build.py", "                check_checkpoint(store, key, identity.digest, link.end, link.prefix_digest)\n", "                pass\n"),),
-        ("tests/test_block_store_repair.py::test_a_bad_intermediate_checkpoint_of_a_hybrid_is_rewritten_by_a_rebuild[flipped]",),
+        (
+            Patch(
+                "kvsnap/build.py",
+                "                check_checkpoint(store, key, identity.digest, link.end, "
+                "link.prefix_digest)\n",
+                "                pass\n",
+            ),
+        ),
+        (
+            "tests/test_block_store_repair.py::test_a_bad_intermediate_checkpoint_of_a_hybrid_is_rewritten_by_a_rebuild[flipped]",
+        ),
     ),
     Breakage(
         "chain-decided-before-the-lock",
         "4. nothing lost (gc during a build)",
-        "a build's chain names the checkpoints its restore saw, though a gc may have removed them since",
-        (Patch("kvsnap/runtime/writeback.py", "        plan.keep_stored(store, identity, tokens)\n", "        pass\n"),),
-        ("tests/test_block_store_repair.py::test_gc_between_a_hybrid_builds_prefill_and_its_commit_never_breaks_it",),
+        "a build's chain names the checkpoints its restore saw, though a gc may have removed them "
+        "since",
+        (
+            Patch(
+                "kvsnap/runtime/writeback.py",
+                "        plan.keep_stored(store, identity, tokens)\n",
+                "        pass\n",
+            ),
+        ),
+        (
+            "tests/test_block_store_repair.py::test_gc_between_a_hybrid_builds_prefill_and_its_commit_never_breaks_it",
+        ),
     ),
     Breakage(
         "new-folder-not-fsynced",
         "4. nothing lost (durable folders)",
         "a folder the store creates is not fsynced in its parent",
-        (Patch("kvsnap/store/fileio.py", "        fsync_dir(new.parent, fsync)  # even when", "        pass  # even when"),),
-        ("tests/test_block_store_durability.py::test_every_folder_a_store_creates_is_fsynced_in_its_parent_before_it_is_used",),
+        (
+            Patch(
+                "kvsnap/store/fileio.py",
+                "        # even when another writer made it: it may not have got this far\n"
+                "        fsync_dir(new.parent, fsync)\n",
+                "        pass\n",
+            ),
+        ),
+        (
+            "tests/test_block_store_durability.py::test_every_folder_a_store_creates_is_fsynced_in_its_parent_before_it_is_used",
+        ),
     ),
     Breakage(
         "prepared-requests-not-counted-for-429",
         "server under attack",
-        "a request takes its in-flight slot only after its prompt is rendered (heavy requests never see 429)",
-        (Patch("kvsnap/http/routes_generation.py", "    ctx.admit()\n    try:\n        async with ctx.preparing():", "    try:\n        async with ctx.preparing():"),
-         Patch("kvsnap/http/routes_generation.py", "    bridge = _Bridge(asyncio.get_running_loop(), ctx.release)\n    try:\n", "    bridge = _Bridge(asyncio.get_running_loop(), ctx.release)\n    ctx.admit()\n    try:\n"),
-         Patch("kvsnap/http/routes_generation.py", "    except BaseException:\n        ctx.release()\n        raise\n    return await generate(", "    except BaseException:\n        raise\n    return await generate(")),
+        "a request takes its in-flight slot only after its prompt is rendered (heavy requests "
+        "never see 429)",
+        (
+            Patch(
+                "kvsnap/http/routes_generation.py",
+                "    ctx.admit()\n    try:\n        async with ctx.preparing():",
+                "    try:\n        async with ctx.preparing():",
+            ),
+            Patch(
+                "kvsnap/http/routes_generation.py",
+                "    bridge = _Bridge(asyncio.get_running_loop(), ctx.release)\n    try:\n",
+                "    bridge = _Bridge(asyncio.get_running_loop(), ctx.release)\n    ctx.admit()\n  "
+                "  try:\n",
+            ),
+            Patch(
+                "kvsnap/http/routes_generation.py",
+                "    except BaseException:\n        ctx.release()\n        raise\n    return await "
+                "generate(",
+                "    except BaseException:\n        raise\n    return await generate(",
+            ),
+        ),
         ("tests/test_http_limits.py::test_requests_being_prepared_count_toward_429",),
     ),
     Breakage(
@@ -509,14 +850,24 @@ BREAKAGES = (
         "server under attack",
         "the message count is not checked before the messages are normalised and rendered",
         (Patch("kvsnap/http/routes_generation.py", "        ctx.check_sizes(req)\n", ""),),
-        ("tests/test_http_limits.py::test_a_hundred_thousand_messages_are_refused_before_rendering_and_health_stays_fast",),
+        (
+            "tests/test_http_limits.py::test_a_hundred_thousand_messages_are_refused_before_rendering_and_health_stays_fast",
+        ),
     ),
     Breakage(
         "engine-lookup-counted-as-request",
         "observability",
         "the lookup of a prefix computed once for a batch is counted in /v1/status hits/misses",
-        (Patch("kvsnap/runtime/request_cache.py", "first.namespace, count=False)", "first.namespace)"),),
-        ("tests/test_shared_prefix.py::test_concurrent_cold_requests_sharing_a_system_prompt_compute_it_once",),
+        (
+            Patch(
+                "kvsnap/runtime/request_cache.py",
+                "first.namespace, count=False\n",
+                "first.namespace\n",
+            ),
+        ),
+        (
+            "tests/test_shared_prefix.py::test_concurrent_cold_requests_sharing_a_system_prompt_compute_it_once",
+        ),
     ),
 )
 
@@ -542,7 +893,11 @@ def apply(breakage: Breakage, copy: Path) -> None:
         count = text.count(patch.old)
         if count != 1:
             where = "is not" if count == 0 else f"appears {count} times"
-            raise PatchError(f"breakage patch no longer applies: {breakage.name}: the snippet {patch.old.strip()[:80]!r} {where} in {patch.path}; update BREAKAGES in {Path(__file__).name}")
+            raise PatchError(
+                f"breakage patch no longer applies: {breakage.name}: the snippet "
+                f"{patch.old.strip()[:80]!r} {where} in {patch.path}; update BREAKAGES in "
+                f"{Path(__file__).name}"
+            )
         target.write_text(text.replace(patch.old, patch.new))
 
 
@@ -550,31 +905,57 @@ def copy_env(copy: Path) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "CI")}
     env["PYTHONPATH"] = str(copy)  # before site-packages, so before the editable install's finder
     env["PYTHONDONTWRITEBYTECODE"] = "1"
-    env["COLUMNS"] = "1000"  # pytest keeps each failure's message on its summary line only when it fits
+    # pytest keeps each failure's message on its summary line only when it fits
+    env["COLUMNS"] = "1000"
     return env
 
 
 def check_import_location(copy: Path) -> None:
     """Prove the copy is what runs, in pytest's process and in the subprocesses tests start."""
-    r = subprocess.run([sys.executable, "-c", "import kvsnap; print(kvsnap.__file__)"], cwd=copy / "tests", env=copy_env(copy), capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [sys.executable, "-c", "import kvsnap; print(kvsnap.__file__)"],
+        cwd=copy / "tests",
+        env=copy_env(copy),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     where = Path(r.stdout.strip()).resolve()
     if r.returncode != 0 or copy.resolve() not in where.parents:
-        raise SystemExit(f"mutation_check: kvsnap imports from {where or r.stderr.strip()}, not from the copy {copy}; check PYTHONPATH handling")
+        raise SystemExit(
+            f"mutation_check: kvsnap imports from {where or r.stderr.strip()}, not from the copy "
+            f"{copy}; check PYTHONPATH handling"
+        )
 
 
 def run_guards(copy: Path, guards: tuple[str, ...]) -> tuple[int, list[tuple[str, str]], str]:
-    """pytest's exit status, the (node id, first message line) of each failure, and the output's tail."""
+    """pytest's exit status, the (node id, first message line) of each failure, and the output's
+    tail."""
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE", *guards]
-    r = subprocess.run(cmd, cwd=copy, env=copy_env(copy), capture_output=True, text=True, timeout=TIMEOUT_S)
+    r = subprocess.run(
+        cmd, cwd=copy, env=copy_env(copy), capture_output=True, text=True, timeout=TIMEOUT_S
+    )
     failed = re.findall(r"^(?:FAILED|ERROR) (\S+)(?: - (.*))?$", r.stdout, re.M)
     return r.returncode, failed, r.stdout[-3000:] + r.stderr[-2000:]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--list", action="store_true", help="print the breakages and their guards, run nothing")
-    parser.add_argument("--only", action="append", default=[], metavar="NAME", help="run only this breakage (repeatable)")
-    parser.add_argument("--no-baseline", action="store_true", help="skip the run of every guard on the unbroken copy")
+    parser.add_argument(
+        "--list", action="store_true", help="print the breakages and their guards, run nothing"
+    )
+    parser.add_argument(
+        "--only",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="run only this breakage (repeatable)",
+    )
+    parser.add_argument(
+        "--no-baseline",
+        action="store_true",
+        help="skip the run of every guard on the unbroken copy",
+    )
     return parser.parse_args(argv)
 
 
@@ -583,7 +964,11 @@ def main(argv=None) -> int:
     names = {b.name for b in BREAKAGES}
     unknown = [n for n in args.only if n not in names]
     if unknown:
-        print(f"mutation_check: unknown breakage {', '.join(unknown)}; choose from {', '.join(sorted(names))}", file=sys.stderr)
+        print(
+            f"mutation_check: unknown breakage {', '.join(unknown)}; choose from "
+            f"{', '.join(sorted(names))}",
+            file=sys.stderr,
+        )
         return 2
     chosen = [b for b in BREAKAGES if not args.only or b.name in args.only]
     if args.list:
@@ -602,10 +987,17 @@ def main(argv=None) -> int:
             guards = tuple(dict.fromkeys(g for b in chosen for g in b.guards))
             t0 = time.monotonic()
             rc, failed, tail = run_guards(base, guards)
-            print(f"baseline: {len(guards)} guard(s) on the unbroken copy: {'pass' if rc == 0 else 'FAIL'} ({time.monotonic() - t0:.0f} s)", flush=True)
+            print(
+                f"baseline: {len(guards)} guard(s) on the unbroken copy: "
+                f"{'pass' if rc == 0 else 'FAIL'} ({time.monotonic() - t0:.0f} s)",
+                flush=True,
+            )
             if rc != 0:
                 print(tail)
-                print("mutation_check: the guards fail without any breakage; fix them first", file=sys.stderr)
+                print(
+                    "mutation_check: the guards fail without any breakage; fix them first",
+                    file=sys.stderr,
+                )
                 return 1
         for b in chosen:
             copy = Path(tmp) / b.name
@@ -622,11 +1014,18 @@ def main(argv=None) -> int:
             took = f"{time.monotonic() - t0:.0f} s"
             if rc == 1 and failed:
                 names = ", ".join(node.split("::", 1)[-1] for node, _ in failed)
-                verdict, detail = "caught", f"failed: {names}\n          first: {failed[0][1][:160]}"
+                verdict, detail = (
+                    "caught",
+                    f"failed: {names}\n          first: {failed[0][1][:160]}",
+                )
             elif rc == 0:
                 verdict, detail = "MISSED", f"all {len(b.guards)} guard(s) passed"
             else:
-                verdict, detail = "ERROR", f"pytest exit {rc} (not a test failure: a broken patch or a stale node id)\n{tail}"
+                verdict, detail = (
+                    "ERROR",
+                    f"pytest exit {rc} (not a test failure: a broken patch or a stale node "
+                    f"id)\n{tail}",
+                )
             results.append((b.name, verdict, detail))
             print(f"{verdict:<7} {b.name}  [{b.contract}]  ({took}) {detail}", flush=True)
             shutil.rmtree(copy, ignore_errors=True)

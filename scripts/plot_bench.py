@@ -1,9 +1,12 @@
 #!/usr/bin/env python
 """Plot the start-up benchmark CSVs (docs/bench/*.csv) into PNGs for docs/benchmarks.md.
 
-    python scripts/plot_bench.py --median docs/bench/startup-qwen3-0.6b-median.csv --x prompt_tokens --out docs/bench/qwen3-0.6b
-    python scripts/plot_bench.py --median docs/bench/startup-tiny-agents-median.csv --x agents --out docs/bench/tiny-agents
-    python scripts/plot_bench.py --table RESULTS/summary.json --out docs/bench/table   # scripts/bench_table.py: one PNG per family
+python scripts/plot_bench.py --median docs/bench/startup-qwen3-0.6b-median.csv --x prompt_tokens
+--out docs/bench/qwen3-0.6b
+python scripts/plot_bench.py --median docs/bench/startup-tiny-agents-median.csv --x agents --out
+docs/bench/tiny-agents
+python scripts/plot_bench.py --table RESULTS/summary.json --out docs/bench/table   #
+scripts/bench_table.py: one PNG per family
 """
 
 from __future__ import annotations
@@ -40,7 +43,8 @@ TABLE_LINES = {
 
 
 def plot_table(summary_path: Path, out_prefix: str) -> list[Path]:
-    """One PNG per family from bench_table.py's summary.json: median TTFT vs concurrency, a line per server and mode."""
+    """One PNG per family from bench_table.py's summary.json: median TTFT vs concurrency, a line
+    per server and mode."""
     summary = json.loads(Path(summary_path).read_text())
     cells = list(summary["cells"].values())
     written = []
@@ -52,7 +56,14 @@ def plot_table(summary_path: Path, out_prefix: str) -> list[Path]:
         for mode, (label, color, style) in TABLE_LINES.items():
             pts = sorted((c["concurrency"], c["ttft_s"]) for c in rows if c["mode"] == mode)
             if pts:
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", linestyle=style, color=color, label=label)
+                ax.plot(
+                    [p[0] for p in pts],
+                    [p[1] for p in pts],
+                    marker="o",
+                    linestyle=style,
+                    color=color,
+                    label=label,
+                )
         ax.set_xticks(sorted({c["concurrency"] for c in rows}))
         ax.set_xlabel("concurrent requests")
         ax.set_ylabel("TTFT, median (s)")
@@ -69,12 +80,18 @@ def plot_table(summary_path: Path, out_prefix: str) -> list[Path]:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--table", help="bench_table.py's summary.json: one TTFT-vs-concurrency plot per family")
+    ap.add_argument(
+        "--table", help="bench_table.py's summary.json: one TTFT-vs-concurrency plot per family"
+    )
     ap.add_argument("--median", help="a start-up benchmark median CSV")
     ap.add_argument("--x", default="prompt_tokens", choices=("prompt_tokens", "agents"))
     ap.add_argument("--out", required=True, help="output path prefix")
     ap.add_argument("--title", default="")
-    ap.add_argument("--panels", default=",".join(f for f, _ in PANELS), help="comma-separated fields to plot (ready_s alone for --ready-only runs)")
+    ap.add_argument(
+        "--panels",
+        default=",".join(f for f, _ in PANELS),
+        help="comma-separated fields to plot (ready_s alone for --ready-only runs)",
+    )
     args = ap.parse_args()
     if args.table:
         for path in plot_table(Path(args.table), args.out):
@@ -90,9 +107,15 @@ def main() -> int:
     for ax, (field, label) in zip(axes, panels):
         for mode in MODES:
             # A cold server has no warm-up phase (0 s): nothing to draw on a log axis.
-            pts = sorted((float(r[args.x]), float(r[field])) for r in rows if r["mode"] == mode and float(r[field]) > 0)
+            pts = sorted(
+                (float(r[args.x]), float(r[field]))
+                for r in rows
+                if r["mode"] == mode and float(r[field]) > 0
+            )
             if pts:
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=mode, color=COLORS[mode])
+                ax.plot(
+                    [p[0] for p in pts], [p[1] for p in pts], "o-", label=mode, color=COLORS[mode]
+                )
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("system-prompt tokens" if args.x == "prompt_tokens" else "agents")

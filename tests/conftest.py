@@ -49,7 +49,9 @@ class DemoModels:
         from kvsnap.tools.demo import DemoSpec, make_demo_model
 
         arch, template, bits = MODEL_SPECS[name]
-        return make_demo_model(self.root / name, DemoSpec(arch=arch, template=template, quantize_bits=bits))
+        return make_demo_model(
+            self.root / name, DemoSpec(arch=arch, template=template, quantize_bits=bits)
+        )
 
     def load(self, name: str, **settings):
         from kvsnap.key import KVSettings
@@ -73,7 +75,8 @@ def isolated_cache(tmp_path, monkeypatch):
     return tmp_path / "kvsnap-cache"
 
 
-# --- CI runs what it claims: a skip fails the run unless tests/allowed_skips.txt lists it ----------
+# --- CI runs what it claims: a skip fails the run unless tests/allowed_skips.txt lists it
+# ----------
 
 ALLOWED_SKIPS = Path(__file__).with_name("allowed_skips.txt")
 _ALLOWED_KEY = pytest.StashKey[list]()
@@ -84,7 +87,8 @@ def in_ci(environ=os.environ) -> bool:
 
 
 def read_allowed_skips(path: Path = ALLOWED_SKIPS) -> list[tuple[str, str]]:
-    """(node id, reason fragment) pairs from lines ``NODE_ID | REASON FRAGMENT``; ``#`` starts a comment."""
+    """(node id, reason fragment) pairs from lines ``NODE_ID | REASON FRAGMENT``; ``#`` starts a
+    comment."""
     entries = []
     for number, line in enumerate(path.read_text().splitlines(), 1):
         line = line.split("#", 1)[0].strip()
@@ -92,14 +96,20 @@ def read_allowed_skips(path: Path = ALLOWED_SKIPS) -> list[tuple[str, str]]:
             continue
         node, sep, reason = (part.strip() for part in line.partition(" | "))
         if not (sep and node and reason):
-            raise pytest.UsageError(f"{path}:{number}: {line!r} is not 'NODE_ID | REASON FRAGMENT'; fix the line")
+            raise pytest.UsageError(
+                f"{path}:{number}: {line!r} is not 'NODE_ID | REASON FRAGMENT'; fix the line"
+            )
         entries.append((node, reason))
     return entries
 
 
 def skip_allowed(nodeid: str, reason: str, entries: list[tuple[str, str]]) -> bool:
-    """A node id matches itself and its parametrized variants; the reason must contain the fragment."""
-    return any((nodeid == node or nodeid.startswith(node + "[")) and fragment in reason for node, fragment in entries)
+    """A node id matches itself and its parametrized variants; the reason must contain the
+    fragment."""
+    return any(
+        (nodeid == node or nodeid.startswith(node + "[")) and fragment in reason
+        for node, fragment in entries
+    )
 
 
 def _skip_reason(report) -> str:
@@ -118,12 +128,15 @@ def _fail_unallowed_skip(report, config) -> None:
     report.outcome = "failed"
     report.longrepr = (
         f"skipped under CI=true, and not on {ALLOWED_SKIPS.name}: {reason}\n"
-        f"Install what the test needs in .ci/run, or add '{report.nodeid} | <reason fragment>' with a why to tests/{ALLOWED_SKIPS.name}."
+        f"Install what the test needs in .ci/run, or add '{report.nodeid} | <reason fragment>' "
+        f"with a why to tests/{ALLOWED_SKIPS.name}."
     )
 
 
 def pytest_configure(config):
-    config.stash[_ALLOWED_KEY] = read_allowed_skips()  # a malformed list stops the run at once, CI or not
+    config.stash[_ALLOWED_KEY] = (
+        read_allowed_skips()
+    )  # a malformed list stops the run at once, CI or not
 
 
 @pytest.hookimpl(wrapper=True)
@@ -145,4 +158,11 @@ def run_kvsnap(*args, env=None, cwd=None, timeout=300):
 
     full_env = dict(os.environ)
     full_env.update(env or {})
-    return subprocess.run([sys.executable, "-m", "kvsnap", *map(str, args)], capture_output=True, text=True, env=full_env, cwd=cwd, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "kvsnap", *map(str, args)],
+        capture_output=True,
+        text=True,
+        env=full_env,
+        cwd=cwd,
+        timeout=timeout,
+    )

@@ -146,7 +146,11 @@ def _safe_members(tar: tarfile.TarFile, target: Path) -> list[tarfile.TarInfo]:
 
 def _find_tokenizer_folder(root: Path) -> Path:
     candidates = sorted(
-        (p.parent for p in root.rglob("tokenizer.json") if (p.parent / "tokenizer_config.json").is_file()),
+        (
+            p.parent
+            for p in root.rglob("tokenizer.json")
+            if (p.parent / "tokenizer_config.json").is_file()
+        ),
         key=lambda p: (len(p.relative_to(root).parts), str(p)),
     )
     if not candidates:
@@ -166,7 +170,14 @@ def _fetch(spec: str, entry: Path) -> Path:
             "--fetch-timeout=60000", "--ignore-scripts", "--loglevel=error",
         ]  # fmt: skip
         try:
-            proc = subprocess.run(cmd, cwd=work, capture_output=True, text=True, timeout=NPM_TIMEOUT_S, stdin=subprocess.DEVNULL)
+            proc = subprocess.run(
+                cmd,
+                cwd=work,
+                capture_output=True,
+                text=True,
+                timeout=NPM_TIMEOUT_S,
+                stdin=subprocess.DEVNULL,
+            )
         except subprocess.TimeoutExpired:
             _registry_down = f"npm pack {spec} took over {NPM_TIMEOUT_S} s (registry unreachable?)"
             raise _Unavailable(_registry_down) from None
@@ -175,7 +186,9 @@ def _fetch(spec: str, entry: Path) -> Path:
             if _is_unreachable(code, summary):
                 _registry_down = f"npm registry unreachable ({code or 'error'}: {summary})"
                 raise _Unavailable(_registry_down)
-            raise NpmPackageError(f"npm pack {spec} failed ({code or 'exit ' + str(proc.returncode)}: {summary})")
+            raise NpmPackageError(
+                f"npm pack {spec} failed ({code or 'exit ' + str(proc.returncode)}: {summary})"
+            )
         tarballs = sorted(work.glob("*.tgz"))
         if len(tarballs) != 1:
             raise NpmPackageError(f"npm pack {spec} left {len(tarballs)} tarballs, expected 1")

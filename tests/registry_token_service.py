@@ -1,4 +1,5 @@
-"""A Bearer-token service on 127.0.0.1 for the real docker-registry, as ghcr.io and Docker Hub run one.
+"""A Bearer-token service on 127.0.0.1 for the real docker-registry, as ghcr.io and Docker Hub run
+one.
 
 The registry (``auth: token:``) answers 401 with ``Bearer realm=…,service=…,scope=…``; the
 client asks the realm for a token with Basic credentials; this service checks them and
@@ -35,7 +36,8 @@ def _b64url(data: bytes) -> str:
 
 @dataclass
 class SigningKey:
-    """An RSA key and a self-signed certificate for it (digital signature usage, as the registry requires)."""
+    """An RSA key and a self-signed certificate for it (digital signature usage, as the registry
+    requires)."""
 
     key: rsa.RSAPrivateKey
     cert: x509.Certificate
@@ -55,7 +57,17 @@ class SigningKey:
             .not_valid_after(now + datetime.timedelta(days=1))
             .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
             .add_extension(
-                x509.KeyUsage(digital_signature=True, key_cert_sign=True, content_commitment=False, key_encipherment=False, data_encipherment=False, key_agreement=False, crl_sign=False, encipher_only=False, decipher_only=False),
+                x509.KeyUsage(
+                    digital_signature=True,
+                    key_cert_sign=True,
+                    content_commitment=False,
+                    key_encipherment=False,
+                    data_encipherment=False,
+                    key_agreement=False,
+                    crl_sign=False,
+                    encipher_only=False,
+                    decipher_only=False,
+                ),
                 critical=True,
             )
             .sign(key, hashes.SHA256())
@@ -66,27 +78,47 @@ class SigningKey:
         return self.cert.public_bytes(serialization.Encoding.PEM)
 
     def jwt(self, claims: dict) -> str:
-        header = {"typ": "JWT", "alg": "RS256", "x5c": [base64.b64encode(self.cert.public_bytes(serialization.Encoding.DER)).decode()]}
-        signing_input = f"{_b64url(json.dumps(header).encode())}.{_b64url(json.dumps(claims).encode())}"
+        header = {
+            "typ": "JWT",
+            "alg": "RS256",
+            "x5c": [base64.b64encode(self.cert.public_bytes(serialization.Encoding.DER)).decode()],
+        }
+        signing_input = (
+            f"{_b64url(json.dumps(header).encode())}.{_b64url(json.dumps(claims).encode())}"
+        )
         signature = self.key.sign(signing_input.encode(), padding.PKCS1v15(), hashes.SHA256())
         return f"{signing_input}.{_b64url(signature)}"
 
 
-def claims_for(subject: str, scopes: list[str], service: str = SERVICE, lifetime_s: int = 300) -> dict:
+def claims_for(
+    subject: str, scopes: list[str], service: str = SERVICE, lifetime_s: int = 300
+) -> dict:
     """Grant every action asked for on each repository scope (``repository:NAME:ACTIONS``)."""
     access = []
     for scope in scopes:
         kind, _, rest = scope.partition(":")
         name, _, actions = rest.rpartition(":")
         if kind == "repository" and name:
-            access.append({"type": kind, "name": name, "actions": [a for a in actions.split(",") if a]})
+            access.append(
+                {"type": kind, "name": name, "actions": [a for a in actions.split(",") if a]}
+            )
     now = int(time.time())
-    return {"iss": ISSUER, "sub": subject, "aud": service, "exp": now + lifetime_s, "nbf": now - 10, "iat": now, "jti": uuid.uuid4().hex, "access": access}
+    return {
+        "iss": ISSUER,
+        "sub": subject,
+        "aud": service,
+        "exp": now + lifetime_s,
+        "nbf": now - 10,
+        "iat": now,
+        "jti": uuid.uuid4().hex,
+        "access": access,
+    }
 
 
 @dataclass
 class TokenService:
-    """Serves ``GET /token`` on 127.0.0.1; ``calls`` records (user, query pairs) of every request."""
+    """Serves ``GET /token`` on 127.0.0.1; ``calls`` records (user, query pairs) of every
+    request."""
 
     users: dict[str, str]
     signer: SigningKey = field(default_factory=lambda: SigningKey.make("kvsnap test token issuer"))
@@ -104,8 +136,17 @@ class TokenService:
                 if url.path != "/token":
                     return self._reply(404, {"errors": [{"code": "NOT_FOUND"}]})
                 if user is None:
-                    return self._reply(401, {"errors": [{"code": "UNAUTHORIZED", "message": "bad or missing credentials"}]})
-                claims = claims_for(user, [v for k, v in query if k == "scope"], dict(query).get("service", ""))
+                    return self._reply(
+                        401,
+                        {
+                            "errors": [
+                                {"code": "UNAUTHORIZED", "message": "bad or missing credentials"}
+                            ]
+                        },
+                    )
+                claims = claims_for(
+                    user, [v for k, v in query if k == "scope"], dict(query).get("service", "")
+                )
                 token = service.signer.jwt(claims)
                 self._reply(200, {"token": token, "access_token": token, "expires_in": 300})
 
@@ -121,7 +162,9 @@ class TokenService:
                 pass
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.thread = threading.Thread(target=self.server.serve_forever, name="token-service", daemon=True)
+        self.thread = threading.Thread(
+            target=self.server.serve_forever, name="token-service", daemon=True
+        )
         self.thread.start()
 
     @property
@@ -143,7 +186,10 @@ class TokenService:
         return path
 
     def registry_auth_yaml(self, bundle: Path) -> str:
-        return f"auth:\n  token:\n    realm: {self.realm}\n    service: {SERVICE}\n    issuer: {ISSUER}\n    rootcertbundle: {bundle}\n"
+        return (
+            f"auth:\n  token:\n    realm: {self.realm}\n    service: {SERVICE}\n    issuer: "
+            f"{ISSUER}\n    rootcertbundle: {bundle}\n"
+        )
 
     def stop(self) -> None:
         self.server.shutdown()

@@ -16,18 +16,56 @@ PACKAGE = ROOT / "kvsnap"
 # Every module belongs to one layer; a new top-level module must be placed here on purpose.
 # kvsnap.snapshot.format is a leaf (version constants, header field names, the snapshot path) that
 # the identity in key.py needs too, so it counts as base.
-BASE = {"kvsnap", "kvsnap.errors", "kvsnap.key", "kvsnap.chat", "kvsnap.prompts", "kvsnap.blas", "kvsnap.faults", "kvsnap.snapshot.format"}
+BASE = {
+    "kvsnap",
+    "kvsnap.errors",
+    "kvsnap.key",
+    "kvsnap.chat",
+    "kvsnap.prompts",
+    "kvsnap.blas",
+    "kvsnap.faults",
+    "kvsnap.snapshot.format",
+}
 LAYERS = ("snapshot", "store", "runtime", "http", "tools", "integrations")
 APPS = {"kvsnap.build", "kvsnap.cli", "kvsnap.__main__"}
-CLI = ("kvsnap.cli", "kvsnap.commands")  # the command line: its parser and its command implementations
+CLI = (
+    "kvsnap.cli",
+    "kvsnap.commands",
+)  # the command line: its parser and its command implementations
 
 # importer prefix -> imported prefixes it must never reach
 FORBIDDEN = {
-    "kvsnap.snapshot": ("kvsnap.store", "kvsnap.runtime", "kvsnap.http", "kvsnap.build", "kvsnap.cli", "kvsnap.tools", "kvsnap.integrations"),
-    "kvsnap.store": ("kvsnap.runtime", "kvsnap.http", "kvsnap.build", "kvsnap.cli", "kvsnap.tools", "kvsnap.integrations"),
-    "kvsnap.runtime": ("kvsnap.build", "kvsnap.cli", "kvsnap.http", "kvsnap.tools", "kvsnap.integrations"),
+    "kvsnap.snapshot": (
+        "kvsnap.store",
+        "kvsnap.runtime",
+        "kvsnap.http",
+        "kvsnap.build",
+        "kvsnap.cli",
+        "kvsnap.tools",
+        "kvsnap.integrations",
+    ),
+    "kvsnap.store": (
+        "kvsnap.runtime",
+        "kvsnap.http",
+        "kvsnap.build",
+        "kvsnap.cli",
+        "kvsnap.tools",
+        "kvsnap.integrations",
+    ),
+    "kvsnap.runtime": (
+        "kvsnap.build",
+        "kvsnap.cli",
+        "kvsnap.http",
+        "kvsnap.tools",
+        "kvsnap.integrations",
+    ),
     "kvsnap.http": ("kvsnap.build", "kvsnap.cli", "kvsnap.tools", "kvsnap.integrations"),
-    "kvsnap.integrations": ("kvsnap.store.oci", "kvsnap.build", "kvsnap.cli", "kvsnap.tools"),  # remote stores through the scheme seam
+    "kvsnap.integrations": (
+        "kvsnap.store.oci",
+        "kvsnap.build",
+        "kvsnap.cli",
+        "kvsnap.tools",
+    ),  # remote stores through the scheme seam
     "kvsnap.tools": ("kvsnap.cli",),
     "kvsnap.build": ("kvsnap.http", "kvsnap.cli", "kvsnap.tools", "kvsnap.integrations"),
 }
@@ -83,14 +121,21 @@ def violations() -> list[str]:
         for imported in sorted(imports_of(name, path)):
             if imported not in BASE and any(reaches(imported, p) for p in rules):
                 found.append(f"{name} -> {imported}")
-            elif any(reaches(imported, p) for p in CLI) and name != "kvsnap.__main__" and layer_of(name) != "kvsnap.cli":
+            elif (
+                any(reaches(imported, p) for p in CLI)
+                and name != "kvsnap.__main__"
+                and layer_of(name) != "kvsnap.cli"
+            ):
                 found.append(f"{name} -> {imported} (only kvsnap.__main__ may import the CLI)")
     return sorted(set(found))
 
 
 def test_every_module_sits_in_a_layer():
     unplaced = [name for name in modules() if not layer_of(name)]
-    assert not unplaced, f"place these modules in a layer (kvsnap/<layer>/) or add them to BASE in {__file__}: {unplaced}"
+    assert not unplaced, (
+        f"place these modules in a layer (kvsnap/<layer>/) or add them to BASE in {__file__}: "
+        f"{unplaced}"
+    )
 
 
 def test_no_forbidden_arrow():
@@ -100,10 +145,26 @@ def test_no_forbidden_arrow():
 @pytest.mark.parametrize(
     "source, importer, arrow",
     [
-        ("from kvsnap.build import build_snapshots\n", "kvsnap/runtime/engine.py", "kvsnap.runtime.engine -> kvsnap.build"),
-        ("def f():\n    from kvsnap.cli import main\n", "kvsnap/tools/quickstart.py", "kvsnap.tools.quickstart -> kvsnap.cli"),
-        ("from kvsnap.store import oci\n", "kvsnap/integrations/vllm_mlx.py", "kvsnap.integrations.vllm_mlx -> kvsnap.store.oci"),
-        ("from ..runtime.prefix import PrefixCache\n", "kvsnap/store/local.py", "kvsnap.store.local -> kvsnap.runtime.prefix"),
+        (
+            "from kvsnap.build import build_snapshots\n",
+            "kvsnap/runtime/engine.py",
+            "kvsnap.runtime.engine -> kvsnap.build",
+        ),
+        (
+            "def f():\n    from kvsnap.cli import main\n",
+            "kvsnap/tools/quickstart.py",
+            "kvsnap.tools.quickstart -> kvsnap.cli",
+        ),
+        (
+            "from kvsnap.store import oci\n",
+            "kvsnap/integrations/vllm_mlx.py",
+            "kvsnap.integrations.vllm_mlx -> kvsnap.store.oci",
+        ),
+        (
+            "from ..runtime.prefix import PrefixCache\n",
+            "kvsnap/store/local.py",
+            "kvsnap.store.local -> kvsnap.runtime.prefix",
+        ),
     ],
 )
 def test_the_check_sees_a_forbidden_arrow(source, importer, arrow, monkeypatch):
@@ -116,7 +177,6 @@ def test_the_check_sees_a_forbidden_arrow(source, importer, arrow, monkeypatch):
 
     monkeypatch.setattr(Path, "read_text", patched)
     assert any(v.startswith(arrow) for v in violations()), violations()
-
 
 
 def import_graph() -> dict[str, set[str]]:
@@ -262,13 +322,24 @@ def test_every_declared_dependency_is_imported():
     """A dependency nothing imports only costs installs (and a reader's trust in the list)."""
     used = imported_packages()
     unused = sorted(line for name, line in declared_dependencies().items() if name not in used)
-    assert unused == [], f"pyproject.toml declares packages kvsnap never imports; drop them: {unused}"
+    assert unused == [], (
+        f"pyproject.toml declares packages kvsnap never imports; drop them: {unused}"
+    )
+
 
 def test_design_doc_module_map_matches_the_tree():
     doc = (ROOT / "docs" / "design.md").read_text()
     table = doc.split("\n## Modules\n", 1)[1].split("\n## ", 1)[0]
-    named = set(re.findall(r"^\| `((?:[a-z_]+/)*[a-z_]+\.py)`(?:, `((?:[a-z_]+/)*[a-z_]+\.py)`)?", table, re.M))
+    named = set(
+        re.findall(
+            r"^\| `((?:[a-z_]+/)*[a-z_]+\.py)`(?:, `((?:[a-z_]+/)*[a-z_]+\.py)`)?", table, re.M
+        )
+    )
     named = {path for row in named for path in row if path}
-    tree = {str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py") if p.name not in ("__init__.py", "__main__.py")}
+    tree = {
+        str(p.relative_to(PACKAGE))
+        for p in PACKAGE.rglob("*.py")
+        if p.name not in ("__init__.py", "__main__.py")
+    }
     assert sorted(tree - named) == [], "modules missing from docs/design.md's module map"
     assert sorted(named - tree) == [], "docs/design.md names modules that do not exist"

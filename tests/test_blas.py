@@ -9,27 +9,49 @@ import pytest
 
 from kvsnap.blas import find_openblas
 
-MODULES = ["kvsnap.snapshot.codec", "kvsnap.runtime.warmup", "kvsnap.runtime.sampling"]  # the modules that import mlx at load time
+MODULES = [
+    "kvsnap.snapshot.codec",
+    "kvsnap.runtime.warmup",
+    "kvsnap.runtime.sampling",
+]  # the modules that import mlx at load time
 
 
-@pytest.mark.skipif(find_openblas() is None or not sys.platform.startswith("linux"), reason="Debian's libopenblas0-pthread is not installed")
+@pytest.mark.skipif(
+    find_openblas() is None or not sys.platform.startswith("linux"),
+    reason="Debian's libopenblas0-pthread is not installed",
+)
 @pytest.mark.parametrize("module", MODULES)
 def test_regression_server_warmup_ran_on_reference_blas(module):
-    """The engine imported mlx (via warmup -> snapshot) before load_model preloaded OpenBLAS: 6x slower warm-ups."""
-    code = f"import {module}, mlx.core as mx; mx.eval(mx.ones((4, 4)) @ mx.ones((4, 4))); print('libopenblas' in open('/proc/self/maps').read())"
+    """The engine imported mlx (via warmup -> snapshot) before load_model preloaded OpenBLAS: 6x
+    slower warm-ups."""
+    code = (
+        f"import {module}, mlx.core as mx; mx.eval(mx.ones((4, 4)) @ mx.ones((4, 4))); "
+        f"print('libopenblas' in open('/proc/self/maps').read())"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "True", out.stderr
 
 
-@pytest.mark.skipif(find_openblas() is None or not sys.platform.startswith("linux"), reason="Debian's libopenblas0-pthread is not installed")
+@pytest.mark.skipif(
+    find_openblas() is None or not sys.platform.startswith("linux"),
+    reason="Debian's libopenblas0-pthread is not installed",
+)
 def test_regression_snapshot_prefetch_imported_mlx_before_openblas(demo_models, tmp_path):
     """The engine thread's prefetch (started before the model loads) imported mlx first: every
     server started with --kv-snapshots decoded on reference BLAS (TPOT 0.8 s against 0.3 s)."""
     (tmp_path / "snaps" / "snapshots").mkdir(parents=True)
     code = (
         "from kvsnap.runtime.engine import Engine, EngineConfig; "
-        f"e = Engine(EngineConfig(model={str(demo_models.path('dense'))!r}, snapshots={str(tmp_path / 'snaps')!r})); "
-        "e.start(); e.wait_warm(120); print('libopenblas' in open('/proc/self/maps').read()); e.shutdown()"
+        f"e = Engine(EngineConfig(model={str(demo_models.path('dense'))!r}, "
+        f"snapshots={str(tmp_path / 'snaps')!r})); "
+        "e.start(); e.wait_warm(120); print('libopenblas' in open('/proc/self/maps').read()); "
+        "e.shutdown()"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180, env={**__import__("os").environ, "KVSNAP_CACHE_DIR": str(tmp_path / "cache")})
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env={**__import__("os").environ, "KVSNAP_CACHE_DIR": str(tmp_path / "cache")},
+    )
     assert out.stdout.strip().splitlines()[-1] == "True", out.stderr[-2000:]

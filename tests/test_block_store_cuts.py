@@ -21,7 +21,9 @@ from kvsnap.prompts import load_warm_prompts
 from kvsnap.snapshot.blocks import BlockSettings, _lcp, plan_cuts
 from kvsnap.store.local import Store
 
-WORDS = "alpha beta gamma delta house rules tools call search answer review code check tests".split()
+WORDS = (
+    "alpha beta gamma delta house rules tools call search answer review code check tests".split()
+)
 BLOCKS = BlockSettings(64, 256)
 
 
@@ -31,21 +33,27 @@ def _text(seed: int, n_words: int) -> str:
 
 
 def _write_agents(path: Path, contents: dict[str, str]) -> Path:
-    agents = [{"name": n, "messages": [{"role": "system", "content": c}]} for n, c in contents.items()]
+    agents = [
+        {"name": n, "messages": [{"role": "system", "content": c}]} for n, c in contents.items()
+    ]
     path.write_text(json.dumps(agents))
     return path
 
 
 def _build(lm, agents_file: Path, root: Path):
     store = Store.open(root, create=True)
-    return build_snapshots(lm, load_warm_prompts(agents_file), store, str(agents_file), blocks=BLOCKS)
+    return build_snapshots(
+        lm, load_warm_prompts(agents_file), store, str(agents_file), blocks=BLOCKS
+    )
 
 
 def _blocks_stored_twice(store: Store, keys: list[str]) -> list[tuple[str, str]]:
     """(block, other) pairs where ``other`` holds every token of ``block``, after the same prefix:
     the same state stored twice. Two chains that leave each other inside a block each hold
     the shared head of that block; that is the grid's price, not a second copy of a block."""
-    covering: dict[tuple, list[tuple[str, int]]] = {}  # prefix -> (block, start) holding its last token
+    covering: dict[
+        tuple, list[tuple[str, int]]
+    ] = {}  # prefix -> (block, start) holding its last token
     spans = []
     for key in keys:
         info = store.inspect(store.path_for(key))
@@ -53,11 +61,23 @@ def _blocks_stored_twice(store: Store, keys: list[str]) -> list[tuple[str, str]]
             spans.append((block, start, end, tuple(info.tokens[:end])))
             for i in range(start, end):
                 covering.setdefault(tuple(info.tokens[: i + 1]), []).append((block, start))
-    return sorted({(block, other) for block, start, end, prefix in spans for other, s in covering[prefix] if other != block and s <= start})
+    return sorted(
+        {
+            (block, other)
+            for block, start, end, prefix in spans
+            for other, s in covering[prefix]
+            if other != block and s <= start
+        }
+    )
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.integers(1, 3000), st.sets(st.integers(1, 3000), max_size=6), st.integers(1, 300), st.integers(1, 1500))
+@given(
+    st.integers(1, 3000),
+    st.sets(st.integers(1, 3000), max_size=6),
+    st.integers(1, 300),
+    st.integers(1, 1500),
+)
 def test_cuts_are_the_fixed_grid_whatever_the_branch_points(n, branches, b, c):
     blocks = BlockSettings(b, c)
     cuts = plan_cuts(n, branches, blocks)

@@ -43,19 +43,27 @@ def _spy(monkeypatch) -> list[tuple[str, str]]:
     return events
 
 
-def test_every_folder_a_store_creates_is_fsynced_in_its_parent_before_it_is_used(demo_models, tmp_path, monkeypatch):
+def test_every_folder_a_store_creates_is_fsynced_in_its_parent_before_it_is_used(
+    demo_models, tmp_path, monkeypatch
+):
     lm = demo_models.load("hybrid")
     agents_file = tmp_path / "agents.json"
     text = "You are a careful reviewer. Read the tests first, then every function. " * 8
-    agents_file.write_text(json.dumps([{"name": "a", "messages": [{"role": "system", "content": text}]}]))
+    agents_file.write_text(
+        json.dumps([{"name": "a", "messages": [{"role": "system", "content": text}]}])
+    )
     root = tmp_path / "new" / "store"
     events = _spy(monkeypatch)
     store = Store.open(root, create=True)
-    report = build_snapshots(lm, load_warm_prompts(agents_file), store, str(agents_file), blocks=BlockSettings(32, 64))
+    report = build_snapshots(
+        lm, load_warm_prompts(agents_file), store, str(agents_file), blocks=BlockSettings(32, 64)
+    )
     assert report.ok, report.entries
 
     made = [path for kind, path in events if kind == "mkdir"]
-    expected = {str(tmp_path / "new"), str(root)} | {str(root / f) for f in ("snapshots", "blocks", "checkpoints")}
+    expected = {str(tmp_path / "new"), str(root)} | {
+        str(root / f) for f in ("snapshots", "blocks", "checkpoints")
+    }
     assert expected <= set(made), made
     for folder in made:
         after = events[events.index(("mkdir", folder)) + 1 :]
@@ -65,4 +73,6 @@ def test_every_folder_a_store_creates_is_fsynced_in_its_parent_before_it_is_used
         # Durable before it is relied on: the parent is fsynced before the new folder's own
         # first fsync (the commit of the first file renamed into it).
         if folder in fsyncs:
-            assert fsyncs.index(parent) < fsyncs.index(folder), f"{folder} was used before {parent} was fsynced"
+            assert fsyncs.index(parent) < fsyncs.index(folder), (
+                f"{folder} was used before {parent} was fsynced"
+            )

@@ -25,7 +25,9 @@ from kvsnap.store.archive import pack
 from kvsnap.store.local import Store
 from kvsnap.store.parts import chain_relpaths
 
-WORDS = "alpha beta gamma delta house rules tools call search answer review code check tests".split()
+WORDS = (
+    "alpha beta gamma delta house rules tools call search answer review code check tests".split()
+)
 BLOCKS = BlockSettings(32, 64)
 
 
@@ -35,12 +37,21 @@ def _text(seed: int, n_words: int) -> str:
 
 
 def _agents(path: Path, contents: dict[str, str]) -> Path:
-    path.write_text(json.dumps([{"name": n, "messages": [{"role": "system", "content": c}]} for n, c in contents.items()]))
+    path.write_text(
+        json.dumps(
+            [
+                {"name": n, "messages": [{"role": "system", "content": c}]}
+                for n, c in contents.items()
+            ]
+        )
+    )
     return path
 
 
 def _build(lm, agents_file: Path, store: Store):
-    return build_snapshots(lm, load_warm_prompts(agents_file), store, str(agents_file), blocks=BLOCKS)
+    return build_snapshots(
+        lm, load_warm_prompts(agents_file), store, str(agents_file), blocks=BLOCKS
+    )
 
 
 def _damage(path: Path, how: str, other: Path) -> None:
@@ -77,7 +88,9 @@ def test_a_bad_intermediate_checkpoint_of_a_hybrid_is_rewritten_by_a_rebuild(hyb
     report = _build(hybrid, agents_file, store)
     entry = report.entries[0]
     assert report.ok and entry.status == "built", entry
-    assert entry.tokens_reused < ends[0]  # prefilled through the bad checkpoint's point, to recapture it
+    assert (
+        entry.tokens_reused < ends[0]
+    )  # prefilled through the bad checkpoint's point, to recapture it
     store.verify_file(store.path_for(entry.key))
     assert pack(store.root, tmp_path / "s.tar").files  # pack refuses a store that fails verify
     again = _build(hybrid, agents_file, store)
@@ -90,7 +103,9 @@ def test_a_bad_block_after_the_last_checkpoint_restored_is_rewritten(hybrid, tmp
     store = Store.open(tmp_path / "s", create=True)
     first = _build(hybrid, agents_file, store)
     info = store.inspect(store.path_for(first.entries[0].key))
-    (store.root / "checkpoints" / f"{info.chain.checkpoints[-1][0]}.safetensors").unlink()  # the end's
+    (
+        store.root / "checkpoints" / f"{info.chain.checkpoints[-1][0]}.safetensors"
+    ).unlink()  # the end's
     rels = chain_relpaths(info)
     last_block = store.root / rels[len(info.chain.blocks) - 1]
     _damage(last_block, "flipped", last_block)
@@ -114,7 +129,9 @@ def test_gc_between_a_hybrid_builds_prefill_and_its_commit_never_breaks_it(hybri
         if point == "after-prefill" and not collected:
             collected.append(Store.open(store_root).gc(apply=True)[0])
 
-    _agents(agents_file, {"z": _text(5, 20), "b": f"{shared} {_text(6, 10)}"})  # shares a's preamble
+    _agents(
+        agents_file, {"z": _text(5, 20), "b": f"{shared} {_text(6, 10)}"}
+    )  # shares a's preamble
     report = _build(hybrid, agents_file, Store.open(store_root, fault=gc_after_prefill))
     entry = {e.name: e for e in report.entries}["b"]
     assert collected and any(p.parent.name == "checkpoints" for p in collected[0])  # gc really ran

@@ -22,7 +22,10 @@ from kvsnap.snapshot.blocks import BlockSettings, _lcp, branch_points, plan_cuts
 from kvsnap.store.local import Store
 from kvsnap.store.parts import chain_relpaths, part_files
 
-WORDS = "alpha beta gamma delta house rules tools call search answer review code check the tests first then every function".split()
+WORDS = (
+    "alpha beta gamma delta house rules tools call search answer review code check the tests "
+    "first then every function"
+).split()
 
 
 def _text(seed: int, n_words: int) -> str:
@@ -31,12 +34,24 @@ def _text(seed: int, n_words: int) -> str:
 
 
 def _agents(path: Path, preamble: str, tails: list[str]) -> Path:
-    path.write_text(json.dumps([{"name": f"agent{i}", "messages": [{"role": "system", "content": f"{preamble} {tail}"}]} for i, tail in enumerate(tails)]))
+    path.write_text(
+        json.dumps(
+            [
+                {
+                    "name": f"agent{i}",
+                    "messages": [{"role": "system", "content": f"{preamble} {tail}"}],
+                }
+                for i, tail in enumerate(tails)
+            ]
+        )
+    )
     return path
 
 
 def _build(lm, agents_file: Path, root: Path, **kw):
-    return build_snapshots(lm, load_warm_prompts(agents_file), Store.open(root, create=True), str(agents_file), **kw)
+    return build_snapshots(
+        lm, load_warm_prompts(agents_file), Store.open(root, create=True), str(agents_file), **kw
+    )
 
 
 def _bytes(root: Path) -> int:
@@ -56,8 +71,15 @@ def test_branch_points_are_the_tries_branch_points(prefixes):
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.integers(1, 3000), st.sets(st.integers(1, 3000), max_size=6), st.integers(1, 300), st.integers(1, 1500))
-def test_cuts_tile_the_prefix_within_the_block_size_and_checkpoint_where_promised(n, branches, b, c):
+@given(
+    st.integers(1, 3000),
+    st.sets(st.integers(1, 3000), max_size=6),
+    st.integers(1, 300),
+    st.integers(1, 1500),
+)
+def test_cuts_tile_the_prefix_within_the_block_size_and_checkpoint_where_promised(
+    n, branches, b, c
+):
     cuts = plan_cuts(n, branches, BlockSettings(b, c))
     assert cuts[0].start == 0 and cuts[-1].end == n
     assert all(x.end == y.start for x, y in zip(cuts, cuts[1:]))
@@ -70,7 +92,9 @@ def test_cuts_tile_the_prefix_within_the_block_size_and_checkpoint_where_promise
 
 def test_block_settings_refuse_nonsense_with_the_field_and_range():
     for bad in (0, -1, 1 << 21, 2.5, True):
-        with pytest.raises(ValueError, match=r"block_tokens is .*; give a whole number of tokens from 1 to"):
+        with pytest.raises(
+            ValueError, match=r"block_tokens is .*; give a whole number of tokens from 1 to"
+        ):
             BlockSettings(block_tokens=bad)
 
 
@@ -94,9 +118,17 @@ def test_agents_sharing_a_preamble_store_it_once(dense, tmp_path):
     assert report.ok
     n = [e.n_tokens for e in report.entries]
     common = min(n) - 60  # well inside the preamble
-    per_token = _bytes(tmp_path / "shared" / "blocks") / (max(n) + sum(x - common for x in n))  # a rough unique-token count
+    per_token = _bytes(tmp_path / "shared" / "blocks") / (
+        max(n) + sum(x - common for x in n)
+    )  # a rough unique-token count
     # One store per agent, the way a v2 store held them: what sharing saves.
-    whole = sum(_bytes(tmp_path / f"solo{i}" / "blocks") for i in range(len(tails)) if _build(dense, _agents(tmp_path / f"a{i}.json", preamble, [tails[i]]), tmp_path / f"solo{i}").ok)
+    whole = sum(
+        _bytes(tmp_path / f"solo{i}" / "blocks")
+        for i in range(len(tails))
+        if _build(
+            dense, _agents(tmp_path / f"a{i}.json", preamble, [tails[i]]), tmp_path / f"solo{i}"
+        ).ok
+    )
     shared = _bytes(tmp_path / "shared" / "blocks")
     assert shared < whole / 3, (shared, whole, per_token)
     store = Store.open(tmp_path / "shared")
@@ -110,7 +142,9 @@ def test_agents_sharing_a_preamble_store_it_once(dense, tmp_path):
 
 
 @pytest.mark.parametrize("model,bound", [("dense", "block_tokens"), ("hybrid", "checkpoint_every")])
-def test_editing_the_last_sentence_prefills_at_most_one_block_or_checkpoint_span(demo_models, tmp_path, model, bound):
+def test_editing_the_last_sentence_prefills_at_most_one_block_or_checkpoint_span(
+    demo_models, tmp_path, model, bound
+):
     lm = demo_models.load(model)
     blocks = BlockSettings(64, 256)
     preamble = _text(2, 400)
@@ -154,7 +188,9 @@ def _flip(path: Path, at: int = -9) -> None:
 
 
 @pytest.mark.parametrize("damage", ["flipped", "truncated", "missing", "swapped"])
-def test_a_bad_block_is_refused_by_name_and_rebuilt_from_the_last_good_block(dense, tmp_path, damage):
+def test_a_bad_block_is_refused_by_name_and_rebuilt_from_the_last_good_block(
+    dense, tmp_path, damage
+):
     blocks = BlockSettings(64, 256)
     agents_file = _agents(tmp_path / "agents.json", _text(4, 200), [_text(400, 20)])
     first = _build(dense, agents_file, tmp_path / "s", blocks=blocks)
@@ -196,18 +232,35 @@ def test_a_record_cannot_name_another_models_or_prefixs_block(dense, tmp_path):
     a, b = (store.path_for(e.key) for e in report.entries)
     header_a = read_header(a)
     chain = json.loads(header_a.metadata["kvsnap.chain"])
-    other = json.loads(read_header(b).metadata["kvsnap.chain"])["blocks"][-1][0]  # agent b's own last block
+    other = json.loads(read_header(b).metadata["kvsnap.chain"])["blocks"][-1][
+        0
+    ]  # agent b's own last block
     chain["blocks"][-1][0] = other  # same span, another prompt's key: only the key proof can tell
     meta = dict(header_a.metadata)
     meta["kvsnap.chain"] = json.dumps(chain, sort_keys=True, separators=(",", ":"))
     meta.pop("kvsnap.xxh3_128")
-    from kvsnap.snapshot.file import OutTensor
     import struct
+
+    from kvsnap.snapshot.file import OutTensor
 
     tokens = store.inspect(a).tokens
     with store.lock():
-        store.put(a.stem, [OutTensor("tokens", "I32", (len(tokens),), memoryview(struct.pack(f"<{len(tokens)}i", *tokens)))], meta)
-    with pytest.raises(SnapshotError, match=r"kvsnap.chain.blocks\[\d+\] key [0-9a-f]{32} is not the key of these tokens"):
+        store.put(
+            a.stem,
+            [
+                OutTensor(
+                    "tokens",
+                    "I32",
+                    (len(tokens),),
+                    memoryview(struct.pack(f"<{len(tokens)}i", *tokens)),
+                )
+            ],
+            meta,
+        )
+    with pytest.raises(
+        SnapshotError,
+        match=r"kvsnap.chain.blocks\[\d+\] key [0-9a-f]{32} is not the key of these tokens",
+    ):
         store.inspect(a)
 
 
@@ -243,7 +296,9 @@ def test_migrate_turns_a_v2_store_into_records_and_blocks_with_the_same_state(tm
     report = migrate_store(tmp_path / "s", BlockSettings(32, 256))
     assert len(report.migrated) == len(before) and not report.problems
     infos = store.scan()[0]
-    assert {i.key for i in infos} == set(before)  # same keys, same file names: the manifest still lists them
+    assert {i.key for i in infos} == set(
+        before
+    )  # same keys, same file names: the manifest still lists them
     assert (tmp_path / "s" / "manifest.json").read_bytes() == manifest
     for info in infos:
         assert info.chain is not None and len(info.chain.blocks) > 1
@@ -252,7 +307,8 @@ def test_migrate_turns_a_v2_store_into_records_and_blocks_with_the_same_state(tm
         assert set(after) == set(before[info.key])
         for name, array in after.items():
             # A block two files share holds the first file's values: its own prefill of the same
-            # tokens, equal up to float rounding (a build's blocks are bitwise: block-split prefill).
+            # tokens, equal up to float rounding (a build's blocks are bitwise: block-split
+            # prefill).
             assert np.allclose(np.array(array), before[info.key][name], rtol=1e-5, atol=1e-5), name
     assert store.gc(apply=False) == ([], 0)  # every block is reached
     again = migrate_store(tmp_path / "s")
@@ -269,7 +325,9 @@ def test_a_hybrid_record_lists_the_checkpoints_it_passes_through_even_when_reuse
     assert report.entries[1].tokens_reused > 0
     first, second = ({end for _, end in c.checkpoints} for c in chains)
     shared_ends = {end for _, _, end in chains[1].blocks} & {end for _, _, end in chains[0].blocks}
-    assert {e for e in first if e in shared_ends} == {e for e in second if e in shared_ends} != set()
+    assert (
+        {e for e in first if e in shared_ends} == {e for e in second if e in shared_ends} != set()
+    )
 
 
 # --- held once in memory -------------------------------------------------------------------
@@ -284,19 +342,42 @@ def test_a_server_pins_a_shared_preamble_once_and_answers_from_it(demo_models, t
 
     lm = demo_models.load("dense")
     preamble = _text(9, 400)
-    agents_file = _agents(tmp_path / "agents.json", preamble, [_text(900 + i, 30) for i in range(6)])
+    agents_file = _agents(
+        tmp_path / "agents.json", preamble, [_text(900 + i, 30) for i in range(6)]
+    )
     report = _build(lm, agents_file, tmp_path / "s")
     store = Store.open(tmp_path / "s")
-    unique = sum(p.stat().st_size for p in part_files(store))  # headers included: an upper bound on the tensors
+    unique = sum(
+        p.stat().st_size for p in part_files(store)
+    )  # headers included: an upper bound on the tensors
     whole = sum(store.inspect(store.path_for(e.key)).nbytes for e in report.entries)
     # Six whole states against the shared grid blocks plus six tails (cuts sit on a fixed 256-token
     # grid, so each tail starts at the last grid cut inside the preamble): well over twice.
     assert whole > 2.2 * unique, (whole, unique)
-    messages = json.loads(agents_file.read_text())[3]["messages"] + [{"role": "user", "content": "Check the tests first."}]
+    messages = json.loads(agents_file.read_text())[3]["messages"] + [
+        {"role": "user", "content": "Check the tests first."}
+    ]
     body = {"model": "m", "messages": messages, "max_tokens": 12, "temperature": 0}
     answers = {}
-    for mode, flags in (("snapshots", ["--warm-prompts", str(agents_file), "--kv-snapshots", str(tmp_path / "s"), "--no-write-back"]), ("cold", [])):
-        server = start_server(demo_models.path("dense"), ["--continuous-batching", "--served-model-name", "m", *flags], tmp_path / f"{mode}.log", limit_s=300)
+    for mode, flags in (
+        (
+            "snapshots",
+            [
+                "--warm-prompts",
+                str(agents_file),
+                "--kv-snapshots",
+                str(tmp_path / "s"),
+                "--no-write-back",
+            ],
+        ),
+        ("cold", []),
+    ):
+        server = start_server(
+            demo_models.path("dense"),
+            ["--continuous-batching", "--served-model-name", "m", *flags],
+            tmp_path / f"{mode}.log",
+            limit_s=300,
+        )
         try:
             server.wait_ready(120)
             pinned = server.status()["cache"]["current_memory_mb"] * 2**20
@@ -306,5 +387,11 @@ def test_a_server_pins_a_shared_preamble_once_and_answers_from_it(demo_models, t
             server.stop()
         if mode == "snapshots":
             assert 0.8 * unique < pinned <= 1.1 * unique, (pinned, unique, whole)
-    assert answers["snapshots"]["usage"]["prompt_tokens_details"]["cached_tokens"] == report.entries[3].n_tokens
-    assert answers["snapshots"]["choices"][0]["message"]["content"] == answers["cold"]["choices"][0]["message"]["content"]
+    assert (
+        answers["snapshots"]["usage"]["prompt_tokens_details"]["cached_tokens"]
+        == report.entries[3].n_tokens
+    )
+    assert (
+        answers["snapshots"]["choices"][0]["message"]["content"]
+        == answers["cold"]["choices"][0]["message"]["content"]
+    )

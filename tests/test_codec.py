@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import pytest
-
 import mlx.core as mx
+import pytest
 from mlx_lm.models.cache import ArraysCache, CacheList, ChunkedKVCache, KVCache, RotatingKVCache
 
 from kvsnap.snapshot.cache_classes import CACHE_CLASSES, UnknownCacheClass
@@ -26,14 +25,15 @@ def _feed(cache, n, seed):
             else:
                 sub.update_and_fetch(*_kv(n, seed))
             if isinstance(sub, ChunkedKVCache):
-                sub.maybe_trim_front()  # as llama4 does before each step: the front past the chunk goes
+                # as llama4 does before each step: the front past the chunk goes
+                sub.maybe_trim_front()
 
 
 def _fetch_all(cache):
     """What attention would read next: keys/values after one more token."""
     out = []
     for c in cache:
-        for sub in (c.caches if isinstance(c, CacheList) else [c]):
+        for sub in c.caches if isinstance(c, CacheList) else [c]:
             if isinstance(sub, ArraysCache):
                 out += [a for a in sub.cache if a is not None]
             else:
@@ -46,8 +46,12 @@ def _fetch_all(cache):
     "make",
     [
         pytest.param(lambda: [ChunkedKVCache(16), KVCache()], id="chunked(llama4)"),
-        pytest.param(lambda: [CacheList(ArraysCache(2), KVCache()), KVCache()], id="cachelist(falcon_h1)"),
-        pytest.param(lambda: [CacheList(KVCache(), RotatingKVCache(max_size=8))], id="cachelist-rotating"),
+        pytest.param(
+            lambda: [CacheList(ArraysCache(2), KVCache()), KVCache()], id="cachelist(falcon_h1)"
+        ),
+        pytest.param(
+            lambda: [CacheList(KVCache(), RotatingKVCache(max_size=8))], id="cachelist-rotating"
+        ),
     ],
 )
 def test_round_trip_is_bitwise_and_behaves_the_same(make):
@@ -58,7 +62,9 @@ def test_round_trip_is_bitwise_and_behaves_the_same(make):
     restored = decode_cache({k: mx.array(v) for k, v in arrays.items()}, layers)
     assert [type(c).__name__ for c in restored] == [type(c).__name__ for c in original]
     again, _ = encode_cache(restored, list(range(n)))
-    assert set(again) == set(arrays) and all(mx.array_equal(again[k], arrays[k]).item() for k in arrays)
+    assert set(again) == set(arrays) and all(
+        mx.array_equal(again[k], arrays[k]).item() for k in arrays
+    )
     for a, b in zip(_fetch_all(original), _fetch_all(restored)):
         assert mx.array_equal(a, b).item()
 
@@ -77,11 +83,14 @@ def test_an_unknown_cache_class_names_the_supported_ones():
 
     with pytest.raises(UnknownCacheClass) as err:
         encode_layer(MysteryCache(), "0", {})
-    assert "MysteryCache" in str(err.value) and all(name in str(err.value) for name in CACHE_CLASSES)
+    assert "MysteryCache" in str(err.value) and all(
+        name in str(err.value) for name in CACHE_CLASSES
+    )
 
 
 def test_copies_are_copy_on_write_for_in_place_writes():
-    """Regression: copies became views (eager copies cost 1.5 s per 470 MB); an in-place write must not leak."""
+    """Regression: copies became views (eager copies cost 1.5 s per 470 MB); an in-place write must
+    not leak."""
     original = [RotatingKVCache(max_size=8)]
     _feed(original, 12, seed=5)  # a full ring: the next token is written in place
     before = mx.array(original[0].keys)

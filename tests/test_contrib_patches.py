@@ -21,9 +21,7 @@ import time
 from importlib import metadata
 from pathlib import Path
 
-import httpx
 import pytest
-
 import test_mlx_lm_server as mlx_lm_tests
 import test_vllm_mlx as vllm_tests
 from conftest import run_kvsnap

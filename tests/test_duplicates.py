@@ -11,7 +11,16 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def run_similarity(*paths: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "pylint", "--disable=all", "--enable=duplicate-code", "--min-similarity-lines=6", "--score=n", *paths]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pylint",
+        "--disable=all",
+        "--enable=duplicate-code",
+        "--min-similarity-lines=6",
+        "--score=n",
+        *paths,
+    ]
     return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300)
 
 
@@ -23,6 +32,8 @@ def test_the_package_has_no_duplicated_block():
 def test_the_check_sees_a_copied_block(tmp_path):
     block = "".join(f"    total += value * {i} - {i * 7}\n" for i in range(8))
     for name in ("a", "b"):
-        (tmp_path / f"{name}.py").write_text(f"def {name}(value):\n    total = 0\n{block}    return total\n")
+        (tmp_path / f"{name}.py").write_text(
+            f"def {name}(value):\n    total = 0\n{block}    return total\n"
+        )
     r = run_similarity(str(tmp_path / "a.py"), str(tmp_path / "b.py"))
     assert r.returncode != 0 and "duplicate-code" in r.stdout, r.stdout + r.stderr

@@ -14,11 +14,13 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import LONG_SYSTEM
 
 MAX_TOKENS = 32
-PLANNER = "You are a planner agent. Plan each task step by step, check the goal, list the tools you would call. " * 3
+PLANNER = (
+    "You are a planner agent. Plan each task step by step, check the goal, list the tools you "
+    "would call. " * 3
+)
 AGENTS = [
     {"name": "reviewer", "messages": [{"role": "system", "content": LONG_SYSTEM}]},
     {
@@ -36,7 +38,10 @@ ARCHES = ["dense", "hybrid"]
 
 def warm_entry(engine, tokens):
     """The shared (warm) prefix entry holding exactly ``tokens``, or None."""
-    return next((e for e in engine.prefix.entries if e.tokens == tuple(tokens) and e.namespace is None), None)
+    return next(
+        (e for e in engine.prefix.entries if e.tokens == tuple(tokens) and e.namespace is None),
+        None,
+    )
 
 
 # --- worlds: a model, its agents file and a store built by kvsnap.build ---------------
@@ -58,7 +63,9 @@ class World:
         self.agents_file.write_text(json.dumps(agents))
         self.prompts = parse_warm_prompts(agents, str(self.agents_file))
         self.store = root / "snaps"
-        report = build_snapshots(self.lm, self.prompts, Store.open(self.store, create=True), str(self.agents_file))
+        report = build_snapshots(
+            self.lm, self.prompts, Store.open(self.store, create=True), str(self.agents_file)
+        )
         assert report.ok and report.count("built") == len(agents), report
 
     def tokens(self, messages) -> list[int]:
@@ -85,7 +92,9 @@ class Engines:
     def __init__(self):
         self.started = []
 
-    def start(self, world: World, warm: bool = True, snapshots: Path | str | None = "store", **config):
+    def start(
+        self, world: World, warm: bool = True, snapshots: Path | str | None = "store", **config
+    ):
         from kvsnap.runtime.engine import Engine, EngineConfig
 
         if snapshots == "store":
@@ -95,7 +104,9 @@ class Engines:
                 model=str(world.model),
                 settings=config.pop("settings", world.settings),
                 warm_prompts=config.pop("warm_prompts", world.prompts if warm else None),
-                warm_prompts_file=config.pop("warm_prompts_file", str(world.agents_file) if warm else None),
+                warm_prompts_file=config.pop(
+                    "warm_prompts_file", str(world.agents_file) if warm else None
+                ),
                 snapshots=str(snapshots) if snapshots is not None else None,
                 write_back=config.pop("write_back", False),
                 **config,
@@ -142,7 +153,9 @@ def worlds(demo_models, tmp_path_factory, digest_dir):
     def get(name: str, **settings) -> World:
         key = (name, tuple(sorted(settings.items())))
         if key not in made:
-            made[key] = World(demo_models, tmp_path_factory.mktemp(f"world-{name}"), name, **settings)
+            made[key] = World(
+                demo_models, tmp_path_factory.mktemp(f"world-{name}"), name, **settings
+            )
         return made[key]
 
     return get
@@ -159,7 +172,9 @@ def oracle(worlds, module_engines):
         if key not in answers:
             wk = (world.name, world.settings)
             if wk not in cold:
-                cold[wk] = module_engines.start(world, warm=False, snapshots=None, cache_memory_mb=0)
+                cold[wk] = module_engines.start(
+                    world, warm=False, snapshots=None, cache_memory_mb=0
+                )
             st = serve(cold[wk], tokens, max_tokens)
             assert st.cached_tokens == 0
             answers[key] = (st.text, st.completion_tokens)
@@ -171,7 +186,10 @@ def oracle(worlds, module_engines):
 def submit(engine, tokens, max_tokens: int = MAX_TOKENS, on_event=None):
     from kvsnap.runtime.engine import GenerationRequest
 
-    return engine.submit(GenerationRequest(tokens=list(tokens), max_tokens=max_tokens), on_event or (lambda s, k, p: None))
+    return engine.submit(
+        GenerationRequest(tokens=list(tokens), max_tokens=max_tokens),
+        on_event or (lambda s, k, p: None),
+    )
 
 
 def finish(state, timeout: float = 120.0):
@@ -219,8 +237,16 @@ def assert_served_from_the_exact_snapshot_state(engine, warm, tokens) -> None:
 
     def check():
         lm = engine.lm
-        # A snapshot's state was prefilled block by block (at its chain's ends); the engine's own warm-up prefill in one run.
-        info = next((i for i in engine.store.scan()[0] if i.tokens == warm and i.chain is not None), None) if engine.store is not None else None
+        # A snapshot's state was prefilled block by block (at its chain's ends); the engine's own
+        # warm-up prefill in one run.
+        info = (
+            next(
+                (i for i in engine.store.scan()[0] if i.tokens == warm and i.chain is not None),
+                None,
+            )
+            if engine.store is not None
+            else None
+        )
         ends = [end for _, _, end in info.chain.blocks] if info is not None else [len(warm)]
         fresh, _ = encode_cache(prefill_in_blocks(lm, warm, ends), warm)
         from kvsnap.runtime.composed import ComposedState
@@ -228,24 +254,42 @@ def assert_served_from_the_exact_snapshot_state(engine, warm, tokens) -> None:
         entry = warm_entry(engine, warm)
         copy = engine.prefix.copy_state(entry.state)
         # A snapshot is held as shared blocks; what it stores is what it materializes into.
-        stored = entry.state.materialize() if isinstance(entry.state, ComposedState) else entry.state
+        stored = (
+            entry.state.materialize() if isinstance(entry.state, ComposedState) else entry.state
+        )
         for label, state in (("stored", stored), ("private copy", copy)):
             got, _ = encode_cache(state, warm)
             assert sorted(got) == sorted(fresh), label
             for name, want in fresh.items():
-                assert mx.array_equal(got[name], want).item(), f"{label} state differs from a fresh prefill at {name}"
-        logits = lm.model(mx.array([list(tokens[len(warm) :])], dtype=mx.int32), cache=copy)[:, -1, :]
-        one_shot = lm.model(mx.array([list(tokens)], dtype=mx.int32), cache=lm.make_cache())[:, -1, :]
+                assert mx.array_equal(got[name], want).item(), (
+                    f"{label} state differs from a fresh prefill at {name}"
+                )
+        logits = lm.model(mx.array([list(tokens[len(warm) :])], dtype=mx.int32), cache=copy)[
+            :, -1, :
+        ]
+        one_shot = lm.model(mx.array([list(tokens)], dtype=mx.int32), cache=lm.make_cache())[
+            :, -1, :
+        ]
         worst = mx.abs(logits - one_shot).max().item()
-        assert worst <= 1e-4 * max(1.0, mx.abs(one_shot).max().item()), f"first-token logits differ by {worst}"
-        captured = [e for e in engine.prefix.entries if e.source == "request" and e.tokens == tuple(tokens[:-1])]
+        assert worst <= 1e-4 * max(1.0, mx.abs(one_shot).max().item()), (
+            f"first-token logits differ by {worst}"
+        )
+        captured = [
+            e
+            for e in engine.prefix.entries
+            if e.source == "request" and e.tokens == tuple(tokens[:-1])
+        ]
         assert len(captured) == 1, "the request's prompt prefix was not captured"
         checked = 0
         for i, layer in enumerate(captured[0].state):
-            if type(layer).__name__ == "KVCache":  # window and SSM layers no longer hold the warm part as such
+            if (
+                type(layer).__name__ == "KVCache"
+            ):  # window and SSM layers no longer hold the warm part as such
                 n = len(warm)
                 for part in ("keys", "values"):
-                    assert mx.array_equal(getattr(layer, part)[..., :n, :], fresh[f"{i}.{part}"]).item(), f"the request attended to other {part} in layer {i}"
+                    assert mx.array_equal(
+                        getattr(layer, part)[..., :n, :], fresh[f"{i}.{part}"]
+                    ).item(), f"the request attended to other {part} in layer {i}"
                 checked += 1
         assert checked > 0
 
@@ -256,7 +300,9 @@ def assert_served_from_the_exact_snapshot_state(engine, warm, tokens) -> None:
 
 
 @pytest.mark.parametrize("arch", ARCHES + ["sliding"])
-def test_first_request_per_agent_computes_only_its_suffix_and_matches_a_full_prefill(arch, worlds, engines, oracle):
+def test_first_request_per_agent_computes_only_its_suffix_and_matches_a_full_prefill(
+    arch, worlds, engines, oracle
+):
     world = worlds(arch)
     engine = engines.start(world)
     snaps = engine.status()["snapshots"]
@@ -279,7 +325,9 @@ def test_first_request_per_agent_computes_only_its_suffix_and_matches_a_full_pre
 
 
 @pytest.mark.parametrize("arch", ARCHES + ["sliding"])
-def test_concurrent_requests_each_equal_the_same_request_served_alone(arch, worlds, engines, oracle):
+def test_concurrent_requests_each_equal_the_same_request_served_alone(
+    arch, worlds, engines, oracle
+):
     world = worlds(arch)
     engine = engines.start(world)
     seen = []
@@ -297,13 +345,17 @@ def test_concurrent_requests_each_equal_the_same_request_served_alone(arch, worl
     assert_accounting(engine, states)
 
 
-def test_restored_hybrid_request_batched_with_cold_requests_of_other_lengths(worlds, engines, oracle):
+def test_restored_hybrid_request_batched_with_cold_requests_of_other_lengths(
+    worlds, engines, oracle
+):
     """Padding in a mixed batch never advances an SSM state: shorter and longer cold neighbours."""
     world = worlds("hybrid")
     engine = engines.start(world)
     restored = world.request(0, QUESTIONS[1])
     short_cold = world.tokens([{"role": "user", "content": "hi"}])
-    long_cold = world.tokens([{"role": "user", "content": "please review this function and explain each error " * 3}])
+    long_cold = world.tokens(
+        [{"role": "user", "content": "please review this function and explain each error " * 3}]
+    )
     suffix = len(restored) - len(world.warm_tokens(0))
     assert len(short_cold) < suffix < len(long_cold)
     states = [submit(engine, t) for t in (restored, short_cold, long_cold)]
@@ -320,7 +372,8 @@ def test_restored_hybrid_request_batched_with_cold_requests_of_other_lengths(wor
 
 
 def _flip_own_state_byte(store: Path, record: Path) -> Path:
-    """Flip a byte in the last block of ``record`` (its tail: no other agent's); returns that block."""
+    """Flip a byte in the last block of ``record`` (its tail: no other agent's); returns that
+    block."""
     from kvsnap.store.local import Store
     from kvsnap.store.parts import chain_relpaths
 
@@ -342,22 +395,29 @@ def _flip_data_byte(path: Path) -> None:
 def foreign_store(demo_models, tmp_path_factory, digest_dir):
     """Snapshots of the same warm prompts for another dense demo model (other seed, same arch)."""
     from kvsnap.build import build_snapshots
-    from kvsnap.tools.demo import DemoSpec, make_demo_model
-    from kvsnap.runtime.modeling import load_model
     from kvsnap.prompts import parse_warm_prompts
+    from kvsnap.runtime.modeling import load_model
     from kvsnap.store.local import Store
+    from kvsnap.tools.demo import DemoSpec, make_demo_model
 
     root = tmp_path_factory.mktemp("foreign")
     lm = load_model(make_demo_model(root / "model", DemoSpec(arch="dense", seed=1)))
     agents = root / "agents.json"
     agents.write_text(json.dumps(AGENTS))
-    report = build_snapshots(lm, parse_warm_prompts(AGENTS, str(agents)), Store.open(root / "snaps", create=True), str(agents))
+    report = build_snapshots(
+        lm,
+        parse_warm_prompts(AGENTS, str(agents)),
+        Store.open(root / "snaps", create=True),
+        str(agents),
+    )
     assert report.ok
     return root / "snaps"
 
 
 @pytest.mark.parametrize("kind", ["foreign", "corrupt", "stale"])
-def test_rejected_snapshots_are_reported_and_replaced_by_a_prefill(kind, worlds, engines, oracle, foreign_store, tmp_path):
+def test_rejected_snapshots_are_reported_and_replaced_by_a_prefill(
+    kind, worlds, engines, oracle, foreign_store, tmp_path
+):
     from kvsnap.prompts import parse_warm_prompts
 
     world = worlds("dense")
@@ -382,11 +442,16 @@ def test_rejected_snapshots_are_reported_and_replaced_by_a_prefill(kind, worlds,
     engine = engines.start(world, snapshots=store, warm_prompts=prompts)
     snaps = engine.status()["snapshots"]
     assert snaps["rejected"] == expect_rejected, snaps
-    assert all(reason in r["reason"] and r["file"].endswith(".safetensors") for r in snaps["rejected_reasons"]), snaps
+    assert all(
+        reason in r["reason"] and r["file"].endswith(".safetensors")
+        for r in snaps["rejected_reasons"]
+    ), snaps
     assert snaps["prefilled"] == expect_prefilled and snaps["loaded"] == 2 - expect_prefilled, snaps
     states = []
     for agent in range(len(agents)):
-        tokens = world.tokens(agents[agent]["messages"] + [{"role": "user", "content": QUESTIONS[0]}])
+        tokens = world.tokens(
+            agents[agent]["messages"] + [{"role": "user", "content": QUESTIONS[0]}]
+        )
         st = serve(engine, tokens)
         assert st.cached_tokens > 0 and st.cache_source in ("snapshot", "prefill")
         assert answer_of(st) == oracle(world, tokens)
@@ -394,7 +459,9 @@ def test_rejected_snapshots_are_reported_and_replaced_by_a_prefill(kind, worlds,
     assert_accounting(engine, states)
 
 
-def test_a_corrupt_snapshot_loaded_lazily_is_rejected_on_first_hit(worlds, engines, oracle, tmp_path):
+def test_a_corrupt_snapshot_loaded_lazily_is_rejected_on_first_hit(
+    worlds, engines, oracle, tmp_path
+):
     world = worlds("dense")
     store = world.copy_store(tmp_path / "snaps")
     for f in (store / "blocks").iterdir():
@@ -413,7 +480,9 @@ def test_a_corrupt_snapshot_loaded_lazily_is_rejected_on_first_hit(worlds, engin
     status = engine.status()
     # Two entries failed to load; a bad block they share is one rejected file, named once.
     assert status["cache"]["load_errors"] == 2 and 1 <= status["snapshots"]["rejected"] <= 2
-    assert status["cache"]["entry_count"] == 0  # the bad snapshots are gone (and request prefixes do not fit this budget)
+    assert (
+        status["cache"]["entry_count"] == 0
+    )  # the bad snapshots are gone (and request prefixes do not fit this budget)
 
 
 # --- 5. honest accounting ------------------------------------------------------------------
@@ -429,9 +498,17 @@ def test_computed_tokens_come_from_mlx_lm_counter(worlds, engines):
     st = serve(engine, world.request(0, QUESTIONS[0]))
     assert engine.status()["tokens"]["computed"] - before == st.computed_tokens
     counter = engine.call(lambda: prompt_counter(engine._batch.gen))
-    assert counter == st.computed_tokens - 1, "mlx-lm counts the prefilled suffix; the last token runs in the decode step"
+    assert counter == st.computed_tokens - 1, (
+        "mlx-lm counts the prefilled suffix; the last token runs in the decode step"
+    )
     # A batch with very different suffix lengths (padding) counts only real tokens.
-    states = [st] + [submit(engine, t) for t in (world.request(1, QUESTIONS[1]), world.tokens([{"role": "user", "content": "a long cold question " * 8}]))]
+    states = [st] + [
+        submit(engine, t)
+        for t in (
+            world.request(1, QUESTIONS[1]),
+            world.tokens([{"role": "user", "content": "a long cold question " * 8}]),
+        )
+    ]
     for s in states[1:]:
         finish(s)
     assert_accounting(engine, states)
@@ -445,7 +522,13 @@ def test_multi_turn_reuses_the_first_turns_prompt_on_dense(worlds, engines, orac
     engine = engines.start(world)
     first_messages = AGENTS[0]["messages"] + [{"role": "user", "content": QUESTIONS[0]}]
     first = serve(engine, world.tokens(first_messages))
-    second_tokens = world.tokens(first_messages + [{"role": "assistant", "content": first.text}, {"role": "user", "content": "and the tests?"}])
+    second_tokens = world.tokens(
+        first_messages
+        + [
+            {"role": "assistant", "content": first.text},
+            {"role": "user", "content": "and the tests?"},
+        ]
+    )
     second = serve(engine, second_tokens)
     assert second.cached_tokens > len(world.warm_tokens(0)) and second.cache_source == "request"
     assert answer_of(second) == oracle(world, second_tokens)
@@ -455,7 +538,11 @@ def test_multi_turn_reuses_the_first_turns_prompt_on_dense(worlds, engines, orac
 def checkpoint_below(engine, tokens) -> int:
     """The longest checkpoint entry (a branch point inside the warm prompts) a request of
     ``tokens`` can start from: a strict prefix of them; 0 if none."""
-    inner = [len(e.tokens) for e in engine.prefix.entries if e.inner and len(e.tokens) < len(tokens) and tuple(tokens[: len(e.tokens)]) == e.tokens]
+    inner = [
+        len(e.tokens)
+        for e in engine.prefix.entries
+        if e.inner and len(e.tokens) < len(tokens) and tuple(tokens[: len(e.tokens)]) == e.tokens
+    ]
     return max(inner, default=0)
 
 
@@ -465,8 +552,13 @@ def test_prompt_equal_to_a_cached_untrimmable_prefix_still_works(worlds, engines
     warm = list(world.warm_tokens(0))
     full = world.request(0, QUESTIONS[0])
     states = [serve(engine, full)]  # captures full[:-1], an untrimmable hybrid state
-    # The warm prompt itself, or one diverging early, starts from the last checkpoint before its end.
-    for tokens, expect_cached in ((full[:-1], len(warm)), (warm, checkpoint_below(engine, warm)), (warm[:1] + [7], 0)):
+    # The warm prompt itself, or one diverging early, starts from the last checkpoint before its
+    # end.
+    for tokens, expect_cached in (
+        (full[:-1], len(warm)),
+        (warm, checkpoint_below(engine, warm)),
+        (warm[:1] + [7], 0),
+    ):
         st = serve(engine, tokens)
         assert st.cached_tokens == expect_cached, (len(tokens), st.cached_tokens)
         assert answer_of(st) == oracle(world, tokens)
@@ -474,17 +566,23 @@ def test_prompt_equal_to_a_cached_untrimmable_prefix_still_works(worlds, engines
     assert_accounting(engine, states)
 
 
-def test_a_request_differing_from_an_untrimmable_snapshot_only_at_its_last_token_is_prefilled(worlds, engines, oracle):
-    """Regression (mutation run): strict prefix at lookup, end to end on the hybrid model, whose snapshots cannot be trimmed."""
+def test_a_request_differing_from_an_untrimmable_snapshot_only_at_its_last_token_is_prefilled(
+    worlds, engines, oracle
+):
+    """Regression (mutation run): strict prefix at lookup, end to end on the hybrid model, whose
+    snapshots cannot be trimmed."""
     world = worlds("hybrid")
     engine = engines.start(world)
     warm = world.warm_tokens(0)
     tokens = world.request(0, QUESTIONS[0])
-    tokens[len(warm) - 1] = 100 if warm[-1] != 100 else 101  # same prompt, other token at the snapshot's last position
+    tokens[len(warm) - 1] = (
+        100 if warm[-1] != 100 else 101
+    )  # same prompt, other token at the snapshot's last position
     st = serve(engine, tokens)
     # Never the whole snapshot (its last token differs): at most the checkpoint before it.
     below = checkpoint_below(engine, tokens[: len(warm) - 1] + [None])
-    # Checkpoints sit on a fixed 256-token grid: these short agents may have none, so ``below`` may be 0.
+    # Checkpoints sit on a fixed 256-token grid: these short agents may have none, so ``below`` may
+    # be 0.
     assert 0 <= below < len(warm) - 1, below
     assert st.cached_tokens == below, (st.cached_tokens, st.cache_source)
     assert st.cache_source == ("snapshot" if below else ""), st.cache_source
@@ -501,7 +599,9 @@ def test_one_shared_token_is_enough_for_a_hit(worlds, engines, oracle):
     assert_accounting(engine, [first, st])
 
 
-def test_request_prefixes_are_evicted_within_the_budget_and_warm_entries_stay(worlds, engines, oracle):
+def test_request_prefixes_are_evicted_within_the_budget_and_warm_entries_stay(
+    worlds, engines, oracle
+):
     world = worlds("dense")
     probe = engines.start(world)
     pinned_mb = probe.status()["cache"]["current_memory_mb"]
@@ -510,7 +610,9 @@ def test_request_prefixes_are_evicted_within_the_budget_and_warm_entries_stay(wo
     engine = engines.start(world, cache_memory_mb=budget)
     states = []
     for i in range(6):
-        tokens = world.tokens([{"role": "user", "content": f"question number {i}: " + "check the data " * (4 + i)}])
+        tokens = world.tokens(
+            [{"role": "user", "content": f"question number {i}: " + "check the data " * (4 + i)}]
+        )
         st = serve(engine, tokens)
         assert st.cached_tokens < 8 and answer_of(st) == oracle(world, tokens)
         states.append(st)
@@ -537,18 +639,25 @@ def test_sequential_path_without_continuous_batching_matches(worlds, engines, or
 # --- 7. loading policy ----------------------------------------------------------------------
 
 
-def test_pinned_snapshots_beyond_the_budget_stay_indexed_and_load_on_first_hit(worlds, engines, oracle):
+def test_pinned_snapshots_beyond_the_budget_stay_indexed_and_load_on_first_hit(
+    worlds, engines, oracle
+):
     world = worlds("dense")
     engine = engines.start(world, cache_memory_mb=0.001)
     status = engine.status()
-    assert status["snapshots"]["loaded"] == 0 and status["snapshots"]["indexed"] == 2, status["snapshots"]
+    assert status["snapshots"]["loaded"] == 0 and status["snapshots"]["indexed"] == 2, status[
+        "snapshots"
+    ]
     assert status["cache"]["entry_count"] == 2 and status["cache"]["lazy_loads"] == 0
     assert all(e.pinned and not e.loaded for e in engine.prefix.entries)
     tokens = world.request(0, QUESTIONS[0])
     st = serve(engine, tokens)
     assert st.cached_tokens == len(world.warm_tokens(0)) and answer_of(st) == oracle(world, tokens)
     assert engine.status()["cache"]["lazy_loads"] == 1
-    assert all(e.pinned for e in engine.prefix.entries if e.source == "snapshot") and len([e for e in engine.prefix.entries if e.source == "snapshot"]) == 2
+    assert (
+        all(e.pinned for e in engine.prefix.entries if e.source == "snapshot")
+        and len([e for e in engine.prefix.entries if e.source == "snapshot"]) == 2
+    )
 
 
 def test_kv_snapshots_alone_pins_every_matching_snapshot(worlds, engines, oracle):
@@ -556,14 +665,20 @@ def test_kv_snapshots_alone_pins_every_matching_snapshot(worlds, engines, oracle
     engine = engines.start(world, warm=False)
     snaps = engine.status()["snapshots"]
     assert snaps["loaded"] == 2 and snaps["prefilled"] == 0 and snaps["indexed"] == 2
-    assert len(engine.prefix.entries) == 2 and all(e.pinned and e.loaded and e.source == "snapshot" for e in engine.prefix.entries)
+    assert len(engine.prefix.entries) == 2 and all(
+        e.pinned and e.loaded and e.source == "snapshot" for e in engine.prefix.entries
+    )
     for agent in range(len(AGENTS)):
         tokens = world.request(agent, QUESTIONS[1])
         st = serve(engine, tokens)
-        assert st.cached_tokens == len(world.warm_tokens(agent)) and answer_of(st) == oracle(world, tokens)
+        assert st.cached_tokens == len(world.warm_tokens(agent)) and answer_of(st) == oracle(
+            world, tokens
+        )
 
 
-def test_warm_prompts_without_snapshots_are_prefilled_written_back_and_loaded_next_start(worlds, engines, oracle, tmp_path):
+def test_warm_prompts_without_snapshots_are_prefilled_written_back_and_loaded_next_start(
+    worlds, engines, oracle, tmp_path
+):
     world = worlds("dense")
     store = tmp_path / "fresh-snaps"
     first = engines.start(world, snapshots=store, write_back=True)
@@ -577,13 +692,20 @@ def test_warm_prompts_without_snapshots_are_prefilled_written_back_and_loaded_ne
 
     second = engines.start(world, snapshots=store, write_back=True)
     snaps = second.status()["snapshots"]
-    assert snaps["prefilled"] == 0 and snaps["loaded"] == 2 and snaps["written"] == 0 and snaps["rejected"] == 0, snaps
+    assert (
+        snaps["prefilled"] == 0
+        and snaps["loaded"] == 2
+        and snaps["written"] == 0
+        and snaps["rejected"] == 0
+    ), snaps
     st = serve(second, tokens)
     assert st.cache_source == "snapshot" and answer_of(st) == oracle(world, tokens)
 
 
 @pytest.mark.parametrize("how", ["write_back_off", "readonly_store"])
-def test_a_read_only_store_serves_and_says_it_cannot_write_back(how, worlds, engines, oracle, tmp_path):
+def test_a_read_only_store_serves_and_says_it_cannot_write_back(
+    how, worlds, engines, oracle, tmp_path
+):
     from kvsnap.runtime.engine import Engine, EngineConfig
     from kvsnap.store.local import Store
 
@@ -594,7 +716,15 @@ def test_a_read_only_store_serves_and_says_it_cannot_write_back(how, worlds, eng
     if how == "write_back_off":
         engine = engines.start(world, snapshots=store, write_back=False)
     else:
-        engine = Engine(EngineConfig(model=str(world.model), warm_prompts=world.prompts, warm_prompts_file=str(world.agents_file), snapshots=str(store), write_back=True))
+        engine = Engine(
+            EngineConfig(
+                model=str(world.model),
+                warm_prompts=world.prompts,
+                warm_prompts_file=str(world.agents_file),
+                snapshots=str(store),
+                write_back=True,
+            )
+        )
         engines.started.append(engine)
         engine.store = Store.open(store, readonly=True)
         engine.start()
@@ -606,7 +736,9 @@ def test_a_read_only_store_serves_and_says_it_cannot_write_back(how, worlds, eng
     for agent in range(len(AGENTS)):
         tokens = world.request(agent, QUESTIONS[0])
         st = serve(engine, tokens)
-        assert st.cached_tokens == len(world.warm_tokens(agent)) and answer_of(st) == oracle(world, tokens)
+        assert st.cached_tokens == len(world.warm_tokens(agent)) and answer_of(st) == oracle(
+            world, tokens
+        )
 
 
 # --- 8. cancel ---------------------------------------------------------------------------------
@@ -656,7 +788,9 @@ def test_shutdown_ends_running_requests(worlds, engines):
 
 
 @pytest.mark.parametrize("batching", [True, False])
-def test_a_request_that_fails_to_start_errors_alone_and_the_engine_keeps_serving(batching, worlds, engines, oracle):
+def test_a_request_that_fails_to_start_errors_alone_and_the_engine_keeps_serving(
+    batching, worlds, engines, oracle
+):
     world = worlds("dense")
     engine = engines.start(world, continuous_batching=batching)
     real_fetch = engine.prefix.fetch
@@ -668,7 +802,11 @@ def test_a_request_that_fails_to_start_errors_alone_and_the_engine_keeps_serving
 
     engine.prefix.fetch = fetch
     good_tokens = world.request(0, QUESTIONS[0])
-    bad = [submit(engine, [9, 9, 9]), submit(engine, [], max_tokens=4), submit(engine, [5, 6], max_tokens=0)]
+    bad = [
+        submit(engine, [9, 9, 9]),
+        submit(engine, [], max_tokens=4),
+        submit(engine, [5, 6], max_tokens=0),
+    ]
     good = submit(engine, good_tokens)
     for st in bad:
         assert st.done.wait(30) and st.finish_reason == "error"
@@ -692,7 +830,13 @@ def test_kv_bits_8_from_snapshots_matches_kv_bits_8_without(worlds, engines, ora
     snaps = engine.status()["snapshots"]
     assert snaps["loaded"] == 2 and snaps["prefilled"] == 0, snaps
     # (on the engine thread: the states' arrays live on its mlx stream)
-    assert engine.call(lambda: all(type(c).__name__ == "QuantizedKVCache" for e in engine.prefix.entries for c in engine.prefix.copy_state(e.state)))
+    assert engine.call(
+        lambda: all(
+            type(c).__name__ == "QuantizedKVCache"
+            for e in engine.prefix.entries
+            for c in engine.prefix.copy_state(e.state)
+        )
+    )
     states = []
     for agent in range(len(AGENTS)):
         tokens = world.request(agent, QUESTIONS[0])
@@ -710,7 +854,9 @@ def test_a_store_built_without_kv_bits_is_not_used_by_a_kv_bits_engine(worlds, e
     engine = engines.start(quantized, snapshots=plain.copy_store(quantized.root / "plain-copy"))
     snaps = engine.status()["snapshots"]
     assert snaps["loaded"] == 0 and snaps["prefilled"] == 2 and snaps["rejected"] == 2, snaps
-    assert all("KV setting" in r["reason"] and "kv_bits" in r["reason"] for r in snaps["rejected_reasons"])
+    assert all(
+        "KV setting" in r["reason"] and "kv_bits" in r["reason"] for r in snaps["rejected_reasons"]
+    )
     tokens = quantized.request(0, QUESTIONS[0])
     assert answer_of(serve(engine, tokens)) == oracle(quantized, tokens)
 
@@ -719,7 +865,9 @@ def test_a_store_built_without_kv_bits_is_not_used_by_a_kv_bits_engine(worlds, e
 
 
 @pytest.mark.parametrize("arch", ARCHES + ["sliding"])
-def test_warm_prompts_concurrency_prefills_together_and_answers_stay_the_same(arch, worlds, engines, oracle, tmp_path):
+def test_warm_prompts_concurrency_prefills_together_and_answers_stay_the_same(
+    arch, worlds, engines, oracle, tmp_path
+):
     world = worlds(arch)
     store = tmp_path / "snaps"
     engine = engines.start(world, snapshots=store, write_back=True, warm_prompts_concurrency=2)
@@ -731,7 +879,9 @@ def test_warm_prompts_concurrency_prefills_together_and_answers_stay_the_same(ar
         assert entry is not None and entry.source == "prefill" and entry.pinned
         tokens = world.request(agent, QUESTIONS[0])
         st = serve(engine, tokens)
-        assert st.cached_tokens == len(world.warm_tokens(agent)) and answer_of(st) == oracle(world, tokens)
+        assert st.cached_tokens == len(world.warm_tokens(agent)) and answer_of(st) == oracle(
+            world, tokens
+        )
     # The written-back snapshots are as good as built ones.
     again = engines.start(world, snapshots=store)
     assert again.status()["snapshots"]["loaded"] == 2
@@ -754,7 +904,11 @@ def test_clear_prefix_cache_rewarms_from_snapshots(worlds, engines, oracle):
     status = engine.status()
     assert status["rewarms"] == 1 and len(engine.prefix) == 2
     # Counters add up over re-warms: two more loads, no prefill.
-    assert status["snapshots"]["loaded"] == 4 and status["snapshots"]["prefilled"] == 0 and status["snapshots"]["rejected"] == 0
+    assert (
+        status["snapshots"]["loaded"] == 4
+        and status["snapshots"]["prefilled"] == 0
+        and status["snapshots"]["rejected"] == 0
+    )
     tokens = world.request(1, QUESTIONS[0])
     st = serve(engine, tokens)
     assert st.cache_source == "snapshot" and answer_of(st) == oracle(world, tokens)

@@ -39,13 +39,20 @@ def test_the_tail_that_could_start_a_stop_string_is_held_then_released():
     scan = scan_stop_strings("", "answer: EN", ("END",), final=False)
     assert (scan.send, scan.held, scan.stopped) == ("answer: ", "EN", False)
     scan = scan_stop_strings(scan.held, "ough", ("END",), final=False)
-    assert (scan.send, scan.held) == ("ENou", "gh")  # no stop: all but the last len("END") - 1 characters go
-    assert scan_stop_strings("gh", "", ("END",), final=True).send == "gh"  # nothing is held at the end
+    assert (scan.send, scan.held) == (
+        "ENou",
+        "gh",
+    )  # no stop: all but the last len("END") - 1 characters go
+    assert (
+        scan_stop_strings("gh", "", ("END",), final=True).send == "gh"
+    )  # nothing is held at the end
 
 
 def test_the_earliest_stop_string_wins_and_empty_ones_are_ignored():
     assert scan_stop_strings("", "xx STOP yy END", ("END", "STOP", ""), final=False).send == "xx "
-    assert scan_stop_strings("", "plain", ("",), final=False) == scan_stop_strings("", "plain", (), final=False)
+    assert scan_stop_strings("", "plain", ("",), final=False) == scan_stop_strings(
+        "", "plain", (), final=False
+    )
     assert scan_stop_strings("", "plain", (), final=False).held == ""
 
 
@@ -105,7 +112,11 @@ class LetterDetokenizer:
 
 def request_state(stop=()) -> tuple[RequestState, list]:
     events: list = []
-    state = RequestState(id=1, request=GenerationRequest(tokens=[1, 2, 3], max_tokens=8, stop=tuple(stop)), on_event=lambda s, kind, payload: events.append((kind, payload)))
+    state = RequestState(
+        id=1,
+        request=GenerationRequest(tokens=[1, 2, 3], max_tokens=8, stop=tuple(stop)),
+        on_event=lambda s, kind, payload: events.append((kind, payload)),
+    )
     state.detok = LetterDetokenizer()
     return state, events
 
@@ -191,23 +202,50 @@ def test_without_mlx_lm_counter_the_engines_expectation_is_the_source():
 
 
 def test_cache_stats_before_and_after_the_prefix_cache_exists():
-    assert cache_stats(None, 64.0)["entry_count"] == 0 and cache_stats(None, 64.0)["max_memory_mb"] == 64.0
+    assert (
+        cache_stats(None, 64.0)["entry_count"] == 0
+        and cache_stats(None, 64.0)["max_memory_mb"] == 64.0
+    )
     from kvsnap.runtime.prefix import Entry, PrefixCache
 
     prefix = PrefixCache(max_bytes=10**9, copy_state=list, trim_state=lambda s, n: s)
     assert cache_stats(prefix, 1.0)["hit_rate"] == 0.0  # empty (and falsy), yet a real cache
-    prefix.add(Entry(tokens=(1, 2), state=[1, 2], nbytes=2**20, trimmable=True, pinned=True, source="snapshot", resident=True))
+    prefix.add(
+        Entry(
+            tokens=(1, 2),
+            state=[1, 2],
+            nbytes=2**20,
+            trimmable=True,
+            pinned=True,
+            source="snapshot",
+            resident=True,
+        )
+    )
     prefix.fetch([1, 2, 3])
     prefix.fetch([9])
     stats = cache_stats(prefix, 1.0)
-    assert (stats["entry_count"], stats["hits"], stats["misses"], stats["hit_rate"], stats["tokens_saved"], stats["current_memory_mb"]) == (1, 1, 1, 0.5, 2, 1.0)
+    assert (
+        stats["entry_count"],
+        stats["hits"],
+        stats["misses"],
+        stats["hit_rate"],
+        stats["tokens_saved"],
+        stats["current_memory_mb"],
+    ) == (1, 1, 1, 0.5, 2, 1.0)
 
 
 # --- scheduling ----------------------------------------------------------------------------
 
 
 def states(n: int, tenant: str = "") -> list[RequestState]:
-    return [RequestState(id=i, request=GenerationRequest(tokens=[1] * (i + 1), max_tokens=1, tenant=tenant), on_event=lambda *a: None) for i in range(1, n + 1)]
+    return [
+        RequestState(
+            id=i,
+            request=GenerationRequest(tokens=[1] * (i + 1), max_tokens=1, tenant=tenant),
+            on_event=lambda *a: None,
+        )
+        for i in range(1, n + 1)
+    ]
 
 
 def test_requests_start_in_arrival_order_up_to_the_batch_size():
@@ -258,7 +296,10 @@ def test_take_all_empties_both_queues_and_rows_filter_by_tenant():
     assert sched.busy and sched.take_all() == [mine, theirs] and not sched.busy
 
 
-@pytest.mark.parametrize(("continuous", "kv_bits", "batched"), [(True, None, True), (True, 8, False), (False, None, False)])
+@pytest.mark.parametrize(
+    ("continuous", "kv_bits", "batched"),
+    [(True, None, True), (True, 8, False), (False, None, False)],
+)
 def test_quantized_kv_or_batching_off_runs_one_at_a_time(continuous, kv_bits, batched):
     assert uses_batching(continuous, kv_bits) is batched
 
@@ -277,17 +318,55 @@ def test_a_clear_during_a_rewarm_is_coalesced_and_the_warm_set_comes_back_one_re
 
     prefix = PrefixCache(max_bytes=10**6, copy_state=list, trim_state=lambda s, n: s)
     for tokens in ((1, 2), (3, 4)):
-        prefix.add(Entry(tokens=tokens, state=list(tokens), nbytes=1, trimmable=True, pinned=True, source="snapshot", loader=loader(tokens), resident=True))
-    prefix.add(Entry(tokens=(1, 2, 9), state=[1], nbytes=1, trimmable=True, pinned=False, source="request", namespace=""))
+        prefix.add(
+            Entry(
+                tokens=tokens,
+                state=list(tokens),
+                nbytes=1,
+                trimmable=True,
+                pinned=True,
+                source="snapshot",
+                loader=loader(tokens),
+                resident=True,
+            )
+        )
+    prefix.add(
+        Entry(
+            tokens=(1, 2, 9),
+            state=[1],
+            nbytes=1,
+            trimmable=True,
+            pinned=False,
+            source="request",
+            namespace="",
+        )
+    )
     counts = SimpleNamespace(loaded=0, prefilled=0)
     rewarmer = Rewarmer()
     rewarmer.clear(prefix, lm=None, rewarm=True)  # snapshot-backed entries only: no model needed
     assert rewarmer.running and len(prefix) == 2 and not any(e.loaded for e in prefix.entries)
-    prefix.add(Entry(tokens=(5, 5, 5), state=[5], nbytes=1, trimmable=True, pinned=False, source="request", namespace=""))
-    rewarmer.clear(prefix, lm=None, rewarm=True)  # coalesced: drops request prefixes again, no second job
+    prefix.add(
+        Entry(
+            tokens=(5, 5, 5),
+            state=[5],
+            nbytes=1,
+            trimmable=True,
+            pinned=False,
+            source="request",
+            namespace="",
+        )
+    )
+    rewarmer.clear(
+        prefix, lm=None, rewarm=True
+    )  # coalesced: drops request prefixes again, no second job
     assert (rewarmer.rewarms, rewarmer.coalesced, len(prefix)) == (1, 1, 2)
     rewarmer.step(prefix, counts)
     assert reads == [(1, 2)] and rewarmer.running  # one snapshot read per step
     rewarmer.step(prefix, counts)
     assert reads == [(1, 2), (3, 4)] and not rewarmer.running and counts.loaded == 2
-    assert rewarmer.as_dict() == {"rewarms": 1, "rewarms_coalesced": 1, "rewarm_in_progress": False, "rewarm_error": ""}
+    assert rewarmer.as_dict() == {
+        "rewarms": 1,
+        "rewarms_coalesced": 1,
+        "rewarm_in_progress": False,
+        "rewarm_error": "",
+    }

@@ -15,19 +15,24 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
-
 from conftest import run_kvsnap
+from test_archive import build_store
+
 from kvsnap.snapshot.file import CHECKSUM_KEY, OutTensor, read_header, write_snapshot
 from kvsnap.store.local import Store
 from kvsnap.store.parts import chain_relpaths
-from test_archive import build_store
 
 SYSTEMS = {
-    "alpha": "You are the alpha agent. Review the code, check every test, then answer briefly and exactly.",
-    "beta": "You are the beta agent. Plan the work in short steps and name the tools you would call.",
+    "alpha": "You are the alpha agent. Review the code, check every test, then answer briefly and "
+    "exactly.",
+    "beta": "You are the beta agent. Plan the work in short steps and name the tools you would "
+    "call.",
     "gamma": "You are the gamma agent. Summarise the logs you are given, line by line, with dates.",
 }
-UNRELATED = [{"role": "system", "content": "Translate what follows into plain words."}, {"role": "user", "content": "the cat sat"}]
+UNRELATED = [
+    {"role": "system", "content": "Translate what follows into plain words."},
+    {"role": "user", "content": "the cat sat"},
+]
 
 
 def _agents(names) -> list[dict]:
@@ -35,7 +40,10 @@ def _agents(names) -> list[dict]:
 
 
 def _request(name: str) -> list[dict]:
-    return [{"role": "system", "content": SYSTEMS[name]}, {"role": "user", "content": "Check the tests first."}]
+    return [
+        {"role": "system", "content": SYSTEMS[name]},
+        {"role": "user", "content": "Check the tests first."},
+    ]
 
 
 def forge_head_dim(path: Path) -> None:
@@ -48,7 +56,9 @@ def forge_head_dim(path: Path) -> None:
         raw = data[header.data_start + t.start : header.data_start + t.end]
         if len(t.shape) == 4:
             assert t.dtype == "F32", t.dtype
-            arr = np.ascontiguousarray(np.frombuffer(raw, dtype=np.float32).reshape(t.shape)[..., : t.shape[-1] // 2])
+            arr = np.ascontiguousarray(
+                np.frombuffer(raw, dtype=np.float32).reshape(t.shape)[..., : t.shape[-1] // 2]
+            )
             tensors.append(OutTensor(t.name, t.dtype, tuple(arr.shape), memoryview(arr.tobytes())))
         else:
             tensors.append(OutTensor(t.name, t.dtype, tuple(t.shape), memoryview(raw)))
@@ -61,7 +71,13 @@ def forge_agent(root: Path, name: str) -> list[Path]:
     """Forge the blocks only ``name``'s record reaches (a block shared with another agent stays)."""
     store = Store.open(root)
     infos = [store.inspect(p) for p in store.snapshot_files()]
-    mine = {rel for i in infos if i.name == name for rel in chain_relpaths(i) if rel.startswith("blocks/")}
+    mine = {
+        rel
+        for i in infos
+        if i.name == name
+        for rel in chain_relpaths(i)
+        if rel.startswith("blocks/")
+    }
     others = {rel for i in infos if i.name != name for rel in chain_relpaths(i)}
     forged = [root / rel for rel in sorted(mine - others)]
     assert forged, "the agent has no block of its own"
@@ -76,13 +92,22 @@ def forged(demo_models, tmp_path_factory) -> dict:
     lm = demo_models.load("dense")
     tmp = tmp_path_factory.mktemp("forged")
     root = build_store(lm, tmp / "store", _agents(SYSTEMS))
-    warm = tmp / "warm.json"  # alpha is pinned at warm-up; gamma, named by no warm prompt, loads on first hit
+    warm = (
+        tmp / "warm.json"
+    )  # alpha is pinned at warm-up; gamma, named by no warm prompt, loads on first hit
     warm.write_text(json.dumps(_agents(["alpha", "beta"])))
-    return {"root": root, "warm": warm, "alpha": forge_agent(root, "alpha"), "gamma": forge_agent(root, "gamma"), "model": demo_models.path("dense")}
+    return {
+        "root": root,
+        "warm": warm,
+        "alpha": forge_agent(root, "alpha"),
+        "gamma": forge_agent(root, "gamma"),
+        "model": demo_models.path("dense"),
+    }
 
 
 def test_forged_head_dim_blocks_still_pass_verify_without_a_model(forged):
-    """What a store alone can prove: the forged blocks are self-consistent (the server must check shapes)."""
+    """What a store alone can prove: the forged blocks are self-consistent (the server must check
+    shapes)."""
     r = run_kvsnap("verify", forged["root"])
     assert r.returncode == 0, r.stdout + r.stderr
 
@@ -91,19 +116,27 @@ def test_verify_with_the_model_names_the_forged_block_shapes(forged):
     r = run_kvsnap("verify", forged["root"], "--model", forged["model"])
     assert r.returncode == 1, r.stdout + r.stderr
     bad = [line for line in r.stdout.splitlines() if line.startswith("BAD")]
-    assert len(bad) == 2 and all("this model's cache holds float32[1, 2, T, 64]" in line for line in bad), r.stdout
+    assert len(bad) == 2 and all(
+        "this model's cache holds float32[1, 2, T, 64]" in line for line in bad
+    ), r.stdout
     assert "1 ok, 2 bad" in r.stdout, r.stdout
 
 
 def _chat(client: httpx.Client, url: str, messages: list[dict]) -> httpx.Response:
-    return client.post(f"{url}/v1/chat/completions", json={"model": "m", "messages": messages, "max_tokens": 12, "temperature": 0})
+    return client.post(
+        f"{url}/v1/chat/completions",
+        json={"model": "m", "messages": messages, "max_tokens": 12, "temperature": 0},
+    )
 
 
 def _serve_all(model: Path, flags: list[str], log: Path) -> tuple[dict, dict]:
-    """Answers to alpha's request alone, then gamma's and an unrelated request at once; and /v1/status."""
+    """Answers to alpha's request alone, then gamma's and an unrelated request at once; and
+    /v1/status."""
     from kvsnap.tools.serverproc import start_server
 
-    server = start_server(model, ["--continuous-batching", "--served-model-name", "m", *flags], log, limit_s=300)
+    server = start_server(
+        model, ["--continuous-batching", "--served-model-name", "m", *flags], log, limit_s=300
+    )
     try:
         server.wait_ready(120)
         out: dict = {}
@@ -113,7 +146,10 @@ def _serve_all(model: Path, flags: list[str], log: Path) -> tuple[dict, dict]:
             def send(key: str, messages: list[dict]) -> None:
                 out[key] = _chat(client, server.url, messages)
 
-            threads = [threading.Thread(target=send, args=a) for a in (("gamma", _request("gamma")), ("unrelated", UNRELATED))]
+            threads = [
+                threading.Thread(target=send, args=a)
+                for a in (("gamma", _request("gamma")), ("unrelated", UNRELATED))
+            ]
             for t in threads:
                 t.start()
             for t in threads:
@@ -124,29 +160,48 @@ def _serve_all(model: Path, flags: list[str], log: Path) -> tuple[dict, dict]:
 
 
 def test_regression_forged_head_dim_blocks_are_dropped_and_never_fail_a_batch(forged, tmp_path):
-    flags = ["--warm-prompts", str(forged["warm"]), "--kv-snapshots", str(forged["root"]), "--no-write-back"]
+    flags = [
+        "--warm-prompts",
+        str(forged["warm"]),
+        "--kv-snapshots",
+        str(forged["root"]),
+        "--no-write-back",
+    ]
     answers, status = _serve_all(forged["model"], flags, tmp_path / "forged.log")
     cold, _ = _serve_all(forged["model"], [], tmp_path / "cold.log")
     for key in ("alpha", "gamma", "unrelated"):
-        assert answers[key].status_code == 200, (key, answers[key].text, (tmp_path / "forged.log").read_text()[-3000:])
+        assert answers[key].status_code == 200, (
+            key,
+            answers[key].text,
+            (tmp_path / "forged.log").read_text()[-3000:],
+        )
         got, want = answers[key].json(), cold[key].json()
-        assert got["choices"][0]["message"]["content"] == want["choices"][0]["message"]["content"], key
+        assert (
+            got["choices"][0]["message"]["content"] == want["choices"][0]["message"]["content"]
+        ), key
     rejected = status["snapshots"]["rejected_reasons"]
     names = {Path(r["file"]).name for r in rejected}
     store = Store.open(forged["root"])
     by_name = {store.inspect(p).name: p.name for p in store.snapshot_files()}
     assert {by_name["alpha"], by_name["gamma"]} <= names, rejected
     assert all("this model's cache holds" in r["reason"] for r in rejected), rejected
-    assert status["warmup"]["prefilled"] == 1 and status["warmup"]["from_snapshots"] == 1  # alpha prefilled, beta restored
+    assert (
+        status["warmup"]["prefilled"] == 1 and status["warmup"]["from_snapshots"] == 1
+    )  # alpha prefilled, beta restored
     assert status["cache"]["load_errors"] >= 1  # gamma, dropped on its first hit
 
 
 def test_verify_with_the_model_reports_another_models_records_and_exits_0(demo_models, tmp_path):
-    """Issue 24 item 11: a sound store that also holds another model's records made `verify --model` exit 1."""
-    root = build_store(demo_models.load("dense"), tmp_path / "store", _agents(["alpha"]), tmp_path / "a.json")
+    """Issue 24 item 11: a sound store that also holds another model's records made `verify
+    --model` exit 1."""
+    root = build_store(
+        demo_models.load("dense"), tmp_path / "store", _agents(["alpha"]), tmp_path / "a.json"
+    )
     build_store(demo_models.load("mistral"), root, _agents(["beta"]), tmp_path / "b.json")
     r = run_kvsnap("verify", root, "--model", demo_models.path("dense"))
     assert r.returncode == 0, r.stdout + r.stderr
     lines = r.stdout.splitlines()
-    assert sum(line.startswith("ok ") for line in lines) == 1 and any(line.startswith("other ") and "beta: built for another model" in line for line in lines), r.stdout
+    assert sum(line.startswith("ok ") for line in lines) == 1 and any(
+        line.startswith("other ") and "beta: built for another model" in line for line in lines
+    ), r.stdout
     assert r.stdout.splitlines()[-1] == "1 ok, 0 bad, 1 for another model", r.stdout

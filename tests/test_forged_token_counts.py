@@ -13,6 +13,8 @@ import tracemalloc
 from pathlib import Path
 
 import pytest
+from test_archive import build_store
+from test_store_safety import no_traceback, run_kvsnap_in_1gib
 
 from kvsnap.key import KVSettings, ModelIdentity
 from kvsnap.runtime.prefetch import context_tokens, prefetch
@@ -20,10 +22,15 @@ from kvsnap.snapshot.file import CHECKSUM_KEY, OutTensor, read_header, write_sna
 from kvsnap.snapshot.format import snapshot_filename
 from kvsnap.snapshot.header import MAX_TOKENS, key_of, tokens_digest_of_bytes
 from kvsnap.store.local import Store
-from test_archive import build_store
-from test_store_safety import no_traceback, run_kvsnap_in_1gib
 
-AGENTS = [{"name": "alpha", "messages": [{"role": "system", "content": "You are the alpha agent. Review the code briefly."}]}]
+AGENTS = [
+    {
+        "name": "alpha",
+        "messages": [
+            {"role": "system", "content": "You are the alpha agent. Review the code briefly."}
+        ],
+    }
+]
 
 
 @pytest.fixture(scope="module")
@@ -37,20 +44,33 @@ def forge_long_record(root: Path, n_tokens: int) -> Path:
     real = read_header(Store.open(root).snapshot_files()[0]).metadata
     raw = bytes(4 * n_tokens)
     tokens_digest = tokens_digest_of_bytes(raw)
-    key = key_of(ModelIdentity.from_dict(json.loads(real["kvsnap.model"])), real["kvsnap.prompt_digest"], tokens_digest, n_tokens)
+    key = key_of(
+        ModelIdentity.from_dict(json.loads(real["kvsnap.model"])),
+        real["kvsnap.prompt_digest"],
+        tokens_digest,
+        n_tokens,
+    )
     layers = [{"class": "KVCache", "empty": True}]
     keep = ("kvsnap.model", "kvsnap.model_digest", "kvsnap.prompt_digest", "kvsnap.name")
     meta = {k: real[k] for k in keep} | {
-        "kvsnap.format": "2", "kvsnap.key": key, "kvsnap.tokens_digest": tokens_digest, "kvsnap.n_tokens": str(n_tokens), "kvsnap.layers": json.dumps(layers),
+        "kvsnap.format": "2",
+        "kvsnap.key": key,
+        "kvsnap.tokens_digest": tokens_digest,
+        "kvsnap.n_tokens": str(n_tokens),
+        "kvsnap.layers": json.dumps(layers),
     }
-    meta.update({k: v for k, v in real.items() if k not in meta and k not in (CHECKSUM_KEY, "kvsnap.chain")})
+    meta.update(
+        {k: v for k, v in real.items() if k not in meta and k not in (CHECKSUM_KEY, "kvsnap.chain")}
+    )
     path = root / "snapshots" / snapshot_filename(key)
     with open(path, "wb") as f:
         write_snapshot(f, [OutTensor("tokens", "I32", (n_tokens,), memoryview(raw))], meta)
     return path
 
 
-def test_regression_a_25m_token_record_is_refused_by_ls_and_scan_before_its_tokens_are_read(built, tmp_path):
+def test_regression_a_25m_token_record_is_refused_by_ls_and_scan_before_its_tokens_are_read(
+    built, tmp_path
+):
     import shutil
 
     root = tmp_path / "store"
@@ -61,7 +81,8 @@ def test_regression_a_25m_token_record_is_refused_by_ls_and_scan_before_its_toke
     r = run_kvsnap_in_1gib("ls", root)
     no_traceback(r)
     assert r.returncode == 0 and time.perf_counter() - t0 < 30, r.stdout + r.stderr
-    # rich wraps at the terminal width, padding lines with spaces: compare with all whitespace removed
+    # rich wraps at the terminal width, padding lines with spaces: compare with all whitespace
+    # removed
     expected = f"unreadable: {victim}: kvsnap.n_tokens is 25000000, over the {MAX_TOKENS}"
     assert "".join(expected.split()) in "".join(r.stdout.split()), r.stdout
 
@@ -73,16 +94,26 @@ def test_regression_a_25m_token_record_is_refused_by_ls_and_scan_before_its_toke
     assert peak < 8 << 20, peak  # the record's 100 MB of tokens never entered memory
 
 
-def test_regression_a_record_longer_than_the_models_context_is_refused_by_the_start_scan(built, demo_models, tmp_path):
+def test_regression_a_record_longer_than_the_models_context_is_refused_by_the_start_scan(
+    built, demo_models, tmp_path
+):
     import shutil
 
     root = tmp_path / "store"
     shutil.copytree(built, root)
     model_dir = demo_models.path("dense")
     context = context_tokens(model_dir)
-    assert context == json.loads((model_dir / "config.json").read_text())["max_position_embeddings"] < MAX_TOKENS
+    assert (
+        context
+        == json.loads((model_dir / "config.json").read_text())["max_position_embeddings"]
+        < MAX_TOKENS
+    )
     victim = forge_long_record(root, context + 1)
     found = prefetch(str(root), model_dir, KVSettings(), budget_bytes=1 << 30)
     assert [i.name for i in found.infos] == ["alpha"], found.infos
     [problem] = found.problems
-    assert problem.path == victim and f"kvsnap.n_tokens is {context + 1}, over the {context} a record may hold here" in problem.reason
+    assert (
+        problem.path == victim
+        and f"kvsnap.n_tokens is {context + 1}, over the {context} a record may hold here"
+        in problem.reason
+    )

@@ -25,42 +25,108 @@ from hypothesis import strategies as st
 
 from kvsnap.errors import ManifestError, SnapshotError
 from kvsnap.key import ModelIdentity, pack_tokens, snapshot_key, tokens_digest
-from kvsnap.store.manifest import merge_manifests, parse_manifest, read_manifest_file, referenced_files
-from kvsnap.snapshot.format import WHOLE_FILE_FORMAT
 from kvsnap.snapshot.file import FormatError, OutTensor, parse_header, write_snapshot
+from kvsnap.snapshot.format import WHOLE_FILE_FORMAT
 from kvsnap.snapshot.header import inspect_header
 from kvsnap.store.local import Store
+from kvsnap.store.manifest import (
+    merge_manifests,
+    parse_manifest,
+    read_manifest_file,
+    referenced_files,
+)
 
 EXAMPLES = 1000
 SLACK = 1 << 20  # the peak may exceed the file's size by at most this much
-FUZZ = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+FUZZ = settings(
+    max_examples=EXAMPLES,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 
-LAYER_FIELDS = ["class", "offset", "parts", "present", "size", "caches", "empty", "max_size", "keep", "idx", "group_size", "bits", "chunk_size", "start_position"]
-META_FIELDS = ["kvsnap.format", "kvsnap.key", "kvsnap.name", "kvsnap.model", "kvsnap.model_digest", "kvsnap.prompt_digest", "kvsnap.n_tokens", "kvsnap.tokens_digest", "kvsnap.layers", "kvsnap.recorded"]
+LAYER_FIELDS = [
+    "class",
+    "offset",
+    "parts",
+    "present",
+    "size",
+    "caches",
+    "empty",
+    "max_size",
+    "keep",
+    "idx",
+    "group_size",
+    "bits",
+    "chunk_size",
+    "start_position",
+]
+META_FIELDS = [
+    "kvsnap.format",
+    "kvsnap.key",
+    "kvsnap.name",
+    "kvsnap.model",
+    "kvsnap.model_digest",
+    "kvsnap.prompt_digest",
+    "kvsnap.n_tokens",
+    "kvsnap.tokens_digest",
+    "kvsnap.layers",
+    "kvsnap.recorded",
+]
 HOSTILE_NUMBERS = [10**9, 10**18, 2**63, 2**64 + 1, -1, -(2**63), 0, 1, 4097, 65537]
 
 hostile_scalars = (
     st.integers(-(2**70), 2**70)
     | st.sampled_from(HOSTILE_NUMBERS + [True, False, None, 1.5, float("nan"), float("inf")])
     | st.text(max_size=30)
-    | st.sampled_from(["KVCache", "QuantizedKVCache", "ArraysCache", "CacheList", "RotatingKVCache", "ChunkedKVCache", "os.system", "", "9" * 5000, "x" * 5000])
+    | st.sampled_from(
+        [
+            "KVCache",
+            "QuantizedKVCache",
+            "ArraysCache",
+            "CacheList",
+            "RotatingKVCache",
+            "ChunkedKVCache",
+            "os.system",
+            "",
+            "9" * 5000,
+            "x" * 5000,
+        ]
+    )
 )
-hostile_json = st.recursive(hostile_scalars, lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.sampled_from(LAYER_FIELDS) | st.text(max_size=8), inner, max_size=5), max_leaves=20)
+hostile_json = st.recursive(
+    hostile_scalars,
+    lambda inner: (
+        st.lists(inner, max_size=5)
+        | st.dictionaries(st.sampled_from(LAYER_FIELDS) | st.text(max_size=8), inner, max_size=5)
+    ),
+    max_leaves=20,
+)
 nesting = st.integers(1, 3000).map(lambda d: "[" * d + "]" * d)
 
 
 def _layer(kind: str, i: str, n: int) -> tuple[dict, dict[str, tuple[str, tuple[int, ...]]]]:
-    """One layer's metadata and the tensors (name -> dtype, shape) it implies, as snapshot.py writes them."""
+    """One layer's metadata and the tensors (name -> dtype, shape) it implies, as snapshot.py
+    writes them."""
     kv = {f"{i}.keys": ("F32", (1, 1, n, 2)), f"{i}.values": ("F32", (1, 1, n, 2))}
     if kind == "KVCache":
         return {"class": "KVCache", "offset": n}, kv
     if kind == "RotatingKVCache":
         return {"class": "RotatingKVCache", "offset": n, "max_size": 64, "keep": 0, "idx": n}, kv
     if kind == "QuantizedKVCache":
-        parts = {f"{i}.{kv_}.{j}": ("U32", (1, 1, n, 1)) for kv_ in ("keys", "values") for j in range(3)}
-        return {"class": "QuantizedKVCache", "offset": n, "parts": 3, "group_size": 64, "bits": 8}, parts
+        parts = {
+            f"{i}.{kv_}.{j}": ("U32", (1, 1, n, 1)) for kv_ in ("keys", "values") for j in range(3)
+        }
+        return {
+            "class": "QuantizedKVCache",
+            "offset": n,
+            "parts": 3,
+            "group_size": 64,
+            "bits": 8,
+        }, parts
     if kind == "ArraysCache":
-        return {"class": "ArraysCache", "size": 2, "present": [1]}, {f"{i}.state.1": ("F32", (1, 2, 2))}
+        return {"class": "ArraysCache", "size": 2, "present": [1]}, {
+            f"{i}.state.1": ("F32", (1, 2, 2))
+        }
     if kind == "ChunkedKVCache":
         return {"class": "ChunkedKVCache", "offset": n, "start_position": 0, "chunk_size": 64}, kv
     sub, tensors = _layer("KVCache", f"{i}.0", n)
@@ -72,24 +138,85 @@ def snapshots(draw) -> tuple[str, bytes]:
     """(file name, bytes): a valid snapshot, then zero to three hostile edits."""
     n = draw(st.integers(1, 40))
     tokens = draw(st.lists(st.integers(-(2**31), 2**31 - 1), min_size=n, max_size=n))
-    kinds = draw(st.lists(st.sampled_from(["KVCache", "RotatingKVCache", "QuantizedKVCache", "ArraysCache", "ChunkedKVCache", "CacheList"]), min_size=1, max_size=4))
+    kinds = draw(
+        st.lists(
+            st.sampled_from(
+                [
+                    "KVCache",
+                    "RotatingKVCache",
+                    "QuantizedKVCache",
+                    "ArraysCache",
+                    "ChunkedKVCache",
+                    "CacheList",
+                ]
+            ),
+            min_size=1,
+            max_size=4,
+        )
+    )
     layers, specs = [], {"tokens": ("I32", (n,))}
     for i, kind in enumerate(kinds):
         meta, tensors = _layer(kind, str(i), n)
         layers.append(meta)
         specs.update(tensors)
-    identity = ModelIdentity("a" * 32, "b" * 32, "c" * 32, "{}", "float32", None, None, None, None, tuple(kinds), 1, "0.32")
+    identity = ModelIdentity(
+        "a" * 32,
+        "b" * 32,
+        "c" * 32,
+        "{}",
+        "float32",
+        None,
+        None,
+        None,
+        None,
+        tuple(kinds),
+        1,
+        "0.32",
+    )
     key = snapshot_key(identity, "d" * 32, tokens)
     metadata = {
-        "kvsnap.format": str(WHOLE_FILE_FORMAT), "kvsnap.key": key, "kvsnap.name": "agent", "kvsnap.model": json.dumps(identity.as_dict()),
-        "kvsnap.model_digest": identity.digest, "kvsnap.prompt_digest": "d" * 32, "kvsnap.n_tokens": str(n),
-        "kvsnap.tokens_digest": tokens_digest(tokens), "kvsnap.layers": "", "kvsnap.recorded": json.dumps({"created": "2026-11-30T00:00:00Z"}),
+        "kvsnap.format": str(WHOLE_FILE_FORMAT),
+        "kvsnap.key": key,
+        "kvsnap.name": "agent",
+        "kvsnap.model": json.dumps(identity.as_dict()),
+        "kvsnap.model_digest": identity.digest,
+        "kvsnap.prompt_digest": "d" * 32,
+        "kvsnap.n_tokens": str(n),
+        "kvsnap.tokens_digest": tokens_digest(tokens),
+        "kvsnap.layers": "",
+        "kvsnap.recorded": json.dumps({"created": "2026-11-30T00:00:00Z"}),
     }
-    edits = draw(st.lists(st.sampled_from(["layer-field", "layer-replace", "layer-nest", "layer-many", "meta-value", "meta-json", "meta-nest", "meta-drop", "tensor-field", "tensor-many", "prefix", "cut", "flip"]), max_size=3))
+    edits = draw(
+        st.lists(
+            st.sampled_from(
+                [
+                    "layer-field",
+                    "layer-replace",
+                    "layer-nest",
+                    "layer-many",
+                    "meta-value",
+                    "meta-json",
+                    "meta-nest",
+                    "meta-drop",
+                    "tensor-field",
+                    "tensor-many",
+                    "prefix",
+                    "cut",
+                    "flip",
+                ]
+            ),
+            max_size=3,
+        )
+    )
     for edit in edits:
         if edit == "layer-field":
             target = draw(st.sampled_from(layers))
-            if isinstance(target, dict) and isinstance(target.get("caches"), list) and target["caches"] and draw(st.booleans()):
+            if (
+                isinstance(target, dict)
+                and isinstance(target.get("caches"), list)
+                and target["caches"]
+                and draw(st.booleans())
+            ):
                 target = target["caches"][0]
             if isinstance(target, dict):
                 target[draw(st.sampled_from(LAYER_FIELDS))] = draw(hostile_json)
@@ -102,18 +229,35 @@ def snapshots(draw) -> tuple[str, bytes]:
                 inner = {"class": "CacheList", "caches": [inner]}
             layers[0] = inner
         elif edit == "layer-many":
-            layers[:] = [{"class": "KVCache", "empty": True}] * draw(st.sampled_from([2, 100, 1500])) + layers
+            layers[:] = [{"class": "KVCache", "empty": True}] * draw(
+                st.sampled_from([2, 100, 1500])
+            ) + layers
         elif edit == "meta-value":
-            metadata[draw(st.sampled_from(META_FIELDS))] = draw(st.text(max_size=40) | st.sampled_from(["9" * 5000, "2_5", " 7", "٣", "-1", key.upper(), "0" * 32]))
+            metadata[draw(st.sampled_from(META_FIELDS))] = draw(
+                st.text(max_size=40)
+                | st.sampled_from(["9" * 5000, "2_5", " 7", "٣", "-1", key.upper(), "0" * 32])
+            )
         elif edit == "meta-json":
-            metadata[draw(st.sampled_from(["kvsnap.model", "kvsnap.recorded", "kvsnap.layers"]))] = json.dumps(draw(hostile_json))
+            metadata[
+                draw(st.sampled_from(["kvsnap.model", "kvsnap.recorded", "kvsnap.layers"]))
+            ] = json.dumps(draw(hostile_json))
         elif edit == "meta-nest":
-            metadata[draw(st.sampled_from(["kvsnap.model", "kvsnap.recorded", "kvsnap.layers"]))] = draw(nesting)
+            metadata[
+                draw(st.sampled_from(["kvsnap.model", "kvsnap.recorded", "kvsnap.layers"]))
+            ] = draw(nesting)
         elif edit == "meta-drop":
             metadata.pop(draw(st.sampled_from(META_FIELDS)), None)
     if not metadata.get("kvsnap.layers"):
         metadata["kvsnap.layers"] = json.dumps(layers)
-    tensors = [OutTensor(name, dtype, shape, memoryview(pack_tokens(tokens) if name == "tokens" else bytes(4 * _prod(shape)))) for name, (dtype, shape) in specs.items()]
+    tensors = [
+        OutTensor(
+            name,
+            dtype,
+            shape,
+            memoryview(pack_tokens(tokens) if name == "tokens" else bytes(4 * _prod(shape))),
+        )
+        for name, (dtype, shape) in specs.items()
+    ]
     buf = io.BytesIO()
     write_snapshot(buf, tensors, metadata)  # a valid checksum: what any attacker can compute
     data = buf.getvalue()
@@ -122,7 +266,18 @@ def snapshots(draw) -> tuple[str, bytes]:
             data = _bend_tensors(data, edit, draw)
     for edit in edits:
         if edit == "prefix":
-            data = struct.pack("<Q", draw(st.integers(0, 2**64 - 1) | st.sampled_from([0, 7, len(data), max(0, len(data) - 8), 16 << 20, (16 << 20) + 1]))) + data[8:]
+            data = (
+                struct.pack(
+                    "<Q",
+                    draw(
+                        st.integers(0, 2**64 - 1)
+                        | st.sampled_from(
+                            [0, 7, len(data), max(0, len(data) - 8), 16 << 20, (16 << 20) + 1]
+                        )
+                    ),
+                )
+                + data[8:]
+            )
         elif edit == "cut":
             data = data[: draw(st.integers(0, len(data)))]
         elif edit == "flip" and data:
@@ -144,7 +299,9 @@ def _bend_tensors(data: bytes, edit: str, draw) -> bytes:
     names = [k for k in header if k != "__metadata__"]
     if edit == "tensor-field":
         entry = header[draw(st.sampled_from(names))]
-        entry[draw(st.sampled_from(["dtype", "shape", "data_offsets"]))] = draw(hostile_json | st.lists(st.integers(0, 2**70), max_size=40))
+        entry[draw(st.sampled_from(["dtype", "shape", "data_offsets"]))] = draw(
+            hostile_json | st.lists(st.integers(0, 2**70), max_size=40)
+        )
     else:
         for j in range(draw(st.sampled_from([10, 300, 3000]))):
             header[f"extra.{j}"] = {"dtype": "U8", "shape": [0], "data_offsets": [0, 0]}
@@ -153,7 +310,8 @@ def _bend_tensors(data: bytes, edit: str, draw) -> bytes:
 
 
 def _peak_of(call) -> tuple[object, int]:
-    """(result or exception, tracemalloc's peak while ``call`` ran); tracing only then (it slows hypothesis 10x)."""
+    """(result or exception, tracemalloc's peak while ``call`` ran); tracing only then (it slows
+    hypothesis 10x)."""
     tracemalloc.start()
     try:
         out = call()
@@ -199,13 +357,17 @@ def test_hostile_snapshot_headers_end_in_kvsnap_errors_within_bounded_memory(fuz
 
 @pytest.mark.slow
 @FUZZ
-@given(data=st.binary(max_size=2048) | st.binary(min_size=8, max_size=512).map(lambda b: struct.pack("<Q", len(b)) + b))
+@given(
+    data=st.binary(max_size=2048)
+    | st.binary(min_size=8, max_size=512).map(lambda b: struct.pack("<Q", len(b)) + b)
+)
 def test_random_bytes_as_a_snapshot_end_in_kvsnap_errors(fuzz_dir, data):
     _check_snapshot(fuzz_dir, "0" * 32 + ".safetensors", data)
 
 
 def test_the_fuzzed_base_snapshot_is_valid(fuzz_dir):
-    """The strategies start from files the reader accepts: otherwise every example fails at the first check."""
+    """The strategies start from files the reader accepts: otherwise every example fails at the
+    first check."""
     found = []
 
     @settings(max_examples=30, deadline=None)
@@ -229,18 +391,61 @@ def test_the_fuzzed_base_snapshot_is_valid(fuzz_dir):
 HEX = st.text("0123456789abcdef", min_size=32, max_size=32)
 good_entry = st.fixed_dictionaries(
     {"file": HEX.map(lambda k: f"snapshots/{k}.safetensors")},
-    optional={"name": st.text(min_size=1, max_size=20), "key": HEX, "n_tokens": st.integers(0, 10**6) | st.none(), "coverage": st.floats(0, 1) | st.none(), "prompt_digest": HEX},
+    optional={
+        "name": st.text(min_size=1, max_size=20),
+        "key": HEX,
+        "n_tokens": st.integers(0, 10**6) | st.none(),
+        "coverage": st.floats(0, 1) | st.none(),
+        "prompt_digest": HEX,
+    },
 )
-good_record = st.fixed_dictionaries({}, optional={"entries": st.lists(good_entry, max_size=4), "model_digest": HEX, "model_path": st.text(min_size=1, max_size=30), "updated": st.just("2026-11-30T10:00:00Z"), "kv_settings": st.dictionaries(st.sampled_from(["kv_bits", "kv_group_size"]), st.integers(0, 64) | st.none())})
-good_manifest = st.fixed_dictionaries({"records": st.dictionaries(st.text(min_size=1, max_size=16), good_record, max_size=4)}, optional={"format": st.integers(1, 3)})
-MANIFEST_FIELDS = ["records", "entries", "file", "name", "key", "n_tokens", "coverage", "kv_settings", "format", "model_path", "updated"]
-manifest_json = st.recursive(hostile_scalars, lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.sampled_from(MANIFEST_FIELDS) | st.text(max_size=8), inner, max_size=5), max_leaves=20)
+good_record = st.fixed_dictionaries(
+    {},
+    optional={
+        "entries": st.lists(good_entry, max_size=4),
+        "model_digest": HEX,
+        "model_path": st.text(min_size=1, max_size=30),
+        "updated": st.just("2026-11-30T10:00:00Z"),
+        "kv_settings": st.dictionaries(
+            st.sampled_from(["kv_bits", "kv_group_size"]), st.integers(0, 64) | st.none()
+        ),
+    },
+)
+good_manifest = st.fixed_dictionaries(
+    {"records": st.dictionaries(st.text(min_size=1, max_size=16), good_record, max_size=4)},
+    optional={"format": st.integers(1, 3)},
+)
+MANIFEST_FIELDS = [
+    "records",
+    "entries",
+    "file",
+    "name",
+    "key",
+    "n_tokens",
+    "coverage",
+    "kv_settings",
+    "format",
+    "model_path",
+    "updated",
+]
+manifest_json = st.recursive(
+    hostile_scalars,
+    lambda inner: (
+        st.lists(inner, max_size=5)
+        | st.dictionaries(st.sampled_from(MANIFEST_FIELDS) | st.text(max_size=8), inner, max_size=5)
+    ),
+    max_leaves=20,
+)
 
 
 def _set_anywhere(doc: object, draw) -> object:
     """Replace one value somewhere in ``doc`` (or ``doc`` itself) with a hostile one."""
     if not isinstance(doc, (dict, list)) or not doc or draw(st.integers(0, 3)) == 0:
-        return draw(manifest_json | st.integers(1, 500).map(lambda d: json.loads("[" * d + "]" * d)) | st.sampled_from(["../../etc/passwd", "snapshots/x.safetensors", "x" * 5000]))
+        return draw(
+            manifest_json
+            | st.integers(1, 500).map(lambda d: json.loads("[" * d + "]" * d))
+            | st.sampled_from(["../../etc/passwd", "snapshots/x.safetensors", "x" * 5000])
+        )
     keys = list(doc) if isinstance(doc, dict) else list(range(len(doc)))
     k = draw(st.sampled_from(keys))
     doc[k] = _set_anywhere(doc[k], draw)
@@ -273,7 +478,10 @@ def _check_manifest(root: Path, data: bytes) -> None:
     if not isinstance(out, Exception):  # a manifest the reader accepts works everywhere it is used
         files = referenced_files(out)
         assert all(f.startswith("snapshots/") and f.endswith(".safetensors") for f in files)
-        assert merge_manifests(out, out) == out and referenced_files(merge_manifests({"records": {}}, out)) == files
+        assert (
+            merge_manifests(out, out) == out
+            and referenced_files(merge_manifests({"records": {}}, out)) == files
+        )
     path = root / "manifest.json"
     path.write_bytes(data)
     again, peak = _peak_of(lambda: read_manifest_file(path))

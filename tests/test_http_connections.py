@@ -68,8 +68,13 @@ def _health_latency(url: str) -> float:
 @pytest.fixture()
 def slow_server(demo_models, tmp_path):
     args = ["--max-connections", "64", "--header-timeout", str(HEADER_TIMEOUT_S)]
-    server = start_server(demo_models.path("dense"), args, tmp_path / "serve.log", limit_s=300,
-                          env={"KVSNAP_CACHE_DIR": str(tmp_path / "cache")})
+    server = start_server(
+        demo_models.path("dense"),
+        args,
+        tmp_path / "serve.log",
+        limit_s=300,
+        env={"KVSNAP_CACHE_DIR": str(tmp_path / "cache")},
+    )
     try:
         server.wait_ready(120)
         yield server
@@ -101,9 +106,14 @@ def test_slowloris_connections_are_closed_and_health_still_answers(slow_server):
 
 def test_the_connection_cap_stays_below_the_open_files_limit(demo_models, tmp_path):
     """A cap above the descriptors the process may open is lowered, with a reserve, at start."""
-    server = start_server(demo_models.path("dense"), ["--max-connections", "100000"], tmp_path / "s.log",
-                          limit_s=300, env={"KVSNAP_CACHE_DIR": str(tmp_path / "cache")},
-                          prefix=["prlimit", "--nofile=4096:4096", "--"])
+    server = start_server(
+        demo_models.path("dense"),
+        ["--max-connections", "100000"],
+        tmp_path / "s.log",
+        limit_s=300,
+        env={"KVSNAP_CACHE_DIR": str(tmp_path / "cache")},
+        prefix=["prlimit", "--nofile=4096:4096", "--"],
+    )
     try:
         server.wait_ready(120)
         assert "--max-connections 100000 lowered to 3968" in server.log()
@@ -128,7 +138,9 @@ def test_accept_errors_from_running_out_of_descriptors_are_logged_rate_limited(c
         with caplog.at_level(logging.WARNING):
             for _ in range(2000):
                 exc = OSError(errno.EMFILE, "Too many open files")
-                loop.call_exception_handler({"message": "socket.accept() out of system resource", "exception": exc})
+                loop.call_exception_handler(
+                    {"message": "socket.accept() out of system resource", "exception": exc}
+                )
     finally:
         loop.close()
     lines = [r for r in caplog.records if "accept failed" in r.getMessage()]
@@ -143,8 +155,20 @@ def test_a_busy_port_fails_before_the_model_loads_with_exit_2(demo_models, tmp_p
         holder.listen(1)
         t0 = time.monotonic()
         # A model folder that does not exist: the port check must come first to name the port.
-        r = subprocess.run([sys.executable, "-m", "kvsnap", "serve", str(tmp_path / "no-model"),
-                            "--port", str(port)], capture_output=True, text=True, timeout=120)
+        r = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "kvsnap",
+                "serve",
+                str(tmp_path / "no-model"),
+                "--port",
+                str(port),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         took = time.monotonic() - t0
     assert r.returncode == 2, r.stderr
     assert f"127.0.0.1:{port}" in r.stderr and "already in use" in r.stderr and "--port" in r.stderr

@@ -27,7 +27,11 @@ def failing_app(demo_models, tmp_path, monkeypatch):
 
     monkeypatch.setenv("KVSNAP_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(request_cache, "prepare_request", fail)
-    engine = Engine(EngineConfig(model=str(demo_models.path("dense")), continuous_batching=True, max_batch_size=2))
+    engine = Engine(
+        EngineConfig(
+            model=str(demo_models.path("dense")), continuous_batching=True, max_batch_size=2
+        )
+    )
     with TestClient(create_app(engine, ServerConfig(served_model_name="m"))) as client:
         assert engine.wait_warm(120)
         yield client
@@ -50,5 +54,9 @@ def test_generation_failed_stream_event_names_only_the_error_type(failing_app):
     r = failing_app.post("/v1/chat/completions", json={**BODY, "stream": True})
     events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
     errors = [e["error"] for e in events if "error" in e]
-    assert errors and errors[0]["code"] == "generation_failed" and "RuntimeError" in errors[0]["message"]
+    assert (
+        errors
+        and errors[0]["code"] == "generation_failed"
+        and "RuntimeError" in errors[0]["message"]
+    )
     assert SECRET not in r.text

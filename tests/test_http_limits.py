@@ -21,8 +21,13 @@ N_CONCURRENT = 8
 def small_server(demo_models, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("limits")
     args = ["--max-batch-size", "1", "--max-queued-requests", "1"]
-    server = start_server(demo_models.path("dense"), args, tmp / "serve.log", limit_s=300,
-                          env={"KVSNAP_CACHE_DIR": str(tmp / "cache")})
+    server = start_server(
+        demo_models.path("dense"),
+        args,
+        tmp / "serve.log",
+        limit_s=300,
+        env={"KVSNAP_CACHE_DIR": str(tmp / "cache")},
+    )
     try:
         server.wait_ready(120)
         yield server
@@ -38,7 +43,13 @@ def _flood(url: str, body: bytes) -> tuple[list[httpx.Response], list[float]]:
 
     def post():
         with httpx.Client(timeout=120) as c:
-            answers.append(c.post(f"{url}/v1/chat/completions", content=body, headers={"content-type": "application/json"}))
+            answers.append(
+                c.post(
+                    f"{url}/v1/chat/completions",
+                    content=body,
+                    headers={"content-type": "application/json"},
+                )
+            )
 
     threads = [threading.Thread(target=post) for _ in range(N_CONCURRENT)]
     for t in threads:
@@ -56,7 +67,9 @@ def _flood(url: str, body: bytes) -> tuple[list[httpx.Response], list[float]]:
     return answers, health
 
 
-def test_a_hundred_thousand_messages_are_refused_before_rendering_and_health_stays_fast(small_server):
+def test_a_hundred_thousand_messages_are_refused_before_rendering_and_health_stays_fast(
+    small_server,
+):
     messages = [{"role": "user", "content": "x"}] * 100_000
     body = json.dumps({"model": "dense", "messages": messages, "max_tokens": 1}).encode()
     assert len(body) > 3_000_000
@@ -66,7 +79,10 @@ def test_a_hundred_thousand_messages_are_refused_before_rendering_and_health_sta
     assert len(answers) == N_CONCURRENT
     for r in answers:
         assert r.status_code == 400, r.text[:300]
-        assert r.json()["error"]["param"] == "messages" and "--max-messages" in r.json()["error"]["message"]
+        assert (
+            r.json()["error"]["param"] == "messages"
+            and "--max-messages" in r.json()["error"]["message"]
+        )
     assert max(health, default=0) < 1.0, health
 
 

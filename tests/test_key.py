@@ -1,4 +1,5 @@
-"""Snapshot identity: every input that changes the KV bytes changes the key; float noise does not."""
+"""Snapshot identity: every input that changes the KV bytes changes the key; float noise does
+not."""
 
 from __future__ import annotations
 
@@ -8,14 +9,29 @@ import shutil
 
 import pytest
 
-from kvsnap.key import DIGEST_CHUNK, DigestCache, KVSettings, hash_file, model_identity, prompt_identity, snapshot_key
 from kvsnap.chat import resolve_chat_template
+from kvsnap.key import (
+    DIGEST_CHUNK,
+    DigestCache,
+    KVSettings,
+    hash_file,
+    model_identity,
+    prompt_identity,
+    snapshot_key,
+)
 from kvsnap.prompts import parse_entry, warm_prefix
 
 SYSTEM = [{"role": "system", "content": "You are a planner. Plan each step."}]
 
 
-def _key(model_dir, settings=KVSettings(), layout=("KVCache",) * 4, tokens=(1, 2, 3), template_digest="t", digests=None):
+def _key(
+    model_dir,
+    settings=KVSettings(),
+    layout=("KVCache",) * 4,
+    tokens=(1, 2, 3),
+    template_digest="t",
+    digests=None,
+):
     identity = model_identity(model_dir, "float32", layout, settings, digests or DigestCache())
     return snapshot_key(identity, template_digest, tokens)
 
@@ -68,7 +84,9 @@ def test_file_digests_do_not_depend_on_the_read_size(tmp_path):
     """Golden value: keys of existing stores stay the same whatever chunk size reads the weights."""
     blob = tmp_path / "blob"
     blob.write_bytes(bytes(range(256)) * 4099)
-    assert {hash_file(blob, size) for size in (1000, 4096, 65537, DIGEST_CHUNK)} == {"3eb413071bb36356ebd7da7da24295f8"}
+    assert {hash_file(blob, size) for size in (1000, 4096, 65537, DIGEST_CHUNK)} == {
+        "3eb413071bb36356ebd7da7da24295f8"
+    }
     with pytest.raises(ValueError, match="chunk_size must be a positive number of bytes, got 0"):
         hash_file(blob, 0)
 
@@ -81,7 +99,9 @@ def test_flipping_a_tokenizer_byte_changes_the_key(model_copy):
     assert _key(model_copy) != before
 
 
-def test_editing_the_template_changes_the_key_through_the_tokens_and_the_template_digest(model_copy):
+def test_editing_the_template_changes_the_key_through_the_tokens_and_the_template_digest(
+    model_copy,
+):
     from kvsnap.runtime.modeling import load_model
 
     def key_of(path):
@@ -103,9 +123,15 @@ def test_editing_the_template_changes_the_key_through_the_tokens_and_the_templat
 def test_config_kv_settings_layout_and_tokens_are_keyed(model_copy):
     base = _key(model_copy)
     assert _key(model_copy, settings=KVSettings(kv_bits=8)) != base
-    assert _key(model_copy, settings=KVSettings(kv_bits=4, kv_group_size=32)) != _key(model_copy, settings=KVSettings(kv_bits=8, kv_group_size=32))
-    assert _key(model_copy, settings=KVSettings(kv_bits=8, kv_group_size=32)) != _key(model_copy, settings=KVSettings(kv_bits=8))
-    assert _key(model_copy, settings=KVSettings(kv_bits=8, quantized_kv_start=100)) != _key(model_copy, settings=KVSettings(kv_bits=8))
+    assert _key(model_copy, settings=KVSettings(kv_bits=4, kv_group_size=32)) != _key(
+        model_copy, settings=KVSettings(kv_bits=8, kv_group_size=32)
+    )
+    assert _key(model_copy, settings=KVSettings(kv_bits=8, kv_group_size=32)) != _key(
+        model_copy, settings=KVSettings(kv_bits=8)
+    )
+    assert _key(model_copy, settings=KVSettings(kv_bits=8, quantized_kv_start=100)) != _key(
+        model_copy, settings=KVSettings(kv_bits=8)
+    )
     assert _key(model_copy, settings=KVSettings(max_kv_size=128)) != base
     assert _key(model_copy, layout=("KVCache", "RotatingKVCache") * 2) != base
     assert _key(model_copy, tokens=(1, 2, 4)) != base
@@ -141,7 +167,7 @@ def test_weight_digest_is_cached_by_inode_size_and_mtime(model_copy, tmp_path):
 
 def test_tokens_digest_is_stable_across_implementations():
     """Golden value: a faster packing must not change any existing snapshot's key."""
-    from kvsnap.key import tokens_digest, unpack_tokens, pack_tokens
+    from kvsnap.key import pack_tokens, tokens_digest, unpack_tokens
 
     tokens = [1, -5, 70000, 2**31 - 1]
     assert tokens_digest(tokens) == "1c9788522fb1a72c87a3613666e3d4f1"
@@ -149,14 +175,37 @@ def test_tokens_digest_is_stable_across_implementations():
 
 
 def test_the_key_formula_is_one_function_of_digests():
-    """``snapshot_key`` (the writer) and ``key_from_digests`` (what a reader recomputes from a header) are one formula,
+    """``snapshot_key`` (the writer) and ``key_from_digests`` (what a reader recomputes from a
+    header) are one formula,
     and the codec version in it is format.py's."""
-    from kvsnap.key import ModelIdentity, key_from_digests, pack_tokens, tokens_digest, tokens_digest_of_bytes
+    from kvsnap.key import (
+        ModelIdentity,
+        key_from_digests,
+        pack_tokens,
+        tokens_digest,
+        tokens_digest_of_bytes,
+    )
     from kvsnap.snapshot import format as fmt
 
-    identity = ModelIdentity("a" * 32, "b" * 32, "c" * 32, "{}", "float32", None, None, None, None, ("KVCache",), mlx_lm_minor="0.32")
+    identity = ModelIdentity(
+        "a" * 32,
+        "b" * 32,
+        "c" * 32,
+        "{}",
+        "float32",
+        None,
+        None,
+        None,
+        None,
+        ("KVCache",),
+        mlx_lm_minor="0.32",
+    )
     tokens = [5, -1, 2**31 - 1]
     assert identity.codec_version == fmt.CODEC_FORMAT_VERSION
     assert tokens_digest_of_bytes(pack_tokens(tokens)) == tokens_digest(tokens)
-    assert key_from_digests(identity.digest, "p" * 32, tokens_digest(tokens), 3) == snapshot_key(identity, "p" * 32, tokens)
-    assert key_from_digests(identity.digest, "p" * 32, tokens_digest(tokens), 4) != snapshot_key(identity, "p" * 32, tokens)
+    assert key_from_digests(identity.digest, "p" * 32, tokens_digest(tokens), 3) == snapshot_key(
+        identity, "p" * 32, tokens
+    )
+    assert key_from_digests(identity.digest, "p" * 32, tokens_digest(tokens), 4) != snapshot_key(
+        identity, "p" * 32, tokens
+    )

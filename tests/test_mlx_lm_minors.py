@@ -28,9 +28,27 @@ def _install(version: str) -> Path:
     if (target / "mlx_lm").is_dir():
         return target
     tmp = target.with_name(target.name + ".partial")
-    r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(tmp), f"mlx-lm=={version}"], capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-deps",
+            "--target",
+            str(tmp),
+            f"mlx-lm=={version}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     if r.returncode != 0:
-        pytest.skip(f"cannot install mlx-lm=={version} from the package index: {r.stderr.strip().splitlines()[-1:]}")
+        pytest.skip(
+            f"cannot install mlx-lm=={version} from the package index: "
+            f"{r.stderr.strip().splitlines()[-1:]}"
+        )
     tmp.rename(target)
     return target
 
@@ -42,10 +60,27 @@ def test_codec_and_equivalence_under_the_other_mlx_lm_minor():
     version = OTHER[mine]
     target = _install(version)
     root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(target), str(root)]), "KVSNAP_EXPECT_MLX_LM": version}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(target), str(root)]),
+        "KVSNAP_EXPECT_MLX_LM": version,
+    }
     r = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_codec.py", "tests/test_snapshot_equivalence.py"],
-        cwd=root, env=env, capture_output=True, text=True, timeout=900,
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "tests/test_codec.py",
+            "tests/test_snapshot_equivalence.py",
+        ],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
     )
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
     assert " passed" in r.stdout

@@ -15,11 +15,12 @@ from types import SimpleNamespace
 
 import httpx
 import pytest
-
 from conftest import LONG_SYSTEM, run_kvsnap
 
 ROOT = Path(__file__).resolve().parents[1]
-PLANNER = "You plan the work of a small infrastructure team, step by step, with owners and risks. " * 12
+PLANNER = (
+    "You plan the work of a small infrastructure team, step by step, with owners and risks. " * 12
+)
 AGENTS = [
     {"name": "reviewer", "messages": [{"role": "system", "content": LONG_SYSTEM}]},
     {"name": "planner", "messages": [{"role": "system", "content": PLANNER}]},
@@ -66,7 +67,11 @@ def test_pinned_warm_entries_survive_size_bytes_and_prefix_eviction_and_are_priv
     again, _ = cache.fetch_nearest_cache("m", warm + [5, 6])
     assert again[0].offset == len(warm)
     assert mx.array_equal(again[0].keys[..., : len(warm), :], kept).item()
-    assert cache.pinned_count == 1 and len(cache) == 1 and cache.stats_by_type()["system"]["n_sequences"] == 1
+    assert (
+        cache.pinned_count == 1
+        and len(cache) == 1
+        and cache.stats_by_type()["system"]["n_sequences"] == 1
+    )
     # A longer LRU entry of the same conversation wins over the warm prefix.
     cache.insert_cache("m", warm + [5, 6, 7], _kv(len(warm) + 3, 2), cache_type="assistant")
     longer, rest = cache.fetch_nearest_cache("m", warm + [5, 6, 7, 8])
@@ -79,11 +84,23 @@ def test_pinned_warm_entries_survive_size_bytes_and_prefix_eviction_and_are_priv
 
 
 def _server_tokens(tokenizer, messages, cli_chat_template_args=None, request_kwargs=None):
-    """mlx_lm.server's own ResponseGenerator._tokenize on a chat request: (prompt, segments, types)."""
+    """mlx_lm.server's own ResponseGenerator._tokenize on a chat request: (prompt, segments,
+    types)."""
     from mlx_lm.server import CompletionRequest, ResponseGenerator
 
-    owner = SimpleNamespace(model_provider=SimpleNamespace(processor=None, cli_args=SimpleNamespace(chat_template_args=cli_chat_template_args or {})))
-    request = CompletionRequest(request_type="chat", prompt="", messages=[dict(m) for m in messages], tools=None, role_mapping=None)
+    owner = SimpleNamespace(
+        model_provider=SimpleNamespace(
+            processor=None,
+            cli_args=SimpleNamespace(chat_template_args=cli_chat_template_args or {}),
+        )
+    )
+    request = CompletionRequest(
+        request_type="chat",
+        prompt="",
+        messages=[dict(m) for m in messages],
+        tools=None,
+        role_mapping=None,
+    )
     args = SimpleNamespace(chat_template_kwargs=request_kwargs)
     prompt, segments, types, _, _ = ResponseGenerator._tokenize(owner, tokenizer, request, args)
     return list(prompt), segments, types
@@ -96,25 +113,43 @@ def _llama_demo(root: Path) -> Path:
 
 
 @pytest.mark.parametrize("name", ["dense", "hybrid", "llama"])
-def test_mlx_lm_profile_prefix_is_a_strict_prefix_of_mlx_lm_servers_own_tokens(name, demo_models, tmp_path_factory):
+def test_mlx_lm_profile_prefix_is_a_strict_prefix_of_mlx_lm_servers_own_tokens(
+    name, demo_models, tmp_path_factory
+):
     from kvsnap.integrations.mlx_lm_profile import mlx_lm_tokenization
     from kvsnap.prompts import parse_warm_prompts, warm_prefix
     from kvsnap.runtime.modeling import load_model
 
-    lm = load_model(_llama_demo(tmp_path_factory.mktemp("llama") / "m")) if name == "llama" else demo_models.load(name)
+    lm = (
+        load_model(_llama_demo(tmp_path_factory.mktemp("llama") / "m"))
+        if name == "llama"
+        else demo_models.load(name)
+    )
     tok = lm.tokenizer
     for cli_args in ({}, {"enable_thinking": False}):
         profile = mlx_lm_tokenization(cli_args)
         for entry in parse_warm_prompts(AGENTS).entries:
             prefix = warm_prefix(tok, entry, profile).tokens
             for user in USERS:
-                prompt, segments, types = _server_tokens(tok, [*entry.messages, {"role": "user", "content": user}], cli_args)
-                assert tuple(prompt[: len(prefix)]) == prefix and len(prompt) > len(prefix), (user, cli_args)
-                assert types[0] == "system"  # mlx-lm's own cut, which kvsnap's prefix need not equal
+                prompt, segments, types = _server_tokens(
+                    tok, [*entry.messages, {"role": "user", "content": user}], cli_args
+                )
+                assert tuple(prompt[: len(prefix)]) == prefix and len(prompt) > len(prefix), (
+                    user,
+                    cli_args,
+                )
+                assert (
+                    types[0] == "system"
+                )  # mlx-lm's own cut, which kvsnap's prefix need not equal
     if name == "llama":
         bos = tok.convert_tokens_to_ids("<|begin_of_text|>")
-        assert list(tok.encode("hi"))[:1] == [bos]  # the tokenizer adds BOS on encode, as Meta's does
-        assert prefix[:2] == (bos, tok.encode("<|start_header_id|>", add_special_tokens=False)[0])  # one BOS only
+        assert list(tok.encode("hi"))[:1] == [
+            bos
+        ]  # the tokenizer adds BOS on encode, as Meta's does
+        assert prefix[:2] == (
+            bos,
+            tok.encode("<|start_header_id|>", add_special_tokens=False)[0],
+        )  # one BOS only
 
 
 def test_real_llama3_tokenizer_mlx_lm_requests_start_with_one_bos_and_hit(tmp_path):
@@ -138,18 +173,36 @@ def test_real_llama3_tokenizer_mlx_lm_requests_start_with_one_bos_and_hit(tmp_pa
 # --- build --for mlx-lm ----------------------------------------------------------------
 
 
-def test_build_for_mlx_lm_records_its_profile_and_refuses_what_mlx_lm_cannot_use(demo_models, tmp_path):
+def test_build_for_mlx_lm_records_its_profile_and_refuses_what_mlx_lm_cannot_use(
+    demo_models, tmp_path
+):
     agents = tmp_path / "agents.json"
     agents.write_text(json.dumps(AGENTS[:1]))
     model = demo_models.path("dense")
-    r = run_kvsnap("build", agents, "--model", model, "--out", tmp_path / "s", "--for", "mlx-lm", "--chat-template-args", '{"enable_thinking": false}', "--json")
+    r = run_kvsnap(
+        "build",
+        agents,
+        "--model",
+        model,
+        "--out",
+        tmp_path / "s",
+        "--for",
+        "mlx-lm",
+        "--chat-template-args",
+        '{"enable_thinking": false}',
+        "--json",
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     from kvsnap.store.local import Store
 
     (info,) = Store.open(tmp_path / "s", readonly=True).scan()[0]
     recorded = info.recorded["tokenization"]
     recorded = json.loads(recorded) if isinstance(recorded, str) else recorded
-    assert recorded == {"server": "mlx-lm", "add_special_tokens": False, "template_defaults": {"enable_thinking": False}}
+    assert recorded == {
+        "server": "mlx-lm",
+        "add_special_tokens": False,
+        "template_defaults": {"enable_thinking": False},
+    }
     for bad, said in (
         (["--for", "mlx-lm", "--kv-bits", "8"], "drop --kv-bits"),
         (["--chat-template-args", "{}"], "only applies with --for mlx-lm"),
@@ -164,7 +217,19 @@ def test_mlx_lm_serve_refuses_options_the_snapshots_cannot_serve(demo_models, tm
     r = run_kvsnap("mlx-lm", "serve", "--model", model, "--warm-prompts", "a.json", timeout=120)
     assert r.returncode == 2 and "needs --kv-snapshots" in r.stderr, r.stderr
     (tmp_path / "s").mkdir()
-    r = run_kvsnap("mlx-lm", "serve", "--model", model, "--kv-snapshots", tmp_path / "s", "--adapter-path", tmp_path, "--port", "1", timeout=120)
+    r = run_kvsnap(
+        "mlx-lm",
+        "serve",
+        "--model",
+        model,
+        "--kv-snapshots",
+        tmp_path / "s",
+        "--adapter-path",
+        tmp_path,
+        "--port",
+        "1",
+        timeout=120,
+    )
     assert r.returncode == 2 and "drop --adapter-path" in r.stderr, r.stderr
 
 
@@ -172,27 +237,50 @@ def test_mlx_lm_serve_refuses_options_the_snapshots_cannot_serve(demo_models, tm
 
 
 def _launch(cmd: list[str], log: Path):
-    from kvsnap.tools.serverproc import ServerProcess, free_port, under_hard_limit
-
     import os
     import time
+
+    from kvsnap.tools.serverproc import ServerProcess, free_port, under_hard_limit
 
     port = free_port()
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
     with open(log, "wb") as out:
-        proc = subprocess.Popen(under_hard_limit([*cmd, "--host", "127.0.0.1", "--port", str(port)], 300), stdout=out, stderr=subprocess.STDOUT, env=env)
-    return ServerProcess(proc=proc, url=f"http://127.0.0.1:{port}", log_path=log, launched_at=time.perf_counter())
+        proc = subprocess.Popen(
+            under_hard_limit([*cmd, "--host", "127.0.0.1", "--port", str(port)], 300),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
+    return ServerProcess(
+        proc=proc, url=f"http://127.0.0.1:{port}", log_path=log, launched_at=time.perf_counter()
+    )
 
 
 def _ask(server, agent: str, user: str, max_tokens: int = 12) -> dict:
-    body = {"messages": [{"role": "system", "content": SYSTEMS[agent]}, {"role": "user", "content": user}], "max_tokens": max_tokens, "temperature": 0, "logprobs": True}
+    body = {
+        "messages": [
+            {"role": "system", "content": SYSTEMS[agent]},
+            {"role": "user", "content": user},
+        ],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "logprobs": True,
+    }
     r = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=120).json()
     choice = r["choices"][0]
-    return {"text": choice["message"]["content"], "ids": [t["id"] for t in choice["logprobs"]["content"]], "logprobs": [t["logprob"] for t in choice["logprobs"]["content"]], "prompt": r["usage"]["prompt_tokens"], "cached": r["usage"]["prompt_tokens_details"]["cached_tokens"]}
+    return {
+        "text": choice["message"]["content"],
+        "ids": [t["id"] for t in choice["logprobs"]["content"]],
+        "logprobs": [t["logprob"] for t in choice["logprobs"]["content"]],
+        "prompt": r["usage"]["prompt_tokens"],
+        "cached": r["usage"]["prompt_tokens_details"]["cached_tokens"],
+    }
 
 
 def _same_answers(warm: list[dict], cold: list[dict]) -> None:
-    assert [(a["text"], a["ids"], a["prompt"]) for a in warm] == [(a["text"], a["ids"], a["prompt"]) for a in cold]
+    assert [(a["text"], a["ids"], a["prompt"]) for a in warm] == [
+        (a["text"], a["ids"], a["prompt"]) for a in cold
+    ]
     for w, c in zip(warm, cold):
         assert w["logprobs"] == pytest.approx(c["logprobs"], abs=1e-3)
 
@@ -207,7 +295,9 @@ def _kvsnap_mlx_lm(model: str, *extra: str) -> list[str]:
     return [sys.executable, "-m", "kvsnap", "mlx-lm", "serve", "--model", model, *extra]
 
 
-def _serve_and_ask(cmd: list[str], log: Path, asks: list[tuple[str, str]]) -> tuple[list[dict], str, float]:
+def _serve_and_ask(
+    cmd: list[str], log: Path, asks: list[tuple[str, str]]
+) -> tuple[list[dict], str, float]:
     server = _launch(cmd, log)
     try:
         ready = server.wait_ready(180)
@@ -222,25 +312,43 @@ def world(demo_models, tmp_path_factory):
     root = tmp_path_factory.mktemp("mlx-lm-e2e")
     agents = root / "agents.json"
     agents.write_text(json.dumps(AGENTS))
-    models = {"dense": demo_models.path("dense"), "hybrid": demo_models.path("hybrid"), "llama": _llama_demo(root / "llama")}
+    models = {
+        "dense": demo_models.path("dense"),
+        "hybrid": demo_models.path("hybrid"),
+        "llama": _llama_demo(root / "llama"),
+    }
     n_tokens = {}
     for arch, model in models.items():
-        r = run_kvsnap("build", agents, "--model", model, "--out", root / "snaps", "--for", "mlx-lm", "--json")
+        r = run_kvsnap(
+            "build", agents, "--model", model, "--out", root / "snaps", "--for", "mlx-lm", "--json"
+        )
         assert r.returncode == 0, r.stdout + r.stderr
         n_tokens[arch] = {e["name"]: e["n_tokens"] for e in json.loads(r.stdout)["entries"]}
-    return SimpleNamespace(root=root, agents=agents, models={k: str(v) for k, v in models.items()}, store=root / "snaps", n_tokens=n_tokens)
+    return SimpleNamespace(
+        root=root,
+        agents=agents,
+        models={k: str(v) for k, v in models.items()},
+        store=root / "snaps",
+        n_tokens=n_tokens,
+    )
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ["dense", "hybrid", "llama"])
-def test_mlx_lm_serve_first_agent_request_hits_and_answers_like_plain_mlx_lm_server(world, arch, tmp_path):
+def test_mlx_lm_serve_first_agent_request_hits_and_answers_like_plain_mlx_lm_server(
+    world, arch, tmp_path
+):
     model = world.models[arch]
     asks = [("reviewer", USERS[0]), ("planner", USERS[1]), ("reviewer", USERS[2])]
-    warm, log, _ = _serve_and_ask(_kvsnap_mlx_lm(model, "--kv-snapshots", str(world.store)), tmp_path / "warm.log", asks)
+    warm, log, _ = _serve_and_ask(
+        _kvsnap_mlx_lm(model, "--kv-snapshots", str(world.store)), tmp_path / "warm.log", asks
+    )
     assert _warmup(log) == (2, 0), log[-3000:]  # both agents from the store, nothing prefilled
     n = world.n_tokens[arch]
     assert [a["cached"] for a in warm[:2]] == [n["reviewer"], n["planner"]], log[-3000:]
-    cold, cold_log, _ = _serve_and_ask([sys.executable, "-m", "mlx_lm", "server", "--model", model], tmp_path / "cold.log", asks)
+    cold, cold_log, _ = _serve_and_ask(
+        [sys.executable, "-m", "mlx_lm", "server", "--model", model], tmp_path / "cold.log", asks
+    )
     # Cold: the first request computes everything; the planner's shares a few template tokens.
     assert cold[0]["cached"] == 0 and cold[1]["cached"] < n["planner"] // 10, cold_log[-2000:]
     _same_answers(warm, cold)
@@ -264,13 +372,28 @@ def test_warm_prompts_prefill_once_write_back_and_the_next_start_prefills_nothin
 def test_agents_stay_warm_under_prompt_cache_size_and_bytes_pressure(world, tmp_path):
     model = world.models["dense"]
     others = [("reviewer", f"{i} unrelated question") for i in range(4)]
-    cmd = _kvsnap_mlx_lm(model, "--kv-snapshots", str(world.store), "--prompt-cache-size", "1", "--prompt-cache-bytes", "1")
+    cmd = _kvsnap_mlx_lm(
+        model,
+        "--kv-snapshots",
+        str(world.store),
+        "--prompt-cache-size",
+        "1",
+        "--prompt-cache-bytes",
+        "1",
+    )
     server = _launch(cmd, tmp_path / "pressure.log")
     try:
         server.wait_ready(180)
         for agent, user in others:
             _ask(server, agent, user)  # each evicts everything the LRU holds
-        body = {"messages": [{"role": "system", "content": "Someone else entirely. " * 40}, {"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0}
+        body = {
+            "messages": [
+                {"role": "system", "content": "Someone else entirely. " * 40},
+                {"role": "user", "content": "hi"},
+            ],
+            "max_tokens": 4,
+            "temperature": 0,
+        }
         httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=120).raise_for_status()
         after = [_ask(server, "planner", USERS[2]), _ask(server, "reviewer", USERS[1])]
     finally:

@@ -1,4 +1,5 @@
-"""The prefix cache policy: longest strict prefix, private copies, LRU within a byte budget, pinned entries.
+"""The prefix cache policy: longest strict prefix, private copies, LRU within a byte budget, pinned
+entries.
 
 Most tests use plain lists as cache states (the policy never looks inside them); the
 copy-isolation tests use real mlx-lm caches of the tiny demo models.
@@ -12,15 +13,28 @@ from kvsnap.runtime.prefix import Entry, PrefixCache
 
 
 def list_cache(max_bytes: int = 1000, **kwargs) -> PrefixCache:
-    return PrefixCache(max_bytes=max_bytes, copy_state=list, trim_state=lambda s, n: s[: len(s) - n], **kwargs)
+    return PrefixCache(
+        max_bytes=max_bytes, copy_state=list, trim_state=lambda s, n: s[: len(s) - n], **kwargs
+    )
 
 
 def stored(cache: PrefixCache, tokens, namespace=None) -> Entry | None:
     """The entry the cache holds for exactly ``tokens`` in ``namespace`` (None: shared)."""
-    return next((e for e in cache.entries if e.tokens == tuple(tokens) and e.namespace == namespace), None)
+    return next(
+        (e for e in cache.entries if e.tokens == tuple(tokens) and e.namespace == namespace), None
+    )
 
 
-def entry(tokens, nbytes=10, pinned=False, trimmable=True, resident=None, loader=None, loaded=True, source="request") -> Entry:
+def entry(
+    tokens,
+    nbytes=10,
+    pinned=False,
+    trimmable=True,
+    resident=None,
+    loader=None,
+    loaded=True,
+    source="request",
+) -> Entry:
     tokens = tuple(tokens)
     return Entry(
         tokens=tokens,
@@ -84,14 +98,18 @@ def test_prompt_equal_to_untrimmable_entry_falls_back_to_a_shorter_entry_or_cold
 
 
 def test_an_untrimmable_entry_that_differs_only_at_its_last_token_is_not_used():
-    """Regression (mutation run): a lookup that skipped the entry's last token served (1,2,3) to [1,2,4,5] with 3 cached."""
+    """Regression (mutation run): a lookup that skipped the entry's last token served (1,2,3) to
+    [1,2,4,5] with 3 cached."""
     cache = list_cache()
     cache.add(entry([1, 2, 3], trimmable=False))
     assert cache.lookup([1, 2, 4, 5]) is None
     assert cache.fetch([1, 2, 4, 5]) == (None, 0, None)
     cache.add(entry([1, 2], trimmable=False))
     assert cache.fetch([1, 2, 4, 5])[:2] == ([1, 2], 2)  # the shorter strict prefix serves instead
-    assert cache.fetch([1, 2, 3, 5])[:2] == ([1, 2, 3], 3)  # and the full entry where it is a strict prefix
+    assert cache.fetch([1, 2, 3, 5])[:2] == (
+        [1, 2, 3],
+        3,
+    )  # and the full entry where it is a strict prefix
 
 
 def test_a_trimmable_entry_that_differs_only_at_its_last_token_is_trimmed_before_it():
@@ -123,7 +141,11 @@ def test_lru_evicts_request_prefixes_within_budget_and_never_pinned_entries():
     assert stored(cache, [1, 1]) is not None and stored(cache, [3, 3]) is not None
     assert cache.current_bytes <= 100 and cache.stats.evictions == 1
     cache.add(entry([4, 4], nbytes=40))  # needs both remaining request prefixes gone
-    assert stored(cache, [1, 1]) is None and stored(cache, [3, 3]) is None and stored(cache, [4, 4]) is not None
+    assert (
+        stored(cache, [1, 1]) is None
+        and stored(cache, [3, 3]) is None
+        and stored(cache, [4, 4]) is not None
+    )
     assert stored(cache, [50, 1]) is not None, "a pinned entry is never evicted"
     assert cache.current_bytes <= 100 and cache.stats.evictions == 3
 
@@ -176,7 +198,9 @@ def test_a_snapshot_that_fails_to_load_is_dropped_and_the_next_best_entry_serves
         raise BadFile("checksum mismatch")
 
     reported = []
-    cache = list_cache(load_errors=(BadFile,), on_load_error=lambda e, exc: reported.append((e.tokens, str(exc))))
+    cache = list_cache(
+        load_errors=(BadFile,), on_load_error=lambda e, exc: reported.append((e.tokens, str(exc)))
+    )
     cache.add(entry([1, 2], pinned=True))
     cache.add(entry([1, 2, 3, 4], pinned=True, loaded=False, resident=False, loader=loader))
     state, n, _ = cache.fetch([1, 2, 3, 4, 5])
@@ -212,7 +236,8 @@ def _prefill(lm, tokens):
 
 
 def _live(cache) -> dict:
-    """Each layer's live arrays (KV sliced to the tokens held) and metadata, as a snapshot stores them."""
+    """Each layer's live arrays (KV sliced to the tokens held) and metadata, as a snapshot stores
+    them."""
     from kvsnap.snapshot.codec import encode_layer
 
     arrays: dict = {}
@@ -247,7 +272,17 @@ def test_fetching_a_pinned_entry_three_times_through_a_trim_leaves_it_unchanged(
     state = _prefill(lm, tokens)
     reference = copy_cache(state)
     cache = PrefixCache(max_bytes=1 << 30, copy_state=copy_cache, trim_state=trim_cache)
-    cache.add(Entry(tokens=tokens, state=state, nbytes=cache_nbytes_of(state), trimmable=is_trimmable(state), pinned=True, source="snapshot", resident=True))
+    cache.add(
+        Entry(
+            tokens=tokens,
+            state=state,
+            nbytes=cache_nbytes_of(state),
+            trimmable=is_trimmable(state),
+            pinned=True,
+            source="snapshot",
+            resident=True,
+        )
+    )
 
     first, n1, _ = cache.fetch(tokens + (5, 6))
     assert n1 == len(tokens)
@@ -285,4 +320,7 @@ def test_a_trimmed_copy_extended_matches_a_fresh_prefill(demo_models):
         assert mx.allclose(a.values[..., :23, :], b.values[..., :23, :], atol=1e-5).item()
     # The 20 kept tokens are the original prefill's, untouched by the trim: bitwise.
     for a, b in zip(copy, base):
-        assert mx.array_equal(a.keys[..., :20, :], b.keys[..., :20, :]).item() and mx.array_equal(a.values[..., :20, :], b.values[..., :20, :]).item()
+        assert (
+            mx.array_equal(a.keys[..., :20, :], b.keys[..., :20, :]).item()
+            and mx.array_equal(a.values[..., :20, :], b.values[..., :20, :]).item()
+        )

@@ -18,7 +18,8 @@ NAMESPACES = (None, "", "tenant-a/")
 
 
 def reference_lookup(entries: list[Entry], tokens, namespace: str):
-    """The linear scan kvsnap used before the trie: (tokens saved, (pinned, loaded)) of the best entry, or None."""
+    """The linear scan kvsnap used before the trie: (tokens saved, (pinned, loaded)) of the best
+    entry, or None."""
     tokens = tuple(tokens)
     best = None
     for e in entries:
@@ -62,12 +63,22 @@ def assert_same_as_reference(cache: PrefixCache, tokens, namespace: str) -> None
 
 
 def list_cache(max_bytes: int = 10**9) -> PrefixCache:
-    return PrefixCache(max_bytes=max_bytes, copy_state=list, trim_state=lambda s, n: s[: len(s) - n])
+    return PrefixCache(
+        max_bytes=max_bytes, copy_state=list, trim_state=lambda s, n: s[: len(s) - n]
+    )
 
 
 tokens_st = st.lists(st.integers(0, 3), min_size=0, max_size=8).map(tuple)
 entry_st = st.builds(
-    lambda tokens, trimmable, pinned, loaded, has_loader, ns, nbytes: (tokens, trimmable, pinned, loaded, has_loader, ns, nbytes),
+    lambda tokens, trimmable, pinned, loaded, has_loader, ns, nbytes: (
+        tokens,
+        trimmable,
+        pinned,
+        loaded,
+        has_loader,
+        ns,
+        nbytes,
+    ),
     tokens_st,
     st.booleans(),
     st.booleans(),
@@ -81,11 +92,27 @@ entry_st = st.builds(
 def make_entry(spec) -> Entry:
     tokens, trimmable, pinned, loaded, has_loader, ns, nbytes = spec
     loader = (lambda t=tokens, b=nbytes: (list(t), b)) if (has_loader or not loaded) else None
-    return Entry(tokens=tokens, state=list(tokens) if loaded else None, nbytes=nbytes, trimmable=trimmable, pinned=pinned and ns is None, source="snapshot" if loader else "request", loader=loader, namespace=ns)
+    return Entry(
+        tokens=tokens,
+        state=list(tokens) if loaded else None,
+        nbytes=nbytes,
+        trimmable=trimmable,
+        pinned=pinned and ns is None,
+        source="snapshot" if loader else "request",
+        loader=loader,
+        namespace=ns,
+    )
 
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(specs=st.lists(entry_st, max_size=14), queries=st.lists(st.tuples(tokens_st, st.sampled_from(("", "tenant-a/", "tenant-b/"))), min_size=1, max_size=10))
+@given(
+    specs=st.lists(entry_st, max_size=14),
+    queries=st.lists(
+        st.tuples(tokens_st, st.sampled_from(("", "tenant-a/", "tenant-b/"))),
+        min_size=1,
+        max_size=10,
+    ),
+)
 def test_the_trie_lookup_equals_a_scan_over_every_entry(specs, queries):
     cache = list_cache()
     for spec in specs:
@@ -97,10 +124,21 @@ def test_the_trie_lookup_equals_a_scan_over_every_entry(specs, queries):
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     specs=st.lists(entry_st, min_size=1, max_size=14),
-    ops=st.lists(st.tuples(st.sampled_from(("discard", "fetch", "add-small-budget", "drop-requests")), st.integers(0, 13), tokens_st), max_size=12),
-    queries=st.lists(st.tuples(tokens_st, st.sampled_from(("", "tenant-a/"))), min_size=1, max_size=8),
+    ops=st.lists(
+        st.tuples(
+            st.sampled_from(("discard", "fetch", "add-small-budget", "drop-requests")),
+            st.integers(0, 13),
+            tokens_st,
+        ),
+        max_size=12,
+    ),
+    queries=st.lists(
+        st.tuples(tokens_st, st.sampled_from(("", "tenant-a/"))), min_size=1, max_size=8
+    ),
 )
-def test_the_trie_stays_equal_to_the_scan_through_discards_loads_unloads_and_evictions(specs, ops, queries):
+def test_the_trie_stays_equal_to_the_scan_through_discards_loads_unloads_and_evictions(
+    specs, ops, queries
+):
     cache = list_cache(max_bytes=60)
     for spec in specs:
         cache.add(make_entry(spec))
@@ -109,9 +147,13 @@ def test_the_trie_stays_equal_to_the_scan_through_discards_loads_unloads_and_evi
         if op == "discard" and entries:
             cache.discard(entries[i % len(entries)])
         elif op == "fetch":
-            cache.fetch(tokens, "tenant-a/")  # may load a lazy entry and unload others for the budget
+            cache.fetch(
+                tokens, "tenant-a/"
+            )  # may load a lazy entry and unload others for the budget
         elif op == "add-small-budget":
-            cache.add(make_entry((tokens, True, False, True, False, "tenant-a/", 30)))  # evicts by LRU
+            cache.add(
+                make_entry((tokens, True, False, True, False, "tenant-a/", 30))
+            )  # evicts by LRU
         elif op == "drop-requests":
             cache.drop_request_prefixes()
         for q, ns in queries:
@@ -120,8 +162,12 @@ def test_the_trie_stays_equal_to_the_scan_through_discards_loads_unloads_and_evi
 
 def test_edges_split_and_merge_back_as_entries_come_and_go():
     trie = TokenTrie()
-    long = Entry(tokens=(1, 2, 3, 4, 5), state=[1], nbytes=1, trimmable=False, pinned=True, source="snapshot")
-    short = Entry(tokens=(1, 2), state=[1], nbytes=1, trimmable=False, pinned=True, source="snapshot")
+    long = Entry(
+        tokens=(1, 2, 3, 4, 5), state=[1], nbytes=1, trimmable=False, pinned=True, source="snapshot"
+    )
+    short = Entry(
+        tokens=(1, 2), state=[1], nbytes=1, trimmable=False, pinned=True, source="snapshot"
+    )
     trie.insert(long)
     assert trie.best((1, 2, 3, 4, 5, 6)).usable == 5
     trie.insert(short)  # splits the edge (1,2,3,4,5) at 2
@@ -140,7 +186,16 @@ def test_a_trie_walks_only_the_requests_path():
     touches only the nodes the request's tokens pass through."""
     trie = TokenTrie()
     for i in range(2000):
-        trie.insert(Entry(tokens=(i, *range(10_000, 10_050)), state=[1], nbytes=1, trimmable=True, pinned=False, source="request"))
+        trie.insert(
+            Entry(
+                tokens=(i, *range(10_000, 10_050)),
+                state=[1],
+                nbytes=1,
+                trimmable=True,
+                pinned=False,
+                source="request",
+            )
+        )
     path, partial, matched = trie._walk((7, *range(10_000, 10_020), 99))
     assert [d for _, d in path] == [0] and partial is not None and matched == 21
     best = trie.best((7, *range(10_000, 10_020), 99))
@@ -149,8 +204,24 @@ def test_a_trie_walks_only_the_requests_path():
 
 def test_an_unload_moves_the_tie_to_the_entry_still_in_memory():
     cache = list_cache(max_bytes=50)
-    lazy = Entry(tokens=(1, 2, 3, 4), state=None, nbytes=40, trimmable=True, pinned=True, source="snapshot", loader=lambda: ([1, 2, 3, 4], 40))
-    warm = Entry(tokens=(1, 2, 3, 5), state=[1, 2, 3, 5], nbytes=10, trimmable=True, pinned=True, source="snapshot", resident=True)
+    lazy = Entry(
+        tokens=(1, 2, 3, 4),
+        state=None,
+        nbytes=40,
+        trimmable=True,
+        pinned=True,
+        source="snapshot",
+        loader=lambda: ([1, 2, 3, 4], 40),
+    )
+    warm = Entry(
+        tokens=(1, 2, 3, 5),
+        state=[1, 2, 3, 5],
+        nbytes=10,
+        trimmable=True,
+        pinned=True,
+        source="snapshot",
+        resident=True,
+    )
     cache.add(lazy)
     cache.add(warm)
     assert cache.lookup([1, 2, 3, 9]).entry is warm  # same tokens saved: the loaded one
@@ -162,8 +233,24 @@ def test_an_unload_moves_the_tie_to_the_entry_still_in_memory():
 def test_an_entry_unloaded_for_the_budget_loses_the_tie_to_one_loaded_since():
     """The trie's (pinned, loaded) counts follow loads and unloads, not the state at insertion."""
     cache = list_cache(max_bytes=50)
-    a = Entry(tokens=(1, 2, 3, 4), state=[1, 2, 3, 4], nbytes=40, trimmable=True, pinned=True, source="snapshot", loader=lambda: ([1, 2, 3, 4], 40))
-    b = Entry(tokens=(1, 2, 3, 5), state=None, nbytes=40, trimmable=True, pinned=True, source="snapshot", loader=lambda: ([1, 2, 3, 5], 40))
+    a = Entry(
+        tokens=(1, 2, 3, 4),
+        state=[1, 2, 3, 4],
+        nbytes=40,
+        trimmable=True,
+        pinned=True,
+        source="snapshot",
+        loader=lambda: ([1, 2, 3, 4], 40),
+    )
+    b = Entry(
+        tokens=(1, 2, 3, 5),
+        state=None,
+        nbytes=40,
+        trimmable=True,
+        pinned=True,
+        source="snapshot",
+        loader=lambda: ([1, 2, 3, 5], 40),
+    )
     cache.add(a)
     cache.add(b)
     assert cache.lookup([1, 2, 3, 9]).entry is a  # same tokens saved: the one in memory

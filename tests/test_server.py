@@ -7,14 +7,25 @@ import time
 
 import httpx
 import pytest
-
 from conftest import LONG_SYSTEM
+
 from kvsnap.tools.client import stream_chat
 from kvsnap.tools.serverproc import start_server
 
 AGENTS = [
     {"name": "reviewer", "messages": [{"role": "system", "content": LONG_SYSTEM}]},
-    {"name": "planner", "messages": [{"role": "system", "content": "You are a planner agent. Plan each task step by step, list the tools. " * 4}, {"role": "user", "content": "hello"}, {"role": "assistant", "content": "Hello, what are we planning?"}]},
+    {
+        "name": "planner",
+        "messages": [
+            {
+                "role": "system",
+                "content": "You are a planner agent. Plan each task step by step, list the tools. "
+                * 4,
+            },
+            {"role": "user", "content": "hello"},
+            {"role": "assistant", "content": "Hello, what are we planning?"},
+        ],
+    },
 ]
 QUESTION = {"role": "user", "content": "Please check the server function and explain the fix."}
 N_GEN = 32
@@ -50,12 +61,25 @@ def servers(request, demo_models, tmp_path_factory):
     store = tmp / "snaps"
     env = {"KVSNAP_CACHE_DIR": str(tmp / "cache")}
     _build(model, agents, store)
-    warm = start_server(model, ["--continuous-batching", "--warm-prompts", str(agents), "--kv-snapshots", str(store)], tmp / "warm.log", env=env, limit_s=600)
+    warm = start_server(
+        model,
+        ["--continuous-batching", "--warm-prompts", str(agents), "--kv-snapshots", str(store)],
+        tmp / "warm.log",
+        env=env,
+        limit_s=600,
+    )
     cold = start_server(model, ["--continuous-batching"], tmp / "cold.log", env=env, limit_s=600)
     try:
         warm.wait_ready(120)
         cold.wait_ready(120)
-        yield {"name": name, "warm": warm, "cold": cold, "agents": agents, "store": store, "tmp": tmp}
+        yield {
+            "name": name,
+            "warm": warm,
+            "cold": cold,
+            "agents": agents,
+            "store": store,
+            "tmp": tmp,
+        }
     finally:
         warm.stop()
         cold.stop()
@@ -63,22 +87,47 @@ def servers(request, demo_models, tmp_path_factory):
 
 def test_startup_report_says_where_warmth_came_from(servers):
     warmup = servers["warm"].status()["warmup"]  # the report the log line is written from, as data
-    assert (warmup["completed"], warmup["skipped"], warmup["from_snapshots"], warmup["prefilled"]) == (2, 0, 2, 0), warmup
-    built = [e["n_tokens"] for r in json.loads((servers["store"] / "manifest.json").read_text())["records"].values() for e in r["entries"]]
+    assert (
+        warmup["completed"],
+        warmup["skipped"],
+        warmup["from_snapshots"],
+        warmup["prefilled"],
+    ) == (2, 0, 2, 0), warmup
+    built = [
+        e["n_tokens"]
+        for r in json.loads((servers["store"] / "manifest.json").read_text())["records"].values()
+        for e in r["entries"]
+    ]
     assert warmup["prompt_tokens"] == sum(built) and warmup["seconds"] > 0, warmup
     cold = servers["cold"].status()["warmup"]
-    assert (cold["completed"], cold["from_snapshots"], cold["prefilled"], cold["prompt_tokens"]) == (0, 0, 0, 0), cold
+    assert (
+        cold["completed"],
+        cold["from_snapshots"],
+        cold["prefilled"],
+        cold["prompt_tokens"],
+    ) == (0, 0, 0, 0), cold
 
 
 def test_the_warm_up_log_line_tells_people_where_warmth_came_from_and_what_was_refused():
-    """The one check of the line's wording (for people; code reads /v1/status): built from the report object."""
+    """The one check of the line's wording (for people; code reads /v1/status): built from the
+    report object."""
     from kvsnap.runtime.warmup_report import SnapshotCounts, WarmupReport
 
-    report = WarmupReport(completed=2, skipped=1, from_snapshots=1, prefilled=1, prompt_tokens=525, seconds=0.0412, over_budget=1, problems=["entry 3: no messages"])
+    report = WarmupReport(
+        completed=2,
+        skipped=1,
+        from_snapshots=1,
+        prefilled=1,
+        prompt_tokens=525,
+        seconds=0.0412,
+        over_budget=1,
+        problems=["entry 3: no messages"],
+    )
     counts = SnapshotCounts(write_back=True)
     counts.reject("/srv/snaps/snapshots/ab12.safetensors", "built for another model")
     assert report.summary(counts) == (
-        "[lifespan] Warm-up done (strict-prefix): 2 completed, 1 skipped, 525 prompt tokens in 0.04s (1 from snapshots, 1 prefilled)"
+        "[lifespan] Warm-up done (strict-prefix): 2 completed, 1 skipped, 525 prompt tokens in "
+        "0.04s (1 from snapshots, 1 prefilled)"
         "; 1 snapshot(s) rejected (ab12.safetensors: built for another model)"
         "; 1 warm prompt(s) invalid"
         "; 1 over the cache budget (indexed, load on first hit)"
@@ -97,14 +146,25 @@ def test_first_request_per_agent_hits_the_snapshot_and_matches_a_cold_server(ser
             got = _chat(client, warm.url, messages)
             want = _chat(client, cold.url, messages)
             # The warm prefix length, computed the way build does, from the snapshot on disk.
-            prefix_len = next(e["n_tokens"] for r in json.loads((servers["store"] / "manifest.json").read_text())["records"].values() for e in r["entries"] if e["name"] == agent["name"])
+            prefix_len = next(
+                e["n_tokens"]
+                for r in json.loads((servers["store"] / "manifest.json").read_text())[
+                    "records"
+                ].values()
+                for e in r["entries"]
+                if e["name"] == agent["name"]
+            )
             assert got["usage"]["prompt_tokens_details"]["cached_tokens"] == prefix_len
             assert want["usage"]["prompt_tokens_details"]["cached_tokens"] < prefix_len
-            assert got["choices"][0]["message"]["content"] == want["choices"][0]["message"]["content"]
+            assert (
+                got["choices"][0]["message"]["content"] == want["choices"][0]["message"]["content"]
+            )
             assert got["usage"]["completion_tokens"] == want["usage"]["completion_tokens"] == N_GEN
         status = _status(client, warm.url)
         # Honest accounting: what the engine measured it computed equals prompt - cached.
-        assert status["tokens"]["computed"] == status["tokens"]["prompt"] - status["tokens"]["cached"]
+        assert (
+            status["tokens"]["computed"] == status["tokens"]["prompt"] - status["tokens"]["cached"]
+        )
 
 
 def test_streaming_and_non_streaming_give_the_same_text(servers):
@@ -130,7 +190,11 @@ BAD_INPUTS = [
     ("string max_tokens", {"model": "m", "messages": [QUESTION], "max_tokens": "10"}, 400),
     ("temperature out of range", {"model": "m", "messages": [QUESTION], "temperature": 9}, 400),
     ("unknown model", {"model": "gpt-9", "messages": [QUESTION]}, 404),
-    ("prompt longer than the context", {"model": "m", "messages": [{"role": "user", "content": "word " * 40000}]}, 400),
+    (
+        "prompt longer than the context",
+        {"model": "m", "messages": [{"role": "user", "content": "word " * 40000}]},
+        400,
+    ),
     ("stream wrong type", {"model": "m", "messages": [QUESTION], "stream": "yes"}, 400),
 ]
 
@@ -142,7 +206,11 @@ def test_bad_input_gets_an_openai_error_and_leaves_server_and_cache_alone(server
         for label, body, code in BAD_INPUTS:
             t0 = time.perf_counter()
             if isinstance(body, bytes):
-                r = client.post(f"{warm.url}/v1/chat/completions", content=body, headers={"content-type": "application/json"})
+                r = client.post(
+                    f"{warm.url}/v1/chat/completions",
+                    content=body,
+                    headers={"content-type": "application/json"},
+                )
             else:
                 r = client.post(f"{warm.url}/v1/chat/completions", json=body)
             assert r.status_code == code, (label, r.status_code, r.text)
@@ -152,7 +220,11 @@ def test_bad_input_gets_an_openai_error_and_leaves_server_and_cache_alone(server
         r = client.post(f"{warm.url}/v1/completions", json={"model": "m", "prompt": [-4]})
         assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
         after = _status(client, warm.url)["cache"]
-        assert (after["entry_count"], after["hits"], after["misses"]) == (before["entry_count"], before["hits"], before["misses"])
+        assert (after["entry_count"], after["hits"], after["misses"]) == (
+            before["entry_count"],
+            before["hits"],
+            before["misses"],
+        )
         assert client.get(f"{warm.url}/health").status_code == 200
         _chat(client, warm.url, AGENTS[0]["messages"] + [QUESTION], max_tokens=2)
 
@@ -162,8 +234,15 @@ def test_completions_models_and_health(servers):
     with httpx.Client(timeout=60) as client:
         models = client.get(f"{warm.url}/v1/models").json()
         assert models["data"][0]["id"] == "m"
-        r = client.post(f"{warm.url}/v1/completions", json={"model": "m", "prompt": "hello world", "max_tokens": 4})
-        assert r.status_code == 200 and r.json()["object"] == "text_completion" and r.json()["usage"]["completion_tokens"] <= 4
+        r = client.post(
+            f"{warm.url}/v1/completions",
+            json={"model": "m", "prompt": "hello world", "max_tokens": 4},
+        )
+        assert (
+            r.status_code == 200
+            and r.json()["object"] == "text_completion"
+            and r.json()["usage"]["completion_tokens"] <= 4
+        )
         assert client.get(f"{warm.url}/health").json()["warm"] is True
 
 
@@ -184,13 +263,24 @@ def test_clear_prefix_cache_rewarms_from_snapshots_not_prefill(servers):
             assert time.monotonic() < deadline, status
             time.sleep(0.05)
         assert status["snapshots"]["prefilled"] == before["snapshots"]["prefilled"]
-        got = _chat(client, warm.url, AGENTS[0]["messages"] + [{"role": "user", "content": "another question"}], max_tokens=2)
+        got = _chat(
+            client,
+            warm.url,
+            AGENTS[0]["messages"] + [{"role": "user", "content": "another question"}],
+            max_tokens=2,
+        )
         assert got["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
 
 
 def test_a_client_that_disconnects_mid_stream_frees_its_slot(servers):
     warm = servers["warm"]
-    body = {"model": "m", "messages": AGENTS[0]["messages"] + [QUESTION], "max_tokens": 4000, "stream": True, "temperature": 0}
+    body = {
+        "model": "m",
+        "messages": AGENTS[0]["messages"] + [QUESTION],
+        "max_tokens": 4000,
+        "stream": True,
+        "temperature": 0,
+    }
     with httpx.Client(timeout=60) as client:
         with client.stream("POST", f"{warm.url}/v1/chat/completions", json=body) as resp:
             for line in resp.iter_lines():
@@ -207,13 +297,20 @@ def test_health_is_503_until_warm_then_200(demo_models, tmp_path, monkeypatch):
     """In-process: the engine is loaded but its warm-up thread is held back, then released."""
     from fastapi.testclient import TestClient
 
-    from kvsnap.runtime.engine import Engine, EngineConfig
-    from kvsnap.prompts import parse_warm_prompts
     from kvsnap.http.server import ServerConfig, create_app
+    from kvsnap.prompts import parse_warm_prompts
+    from kvsnap.runtime.engine import Engine, EngineConfig
 
     monkeypatch.setenv("KVSNAP_CACHE_DIR", str(tmp_path / "cache"))
     prompts = parse_warm_prompts(AGENTS)
-    engine = Engine(EngineConfig(model=str(demo_models.path("dense")), warm_prompts=prompts, warm_prompts_file=str(tmp_path / "a.json"), snapshots=str(tmp_path / "snaps")))
+    engine = Engine(
+        EngineConfig(
+            model=str(demo_models.path("dense")),
+            warm_prompts=prompts,
+            warm_prompts_file=str(tmp_path / "a.json"),
+            snapshots=str(tmp_path / "snaps"),
+        )
+    )
     engine._load()
     engine.loaded.set()  # the lifespan sees a loaded engine and does not start it
     app = create_app(engine, ServerConfig(served_model_name="m"))
@@ -230,7 +327,9 @@ def test_health_is_503_until_warm_then_200(demo_models, tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("name", ["dense", "sliding"])
-def test_answers_over_http_come_from_the_exact_snapshot_state(name, demo_models, tmp_path, monkeypatch):
+def test_answers_over_http_come_from_the_exact_snapshot_state(
+    name, demo_models, tmp_path, monkeypatch
+):
     """In process (the real app and engine, through HTTP), so the served state can be read.
 
     Equal greedy text against a cold engine is not enough (a zeroed key in one layer kept it):
@@ -238,12 +337,12 @@ def test_answers_over_http_come_from_the_exact_snapshot_state(name, demo_models,
     attended to are checked too (``assert_served_from_the_exact_snapshot_state``).
     """
     from fastapi.testclient import TestClient
-
-    from kvsnap.runtime.engine import Engine, EngineConfig
-    from kvsnap.chat import request_tokens
-    from kvsnap.prompts import parse_warm_prompts, warm_prefix
-    from kvsnap.http.server import ServerConfig, create_app
     from test_engine import assert_served_from_the_exact_snapshot_state
+
+    from kvsnap.chat import request_tokens
+    from kvsnap.http.server import ServerConfig, create_app
+    from kvsnap.prompts import parse_warm_prompts, warm_prefix
+    from kvsnap.runtime.engine import Engine, EngineConfig
 
     monkeypatch.setenv("KVSNAP_CACHE_DIR", str(tmp_path / "cache"))
     model = demo_models.path(name)
@@ -252,21 +351,39 @@ def test_answers_over_http_come_from_the_exact_snapshot_state(name, demo_models,
     store = tmp_path / "snaps"
     _build(model, agents, store)
     prompts = parse_warm_prompts(AGENTS, str(agents))
-    warm_engine = Engine(EngineConfig(model=str(model), warm_prompts=prompts, warm_prompts_file=str(agents), snapshots=str(store), write_back=False))
+    warm_engine = Engine(
+        EngineConfig(
+            model=str(model),
+            warm_prompts=prompts,
+            warm_prompts_file=str(agents),
+            snapshots=str(store),
+            write_back=False,
+        )
+    )
     cold_engine = Engine(EngineConfig(model=str(model), cache_memory_mb=0))
     config = ServerConfig(served_model_name="m")
-    with TestClient(create_app(warm_engine, config)) as warm, TestClient(create_app(cold_engine, config)) as cold:
+    with (
+        TestClient(create_app(warm_engine, config)) as warm,
+        TestClient(create_app(cold_engine, config)) as cold,
+    ):
         assert warm_engine.wait_warm(120) and cold_engine.wait_warm(120)
         assert warm_engine.status()["snapshots"]["loaded"] == 2
         for i, agent in enumerate(AGENTS):
             messages = agent["messages"] + [QUESTION]
             body = {"model": "m", "messages": messages, "max_tokens": N_GEN, "temperature": 0}
-            got, want = warm.post("/v1/chat/completions", json=body), cold.post("/v1/chat/completions", json=body)
+            got, want = (
+                warm.post("/v1/chat/completions", json=body),
+                cold.post("/v1/chat/completions", json=body),
+            )
             assert got.status_code == want.status_code == 200, (got.text, want.text)
             got, want = got.json(), want.json()
             warm_tokens = warm_prefix(warm_engine.lm.tokenizer, prompts.entries[i]).tokens
             assert got["usage"]["prompt_tokens_details"]["cached_tokens"] == len(warm_tokens)
             assert want["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
-            assert got["choices"][0]["message"]["content"] == want["choices"][0]["message"]["content"]
+            assert (
+                got["choices"][0]["message"]["content"] == want["choices"][0]["message"]["content"]
+            )
             assert got["usage"]["completion_tokens"] == want["usage"]["completion_tokens"] == N_GEN
-            assert_served_from_the_exact_snapshot_state(warm_engine, warm_tokens, request_tokens(warm_engine.lm.tokenizer, messages))
+            assert_served_from_the_exact_snapshot_state(
+                warm_engine, warm_tokens, request_tokens(warm_engine.lm.tokenizer, messages)
+            )

@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import pytest
-
 from conftest import LONG_SYSTEM
+
 from kvsnap.runtime.shared_prefix import shared_groups
 
-QUESTIONS = ["Check the parser.", "Explain the server fix.", "List the failing tests.", "What does the cache do?"]
+QUESTIONS = [
+    "Check the parser.",
+    "Explain the server fix.",
+    "List the failing tests.",
+    "What does the cache do?",
+]
 
 
 def test_groups_need_one_namespace_and_enough_shared_tokens():
@@ -37,7 +42,12 @@ def _submit_together(engine, token_lists, namespace=""):
     # Submitted from the engine thread itself: all four land in one admission.
     def submit_all():
         for tokens in token_lists:
-            states.append(engine.submit(GenerationRequest(tokens=tokens, max_tokens=12, namespace=namespace), lambda *a: None))
+            states.append(
+                engine.submit(
+                    GenerationRequest(tokens=tokens, max_tokens=12, namespace=namespace),
+                    lambda *a: None,
+                )
+            )
 
     engine.call(submit_all)
     for s in states:
@@ -46,13 +56,21 @@ def _submit_together(engine, token_lists, namespace=""):
 
 
 @pytest.mark.parametrize("arch", ["dense", "hybrid"])
-def test_concurrent_cold_requests_sharing_a_system_prompt_compute_it_once(arch, demo_models, tmp_path, monkeypatch):
+def test_concurrent_cold_requests_sharing_a_system_prompt_compute_it_once(
+    arch, demo_models, tmp_path, monkeypatch
+):
     from kvsnap.chat import request_tokens
 
     monkeypatch.setenv("KVSNAP_CACHE_DIR", str(tmp_path / "cache"))
     model = demo_models.path(arch)
     lm = demo_models.load(arch)
-    token_lists = [request_tokens(lm.tokenizer, [{"role": "system", "content": LONG_SYSTEM}, {"role": "user", "content": q}]) for q in QUESTIONS]
+    token_lists = [
+        request_tokens(
+            lm.tokenizer,
+            [{"role": "system", "content": LONG_SYSTEM}, {"role": "user", "content": q}],
+        )
+        for q in QUESTIONS
+    ]
     shared = min(len(t) for t in token_lists)
     for t in token_lists[1:]:
         shared = min(shared, next(i for i, (a, b) in enumerate(zip(token_lists[0], t)) if a != b))
@@ -79,12 +97,20 @@ def test_concurrent_cold_requests_sharing_a_system_prompt_compute_it_once(arch, 
         alone.shutdown()
 
 
-def test_requests_of_two_namespaces_never_share_a_computed_prefix(demo_models, tmp_path, monkeypatch):
+def test_requests_of_two_namespaces_never_share_a_computed_prefix(
+    demo_models, tmp_path, monkeypatch
+):
     from kvsnap.chat import request_tokens
 
     monkeypatch.setenv("KVSNAP_CACHE_DIR", str(tmp_path / "cache"))
     lm = demo_models.load("dense")
-    token_lists = [request_tokens(lm.tokenizer, [{"role": "system", "content": LONG_SYSTEM}, {"role": "user", "content": q}]) for q in QUESTIONS[:2]]
+    token_lists = [
+        request_tokens(
+            lm.tokenizer,
+            [{"role": "system", "content": LONG_SYSTEM}, {"role": "user", "content": q}],
+        )
+        for q in QUESTIONS[:2]
+    ]
     engine = _engine(demo_models.path("dense"), continuous_batching=True)
     try:
         from kvsnap.runtime.engine import GenerationRequest
@@ -93,7 +119,12 @@ def test_requests_of_two_namespaces_never_share_a_computed_prefix(demo_models, t
 
         def submit_two():
             for tokens, ns in zip(token_lists, ("tenant-a/", "tenant-b/")):
-                states.append(engine.submit(GenerationRequest(tokens=tokens, max_tokens=4, namespace=ns), lambda *a: None))
+                states.append(
+                    engine.submit(
+                        GenerationRequest(tokens=tokens, max_tokens=4, namespace=ns),
+                        lambda *a: None,
+                    )
+                )
 
         engine.call(submit_two)
         for s in states:

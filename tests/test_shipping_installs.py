@@ -1,4 +1,5 @@
-"""Issue 24: shipped content is hostile -- installs merge and never shrink, never overwrite a good file.
+"""Issue 24: shipped content is hostile -- installs merge and never shrink, never overwrite a good
+file.
 
 Real stores built with the tiny demo model, real tarballs, the real `gc` and `verify`.
 """
@@ -12,11 +13,11 @@ import tarfile
 from pathlib import Path
 
 import pytest
-
 from conftest import run_kvsnap
+from test_archive import AGENTS, build_store, store_files
+
 from kvsnap.store.archive import unpack
 from kvsnap.store.local import MANIFEST, Store
-from test_archive import AGENTS, build_store, store_files
 
 
 @pytest.fixture(scope="module")
@@ -54,8 +55,11 @@ def live_files(root: Path) -> dict[str, bytes]:
     return {k: v for k, v in store_files(root).items() if k != MANIFEST}
 
 
-def test_regression_a_tiny_tarball_with_an_empty_record_cannot_erase_a_store(store, model_dir, tmp_path):
-    """Once: a 59-byte manifest naming an existing record with no entries replaced it; gc deleted 15 files."""
+def test_regression_a_tiny_tarball_with_an_empty_record_cannot_erase_a_store(
+    store, model_dir, tmp_path
+):
+    """Once: a 59-byte manifest naming an existing record with no entries replaced it; gc deleted
+    15 files."""
     manifest = json.loads((store / MANIFEST).read_text())
     rid = next(iter(manifest["records"]))
     body = json.dumps({"format": manifest["format"], "records": {rid: {"entries": []}}}).encode()
@@ -70,7 +74,9 @@ def test_regression_a_tiny_tarball_with_an_empty_record_cannot_erase_a_store(sto
     assert gc.returncode == 0 and "removed 0 file(s)" in gc.stdout, gc.stdout + gc.stderr
     assert live_files(store) == before
     v = run_kvsnap("verify", store, "--model", model_dir)
-    assert v.returncode == 0 and f"{len(Store.open(store).snapshot_files())} ok, 0 bad" in v.stdout, v.stdout + v.stderr
+    assert (
+        v.returncode == 0 and f"{len(Store.open(store).snapshot_files())} ok, 0 bad" in v.stdout
+    ), v.stdout + v.stderr
 
 
 def test_an_existing_record_only_gains_entries_from_a_shipped_one(store, tmp_path):
@@ -79,7 +85,10 @@ def test_an_existing_record_only_gains_entries_from_a_shipped_one(store, tmp_pat
     rid, record = next(iter(manifest["records"].items()))
     kept, other = record["entries"][0], record["entries"][1:]
     extra = {**kept, "name": "renamed-agent"}
-    shipped = {"format": manifest["format"], "records": {rid: {**record, "entries": [extra], "model_path": "/elsewhere"}}}
+    shipped = {
+        "format": manifest["format"],
+        "records": {rid: {**record, "entries": [extra], "model_path": "/elsewhere"}},
+    }
     unpack(tarball(tmp_path / "one.tar.gz", {MANIFEST: json.dumps(shipped).encode()}), store)
     merged = json.loads((store / MANIFEST).read_text())["records"][rid]
     assert merged["entries"] == [kept, *other, extra]
@@ -87,7 +96,8 @@ def test_an_existing_record_only_gains_entries_from_a_shipped_one(store, tmp_pat
 
 
 def forged_copy(path: Path) -> bytes:
-    """``path``'s bytes with one data byte changed and the checksum recomputed: it passes its own checks."""
+    """``path``'s bytes with one data byte changed and the checksum recomputed: it passes its own
+    checks."""
     from kvsnap.snapshot.file import CHECKSUM_KEY, file_checksum, read_header
 
     original = path.read_bytes()
@@ -96,13 +106,16 @@ def forged_copy(path: Path) -> bytes:
     data[-1] ^= 0x01
     scratch.write_bytes(bytes(data))
     header = read_header(scratch)
-    data = bytes(data).replace(header.metadata[CHECKSUM_KEY].encode(), file_checksum(scratch, header).encode(), 1)
+    data = bytes(data).replace(
+        header.metadata[CHECKSUM_KEY].encode(), file_checksum(scratch, header).encode(), 1
+    )
     scratch.unlink()
     return data
 
 
 def test_regression_unpack_never_overwrites_a_good_block_with_a_forged_one(store, tmp_path):
-    """Block keys name content but do not hash it: shipped bytes under an existing name are reported, not installed."""
+    """Block keys name content but do not hash it: shipped bytes under an existing name are
+    reported, not installed."""
     from kvsnap.store.parts import check_part
 
     block = sorted((store / "blocks").iterdir())[0]
@@ -111,19 +124,24 @@ def test_regression_unpack_never_overwrites_a_good_block_with_a_forged_one(store
     planted = tmp_path / "planted" / "blocks" / block.name
     planted.parent.mkdir(parents=True)
     planted.write_bytes(forged)
-    check_part(Store.open(store), "block", block.stem, path=planted)  # the forgery passes its own checks
+    check_part(
+        Store.open(store), "block", block.stem, path=planted
+    )  # the forgery passes its own checks
     before = store_files(store)
     archive = tarball(tmp_path / "forged.tar.gz", {f"blocks/{block.name}": forged})
     report = unpack(archive, store)
     assert report.kept == [f"blocks/{block.name}"]
     assert store_files(store) == before
     r = run_kvsnap("unpack", archive, store)
-    assert r.returncode == 0 and f"blocks/{block.name}" in r.stdout and "not installed" in r.stdout, r.stdout + r.stderr
+    assert (
+        r.returncode == 0 and f"blocks/{block.name}" in r.stdout and "not installed" in r.stdout
+    ), r.stdout + r.stderr
     assert store_files(store) == before
 
 
 def test_a_damaged_file_under_a_shipped_name_is_repaired_by_the_install(store, built, tmp_path):
-    """The other side of the rule: a copy that fails its own checks is replaced by the verified shipped one."""
+    """The other side of the rule: a copy that fails its own checks is replaced by the verified
+    shipped one."""
     block = sorted((store / "blocks").iterdir())[0]
     good = block.read_bytes()
     block.write_bytes(good[:-1] + bytes([good[-1] ^ 0x01]))
@@ -162,16 +180,23 @@ def test_regression_a_gzip_bomb_is_refused_before_anything_is_written(store, tmp
         tar.addfile(info, io.BufferedReader(Zeros(size), 1 << 20))
     assert bomb.stat().st_size < 8 << 20
     before = store_files(store)
-    with pytest.raises(ArchiveError, match=r"expands to 1073741824 bytes from a \d+-byte archive, over 50 times"):
+    with pytest.raises(
+        ArchiveError, match=r"expands to 1073741824 bytes from a \d+-byte archive, over 50 times"
+    ):
         unpack(bomb, store)
-    assert store_files(store) == before and not [p for p in tmp_path.iterdir() if p.name.startswith(".kvsnap-stage-")]
+    assert store_files(store) == before and not [
+        p for p in tmp_path.iterdir() if p.name.startswith(".kvsnap-stage-")
+    ]
 
 
-@pytest.mark.parametrize("limit, expected", [
-    ({"max_files": 2}, r"holds more than 2 entries \(\$KVSNAP_UNPACK_MAX_FILES raises it\)"),
-    ({"max_file_bytes": 100}, r"declares \d+ bytes, over the 100-byte limit for one file"),
-    ({"max_total_bytes": 1000}, r"expands past 1000 bytes in all"),
-])
+@pytest.mark.parametrize(
+    "limit, expected",
+    [
+        ({"max_files": 2}, r"holds more than 2 entries \(\$KVSNAP_UNPACK_MAX_FILES raises it\)"),
+        ({"max_file_bytes": 100}, r"declares \d+ bytes, over the 100-byte limit for one file"),
+        ({"max_total_bytes": 1000}, r"expands past 1000 bytes in all"),
+    ],
+)
 def test_unpack_limits_on_entries_and_sizes(built, tmp_path, limit, expected):
     from kvsnap.store.archive import ArchiveError, pack
     from kvsnap.store.tar_limits import UnpackLimits
@@ -186,7 +211,9 @@ def test_a_huge_pax_header_is_refused_before_tarfile_reads_it(store, tmp_path):
     from kvsnap.store.archive import ArchiveError
 
     archive = tmp_path / "pax.tar"
-    with open(archive, "wb") as f:  # a pax header entry declaring 2 GiB: tarfile would read it whole
+    with open(
+        archive, "wb"
+    ) as f:  # a pax header entry declaring 2 GiB: tarfile would read it whole
         first = tarfile.TarInfo(MANIFEST)
         first.size = len((store / MANIFEST).read_bytes())
         data = (store / MANIFEST).read_bytes()

@@ -13,13 +13,13 @@ import signal
 from pathlib import Path
 
 import pytest
-
 from conftest import run_kvsnap
-from kvsnap.store.local import MANIFEST
-from kvsnap.store.oci import Reference, pull
 from test_archive import AGENTS, build_store, no_stage_dirs, store_files
 from test_oci import _push_raw, no_ambient_credentials, registry  # noqa: F401  (fixtures)
 from test_shipping_installs import forged_copy
+
+from kvsnap.store.local import MANIFEST
+from kvsnap.store.oci import Reference, pull
 
 
 @pytest.fixture(scope="module")
@@ -40,17 +40,22 @@ def store(built, tmp_path) -> Path:
 
 
 def test_regression_pull_never_overwrites_a_good_block_with_a_forged_one(registry, store, tmp_path):  # noqa: F811
-    """A registry artifact carrying other bytes under an existing block's name: reported, not installed."""
+    """A registry artifact carrying other bytes under an existing block's name: reported, not
+    installed."""
     block = sorted((store / "blocks").iterdir())[0]
     forged = forged_copy(block)
     ref = Reference.parse(registry.ref("ship/forged-block"))
     _push_raw(ref, {f"blocks/{block.name}": forged, MANIFEST: (store / MANIFEST).read_bytes()})
     before = {k: v for k, v in store_files(store).items() if k != MANIFEST}
     report = pull(ref, store)
-    assert report.kept == [f"blocks/{block.name}"] and f"blocks/{block.name}" not in report.downloaded
+    assert (
+        report.kept == [f"blocks/{block.name}"] and f"blocks/{block.name}" not in report.downloaded
+    )
     assert {k: v for k, v in store_files(store).items() if k != MANIFEST} == before
     r = run_kvsnap("pull", str(ref), store)
-    assert r.returncode == 0 and "not installed" in r.stdout and block.name in r.stdout, r.stdout + r.stderr
+    assert r.returncode == 0 and "not installed" in r.stdout and block.name in r.stdout, (
+        r.stdout + r.stderr
+    )
     assert block.read_bytes() == before[f"blocks/{block.name}"]
 
 
@@ -62,12 +67,17 @@ def blob_gets(registry, since: int) -> list[str]:  # noqa: F811
     return re.findall(r'"GET /v2/\S+/blobs/(sha256:[0-9a-f]{64}) HTTP/1\.[01]" 200', text)
 
 
-def test_regression_a_killed_pull_resumes_from_its_stage_and_downloads_only_what_is_missing(registry, built, tmp_path):  # noqa: F811
-    """Once: a killed pull left `.kvsnap-stage-*` forever, and the next pull downloaded everything again."""
+def test_regression_a_killed_pull_resumes_from_its_stage_and_downloads_only_what_is_missing(
+    registry, built, tmp_path
+):  # noqa: F811
+    """Once: a killed pull left `.kvsnap-stage-*` forever, and the next pull downloaded everything
+    again."""
     ref = registry.ref("ship/resume")
     assert run_kvsnap("push", built, ref).returncode == 0
     dest = tmp_path / "replica"
-    killed = run_kvsnap("pull", ref, dest, env={**os.environ, "KVSNAP_FAULT": "pull-staged-blob=kill"})
+    killed = run_kvsnap(
+        "pull", ref, dest, env={**os.environ, "KVSNAP_FAULT": "pull-staged-blob=kill"}
+    )
     assert killed.returncode == -signal.SIGKILL, (killed.returncode, killed.stderr)
     stages = [p for p in tmp_path.iterdir() if p.name.startswith(".kvsnap-stage-replica-")]
     assert len(stages) == 1 and not dest.exists()
@@ -88,7 +98,12 @@ def test_a_staged_file_that_does_not_match_its_blob_is_downloaded_again(registry
     ref = registry.ref("ship/resume-bad")
     assert run_kvsnap("push", built, ref).returncode == 0
     dest = tmp_path / "replica"
-    assert run_kvsnap("pull", ref, dest, env={**os.environ, "KVSNAP_FAULT": "pull-staged-blob=kill"}).returncode == -signal.SIGKILL
+    assert (
+        run_kvsnap(
+            "pull", ref, dest, env={**os.environ, "KVSNAP_FAULT": "pull-staged-blob=kill"}
+        ).returncode
+        == -signal.SIGKILL
+    )
     (stage,) = [p for p in tmp_path.iterdir() if p.name.startswith(".kvsnap-stage-replica-")]
     (staged,) = [p for p in stage.rglob("*") if p.is_file()]
     data = staged.read_bytes()

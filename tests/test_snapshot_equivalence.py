@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-import pytest
-
 import mlx.core as mx
+import pytest
+from conftest import LONG_SYSTEM
 from mlx_lm.generate import maybe_quantize_kv_cache
 
-from conftest import LONG_SYSTEM
+from kvsnap.chat import request_tokens, resolve_chat_template
+from kvsnap.key import prompt_identity
+from kvsnap.prompts import parse_entry, warm_prefix
 from kvsnap.runtime.prefill import prefill, prefill_in_blocks
 from kvsnap.snapshot.blocks import BlockSettings, plan_cuts
-from kvsnap.key import prompt_identity
-from kvsnap.chat import request_tokens, resolve_chat_template
-from kvsnap.prompts import parse_entry, warm_prefix
 from kvsnap.snapshot.codec import decode_cache, encode_cache, to_out_tensors
 from kvsnap.store.local import Store
 
@@ -24,7 +23,9 @@ CASES = [
     pytest.param("dense-q4", {}, id="4bit-weights"),
 ]
 N_GEN = 32
-BLOCKS = BlockSettings(64, 128)  # small, so every case composes several blocks (and, on hybrids, checkpoints)
+BLOCKS = BlockSettings(
+    64, 128
+)  # small, so every case composes several blocks (and, on hybrids, checkpoints)
 
 
 def _continue(lm, cache, suffix, n=N_GEN):
@@ -67,7 +68,9 @@ def _snapshot_roundtrip(lm, entry, tokens, tmp_path, blocks=BLOCKS):
 
 
 @pytest.mark.parametrize("name,settings", CASES)
-def test_restored_snapshot_matches_fresh_prefill(demo_models, isolated_cache, tmp_path, name, settings):
+def test_restored_snapshot_matches_fresh_prefill(
+    demo_models, isolated_cache, tmp_path, name, settings
+):
     lm = demo_models.load(name, **settings)
     entry, warm, full = _request(lm)
     if name == "sliding":
@@ -141,18 +144,30 @@ DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
 def _expected_state_bytes(config: dict, settings, n: int) -> int:
-    """Bytes of exactly ``n`` tokens of KV (plus SSM state), from the model config alone: no encoder, no cache object."""
-    layers, heads, head_dim = config["num_hidden_layers"], config["num_key_value_heads"], config["head_dim"]
+    """Bytes of exactly ``n`` tokens of KV (plus SSM state), from the model config alone: no
+    encoder, no cache object."""
+    layers, heads, head_dim = (
+        config["num_hidden_layers"],
+        config["num_key_value_heads"],
+        config["head_dim"],
+    )
     act = DTYPE_BYTES[config["torch_dtype"]]
     if settings.kv_bits:
         # Per token and head: packed uint32 codes, then one scale and one bias per group.
-        per_vector = head_dim * settings.kv_bits // 8 + 2 * (head_dim // settings.kv_group_size) * act
+        per_vector = (
+            head_dim * settings.kv_bits // 8 + 2 * (head_dim // settings.kv_group_size) * act
+        )
     else:
         per_vector = head_dim * act
     if config["model_type"] == "qwen3_next":
         attention = layers // config["full_attention_interval"]
-        conv_dim = 2 * config["linear_num_key_heads"] * config["linear_key_head_dim"] + config["linear_num_value_heads"] * config["linear_value_head_dim"]
-        ssm = (config["linear_conv_kernel_dim"] - 1) * conv_dim + config["linear_num_value_heads"] * config["linear_key_head_dim"] * config["linear_value_head_dim"]
+        conv_dim = (
+            2 * config["linear_num_key_heads"] * config["linear_key_head_dim"]
+            + config["linear_num_value_heads"] * config["linear_value_head_dim"]
+        )
+        ssm = (config["linear_conv_kernel_dim"] - 1) * conv_dim + config[
+            "linear_num_value_heads"
+        ] * config["linear_key_head_dim"] * config["linear_value_head_dim"]
         return attention * 2 * heads * n * per_vector + (layers - attention) * ssm * act
     if config["model_type"] == "gemma3_text":
         # Window layers keep window - 1 + the last chunk (so every token of it sees a full
@@ -166,7 +181,8 @@ def _expected_state_bytes(config: dict, settings, n: int) -> int:
 
 @pytest.mark.parametrize("name,settings", CASES)
 def test_snapshot_size_is_exact_kv_bytes(demo_models, isolated_cache, tmp_path, name, settings):
-    """Regression (mutation run): the expected size came from the encoder under test, so storing the padded buffer passed."""
+    """Regression (mutation run): the expected size came from the encoder under test, so storing
+    the padded buffer passed."""
     import json
     import struct
 
@@ -174,17 +190,26 @@ def test_snapshot_size_is_exact_kv_bytes(demo_models, isolated_cache, tmp_path, 
     entry, warm, _ = _request(lm)
     from kvsnap.store.parts import chain_relpaths
 
-    _, path = _snapshot_roundtrip(lm, entry, warm, tmp_path, BlockSettings())  # the defaults: one checkpoint, at the end
+    _, path = _snapshot_roundtrip(
+        lm, entry, warm, tmp_path, BlockSettings()
+    )  # the defaults: one checkpoint, at the end
     info = Store(root=(tmp_path / "store").resolve()).inspect(path)
     data = 0
-    for file in [path, *(tmp_path / "store" / rel for rel in chain_relpaths(info))]:  # the record, its blocks and checkpoint
+    for file in [
+        path,
+        *(tmp_path / "store" / rel for rel in chain_relpaths(info)),
+    ]:  # the record, its blocks and checkpoint
         raw = file.read_bytes()
         (header_len,) = struct.unpack("<Q", raw[:8])
-        tensors = {k: v for k, v in json.loads(raw[8 : 8 + header_len]).items() if k != "__metadata__"}
+        tensors = {
+            k: v for k, v in json.loads(raw[8 : 8 + header_len]).items() if k != "__metadata__"
+        }
         size = sum(end - start for start, end in (t["data_offsets"] for t in tensors.values()))
         assert len(raw) == 8 + header_len + size  # nothing but the header and the tensors
         if file == path:
             assert tensors["tokens"]["shape"] == [len(warm)] and size == 4 * len(warm)
         data += size
     expected = _expected_state_bytes(lm.config, lm.settings, len(warm)) + 4 * len(warm)
-    assert data == expected, f"{data} bytes of tensors, {expected} expected ({data / expected:.2f}x)"
+    assert data == expected, (
+        f"{data} bytes of tensors, {expected} expected ({data / expected:.2f}x)"
+    )

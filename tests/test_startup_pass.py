@@ -8,12 +8,19 @@ import shutil
 from pathlib import Path
 
 import pytest
-
 from conftest import LONG_SYSTEM, run_kvsnap
 
 AGENTS = [
     {"name": "reviewer", "messages": [{"role": "system", "content": LONG_SYSTEM}]},
-    {"name": "planner", "messages": [{"role": "system", "content": "You are a planner agent. Plan each task step by step. " * 4}]},
+    {
+        "name": "planner",
+        "messages": [
+            {
+                "role": "system",
+                "content": "You are a planner agent. Plan each task step by step. " * 4,
+            }
+        ],
+    },
 ]
 
 
@@ -24,22 +31,40 @@ def world(demo_models, tmp_path, monkeypatch):
     shutil.copytree(demo_models.path("dense"), model)
     agents = tmp_path / "agents.json"
     agents.write_text(json.dumps(AGENTS))
-    r = run_kvsnap("build", agents, "--model", model, "--out", tmp_path / "snaps", env={"KVSNAP_CACHE_DIR": str(tmp_path / "cache")})
+    r = run_kvsnap(
+        "build",
+        agents,
+        "--model",
+        model,
+        "--out",
+        tmp_path / "snaps",
+        env={"KVSNAP_CACHE_DIR": str(tmp_path / "cache")},
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     return {"model": model, "agents": agents, "store": tmp_path / "snaps"}
 
 
 def _start(world):
-    from kvsnap.runtime.engine import Engine, EngineConfig
     from kvsnap.prompts import load_warm_prompts
+    from kvsnap.runtime.engine import Engine, EngineConfig
 
-    engine = Engine(EngineConfig(model=str(world["model"]), warm_prompts=load_warm_prompts(world["agents"]), warm_prompts_file=str(world["agents"]), snapshots=str(world["store"]), write_back=False))
+    engine = Engine(
+        EngineConfig(
+            model=str(world["model"]),
+            warm_prompts=load_warm_prompts(world["agents"]),
+            warm_prompts_file=str(world["agents"]),
+            snapshots=str(world["store"]),
+            write_back=False,
+        )
+    )
     engine.start()
     assert engine.wait_warm(120)
     return engine
 
 
-def test_each_pinned_snapshot_is_opened_and_parsed_once_to_index_and_once_to_restore(world, monkeypatch):
+def test_each_pinned_snapshot_is_opened_and_parsed_once_to_index_and_once_to_restore(
+    world, monkeypatch
+):
     import kvsnap.snapshot.file
     import kvsnap.snapshot.header
     import kvsnap.store.local
@@ -60,9 +85,17 @@ def test_each_pinned_snapshot_is_opened_and_parsed_once_to_index_and_once_to_res
 
     records = sorted(str(p) for p in (world["store"] / "snapshots").iterdir())
     store = Store.open(world["store"])
-    parts = sorted({str(world["store"] / rel) for r in records for rel in chain_relpaths(store.inspect(Path(r)))})
+    parts = sorted(
+        {
+            str(world["store"] / rel)
+            for r in records
+            for rel in chain_relpaths(store.inspect(Path(r)))
+        }
+    )
     monkeypatch.setattr(kvsnap.store.local, "parse_header", counting_parse)
-    monkeypatch.setattr(kvsnap.store.fileio, "parse_header", counting_parse)  # restores read whole files there
+    monkeypatch.setattr(
+        kvsnap.store.fileio, "parse_header", counting_parse
+    )  # restores read whole files there
     monkeypatch.setattr(kvsnap.store.local, "read_header", no_reread)
     monkeypatch.setattr(kvsnap.snapshot.header, "tensor_bytes", no_reread)
     engine = _start(world)
@@ -81,7 +114,9 @@ def test_unchanged_warm_prompts_reuse_their_recorded_tokens(world, monkeypatch):
 
     calls = []
     real = kvsnap.runtime.warm_recipe.warm_prefix
-    monkeypatch.setattr(kvsnap.runtime.warm_recipe, "warm_prefix", lambda *a, **k: calls.append(a) or real(*a, **k))
+    monkeypatch.setattr(
+        kvsnap.runtime.warm_recipe, "warm_prefix", lambda *a, **k: calls.append(a) or real(*a, **k)
+    )
     engine = _start(world)
     try:
         status = engine.status()
@@ -100,12 +135,16 @@ def test_a_template_edit_falls_back_to_the_full_computation(world, monkeypatch):
     config.write_text(json.dumps(data))
     calls = []
     real = kvsnap.runtime.warm_recipe.warm_prefix
-    monkeypatch.setattr(kvsnap.runtime.warm_recipe, "warm_prefix", lambda *a, **k: calls.append(a) or real(*a, **k))
+    monkeypatch.setattr(
+        kvsnap.runtime.warm_recipe, "warm_prefix", lambda *a, **k: calls.append(a) or real(*a, **k)
+    )
     engine = _start(world)
     try:
         status = engine.status()
         assert len(calls) == 2 and status["warmup"]["recipes_reused"] == 0
-        assert status["snapshots"]["prefilled"] == 2  # the old snapshots no longer match: prefilled afresh
+        assert (
+            status["snapshots"]["prefilled"] == 2
+        )  # the old snapshots no longer match: prefilled afresh
     finally:
         engine.shutdown()
 
@@ -113,14 +152,19 @@ def test_a_template_edit_falls_back_to_the_full_computation(world, monkeypatch):
 def test_a_recipe_whose_tokens_do_not_give_the_key_is_not_trusted(world, monkeypatch):
     import kvsnap.runtime.warm_recipe
     from kvsnap.runtime.modeling import load_model
-    from kvsnap.store.local import Store
     from kvsnap.runtime.warm_recipe import recorded_prefix
+    from kvsnap.store.local import Store
 
     identity = load_model(world["model"]).identity()
     info = Store.open(world["store"], readonly=True).scan(identity)[0][0]
-    forged = dataclasses.replace(info, tokens=info.tokens[:-1])  # a header whose tokens do not give its key
+    forged = dataclasses.replace(
+        info, tokens=info.tokens[:-1]
+    )  # a header whose tokens do not give its key
     monkeypatch.setattr(kvsnap.runtime.warm_recipe, "warm_recipe", lambda *a: "same-recipe")
-    assert recorded_prefix({"same-recipe": info}, None, info.prompt_digest, identity, "") == info.tokens
+    assert (
+        recorded_prefix({"same-recipe": info}, None, info.prompt_digest, identity, "")
+        == info.tokens
+    )
     assert recorded_prefix({"same-recipe": forged}, None, info.prompt_digest, identity, "") is None
 
 
@@ -130,7 +174,15 @@ def arch_world(request, demo_models, tmp_path, monkeypatch):
     agents = tmp_path / "agents.json"
     agents.write_text(json.dumps(AGENTS))
     model = demo_models.path(request.param)
-    r = run_kvsnap("build", agents, "--model", model, "--out", tmp_path / "snaps", env={"KVSNAP_CACHE_DIR": str(tmp_path / "cache")})
+    r = run_kvsnap(
+        "build",
+        agents,
+        "--model",
+        model,
+        "--out",
+        tmp_path / "snaps",
+        env={"KVSNAP_CACHE_DIR": str(tmp_path / "cache")},
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     return {"model": model, "agents": agents, "store": tmp_path / "snaps"}
 
@@ -140,9 +192,8 @@ def _slow_load_and_count_reads(engine_holder, monkeypatch):
     import time
 
     import kvsnap.runtime.modeling
-    import kvsnap.store.local
-
     import kvsnap.store.fileio
+    import kvsnap.store.local
 
     reads = []
     real_load, real_read = kvsnap.runtime.modeling.load_model, kvsnap.store.parts.read_part
@@ -169,23 +220,36 @@ def _answer(engine, tokens):
 
 
 def test_snapshots_restored_during_the_model_load_answer_like_a_cold_start(arch_world, monkeypatch):
-    from kvsnap.runtime.engine import Engine, EngineConfig
     from kvsnap.chat import request_tokens
     from kvsnap.prompts import load_warm_prompts
+    from kvsnap.runtime.engine import Engine, EngineConfig
 
     holder: list = []
     reads = _slow_load_and_count_reads(holder, monkeypatch)
-    warm = Engine(EngineConfig(model=str(arch_world["model"]), warm_prompts=load_warm_prompts(arch_world["agents"]), warm_prompts_file=str(arch_world["agents"]), snapshots=str(arch_world["store"]), write_back=False))
+    warm = Engine(
+        EngineConfig(
+            model=str(arch_world["model"]),
+            warm_prompts=load_warm_prompts(arch_world["agents"]),
+            warm_prompts_file=str(arch_world["agents"]),
+            snapshots=str(arch_world["store"]),
+            write_back=False,
+        )
+    )
     holder.append(warm)
     warm.start()
     cold = Engine(EngineConfig(model=str(arch_world["model"])))
     cold.start()
     try:
         assert warm.wait_warm(120) and cold.wait_warm(120)
-        assert reads and not any(reads)  # every block and checkpoint of both pinned snapshots was read while the model loaded
+        assert reads and not any(
+            reads
+        )  # every block and checkpoint of both pinned snapshots was read while the model loaded
         status = warm.status()
         assert status["snapshots"]["loaded"] == 2 and status["warmup"]["prefetch_seconds"] > 0
-        tokens = request_tokens(warm.lm.tokenizer, AGENTS[0]["messages"] + [{"role": "user", "content": "Check the parser."}])
+        tokens = request_tokens(
+            warm.lm.tokenizer,
+            AGENTS[0]["messages"] + [{"role": "user", "content": "Check the parser."}],
+        )
         got, want = _answer(warm, tokens), _answer(cold, tokens)
         assert got.cached_tokens > 100 and want.cached_tokens == 0
         assert got.text == want.text and got.completion_tokens == want.completion_tokens
@@ -194,13 +258,17 @@ def test_snapshots_restored_during_the_model_load_answer_like_a_cold_start(arch_
         cold.shutdown()
 
 
-def test_a_corrupt_snapshot_found_during_the_overlapped_read_is_rejected_and_prefilled(world, monkeypatch):
+def test_a_corrupt_snapshot_found_during_the_overlapped_read_is_rejected_and_prefilled(
+    world, monkeypatch
+):
     from kvsnap.snapshot.file import read_header
     from kvsnap.store.local import Store
     from kvsnap.store.parts import chain_relpaths
 
     record = sorted((world["store"] / "snapshots").iterdir())[0]
-    victim = world["store"] / chain_relpaths(Store.open(world["store"]).inspect(record))[-1]  # its own last block (or checkpoint)
+    victim = (
+        world["store"] / chain_relpaths(Store.open(world["store"]).inspect(record))[-1]
+    )  # its own last block (or checkpoint)
     header = read_header(victim)
     layer = next(iter(header.tensors.values()))
     data = bytearray(victim.read_bytes())
@@ -208,10 +276,18 @@ def test_a_corrupt_snapshot_found_during_the_overlapped_read_is_rejected_and_pre
     victim.write_bytes(bytes(data))
     holder: list = []
     reads = _slow_load_and_count_reads(holder, monkeypatch)
-    from kvsnap.runtime.engine import Engine, EngineConfig
     from kvsnap.prompts import load_warm_prompts
+    from kvsnap.runtime.engine import Engine, EngineConfig
 
-    engine = Engine(EngineConfig(model=str(world["model"]), warm_prompts=load_warm_prompts(world["agents"]), warm_prompts_file=str(world["agents"]), snapshots=str(world["store"]), write_back=False))
+    engine = Engine(
+        EngineConfig(
+            model=str(world["model"]),
+            warm_prompts=load_warm_prompts(world["agents"]),
+            warm_prompts_file=str(world["agents"]),
+            snapshots=str(world["store"]),
+            write_back=False,
+        )
+    )
     holder.append(engine)
     engine.start()
     try:
@@ -219,12 +295,17 @@ def test_a_corrupt_snapshot_found_during_the_overlapped_read_is_rejected_and_pre
         assert reads[:2] == [False, False]
         snaps = engine.status()["snapshots"]
         assert snaps["loaded"] == 1 and snaps["prefilled"] == 1 and snaps["rejected"] == 1
-        assert snaps["rejected_reasons"][0]["file"] == str(victim) and "checksum" in snaps["rejected_reasons"][0]["reason"]
+        assert (
+            snaps["rejected_reasons"][0]["file"] == str(victim)
+            and "checksum" in snaps["rejected_reasons"][0]["reason"]
+        )
     finally:
         engine.shutdown()
 
 
-def test_the_two_thread_read_gives_the_same_bytes_and_names_a_truncation(world, monkeypatch, tmp_path):
+def test_the_two_thread_read_gives_the_same_bytes_and_names_a_truncation(
+    world, monkeypatch, tmp_path
+):
     import mlx.core as mx
 
     import kvsnap.snapshot.file
@@ -234,7 +315,9 @@ def test_the_two_thread_read_gives_the_same_bytes_and_names_a_truncation(world, 
     store = Store.open(world["store"], readonly=True)
     info = store.scan()[0][0]
     one = store.load_arrays(info)
-    monkeypatch.setattr(kvsnap.snapshot.file, "PARALLEL_READ_MIN", 1024)  # the tiny files take the two-thread path too
+    monkeypatch.setattr(
+        kvsnap.snapshot.file, "PARALLEL_READ_MIN", 1024
+    )  # the tiny files take the two-thread path too
     two = store.load_arrays(info)
     assert one.keys() == two.keys() and all(mx.array_equal(one[k], two[k]) for k in one)
     # A file cut short after it was indexed: named, never served.
@@ -278,7 +361,9 @@ def _start_and_record(world, with_prompts: bool) -> dict:
     agents = world["agents"]
     prompts = {"warm_prompts": load_warm_prompts(agents), "warm_prompts_file": str(agents)}
     config = EngineConfig(
-        model=str(world["model"]), snapshots=str(world["store"]), write_back=False,
+        model=str(world["model"]),
+        snapshots=str(world["store"]),
+        write_back=False,
         **(prompts if with_prompts else {}),
     )
     with pytest.MonkeyPatch.context() as patch:  # undone before the next start

@@ -21,7 +21,14 @@ import pytest
 from kvsnap.build import build_snapshots
 from kvsnap.errors import SnapshotError, StoreError
 from kvsnap.snapshot.file import OutTensor
-from kvsnap.snapshot.format import CHECKSUM_KEY, FORMAT_VERSION, MANIFEST, SNAPSHOT_REL_RE, relpath_of_file, snapshot_relpath
+from kvsnap.snapshot.format import (
+    CHECKSUM_KEY,
+    FORMAT_VERSION,
+    MANIFEST,
+    SNAPSHOT_REL_RE,
+    relpath_of_file,
+    snapshot_relpath,
+)
 from kvsnap.store.local import TMP_PREFIX, Store
 
 KEY = "0123456789abcdef0123456789abcdef"
@@ -32,7 +39,19 @@ OTHER_KEY = "fedcba9876543210fedcba9876543210"
 
 
 def agents(names, extra: str = "") -> list[dict]:
-    return [{"name": n, "messages": [{"role": "system", "content": f"You are the {n} agent. Answer briefly and check the tests first.{extra}"}]} for n in names]
+    return [
+        {
+            "name": n,
+            "messages": [
+                {
+                    "role": "system",
+                    "content": f"You are the {n} agent. Answer briefly and check the tests "
+                    f"first.{extra}",
+                }
+            ],
+        }
+        for n in names
+    ]
 
 
 def write_agents(path: Path, entries: list) -> Path:
@@ -127,7 +146,9 @@ def flip_layer_offset(path: Path, **_):
 def flip_format_version(path: Path, **_):
     data = path.read_bytes()
     start, end = header_bounds(data)
-    at = data.index(f'"kvsnap.format":"{FORMAT_VERSION}"'.encode(), start, end) + len('"kvsnap.format":"')  # a record
+    at = data.index(f'"kvsnap.format":"{FORMAT_VERSION}"'.encode(), start, end) + len(
+        '"kvsnap.format":"'
+    )  # a record
     b = bytearray(data)
     b[at] = ord("1")  # no kvsnap reads format 1 any more
     path.write_bytes(bytes(b))
@@ -174,20 +195,57 @@ def make_directory(path: Path, **_):
 
 # name -> (how to damage a good snapshot in place, what the refusal must say)
 FAULTS = {
-    "data-byte-flipped": (lambda path, **_: flip_kv_byte(path), r"tokens do not match the recorded tokens digest"),  # a record's data is its tokens
-    "header-tokens-digest-flipped": (flip_in_metadata("kvsnap.tokens_digest"), r"tokens do not match the recorded tokens digest"),
+    "data-byte-flipped": (
+        lambda path, **_: flip_kv_byte(path),
+        r"tokens do not match the recorded tokens digest",
+    ),  # a record's data is its tokens
+    "header-tokens-digest-flipped": (
+        flip_in_metadata("kvsnap.tokens_digest"),
+        r"tokens do not match the recorded tokens digest",
+    ),
     "header-checksum-flipped": (flip_in_metadata(CHECKSUM_KEY), r"checksum mismatch"),
     "header-layer-offset-flipped": (flip_layer_offset, r"checksum mismatch"),
     "header-json-broken": (lambda path, **_: flip_at(path, 8), r"header is not valid JSON"),
-    "old-format-version": (flip_format_version, rf"format version '1' is not one this kvsnap reads \(2 or {FORMAT_VERSION}\); rebuild"),
+    "old-format-version": (
+        flip_format_version,
+        rf"format version '1' is not one this kvsnap reads \(2 or {FORMAT_VERSION}\); rebuild",
+    ),
     "truncated": (truncate_to(0.6), r"truncated"),
     "zero-length": (truncate_to(0), r"file is 0 bytes"),
-    "huge-header-size": (set_length_prefix(lambda size: 1 << 40), r"declared header size \d+ exceeds the \d+-byte limit"),
-    "header-size-past-end": (set_length_prefix(lambda size: size), r"runs past the end of the \d+-byte file"),
-    "offsets-past-end": (overwrite_with(craft('{"tokens":{"dtype":"I32","shape":[1000000],"data_offsets":[0,4000000]}}', b"\0" * 16)), r"tensors cover 4000000 data bytes but the file holds 16"),
-    "not-safetensors": (overwrite_with(b"this is a text file, not a snapshot\n" * 20), r"not a safetensors file"),
-    "plain-safetensors": (overwrite_with(craft('{"x":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}', b"\0" * 8)), r"not a kvsnap snapshot: metadata lacks"),
-    "duplicate-header-key": (overwrite_with(craft('{"x":{"dtype":"U8","shape":[4],"data_offsets":[0,4]},"x":{"dtype":"I8","shape":[4],"data_offsets":[0,4]}}', b"\0" * 4)), r"header repeats the key 'x'"),
+    "huge-header-size": (
+        set_length_prefix(lambda size: 1 << 40),
+        r"declared header size \d+ exceeds the \d+-byte limit",
+    ),
+    "header-size-past-end": (
+        set_length_prefix(lambda size: size),
+        r"runs past the end of the \d+-byte file",
+    ),
+    "offsets-past-end": (
+        overwrite_with(
+            craft(
+                '{"tokens":{"dtype":"I32","shape":[1000000],"data_offsets":[0,4000000]}}',
+                b"\0" * 16,
+            )
+        ),
+        r"tensors cover 4000000 data bytes but the file holds 16",
+    ),
+    "not-safetensors": (
+        overwrite_with(b"this is a text file, not a snapshot\n" * 20),
+        r"not a safetensors file",
+    ),
+    "plain-safetensors": (
+        overwrite_with(craft('{"x":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}', b"\0" * 8)),
+        r"not a kvsnap snapshot: metadata lacks",
+    ),
+    "duplicate-header-key": (
+        overwrite_with(
+            craft(
+                '{"x":{"dtype":"U8","shape":[4],"data_offsets":[0,4]},"x":{"dtype":"I8","shape":[4],"data_offsets":[0,4]}}',
+                b"\0" * 4,
+            )
+        ),
+        r"header repeats the key 'x'",
+    ),
     "symlink-outside-store": (symlink_outside, r"symbolic link \(pointing outside the store\)"),
     "copied-over-another-key": (copy_donor, r"file name does not match its key"),
     "directory": (make_directory, r"not a regular file"),
@@ -205,8 +263,8 @@ def dense(demo_models):
 @pytest.fixture(scope="module")
 def dense_seed1(demo_models):
     """Same architecture and shapes as ``dense``, other weights and tokenizer."""
-    from kvsnap.tools.demo import DemoSpec, make_demo_model
     from kvsnap.runtime.modeling import load_model
+    from kvsnap.tools.demo import DemoSpec, make_demo_model
 
     return load_model(make_demo_model(demo_models.root / "dense-seed1", DemoSpec(seed=1)))
 
@@ -215,7 +273,9 @@ def dense_seed1(demo_models):
 def base_store(dense, tmp_path_factory) -> Path:
     """Three good snapshots; tests copy it before changing anything."""
     d = tmp_path_factory.mktemp("base")
-    report = build(dense, write_agents(d / "agents.json", agents(["alpha", "beta", "gamma"])), d / "store")
+    report = build(
+        dense, write_agents(d / "agents.json", agents(["alpha", "beta", "gamma"])), d / "store"
+    )
     assert statuses(report) == {"alpha": "built", "beta": "built", "gamma": "built"}
     return d / "store"
 
@@ -238,7 +298,9 @@ class FsyncSpy:
 
     def __call__(self, fd: int) -> None:
         st = os.fstat(fd)
-        self.calls.append(("dir" if stat.S_ISDIR(st.st_mode) else "file", st.st_ino, self.watch.exists()))
+        self.calls.append(
+            ("dir" if stat.S_ISDIR(st.st_mode) else "file", st.st_ino, self.watch.exists())
+        )
         os.fsync(fd)
 
 
@@ -249,7 +311,10 @@ def test_put_fsyncs_the_temp_file_then_renames_then_fsyncs_the_directory(tmp_pat
     with store.lock():
         assert store.put(KEY, raw_tensors(), {"a": "b"}) == target
     # the very file now at target was synced before it got its name, then the folder after
-    assert spy.calls == [("file", target.stat().st_ino, False), ("dir", store.snapshots_dir.stat().st_ino, True)]
+    assert spy.calls == [
+        ("file", target.stat().st_ino, False),
+        ("dir", store.snapshots_dir.stat().st_ino, True),
+    ]
     assert store.temp_files() == [] and sorted(os.listdir(store.snapshots_dir)) == [target.name]
 
 
@@ -259,11 +324,15 @@ def test_manifest_updates_fsync_the_file_and_the_root(tmp_path):
     for n in (1, 2):  # creating it, then replacing it
         old_ino = manifest.stat().st_ino if manifest.exists() else None
         store.fsync = spy = FsyncSpy(manifest)
-        store.update_record(f"r{n}", lambda r: {"entries": [{"name": "a", "file": snapshot_relpath(KEY)}]})
+        store.update_record(
+            f"r{n}", lambda r: {"entries": [{"name": "a", "file": snapshot_relpath(KEY)}]}
+        )
         new_ino = manifest.stat().st_ino
         assert new_ino != old_ino
         assert spy.calls == [("file", new_ino, n == 2), ("dir", store.root.stat().st_ino, True)]
-        assert sorted(json.loads(manifest.read_text())["records"]) == [f"r{i}" for i in range(1, n + 1)]
+        assert sorted(json.loads(manifest.read_text())["records"]) == [
+            f"r{i}" for i in range(1, n + 1)
+        ]
         assert store.temp_files() == []
 
 
@@ -304,7 +373,11 @@ def test_put_hitting_enospc_leaves_the_store_exactly_as_before(store_copy, point
     existing = store_copy.snapshot_files()[0].name.removesuffix(".safetensors")
     store = Store.open(store_copy.root, fault=enospc_at(point))
     for key in (KEY, existing):  # a new snapshot, and a replacement of an existing one
-        with pytest.raises(StoreError, match=r"cannot write snapshot .*No space left on device.*the store is unchanged; free some disk space"):
+        with pytest.raises(
+            StoreError,
+            match=r"cannot write snapshot .*No space left on device.*the store is unchanged; free "
+            r"some disk space",
+        ):
             with store.lock():
                 store.put(key, raw_tensors(), {})
     assert tree(store_copy.root) == before
@@ -313,7 +386,11 @@ def test_put_hitting_enospc_leaves_the_store_exactly_as_before(store_copy, point
 def test_manifest_update_hitting_enospc_keeps_the_manifest_bytes(store_copy):
     before = tree(store_copy.root)
     store = Store.open(store_copy.root, fault=enospc_at("after-write"))
-    with pytest.raises(StoreError, match=r"cannot write .*manifest.json .*No space left on device.*previous manifest is intact"):
+    with pytest.raises(
+        StoreError,
+        match=r"cannot write .*manifest.json .*No space left on device"
+        r".*previous manifest is intact",
+    ):
         store.update_record("r", lambda r: {"entries": []})
     assert tree(store_copy.root) == before
 
@@ -322,14 +399,30 @@ def test_a_build_on_a_full_disk_fails_every_entry_and_changes_nothing(dense, sto
     agents_file = write_agents(tmp_path / "agents.json", agents(["alpha", "beta", "gamma"]))
     before = tree(store_copy.root)
     report = build(dense, agents_file, store_copy.root, fault=enospc_at("after-write"), force=True)
-    assert statuses(report) == {"alpha": "failed", "beta": "failed", "gamma": "failed"} and not report.ok
+    assert (
+        statuses(report) == {"alpha": "failed", "beta": "failed", "gamma": "failed"}
+        and not report.ok
+    )
     assert all("No space left on device" in e.error for e in report.entries)
     assert tree(store_copy.root) == before
 
 
 @pytest.mark.parametrize(
     "bad_key",
-    ["../../../etc/passwd", "../" + KEY, KEY + "/../x", KEY.upper(), KEY[:-1], KEY + "0", KEY + "\n", "\n" + KEY, "", "/" + KEY[1:], KEY[:16] + "." + KEY[17:], None],
+    [
+        "../../../etc/passwd",
+        "../" + KEY,
+        KEY + "/../x",
+        KEY.upper(),
+        KEY[:-1],
+        KEY + "0",
+        KEY + "\n",
+        "\n" + KEY,
+        "",
+        "/" + KEY[1:],
+        KEY[:16] + "." + KEY[17:],
+        None,
+    ],
 )
 def test_path_for_refuses_anything_but_32_lowercase_hex(tmp_path, bad_key):
     store = Store.open(tmp_path / "s", create=True)
@@ -342,7 +435,9 @@ def test_path_for_refuses_anything_but_32_lowercase_hex(tmp_path, bad_key):
 
 
 @pytest.mark.parametrize("fault", list(FAULTS))
-def test_a_bad_file_is_refused_by_verify_and_load_and_nothing_else_is_touched(store_copy, tmp_path, fault):
+def test_a_bad_file_is_refused_by_verify_and_load_and_nothing_else_is_touched(
+    store_copy, tmp_path, fault
+):
     files = store_copy.snapshot_files()
     victim, donor = files[0], files[1]
     indexed = store_copy.inspect(victim)  # what a server indexed before the file went bad
@@ -369,7 +464,8 @@ def test_a_bad_file_is_refused_by_verify_and_load_and_nothing_else_is_touched(st
 
 
 def test_regression_one_flipped_digit_in_a_layer_offset_is_caught(store_copy):
-    """v1 checksummed only the data: this header edit verified and loaded a KVCache whose offset lied."""
+    """v1 checksummed only the data: this header edit verified and loaded a KVCache whose offset
+    lied."""
     victim = store_copy.snapshot_files()[0]
     flip_layer_offset(victim)
     header_json = victim.read_bytes()[slice(*header_bounds(victim.read_bytes()))]
@@ -394,14 +490,18 @@ def test_load_arrays_returns_the_arrays_of_a_good_file(dense, store_copy):
     assert store_copy.read_tokens(info) == arrays["tokens"].tolist()
 
 
-def test_a_snapshot_of_another_model_is_refused_when_the_model_is_given(dense, dense_seed1, store_copy, tmp_path):
+def test_a_snapshot_of_another_model_is_refused_when_the_model_is_given(
+    dense, dense_seed1, store_copy, tmp_path
+):
     agents_file = write_agents(tmp_path / "agents.json", agents(["alpha"]))
     report = build(dense_seed1, agents_file, store_copy.root)
     foreign = store_copy.path_for(report.entries[0].key)
     before = tree(store_copy.root)
     mine = dense.identity()
     store_copy.verify_file(foreign)  # well-formed on its own
-    with pytest.raises(SnapshotError, match=r"built for another model or KV setting \(differs in: .*weights") as exc:
+    with pytest.raises(
+        SnapshotError, match=r"built for another model or KV setting \(differs in: .*weights"
+    ) as exc:
         store_copy.verify_file(foreign, mine)
     assert exc.value.path == str(foreign)
     with pytest.raises(SnapshotError, match="built for another model"):
@@ -440,12 +540,22 @@ def test_an_unchanged_rebuild_prefills_nothing_and_rewrites_no_snapshot(dense, f
     manifest_before = (store.root / MANIFEST).read_bytes()
     prefills = []
     real_prefill = kvsnap.build.prefill_in_blocks
-    monkeypatch.setattr(kvsnap.build, "prefill_in_blocks", lambda lm, tokens, *a, **k: prefills.append(len(tokens)) or real_prefill(lm, tokens, *a, **k))
+    monkeypatch.setattr(
+        kvsnap.build,
+        "prefill_in_blocks",
+        lambda lm, tokens, *a, **k: (
+            prefills.append(len(tokens)) or real_prefill(lm, tokens, *a, **k)
+        ),
+    )
     rec = Recorder()
     report = build(dense, agents_file, store.root, fault=rec)
-    assert statuses(report) == {"alpha": "reused", "beta": "reused", "gamma": "reused"} and report.ok
+    assert (
+        statuses(report) == {"alpha": "reused", "beta": "reused", "gamma": "reused"} and report.ok
+    )
     assert keys(report) == keys(first)
-    assert prefills == [] and rec.points == ["model-loaded"]  # a marker only: no prefill, no snapshot write, no manifest write
+    assert prefills == [] and rec.points == [
+        "model-loaded"
+    ]  # a marker only: no prefill, no snapshot write, no manifest write
     assert stamps(store) == before
     assert (store.root / MANIFEST).read_bytes() == manifest_before
 
@@ -522,21 +632,29 @@ def test_a_build_refuses_a_damaged_manifest_before_prefilling(dense, fresh):
 def test_gc_removes_a_dropped_entry_but_never_one_another_model_uses(dense, dense_seed1, tmp_path):
     from kvsnap.snapshot.blocks import BlockSettings
 
-    small = BlockSettings(4, 1024)  # blocks on a fixed grid: short prompts share whole 4-token blocks
+    small = BlockSettings(
+        4, 1024
+    )  # blocks on a fixed grid: short prompts share whole 4-token blocks
     agents_file = write_agents(tmp_path / "agents.json", agents(["alpha", "beta", "gamma"]))
     first = build(dense, agents_file, tmp_path / "store", blocks=small)
     store = Store.open(tmp_path / "store")
-    other = build(dense_seed1, agents_file, store.root, blocks=small)  # a second record in the same store
+    other = build(
+        dense_seed1, agents_file, store.root, blocks=small
+    )  # a second record in the same store
     write_agents(agents_file, agents(["alpha", "beta"]))  # gamma leaves the agents file
     report = build(dense, agents_file, store.root, blocks=small)
     assert statuses(report) == {"alpha": "reused", "beta": "reused"}
     from kvsnap.store.parts import chain_relpaths
 
     gone = store.path_for(keys(first)["gamma"])
-    staying = [store.inspect(store.path_for(k)) for k in [*keys(report).values(), *keys(other).values()]]
+    staying = [
+        store.inspect(store.path_for(k)) for k in [*keys(report).values(), *keys(other).values()]
+    ]
     shared = {rel for info in staying for rel in chain_relpaths(info)}
     own = [store.root / rel for rel in chain_relpaths(store.inspect(gone)) if rel not in shared]
-    assert own and set(chain_relpaths(store.inspect(gone))) & shared  # gamma has blocks of its own and shares its preamble's
+    assert (
+        own and set(chain_relpaths(store.inspect(gone))) & shared
+    )  # gamma has blocks of its own and shares its preamble's
     before = tree(store.root)
 
     doomed, freed = store.gc(apply=False)
@@ -546,14 +664,19 @@ def test_gc_removes_a_dropped_entry_but_never_one_another_model_uses(dense, dens
     doomed, _ = store.gc(apply=True)
     assert sorted(doomed) == sorted([gone, *own]) and not gone.exists()
     kept = store.path_for(keys(other)["gamma"])  # the other model's record still lists it
-    assert kept.exists() and all((store.root / rel).exists() for rel in shared)  # never a shared block
+    assert kept.exists() and all(
+        (store.root / rel).exists() for rel in shared
+    )  # never a shared block
     for p in store.snapshot_files():
         store.verify_file(p)
     assert store.gc(apply=True) == ([], 0)
 
 
 def test_gc_removes_leftover_temp_files_but_not_folders(store_copy):
-    leftovers = [store_copy.root / f"{TMP_PREFIX}manifest.json.x1", store_copy.snapshots_dir / f"{TMP_PREFIX}{KEY}.safetensors.x2"]
+    leftovers = [
+        store_copy.root / f"{TMP_PREFIX}manifest.json.x1",
+        store_copy.snapshots_dir / f"{TMP_PREFIX}{KEY}.safetensors.x2",
+    ]
     for p in leftovers:
         p.write_bytes(b"half a file")
     folder = store_copy.snapshots_dir / f"{TMP_PREFIX}folder"
@@ -594,10 +717,13 @@ def test_gc_removes_an_unused_symlink_but_not_its_target(store_copy, tmp_path):
 
 
 def test_regression_gc_during_a_build_cannot_delete_a_snapshot_before_its_record(dense, tmp_path):
-    """The file and its manifest record are written under one lock hold, so gc sees both or neither."""
+    """The file and its manifest record are written under one lock hold, so gc sees both or
+    neither."""
     agents_file = write_agents(tmp_path / "agents.json", agents(["alpha", "beta"]))
     root = tmp_path / "store"
-    Store.open(root, create=True).update_record("unrelated", lambda r: {"entries": []})  # a manifest exists
+    Store.open(root, create=True).update_record(
+        "unrelated", lambda r: {"entries": []}
+    )  # a manifest exists
     results, threads = [], []
 
     def gc_as_soon_as_a_file_lands(point: str) -> None:
@@ -620,7 +746,9 @@ def test_regression_gc_during_a_build_cannot_delete_a_snapshot_before_its_record
 # --- 5. relative paths, movable store -------------------------------------------------------
 
 
-def test_manifest_paths_are_relative_and_a_moved_store_still_verifies(dense, dense_seed1, fresh, tmp_path):
+def test_manifest_paths_are_relative_and_a_moved_store_still_verifies(
+    dense, dense_seed1, fresh, tmp_path
+):
     agents_file, store, _ = fresh
     build(dense_seed1, agents_file, store.root)
     manifest = store.read_manifest()
@@ -639,4 +767,8 @@ def test_manifest_paths_are_relative_and_a_moved_store_still_verifies(dense, den
     assert {relpath_of_file(p.name) for p in there.snapshot_files()} == there.referenced()
     for p in there.snapshot_files():
         there.verify_file(p)
-    assert statuses(build(dense, agents_file, moved)) == {"alpha": "reused", "beta": "reused", "gamma": "reused"}
+    assert statuses(build(dense, agents_file, moved)) == {
+        "alpha": "reused",
+        "beta": "reused",
+        "gamma": "reused",
+    }

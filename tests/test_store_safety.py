@@ -24,29 +24,71 @@ import tracemalloc
 from pathlib import Path
 
 import pytest
-
 from conftest import run_kvsnap
-from kvsnap.store.archive import pack, unpack
-from kvsnap.store.shipping import ShipError
-from kvsnap.errors import ManifestError, SnapshotError, StoreError
-from kvsnap.key import snapshot_key, tokens_digest
-from kvsnap.store.manifest import MAX_MANIFEST_BYTES, parse_manifest
-from kvsnap.store.oci import CredentialError, Credentials, Reference, RegistryUnreachableError, find_credentials, pull, push, redact
-from kvsnap.store.remote import resolve_kv_snapshots
-from kvsnap.tools.serverproc import free_port
-from kvsnap.snapshot.file import CHECKSUM_KEY, OutTensor, read_header, write_snapshot
-from kvsnap.snapshot.header import key_of, tokens_digest_of_bytes
-from kvsnap.store.local import MANIFEST, Store
 from test_archive import build_store, no_stage_dirs, store_files, tree
 from test_oci import _push_raw, auth_registry, no_ambient_credentials, registry  # noqa: F401  (fixtures: a real docker-registry on 127.0.0.1)
 
+from kvsnap.errors import ManifestError, SnapshotError, StoreError
+from kvsnap.key import snapshot_key, tokens_digest
+from kvsnap.snapshot.file import CHECKSUM_KEY, OutTensor, read_header, write_snapshot
+from kvsnap.snapshot.header import key_of, tokens_digest_of_bytes
+from kvsnap.store.archive import pack, unpack
+from kvsnap.store.local import MANIFEST, Store
+from kvsnap.store.manifest import MAX_MANIFEST_BYTES, parse_manifest
+from kvsnap.store.oci import (
+    CredentialError,
+    Credentials,
+    Reference,
+    RegistryUnreachableError,
+    find_credentials,
+    pull,
+    push,
+    redact,
+)
+from kvsnap.store.remote import resolve_kv_snapshots
+from kvsnap.store.shipping import ShipError
+from kvsnap.tools.serverproc import free_port
+
 AGENTS_A = [
-    {"name": "alpha", "messages": [{"role": "system", "content": "You are the alpha agent of store A. Review the code, then answer briefly."}]},
-    {"name": "beta", "messages": [{"role": "system", "content": "You are the beta agent of store A. Plan the work in short steps."}]},
+    {
+        "name": "alpha",
+        "messages": [
+            {
+                "role": "system",
+                "content": "You are the alpha agent of store A. Review the code, then answer "
+                "briefly.",
+            }
+        ],
+    },
+    {
+        "name": "beta",
+        "messages": [
+            {
+                "role": "system",
+                "content": "You are the beta agent of store A. Plan the work in short steps.",
+            }
+        ],
+    },
 ]
 AGENTS_B = [
-    {"name": "gamma", "messages": [{"role": "system", "content": "You are the gamma agent of store B. Summarise the logs you are given."}]},
-    {"name": "delta", "messages": [{"role": "system", "content": "You are the delta agent of store B. Write the release notes."}]},
+    {
+        "name": "gamma",
+        "messages": [
+            {
+                "role": "system",
+                "content": "You are the gamma agent of store B. Summarise the logs you are given.",
+            }
+        ],
+    },
+    {
+        "name": "delta",
+        "messages": [
+            {
+                "role": "system",
+                "content": "You are the delta agent of store B. Write the release notes.",
+            }
+        ],
+    },
 ]
 PASSWORD = "s3cret-pw"  # the auth_registry fixture's password for user alice
 
@@ -89,7 +131,9 @@ def one_line_error(r: subprocess.CompletedProcess, command: str) -> str:
 
 
 def no_traceback(r: subprocess.CompletedProcess) -> None:
-    assert "Traceback" not in r.stderr and "Error:" not in r.stderr.replace("error:", ""), r.stderr[-3000:]
+    assert "Traceback" not in r.stderr and "Error:" not in r.stderr.replace("error:", ""), r.stderr[
+        -3000:
+    ]
 
 
 def manifest_records(root: Path) -> dict:
@@ -99,14 +143,19 @@ def manifest_records(root: Path) -> dict:
 # --- 6. installs merge; gc keeps every record's snapshots --------------------------------------
 
 
-def test_regression_unpack_into_a_store_keeps_its_records_and_gc_keeps_its_snapshots(store_a, built_b, model_dir, tmp_path):
-    """Issue 12 #6: pack B, unpack into A, gc A --yes used to delete A's own snapshots (0 ok, 2 bad)."""
+def test_regression_unpack_into_a_store_keeps_its_records_and_gc_keeps_its_snapshots(
+    store_a, built_b, model_dir, tmp_path
+):
+    """Issue 12 #6: pack B, unpack into A, gc A --yes used to delete A's own snapshots (0 ok, 2
+    bad)."""
     own = store_files(store_a)
     archive = pack(built_b, tmp_path / "b.tar").archive
     r = run_kvsnap("unpack", archive, store_a)
     assert r.returncode == 0, r.stderr
     records = manifest_records(store_a)
-    assert set(records) == set(manifest_records(built_b)) | set(json.loads(own[MANIFEST])["records"])
+    assert set(records) == set(manifest_records(built_b)) | set(
+        json.loads(own[MANIFEST])["records"]
+    )
     for rid, record in json.loads(own[MANIFEST])["records"].items():
         assert records[rid] == record  # A's own record, untouched
     for rid, record in manifest_records(built_b).items():
@@ -122,8 +171,11 @@ def test_regression_unpack_into_a_store_keeps_its_records_and_gc_keeps_its_snaps
     assert no_stage_dirs(tmp_path)
 
 
-def test_an_install_of_a_newer_build_of_a_record_only_adds_and_gc_drops_nothing(store_a, lm, tmp_path):
-    """The same (model, agents file) record shipped again only adds (issue 24: merges never shrink)."""
+def test_an_install_of_a_newer_build_of_a_record_only_adds_and_gc_drops_nothing(
+    store_a, lm, tmp_path
+):
+    """The same (model, agents file) record shipped again only adds (issue 24: merges never
+    shrink)."""
     agents_file = tmp_path / "b-agents.json"
     b = build_store(lm, tmp_path / "B", AGENTS_B, agents_file)
     unpack(pack(b, tmp_path / "v1.tar").archive, store_a)
@@ -136,13 +188,17 @@ def test_an_install_of_a_newer_build_of_a_record_only_adds_and_gc_drops_nothing(
         Store.open(store_a).verify_file(path)
 
 
-def test_regression_pull_into_a_store_merges_and_gc_keeps_its_snapshots(registry, store_a, built_b, model_dir):  # noqa: F811
+def test_regression_pull_into_a_store_merges_and_gc_keeps_its_snapshots(
+    registry, store_a, built_b, model_dir
+):  # noqa: F811
     ref = registry.ref("safety/merge-b")
     assert run_kvsnap("push", built_b, ref).returncode == 0
     own = store_files(store_a)
     r = run_kvsnap("pull", ref, store_a)
     assert r.returncode == 0, r.stderr
-    assert set(manifest_records(store_a)) == set(json.loads(own[MANIFEST])["records"]) | set(manifest_records(built_b))
+    assert set(manifest_records(store_a)) == set(json.loads(own[MANIFEST])["records"]) | set(
+        manifest_records(built_b)
+    )
     gc = run_kvsnap("gc", store_a, "--yes")
     assert gc.returncode == 0 and "removed 0 file(s)" in gc.stdout, gc.stdout
     v = run_kvsnap("verify", store_a, "--model", model_dir)
@@ -152,24 +208,38 @@ def test_regression_pull_into_a_store_merges_and_gc_keeps_its_snapshots(registry
     before = tree(store_a)
     again = run_kvsnap("pull", ref, store_a)
     shipped = len(store_files(built_b)) - 1  # B's records and blocks
-    assert again.returncode == 0 and "1 file(s) downloaded" in again.stdout and f"{shipped} already there" in again.stdout, again.stdout + again.stderr
-    assert {k: v for k, v in tree(store_a).items() if k != ".lock"} == {k: v for k, v in before.items() if k != ".lock"}
+    assert (
+        again.returncode == 0
+        and "1 file(s) downloaded" in again.stdout
+        and f"{shipped} already there" in again.stdout
+    ), again.stdout + again.stderr
+    assert {k: v for k, v in tree(store_a).items() if k != ".lock"} == {
+        k: v for k, v in before.items() if k != ".lock"
+    }
 
 
-def test_an_install_into_a_store_with_a_damaged_manifest_changes_nothing(store_a, built_b, tmp_path):
+def test_an_install_into_a_store_with_a_damaged_manifest_changes_nothing(
+    store_a, built_b, tmp_path
+):
     (store_a / MANIFEST).write_text(json.dumps({"records": {"r": {"entries": ["snapshots/x"]}}}))
     before = tree(store_a)
-    with pytest.raises(ShipError, match=r"entries\[0\] is a string 'snapshots/x'.*nothing was changed"):
+    with pytest.raises(
+        ShipError, match=r"entries\[0\] is a string 'snapshots/x'.*nothing was changed"
+    ):
         unpack(pack(built_b, tmp_path / "b.tar").archive, store_a)
     assert tree(store_a) == before and no_stage_dirs(tmp_path)
 
 
-def test_a_shipped_manifest_listing_a_snapshot_it_does_not_ship_is_refused(store_a, built_b, tmp_path):
+def test_a_shipped_manifest_listing_a_snapshot_it_does_not_ship_is_refused(
+    store_a, built_b, tmp_path
+):
     archive = tmp_path / "partial.tar"
     files = store_files(built_b)
     with tarfile.open(archive, "w") as tar:
         for rel, data in files.items():
-            if rel == MANIFEST or rel == sorted(files)[0]:  # the manifest and only one of B's two snapshots
+            if (
+                rel == MANIFEST or rel == sorted(files)[0]
+            ):  # the manifest and only one of B's two snapshots
                 info = tarfile.TarInfo(rel)
                 info.size = len(data)
                 tar.addfile(info, io.BytesIO(data))
@@ -177,7 +247,11 @@ def test_a_shipped_manifest_listing_a_snapshot_it_does_not_ship_is_refused(store
     for dest in (store_a, tmp_path / "new"):
         r = run_kvsnap("unpack", archive, dest)
         line = one_line_error(r, "unpack")
-        assert "manifest.json lists snapshots/" in line and "which was not shipped" in line and "nothing was changed" in line
+        assert (
+            "manifest.json lists snapshots/" in line
+            and "which was not shipped" in line
+            and "nothing was changed" in line
+        )
     assert tree(store_a) == before and not (tmp_path / "new").exists() and no_stage_dirs(tmp_path)
 
 
@@ -185,33 +259,64 @@ def test_a_shipped_manifest_listing_a_snapshot_it_does_not_ship_is_refused(store
 
 KEY = "0123456789abcdef0123456789abcdef"
 BAD_MANIFESTS = {
-    "entries-as-strings": ({"records": {"r": {"entries": ["snapshots/x.safetensors"]}}}, r"records\['r'\]\.entries\[0\] is a string"),
-    "file-as-list": ({"records": {"r": {"entries": [{"name": "a", "file": ["snapshots", "x"]}]}}}, r"entries\[0\]\.file is a list"),
-    "file-escapes": ({"records": {"r": {"entries": [{"file": "../../etc/passwd"}]}}}, r"entries\[0\]\.file is a string '\.\./\.\./etc/passwd', expected a store path"),
-    "entries-as-object": ({"records": {"r": {"entries": {"file": f"snapshots/{KEY}.safetensors"}}}}, r"entries is an object"),
+    "entries-as-strings": (
+        {"records": {"r": {"entries": ["snapshots/x.safetensors"]}}},
+        r"records\['r'\]\.entries\[0\] is a string",
+    ),
+    "file-as-list": (
+        {"records": {"r": {"entries": [{"name": "a", "file": ["snapshots", "x"]}]}}},
+        r"entries\[0\]\.file is a list",
+    ),
+    "file-escapes": (
+        {"records": {"r": {"entries": [{"file": "../../etc/passwd"}]}}},
+        r"entries\[0\]\.file is a string '\.\./\.\./etc/passwd', expected a store path",
+    ),
+    "entries-as-object": (
+        {"records": {"r": {"entries": {"file": f"snapshots/{KEY}.safetensors"}}}},
+        r"entries is an object",
+    ),
     "record-as-list": ({"records": {"r": [1, 2]}}, r"records\['r'\] is a list"),
     "records-as-list": ({"records": []}, r"records is a list"),
-    "n-tokens-as-text": ({"records": {"r": {"entries": [{"file": f"snapshots/{KEY}.safetensors", "n_tokens": "12"}]}}}, r"n_tokens is a string '12'"),
-    "kv-settings-nested": ({"records": {"r": {"kv_settings": {"kv_bits": {"a": 1}}}}}, r"kv_settings\.kv_bits is an object"),
+    "n-tokens-as-text": (
+        {
+            "records": {
+                "r": {"entries": [{"file": f"snapshots/{KEY}.safetensors", "n_tokens": "12"}]}
+            }
+        },
+        r"n_tokens is a string '12'",
+    ),
+    "kv-settings-nested": (
+        {"records": {"r": {"kv_settings": {"kv_bits": {"a": 1}}}}},
+        r"kv_settings\.kv_bits is an object",
+    ),
     "format-as-text": ({"format": "2", "records": {}}, r"format is a string '2'"),
 }
 
 
 @pytest.mark.parametrize("case", list(BAD_MANIFESTS))
-def test_regression_a_malformed_manifest_is_one_clear_error_from_gc_verify_pack(store_a, tmp_path, case):
+def test_regression_a_malformed_manifest_is_one_clear_error_from_gc_verify_pack(
+    store_a, tmp_path, case
+):
     """Issue 12 #10: these were AttributeError / TypeError tracebacks."""
     doc, says = BAD_MANIFESTS[case]
     (store_a / MANIFEST).write_text(json.dumps(doc))
     before = tree(store_a)
-    for args, command in ((["gc", store_a, "--yes"], "gc"), (["pack", store_a, "-o", tmp_path / "x.tar"], "pack")):
+    for args, command in (
+        (["gc", store_a, "--yes"], "gc"),
+        (["pack", store_a, "-o", tmp_path / "x.tar"], "pack"),
+    ):
         r = run_kvsnap(*args)
         no_traceback(r)
         line = one_line_error(r, command)
-        assert f"{store_a / MANIFEST} is not a kvsnap manifest" in line and re.search(says, line), line
+        assert f"{store_a / MANIFEST} is not a kvsnap manifest" in line and re.search(says, line), (
+            line
+        )
         assert "restore it from a backup, or delete it and rebuild" in line
     v = run_kvsnap("verify", store_a)
     no_traceback(v)
-    assert v.returncode == 1 and f"BAD  {store_a / MANIFEST} is not a kvsnap manifest" in v.stdout, v.stdout + v.stderr
+    assert (
+        v.returncode == 1 and f"BAD  {store_a / MANIFEST} is not a kvsnap manifest" in v.stdout
+    ), v.stdout + v.stderr
     assert "2 ok, 1 bad" in v.stdout
     assert tree(store_a) == before and not (tmp_path / "x.tar").exists()
 
@@ -227,10 +332,19 @@ def test_a_build_refuses_a_malformed_manifest_before_prefilling(lm, store_a):
 def test_manifests_too_big_too_deep_or_not_utf8_are_refused_before_parsing(store_a):
     path = store_a / MANIFEST
     with open(path, "wb") as f:
-        f.truncate(MAX_MANIFEST_BYTES + 1)  # sparse: the reader must refuse it by its size, not read it
-    with pytest.raises(ManifestError, match=rf"is {MAX_MANIFEST_BYTES + 1} bytes, over the {MAX_MANIFEST_BYTES}-byte limit"):
+        f.truncate(
+            MAX_MANIFEST_BYTES + 1
+        )  # sparse: the reader must refuse it by its size, not read it
+    with pytest.raises(
+        ManifestError,
+        match=rf"is {MAX_MANIFEST_BYTES + 1} bytes, over the {MAX_MANIFEST_BYTES}-byte limit",
+    ):
         Store.open(store_a).gc(apply=True)
-    for data, says in ((b"[" * 100_000 + b"]" * 100_000, "nested too deeply"), (b'{"records": {"\xff": {}}}', "not valid JSON"), (b'{"records": {}, "x": ' + b"[" * 20 + b"]" * 20 + b"}", "nested more than 8 deep")):
+    for data, says in (
+        (b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),
+        (b'{"records": {"\xff": {}}}', "not valid JSON"),
+        (b'{"records": {}, "x": ' + b"[" * 20 + b"]" * 20 + b"}", "nested more than 8 deep"),
+    ):
         with pytest.raises(ManifestError, match=says):
             parse_manifest(data, "m.json")
     path.unlink()
@@ -238,7 +352,9 @@ def test_manifests_too_big_too_deep_or_not_utf8_are_refused_before_parsing(store
 
 
 @pytest.mark.parametrize("case", ["entries-as-strings", "file-as-list"])
-def test_unpack_refuses_a_malformed_shipped_manifest_without_touching_the_destination(store_a, built_b, tmp_path, case):
+def test_unpack_refuses_a_malformed_shipped_manifest_without_touching_the_destination(
+    store_a, built_b, tmp_path, case
+):
     archive = tmp_path / "bad.tar"
     with tarfile.open(archive, "w") as tar:
         for rel, data in store_files(built_b).items():
@@ -249,11 +365,16 @@ def test_unpack_refuses_a_malformed_shipped_manifest_without_touching_the_destin
     before = tree(store_a)
     for dest in (store_a, tmp_path / "new"):
         line = one_line_error(run_kvsnap("unpack", archive, dest), "unpack")
-        assert f"{archive}: manifest.json is not a kvsnap manifest" in line and f"nothing was changed in {dest}" in line, line
+        assert (
+            f"{archive}: manifest.json is not a kvsnap manifest" in line
+            and f"nothing was changed in {dest}" in line
+        ), line
     assert tree(store_a) == before and not (tmp_path / "new").exists() and no_stage_dirs(tmp_path)
 
 
-def test_pull_refuses_a_malformed_manifest_without_touching_the_destination(registry, store_a, built_b, tmp_path):  # noqa: F811
+def test_pull_refuses_a_malformed_manifest_without_touching_the_destination(
+    registry, store_a, built_b, tmp_path
+):  # noqa: F811
     ref = Reference.parse(registry.ref("safety/bad-manifest"))
     files = store_files(built_b)
     files[MANIFEST] = json.dumps(BAD_MANIFESTS["file-as-list"][0]).encode()
@@ -261,7 +382,11 @@ def test_pull_refuses_a_malformed_manifest_without_touching_the_destination(regi
     before = tree(store_a)
     for dest in (store_a, tmp_path / "new"):
         line = one_line_error(run_kvsnap("pull", str(ref), dest), "pull")
-        assert "manifest.json is not a kvsnap manifest" in line and r"entries[0].file is a list" in line and "nothing was changed" in line, line
+        assert (
+            "manifest.json is not a kvsnap manifest" in line
+            and r"entries[0].file is a list" in line
+            and "nothing was changed" in line
+        ), line
     assert tree(store_a) == before and not (tmp_path / "new").exists() and no_stage_dirs(tmp_path)
     # A copy already in place with the same bytes is checked too, not waved through.
     (store_a / MANIFEST).write_bytes(files[MANIFEST])
@@ -273,11 +398,20 @@ def test_pull_refuses_a_malformed_manifest_without_touching_the_destination(regi
 
 
 def reforge(path: Path, **changes: str) -> None:
-    """Rewrite a snapshot with some metadata changed and a fresh valid checksum: the key and checksum are
+    """Rewrite a snapshot with some metadata changed and a fresh valid checksum: the key and
+    checksum are
     plain xxh3, so anyone can do this."""
     header = read_header(path)
     data = path.read_bytes()
-    tensors = [OutTensor(t.name, t.dtype, t.shape, memoryview(data[header.data_start + t.start : header.data_start + t.end])) for t in header.tensors.values()]
+    tensors = [
+        OutTensor(
+            t.name,
+            t.dtype,
+            t.shape,
+            memoryview(data[header.data_start + t.start : header.data_start + t.end]),
+        )
+        for t in header.tensors.values()
+    ]
     meta = {k: v for k, v in header.metadata.items() if k != CHECKSUM_KEY}
     meta.update(changes)
     with open(path, "wb") as f:
@@ -289,26 +423,44 @@ def layers_of(path: Path) -> list:
 
 
 def run_kvsnap_in_1gib(*args, timeout: float = 60) -> subprocess.CompletedProcess:
-    """The CLI with 1 GiB of address space: an allocation bomb ends in seconds instead of taking the machine."""
+    """The CLI with 1 GiB of address space: an allocation bomb ends in seconds instead of taking
+    the machine."""
 
     def limit() -> None:
         resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))
 
-    return subprocess.run([sys.executable, "-m", "kvsnap", *map(str, args)], capture_output=True, text=True, timeout=timeout, preexec_fn=limit)
+    return subprocess.run(
+        [sys.executable, "-m", "kvsnap", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        preexec_fn=limit,
+    )
 
 
 def test_regression_a_billion_parts_is_refused_at_once_in_bounded_memory(store_a):
-    """Issue 12 #7: range(10**9) of tensor names was built before the checksum was read (MemoryError after 30 s)."""
+    """Issue 12 #7: range(10**9) of tensor names was built before the checksum was read
+    (MemoryError after 30 s)."""
     victim = Store.open(store_a).snapshot_files()[0]
     layers = layers_of(victim)
-    layers[0] = {"class": "QuantizedKVCache", "offset": layers[0]["offset"], "parts": 10**9, "group_size": 64, "bits": 8}
+    layers[0] = {
+        "class": "QuantizedKVCache",
+        "offset": layers[0]["offset"],
+        "parts": 10**9,
+        "group_size": 64,
+        "bits": 8,
+    }
     reforge(victim, **{"kvsnap.layers": json.dumps(layers)})
 
     t0 = time.perf_counter()
     r = run_kvsnap_in_1gib("verify", store_a)
     no_traceback(r)
     assert time.perf_counter() - t0 < 20
-    assert r.returncode == 1 and f"BAD  {victim}: kvsnap.layers[0].parts is 1000000000, expected an integer from 1 to" in r.stdout, r.stdout + r.stderr
+    assert (
+        r.returncode == 1
+        and f"BAD  {victim}: kvsnap.layers[0].parts is 1000000000, expected an integer from 1 to"
+        in r.stdout
+    ), r.stdout + r.stderr
     assert "1 ok, 1 bad" in r.stdout
 
     tracemalloc.start()
@@ -319,13 +471,20 @@ def test_regression_a_billion_parts_is_refused_at_once_in_bounded_memory(store_a
     assert peak < victim.stat().st_size + (1 << 20), peak
 
 
-def test_regression_layers_nested_5000_deep_are_a_named_problem_for_ls_verify_and_unpack(store_a, tmp_path):
+def test_regression_layers_nested_5000_deep_are_a_named_problem_for_ls_verify_and_unpack(
+    store_a, tmp_path
+):
     """Issue 12 #7: an uncaught RecursionError traceback from `ls` and `unpack`."""
     victim = Store.open(store_a).snapshot_files()[0]
     reforge(victim, **{"kvsnap.layers": "[" * 5000 + "]" * 5000})
     r = run_kvsnap("ls", store_a)
     no_traceback(r)
-    assert r.returncode == 0 and "1 snapshot(s)" in r.stdout and f"unreadable: {victim}: kvsnap.layers is nested too deeply" in r.stdout.replace("\n", ""), r.stdout
+    assert (
+        r.returncode == 0
+        and "1 snapshot(s)" in r.stdout
+        and f"unreadable: {victim}: kvsnap.layers is nested too deeply"
+        in r.stdout.replace("\n", "")
+    ), r.stdout
     r = run_kvsnap("verify", store_a)
     no_traceback(r)
     assert r.returncode == 1 and f"BAD  {victim}: kvsnap.layers is nested too deeply" in r.stdout
@@ -336,18 +495,52 @@ def test_regression_layers_nested_5000_deep_are_a_named_problem_for_ls_verify_an
     r = run_kvsnap("unpack", archive, tmp_path / "new")
     no_traceback(r)
     line = one_line_error(r, "unpack")
-    assert f"snapshots/{victim.name}: kvsnap.layers is nested too deeply" in line and not (tmp_path / "new").exists()
+    assert (
+        f"snapshots/{victim.name}: kvsnap.layers is nested too deeply" in line
+        and not (tmp_path / "new").exists()
+    )
 
 
 HOSTILE_LAYERS = {
-    "cachelist-10-deep": (lambda n: [json.loads('{"class":"CacheList","caches":[' * 10 + '{"class":"KVCache","offset":%d}' % n + "]}" * 10)], r"CacheList nested more than 4 deep"),
-    "arrays-billion-slots": (lambda n: [{"class": "ArraysCache", "size": 10**9, "present": []}], r"kvsnap\.layers\[0\]\.size is 1000000000, expected an integer from 0 to 256"),
-    "present-out-of-range": (lambda n: [{"class": "ArraysCache", "size": 2, "present": [0, 5]}], r"present is 5, expected an integer from 0 to 1"),
-    "5000-layers": (lambda n: [{"class": "KVCache", "empty": True}] * 5000, r"lists 5000 layers, over the 4096 limit|JSON objects is more than a \d+-byte file can justify"),
-    "unknown-class": (lambda n: [{"class": "os.system"}], r"kvsnap\.layers\[0\]\.class is 'os\.system', not a cache class"),
-    "offset-as-text": (lambda n: [{"class": "KVCache", "offset": "12"}], r"kvsnap\.layers\[0\]\.offset is '12', expected an integer"),
-    "unknown-field": (lambda n: [{"class": "KVCache", "offset": n, "evil": 1}], r"has unknown field 'evil'"),
-    "not-a-list": (lambda n: {"class": "KVCache"}, r"kvsnap\.layers is \{'class': 'KVCache'\}, expected a JSON list"),
+    "cachelist-10-deep": (
+        lambda n: [
+            json.loads(
+                '{"class":"CacheList","caches":[' * 10
+                + '{"class":"KVCache","offset":%d}' % n
+                + "]}" * 10
+            )
+        ],
+        r"CacheList nested more than 4 deep",
+    ),
+    "arrays-billion-slots": (
+        lambda n: [{"class": "ArraysCache", "size": 10**9, "present": []}],
+        r"kvsnap\.layers\[0\]\.size is 1000000000, expected an integer from 0 to 256",
+    ),
+    "present-out-of-range": (
+        lambda n: [{"class": "ArraysCache", "size": 2, "present": [0, 5]}],
+        r"present is 5, expected an integer from 0 to 1",
+    ),
+    "5000-layers": (
+        lambda n: [{"class": "KVCache", "empty": True}] * 5000,
+        r"lists 5000 layers, over the 4096 limit|JSON objects is more than a \d+-byte file can "
+        r"justify",
+    ),
+    "unknown-class": (
+        lambda n: [{"class": "os.system"}],
+        r"kvsnap\.layers\[0\]\.class is 'os\.system', not a cache class",
+    ),
+    "offset-as-text": (
+        lambda n: [{"class": "KVCache", "offset": "12"}],
+        r"kvsnap\.layers\[0\]\.offset is '12', expected an integer",
+    ),
+    "unknown-field": (
+        lambda n: [{"class": "KVCache", "offset": n, "evil": 1}],
+        r"has unknown field 'evil'",
+    ),
+    "not-a-list": (
+        lambda n: {"class": "KVCache"},
+        r"kvsnap\.layers is \{'class': 'KVCache'\}, expected a JSON list",
+    ),
 }
 
 
@@ -363,14 +556,32 @@ def test_hostile_layer_lists_are_refused_naming_field_and_value(store_a, case):
 
 
 HOSTILE_FIELDS = {
-    "n-tokens-underscore": ({"kvsnap.n_tokens": "2_5"}, r"kvsnap\.n_tokens is '2_5', expected a decimal token count"),
+    "n-tokens-underscore": (
+        {"kvsnap.n_tokens": "2_5"},
+        r"kvsnap\.n_tokens is '2_5', expected a decimal token count",
+    ),
     "n-tokens-huge": ({"kvsnap.n_tokens": "9" * 5000}, r"kvsnap\.n_tokens is '9999"),
-    "key-not-hex": ({"kvsnap.key": "../../etc/passwd"}, r"kvsnap\.key is '\.\./\.\./etc/passwd', expected 32 lowercase hex digits"),
-    "name-too-long": ({"kvsnap.name": "x" * 5000}, r"kvsnap\.name is 5000 characters, over the 4096 limit"),
+    "key-not-hex": (
+        {"kvsnap.key": "../../etc/passwd"},
+        r"kvsnap\.key is '\.\./\.\./etc/passwd', expected 32 lowercase hex digits",
+    ),
+    "name-too-long": (
+        {"kvsnap.name": "x" * 5000},
+        r"kvsnap\.name is 5000 characters, over the 4096 limit",
+    ),
     "model-as-list": ({"kvsnap.model": "[1, 2]"}, r"kvsnap\.model is \[1, 2\], expected an object"),
-    "model-deep": ({"kvsnap.model": "[" * 5000 + "]" * 5000}, r"kvsnap\.model is nested too deeply"),
-    "recorded-as-list": ({"kvsnap.recorded": "[]"}, r"kvsnap\.recorded is \[\], expected a JSON object"),
-    "recorded-created-number": ({"kvsnap.recorded": '{"created": 7}'}, r"kvsnap\.recorded\.created is 7, expected a date string"),
+    "model-deep": (
+        {"kvsnap.model": "[" * 5000 + "]" * 5000},
+        r"kvsnap\.model is nested too deeply",
+    ),
+    "recorded-as-list": (
+        {"kvsnap.recorded": "[]"},
+        r"kvsnap\.recorded is \[\], expected a JSON object",
+    ),
+    "recorded-created-number": (
+        {"kvsnap.recorded": '{"created": 7}'},
+        r"kvsnap\.recorded\.created is 7, expected a date string",
+    ),
 }
 
 
@@ -383,7 +594,9 @@ def test_hostile_metadata_fields_are_refused_naming_field_and_value(store_a, cas
         Store.open(store_a).verify_file(victim)
     r = run_kvsnap("ls", store_a, "--json")
     no_traceback(r)
-    assert r.returncode == 0 and [p["file"] for p in json.loads(r.stdout)["problems"]] == [str(victim)]
+    assert r.returncode == 0 and [p["file"] for p in json.loads(r.stdout)["problems"]] == [
+        str(victim)
+    ]
 
 
 def test_a_consistent_header_whose_offset_lies_is_refused_after_the_checksum(store_a):
@@ -391,20 +604,26 @@ def test_a_consistent_header_whose_offset_lies_is_refused_after_the_checksum(sto
     layers = layers_of(victim)
     layers[0]["offset"] += 1000
     reforge(victim, **{"kvsnap.layers": json.dumps(layers)})
-    with pytest.raises(SnapshotError, match=r"kvsnap\.layers\[0\]\.offset is \d+, but the snapshot holds \d+ tokens"):
+    with pytest.raises(
+        SnapshotError,
+        match=r"kvsnap\.layers\[0\]\.offset is \d+, but the snapshot holds \d+ tokens",
+    ):
         Store.open(store_a).verify_file(victim)
 
 
 def test_ls_shows_agent_names_that_look_like_markup(lm, tmp_path):
     """A name is data, never rich markup: '[/bold]' crashed `ls` with a MarkupError traceback."""
-    root = build_store(lm, tmp_path / "S", [{"name": "[/bold] ops [red]", "messages": AGENTS_A[0]["messages"]}])
+    root = build_store(
+        lm, tmp_path / "S", [{"name": "[/bold] ops [red]", "messages": AGENTS_A[0]["messages"]}]
+    )
     r = run_kvsnap("ls", root, env={"COLUMNS": "200"})
     no_traceback(r)
     assert r.returncode == 0 and "[/bold] ops [red]" in r.stdout, r.stdout + r.stderr
 
 
 def test_the_tokens_digest_and_key_from_bytes_equal_key_py():
-    """snapheader checks tokens from their bytes (no list of ints); the values must be key.py's, bit for bit."""
+    """snapheader checks tokens from their bytes (no list of ints); the values must be key.py's,
+    bit for bit."""
     import random
     import struct
 
@@ -416,7 +635,9 @@ def test_the_tokens_digest_and_key_from_bytes_equal_key_py():
         tokens = [rng.randrange(-(2**31), 2**31) for _ in range(n)]
         raw = struct.pack(f"<{n}i", *tokens)
         assert tokens_digest_of_bytes(raw) == tokens_digest(tokens)
-        assert key_of(identity, "p" * 32, tokens_digest(tokens), n) == snapshot_key(identity, "p" * 32, tokens)
+        assert key_of(identity, "p" * 32, tokens_digest(tokens), n) == snapshot_key(
+            identity, "p" * 32, tokens
+        )
 
 
 # --- 11. credentials never shown; failing helpers reported -------------------------------------
@@ -427,47 +648,93 @@ def test_references_never_show_their_password():
     assert (ref.host, ref.repo, ref.tag) == ("reg.example.com:5000", "team/snaps", "v1")
     assert (ref.credentials.username, ref.credentials.password) == ("alice", PASSWORD)
     for shown in (str(ref), repr(ref), f"{ref!r} {[ref]}"):
-        assert PASSWORD not in shown and "alice" not in shown and "oci://***@reg.example.com:5000/team/snaps:v1" in shown
-    assert ref == Reference.parse("oci://reg.example.com:5000/team/snaps:v1")  # same artifact, same cache folder
-    for bad in (f"oci://alice:{PASSWORD}@bad host/team/snaps:v1", f"oci://alice:{PASSWORD}@reg.example.com/Team:v1", f"oci://alice:{PASSWORD}@reg.example.com/team", f"oci://alice:pa/{PASSWORD}@reg.example.com/team/snaps:bad tag", f"https://alice:{PASSWORD}@reg.example.com/x"):
+        assert (
+            PASSWORD not in shown
+            and "alice" not in shown
+            and "oci://***@reg.example.com:5000/team/snaps:v1" in shown
+        )
+    assert ref == Reference.parse(
+        "oci://reg.example.com:5000/team/snaps:v1"
+    )  # same artifact, same cache folder
+    for bad in (
+        f"oci://alice:{PASSWORD}@bad host/team/snaps:v1",
+        f"oci://alice:{PASSWORD}@reg.example.com/Team:v1",
+        f"oci://alice:{PASSWORD}@reg.example.com/team",
+        f"oci://alice:pa/{PASSWORD}@reg.example.com/team/snaps:bad tag",
+        f"https://alice:{PASSWORD}@reg.example.com/x",
+    ):
         with pytest.raises(Exception) as exc:
             Reference.parse(bad)
-        assert type(exc.value).__name__ == "UsageError" and PASSWORD not in str(exc.value) and "***" in str(exc.value), exc.value
-    assert PASSWORD not in redact(f"Authorization: Basic {base64.b64encode(f'alice:{PASSWORD}'.encode()).decode()} https://alice:{PASSWORD}@x {{\"Secret\": \"{PASSWORD}\"}}")
+        assert (
+            type(exc.value).__name__ == "UsageError"
+            and PASSWORD not in str(exc.value)
+            and "***" in str(exc.value)
+        ), exc.value
+    assert PASSWORD not in redact(
+        f"Authorization: Basic {base64.b64encode(f'alice:{PASSWORD}'.encode()).decode()} "
+        f'https://alice:{PASSWORD}@x {{"Secret": "{PASSWORD}"}}'
+    )
 
 
-def test_regression_pull_and_push_with_a_password_in_the_reference_never_print_it(auth_registry, built_b, tmp_path):  # noqa: F811
+def test_regression_pull_and_push_with_a_password_in_the_reference_never_print_it(
+    auth_registry, built_b, tmp_path
+):  # noqa: F811
     """Issue 12 #11: `kvsnap pull oci://user:secret@host/…` printed the password."""
     ref = f"oci://alice:{PASSWORD}@{auth_registry.host}/private/redacted:v1"
     r = run_kvsnap("push", built_b, ref)
     assert r.returncode == 0 and PASSWORD not in r.stdout + r.stderr, r.stdout + r.stderr
     assert f"oci://***@{auth_registry.host}/private/redacted:v1" in r.stdout
     r = run_kvsnap("pull", ref, tmp_path / "pulled")
-    assert r.returncode == 0 and PASSWORD not in r.stdout + r.stderr and "oci://***@" in r.stdout, r.stdout + r.stderr
+    assert r.returncode == 0 and PASSWORD not in r.stdout + r.stderr and "oci://***@" in r.stdout, (
+        r.stdout + r.stderr
+    )
     assert store_files(tmp_path / "pulled") == store_files(built_b)
     wrong = f"oci://alice:wrong-{PASSWORD}@{auth_registry.host}/private/redacted:v1"
     r = run_kvsnap("pull", wrong, tmp_path / "again")
     line = one_line_error(r, "pull")
-    assert "refused the credentials from the user:password in the reference" in line and PASSWORD not in r.stdout + r.stderr
+    assert (
+        "refused the credentials from the user:password in the reference" in line
+        and PASSWORD not in r.stdout + r.stderr
+    )
     dead = f"oci://alice:{PASSWORD}@127.0.0.1:{free_port()}/private/redacted:v1"
-    for args, command in ((["pull", dead, tmp_path / "x"], "pull"), (["push", built_b, dead], "push"), (["pull", f"oci://alice:{PASSWORD}@bad host/x:v1", tmp_path / "x"], "pull")):
+    for args, command in (
+        (["pull", dead, tmp_path / "x"], "pull"),
+        (["push", built_b, dead], "push"),
+        (["pull", f"oci://alice:{PASSWORD}@bad host/x:v1", tmp_path / "x"], "pull"),
+    ):
         r = run_kvsnap(*args)
         one_line_error(r, command)
         assert PASSWORD not in r.stdout + r.stderr, r.stderr
 
 
-def test_serve_never_logs_the_password_of_its_kv_snapshots_reference(auth_registry, built_b, model_dir, tmp_path, caplog, monkeypatch):  # noqa: F811
+def test_serve_never_logs_the_password_of_its_kv_snapshots_reference(
+    auth_registry, built_b, model_dir, tmp_path, caplog, monkeypatch
+):  # noqa: F811
     ref = f"oci://alice:{PASSWORD}@{auth_registry.host}/private/serve:v1"
     push(built_b, Reference.parse(ref))
     monkeypatch.setenv("KVSNAP_CACHE_DIR", str(tmp_path / "cache"))
     with caplog.at_level("INFO", logger="kvsnap"):
         local = resolve_kv_snapshots(ref)  # what `serve --kv-snapshots` runs first
     assert store_files(Path(local)) == store_files(built_b)
-    assert f"pulled oci://***@{auth_registry.host}/private/serve:v1" in caplog.text and PASSWORD not in caplog.text
+    assert (
+        f"pulled oci://***@{auth_registry.host}/private/serve:v1" in caplog.text
+        and PASSWORD not in caplog.text
+    )
     # The real command, registry unreachable and nothing cached: one line, no password.
     dead = f"oci://alice:{PASSWORD}@127.0.0.1:{free_port()}/private/serve:v1"
-    r = run_kvsnap("serve", model_dir, "--kv-snapshots", dead, env={"KVSNAP_CACHE_DIR": str(tmp_path / "cache2")}, timeout=120)
-    assert r.returncode != 0 and "cannot reach registry" in r.stderr and PASSWORD not in r.stdout + r.stderr, r.stderr[-2000:]
+    r = run_kvsnap(
+        "serve",
+        model_dir,
+        "--kv-snapshots",
+        dead,
+        env={"KVSNAP_CACHE_DIR": str(tmp_path / "cache2")},
+        timeout=120,
+    )
+    assert (
+        r.returncode != 0
+        and "cannot reach registry" in r.stderr
+        and PASSWORD not in r.stdout + r.stderr
+    ), r.stderr[-2000:]
 
 
 def fake_helper(folder: Path, name: str, script: str) -> Path:
@@ -484,15 +751,26 @@ def docker_config(folder: Path, config: dict | str) -> Path:
     return folder
 
 
-def test_a_failing_credential_helper_is_named_with_its_redacted_stderr(auth_registry, built_b, tmp_path):  # noqa: F811
+def test_a_failing_credential_helper_is_named_with_its_redacted_stderr(
+    auth_registry, built_b, tmp_path
+):  # noqa: F811
     """Issue 12 #11: a helper that failed was silently 'no credentials'."""
     bin_dir = tmp_path / "bin"
-    fake_helper(bin_dir, "broken", f"echo 'keychain locked; last try https://alice:{PASSWORD}@x and Basic c2VjcmV0LXRva2Vu' >&2\nexit 3\n")
+    fake_helper(
+        bin_dir,
+        "broken",
+        f"echo 'keychain locked; last try https://alice:{PASSWORD}@x and Basic c2VjcmV0LXRva2Vu' "
+        f">&2\nexit 3\n",
+    )
     config = docker_config(tmp_path / "docker", {"credHelpers": {auth_registry.host: "broken"}})
     env = {"DOCKER_CONFIG": str(config), "PATH": f"{bin_dir}:{os.environ['PATH']}"}
     r = run_kvsnap("pull", auth_registry.ref("private/helper"), tmp_path / "dest", env=env)
     assert r.returncode == 2, r.stderr
-    assert "docker-credential-broken failed" in r.stderr and "(exit 3): keychain locked" in r.stderr and "needs credentials (HTTP 401)" in r.stderr, r.stderr
+    assert (
+        "docker-credential-broken failed" in r.stderr
+        and "(exit 3): keychain locked" in r.stderr
+        and "needs credentials (HTTP 401)" in r.stderr
+    ), r.stderr
     assert PASSWORD not in r.stderr + r.stdout and "c2VjcmV0LXRva2Vu" not in r.stderr
     assert not (tmp_path / "dest").exists()
 
@@ -501,17 +779,23 @@ def test_credential_helper_and_docker_config_failures_raise_named_errors(tmp_pat
     bin_dir = tmp_path / "bin"
     fake_helper(bin_dir, "nothing", "echo 'credentials not found in native keychain'\nexit 1\n")
     fake_helper(bin_dir, "garbage", "echo 'not json at all'\n")
-    fake_helper(bin_dir, "good", 'cat >/dev/null; echo \'{"Username": "u", "Secret": "from-helper"}\'\n')
+    fake_helper(
+        bin_dir, "good", 'cat >/dev/null; echo \'{"Username": "u", "Secret": "from-helper"}\'\n'
+    )
     monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
     cases = {
         "nothing": None,  # the helper's own "not found": no credentials, no error
         "good": "from-helper",
-        "garbage": r"docker-credential-garbage answered for reg\.example\.com with something that is not JSON",
-        "missing": r"names the credential helper docker-credential-missing for reg\.example\.com, but it is not on PATH",
+        "garbage": r"docker-credential-garbage answered for reg\.example\.com with something that "
+        r"is not JSON",
+        "missing": r"names the credential helper docker-credential-missing for reg\.example\.com, "
+        r"but it is not on PATH",
         "../../bin/sh": r"names the credential helper '\.\./\.\./bin/sh', not a helper name",
     }
     for i, (helper, expected) in enumerate(cases.items()):
-        monkeypatch.setenv("DOCKER_CONFIG", str(docker_config(tmp_path / f"docker-{i}", {"credsStore": helper})))
+        monkeypatch.setenv(
+            "DOCKER_CONFIG", str(docker_config(tmp_path / f"docker-{i}", {"credsStore": helper}))
+        )
         if expected is None:
             assert find_credentials("reg.example.com") is None
         elif not expected.startswith(("docker", "names")):
@@ -519,11 +803,17 @@ def test_credential_helper_and_docker_config_failures_raise_named_errors(tmp_pat
         else:
             with pytest.raises(CredentialError, match=expected):
                 find_credentials("reg.example.com")
-    for i, (config, says) in enumerate((
-        ("{ not json", r"config\.json is not valid JSON"),
-        ({"auths": ["x"]}, r"auths is list, not an object"),
-        ({"auths": {"reg.example.com": {"auth": "%%%not-base64"}}}, r"auths\['reg\.example\.com'\]\.auth is not base64 of USER:PASSWORD; run `docker login reg\.example\.com` again"),
-    )):
+    for i, (config, says) in enumerate(
+        (
+            ("{ not json", r"config\.json is not valid JSON"),
+            ({"auths": ["x"]}, r"auths is list, not an object"),
+            (
+                {"auths": {"reg.example.com": {"auth": "%%%not-base64"}}},
+                r"auths\['reg\.example\.com'\]\.auth is not base64 of USER:PASSWORD; run `docker "
+                r"login reg\.example\.com` again",
+            ),
+        )
+    ):
         folder = docker_config(tmp_path / f"cfg-{i}", config)
         monkeypatch.setenv("DOCKER_CONFIG", str(folder))
         with pytest.raises(CredentialError, match=says) as exc:
@@ -531,7 +821,10 @@ def test_credential_helper_and_docker_config_failures_raise_named_errors(tmp_pat
         assert str(folder / "config.json") in str(exc.value)
     monkeypatch.setenv("KVSNAP_REGISTRY_USER", "env-user")
     monkeypatch.setenv("KVSNAP_REGISTRY_PASSWORD", "env-pw")
-    assert find_credentials("reg.example.com").source == "$KVSNAP_REGISTRY_USER/$KVSNAP_REGISTRY_PASSWORD"  # env first: a broken config is skipped
+    assert (
+        find_credentials("reg.example.com").source
+        == "$KVSNAP_REGISTRY_USER/$KVSNAP_REGISTRY_PASSWORD"
+    )  # env first: a broken config is skipped
 
 
 def test_a_broken_docker_config_is_a_warning_for_an_open_registry(registry, built_b, tmp_path):  # noqa: F811
@@ -540,7 +833,10 @@ def test_a_broken_docker_config_is_a_warning_for_an_open_registry(registry, buil
     config = docker_config(tmp_path / "docker", "{ broken")
     r = run_kvsnap("pull", ref, tmp_path / "dest", env={"DOCKER_CONFIG": str(config)})
     assert r.returncode == 0, r.stderr
-    assert f"docker config {config / 'config.json'} is not valid JSON" in r.stderr and "going on without credentials" in r.stderr
+    assert (
+        f"docker config {config / 'config.json'} is not valid JSON" in r.stderr
+        and "going on without credentials" in r.stderr
+    )
     assert store_files(tmp_path / "dest") == store_files(built_b)
 
 
@@ -548,24 +844,47 @@ def test_unreachable_errors_are_redacted(tmp_path):
     ref = Reference.parse(f"oci://alice:{PASSWORD}@127.0.0.1:{free_port()}/team/snaps:v1")
     with pytest.raises(RegistryUnreachableError) as exc:
         pull(ref, tmp_path / "dest", credentials=Credentials("alice", PASSWORD, "test"))
-    assert PASSWORD not in str(exc.value) and PASSWORD not in repr(exc.value) and "cannot reach registry" in str(exc.value)
+    assert (
+        PASSWORD not in str(exc.value)
+        and PASSWORD not in repr(exc.value)
+        and "cannot reach registry" in str(exc.value)
+    )
     assert not (tmp_path / "dest").exists()
 
 
 def test_a_store_never_writes_a_name_its_reader_would_refuse(tmp_path):
     store = Store.open(tmp_path / "s", create=True)
-    with store.lock(), pytest.raises(StoreError, match=r"is 5000 characters, over the 4096 a snapshot may hold; give the agent a shorter name"):
-        store.put(KEY, [OutTensor("tokens", "I32", (1,), memoryview(b"\0" * 4))], {"kvsnap.name": "x" * 5000})
+    with (
+        store.lock(),
+        pytest.raises(
+            StoreError,
+            match=r"is 5000 characters, over the 4096 a snapshot may hold; give the agent a "
+            r"shorter name",
+        ),
+    ):
+        store.put(
+            KEY,
+            [OutTensor("tokens", "I32", (1,), memoryview(b"\0" * 4))],
+            {"kvsnap.name": "x" * 5000},
+        )
     assert store.snapshot_files() == [] and store.temp_files() == []
 
 
 def test_every_cache_class_the_codec_writes_passes_the_layer_checks():
-    """The bounds are strict (exact fields per class); every layout the codec really writes must pass them."""
+    """The bounds are strict (exact fields per class); every layout the codec really writes must
+    pass them."""
     import mlx.core as mx
-    from mlx_lm.models.cache import ArraysCache, CacheList, ChunkedKVCache, KVCache, QuantizedKVCache, RotatingKVCache
+    from mlx_lm.models.cache import (
+        ArraysCache,
+        CacheList,
+        ChunkedKVCache,
+        KVCache,
+        QuantizedKVCache,
+        RotatingKVCache,
+    )
 
-    from kvsnap.snapshot.layer_list import check_offsets, expected_tensor_names
     from kvsnap.snapshot.codec import encode_cache
+    from kvsnap.snapshot.layer_list import check_offsets, expected_tensor_names
 
     def kv(n, dim=8):
         k = mx.random.normal((1, 2, n, dim), key=mx.random.key(n))
@@ -589,7 +908,10 @@ def test_every_cache_class_the_codec_writes_passes_the_layer_checks():
         "quantized": [QuantizedKVCache(group_size=64, bits=8)],
         "hybrid": [ArraysCache(2), KVCache()],
         "chunked": [ChunkedKVCache(4), KVCache()],
-        "cachelist": [CacheList(ArraysCache(2), KVCache()), CacheList(KVCache(), RotatingKVCache(max_size=8))],
+        "cachelist": [
+            CacheList(ArraysCache(2), KVCache()),
+            CacheList(KVCache(), RotatingKVCache(max_size=8)),
+        ],
     }
     for name, cache in layouts.items():
         arrays, layers = encode_cache(fed(cache, n), list(range(n)))
@@ -600,12 +922,15 @@ def test_every_cache_class_the_codec_writes_passes_the_layer_checks():
 
 
 def test_a_fifo_as_manifest_or_snapshot_is_refused_instead_of_hanging(store_a, tmp_path):
-    """Opening a FIFO for reading blocks until a writer comes: gc, verify and ls must not wait for one."""
+    """Opening a FIFO for reading blocks until a writer comes: gc, verify and ls must not wait for
+    one."""
     snapshot = Store.open(store_a).snapshot_files()[0]
     snapshot.unlink()
     os.mkfifo(snapshot)
     r = run_kvsnap("verify", store_a, timeout=60)
-    assert r.returncode == 1 and f"BAD  {snapshot}: is not a regular file" in r.stdout, r.stdout + r.stderr
+    assert r.returncode == 1 and f"BAD  {snapshot}: is not a regular file" in r.stdout, (
+        r.stdout + r.stderr
+    )
     (store_a / MANIFEST).unlink()
     os.mkfifo(store_a / MANIFEST)
     r = run_kvsnap("gc", store_a, "--yes", timeout=60)
@@ -618,8 +943,15 @@ def test_a_fifo_as_manifest_or_snapshot_is_refused_instead_of_hanging(store_a, t
 
 
 def test_verify_prints_a_name_with_control_characters_escaped(lm, tmp_path):
-    """A name comes from a file: with a newline or an escape sequence it could forge a `verify` summary line."""
-    root = build_store(lm, tmp_path / "S", [{"name": "x\n9 ok, 0 bad\x1b[2K", "messages": AGENTS_A[0]["messages"]}])
+    """A name comes from a file: with a newline or an escape sequence it could forge a `verify`
+    summary line."""
+    root = build_store(
+        lm, tmp_path / "S", [{"name": "x\n9 ok, 0 bad\x1b[2K", "messages": AGENTS_A[0]["messages"]}]
+    )
     r = run_kvsnap("verify", root)
-    assert r.returncode == 0 and r.stdout.splitlines()[-1] == "1 ok, 0 bad" and len(r.stdout.splitlines()) == 2, r.stdout
+    assert (
+        r.returncode == 0
+        and r.stdout.splitlines()[-1] == "1 ok, 0 bad"
+        and len(r.stdout.splitlines()) == 2
+    ), r.stdout
     assert "'x\\n9 ok, 0 bad\\x1b[2K'" in r.stdout and "\x1b" not in r.stdout

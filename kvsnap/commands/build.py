@@ -1,55 +1,124 @@
-"""`kvsnap build`: prefill warm prompts once and write their snapshots, with a progress bar and a table."""
+"""`kvsnap build`: prefill warm prompts once and write their snapshots, with a progress bar and a
+table."""
 
 from __future__ import annotations
 
 import json
 
-from kvsnap.commands.common import EXIT_BAD, EXIT_OK, MODEL_HELP, REVISION_HELP, add_kv_options, console, human_bytes, kv_settings
+from kvsnap.commands.common import (
+    EXIT_BAD,
+    EXIT_OK,
+    MODEL_HELP,
+    REVISION_HELP,
+    add_kv_options,
+    console,
+    human_bytes,
+    kv_settings,
+)
+
 
 def add_build(sub) -> None:
     p = sub.add_parser("build", help="prefill warm prompts once and write their snapshots")
-    p.add_argument("agents", help="warm-prompt file (JSON list of message lists or {name, messages, tools, chat_template_kwargs})")
+    p.add_argument(
+        "agents",
+        help="warm-prompt file (JSON list of message lists or {name, messages, tools, "
+        "chat_template_kwargs})",
+    )
     p.add_argument("--model", required=True, help=MODEL_HELP)
     p.add_argument("--revision", metavar="REV", help=REVISION_HELP)
     p.add_argument("--out", required=True, help="snapshot store directory (created if absent)")
     p.add_argument("--force", action="store_true", help="re-prefill and rewrite every snapshot")
-    p.add_argument("--for", dest="for_server", choices=("kvsnap", "vllm-mlx", "mlx-lm"), default="kvsnap", help="the server whose requests the snapshots must match: kvsnap serve (default), vllm-mlx (it encodes with the tokenizer's special tokens and its own enable_thinking; docs/vllm-mlx.md) or mlx-lm (mlx_lm.server with its --chat-template-args; docs/mlx-lm.md)")
-    p.add_argument("--served-model-name", metavar="NAME", help="with --for vllm-mlx: the MODEL name vllm-mlx serve is started with, from which it picks enable_thinking (false when the name contains 'coder'); default: --model")
-    p.add_argument("--chat-template-args", metavar="JSON", help="with --for mlx-lm: the --chat-template-args JSON object mlx_lm.server is started with (its defaults for every request's template)")
-    p.add_argument("--block-tokens", type=int, default=256, metavar="B", help="tokens per stored block (default 256): prompts sharing a prefix share its blocks; an edit re-prefills from the block it falls in")
-    p.add_argument("--checkpoint-every", type=int, default=1024, metavar="C", help="for hybrid models (SSM, sliding window): store those layers' whole state every C tokens too (default 1024), besides branch points and prompt ends")
-    p.add_argument("--json", action="store_true", help="print the report as JSON (per entry: tokens reused and prefilled, blocks and bytes written) instead of a table")
+    p.add_argument(
+        "--for",
+        dest="for_server",
+        choices=("kvsnap", "vllm-mlx", "mlx-lm"),
+        default="kvsnap",
+        help="the server whose requests the snapshots must match: kvsnap serve (default), vllm-mlx "
+        "(it encodes with the tokenizer's special tokens and its own enable_thinking; "
+        "docs/vllm-mlx.md) or mlx-lm (mlx_lm.server with its --chat-template-args; docs/mlx-lm.md)",
+    )
+    p.add_argument(
+        "--served-model-name",
+        metavar="NAME",
+        help="with --for vllm-mlx: the MODEL name vllm-mlx serve is started with, from which it "
+        "picks enable_thinking (false when the name contains 'coder'); default: --model",
+    )
+    p.add_argument(
+        "--chat-template-args",
+        metavar="JSON",
+        help="with --for mlx-lm: the --chat-template-args JSON object mlx_lm.server is started "
+        "with (its defaults for every request's template)",
+    )
+    p.add_argument(
+        "--block-tokens",
+        type=int,
+        default=256,
+        metavar="B",
+        help="tokens per stored block (default 256): prompts sharing a prefix share its blocks; an "
+        "edit re-prefills from the block it falls in",
+    )
+    p.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=1024,
+        metavar="C",
+        help="for hybrid models (SSM, sliding window): store those layers' whole state every C "
+        "tokens too (default 1024), besides branch points and prompt ends",
+    )
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print the report as JSON (per entry: tokens reused and prefilled, blocks and bytes "
+        "written) instead of a table",
+    )
     add_kv_options(p)
     p.set_defaults(run=cmd_build)
 
 
 def block_settings(args):
-    """--block-tokens / --checkpoint-every, checked (a UsageError names the flag, the value and the range)."""
+    """--block-tokens / --checkpoint-every, checked (a UsageError names the flag, the value and the
+    range)."""
     from kvsnap.errors import UsageError
     from kvsnap.snapshot.blocks import MAX_BLOCK_TOKENS, BlockSettings
 
-    for flag, value in (("--block-tokens", args.block_tokens), ("--checkpoint-every", args.checkpoint_every)):
+    for flag, value in (
+        ("--block-tokens", args.block_tokens),
+        ("--checkpoint-every", args.checkpoint_every),
+    ):
         if not 1 <= value <= MAX_BLOCK_TOKENS:
-            raise UsageError(f"{flag} {value}: give a number of tokens from 1 to {MAX_BLOCK_TOKENS}")
+            raise UsageError(
+                f"{flag} {value}: give a number of tokens from 1 to {MAX_BLOCK_TOKENS}"
+            )
     return BlockSettings(args.block_tokens, args.checkpoint_every)
 
 
 def build_tokenization(args):
-    """The request path `build --for` names (None: kvsnap's own); bad combinations are usage errors."""
+    """The request path `build --for` names (None: kvsnap's own); bad combinations are usage
+    errors."""
     from kvsnap.errors import UsageError
 
     if args.for_server == "mlx-lm":
         return mlx_lm_build_tokenization(args)
     if getattr(args, "chat_template_args", None) is not None:
-        raise UsageError(f"--chat-template-args {args.chat_template_args!r} only applies with --for mlx-lm; add --for mlx-lm or drop it")
+        raise UsageError(
+            f"--chat-template-args {args.chat_template_args!r} only applies with --for mlx-lm; add "
+            f"--for mlx-lm or drop it"
+        )
     if args.for_server != "vllm-mlx":
         if args.served_model_name is not None:
-            raise UsageError(f"--served-model-name {args.served_model_name!r} only applies with --for vllm-mlx; add --for vllm-mlx or drop it")
+            raise UsageError(
+                f"--served-model-name {args.served_model_name!r} only applies with --for vllm-mlx; "
+                f"add --for vllm-mlx or drop it"
+            )
         return None
     kv = {"--kv-bits": args.kv_bits, "--max-kv-size": args.max_kv_size}
     given = [f"{flag} {value}" for flag, value in kv.items() if value is not None]
     if given:
-        raise UsageError(f"--for vllm-mlx with {', '.join(given)}: vllm-mlx's live KV cache is never quantized or bounded, so it could not use these snapshots; drop {', '.join(f.split()[0] for f in given)}")
+        raise UsageError(
+            f"--for vllm-mlx with {', '.join(given)}: vllm-mlx's live KV cache is never quantized "
+            f"or bounded, so it could not use these snapshots; drop "
+            f"{', '.join(f.split()[0] for f in given)}"
+        )
     from kvsnap.integrations.vllm_mlx_profile import vllm_mlx_tokenization
 
     return vllm_mlx_tokenization(args.served_model_name or args.model)
@@ -61,10 +130,21 @@ def mlx_lm_build_tokenization(args):
     from kvsnap.integrations.mlx_lm_profile import mlx_lm_tokenization, parse_chat_template_args
 
     if args.served_model_name is not None:
-        raise UsageError(f"--served-model-name {args.served_model_name!r} only applies with --for vllm-mlx; drop it (mlx_lm.server's rendering does not depend on the model name)")
-    given = [f"{flag} {value}" for flag, value in (("--kv-bits", args.kv_bits), ("--max-kv-size", args.max_kv_size)) if value is not None]
+        raise UsageError(
+            f"--served-model-name {args.served_model_name!r} only applies with --for vllm-mlx; "
+            f"drop it (mlx_lm.server's rendering does not depend on the model name)"
+        )
+    given = [
+        f"{flag} {value}"
+        for flag, value in (("--kv-bits", args.kv_bits), ("--max-kv-size", args.max_kv_size))
+        if value is not None
+    ]
     if given:
-        raise UsageError(f"--for mlx-lm with {', '.join(given)}: mlx_lm.server's prompt cache holds full-precision, unbounded KV, so it could not use these snapshots; drop {', '.join(f.split()[0] for f in given)}")
+        raise UsageError(
+            f"--for mlx-lm with {', '.join(given)}: mlx_lm.server's prompt cache holds "
+            f"full-precision, unbounded KV, so it could not use these snapshots; drop "
+            f"{', '.join(f.split()[0] for f in given)}"
+        )
     return mlx_lm_tokenization(parse_chat_template_args(args.chat_template_args))
 
 
@@ -80,13 +160,22 @@ def cmd_build(args) -> int:
     tokenization = build_tokenization(args)
     blocks = block_settings(args)
     prompts = load_warm_prompts(args.agents)
-    source = resolve_model(args.model, args.revision)  # a bad id or folder fails before the store is created
+    source = resolve_model(
+        args.model, args.revision
+    )  # a bad id or folder fails before the store is created
     store = Store.open(args.out, create=True, fault=FaultHook.from_env())
     out = console(stderr=args.json)
     for problem in prompts.problems:
         out.print(f"[yellow]skipped[/] {problem}", markup=True)
     lm = load_model(source, kv_settings(args))
-    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(), console=out, transient=True) as bar:
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total}"),
+        TimeElapsedColumn(),
+        console=out,
+        transient=True,
+    ) as bar:
         task = bar.add_task("prefilling", total=len(prompts.entries))
 
         def progress(event: str, name: str) -> None:
@@ -95,7 +184,17 @@ def cmd_build(args) -> int:
             else:
                 bar.advance(task)
 
-        report = build_snapshots(lm, prompts, store, args.agents, force=args.force, progress=progress, digests=default_digest_cache(), tokenization=tokenization, blocks=blocks)
+        report = build_snapshots(
+            lm,
+            prompts,
+            store,
+            args.agents,
+            force=args.force,
+            progress=progress,
+            digests=default_digest_cache(),
+            tokenization=tokenization,
+            blocks=blocks,
+        )
     if args.json:
         print(json.dumps(build_report_json(report, blocks), indent=1))
     else:
@@ -104,14 +203,33 @@ def cmd_build(args) -> int:
 
 
 def build_report_json(report, blocks) -> dict:
-    """What `kvsnap build --json` prints: the totals, then per entry what was reused, prefilled and written."""
-    fields = ("name", "status", "key", "n_tokens", "coverage", "tokens_reused", "tokens_prefilled", "blocks_written", "bytes_written", "seconds", "warnings", "error")
-    entries = [{f: (list(getattr(e, f)) if f == "warnings" else getattr(e, f)) for f in fields} for e in report.entries]
+    """What `kvsnap build --json` prints: the totals, then per entry what was reused, prefilled and
+    written."""
+    fields = (
+        "name",
+        "status",
+        "key",
+        "n_tokens",
+        "coverage",
+        "tokens_reused",
+        "tokens_prefilled",
+        "blocks_written",
+        "bytes_written",
+        "seconds",
+        "warnings",
+        "error",
+    )
+    entries = [
+        {f: (list(getattr(e, f)) if f == "warnings" else getattr(e, f)) for f in fields}
+        for e in report.entries
+    ]
     return {
         "store": str(report.store),
         "model_digest": report.model_digest,
         **blocks.as_dict(),
-        "built": report.count("built"), "reused": report.count("reused"), "failed": report.count("failed"),
+        "built": report.count("built"),
+        "reused": report.count("reused"),
+        "failed": report.count("failed"),
         "tokens_prefilled": sum(e.tokens_prefilled for e in report.entries),
         "bytes_written": sum(e.bytes_written for e in report.entries),
         "seconds": round(report.seconds, 3),
@@ -125,10 +243,28 @@ def print_build_report(out, report) -> None:
     from rich.table import Table
 
     table = Table(title=f"kvsnap build → {report.store}")
-    for col in ("agent", "status", "tokens", "reused", "prefilled", "coverage", "written", "seconds"):
+    for col in (
+        "agent",
+        "status",
+        "tokens",
+        "reused",
+        "prefilled",
+        "coverage",
+        "written",
+        "seconds",
+    ):
         table.add_column(col, justify="left" if col in ("agent", "status") else "right")
     for e in report.entries:
-        table.add_row(e.name, e.status, str(e.n_tokens), str(e.tokens_reused), str(e.tokens_prefilled), f"{e.coverage:.0%}", human_bytes(e.bytes_written), f"{e.seconds:.2f}")
+        table.add_row(
+            e.name,
+            e.status,
+            str(e.n_tokens),
+            str(e.tokens_reused),
+            str(e.tokens_prefilled),
+            f"{e.coverage:.0%}",
+            human_bytes(e.bytes_written),
+            f"{e.seconds:.2f}",
+        )
     out.print(table)
     for e in report.entries:
         for w in e.warnings:
@@ -138,7 +274,9 @@ def print_build_report(out, report) -> None:
     total_tokens = sum(e.n_tokens for e in report.entries if e.status != "failed")
     total_bytes = sum(e.bytes_written for e in report.entries)
     out.print(
-        f"{report.count('built')} built, {report.count('reused')} reused, {report.count('failed')} failed, "
-        f"{len(report.problems)} invalid; {total_tokens} tokens, {human_bytes(total_bytes)} in {report.seconds:.1f}s",
+        f"{report.count('built')} built, {report.count('reused')} reused, {report.count('failed')} "
+        f"failed, "
+        f"{len(report.problems)} invalid; {total_tokens} tokens, {human_bytes(total_bytes)} in "
+        f"{report.seconds:.1f}s",
         markup=False,
     )

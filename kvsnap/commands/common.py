@@ -1,4 +1,5 @@
-"""What every subcommand shares: exit codes, the KV options build and serve must agree on, output helpers."""
+"""What every subcommand shares: exit codes, the KV options build and serve must agree on, output
+helpers."""
 
 from __future__ import annotations
 
@@ -6,7 +7,10 @@ import argparse
 
 EXIT_OK, EXIT_BAD, EXIT_USAGE = 0, 1, 2
 
-MODEL_HELP = "hub id (org/name, from the Hugging Face cache as mlx-lm resolves it) or local mlx-lm model folder"
+MODEL_HELP = (
+    "hub id (org/name, from the Hugging Face cache as mlx-lm resolves it) or local mlx-lm "
+    "model folder"
+)
 REVISION_HELP = "hub revision: branch, tag or commit (default: main); only with a hub id"
 
 
@@ -22,11 +26,37 @@ def positive_int(text: str) -> int:
 
 def add_kv_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("KV cache settings (build and serve must agree)")
-    g.add_argument("--kv-bits", type=int, choices=(2, 3, 4, 5, 6, 8), default=None, help="quantize the KV cache to this many bits (default: off)")
-    g.add_argument("--kv-group-size", type=positive_int, default=64, help="KV quantization group size; must divide the head dim (default: 64)")
-    g.add_argument("--quantized-kv-start", type=int, default=0, help="quantize the KV once a prompt reaches this many tokens (default: 0)")
-    g.add_argument("--max-kv-size", type=positive_int, default=None, help="rotating KV cache of this many tokens for models without their own cache layout")
-    g.add_argument("--prefill-step-size", type=positive_int, default=None, help="prefill chunk size (default: 512; recorded, not keyed)")
+    g.add_argument(
+        "--kv-bits",
+        type=int,
+        choices=(2, 3, 4, 5, 6, 8),
+        default=None,
+        help="quantize the KV cache to this many bits (default: off)",
+    )
+    g.add_argument(
+        "--kv-group-size",
+        type=positive_int,
+        default=64,
+        help="KV quantization group size; must divide the head dim (default: 64)",
+    )
+    g.add_argument(
+        "--quantized-kv-start",
+        type=int,
+        default=0,
+        help="quantize the KV once a prompt reaches this many tokens (default: 0)",
+    )
+    g.add_argument(
+        "--max-kv-size",
+        type=positive_int,
+        default=None,
+        help="rotating KV cache of this many tokens for models without their own cache layout",
+    )
+    g.add_argument(
+        "--prefill-step-size",
+        type=positive_int,
+        default=None,
+        help="prefill chunk size (default: 512; recorded, not keyed)",
+    )
 
 
 def kv_settings(args: argparse.Namespace):

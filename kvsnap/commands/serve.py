@@ -10,7 +10,15 @@ import os
 import sys
 from pathlib import Path
 
-from kvsnap.commands.common import EXIT_BAD, EXIT_OK, MODEL_HELP, REVISION_HELP, add_kv_options, kv_settings, positive_int
+from kvsnap.commands.common import (
+    EXIT_BAD,
+    EXIT_OK,
+    MODEL_HELP,
+    REVISION_HELP,
+    add_kv_options,
+    kv_settings,
+    positive_int,
+)
 from kvsnap.errors import KvsnapError
 
 log = logging.getLogger("kvsnap")
@@ -22,25 +30,117 @@ def add_serve(sub) -> None:
     p.add_argument("--revision", metavar="REV", help=REVISION_HELP)
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
-    p.add_argument("--continuous-batching", action="store_true", help="batch concurrent requests (mlx-lm BatchGenerator); without it requests run one at a time")
-    p.add_argument("--warm-prompts", metavar="FILE", help="warm-prompt file: these prefixes are warm before /health says ok")
-    p.add_argument("--kv-snapshots", metavar="DIR_OR_OCI", help="snapshot store to start warm from: a folder, or oci://HOST[:PORT]/REPO:TAG (pulled into a local cache first); prefilled warm prompts are written back when writable")
-    p.add_argument("--no-write-back", action="store_true", help="never write prefilled warm prompts back to the store")
-    p.add_argument("--warm-prompts-concurrency", type=positive_int, default=1, help="at most N warm-prompt prefills at once (default: 1)")
-    p.add_argument("--cache-memory-mb", type=float, default=2048.0, help="prefix cache budget in MiB: pinned snapshots load up to it, the rest on first hit (default: 2048)")
-    p.add_argument("--max-batch-size", type=positive_int, default=8, help="most requests decoding at once (default: 8)")
-    p.add_argument("--max-tokens", type=positive_int, default=256, help="default max_tokens of a request (default: 256)")
-    p.add_argument("--served-model-name", help="model id clients send (default: the hub id, else the model folder's name)")
+    p.add_argument(
+        "--continuous-batching",
+        action="store_true",
+        help="batch concurrent requests (mlx-lm BatchGenerator); without it requests run one at a "
+        "time",
+    )
+    p.add_argument(
+        "--warm-prompts",
+        metavar="FILE",
+        help="warm-prompt file: these prefixes are warm before /health says ok",
+    )
+    p.add_argument(
+        "--kv-snapshots",
+        metavar="DIR_OR_OCI",
+        help="snapshot store to start warm from: a folder, or oci://HOST[:PORT]/REPO:TAG (pulled "
+        "into a local cache first); prefilled warm prompts are written back when writable",
+    )
+    p.add_argument(
+        "--no-write-back",
+        action="store_true",
+        help="never write prefilled warm prompts back to the store",
+    )
+    p.add_argument(
+        "--warm-prompts-concurrency",
+        type=positive_int,
+        default=1,
+        help="at most N warm-prompt prefills at once (default: 1)",
+    )
+    p.add_argument(
+        "--cache-memory-mb",
+        type=float,
+        default=2048.0,
+        help="prefix cache budget in MiB: pinned snapshots load up to it, the rest on first hit "
+        "(default: 2048)",
+    )
+    p.add_argument(
+        "--max-batch-size",
+        type=positive_int,
+        default=8,
+        help="most requests decoding at once (default: 8)",
+    )
+    p.add_argument(
+        "--max-tokens",
+        type=positive_int,
+        default=256,
+        help="default max_tokens of a request (default: 256)",
+    )
+    p.add_argument(
+        "--served-model-name",
+        help="model id clients send (default: the hub id, else the model folder's name)",
+    )
     g = p.add_argument_group("security and limits (docs/server.md#security)")
-    g.add_argument("--api-key", action="append", metavar="KEY", help="require `Authorization: Bearer KEY` on every endpoint but /health; repeatable. Prefer KVSNAP_API_KEY (comma-separated): arguments show in `ps`")
-    g.add_argument("--admin-api-key", action="append", metavar="KEY", help="only these keys may DELETE /v1/cache/prefix and see every request in /v1/status; repeatable; or KVSNAP_ADMIN_API_KEY")
-    g.add_argument("--max-request-bytes", type=positive_int, default=8 * 2**20, help="larger request bodies get 413 (default: 8 MiB)")
-    g.add_argument("--max-queued-requests", type=int, default=64, help="requests waiting beyond --max-batch-size before new ones get 429 (default: 64)")
-    g.add_argument("--no-request-prefix-cache", action="store_true", help="never keep request prompts for reuse; only warm prompts are cached")
-    g.add_argument("--max-messages", type=positive_int, default=2048, help="chat requests with more messages get 400 before anything is rendered (default: 2048)")
-    g.add_argument("--max-connections", type=positive_int, default=512, help="most open client connections; at the cap a new one replaces the one waiting longest for its request head (default: 512; lowered to stay below the open-files limit)")
-    g.add_argument("--header-timeout", type=positive_float, default=10.0, metavar="SECONDS", help="close a connection whose request head (request line and headers) is not complete in this time (default: 10)")
-    g.add_argument("--cached-tokens-granularity", type=positive_int, default=128, help="partial matches on prefixes shared between clients report cached_tokens in these steps (default: 128, as OpenAI; 1 = exact)")
+    g.add_argument(
+        "--api-key",
+        action="append",
+        metavar="KEY",
+        help="require `Authorization: Bearer KEY` on every endpoint but /health; repeatable. "
+        "Prefer KVSNAP_API_KEY (comma-separated): arguments show in `ps`",
+    )
+    g.add_argument(
+        "--admin-api-key",
+        action="append",
+        metavar="KEY",
+        help="only these keys may DELETE /v1/cache/prefix and see every request in /v1/status; "
+        "repeatable; or KVSNAP_ADMIN_API_KEY",
+    )
+    g.add_argument(
+        "--max-request-bytes",
+        type=positive_int,
+        default=8 * 2**20,
+        help="larger request bodies get 413 (default: 8 MiB)",
+    )
+    g.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=64,
+        help="requests waiting beyond --max-batch-size before new ones get 429 (default: 64)",
+    )
+    g.add_argument(
+        "--no-request-prefix-cache",
+        action="store_true",
+        help="never keep request prompts for reuse; only warm prompts are cached",
+    )
+    g.add_argument(
+        "--max-messages",
+        type=positive_int,
+        default=2048,
+        help="chat requests with more messages get 400 before anything is rendered (default: 2048)",
+    )
+    g.add_argument(
+        "--max-connections",
+        type=positive_int,
+        default=512,
+        help="most open client connections; at the cap a new one replaces the one waiting longest "
+        "for its request head (default: 512; lowered to stay below the open-files limit)",
+    )
+    g.add_argument(
+        "--header-timeout",
+        type=positive_float,
+        default=10.0,
+        metavar="SECONDS",
+        help="close a connection whose request head (request line and headers) is not complete in "
+        "this time (default: 10)",
+    )
+    g.add_argument(
+        "--cached-tokens-granularity",
+        type=positive_int,
+        default=128,
+        help="partial matches on prefixes shared between clients report cached_tokens in these "
+        "steps (default: 128, as OpenAI; 1 = exact)",
+    )
     add_kv_options(p)
     p.set_defaults(run=cmd_serve)
 
@@ -56,7 +156,11 @@ def positive_float(text: str) -> float:
 
 
 def cmd_serve(args) -> int:
-    from kvsnap.http.connections import ConnectionGuard, effective_max_connections, raise_open_files_limit
+    from kvsnap.http.connections import (
+        ConnectionGuard,
+        effective_max_connections,
+        raise_open_files_limit,
+    )
     from kvsnap.http.guard import Auth
     from kvsnap.http.listen import bind_socket, make_server
     from kvsnap.http.server import create_app
@@ -73,22 +177,42 @@ def cmd_serve(args) -> int:
     sock = bind_socket(args.host, args.port)  # a busy port fails now, not after the model loads
     source = resolve_model(args.model, args.revision)
     if not auth.enabled and not is_loopback(args.host):
-        log.warning("[kvsnap] serving on %s without API keys: anyone who can reach this port can use and clear the cache; set KVSNAP_API_KEY", args.host)
-    if args.kv_snapshots and "://" not in args.kv_snapshots and Path(args.kv_snapshots).expanduser().is_file():
-        raise KvsnapError(f"--kv-snapshots {args.kv_snapshots}: is a file; give the store folder made by `kvsnap build --out` (or oci://…)")
+        log.warning(
+            "[kvsnap] serving on %s without API keys: anyone who can reach this port can use and "
+            "clear the cache; set KVSNAP_API_KEY",
+            args.host,
+        )
+    if (
+        args.kv_snapshots
+        and "://" not in args.kv_snapshots
+        and Path(args.kv_snapshots).expanduser().is_file()
+    ):
+        raise KvsnapError(
+            f"--kv-snapshots {args.kv_snapshots}: is a file; give the store folder made by `kvsnap "
+            f"build --out` (or oci://…)"
+        )
     prompts = load_warm_prompts(args.warm_prompts) if args.warm_prompts else None
     for problem in prompts.problems if prompts else []:
         log.warning("[kvsnap] skipped warm prompt %s", problem)
-    args.kv_snapshots = resolve_kv_snapshots(args.kv_snapshots)  # a remote URL (oci://…) is pulled into a local cache folder first
+    args.kv_snapshots = resolve_kv_snapshots(
+        args.kv_snapshots
+    )  # a remote URL (oci://…) is pulled into a local cache folder first
     engine = Engine(engine_config(args, source.path, prompts))
     server_config = serve_config(args, source, auth)
     engine.start()  # load the model on the main thread, before the port opens
     # After the load: importing mlx-lm sets the open-files limit itself (2048, hard 4096).
     max_connections = effective_max_connections(args.max_connections, raise_open_files_limit())
     guard = ConnectionGuard(max_connections=max_connections, header_timeout_s=args.header_timeout)
-    server = make_server(create_app(engine, server_config), guard, log_level="info", timeout_graceful_shutdown=5)
+    server = make_server(
+        create_app(engine, server_config), guard, log_level="info", timeout_graceful_shutdown=5
+    )
     exit_when_warm_up_fails(engine, server)
-    log.info("[kvsnap] listening on http://%s:%d (at most %d connections)", args.host, args.port, max_connections)
+    log.info(
+        "[kvsnap] listening on http://%s:%d (at most %d connections)",
+        args.host,
+        args.port,
+        max_connections,
+    )
     server.run(sockets=[sock])
     if engine.failed:
         print(f"kvsnap serve: error: warm-up failed: {engine.failed}", file=sys.stderr)
@@ -123,7 +247,12 @@ def serve_config(args, source, auth):
 
     model_dir = source.path
     config_json = json.loads((model_dir / "config.json").read_text())
-    name = args.served_model_name or source.repo_id or Path(args.model).expanduser().name or model_dir.name
+    name = (
+        args.served_model_name
+        or source.repo_id
+        or Path(args.model).expanduser().name
+        or model_dir.name
+    )
     max_batch = args.max_batch_size if args.continuous_batching else 1
     return ServerConfig(
         served_model_name=name,
@@ -142,11 +271,18 @@ def serve_config(args, source, auth):
 def add_vllm_mlx(sub) -> None:
     p = sub.add_parser(
         "vllm-mlx",
-        help="run vllm-mlx's own server warm from a store: kvsnap vllm-mlx serve MODEL [its flags] --kv-snapshots DIR",
-        description="Run vllm-mlx's own server (installed beside kvsnap) with the store's snapshots of MODEL in its prefix cache before it accepts requests. "
-        "Every argument but --kv-snapshots goes to `vllm-mlx serve` unchanged; `kvsnap vllm-mlx serve --help` shows both. See docs/vllm-mlx.md.",
+        help="run vllm-mlx's own server warm from a store: kvsnap vllm-mlx serve MODEL [its flags] "
+        "--kv-snapshots DIR",
+        description="Run vllm-mlx's own server (installed beside kvsnap) with the store's "
+        "snapshots of MODEL in its prefix cache before it accepts requests. "
+        "Every argument but --kv-snapshots goes to `vllm-mlx serve` unchanged; `kvsnap vllm-mlx "
+        "serve --help` shows both. See docs/vllm-mlx.md.",
     )
-    p.add_argument("vllm_mlx_args", nargs=argparse.REMAINDER, metavar="serve MODEL [vllm-mlx flags] --kv-snapshots DIR")
+    p.add_argument(
+        "vllm_mlx_args",
+        nargs=argparse.REMAINDER,
+        metavar="serve MODEL [vllm-mlx flags] --kv-snapshots DIR",
+    )
     p.set_defaults(run=cmd_vllm_mlx)
 
 
@@ -154,7 +290,11 @@ def cmd_vllm_mlx(args) -> int:
     from kvsnap.integrations.vllm_mlx import main as vllm_mlx_main
 
     # vllm-mlx logs through the root logger: give its lines a time, level and source, like `serve`.
-    logging.basicConfig(force=True, level=logging.DEBUG if args.verbose else logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        force=True,
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
     rc = vllm_mlx_main(args.vllm_mlx_args)
     if args.vllm_mlx_args[:1] == ["serve"]:
         # vllm-mlx has shut down cleanly. Skip interpreter finalization: a thread that ran mlx
@@ -177,8 +317,11 @@ def add_mlx_lm(sub) -> None:
         "goes to mlx_lm.server unchanged; `kvsnap mlx-lm serve --help` shows both. "
         "See docs/mlx-lm.md.",
     )
-    p.add_argument("mlx_lm_args", nargs=argparse.REMAINDER,
-                   metavar="serve --model MODEL [mlx_lm.server flags] --kv-snapshots DIR")
+    p.add_argument(
+        "mlx_lm_args",
+        nargs=argparse.REMAINDER,
+        metavar="serve --model MODEL [mlx_lm.server flags] --kv-snapshots DIR",
+    )
     p.set_defaults(run=cmd_mlx_lm)
 
 

@@ -1,11 +1,20 @@
-"""`kvsnap ls`, `inspect`, `verify` and `gc`: a store's files, read from their headers (no mlx unless `verify --model`)."""
+"""`kvsnap ls`, `inspect`, `verify` and `gc`: a store's files, read from their headers (no mlx
+unless `verify --model`)."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from kvsnap.commands.common import EXIT_BAD, EXIT_OK, REVISION_HELP, add_kv_options, console, human_bytes, kv_settings
+from kvsnap.commands.common import (
+    EXIT_BAD,
+    EXIT_OK,
+    REVISION_HELP,
+    add_kv_options,
+    console,
+    human_bytes,
+    kv_settings,
+)
 from kvsnap.errors import KvsnapError
 
 
@@ -22,7 +31,28 @@ def cmd_ls(args) -> int:
     store = Store.open(args.store, readonly=True)
     good, bad = store.scan()
     if args.json:
-        print(json.dumps({"snapshots": [{"key": i.key, "name": i.name, "file": i.relpath, "n_tokens": i.n_tokens, "bytes": i.nbytes, "model_digest": i.model_digest, "model_repo": i.recorded.get("model_repo"), "model_commit": i.recorded.get("model_commit"), "created": i.recorded.get("created")} for i in good], "problems": [{"file": str(p.path), "reason": p.reason} for p in bad]}, indent=1))
+        print(
+            json.dumps(
+                {
+                    "snapshots": [
+                        {
+                            "key": i.key,
+                            "name": i.name,
+                            "file": i.relpath,
+                            "n_tokens": i.n_tokens,
+                            "bytes": i.nbytes,
+                            "model_digest": i.model_digest,
+                            "model_repo": i.recorded.get("model_repo"),
+                            "model_commit": i.recorded.get("model_commit"),
+                            "created": i.recorded.get("created"),
+                        }
+                        for i in good
+                    ],
+                    "problems": [{"file": str(p.path), "reason": p.reason} for p in bad],
+                },
+                indent=1,
+            )
+        )
         return EXIT_OK
     from rich.markup import escape
     from rich.table import Table
@@ -32,8 +62,19 @@ def cmd_ls(args) -> int:
     for col in ("key", "agent", "tokens", "size", "model", "created"):
         table.add_column(col)
     for i in good:
-        origin = f" {i.recorded['model_repo']}@{str(i.recorded.get('model_commit', '?'))[:7]}" if i.recorded.get("model_repo") else ""  # hub builds only
-        table.add_row(i.key[:12], escape(i.name), str(i.n_tokens), human_bytes(i.nbytes), escape(i.model_digest[:12] + origin), escape(i.recorded.get("created", "?")))
+        origin = (
+            f" {i.recorded['model_repo']}@{str(i.recorded.get('model_commit', '?'))[:7]}"
+            if i.recorded.get("model_repo")
+            else ""
+        )  # hub builds only
+        table.add_row(
+            i.key[:12],
+            escape(i.name),
+            str(i.n_tokens),
+            human_bytes(i.nbytes),
+            escape(i.model_digest[:12] + origin),
+            escape(i.recorded.get("created", "?")),
+        )
     out = console()
     out.print(table)
     for p in bad:
@@ -54,20 +95,43 @@ def cmd_inspect(args) -> int:
 
     path = Path(args.file)
     if not path.is_file():
-        raise KvsnapError(f"{path}: no such snapshot file; give a path like STORE/snapshots/<key>.safetensors (or blocks/, checkpoints/)")
+        raise KvsnapError(
+            f"{path}: no such snapshot file; give a path like STORE/snapshots/<key>.safetensors "
+            f"(or blocks/, checkpoints/)"
+        )
     try:
         header = read_header(path)
         if "kvsnap.kind" in header.metadata:  # a block or a checkpoint
             from kvsnap.snapshot.chain import inspect_part
 
             part = inspect_part(path, header)
-            print(json.dumps({"file": str(path), **part.__dict__, "bytes": header.file_size, "tensors": {n: {"dtype": t.dtype, "shape": list(t.shape)} for n, t in sorted(header.tensors.items())}}, indent=1))
+            print(
+                json.dumps(
+                    {
+                        "file": str(path),
+                        **part.__dict__,
+                        "bytes": header.file_size,
+                        "tensors": {
+                            n: {"dtype": t.dtype, "shape": list(t.shape)}
+                            for n, t in sorted(header.tensors.items())
+                        },
+                    },
+                    indent=1,
+                )
+            )
             return EXIT_OK
         info = inspect_header(path, header)
     except FormatError as exc:
-        raise SnapshotError(str(path), str(exc), "give a kvsnap snapshot file (STORE/snapshots/<key>.safetensors); `kvsnap verify STORE` checks them all") from None
+        raise SnapshotError(
+            str(path),
+            str(exc),
+            "give a kvsnap snapshot file (STORE/snapshots/<key>.safetensors); `kvsnap verify "
+            "STORE` checks them all",
+        ) from None
     except OSError as exc:
-        raise SnapshotError(str(path), f"cannot be read ({exc.strerror or exc})", "check the file's permissions") from None
+        raise SnapshotError(
+            str(path), f"cannot be read ({exc.strerror or exc})", "check the file's permissions"
+        ) from None
     out = {
         "file": str(path),
         "key": info.key,
@@ -80,7 +144,9 @@ def cmd_inspect(args) -> int:
         "recorded": info.recorded,
         "layers": info.layers,
         "chain": info.chain.__dict__ if info.chain is not None else None,
-        "tensors": {n: {"dtype": t.dtype, "shape": list(t.shape)} for n, t in sorted(header.tensors.items())},
+        "tensors": {
+            n: {"dtype": t.dtype, "shape": list(t.shape)} for n, t in sorted(header.tensors.items())
+        },
     }
     print(json.dumps(out, indent=1))
     return EXIT_OK
@@ -89,7 +155,10 @@ def cmd_inspect(args) -> int:
 def add_verify(sub) -> None:
     p = sub.add_parser("verify", help="check every snapshot (exit 1 if any is bad)")
     p.add_argument("store")
-    p.add_argument("--model", help="also reject snapshots not built for this model: hub id or local folder (imports mlx)")
+    p.add_argument(
+        "--model",
+        help="also reject snapshots not built for this model: hub id or local folder (imports mlx)",
+    )
     p.add_argument("--revision", metavar="REV", help=REVISION_HELP)
     add_kv_options(p)
     p.set_defaults(run=cmd_verify)
@@ -97,12 +166,16 @@ def add_verify(sub) -> None:
 
 def cmd_verify(args) -> int:
     from kvsnap.errors import SnapshotError
-    from kvsnap.store.local import Store, foreign_reason
+    from kvsnap.store.foreign import foreign_reason
+    from kvsnap.store.local import Store
 
     store = Store.open(args.store, readonly=True).require_store()
     expected = shapes = None
     if args.revision and not args.model:
-        raise KvsnapError(f"--revision {args.revision!r} needs --model (a hub id); add --model ORG/NAME or drop --revision")
+        raise KvsnapError(
+            f"--revision {args.revision!r} needs --model (a hub id); add --model ORG/NAME or drop "
+            f"--revision"
+        )
     if args.model:
         from kvsnap.runtime.modeling import default_digest_cache, load_model
         from kvsnap.runtime.state_shapes import ModelShapes
@@ -113,7 +186,9 @@ def cmd_verify(args) -> int:
     for path in store.snapshot_files():
         try:
             info = store.verify_file(path)
-            name = info.name if info.name.isprintable() else repr(info.name)  # a name from a file must not forge output lines
+            name = (
+                info.name if info.name.isprintable() else repr(info.name)
+            )  # a name from a file must not forge output lines
             foreign = foreign_reason(expected, info)
             if foreign:  # sound, for another model: a shared store may hold several
                 other += 1
@@ -128,7 +203,10 @@ def cmd_verify(args) -> int:
             print(f"BAD  {exc.path}: {exc.reason}; {exc.fix}")
     bad += _verify_manifest(store)
     for tmp in store.temp_files():
-        print(f"note {tmp}: leftover temp file of an interrupted write (harmless; `kvsnap gc --yes` removes it)")
+        print(
+            f"note {tmp}: leftover temp file of an interrupted write (harmless; `kvsnap gc --yes` "
+            f"removes it)"
+        )
     print(f"{ok} ok, {bad} bad" + (f", {other} for another model" if other else ""))
     return EXIT_BAD if bad else EXIT_OK
 
@@ -141,15 +219,27 @@ def _check_shapes(store, info, shapes) -> None:
     from kvsnap.snapshot.file import read_header
     from kvsnap.store.parts import chain_relpaths
 
-    parts = [store.root / rel for rel in chain_relpaths(info)] if info.chain is not None else [info.path]
+    parts = (
+        [store.root / rel for rel in chain_relpaths(info)]
+        if info.chain is not None
+        else [info.path]
+    )
     for path in parts:
-        why = shapes.problem_in_header(read_header(path).tensors, f"{path.parent.name}/{path.name}: ")
+        why = shapes.problem_in_header(
+            read_header(path).tensors, f"{path.parent.name}/{path.name}: "
+        )
         if why:
-            raise SnapshotError(str(info.path), why, "it was not built for this model's cache (forged or damaged); rebuild it with `kvsnap build`")
+            raise SnapshotError(
+                str(info.path),
+                why,
+                "it was not built for this model's cache (forged or damaged); rebuild it with "
+                "`kvsnap build`",
+            )
 
 
 def _verify_manifest(store) -> int:
-    """Print and count what is wrong with the manifest: unreadable, or listing files that are gone."""
+    """Print and count what is wrong with the manifest: unreadable, or listing files that are
+    gone."""
     from kvsnap.errors import StoreError
 
     bad = 0
@@ -161,12 +251,16 @@ def _verify_manifest(store) -> int:
         print(f"BAD  {exc}")
     for ref in store.missing_files(referenced):
         bad += 1
-        print(f"BAD  {store.root / ref}: listed in the manifest but missing; run `kvsnap build` again")
+        print(
+            f"BAD  {store.root / ref}: listed in the manifest but missing; run `kvsnap build` again"
+        )
     return bad
 
 
 def add_gc(sub) -> None:
-    p = sub.add_parser("gc", help="remove temp files and snapshots no manifest record uses (dry run unless --yes)")
+    p = sub.add_parser(
+        "gc", help="remove temp files and snapshots no manifest record uses (dry run unless --yes)"
+    )
     p.add_argument("store")
     p.add_argument("--yes", action="store_true", help="really delete")
     p.set_defaults(run=cmd_gc)
@@ -179,18 +273,34 @@ def cmd_gc(args) -> int:
     doomed, freed = store.gc(apply=args.yes)
     verb = "removed" if args.yes else "would remove"
     if not (store.root / MANIFEST).exists() and store.snapshot_files():
-        print(f"note {store.root} has no manifest.json, so no snapshot is known to be unused; only temp files are removed")
+        print(
+            f"note {store.root} has no manifest.json, so no snapshot is known to be unused; only "
+            f"temp files are removed"
+        )
     for p in doomed:
         print(f"{verb} {p}")
-    print(f"{verb} {len(doomed)} file(s), {human_bytes(freed)}" + ("" if args.yes else "; run again with --yes to delete"))
+    print(
+        f"{verb} {len(doomed)} file(s), {human_bytes(freed)}"
+        + ("" if args.yes else "; run again with --yes to delete")
+    )
     return EXIT_OK
 
 
 def add_migrate(sub) -> None:
-    p = sub.add_parser("migrate", help="turn a store's v2 whole-file snapshots into v3 records and shared blocks (no model needed)")
+    p = sub.add_parser(
+        "migrate",
+        help="turn a store's v2 whole-file snapshots into v3 records and shared blocks (no model "
+        "needed)",
+    )
     p.add_argument("store")
-    p.add_argument("--block-tokens", type=int, default=256, metavar="B", help="tokens per block (default 256)")
-    p.add_argument("--dry-run", action="store_true", help="list the files that would be migrated, change nothing")
+    p.add_argument(
+        "--block-tokens", type=int, default=256, metavar="B", help="tokens per block (default 256)"
+    )
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="list the files that would be migrated, change nothing",
+    )
     p.set_defaults(run=cmd_migrate)
 
 
@@ -200,13 +310,26 @@ def cmd_migrate(args) -> int:
     from kvsnap.store.migrate import migrate_store
 
     if not 1 <= args.block_tokens <= MAX_BLOCK_TOKENS:
-        raise UsageError(f"--block-tokens {args.block_tokens}: give a number of tokens from 1 to {MAX_BLOCK_TOKENS}")
-    report = migrate_store(args.store, BlockSettings(block_tokens=args.block_tokens), dry_run=args.dry_run)
+        raise UsageError(
+            f"--block-tokens {args.block_tokens}: give a number of tokens from 1 to "
+            f"{MAX_BLOCK_TOKENS}"
+        )
+    report = migrate_store(
+        args.store, BlockSettings(block_tokens=args.block_tokens), dry_run=args.dry_run
+    )
     verb = "would migrate" if args.dry_run else "migrated"
     for path in report.migrated:
         print(f"{verb} {path}")
     for problem in report.problems:
         print(f"left as it is: {problem}")
-    sizes = "" if args.dry_run else f"; {human_bytes(report.bytes_before)} of whole files became {human_bytes(report.bytes_after)} of records and new blocks"
-    print(f"{verb} {len(report.migrated)} file(s), {report.already} already v3, {len(report.problems)} unreadable{sizes}")
+    sizes = (
+        ""
+        if args.dry_run
+        else f"; {human_bytes(report.bytes_before)} of whole files became "
+        f"{human_bytes(report.bytes_after)} of records and new blocks"
+    )
+    print(
+        f"{verb} {len(report.migrated)} file(s), {report.already} already v3, "
+        f"{len(report.problems)} unreadable{sizes}"
+    )
     return EXIT_BAD if report.problems else EXIT_OK

@@ -20,13 +20,37 @@ log = logging.getLogger("kvsnap.http.server")
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, param: Optional[str] = None, code: Optional[str] = None, type_: str = "invalid_request_error", headers: Optional[dict] = None):
-        self.status, self.message, self.param, self.code, self.type, self.headers = status, message, param, code, type_, headers
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: Optional[str] = None,
+        code: Optional[str] = None,
+        type_: str = "invalid_request_error",
+        headers: Optional[dict] = None,
+    ):
+        self.status, self.message, self.param, self.code, self.type, self.headers = (
+            status,
+            message,
+            param,
+            code,
+            type_,
+            headers,
+        )
         super().__init__(message)
 
 
-def error_response(status: int, message: str, param: Optional[str] = None, code: Optional[str] = None, type_: str = "invalid_request_error", headers: Optional[dict] = None) -> JSONResponse:
-    return JSONResponse(error_body(message, type_, param, code), status_code=status, headers=headers)
+def error_response(
+    status: int,
+    message: str,
+    param: Optional[str] = None,
+    code: Optional[str] = None,
+    type_: str = "invalid_request_error",
+    headers: Optional[dict] = None,
+) -> JSONResponse:
+    return JSONResponse(
+        error_body(message, type_, param, code), status_code=status, headers=headers
+    )
 
 
 def validation_message(exc: RequestValidationError) -> tuple[str, Optional[str]]:
@@ -38,7 +62,11 @@ def validation_message(exc: RequestValidationError) -> tuple[str, Optional[str]]
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     param = ".".join(loc) or None
     if first.get("type") == "json_invalid":
-        return f"the request body is not valid JSON ({first.get('ctx', {}).get('error', first.get('msg'))})", None
+        return (
+            f"the request body is not valid JSON "
+            f"({first.get('ctx', {}).get('error', first.get('msg'))})",
+            None,
+        )
     given = first.get("input")
     shown = json.dumps(given)[:80] if given is not None and not isinstance(given, dict) else ""
     return f"{param or 'body'}: {first.get('msg')}" + (f" (got {shown})" if shown else ""), param
@@ -57,7 +85,13 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def on_http(request: Request, exc: StarletteHTTPException):
         codes = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
-        return error_response(exc.status_code, str(exc.detail), None, codes.get(exc.status_code), "invalid_request_error" if exc.status_code < 500 else "server_error")
+        return error_response(
+            exc.status_code,
+            str(exc.detail),
+            None,
+            codes.get(exc.status_code),
+            "invalid_request_error" if exc.status_code < 500 else "server_error",
+        )
 
     @app.exception_handler(RequestRejected)
     async def on_rejected(request: Request, exc: RequestRejected):
@@ -71,4 +105,10 @@ def install_error_handlers(app: FastAPI) -> None:
     async def on_unexpected(request: Request, exc: Exception):
         # Never a plain-text 500; the details go to the log, not to the client.
         log.exception("[kvsnap] unexpected error on %s %s", request.method, request.url.path)
-        return error_response(500, f"internal error ({type(exc).__name__}); the server log has the details", None, "internal_error", "server_error")
+        return error_response(
+            500,
+            f"internal error ({type(exc).__name__}); the server log has the details",
+            None,
+            "internal_error",
+            "server_error",
+        )

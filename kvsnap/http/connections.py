@@ -60,21 +60,30 @@ class ConnectionGuard:
         if len(self.open) >= self.max_connections:
             oldest = next(iter(self.waiting_head), None)
             if oldest is None:
-                self.flood_log.event("refused", f"connections refused: all {self.max_connections} "
-                                     "serve requests (--max-connections)")
+                self.flood_log.event(
+                    "refused",
+                    f"connections refused: all {self.max_connections} "
+                    "serve requests (--max-connections)",
+                )
                 return False
-            self.flood_log.event("evicted", "slow connections closed to make room "
-                                 f"(--max-connections {self.max_connections})")
+            self.flood_log.event(
+                "evicted",
+                f"slow connections closed to make room (--max-connections {self.max_connections})",
+            )
             oldest.close_slow()
         self.open.add(proto)
         return True
 
     def exception_handler(self, loop: asyncio.AbstractEventLoop, context: dict) -> None:
-        """asyncio's handler, except that running out of descriptors is counted, not logged each time."""
+        """asyncio's handler, except that running out of descriptors is counted, not logged each
+        time."""
         exc = context.get("exception")
         if isinstance(exc, OSError) and exc.errno in ACCEPT_ERRNOS:
-            self.flood_log.event("accept", f"accept failed: {exc.strerror}; lower --max-connections "
-                                 "or raise the open-files limit (ulimit -n)")
+            self.flood_log.event(
+                "accept",
+                f"accept failed: {exc.strerror}; lower --max-connections "
+                "or raise the open-files limit (ulimit -n)",
+            )
             return
         loop.default_exception_handler(context)
 
@@ -126,8 +135,11 @@ def guarded_protocol(base: type, guard: ConnectionGuard) -> type:
 
         def _head_late(self) -> None:
             self._head_timer = None
-            guard.flood_log.event("head-timeout", "connections closed: no complete request head "
-                                  f"within {guard.header_timeout_s:g}s (--header-timeout)")
+            guard.flood_log.event(
+                "head-timeout",
+                "connections closed: no complete request head "
+                f"within {guard.header_timeout_s:g}s (--header-timeout)",
+            )
             self.close_slow()
 
         def close_slow(self) -> None:
@@ -139,7 +151,8 @@ def guarded_protocol(base: type, guard: ConnectionGuard) -> type:
 
 
 def raise_open_files_limit(cap: int = 65536) -> int:
-    """Raise the soft RLIMIT_NOFILE toward the hard one (at most ``cap``); returns the soft limit."""
+    """Raise the soft RLIMIT_NOFILE toward the hard one (at most ``cap``); returns the soft
+    limit."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     target = cap if hard == resource.RLIM_INFINITY else min(hard, cap)
     if target > soft:
@@ -155,11 +168,18 @@ def effective_max_connections(requested: int, soft_limit: int) -> int:
     """``requested``, lowered to stay ``FD_RESERVE`` descriptors below the open-files limit."""
     room = soft_limit - FD_RESERVE
     if room < MIN_CONNECTIONS:
-        raise UsageError(f"the open-files limit is {soft_limit}, too low to serve; raise it "
-                         f"(ulimit -n {FD_RESERVE + 256} or more)")
+        raise UsageError(
+            f"the open-files limit is {soft_limit}, too low to serve; raise it "
+            f"(ulimit -n {FD_RESERVE + 256} or more)"
+        )
     if requested > room:
-        log.warning("[kvsnap] --max-connections %d lowered to %d: the open-files limit is %d "
-                    "(ulimit -n) and %d descriptors stay free for the model and the store",
-                    requested, room, soft_limit, FD_RESERVE)
+        log.warning(
+            "[kvsnap] --max-connections %d lowered to %d: the open-files limit is %d "
+            "(ulimit -n) and %d descriptors stay free for the model and the store",
+            requested,
+            room,
+            soft_limit,
+            FD_RESERVE,
+        )
         return room
     return requested

@@ -12,7 +12,12 @@ from fastapi import Request
 
 from kvsnap.http.api_errors import APIError
 from kvsnap.http.guard import Auth
-from kvsnap.http.limits import allowed_template_kwargs, context_length, find_lone_surrogate, vocab_bound
+from kvsnap.http.limits import (
+    allowed_template_kwargs,
+    context_length,
+    find_lone_surrogate,
+    vocab_bound,
+)
 from kvsnap.http.schemas import usage
 from kvsnap.runtime.accounting import reported_cached_tokens
 from kvsnap.runtime.engine import Engine, RequestState
@@ -48,7 +53,15 @@ class ServerContext:
     def admit(self) -> None:
         """Take an in-flight slot or answer 429: before any costly work on the request."""
         if self.inflight >= self.config.max_inflight:
-            raise APIError(429, f"the server has {self.inflight} requests being prepared, running or queued (--max-queued-requests); retry shortly", None, "rate_limit_exceeded", "rate_limit_error", {"Retry-After": "1"})
+            raise APIError(
+                429,
+                f"the server has {self.inflight} requests being prepared, running or queued "
+                f"(--max-queued-requests); retry shortly",
+                None,
+                "rate_limit_exceeded",
+                "rate_limit_error",
+                {"Retry-After": "1"},
+            )
         self.inflight += 1
 
     def release(self) -> None:
@@ -64,15 +77,29 @@ class ServerContext:
         """Counts that make rendering expensive, refused before any of it runs."""
         n = len(req.messages)
         if n > self.config.max_messages:
-            raise APIError(400, f"messages: {n} messages is more than this server takes ({self.config.max_messages}); send fewer, or start the server with a larger --max-messages", "messages", "invalid_value")
+            raise APIError(
+                400,
+                f"messages: {n} messages is more than this server takes "
+                f"({self.config.max_messages}); send fewer, or start the server with a larger "
+                f"--max-messages",
+                "messages",
+                "invalid_value",
+            )
         if req.tools is not None and len(req.tools) > self.config.max_tools:
-            raise APIError(400, f"tools: {len(req.tools)} tools is more than {self.config.max_tools}; send fewer", "tools", "invalid_value")
+            raise APIError(
+                400,
+                f"tools: {len(req.tools)} tools is more than {self.config.max_tools}; send fewer",
+                "tools",
+                "invalid_value",
+            )
 
     def model_limits(self) -> dict:
         if not self._limits:
             lm = self.engine.lm
             self._limits["vocab"] = vocab_bound(lm.model, lm.config)
-            self._limits["template_kwargs"] = allowed_template_kwargs(getattr(lm.tokenizer, "chat_template", None))
+            self._limits["template_kwargs"] = allowed_template_kwargs(
+                getattr(lm.tokenizer, "chat_template", None)
+            )
             self._limits["context"] = self.config.context_length or context_length(lm.config)
         return self._limits
 
@@ -84,31 +111,66 @@ class ServerContext:
     def require_admin(self, request: Request) -> None:
         # Without admin keys configured, every valid key may clear the cache (one trust level).
         if self.config.auth.admin_keys and not self.caller(request)[1]:
-            raise APIError(403, "this needs an admin key (--admin-api-key / KVSNAP_ADMIN_API_KEY)", None, "insufficient_permissions")
+            raise APIError(
+                403,
+                "this needs an admin key (--admin-api-key / KVSNAP_ADMIN_API_KEY)",
+                None,
+                "insufficient_permissions",
+            )
 
     def check_model(self, name: str) -> None:
         if name not in (self.config.served_model_name, *self.config.model_aliases):
-            raise APIError(404, f"model {name!r} is not served here; use {self.config.served_model_name!r} (see GET /v1/models)", "model", "model_not_found")
+            raise APIError(
+                404,
+                f"model {name!r} is not served here; use {self.config.served_model_name!r} (see "
+                f"GET /v1/models)",
+                "model",
+                "model_not_found",
+            )
 
     def check_ready(self) -> None:
         if self.engine.failed is not None:
-            raise APIError(503, f"the engine failed to start: {self.engine.failed}", None, "engine_failed", "server_error")
+            raise APIError(
+                503,
+                f"the engine failed to start: {self.engine.failed}",
+                None,
+                "engine_failed",
+                "server_error",
+            )
 
     @staticmethod
     def check_text(req: Any, fields: tuple[str, ...]) -> None:
         for name in fields:
             where = find_lone_surrogate(getattr(req, name, None), name)
             if where is not None:
-                raise APIError(400, f"{where}: the text holds a lone surrogate code point, which is not valid Unicode; send UTF-8 text", where, "invalid_value")
+                raise APIError(
+                    400,
+                    f"{where}: the text holds a lone surrogate code point, which is not valid "
+                    f"Unicode; send UTF-8 text",
+                    where,
+                    "invalid_value",
+                )
 
     def resolve_max_tokens(self, requested: Optional[int], prompt_len: int) -> int:
         ctx = self.model_limits()["context"]
         max_tokens = requested if requested is not None else self.config.default_max_tokens
         if ctx is not None:
             if prompt_len >= ctx:
-                raise APIError(400, f"the prompt has {prompt_len} tokens but the model's context is {ctx}; shorten the messages", "messages", "context_length_exceeded")
+                raise APIError(
+                    400,
+                    f"the prompt has {prompt_len} tokens but the model's context is {ctx}; shorten "
+                    f"the messages",
+                    "messages",
+                    "context_length_exceeded",
+                )
             if requested is not None and prompt_len + requested > ctx:
-                raise APIError(400, f"max_tokens {requested} + {prompt_len} prompt tokens exceed the model's context of {ctx}; ask for at most {ctx - prompt_len}", "max_tokens", "context_length_exceeded")
+                raise APIError(
+                    400,
+                    f"max_tokens {requested} + {prompt_len} prompt tokens exceed the model's "
+                    f"context of {ctx}; ask for at most {ctx - prompt_len}",
+                    "max_tokens",
+                    "context_length_exceeded",
+                )
             max_tokens = min(max_tokens, ctx - prompt_len)
         return max_tokens
 

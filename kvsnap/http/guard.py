@@ -32,7 +32,11 @@ def keys_from(flags: Iterable[str] | None, env_value: str | None, flag: str) -> 
     keys = [k for k in keys if k]
     for k in keys:
         if len(k) < MIN_KEY_LENGTH or any(c.isspace() for c in k):
-            raise UsageError(f"{flag}: a key must be at least {MIN_KEY_LENGTH} characters with no spaces (got one of {len(k)} characters); generate one with `python -c 'import secrets; print(secrets.token_urlsafe(32))'`")
+            raise UsageError(
+                f"{flag}: a key must be at least {MIN_KEY_LENGTH} characters with no spaces (got "
+                f"one of {len(k)} characters); generate one with `python -c 'import secrets; "
+                f"print(secrets.token_urlsafe(32))'`"
+            )
     return tuple(dict.fromkeys(keys))
 
 
@@ -47,9 +51,17 @@ class Auth:
     admin_keys: tuple[str, ...] = ()
 
     @classmethod
-    def from_flags(cls, api_keys: Iterable[str] | None, admin_keys: Iterable[str] | None, environ: dict | None = None) -> "Auth":
+    def from_flags(
+        cls,
+        api_keys: Iterable[str] | None,
+        admin_keys: Iterable[str] | None,
+        environ: dict | None = None,
+    ) -> "Auth":
         env = os.environ if environ is None else environ
-        return cls(keys_from(api_keys, env.get(API_KEY_ENV), "--api-key"), keys_from(admin_keys, env.get(ADMIN_API_KEY_ENV), "--admin-api-key"))
+        return cls(
+            keys_from(api_keys, env.get(API_KEY_ENV), "--api-key"),
+            keys_from(admin_keys, env.get(ADMIN_API_KEY_ENV), "--admin-api-key"),
+        )
 
     @property
     def enabled(self) -> bool:
@@ -81,13 +93,24 @@ class BodyTooLarge(HTTPException):
     """An HTTPException, so FastAPI's body parser passes it through as a 413 instead of a 400."""
 
     def __init__(self, limit: int):
-        super().__init__(413, f"the request body is over {limit} bytes; send less, or start the server with a larger --max-request-bytes")
+        super().__init__(
+            413,
+            f"the request body is over {limit} bytes; send less, or start the server with a larger "
+            f"--max-request-bytes",
+        )
 
 
 def _error_response(status: int, message: str, code: str, headers: tuple = ()) -> tuple[dict, dict]:
     body = json.dumps(error_body(message, "invalid_request_error", None, code)).encode()
-    raw = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *headers]
-    return {"type": "http.response.start", "status": status, "headers": raw}, {"type": "http.response.body", "body": body}
+    raw = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+        *headers,
+    ]
+    return {"type": "http.response.start", "status": status, "headers": raw}, {
+        "type": "http.response.body",
+        "body": body,
+    }
 
 
 class GuardMiddleware:
@@ -105,7 +128,12 @@ class GuardMiddleware:
             headers = dict(scope.get("headers") or [])
             who = self.auth.identify(headers.get(b"authorization", b"").decode("latin-1"))
             if who is None:
-                start, body = _error_response(401, "missing or invalid API key; send `Authorization: Bearer <key>`", "invalid_api_key", ((b"www-authenticate", b"Bearer"),))
+                start, body = _error_response(
+                    401,
+                    "missing or invalid API key; send `Authorization: Bearer <key>`",
+                    "invalid_api_key",
+                    ((b"www-authenticate", b"Bearer"),),
+                )
                 await send(start)
                 return await send(body)
             state["tenant"], state["admin"] = who
@@ -136,6 +164,8 @@ class GuardMiddleware:
                 await self._too_large(send)
 
     async def _too_large(self, send):
-        start, body = _error_response(413, BodyTooLarge(self.max_body_bytes).detail, "request_too_large")
+        start, body = _error_response(
+            413, BodyTooLarge(self.max_body_bytes).detail, "request_too_large"
+        )
         await send(start)
         await send(body)

@@ -10,12 +10,39 @@ from __future__ import annotations
 from typing import Any, Iterable, Optional
 
 RESERVED_TEMPLATE_KWARGS = frozenset(
-    {"chat_template", "tokenize", "add_generation_prompt", "continue_final_message", "tools", "documents", "messages"}
+    {
+        "chat_template",
+        "tokenize",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tools",
+        "documents",
+        "messages",
+    }
     # Also what the tokenizer itself fills in: special tokens and the template's helper functions.
-    | {"bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token", "additional_special_tokens", "raise_exception", "strftime_now", "tool_calls"}
+    | {
+        "bos_token",
+        "eos_token",
+        "unk_token",
+        "pad_token",
+        "sep_token",
+        "cls_token",
+        "mask_token",
+        "additional_special_tokens",
+        "raise_exception",
+        "strftime_now",
+        "tool_calls",
+    }
 )
 MAX_KWARG_STRING = 4096
-CONTEXT_KEYS = ("max_position_embeddings", "max_sequence_length", "seq_length", "n_positions", "max_seq_len", "model_max_length")
+CONTEXT_KEYS = (
+    "max_position_embeddings",
+    "max_sequence_length",
+    "seq_length",
+    "n_positions",
+    "max_seq_len",
+    "model_max_length",
+)
 NESTED_CONFIGS = ("text_config", "language_config", "llm_config")
 
 
@@ -48,16 +75,25 @@ def allowed_template_kwargs(chat_template: Any) -> frozenset[str]:
 
 
 def check_template_kwargs(kwargs: Optional[dict], allowed: frozenset[str]) -> dict:
-    """The kwargs if every key is a variable of the model's template and every value is plain data."""
+    """The kwargs if every key is a variable of the model's template and every value is plain
+    data."""
     if not kwargs:
         return {}
     for key, value in kwargs.items():
         where = f"chat_template_kwargs.{key}"
         if key in RESERVED_TEMPLATE_KWARGS or key not in allowed:
             offered = ", ".join(sorted(allowed)) or "none"
-            raise RequestRejected(f"{where}: {key!r} is not a variable of this model's chat template and cannot be set by a request (settable here: {offered})", where)
+            raise RequestRejected(
+                f"{where}: {key!r} is not a variable of this model's chat template and cannot be "
+                f"set by a request (settable here: {offered})",
+                where,
+            )
         if not _plain(value):
-            raise RequestRejected(f"{where}: give a string (at most {MAX_KWARG_STRING} characters), number, boolean or null, or a short list of them", where)
+            raise RequestRejected(
+                f"{where}: give a string (at most {MAX_KWARG_STRING} characters), number, boolean "
+                f"or null, or a short list of them",
+                where,
+            )
     return dict(kwargs)
 
 
@@ -100,10 +136,17 @@ def embedding_rows(model: Any) -> Optional[int]:
 
 
 def vocab_bound(model: Any, config: dict) -> int:
-    """Token ids must be below this: the embedding rows, and the configured vocabulary if smaller."""
-    bounds = [b for b in (embedding_rows(model), *(c.get("vocab_size") for c in _configs(config))) if isinstance(b, int) and not isinstance(b, bool) and b > 0]
+    """Token ids must be below this: the embedding rows, and the configured vocabulary if
+    smaller."""
+    bounds = [
+        b
+        for b in (embedding_rows(model), *(c.get("vocab_size") for c in _configs(config)))
+        if isinstance(b, int) and not isinstance(b, bool) and b > 0
+    ]
     if not bounds:
-        raise RequestRejected("cannot tell this model's vocabulary size; token-id prompts are refused")
+        raise RequestRejected(
+            "cannot tell this model's vocabulary size; token-id prompts are refused"
+        )
     return min(bounds)
 
 
@@ -111,7 +154,11 @@ def check_token_ids(tokens: list[int], bound: int, param: str = "prompt") -> Non
     if not tokens or (min(tokens) >= 0 and max(tokens) < bound):
         return  # every request passes here: builtin min/max, not a Python loop
     bad = next(t for t in tokens if t < 0 or t >= bound)
-    raise RequestRejected(f"{param}: token id {bad} is outside this model's vocabulary [0, {bound}); send ids below {bound}", param)
+    raise RequestRejected(
+        f"{param}: token id {bad} is outside this model's vocabulary [0, {bound}); send ids below "
+        f"{bound}",
+        param,
+    )
 
 
 def find_lone_surrogate(value: Any, where: str) -> Optional[str]:

@@ -20,8 +20,10 @@ def bind_socket(host: str, port: int) -> socket.socket:
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as exc:
-        raise UsageError(f"--host {host}: cannot resolve it ({exc.strerror}); give an address "
-                         "such as 127.0.0.1 or 0.0.0.0") from None
+        raise UsageError(
+            f"--host {host}: cannot resolve it ({exc.strerror}); give an address "
+            "such as 127.0.0.1 or 0.0.0.0"
+        ) from None
     family, kind, proto, _, address = infos[0]
     sock = socket.socket(family, kind, proto)
     try:
@@ -30,10 +32,13 @@ def bind_socket(host: str, port: int) -> socket.socket:
     except OSError as exc:
         sock.close()
         if exc.errno == errno.EADDRINUSE:
-            raise UsageError(f"cannot listen on {where}: the address is already in use; stop the "
-                             f"process holding it (`lsof -i :{port}`) or pass another --port") from None
-        raise UsageError(f"cannot listen on {where}: {exc.strerror}; pass another --host or "
-                         "--port") from None
+            raise UsageError(
+                f"cannot listen on {where}: the address is already in use; stop the "
+                f"process holding it (`lsof -i :{port}`) or pass another --port"
+            ) from None
+        raise UsageError(
+            f"cannot listen on {where}: {exc.strerror}; pass another --host or --port"
+        ) from None
     sock.set_inheritable(True)
     return sock
 

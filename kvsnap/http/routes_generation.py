@@ -13,12 +13,20 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
+from kvsnap.chat import encode_prompt, normalize_messages, request_tokens
 from kvsnap.errors import MessageError, TemplateError
 from kvsnap.http.api_errors import APIError
 from kvsnap.http.context import ServerContext
 from kvsnap.http.limits import check_template_kwargs, check_token_ids
-from kvsnap.http.schemas import ChatCompletionRequest, CompletionRequest, chat_chunk, chat_response, completion_response, error_body, new_id
-from kvsnap.chat import encode_prompt, normalize_messages, request_tokens
+from kvsnap.http.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    chat_chunk,
+    chat_response,
+    completion_response,
+    error_body,
+    new_id,
+)
 from kvsnap.runtime.engine import GenerationRequest, RequestState
 
 DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks that its client is still there
@@ -63,13 +71,17 @@ def generation_router(ctx: ServerContext) -> APIRouter:
             messages = normalize_messages(req.messages, "messages")
         except MessageError as exc:
             raise APIError(400, str(exc), exc.where, "invalid_value") from None
-        kwargs = check_template_kwargs(req.chat_template_kwargs, ctx.model_limits()["template_kwargs"])
+        kwargs = check_template_kwargs(
+            req.chat_template_kwargs, ctx.model_limits()["template_kwargs"]
+        )
         try:
             tokens = request_tokens(engine.lm.tokenizer, messages, req.tools, kwargs)
         except TemplateError as exc:
             raise APIError(400, str(exc), "messages", "invalid_value") from None
         if not tokens:
-            raise APIError(400, "the messages render to an empty prompt", "messages", "invalid_value")
+            raise APIError(
+                400, "the messages render to an empty prompt", "messages", "invalid_value"
+            )
         return tokens
 
     def completion_tokens(req: CompletionRequest) -> list[int]:
@@ -79,10 +91,17 @@ def generation_router(ctx: ServerContext) -> APIRouter:
                 raise APIError(400, "prompt is empty; give some text", "prompt", "invalid_value")
             tokens = encode_prompt(engine.lm.tokenizer, req.prompt)
             if not tokens:  # e.g. only characters the tokenizer drops: nothing to run
-                raise APIError(400, "prompt encodes to no tokens; give some text", "prompt", "invalid_value")
+                raise APIError(
+                    400, "prompt encodes to no tokens; give some text", "prompt", "invalid_value"
+                )
             return tokens
         if not req.prompt:
-            raise APIError(400, "prompt is an empty list; give at least one token id", "prompt", "invalid_value")
+            raise APIError(
+                400,
+                "prompt is an empty list; give at least one token id",
+                "prompt",
+                "invalid_value",
+            )
         return list(req.prompt)
 
     @router.post("/v1/chat/completions")
@@ -90,18 +109,29 @@ def generation_router(ctx: ServerContext) -> APIRouter:
         ctx.check_model(req.model)
         ctx.check_ready()
         ctx.check_sizes(req)
-        return await admitted(ctx, req, lambda: chat_tokens(req), new_id("chatcmpl"), "chat", request)
+        return await admitted(
+            ctx, req, lambda: chat_tokens(req), new_id("chatcmpl"), "chat", request
+        )
 
     @router.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
         ctx.check_model(req.model)
         ctx.check_ready()
-        return await admitted(ctx, req, lambda: completion_tokens(req), new_id("cmpl"), "completion", request)
+        return await admitted(
+            ctx, req, lambda: completion_tokens(req), new_id("cmpl"), "completion", request
+        )
 
     return router
 
 
-async def admitted(ctx: ServerContext, req: Any, tokens_of: Callable[[], list[int]], rid: str, kind: str, request: Request):
+async def admitted(
+    ctx: ServerContext,
+    req: Any,
+    tokens_of: Callable[[], list[int]],
+    rid: str,
+    kind: str,
+    request: Request,
+):
     """A request holds an in-flight slot from before its prompt is prepared (so requests
     rejected after the work count toward 429 too), and prepares it in a worker thread, a
     bounded number at a time (``/health`` stays responsive)."""
@@ -115,25 +145,48 @@ async def admitted(ctx: ServerContext, req: Any, tokens_of: Callable[[], list[in
     return await generate(ctx, req, tokens, rid, kind, request)
 
 
-async def generate(ctx: ServerContext, req: Any, tokens: list[int], rid: str, kind: str, request: Request):
+async def generate(
+    ctx: ServerContext, req: Any, tokens: list[int], rid: str, kind: str, request: Request
+):
     """Check the token ids and the length, submit, and answer (streamed or whole); the
     caller holds an in-flight slot, which the engine's end of the request releases."""
     config = ctx.config
     bridge = _Bridge(asyncio.get_running_loop(), ctx.release)
     try:
-        check_token_ids(tokens, ctx.model_limits()["vocab"], "prompt" if kind == "completion" else "messages")
+        check_token_ids(
+            tokens, ctx.model_limits()["vocab"], "prompt" if kind == "completion" else "messages"
+        )
         max_tokens = ctx.resolve_max_tokens(req.requested_max_tokens, len(tokens))
         tenant, _ = ctx.caller(request)
         namespace = f"{tenant}/{req.cache_salt or ''}" if (tenant or req.cache_salt) else ""
-        gen = GenerationRequest(tokens=tokens, max_tokens=max_tokens, temperature=float(req.temperature), top_p=float(req.top_p), seed=req.seed, stop=tuple(req.stop_list), namespace=namespace, tenant=tenant, capture=config.request_prefix_cache)
+        gen = GenerationRequest(
+            tokens=tokens,
+            max_tokens=max_tokens,
+            temperature=float(req.temperature),
+            top_p=float(req.top_p),
+            seed=req.seed,
+            stop=tuple(req.stop_list),
+            namespace=namespace,
+            tenant=tenant,
+            capture=config.request_prefix_cache,
+        )
         state = ctx.engine.submit(gen, bridge)
     except BaseException:
         ctx.release()  # not submitted: the engine will not end it, so release the slot here
         raise
     if req.stream:
-        return StreamingResponse(stream_events(ctx, state, bridge, rid, kind, req), media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return StreamingResponse(
+            stream_events(ctx, state, bridge, rid, kind, req),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
     if not await wait_for_answer(ctx, state, bridge, request):
-        return JSONResponse(error_body("the client disconnected", "invalid_request_error", None, "client_disconnected"), status_code=499)
+        return JSONResponse(
+            error_body(
+                "the client disconnected", "invalid_request_error", None, "client_disconnected"
+            ),
+            status_code=499,
+        )
     u = ctx.reported_usage(state)
     finish = "length" if state.finish_reason == "length" else "stop"
     if kind == "chat":
@@ -141,7 +194,9 @@ async def generate(ctx: ServerContext, req: Any, tokens: list[int], rid: str, ki
     return completion_response(rid, config.served_model_name, state.text, finish, u)
 
 
-async def wait_for_answer(ctx: ServerContext, state: RequestState, bridge: _Bridge, request: Request) -> bool:
+async def wait_for_answer(
+    ctx: ServerContext, state: RequestState, bridge: _Bridge, request: Request
+) -> bool:
     """Wait until the engine finishes ``state``; False if the client left first (the request
     is then cancelled: nobody will read its answer)."""
     finished = False
@@ -153,7 +208,9 @@ async def wait_for_answer(ctx: ServerContext, state: RequestState, bridge: _Brid
                 event, payload = await asyncio.wait_for(bridge.queue.get(), DISCONNECT_POLL_S)
             except asyncio.TimeoutError:
                 event = None
-            if loop.time() >= next_check:  # tokens may arrive faster than the poll: check by the clock
+            if (
+                loop.time() >= next_check
+            ):  # tokens may arrive faster than the poll: check by the clock
                 next_check = loop.time() + DISCONNECT_POLL_S
                 if await request.is_disconnected():
                     break
@@ -161,7 +218,9 @@ async def wait_for_answer(ctx: ServerContext, state: RequestState, bridge: _Brid
                 continue
             if event == "error":
                 finished = True
-                raise APIError(500, failure_message(state, payload), None, "generation_failed", "server_error")
+                raise APIError(
+                    500, failure_message(state, payload), None, "generation_failed", "server_error"
+                )
             if event == "done":
                 finished = True
                 break
@@ -171,7 +230,9 @@ async def wait_for_answer(ctx: ServerContext, state: RequestState, bridge: _Brid
     return finished
 
 
-async def stream_events(ctx: ServerContext, state: RequestState, bridge: _Bridge, rid: str, kind: str, req: Any) -> AsyncIterator[bytes]:
+async def stream_events(
+    ctx: ServerContext, state: RequestState, bridge: _Bridge, rid: str, kind: str, req: Any
+) -> AsyncIterator[bytes]:
     model = ctx.config.served_model_name
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     finished = False
@@ -185,10 +246,18 @@ async def stream_events(ctx: ServerContext, state: RequestState, bridge: _Bridge
         while True:
             event, payload = await bridge.queue.get()
             if event == "token":
-                yield sse(chat_chunk(rid, model, {"content": payload}) if kind == "chat" else completion_response(rid, model, payload, None, None))
+                yield sse(
+                    chat_chunk(rid, model, {"content": payload})
+                    if kind == "chat"
+                    else completion_response(rid, model, payload, None, None)
+                )
             elif event == "error":
                 finished = True
-                yield sse(error_body(failure_message(state, payload), "server_error", None, "generation_failed"))
+                yield sse(
+                    error_body(
+                        failure_message(state, payload), "server_error", None, "generation_failed"
+                    )
+                )
                 break
             else:
                 finished = True
@@ -199,7 +268,11 @@ async def stream_events(ctx: ServerContext, state: RequestState, bridge: _Bridge
                 else:
                     yield sse(completion_response(rid, model, "", finish, None))
                 if include_usage:
-                    last = chat_chunk(rid, model, {}, None, u) if kind == "chat" else completion_response(rid, model, "", None, u)
+                    last = (
+                        chat_chunk(rid, model, {}, None, u)
+                        if kind == "chat"
+                        else completion_response(rid, model, "", None, u)
+                    )
                     last["choices"] = []
                     yield sse(last)
                 break

@@ -26,14 +26,26 @@ def status_router(ctx: ServerContext) -> APIRouter:
     @router.get("/health")
     async def health():
         if engine.failed is not None:
-            return JSONResponse({"status": "failed", "warm": False, "error": str(engine.failed)}, status_code=503)
+            return JSONResponse(
+                {"status": "failed", "warm": False, "error": str(engine.failed)}, status_code=503
+            )
         if not engine.warm.is_set():
             return JSONResponse({"status": "warming", "warm": False}, status_code=503)
         return {"status": "ok", "warm": True, "model": config.served_model_name}
 
     @router.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": config.served_model_name, "object": "model", "created": int(ctx.started), "owned_by": "kvsnap"}]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": config.served_model_name,
+                    "object": "model",
+                    "created": int(ctx.started),
+                    "owned_by": "kvsnap",
+                }
+            ],
+        }
 
     @router.get("/v1/status")
     async def status(request: Request):
@@ -43,7 +55,9 @@ def status_router(ctx: ServerContext) -> APIRouter:
         body = await run_in_threadpool(engine.status, None if admin else tenant)
         if not admin:
             body = {k: body[k] for k in TENANT_STATUS_FIELDS}
-            body["requests"] = [{k: row[k] for k in TENANT_REQUEST_FIELDS} for row in body["requests"]]
+            body["requests"] = [
+                {k: row[k] for k in TENANT_REQUEST_FIELDS} for row in body["requests"]
+            ]
         body["version"] = __version__
         body["uptime_s"] = round(time.time() - ctx.started, 3)
         return body

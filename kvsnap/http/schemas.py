@@ -6,7 +6,16 @@ import time
 import uuid
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    field_validator,
+)
 
 MAX_STOP_SEQUENCES = 8
 MAX_STOP_LENGTH = 1024
@@ -29,9 +38,13 @@ class _Sampling(BaseModel):
     stream: StrictBool = False
     stream_options: Optional[StreamOptions] = None
     stop: Optional[Union[StrictStr, list[StrictStr]]] = None
-    seed: Optional[StrictInt] = Field(default=None, ge=-(2**63), le=2**64 - 1)  # OpenAI's int64, and uint64
+    seed: Optional[StrictInt] = Field(
+        default=None, ge=-(2**63), le=2**64 - 1
+    )  # OpenAI's int64, and uint64
     n: StrictInt = Field(default=1, ge=1, le=1)
-    cache_salt: Optional[StrictStr] = Field(default=None, min_length=1, max_length=256)  # vLLM's name: scopes cached prefixes
+    cache_salt: Optional[StrictStr] = Field(
+        default=None, min_length=1, max_length=256
+    )  # vLLM's name: scopes cached prefixes
 
     @field_validator("stop")
     @classmethod
@@ -71,7 +84,12 @@ class CompletionRequest(_Sampling):
         return self.max_tokens
 
 
-def error_body(message: str, type_: str = "invalid_request_error", param: Optional[str] = None, code: Optional[str] = None) -> dict:
+def error_body(
+    message: str,
+    type_: str = "invalid_request_error",
+    param: Optional[str] = None,
+    code: Optional[str] = None,
+) -> dict:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
@@ -95,12 +113,25 @@ def chat_response(rid: str, model: str, text: str, finish_reason: str, usage_: d
         "object": "chat.completion",
         "created": int(time.time()),
         "model": model,
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish_reason, "logprobs": None}],
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "finish_reason": finish_reason,
+                "logprobs": None,
+            }
+        ],
         "usage": usage_,
     }
 
 
-def chat_chunk(rid: str, model: str, delta: dict, finish_reason: Optional[str] = None, usage_: Optional[dict] = None) -> dict:
+def chat_chunk(
+    rid: str,
+    model: str,
+    delta: dict,
+    finish_reason: Optional[str] = None,
+    usage_: Optional[dict] = None,
+) -> dict:
     chunk = {
         "id": rid,
         "object": "chat.completion.chunk",
@@ -113,7 +144,14 @@ def chat_chunk(rid: str, model: str, delta: dict, finish_reason: Optional[str] =
     return chunk
 
 
-def completion_response(rid: str, model: str, text: str, finish_reason: Optional[str], usage_: Optional[dict], obj: Literal["text_completion"] = "text_completion") -> dict:
+def completion_response(
+    rid: str,
+    model: str,
+    text: str,
+    finish_reason: Optional[str],
+    usage_: Optional[dict],
+    obj: Literal["text_completion"] = "text_completion",
+) -> dict:
     body = {
         "id": rid,
         "object": obj,

@@ -40,7 +40,11 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
             await run_in_threadpool(engine.shutdown)
 
     # With keys, the schema pages are off: they would be the one unauthenticated surface left.
-    docs = {} if not config.auth.enabled else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    docs = (
+        {}
+        if not config.auth.enabled
+        else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    )
     app = FastAPI(title="kvsnap", version=__version__, lifespan=lifespan, **docs)
     app.add_middleware(GuardMiddleware, auth=config.auth, max_body_bytes=config.max_request_bytes)
     install_error_handlers(app)

@@ -1,4 +1,5 @@
-"""Process-level watch for `kvsnap serve`: a failed warm-up ends the server instead of a 503 forever."""
+"""Process-level watch for `kvsnap serve`: a failed warm-up ends the server instead of a 503
+forever."""
 
 from __future__ import annotations
 

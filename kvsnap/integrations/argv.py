@@ -7,7 +7,8 @@ from typing import Callable
 
 
 def run_main(main: Callable[[], object], argv: list[str]) -> int:
-    """``main()`` with ``sys.argv`` set to ``argv`` (restored after); its exit status is returned."""
+    """``main()`` with ``sys.argv`` set to ``argv`` (restored after); its exit status is
+    returned."""
     saved = sys.argv
     sys.argv = list(argv)
     try:

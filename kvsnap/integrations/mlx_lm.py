@@ -18,8 +18,8 @@ from __future__ import annotations
 import logging
 from typing import Any, Sequence
 
-from kvsnap.integrations.argv import run_main
 from kvsnap.errors import UsageError
+from kvsnap.integrations.argv import run_main
 
 log = logging.getLogger("kvsnap.mlx_lm")
 
@@ -52,26 +52,35 @@ def import_mlx_lm_server() -> Any:
     import mlx_lm.server as server
 
     version = metadata.version("mlx-lm")
-    missing = [n for n in ("main", "run", "ResponseGenerator", "_run_http_server")
-               if not hasattr(server, n)]
+    missing = [
+        n
+        for n in ("main", "run", "ResponseGenerator", "_run_http_server")
+        if not hasattr(server, n)
+    ]
     if missing:
-        raise UsageError(f"mlx-lm {version}'s server lacks {', '.join(missing)}, which "
-                         f"kvsnap mlx-lm hooks; it is tested with mlx-lm {TESTED_MLX_LM[0]}.x")
+        raise UsageError(
+            f"mlx-lm {version}'s server lacks {', '.join(missing)}, which "
+            f"kvsnap mlx-lm hooks; it is tested with mlx-lm {TESTED_MLX_LM[0]}.x"
+        )
     if ".".join(version.split(".")[:2]) not in TESTED_MLX_LM:
         log.warning("[kvsnap] mlx-lm %s is untested (tested: %s.x)", version, TESTED_MLX_LM[0])
     return server
 
 
 def make_warm_run(server: Any, store_dir: str, warm_file: str | None):
-    """mlx_lm.server's ``run`` with the prompt cache from the store: the upstream patch's ``run``."""
+    """mlx_lm.server's ``run`` with the prompt cache from the store: the upstream patch's
+    ``run``."""
 
     def warm_run(host, port, model_provider, server_class=None, handler_class=None):
         from kvsnap.integrations.mlx_lm_warm import warm_prompt_cache
 
         prompt_cache = warm_prompt_cache(model_provider, store_dir, warm_file)
         response_generator = server.ResponseGenerator(model_provider, prompt_cache)
-        extra = {k: v for k, v in (("server_class", server_class),
-                                   ("handler_class", handler_class)) if v is not None}
+        extra = {
+            k: v
+            for k, v in (("server_class", server_class), ("handler_class", handler_class))
+            if v is not None
+        }
         server._run_http_server(host, port, response_generator, **extra)
 
     return warm_run
@@ -90,16 +99,20 @@ def main(argv: Sequence[str]) -> int:
         print(USAGE, end="")
         return 0 if argv else 2
     if argv[0] != "serve":
-        raise UsageError(f"`kvsnap mlx-lm {argv[0]}` is not supported: only `serve` takes "
-                         f"{OPTION}; run `mlx_lm.{argv[0]} ...` directly")
+        raise UsageError(
+            f"`kvsnap mlx-lm {argv[0]}` is not supported: only `serve` takes "
+            f"{OPTION}; run `mlx_lm.{argv[0]} ...` directly"
+        )
     store_dir, rest = split_argv(argv[1:], OPTION, "a directory, e.g. --kv-snapshots ./snaps")
     warm_file, rest = split_argv(rest, WARM_OPTION, "a file, e.g. --warm-prompts agents.json")
     from kvsnap.store.remote import check_kv_snapshots
 
     check_kv_snapshots(store_dir)  # an unknown scheme fails before mlx-lm is imported
     if warm_file and not store_dir:
-        raise UsageError(f"{WARM_OPTION} {warm_file} needs {OPTION} DIR (the store its entries "
-                         "are read from and written back to)")
+        raise UsageError(
+            f"{WARM_OPTION} {warm_file} needs {OPTION} DIR (the store its entries "
+            "are read from and written back to)"
+        )
     from kvsnap.blas import preload_openblas
 
     preload_openblas()  # before mlx-lm imports mlx: the same BLAS kvsnap build uses

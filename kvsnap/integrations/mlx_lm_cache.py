@@ -23,7 +23,8 @@ from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache
 
 
 def match_length(cache: LRUPromptCache, model: Any, tokens: List[int]) -> int:
-    """How many of ``tokens`` ``cache.fetch_nearest_cache`` would serve from memory (no copy made)."""
+    """How many of ``tokens`` ``cache.fetch_nearest_cache`` would serve from memory (no copy
+    made)."""
     found = cache._trie.search(model, tokens)
     if found.exact is not None:
         return len(tokens)

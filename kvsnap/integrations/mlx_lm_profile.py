@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import json
 
-from kvsnap.errors import UsageError
 from kvsnap.chat import Tokenization
+from kvsnap.errors import UsageError
 
 SERVER = "mlx-lm"
 
@@ -38,11 +38,15 @@ def parse_chat_template_args(text: str | None, flag: str = "--chat-template-args
     try:
         value = json.loads(text)
     except ValueError as exc:
-        raise UsageError(f"{flag} {text!r} is not JSON ({exc}); give an object, e.g. "
-                         "'{\"enable_thinking\": false}'") from None
+        raise UsageError(
+            f"{flag} {text!r} is not JSON ({exc}); give an object, e.g. "
+            "'{\"enable_thinking\": false}'"
+        ) from None
     if not isinstance(value, dict):
-        raise UsageError(f"{flag} {text!r} is a {type(value).__name__}, not a JSON object; "
-                         "give an object, e.g. '{\"enable_thinking\": false}'")
+        raise UsageError(
+            f"{flag} {text!r} is a {type(value).__name__}, not a JSON object; "
+            "give an object, e.g. '{\"enable_thinking\": false}'"
+        )
     return value
 
 

@@ -36,8 +36,9 @@ def check_cli_args(args: Any) -> None:
     if getattr(args, "model", None) is None:
         problems.append("add --model MODEL (the snapshots are loaded for mlx-lm's default model)")
     if problems:
-        raise UsageError("--kv-snapshots cannot work with these mlx_lm.server options: "
-                         + "; ".join(problems))
+        raise UsageError(
+            "--kv-snapshots cannot work with these mlx_lm.server options: " + "; ".join(problems)
+        )
 
 
 @dataclass
@@ -63,10 +64,12 @@ class MlxLmWarmPlan(WarmPlan):
 
         for other in infos:
             if other.name == prompt.name and other.key != key and other is not info:
-                report.warn(f"{prompt.name}: snapshot {other.path.name} was built for "
-                            f"{built_for(recorded_tokenization(other.recorded))}'s tokenization, not "
-                            "mlx_lm.server's; prefilling instead; build for it with "
-                            "`kvsnap build … --for mlx-lm`")
+                report.warn(
+                    f"{prompt.name}: snapshot {other.path.name} was built for "
+                    f"{built_for(recorded_tokenization(other.recorded))}'s tokenization, not "
+                    "mlx_lm.server's; prefilling instead; build for it with "
+                    "`kvsnap build … --for mlx-lm`"
+                )
 
 
 def pin_store(cache: Any, model_key: Any, store: Any, identity: Any) -> InsertReport:
@@ -85,9 +88,11 @@ def pin_store(cache: Any, model_key: Any, store: Any, identity: Any) -> InsertRe
     for info in good:
         server = built_for(recorded_tokenization(info.recorded))
         if server not in (SERVER, "kvsnap"):
-            report.warn(f"{info.name or info.path.name}: snapshot {info.path.name} was built for "
-                        f"{server}'s tokenization; mlx_lm.server's requests may not start with "
-                        "its tokens; rebuild with `kvsnap build … --for mlx-lm`")
+            report.warn(
+                f"{info.name or info.path.name}: snapshot {info.path.name} was built for "
+                f"{server}'s tokenization; mlx_lm.server's requests may not start with "
+                "its tokens; rebuild with `kvsnap build … --for mlx-lm`"
+            )
         try:
             tokens = tuple(store.read_tokens(info))
             if tokens in pinned:
@@ -106,8 +111,9 @@ def pin_store(cache: Any, model_key: Any, store: Any, identity: Any) -> InsertRe
     return report
 
 
-def warm_prompt_cache(model_provider: Any, kv_snapshots: str | None = None,
-                      warm_prompts: str | None = None) -> Any:
+def warm_prompt_cache(
+    model_provider: Any, kv_snapshots: str | None = None, warm_prompts: str | None = None
+) -> Any:
     """mlx_lm.server's prompt cache, warm from the store ``kv_snapshots`` (a folder or oci://…).
 
     ``kv_snapshots`` and ``warm_prompts`` default to ``model_provider.cli_args``'
@@ -125,7 +131,9 @@ def warm_prompt_cache(model_provider: Any, kv_snapshots: str | None = None,
         raise SystemExit(2 if isinstance(exc, UsageError) else 1) from None
 
 
-def _warm_prompt_cache(model_provider: Any, kv_snapshots: str | None, warm_prompts: str | None) -> Any:
+def _warm_prompt_cache(
+    model_provider: Any, kv_snapshots: str | None, warm_prompts: str | None
+) -> Any:
     from kvsnap.integrations.mlx_lm_cache import PinnedPromptCache
     from kvsnap.integrations.mlx_lm_profile import mlx_lm_tokenization
     from kvsnap.integrations.vllm_mlx import load_warm_prompt_file, open_store
@@ -141,37 +149,57 @@ def _warm_prompt_cache(model_provider: Any, kv_snapshots: str | None, warm_promp
     cache.report = None
     if not kv_snapshots:
         if warm_prompts:
-            raise UsageError(f"--warm-prompts {warm_prompts} needs --kv-snapshots DIR "
-                             "(the store its entries are read from and written back to)")
+            raise UsageError(
+                f"--warm-prompts {warm_prompts} needs --kv-snapshots DIR "
+                "(the store its entries are read from and written back to)"
+            )
         return cache
     check_cli_args(args)
     import mlx.core as mx
 
     if mx.distributed.init().size() > 1:
-        raise UsageError("--kv-snapshots is not supported for a distributed mlx_lm.server; "
-                         "run it without --kv-snapshots")
+        raise UsageError(
+            "--kv-snapshots is not supported for a distributed mlx_lm.server; "
+            "run it without --kv-snapshots"
+        )
     prompts = load_warm_prompt_file(warm_prompts) if warm_prompts else None
     store, writable = open_store(resolve_kv_snapshots(kv_snapshots), want_write=prompts is not None)
     model_provider.load_default()  # here, not on the generation thread: the port opens warm
     model_key = model_provider.model_key
     model_dir = resolve_model(model_key[0]).path  # a hub id: the cached files mlx-lm loaded
     # mlx_lm.server's batched KV is mlx-lm's default cache: no quantization, no bound.
-    lm = LoadedModel(path=model_dir, model=model_provider.model,
-                     tokenizer=model_provider.tokenizer, config=read_config(model_dir),
-                     settings=KVSettings())
+    lm = LoadedModel(
+        path=model_dir,
+        model=model_provider.model,
+        tokenizer=model_provider.tokenizer,
+        config=read_config(model_dir),
+        settings=KVSettings(),
+    )
     identity = lm.identity(default_digest_cache())
     if prompts is None:
         report = pin_store(cache, model_key, store, identity)
     else:
         plan = MlxLmWarmPlan(
-            prefix_cache=cache, pins=None, lm=lm, identity=identity, store=store,
-            writable=writable, prompts=prompts, agents_file=str(warm_prompts),
-            tokenization=mlx_lm_tokenization(getattr(args, "chat_template_args", None)))
+            prefix_cache=cache,
+            pins=None,
+            lm=lm,
+            identity=identity,
+            store=store,
+            writable=writable,
+            prompts=prompts,
+            agents_file=str(warm_prompts),
+            tokenization=mlx_lm_tokenization(getattr(args, "chat_template_args", None)),
+        )
         plan.model_key = model_key
         report = plan.run()
     cache.report = report
     log.info("%s", report.summary())
-    log.info("[kvsnap] mlx_lm.server prompt cache: %d warm entries (%.1f MiB) from %s, protected "
-             "from eviction, beside --prompt-cache-size %d", cache.pinned_count,
-             cache.pinned_nbytes / 2**20, store.root, args.prompt_cache_size)
+    log.info(
+        "[kvsnap] mlx_lm.server prompt cache: %d warm entries (%.1f MiB) from %s, protected "
+        "from eviction, beside --prompt-cache-size %d",
+        cache.pinned_count,
+        cache.pinned_nbytes / 2**20,
+        store.root,
+        args.prompt_cache_size,
+    )
     return cache

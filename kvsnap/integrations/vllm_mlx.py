@@ -30,8 +30,8 @@ import logging
 import sys
 from typing import Any, Sequence
 
-from kvsnap.integrations.argv import run_main
 from kvsnap.errors import StoreError, UsageError
+from kvsnap.integrations.argv import run_main
 
 log = logging.getLogger("kvsnap.vllm_mlx")
 
@@ -64,7 +64,11 @@ Every other argument goes to `vllm-mlx serve` unchanged. See docs/vllm-mlx.md.
 # --- arguments -----------------------------------------------------------------------
 
 
-def split_argv(argv: Sequence[str], option: str = OPTION, what: str = "a directory, e.g. --kv-snapshots ./snaps") -> tuple[str | None, list[str]]:
+def split_argv(
+    argv: Sequence[str],
+    option: str = OPTION,
+    what: str = "a directory, e.g. --kv-snapshots ./snaps",
+) -> tuple[str | None, list[str]]:
     """Take ``OPTION VALUE`` (or ``OPTION=VALUE``) out; the rest go to vllm-mlx in order."""
     found: str | None = None
     rest: list[str] = []
@@ -93,37 +97,51 @@ def split_argv(argv: Sequence[str], option: str = OPTION, what: str = "a directo
 
 
 def check_serve_args(ns: Any) -> None:
-    """The vllm-mlx settings under which snapshots can go into its prefix cache; else a UsageError."""
+    """The vllm-mlx settings under which snapshots can go into its prefix cache; else a
+    UsageError."""
     problems = []
     if getattr(ns, "models_config", None):
         problems.append("--models-config is not supported (serve one MODEL)")
     if not getattr(ns, "continuous_batching", False):
-        problems.append("add --continuous-batching (vllm-mlx's prefix cache lives in its batched engine)")
+        problems.append(
+            "add --continuous-batching (vllm-mlx's prefix cache lives in its batched engine)"
+        )
     if getattr(ns, "disable_prefix_cache", False):
         problems.append("drop --disable-prefix-cache (the snapshots go into that cache)")
     if getattr(ns, "no_memory_aware_cache", False):
         problems.append("drop --no-memory-aware-cache (kvsnap fills the memory-aware cache)")
     if getattr(ns, "use_paged_cache", False):
-        problems.append("drop --use-paged-cache (kvsnap fills the memory-aware cache, not the paged one)")
+        problems.append(
+            "drop --use-paged-cache (kvsnap fills the memory-aware cache, not the paged one)"
+        )
     if getattr(ns, "mllm", False):
         problems.append("drop --mllm (multimodal models keep their prefix cache elsewhere)")
     if (getattr(ns, "max_kv_size", None) or 0) > 0:
-        problems.append("drop --max-kv-size (vllm-mlx bounds KV layers as RotatingKVCache(keep=0), kvsnap's build as mlx-lm's keep=4, so vllm-mlx would discard every snapshot)")
+        problems.append(
+            "drop --max-kv-size (vllm-mlx bounds KV layers as RotatingKVCache(keep=0), kvsnap's "
+            "build as mlx-lm's keep=4, so vllm-mlx would discard every snapshot)"
+        )
     if problems:
-        raise UsageError(f"{OPTION} cannot work with these vllm-mlx options: " + "; ".join(problems))
+        raise UsageError(
+            f"{OPTION} cannot work with these vllm-mlx options: " + "; ".join(problems)
+        )
 
 
 # --- inserting snapshots ----------------------------------------------------------------
 
 
 def install(server: Any, session: Any) -> None:
-    """Replace vllm-mlx's disk-cache load and save with the session's warm start and a no-op; extend its routes."""
+    """Replace vllm-mlx's disk-cache load and save with the session's warm start and a no-op;
+    extend its routes."""
     from kvsnap.integrations.vllm_mlx_session import install_routes
 
     async def skip_disk_cache_save(engine: Any = None) -> None:
         # Called at shutdown and before an idle unload: the engine's model is about to go.
         session.release()
-        log.info("[kvsnap] vllm-mlx's prefix cache is not saved to ~/.cache/vllm-mlx/prefix_cache in a --kv-snapshots run (the kvsnap store is the warm state)")
+        log.info(
+            "[kvsnap] vllm-mlx's prefix cache is not saved to ~/.cache/vllm-mlx/prefix_cache in a "
+            "--kv-snapshots run (the kvsnap store is the warm state)"
+        )
 
     server._load_prefix_cache_from_disk = session.load
     server._save_prefix_cache_to_disk = skip_disk_cache_save
@@ -148,11 +166,20 @@ def import_vllm_mlx() -> tuple[Any, Any, str]:
         version = metadata.version("vllm-mlx")
     except metadata.PackageNotFoundError:
         version = "unknown"
-    missing = [name for name in HOOKS if not hasattr(server, name)] + [name for name in ("create_parser", "main") if not hasattr(cli, name)]
+    missing = [name for name in HOOKS if not hasattr(server, name)] + [
+        name for name in ("create_parser", "main") if not hasattr(cli, name)
+    ]
     if missing:
-        raise UsageError(f"vllm-mlx {version} lacks {', '.join(missing)}, which kvsnap's integration hooks; it is tested with vllm-mlx {', '.join(TESTED_VLLM_MLX)}")
+        raise UsageError(
+            f"vllm-mlx {version} lacks {', '.join(missing)}, which kvsnap's integration hooks; it "
+            f"is tested with vllm-mlx {', '.join(TESTED_VLLM_MLX)}"
+        )
     if version not in TESTED_VLLM_MLX:
-        log.warning("[kvsnap] vllm-mlx %s is untested (tested: %s); the hook points are present", version, ", ".join(TESTED_VLLM_MLX))
+        log.warning(
+            "[kvsnap] vllm-mlx %s is untested (tested: %s); the hook points are present",
+            version,
+            ", ".join(TESTED_VLLM_MLX),
+        )
     return cli, server, version
 
 
@@ -174,7 +201,10 @@ def open_store(path: str, want_write: bool = False) -> tuple[Any, bool]:
         try:
             return Store.open(folder, create=True), True
         except (OSError, StoreError) as exc:
-            raise StoreError(f"{folder} does not exist and cannot be created ({exc}); give the folder passed to `kvsnap build --out`") from None
+            raise StoreError(
+                f"{folder} does not exist and cannot be created ({exc}); give the folder passed to "
+                f"`kvsnap build --out`"
+            ) from None
     store = Store.open(folder, readonly=True).require_store()
     if not want_write:
         return store, False
@@ -184,7 +214,12 @@ def open_store(path: str, want_write: bool = False) -> tuple[Any, bool]:
         os.close(fd)
         os.unlink(tmp)
     except OSError as exc:
-        log.warning("[kvsnap] %s is not writable here (%s): warm prompts without a snapshot are prefilled at every start and not written back", store.root, exc.strerror or exc)
+        log.warning(
+            "[kvsnap] %s is not writable here (%s): warm prompts without a snapshot are prefilled "
+            "at every start and not written back",
+            store.root,
+            exc.strerror or exc,
+        )
         return store, False
     return Store.open(folder, create=True), True
 
@@ -209,8 +244,18 @@ def load_warm_prompt_file(path: str) -> Any:
         return load_warm_prompts(file)  # its named errors: missing, unreadable, bad JSON
     if isinstance(data, list):
         for i, entry in enumerate(data):
-            if isinstance(entry, list) and len(entry) > 1 and isinstance(entry[-1], dict) and entry[-1].get("role") == "user":
-                log.info("[kvsnap] %s entry %d ends with a user message: warming the text before it, as vllm-mlx does", file, i)
+            if (
+                isinstance(entry, list)
+                and len(entry) > 1
+                and isinstance(entry[-1], dict)
+                and entry[-1].get("role") == "user"
+            ):
+                log.info(
+                    "[kvsnap] %s entry %d ends with a user message: warming the text before it, as "
+                    "vllm-mlx does",
+                    file,
+                    i,
+                )
                 data[i] = entry[:-1]
     result = parse_warm_prompts(data, str(file))
     if not result.entries:
@@ -242,7 +287,10 @@ def main(argv: Sequence[str]) -> int:
         print(USAGE, end="")
         return 0 if argv else 2
     if argv[0] != "serve":
-        raise UsageError(f"`kvsnap vllm-mlx {argv[0]}` is not supported: only `serve` takes {OPTION}; run `vllm-mlx {argv[0]} ...` directly")
+        raise UsageError(
+            f"`kvsnap vllm-mlx {argv[0]}` is not supported: only `serve` takes {OPTION}; run "
+            f"`vllm-mlx {argv[0]} ...` directly"
+        )
     store_dir, rest = split_argv(argv[1:])
     from kvsnap.store.remote import check_kv_snapshots
 
@@ -258,7 +306,8 @@ def main(argv: Sequence[str]) -> int:
     if store_dir is None:
         log.info("[kvsnap] no %s: running vllm-mlx %s unchanged", OPTION, version)
         return run_vllm_mlx(cli, ["serve", *rest])
-    # --warm-prompts is kvsnap's in such a run: vllm-mlx never sees it, so its own warm-up never runs.
+    # --warm-prompts is kvsnap's in such a run: vllm-mlx never sees it, so its own warm-up never
+    # runs.
     warm_file, rest = split_argv(rest, WARM_OPTION, "a file, e.g. --warm-prompts agents.json")
     ns = parse_serve_args(cli, rest)
     ns.kv_snapshots, ns.warm_prompts = store_dir, warm_file
@@ -287,11 +336,21 @@ def use_kv_snapshots(server: Any, args: Any) -> Any:
     prompts = load_warm_prompt_file(warm_file) if warm_file else None
     # A remote URL is pulled into kvsnap's cache folder first, as `kvsnap serve` does.
     store, writable = open_store(resolve_kv_snapshots(store_dir), want_write=prompts is not None)
-    session = Session(server=server, store=store, writable=writable, prompts=prompts,
-                      agents_file=str(warm_file or ""), digests=default_digest_cache())
+    session = Session(
+        server=server,
+        store=store,
+        writable=writable,
+        prompts=prompts,
+        agents_file=str(warm_file or ""),
+        digests=default_digest_cache(),
+    )
     install(server, session)
     args.warm_prompts = None
     what = f"warm prompts of {warm_file} from" if prompts is not None else "snapshots from"
-    log.info("[kvsnap] vllm-mlx: %s %s go into its prefix cache at start-up%s", what,
-             store.root, " (write-back on)" if writable else "")
+    log.info(
+        "[kvsnap] vllm-mlx: %s %s go into its prefix cache at start-up%s",
+        what,
+        store.root,
+        " (write-back on)" if writable else "",
+    )
     return session

@@ -35,8 +35,10 @@ class InsertReport:
 
     def summary(self) -> str:
         return (
-            f"[kvsnap] Warm start from {self.store}: {self.inserted} snapshot(s) inserted into vllm-mlx's prefix cache "
-            f"({self.tokens} tokens, {self.nbytes / 2**20:.1f} MiB) in {self.seconds:.2f}s, 0 tokens prefilled; "
+            f"[kvsnap] Warm start from {self.store}: {self.inserted} snapshot(s) inserted into "
+            f"vllm-mlx's prefix cache "
+            f"({self.tokens} tokens, {self.nbytes / 2**20:.1f} MiB) in {self.seconds:.2f}s, 0 "
+            f"tokens prefilled; "
             f"{len(self.skipped)} skipped"
         )
 
@@ -67,12 +69,23 @@ def reads_enable_thinking(tokenizer: Any) -> bool:
 
     probe = [{"role": "user", "content": "hi"}]
     try:
-        return render_messages(tokenizer, probe, None, {"enable_thinking": True}) != render_messages(tokenizer, probe, None, {"enable_thinking": False})
+        return render_messages(
+            tokenizer, probe, None, {"enable_thinking": True}
+        ) != render_messages(tokenizer, probe, None, {"enable_thinking": False})
     except KvsnapError:
         return False
 
 
-def insert_snapshots(prefix_cache: Any, model: Any, tokenizer: Any, model_path: str, store: Any, digests: Any = None, pins: Any = None, enable_thinking: bool = True) -> InsertReport:
+def insert_snapshots(
+    prefix_cache: Any,
+    model: Any,
+    tokenizer: Any,
+    model_path: str,
+    store: Any,
+    digests: Any = None,
+    pins: Any = None,
+    enable_thinking: bool = True,
+) -> InsertReport:
     """Put every snapshot of this model into vllm-mlx's ``MemoryAwarePrefixCache``; never prefills.
 
     ``pins``: where inserted keys are pinned against eviction (``vllm_mlx_pin``).
@@ -88,24 +101,39 @@ def insert_snapshots(prefix_cache: Any, model: Any, tokenizer: Any, model_path: 
     report = InsertReport(store=str(store.root))
     model_dir = resolve_model(model_path).path  # a hub id: the same cached files vllm-mlx loaded
     # vllm-mlx's live KV is mlx-lm's default cache: no KV quantization, no bound.
-    lm = LoadedModel(path=model_dir, model=model, tokenizer=tokenizer, config=read_config(model_dir), settings=KVSettings())
+    lm = LoadedModel(
+        path=model_dir,
+        model=model,
+        tokenizer=tokenizer,
+        config=read_config(model_dir),
+        settings=KVSettings(),
+    )
     identity = lm.identity(digests)
     good, bad = store.scan(identity)
     for problem in bad:
         report.skip(problem.path, problem.reason)
     config = getattr(prefix_cache, "_config", None)
     min_tokens = int(getattr(config, "min_prefix_tokens", 1) or 1)
-    for info in sorted(usable_renderings(good, tokenizer, enable_thinking, report), key=lambda i: (i.name, i.key)):
+    for info in sorted(
+        usable_renderings(good, tokenizer, enable_thinking, report), key=lambda i: (i.name, i.key)
+    ):
         if info.n_tokens < min_tokens:
-            report.skip(info.path, f"holds {info.n_tokens} tokens, under vllm-mlx's minimum reusable prefix of {min_tokens} tokens")
+            report.skip(
+                info.path,
+                f"holds {info.n_tokens} tokens, under vllm-mlx's minimum reusable prefix of "
+                f"{min_tokens} tokens",
+            )
             continue
         insert_one(prefix_cache, store, identity, info, pins, report)
     report.seconds = time.perf_counter() - t0
     return report
 
 
-def usable_renderings(good: list, tokenizer: Any, enable_thinking: bool, report: InsertReport) -> list:
-    """The snapshots whose rendering a vllm-mlx request can match; the rest skipped, doubtful ones warned about."""
+def usable_renderings(
+    good: list, tokenizer: Any, enable_thinking: bool, report: InsertReport
+) -> list:
+    """The snapshots whose rendering a vllm-mlx request can match; the rest skipped, doubtful ones
+    warned about."""
     from kvsnap.integrations.vllm_mlx_profile import recorded_tokenization
 
     lead = prepended_special_tokens(tokenizer)
@@ -116,29 +144,58 @@ def usable_renderings(good: list, tokenizer: Any, enable_thinking: bool, report:
         if built_for is not None and built_for.get("server") == "vllm-mlx":
             built_thinking = (built_for.get("template_defaults") or {}).get("enable_thinking")
             if built_thinking is not None and built_thinking != enable_thinking:
-                log.warning("[kvsnap] snapshot %s (%s) was built for vllm-mlx rendering with enable_thinking=%s, this vllm-mlx renders with %s: it matches only where the template ignores it; rebuild with the MODEL name you serve (`kvsnap build … --for vllm-mlx --served-model-name NAME`)", info.path.name, info.name or "unnamed", built_thinking, enable_thinking)
+                log.warning(
+                    "[kvsnap] snapshot %s (%s) was built for vllm-mlx rendering with "
+                    "enable_thinking=%s, this vllm-mlx renders with %s: it matches only where the "
+                    "template ignores it; rebuild with the MODEL name you serve (`kvsnap build … "
+                    "--for vllm-mlx --served-model-name NAME`)",
+                    info.path.name,
+                    info.name or "unnamed",
+                    built_thinking,
+                    enable_thinking,
+                )
             usable.append(info)
             continue
         # Built for kvsnap serve's rendering: template tokens only, the entry's own kwargs.
         if lead:
-            report.skip(info.path, f"built for kvsnap serve's tokenization (template tokens only), but vllm-mlx encodes every prompt with the tokenizer's special tokens, which puts {lead} in front of the template's own, so no request could match; rebuild with `kvsnap build … --for vllm-mlx`")
+            report.skip(
+                info.path,
+                f"built for kvsnap serve's tokenization (template tokens only), but vllm-mlx "
+                f"encodes every prompt with the tokenizer's special tokens, which puts {lead} in "
+                f"front of the template's own, so no request could match; rebuild with `kvsnap "
+                f"build … --for vllm-mlx`",
+            )
             continue
         if thinking_matters is None:
             thinking_matters = reads_enable_thinking(tokenizer)
         if thinking_matters:
-            log.warning("[kvsnap] snapshot %s (%s) was built for kvsnap serve's rendering; this vllm-mlx renders with enable_thinking=%s, so it matches only if the agents file set that in chat_template_kwargs; build with `kvsnap build … --for vllm-mlx` to be sure", info.path.name, info.name or "unnamed", enable_thinking)
+            log.warning(
+                "[kvsnap] snapshot %s (%s) was built for kvsnap serve's rendering; this vllm-mlx "
+                "renders with enable_thinking=%s, so it matches only if the agents file set that "
+                "in chat_template_kwargs; build with `kvsnap build … --for vllm-mlx` to be sure",
+                info.path.name,
+                info.name or "unnamed",
+                enable_thinking,
+            )
         usable.append(info)
     return usable
 
 
-def insert_one(prefix_cache: Any, store: Any, identity: Any, info: Any, pins: Any, report: InsertReport) -> None:
+def insert_one(
+    prefix_cache: Any, store: Any, identity: Any, info: Any, pins: Any, report: InsertReport
+) -> None:
     """Read, check and decode one snapshot and hand it to vllm-mlx's cache, within its budget."""
     from kvsnap.snapshot.codec import cache_nbytes_of, decode_cache
 
     limit = float(getattr(prefix_cache, "memory_limit_mb", float("inf"))) * 2**20
     used = float(getattr(prefix_cache, "memory_usage_mb", 0.0)) * 2**20
     if used + info.nbytes > limit:
-        report.skip(info.path, f"does not fit vllm-mlx's prefix-cache budget ({used / 2**20:.1f} of {limit / 2**20:.1f} MiB used, needs {info.nbytes / 2**20:.1f} MiB); raise --cache-memory-mb")
+        report.skip(
+            info.path,
+            f"does not fit vllm-mlx's prefix-cache budget ({used / 2**20:.1f} of "
+            f"{limit / 2**20:.1f} MiB used, needs {info.nbytes / 2**20:.1f} MiB); raise "
+            f"--cache-memory-mb",
+        )
         return
     try:
         arrays = store.load_arrays(info, identity)
@@ -159,4 +216,10 @@ def insert_one(prefix_cache: Any, store: Any, identity: Any, info: Any, pins: An
     report.tokens += len(tokens)
     report.nbytes += nbytes
     report.names.append(info.name)
-    log.info("[kvsnap] inserted %s (%s, %d tokens, %.1f MiB)", info.path.name, info.name or "unnamed", len(tokens), nbytes / 2**20)
+    log.info(
+        "[kvsnap] inserted %s (%s, %d tokens, %.1f MiB)",
+        info.path.name,
+        info.name or "unnamed",
+        len(tokens),
+        nbytes / 2**20,
+    )

@@ -44,7 +44,8 @@ class Pins:
         self._remove = cache.remove
         self._clear = cache.clear
 
-    # The pins change on the model's thread and are read from the event loop (status): under the cache's lock.
+    # The pins change on the model's thread and are read from the event loop (status): under the
+    # cache's lock.
 
     def add(self, tokens: Iterable[int]) -> None:
         with self.cache._memory_lock:
@@ -57,7 +58,9 @@ class Pins:
 
     def nbytes(self) -> int:
         with self.cache._memory_lock:
-            return sum(self.cache._entries[k].memory_bytes for k in self.keys if k in self.cache._entries)
+            return sum(
+                self.cache._entries[k].memory_bytes for k in self.keys if k in self.cache._entries
+            )
 
     # --- the wrapped methods ---------------------------------------------------------
 
@@ -70,8 +73,10 @@ class Pins:
                 if not cache._entries:
                     return
                 raise PinnedCacheFull(
-                    f"vllm-mlx's prefix cache holds only kvsnap's {len(cache._entries)} pinned snapshot(s) "
-                    f"({cache.memory_usage_mb:.1f} of {cache.memory_limit_mb:.1f} MiB); this entry is not kept (raise --cache-memory-mb)"
+                    f"vllm-mlx's prefix cache holds only kvsnap's {len(cache._entries)} pinned "
+                    f"snapshot(s) "
+                    f"({cache.memory_usage_mb:.1f} of {cache.memory_limit_mb:.1f} MiB); this entry "
+                    f"is not kept (raise --cache-memory-mb)"
                 )
             entry = cache._entries.pop(victim)
             cache._current_memory -= entry.memory_bytes
@@ -85,10 +90,18 @@ class Pins:
     def commit_prepared(self, entry: Any, evict_prefixes: bool = True, **kwargs: Any) -> bool:
         """vllm-mlx's ``commit_prepared``; prefix eviction passes over pinned prefixes."""
         key = tuple(entry.tokens)
-        if evict_prefixes and key not in self.cache._entries and any(_is_strict_prefix(p, key) for p in self.keys):
+        if (
+            evict_prefixes
+            and key not in self.cache._entries
+            and any(_is_strict_prefix(p, key) for p in self.keys)
+        ):
             cache = self.cache
             with cache._memory_lock:
-                for old in [k for k in list(cache._entries) if k not in self.keys and _is_strict_prefix(k, key)]:
+                for old in [
+                    k
+                    for k in list(cache._entries)
+                    if k not in self.keys and _is_strict_prefix(k, key)
+                ]:
                     dropped = cache._entries.pop(old)
                     cache._current_memory -= dropped.memory_bytes
                     cache._remove_from_sorted(old)
@@ -101,7 +114,10 @@ class Pins:
     def remove(self, tokens: Any, **kwargs: Any) -> bool:
         """vllm-mlx's ``remove``; a pinned key stays."""
         if tuple(tokens) in self.keys:
-            log.debug("[kvsnap] kept pinned snapshot of %d tokens that vllm-mlx asked to remove", len(tokens))
+            log.debug(
+                "[kvsnap] kept pinned snapshot of %d tokens that vllm-mlx asked to remove",
+                len(tokens),
+            )
             return False
         return self._remove(tokens, **kwargs)
 
@@ -117,9 +133,24 @@ def pin(cache: Any) -> Pins:
     existing = getattr(cache, MARK, None)
     if existing is not None:
         return existing
-    missing = [name for name in ("_evict_lru", "commit_prepared", "remove", "clear", "_entries", "_memory_lock", "_remove_from_sorted") if not hasattr(cache, name)]
+    missing = [
+        name
+        for name in (
+            "_evict_lru",
+            "commit_prepared",
+            "remove",
+            "clear",
+            "_entries",
+            "_memory_lock",
+            "_remove_from_sorted",
+        )
+        if not hasattr(cache, name)
+    ]
     if missing:
-        raise AttributeError(f"this vllm-mlx prefix cache ({type(cache).__name__}) lacks {', '.join(missing)}; kvsnap cannot keep its snapshots from eviction")
+        raise AttributeError(
+            f"this vllm-mlx prefix cache ({type(cache).__name__}) lacks {', '.join(missing)}; "
+            f"kvsnap cannot keep its snapshots from eviction"
+        )
     pins = Pins(cache)
     cache._evict_lru = pins.evict_lru
     cache.commit_prepared = pins.commit_prepared

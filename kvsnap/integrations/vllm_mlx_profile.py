@@ -29,14 +29,22 @@ def vllm_mlx_enable_thinking(model_name: str) -> bool:
     return "coder" not in str(model_name).lower()
 
 
-def vllm_mlx_tokenization(model_name: str, default_chat_template_kwargs: dict | None = None) -> Tokenization:
+def vllm_mlx_tokenization(
+    model_name: str, default_chat_template_kwargs: dict | None = None
+) -> Tokenization:
     """The profile of ``vllm-mlx serve MODEL_NAME [--default-chat-template-kwargs ...]``."""
-    defaults = {"enable_thinking": vllm_mlx_enable_thinking(model_name), **(default_chat_template_kwargs or {})}
-    return Tokenization(server=SERVER, add_special_tokens=True, template_defaults=tuple(sorted(defaults.items())))
+    defaults = {
+        "enable_thinking": vllm_mlx_enable_thinking(model_name),
+        **(default_chat_template_kwargs or {}),
+    }
+    return Tokenization(
+        server=SERVER, add_special_tokens=True, template_defaults=tuple(sorted(defaults.items()))
+    )
 
 
 def recorded_tokenization(recorded: Any) -> dict | None:
-    """The tokenization profile a snapshot header records (canonical JSON text), or None: kvsnap serve's."""
+    """The tokenization profile a snapshot header records (canonical JSON text), or None: kvsnap
+    serve's."""
     import json
 
     raw = recorded.get("tokenization") if isinstance(recorded, dict) else None
@@ -52,9 +60,14 @@ def describe(descriptor: dict | None) -> str:
     """A tokenization descriptor in words, for warnings."""
     if descriptor is None:
         return "kvsnap serve's (template tokens only, the entry's own chat_template_kwargs)"
-    defaults = ", ".join(f"{k}={v!r}" for k, v in sorted((descriptor.get("template_defaults") or {}).items()))
+    defaults = ", ".join(
+        f"{k}={v!r}" for k, v in sorted((descriptor.get("template_defaults") or {}).items())
+    )
     specials = "with" if descriptor.get("add_special_tokens") else "without"
-    return f"{descriptor.get('server', '?')}'s (encoded {specials} the tokenizer's special tokens{', ' + defaults if defaults else ''})"
+    return (
+        f"{descriptor.get('server', '?')}'s (encoded {specials} the tokenizer's special "
+        f"tokens{', ' + defaults if defaults else ''})"
+    )
 
 
 @dataclass(frozen=True)
@@ -68,10 +81,23 @@ class EngineTokenization(Tokenization):
     render_chat: Any = None
     encode_text: Any = None
 
-    def render(self, tokenizer: ChatTokenizer, messages: Sequence[dict], tools: Sequence[dict] | None, chat_template_kwargs: dict | None, add_generation_prompt: bool = True) -> str:
-        if not add_generation_prompt or self.render_chat is None:  # only the coverage figure renders without it
-            return super().render(tokenizer, messages, tools, chat_template_kwargs, add_generation_prompt)
-        return self.render_chat(list(messages), list(tools) if tools else None, dict(chat_template_kwargs or {}))
+    def render(
+        self,
+        tokenizer: ChatTokenizer,
+        messages: Sequence[dict],
+        tools: Sequence[dict] | None,
+        chat_template_kwargs: dict | None,
+        add_generation_prompt: bool = True,
+    ) -> str:
+        if (
+            not add_generation_prompt or self.render_chat is None
+        ):  # only the coverage figure renders without it
+            return super().render(
+                tokenizer, messages, tools, chat_template_kwargs, add_generation_prompt
+            )
+        return self.render_chat(
+            list(messages), list(tools) if tools else None, dict(chat_template_kwargs or {})
+        )
 
     def encode(self, tokenizer: ChatTokenizer, text: str) -> list[int]:
         if self.encode_text is None:

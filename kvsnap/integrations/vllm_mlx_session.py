@@ -41,15 +41,24 @@ def engine_tokenization(server: Any, engine: Any, scheduler: Any):
     """vllm-mlx's request path up to the token ids, through its own functions."""
     from vllm_mlx.api.tool_calling import convert_tools_for_template
 
-    from kvsnap.integrations.vllm_mlx_profile import EngineTokenization, SERVER, vllm_mlx_enable_thinking
+    from kvsnap.integrations.vllm_mlx_profile import (
+        SERVER,
+        EngineTokenization,
+        vllm_mlx_enable_thinking,
+    )
 
-    defaults = {"enable_thinking": vllm_mlx_enable_thinking(getattr(engine, "_model_name", "") or ""), **(getattr(server, "_default_chat_template_kwargs", None) or {})}
+    defaults = {
+        "enable_thinking": vllm_mlx_enable_thinking(getattr(engine, "_model_name", "") or ""),
+        **(getattr(server, "_default_chat_template_kwargs", None) or {}),
+    }
 
     def render_chat(messages: list, tools: list | None, kwargs: dict) -> str:
         prepared = server._prepare_chat_messages(engine, messages)[0]
         ctk = server._resolve_chat_template_kwargs(kwargs or None)
         # The server converts request tools once, engine.stream_chat once more.
-        template_tools = convert_tools_for_template(convert_tools_for_template(tools)) if tools else None
+        template_tools = (
+            convert_tools_for_template(convert_tools_for_template(tools)) if tools else None
+        )
         return engine._apply_chat_template(prepared, template_tools, chat_template_kwargs=ctk)
 
     return EngineTokenization(
@@ -81,14 +90,19 @@ class Session:
     # --- start-up --------------------------------------------------------------------
 
     async def load(self, engine: Any = None) -> None:
-        """vllm-mlx's ``_load_prefix_cache_from_disk``, replaced: warm the prefix cache from the store."""
+        """vllm-mlx's ``_load_prefix_cache_from_disk``, replaced: warm the prefix cache from the
+        store."""
         target = engine or self.server._engine
         if target is None:
             return
         scheduler = scheduler_of(target)
         prefix_cache = getattr(scheduler, "memory_aware_cache", None)
         if prefix_cache is None:
-            log.warning("[kvsnap] no snapshots loaded: this vllm-mlx engine (%s) has no memory-aware prefix cache; it starts cold", type(target).__name__)
+            log.warning(
+                "[kvsnap] no snapshots loaded: this vllm-mlx engine (%s) has no memory-aware "
+                "prefix cache; it starts cold",
+                type(target).__name__,
+            )
             return
         try:
             self._work = self._make_work(target, scheduler, prefix_cache)
@@ -97,7 +111,12 @@ class Session:
         except KvsnapError as exc:
             log.warning("[kvsnap] no snapshots loaded (%s); vllm-mlx starts cold", exc)
         except Exception as exc:  # a broken store must not stop vllm-mlx from serving
-            log.error("[kvsnap] no snapshots loaded (%s: %s); vllm-mlx starts cold", type(exc).__name__, exc, exc_info=True)
+            log.error(
+                "[kvsnap] no snapshots loaded (%s: %s); vllm-mlx starts cold",
+                type(exc).__name__,
+                exc,
+                exc_info=True,
+            )
 
     def _make_work(self, engine: Any, scheduler: Any, prefix_cache: Any):
         from kvsnap.integrations.vllm_mlx_insert import insert_snapshots
@@ -108,34 +127,62 @@ class Session:
         except AttributeError as exc:
             self.pins = None
             log.warning("[kvsnap] %s; snapshots are ordinary LRU entries in this run", exc)
-        model_path = getattr(engine, "_model_path", None) or getattr(self.server, "_model_path", None)
+        model_path = getattr(engine, "_model_path", None) or getattr(
+            self.server, "_model_path", None
+        )
         if self.prompts is None:
             from kvsnap.integrations.vllm_mlx_profile import vllm_mlx_enable_thinking
 
             thinking = vllm_mlx_enable_thinking(getattr(engine, "_model_name", "") or "")
-            return lambda: insert_snapshots(prefix_cache, scheduler.model, scheduler.tokenizer, model_path, self.store, self.digests, pins=self.pins, enable_thinking=thinking)
+            return lambda: insert_snapshots(
+                prefix_cache,
+                scheduler.model,
+                scheduler.tokenizer,
+                model_path,
+                self.store,
+                self.digests,
+                pins=self.pins,
+                enable_thinking=thinking,
+            )
         tokenization = engine_tokenization(self.server, engine, scheduler)
         plan_box: dict = {}
 
         def work():
             if "plan" not in plan_box:  # identity hashing runs on the model thread, once per engine
-                plan_box["plan"] = self._make_plan(prefix_cache, scheduler, model_path, tokenization)
+                plan_box["plan"] = self._make_plan(
+                    prefix_cache, scheduler, model_path, tokenization
+                )
             return plan_box["plan"].run()
 
         return work
 
     def _make_plan(self, prefix_cache: Any, scheduler: Any, model_path: str, tokenization: Any):
+        from kvsnap.integrations.vllm_mlx_warm import WarmPlan
         from kvsnap.key import KVSettings, read_config
         from kvsnap.runtime.model_source import resolve_model
         from kvsnap.runtime.modeling import LoadedModel
-        from kvsnap.integrations.vllm_mlx_warm import WarmPlan
 
-        model_dir = resolve_model(model_path).path  # a hub id: the same cached files vllm-mlx loaded
+        model_dir = resolve_model(
+            model_path
+        ).path  # a hub id: the same cached files vllm-mlx loaded
         # vllm-mlx's live KV is mlx-lm's default cache: no KV quantization, no bound.
-        lm = LoadedModel(path=model_dir, model=scheduler.model, tokenizer=scheduler.tokenizer, config=read_config(model_dir), settings=KVSettings())
+        lm = LoadedModel(
+            path=model_dir,
+            model=scheduler.model,
+            tokenizer=scheduler.tokenizer,
+            config=read_config(model_dir),
+            settings=KVSettings(),
+        )
         return WarmPlan(
-            prefix_cache=prefix_cache, pins=self.pins, lm=lm, identity=lm.identity(self.digests), store=self.store,
-            writable=self.writable, prompts=self.prompts, agents_file=self.agents_file, tokenization=tokenization,
+            prefix_cache=prefix_cache,
+            pins=self.pins,
+            lm=lm,
+            identity=lm.identity(self.digests),
+            store=self.store,
+            writable=self.writable,
+            prompts=self.prompts,
+            agents_file=self.agents_file,
+            tokenization=tokenization,
         )
 
     async def _warm(self, why: str) -> Any:
@@ -147,11 +194,17 @@ class Session:
         else:
             self.rewarms += 1
         line = report.summary()
-        log.info("%s", line if why == "start" else line.replace("[lifespan] Warm-up done", "[clear_prefix_cache] re-warm done", 1))
+        log.info(
+            "%s",
+            line
+            if why == "start"
+            else line.replace("[lifespan] Warm-up done", "[clear_prefix_cache] re-warm done", 1),
+        )
         return report
 
     def release(self) -> None:
-        """Drop every reference to the engine's model and cache (vllm-mlx is about to stop or unload it).
+        """Drop every reference to the engine's model and cache (vllm-mlx is about to stop or
+        unload it).
 
         Holding them past the engine's stop keeps mlx arrays alive until interpreter
         teardown, where freeing them can abort the process. A later ``load`` (a model
@@ -181,7 +234,13 @@ class Session:
             try:
                 await self._warm("rewarm")
             except Exception as exc:  # the server keeps serving, cold, and says why
-                log.error("[kvsnap] re-warm failed (%s: %s); the prefix cache stays cold until the next DELETE or start", type(exc).__name__, exc, exc_info=True)
+                log.error(
+                    "[kvsnap] re-warm failed (%s: %s); the prefix cache stays cold until the next "
+                    "DELETE or start",
+                    type(exc).__name__,
+                    exc,
+                    exc_info=True,
+                )
             if not self._again:
                 return
 
@@ -201,15 +260,27 @@ class Session:
 
 
 def install_routes(server: Any, session: Session) -> None:
-    """Replace vllm-mlx's ``DELETE /v1/cache/prefix`` (keeping its clearing) and add ``GET /v1/kvsnap/status``."""
+    """Replace vllm-mlx's ``DELETE /v1/cache/prefix`` (keeping its clearing) and add ``GET
+    /v1/kvsnap/status``."""
     from fastapi import Depends
     from fastapi.routing import APIRoute
 
     app = server.app
     routes = app.router.routes
-    index = next((i for i, r in enumerate(routes) if getattr(r, "path", None) == CLEAR_PATH and "DELETE" in (getattr(r, "methods", None) or ())), None)
+    index = next(
+        (
+            i
+            for i, r in enumerate(routes)
+            if getattr(r, "path", None) == CLEAR_PATH
+            and "DELETE" in (getattr(r, "methods", None) or ())
+        ),
+        None,
+    )
     if index is None:
-        raise KvsnapError(f"vllm-mlx has no DELETE {CLEAR_PATH} route to extend; kvsnap's integration is tested with vllm-mlx 0.6.0")
+        raise KvsnapError(
+            f"vllm-mlx has no DELETE {CLEAR_PATH} route to extend; kvsnap's integration is tested "
+            f"with vllm-mlx 0.6.0"
+        )
     original = routes[index]
     clear = original.endpoint
 
@@ -223,6 +294,11 @@ def install_routes(server: Any, session: Session) -> None:
     async def kvsnap_status():
         return session.status()
 
-    routes[index] = APIRoute(CLEAR_PATH, clear_prefix_cache_and_rewarm, methods=["DELETE"], dependencies=list(original.dependencies))
+    routes[index] = APIRoute(
+        CLEAR_PATH,
+        clear_prefix_cache_and_rewarm,
+        methods=["DELETE"],
+        dependencies=list(original.dependencies),
+    )
     auth = [Depends(server.verify_api_key)] if hasattr(server, "verify_api_key") else []
     routes.insert(index, APIRoute(STATUS_PATH, kvsnap_status, methods=["GET"], dependencies=auth))

@@ -17,8 +17,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from kvsnap.errors import KvsnapError, SnapshotError, StoreError
 from kvsnap.chat import Tokenization
+from kvsnap.errors import KvsnapError, SnapshotError, StoreError
 from kvsnap.prompts import WarmPromptSet
 
 log = logging.getLogger("kvsnap.vllm_mlx")
@@ -36,7 +36,8 @@ class AgentResult:
 
 @dataclass
 class WarmReport:
-    """What one warm-up (or re-warm) did; tests and ``GET /v1/kvsnap/status`` read this, not the log."""
+    """What one warm-up (or re-warm) did; tests and ``GET /v1/kvsnap/status`` read this, not the
+    log."""
 
     completed: int = 0
     skipped: int = 0
@@ -85,7 +86,9 @@ class WarmPlan:
         report = WarmReport()
         for problem in self.prompts.problems:
             report.skip(f"entry {problem.index}", str(problem))
-        infos, _bad = self.store.scan(self.identity)  # foreign and broken files: not ours to report per entry
+        infos, _bad = self.store.scan(
+            self.identity
+        )  # foreign and broken files: not ours to report per entry
         by_key = {info.key: info for info in infos}
         for prompt in self.prompts.entries:
             found = self._warm_prefix(prompt, report)
@@ -104,14 +107,30 @@ class WarmPlan:
                 report.completed += 1
                 report.prompt_tokens += len(tokens)
                 report.from_snapshots += source == "snapshot"
-                report.agents.append(AgentResult(name=prompt.name, source=source, tokens=len(tokens), key=key, written=written))
-                log.info("[kvsnap] warm prompt %s: %d tokens %s", prompt.name, len(tokens), "from snapshot " + key if source == "snapshot" else "prefilled" + (", written back as " + key if written else ""))
+                report.agents.append(
+                    AgentResult(
+                        name=prompt.name,
+                        source=source,
+                        tokens=len(tokens),
+                        key=key,
+                        written=written,
+                    )
+                )
+                log.info(
+                    "[kvsnap] warm prompt %s: %d tokens %s",
+                    prompt.name,
+                    len(tokens),
+                    "from snapshot " + key
+                    if source == "snapshot"
+                    else "prefilled" + (", written back as " + key if written else ""),
+                )
             del state
         report.seconds = time.perf_counter() - t0
         return report
 
     def _warm_prefix(self, prompt, report: WarmReport) -> tuple[tuple, str, str] | None:
-        """(tokens, prompt digest, key) as vllm-mlx tokenizes this agent; None (and a skip) when it cannot be warmed."""
+        """(tokens, prompt digest, key) as vllm-mlx tokenizes this agent; None (and a skip) when it
+        cannot be warmed."""
         from kvsnap.runtime.warm_recipe import warm_key
 
         try:
@@ -119,14 +138,21 @@ class WarmPlan:
         except KvsnapError as exc:
             report.skip(prompt.name, str(exc))
             return None
-        except Exception as exc:  # vllm-mlx's own rendering raises jinja's and its own types; one entry must not stop the rest
+        # vllm-mlx's own rendering raises jinja's and its own types: one entry must not
+        # stop the rest
+        except Exception as exc:
             report.skip(prompt.name, f"vllm-mlx cannot render it ({type(exc).__name__}: {exc})")
             return None
         tokens = warm.tokens
         config = getattr(self.prefix_cache, "_config", None)
         min_tokens = int(getattr(config, "min_prefix_tokens", 1) or 1)
         if len(tokens) < min_tokens:
-            report.skip(prompt.name, f"its warm prefix holds {len(tokens)} tokens, under vllm-mlx's minimum reusable prefix of {min_tokens} tokens", len(tokens))
+            report.skip(
+                prompt.name,
+                f"its warm prefix holds {len(tokens)} tokens, under vllm-mlx's minimum reusable "
+                f"prefix of {min_tokens} tokens",
+                len(tokens),
+            )
             return None
         return tokens, warm.prompt_digest, warm.key
 
@@ -136,18 +162,25 @@ class WarmPlan:
         try:
             return decode_cache(self.store.load_arrays(info, self.identity), info.layers)
         except SnapshotError as exc:
-            report.warn(f"{prompt.name}: snapshot {exc.path} cannot be used ({exc.reason}); prefilling instead")
+            report.warn(
+                f"{prompt.name}: snapshot {exc.path} cannot be used ({exc.reason}); prefilling "
+                f"instead"
+            )
             return None
 
-    def _warn_other_renderings(self, prompt, infos: list, key: str, info, report: WarmReport) -> None:
+    def _warn_other_renderings(
+        self, prompt, infos: list, key: str, info, report: WarmReport
+    ) -> None:
         """Say so when this agent's snapshot exists but was keyed for another server's rendering."""
         from kvsnap.integrations.vllm_mlx_profile import describe, recorded_tokenization
 
         for other in infos:
             if other.name == prompt.name and other.key != key and other is not info:
                 report.warn(
-                    f"{prompt.name}: snapshot {other.path.name} was built for a rendering vllm-mlx will not use "
-                    f"({describe(recorded_tokenization(other.recorded))}; this server tokenizes as {describe(self.tokenization.descriptor())}); "
+                    f"{prompt.name}: snapshot {other.path.name} was built for a rendering vllm-mlx "
+                    f"will not use "
+                    f"({describe(recorded_tokenization(other.recorded))}; this server tokenizes as "
+                    f"{describe(self.tokenization.descriptor())}); "
                     "prefilling instead; build for it with `kvsnap build … --for vllm-mlx`"
                 )
 
@@ -159,30 +192,53 @@ class WarmPlan:
         check_captured_at(state, len(tokens))
         return state
 
-    def _write_back(self, prompt, digest: str, tokens: tuple, state: list, report: WarmReport) -> bool:
+    def _write_back(
+        self, prompt, digest: str, tokens: tuple, state: list, report: WarmReport
+    ) -> bool:
         from kvsnap.runtime.writeback import commit_snapshot
 
         if not self.writable:
             return False
         try:
-            commit_snapshot(self.lm, self.store, self.identity, prompt, digest, tokens, state, self.agents_file, tokenization=self.tokenization.descriptor())
+            commit_snapshot(
+                self.lm,
+                self.store,
+                self.identity,
+                prompt,
+                digest,
+                tokens,
+                state,
+                self.agents_file,
+                tokenization=self.tokenization.descriptor(),
+            )
         except (StoreError, SnapshotError, OSError) as exc:
-            report.warn(f"{prompt.name}: write-back to {self.store.root} failed ({exc}); served from memory only")
+            report.warn(
+                f"{prompt.name}: write-back to {self.store.root} failed ({exc}); served from "
+                f"memory only"
+            )
             return False
         report.written += 1
         return True
 
     def _insert(self, name: str, tokens: tuple, state: list, report: WarmReport) -> bool:
-        # vllm-mlx's own insert copies the arrays; evict_prefixes=False: never evict another warm entry.
+        # vllm-mlx's own insert copies the arrays; evict_prefixes=False: never evict another warm
+        # entry.
         if not self.prefix_cache.store(list(tokens), state, evict_prefixes=False):
-            report.skip(name, f"vllm-mlx's prefix cache refused it ({len(tokens)} tokens; {self.prefix_cache.memory_usage_mb:.1f} of {self.prefix_cache.memory_limit_mb:.1f} MiB used): raise --cache-memory-mb", len(tokens))
+            report.skip(
+                name,
+                f"vllm-mlx's prefix cache refused it ({len(tokens)} tokens; "
+                f"{self.prefix_cache.memory_usage_mb:.1f} of "
+                f"{self.prefix_cache.memory_limit_mb:.1f} MiB used): raise --cache-memory-mb",
+                len(tokens),
+            )
             return False
         if self.pins is not None:
             self.pins.add(tokens)
         return True
 
     def _same_tokens(self, infos: list, tokens: tuple) -> Any:
-        """A snapshot of this model holding exactly these tokens, whatever rendering it was keyed for.
+        """A snapshot of this model holding exactly these tokens, whatever rendering it was keyed
+        for.
 
         The KV state depends only on the model identity (already matched) and the tokens, so
         a snapshot built for kvsnap serve whose tokens equal vllm-mlx's is exactly right here.

@@ -13,7 +13,9 @@ from typing import Any
 
 from kvsnap.runtime.engine_types import RequestState
 
-MEASURED = "measured: mlx-lm BatchGenerator prompt counter + sequential prefill + 1 per started decode"
+MEASURED = (
+    "measured: mlx-lm BatchGenerator prompt counter + sequential prefill + 1 per started decode"
+)
 COUNTED = "engine count (this mlx-lm's BatchGenerator has no prompt token counter)"
 
 
@@ -35,8 +37,10 @@ class TokenAccounts:
     prompt: int = 0  # prompt tokens of every started request
     cached: int = 0  # of those, served from the prefix cache
     started_requests: int = 0
-    measured: int = 0  # run by the engine itself: sequential chunks, shared prefixes, last prompt tokens
-    batched_expected: int = 0  # what batched prefills should count: the source when mlx-lm has no counter
+    # run by the engine itself: sequential chunks, shared prefixes, last prompt tokens
+    measured: int = 0
+    # what batched prefills should count: the source when mlx-lm has no counter
+    batched_expected: int = 0
     counter_missing: bool = False
     _gen_base: int = 0  # the current generator's counter when it was attached
     _gen_counted: int = 0  # prompt tokens counted by generators already detached
@@ -84,7 +88,12 @@ class TokenAccounts:
         return self.measured + batched
 
     def as_dict(self, gen: Any | None) -> dict:
-        return {"prompt": self.prompt, "cached": self.cached, "computed": self.computed(gen), "computed_source": COUNTED if self.counter_missing else MEASURED}
+        return {
+            "prompt": self.prompt,
+            "cached": self.cached,
+            "computed": self.computed(gen),
+            "computed_source": COUNTED if self.counter_missing else MEASURED,
+        }
 
 
 def reported_cached_tokens(state: RequestState, granularity: int) -> int:
@@ -103,9 +112,23 @@ def reported_cached_tokens(state: RequestState, granularity: int) -> int:
 
 def cache_stats(prefix: Any, max_memory_mb: float) -> dict:
     """The ``cache`` object of ``/v1/status`` (zeros before the prefix cache exists)."""
-    st = prefix.stats if prefix is not None else None  # an empty PrefixCache is falsy: test for None
+    st = (
+        prefix.stats if prefix is not None else None
+    )  # an empty PrefixCache is falsy: test for None
     if st is None:
-        return {"entry_count": 0, "hits": 0, "misses": 0, "hit_rate": 0.0, "tokens_saved": 0, "current_memory_mb": 0.0, "max_memory_mb": max_memory_mb, "evictions": 0, "lazy_loads": 0, "unloads": 0, "load_errors": 0}
+        return {
+            "entry_count": 0,
+            "hits": 0,
+            "misses": 0,
+            "hit_rate": 0.0,
+            "tokens_saved": 0,
+            "current_memory_mb": 0.0,
+            "max_memory_mb": max_memory_mb,
+            "evictions": 0,
+            "lazy_loads": 0,
+            "unloads": 0,
+            "load_errors": 0,
+        }
     lookups = st.hits + st.misses
     return {
         "entry_count": len(prefix),

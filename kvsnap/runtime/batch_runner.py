@@ -24,14 +24,24 @@ PrepareFn = Callable[[RequestState], tuple[list, list[int]]]
 
 
 class BatchRunner:
-    def __init__(self, lm: Any, prefix: PrefixCache, sched: Scheduler, accounts: TokenAccounts, stop_tokens: list[list[int]], stream: Callable[[], Any], prefill_batch_size: int):
+    def __init__(
+        self,
+        lm: Any,
+        prefix: PrefixCache,
+        sched: Scheduler,
+        accounts: TokenAccounts,
+        stop_tokens: list[list[int]],
+        stream: Callable[[], Any],
+        prefill_batch_size: int,
+    ):
         self.lm, self.prefix, self.sched, self.accounts = lm, prefix, sched, accounts
         self.stop_tokens = stop_tokens
         self.stream = stream  # gives the engine's own mlx stream
         self.prefill_batch_size = prefill_batch_size
         self.gen = None  # the live BatchGenerator, made on first use
         self.shared_prefills = 0  # shared prefixes of requests admitted together, computed once
-        self._deferred_evals: list = []  # captured prefix copies, evaluated after the next decode step
+        # captured prefix copies, evaluated after the next decode step
+        self._deferred_evals: list = []
 
     def new_generator(self, batch_size: int, prefill_batch_size: int):
         from mlx_lm.generate import BatchGenerator
@@ -67,38 +77,52 @@ class BatchRunner:
             self.gen = self.new_generator(self.sched.max_batch_size, self.prefill_batch_size)
             self.accounts.attach(self.gen)
         gen = self.gen
-        computed, discard = prefill_shared_prefixes(self.lm, self.prefix, self.accounts, self.sched.next_batch())
+        computed, discard = prefill_shared_prefixes(
+            self.lm, self.prefix, self.accounts, self.sched.next_batch()
+        )
         self.shared_prefills += computed
         while (state := self.sched.next_to_admit()) is not None:
             r = state.request
             try:
                 check_request(r)
                 cache, suffix = prepare(state)
-                uid = gen.insert([list(suffix)], max_tokens=[r.max_tokens], caches=[cache], samplers=[make_request_sampler(r.temperature, r.top_p, r.seed)])[0]
+                uid = gen.insert(
+                    [list(suffix)],
+                    max_tokens=[r.max_tokens],
+                    caches=[cache],
+                    samplers=[make_request_sampler(r.temperature, r.top_p, r.seed)],
+                )[0]
             except Exception as exc:  # this request fails; the batch goes on
                 log.warning("[kvsnap] request %d failed to start: %s", state.id, exc)
                 finish_request(state, "error", f"{type(exc).__name__}: {exc}")
                 continue
             state.uid = uid
             state.capture = len(suffix) > 1
-            self.accounts.expect_batched(len(suffix))  # mlx-lm runs the last token in the first decode step
+            self.accounts.expect_batched(
+                len(suffix)
+            )  # mlx-lm runs the last token in the first decode step
             self.sched.activate(uid, state)
         for entry in discard:
             self.prefix.discard(entry)
 
     def step(self) -> None:
-        """One BatchGenerator step: prompt chunks (capturing finished prompt prefixes), then tokens."""
+        """One BatchGenerator step: prompt chunks (capturing finished prompt prefixes), then
+        tokens."""
         gen = self.gen
         prompt_responses, generation_responses = gen.next()
         for r in prompt_responses:
             state = self.sched.active.get(r.uid)
             if state is not None and state.capture and r.end_of_segment and not r.end_of_prompt:
-                capture_request_prefix(self.prefix, state, gen.extract_cache([r.uid])[r.uid][0], self._deferred_evals)
+                capture_request_prefix(
+                    self.prefix, state, gen.extract_cache([r.uid])[r.uid][0], self._deferred_evals
+                )
         for r in generation_responses:
             state = self.sched.active.get(r.uid)
             if state is None:
                 continue
-            self.accounts.first_decode(state)  # the decode step that produced this token ran the last prompt token
+            self.accounts.first_decode(
+                state
+            )  # the decode step that produced this token ran the last prompt token
             deliver_token(state, r.token, r.finish_reason)
             if state.finish_reason is not None:
                 self.sched.release(r.uid)
@@ -125,7 +149,12 @@ class BatchRunner:
 
         tokens = list(self.lm.tokenizer.encode("hello world"))[:3] or [0]
         gen = self.new_generator(1, 1)
-        gen.insert([tokens], max_tokens=[1], caches=[self.lm.make_cache()], samplers=[make_request_sampler(0.0, 1.0, None)])
+        gen.insert(
+            [tokens],
+            max_tokens=[1],
+            caches=[self.lm.make_cache()],
+            samplers=[make_request_sampler(0.0, 1.0, None)],
+        )
         for _ in range(8):  # one prefill step and one decode step finish it; bounded regardless
             if any(r.finish_reason for r in gen.next()[1]):
                 break

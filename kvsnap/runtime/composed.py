@@ -59,7 +59,8 @@ class BlockPool:
 @dataclass
 class ComposedState:
     """A warm state as shared blocks: slices ``(start, end, Block)`` tiling [0, n), the
-    checkpoint holding the other layers whole (None for attention-only models), the layer list at n."""
+    checkpoint holding the other layers whole (None for attention-only models), the layer list at
+    n."""
 
     blocks: list
     checkpoint: Block | None
@@ -79,16 +80,24 @@ class ComposedState:
         for name in sliced:
             pieces = [block.arrays[name] for _, _, block in self.blocks]
             room = pieces[-1]
-            pad = mx.zeros((*room.shape[:-2], spare, room.shape[-1]), dtype=room.dtype) if spare else None
+            pad = (
+                mx.zeros((*room.shape[:-2], spare, room.shape[-1]), dtype=room.dtype)
+                if spare
+                else None
+            )
             arrays[name] = mx.concatenate(pieces + ([pad] if pad is not None else []), axis=-2)
         for name in whole:
             arrays[name] = self.checkpoint.arrays[name][...]  # a view: copied on its first write
-        cache = decode_cache(arrays, self.layers)  # sliceable layers: offset n in a buffer of n + spare
+        cache = decode_cache(
+            arrays, self.layers
+        )  # sliceable layers: offset n in a buffer of n + spare
         mx.eval([c.state for c in cache])
         return cache
 
 
-def load_composed(store, info, pool: BlockPool, end: int | None = None, checkpoint_key: str | None = None) -> tuple[ComposedState, int]:
+def load_composed(
+    store, info, pool: BlockPool, end: int | None = None, checkpoint_key: str | None = None
+) -> tuple[ComposedState, int]:
     """A v3 record's state at ``end`` (default: all of it) as pooled blocks; blocks already in
     the pool are not read again. Returns the state and the bytes this load added to the pool.
     Reading and checking are ``store.parts.read_state_parts``'s; SnapshotError names a bad part."""
@@ -111,9 +120,19 @@ def load_composed(store, info, pool: BlockPool, end: int | None = None, checkpoi
         held[key] = block
         return block.arrays, block.layers
 
-    _, _, layers = read_state_parts(store, str(info.path), info.model_digest, spans, checkpoint_key, info.layers if n == info.n_tokens else None, fetch)
+    _, _, layers = read_state_parts(
+        store,
+        str(info.path),
+        info.model_digest,
+        spans,
+        checkpoint_key,
+        info.layers if n == info.n_tokens else None,
+        fetch,
+    )
     blocks = [(start, stop, held[key]) for key, start, stop, _ in spans]
-    return ComposedState(blocks, held[checkpoint_key] if checkpoint_key is not None else None, layers, n), added
+    return ComposedState(
+        blocks, held[checkpoint_key] if checkpoint_key is not None else None, layers, n
+    ), added
 
 
 def copy_state(state: Any) -> Any:

@@ -26,7 +26,13 @@ from typing import Any, Callable
 from kvsnap.runtime.accounting import TokenAccounts, cache_stats
 from kvsnap.runtime.composed import BlockPool
 from kvsnap.runtime.engine_startup import run_then_park
-from kvsnap.runtime.engine_types import EngineConfig, EventFn, GenerationRequest, RequestState, check_request
+from kvsnap.runtime.engine_types import (
+    EngineConfig,
+    EventFn,
+    GenerationRequest,
+    RequestState,
+    check_request,
+)
 from kvsnap.runtime.request_output import finish_request
 from kvsnap.runtime.rewarm import Rewarmer
 from kvsnap.runtime.scheduler import Scheduler, uses_batching
@@ -44,7 +50,9 @@ class Engine:
         self.prefix = None
         self.counts = None
         self.store = None
-        self.pool = BlockPool()  # blocks of v3 records, each held once however many warm entries share it
+        self.pool = (
+            BlockPool()
+        )  # blocks of v3 records, each held once however many warm entries share it
         self.warmup_report = None
         self.warm = threading.Event()
         self.loaded = threading.Event()
@@ -73,7 +81,8 @@ class Engine:
         """
         from kvsnap.blas import preload_openblas
 
-        preload_openblas()  # before either thread imports mlx: the prefetch would otherwise get reference BLAS
+        # before either thread imports mlx: the prefetch would otherwise get reference BLAS
+        preload_openblas()
         # The engine thread starts first: it reads the snapshots to pin while the model loads here.
         self.start_serving()
         try:
@@ -86,7 +95,9 @@ class Engine:
 
     def start_serving(self) -> None:
         """Start the engine thread: prefetch snapshots, wait for the model, warm up, serve."""
-        self._thread = threading.Thread(target=run_then_park, args=([self._main],), name="kvsnap-engine", daemon=True)
+        self._thread = threading.Thread(
+            target=run_then_park, args=([self._main],), name="kvsnap-engine", daemon=True
+        )
         self._thread.start()
 
     def wait_warm(self, timeout: float | None = None) -> bool:
@@ -183,7 +194,8 @@ class Engine:
             return
         report = self.warmup_report
         if report is not None and report.from_snapshots and not report.prefilled:
-            self._batch.prime_kernels()  # after "warm": it costs start-up nothing, and a first request rarely comes this fast
+            # after "warm": it costs start-up nothing, and a first request rarely comes this fast
+            self._batch.prime_kernels()
         while not self._stopping:
             busy = self.sched.busy or self.rewarmer.running
             try:
@@ -225,10 +237,10 @@ class Engine:
     def _load(self) -> None:
         from kvsnap.errors import SnapshotError
         from kvsnap.runtime.batch_runner import BatchRunner
+        from kvsnap.runtime.composed import copy_state
         from kvsnap.runtime.modeling import load_model
         from kvsnap.runtime.prefix import PrefixCache
         from kvsnap.runtime.warmup_report import SnapshotCounts
-        from kvsnap.runtime.composed import copy_state
         from kvsnap.snapshot.codec import trim_cache
 
         cfg = self.config
@@ -244,7 +256,15 @@ class Engine:
         )
         eos = getattr(self.lm.tokenizer, "eos_token_ids", None) or {self.lm.tokenizer.eos_token_id}
         self._stop_tokens = [[int(t)] for t in eos if t is not None]
-        self._batch = BatchRunner(self.lm, self.prefix, self.sched, self.accounts, self._stop_tokens, self._mx_stream, cfg.prefill_batch_size)
+        self._batch = BatchRunner(
+            self.lm,
+            self.prefix,
+            self.sched,
+            self.accounts,
+            self._stop_tokens,
+            self._mx_stream,
+            cfg.prefill_batch_size,
+        )
 
     def _on_load_error(self, entry, exc: BaseException) -> None:
         """A snapshot indexed at start failed to load on first hit: report it, serve without it."""
@@ -260,7 +280,9 @@ class Engine:
         if self.store is None and cfg.snapshots:
             from kvsnap.faults import FaultHook
 
-            self.store = open_store(cfg.snapshots, cfg.write_back, self.counts, fault=FaultHook.from_env())
+            self.store = open_store(
+                cfg.snapshots, cfg.write_back, self.counts, fault=FaultHook.from_env()
+            )
         report = run_warmup(
             self.lm,
             self.prefix,
@@ -271,7 +293,9 @@ class Engine:
             cfg.warm_prompts_file,
             budget_bytes=int(cfg.cache_memory_mb * 2**20),
             allow_prefill=allow_prefill,
-            prefill_many=lambda token_lists: prefill_many(self.lm, self._batch.new_generator, token_lists),
+            prefill_many=lambda token_lists: prefill_many(
+                self.lm, self._batch.new_generator, token_lists
+            ),
             concurrency=prefill_concurrency(cfg, self.lm.settings.kv_bits),
             prefetched=self._prefetched,
             pool=self.pool,
@@ -329,7 +353,9 @@ class Engine:
             if state is not None:
                 self._run_sequential(state)
         if self.rewarmer.running:
-            self.rewarmer.step(self.prefix, self.counts)  # one snapshot read or prefill chunk, between decode steps
+            self.rewarmer.step(
+                self.prefix, self.counts
+            )  # one snapshot read or prefill chunk, between decode steps
 
     def _prepare(self, state: RequestState) -> tuple[list, list[int]]:
         from kvsnap.runtime.request_cache import prepare_request
@@ -354,7 +380,9 @@ class Engine:
             cache, suffix = self._prepare(state)
             eos = {t[0] for t in self._stop_tokens}
             capture = lambda c: capture_request_prefix(self.prefix, state, c)  # noqa: E731
-            SequentialRun(self.lm, state, cache, self.accounts, eos, self._poll, capture).run(suffix)
+            SequentialRun(self.lm, state, cache, self.accounts, eos, self._poll, capture).run(
+                suffix
+            )
         except Exception as exc:  # this request fails; the engine goes on
             log.exception("[kvsnap] request %d failed", state.id)
             if state.finish_reason is None:

@@ -18,7 +18,8 @@ def prefetch_snapshots(cfg: EngineConfig, stream: Callable[[], Any], pool=None) 
     loads; a ``prefetch.Prefetched``, or None (no local store, or the prefetch failed)."""
     if not cfg.snapshots or "://" in cfg.snapshots:
         return None
-    import mlx.core as mx  # OpenBLAS is already loaded: ``Engine.start`` (or ``load_model``) preloaded it
+    # OpenBLAS is already loaded: ``Engine.start`` (or ``load_model``) preloaded it
+    import mlx.core as mx
 
     from kvsnap.runtime.model_source import resolve_model
     from kvsnap.runtime.prefetch import prefetch
@@ -27,7 +28,14 @@ def prefetch_snapshots(cfg: EngineConfig, stream: Callable[[], Any], pool=None) 
         model_dir = resolve_model(cfg.model).path
         names = [p.name for p in cfg.warm_prompts.entries] if cfg.warm_prompts else []
         with mx.stream(stream()):
-            return prefetch(cfg.snapshots, model_dir, cfg.settings, int(cfg.cache_memory_mb * 2**20), names, pool)
+            return prefetch(
+                cfg.snapshots,
+                model_dir,
+                cfg.settings,
+                int(cfg.cache_memory_mb * 2**20),
+                names,
+                pool,
+            )
     except Exception as exc:  # an optimisation only: the warm-up reads the files itself
         log.warning("[kvsnap] snapshot prefetch skipped: %s", exc)
         return None
@@ -42,7 +50,9 @@ def prefill_concurrency(cfg: EngineConfig, kv_bits: int | None) -> int:
     return n if kv_bits is None else 1
 
 
-def prefill_many(lm: Any, new_generator: Callable[[int, int], Any], token_lists: Sequence[Sequence[int]]) -> list:
+def prefill_many(
+    lm: Any, new_generator: Callable[[int, int], Any], token_lists: Sequence[Sequence[int]]
+) -> list:
     """Prefill warm prefixes: one alone exactly as ``kvsnap build`` does, several as one batch."""
     from kvsnap.runtime.prefill import prefill
 

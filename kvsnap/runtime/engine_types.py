@@ -56,8 +56,10 @@ class RequestState:
     t_first_token: float | None = None
     t_done: float | None = None
     cache_source: str = ""
-    cache_shared_partial: bool = False  # matched part of an entry this request's namespace does not own
-    own_cached_tokens: int = 0  # with cache_shared_partial: the best match among its own namespace's entries
+    # matched part of an entry this request's namespace does not own
+    cache_shared_partial: bool = False
+    # with cache_shared_partial: the best match among its own namespace's entries
+    own_cached_tokens: int = 0
     uid: int | None = None
     detok: Any = None
     capture: bool = False

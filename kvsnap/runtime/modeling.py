@@ -1,4 +1,5 @@
-"""Loading an mlx-lm model (a local folder or a resolved hub id) and describing the cache it builds."""
+"""Loading an mlx-lm model (a local folder or a resolved hub id) and describing the cache it
+builds."""
 
 from __future__ import annotations
 
@@ -11,9 +12,21 @@ from typing import Any
 from kvsnap.blas import preload_openblas
 from kvsnap.errors import ModelError
 from kvsnap.key import DigestCache, KVSettings, ModelIdentity, model_identity, read_config
-from kvsnap.runtime.model_source import ResolvedModel, check_model_dir, hub_snapshot_origin, resolve_model
+from kvsnap.runtime.model_source import (
+    ResolvedModel,
+    check_model_dir,
+    hub_snapshot_origin,
+    resolve_model,
+)
 
-__all__ = ["LoadedModel", "ResolvedModel", "check_model_dir", "load_model", "resolve_model", "default_digest_cache"]
+__all__ = [
+    "LoadedModel",
+    "ResolvedModel",
+    "check_model_dir",
+    "load_model",
+    "resolve_model",
+    "default_digest_cache",
+]
 
 
 @dataclass
@@ -49,7 +62,8 @@ class LoadedModel:
         return model_identity(self.path, self.kv_dtype, self.layout, self.settings, digests)
 
     def origin_fields(self) -> dict:
-        """Hub repo id and commit when the folder is a Hugging Face cache snapshot: recorded for people, not keyed."""
+        """Hub repo id and commit when the folder is a Hugging Face cache snapshot: recorded for
+        people, not keyed."""
         return ResolvedModel(self.path, *hub_snapshot_origin(self.path)).recorded_fields()
 
 
@@ -58,18 +72,28 @@ def check_kv_settings(config: dict, settings: KVSettings) -> None:
     if settings.kv_bits is None:
         return
     text = config.get("text_config") or config
-    head_dim = text.get("head_dim") or (text.get("hidden_size", 0) // max(1, text.get("num_attention_heads", 1)))
+    head_dim = text.get("head_dim") or (
+        text.get("hidden_size", 0) // max(1, text.get("num_attention_heads", 1))
+    )
     if head_dim and head_dim % settings.kv_group_size:
         divisors = [g for g in (32, 64, 128) if head_dim % g == 0]
         raise ModelError(
-            f"--kv-group-size {settings.kv_group_size} does not divide this model's head dim {head_dim}; "
+            f"--kv-group-size {settings.kv_group_size} does not divide this model's head dim "
+            f"{head_dim}; "
             f"use --kv-group-size {divisors[-1] if divisors else 'a divisor of ' + str(head_dim)}"
         )
 
 
-def load_model(model_ref: str | os.PathLike | ResolvedModel, settings: KVSettings = KVSettings(), revision: str | None = None) -> LoadedModel:
-    """Load model and tokenizer from a local folder or a hub id (resolved first; see model_source)."""
-    source = model_ref if isinstance(model_ref, ResolvedModel) else resolve_model(model_ref, revision)
+def load_model(
+    model_ref: str | os.PathLike | ResolvedModel,
+    settings: KVSettings = KVSettings(),
+    revision: str | None = None,
+) -> LoadedModel:
+    """Load model and tokenizer from a local folder or a hub id (resolved first; see
+    model_source)."""
+    source = (
+        model_ref if isinstance(model_ref, ResolvedModel) else resolve_model(model_ref, revision)
+    )
     model_dir = source.path
     config = read_config(model_dir)
     check_kv_settings(config, settings)
@@ -80,8 +104,13 @@ def load_model(model_ref: str | os.PathLike | ResolvedModel, settings: KVSetting
         # A folder that exists: mlx-lm loads it as is and never asks the hub.
         model, tokenizer = load(str(model_dir))
     except (ValueError, FileNotFoundError, KeyError) as exc:
-        raise ModelError(f"{model_dir}: mlx-lm cannot load this model ({exc}); check that it is a complete mlx-lm model directory") from exc
-    lm = LoadedModel(path=model_dir, model=model, tokenizer=tokenizer, config=config, settings=settings)
+        raise ModelError(
+            f"{model_dir}: mlx-lm cannot load this model ({exc}); check that it is a complete "
+            f"mlx-lm model directory"
+        ) from exc
+    lm = LoadedModel(
+        path=model_dir, model=model, tokenizer=tokenizer, config=config, settings=settings
+    )
     check_cache_classes(lm)
     return lm
 

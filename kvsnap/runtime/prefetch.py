@@ -17,15 +17,20 @@ from typing import Iterable
 from kvsnap.errors import ModelError, SnapshotError, StoreError
 from kvsnap.key import KVSettings, canonical_json, hexdigest, read_config, tokenizer_digest
 from kvsnap.snapshot.header import MAX_TOKENS
-from kvsnap.store.local import Problem, SnapshotInfo, Store, classify
+from kvsnap.store.foreign import Problem, classify
+from kvsnap.store.local import SnapshotInfo, Store
 
 
 @dataclass
 class Prefetched:
     root: Path
-    infos: list[SnapshotInfo] = field(default_factory=list)  # the one header pass, reused by the warm-up
+    infos: list[SnapshotInfo] = field(
+        default_factory=list
+    )  # the one header pass, reused by the warm-up
     problems: list[Problem] = field(default_factory=list)
-    arrays: dict[Path, object] = field(default_factory=dict)  # read and checksummed: arrays, or (ComposedState, bytes added) for a record
+    arrays: dict[Path, object] = field(
+        default_factory=dict
+    )  # read and checksummed: arrays, or (ComposedState, bytes added) for a record
     errors: dict[Path, SnapshotError] = field(default_factory=dict)
     seconds: float = 0.0
 
@@ -35,13 +40,20 @@ class Prefetched:
         return good, self.problems + foreign
 
     def take(self, info: SnapshotInfo) -> object | None:
-        """The arrays read for ``info`` (once), or None to read the file now; a read that failed raises its error."""
+        """The arrays read for ``info`` (once), or None to read the file now; a read that failed
+        raises its error."""
         if info.path in self.errors:
             raise self.errors.pop(info.path)
         return self.arrays.pop(info.path, None)
 
 
-CONTEXT_KEYS = ("max_position_embeddings", "max_sequence_length", "seq_length", "n_positions", "max_seq_len")
+CONTEXT_KEYS = (
+    "max_position_embeddings",
+    "max_sequence_length",
+    "seq_length",
+    "n_positions",
+    "max_seq_len",
+)
 NESTED_CONFIGS = ("text_config", "language_config", "llm_config")
 
 
@@ -74,8 +86,16 @@ def knowable_identity(model_dir: Path, settings: KVSettings) -> dict:
     }
 
 
-def prefetch(store_path: str, model_dir: Path, settings: KVSettings, budget_bytes: int, prefer: Iterable[str] = (), pool=None) -> Prefetched | None:
-    """Read the snapshots a start would pin (warm-prompt names first) up to the budget; None if there is no store."""
+def prefetch(
+    store_path: str,
+    model_dir: Path,
+    settings: KVSettings,
+    budget_bytes: int,
+    prefer: Iterable[str] = (),
+    pool=None,
+) -> Prefetched | None:
+    """Read the snapshots a start would pin (warm-prompt names first) up to the budget; None if
+    there is no store."""
     t0 = time.perf_counter()
     root = Path(store_path).expanduser()
     if not Store(root=root).snapshots_dir.is_dir():
@@ -91,10 +111,14 @@ def prefetch(store_path: str, model_dir: Path, settings: KVSettings, budget_byte
     want = knowable_identity(model_dir, settings)
     used = 0
     for info in sorted(infos, key=lambda i: (rank.get(i.name, len(rank)), i.name, i.key)):
-        if used + info.nbytes > budget_bytes or any(info.model.get(k) != v for k, v in want.items()):
+        if used + info.nbytes > budget_bytes or any(
+            info.model.get(k) != v for k, v in want.items()
+        ):
             continue
         try:
-            if info.chain is not None and pool is not None:  # a record: its blocks, each read once however many records share it
+            if (
+                info.chain is not None and pool is not None
+            ):  # a record: its blocks, each read once however many records share it
                 from kvsnap.runtime.composed import load_composed
 
                 out.arrays[info.path] = composed = load_composed(store, info, pool)

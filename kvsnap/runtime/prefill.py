@@ -44,14 +44,22 @@ class PrefillCursor:
 
 
 def prefill(lm: Any, tokens: Sequence[int]) -> list:
-    """Run the model over exactly ``tokens`` in the shared step size, as the server's prefill does."""
+    """Run the model over exactly ``tokens`` in the shared step size, as the server's prefill
+    does."""
     cursor = PrefillCursor(lm, tuple(tokens))
     while cursor.step():
         pass
     return cursor.cache
 
 
-def prefill_in_blocks(lm: Any, tokens: Sequence[int], ends: Sequence[int], cache: list | None = None, start: int = 0, on_end=None) -> list:
+def prefill_in_blocks(
+    lm: Any,
+    tokens: Sequence[int],
+    ends: Sequence[int],
+    cache: list | None = None,
+    start: int = 0,
+    on_end=None,
+) -> list:
     """Prefill ``tokens[start:]`` stopping at every block end (then in step-size chunks inside a
     block), so a block's state is the same whichever earlier block a build restored from;
     ``on_end(end, cache)`` runs at each end past ``start``."""
@@ -67,4 +75,3 @@ def prefill_in_blocks(lm: Any, tokens: Sequence[int], ends: Sequence[int], cache
         if on_end is not None:
             on_end(end, cache)
     return cache
-

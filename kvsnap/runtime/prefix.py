@@ -1,4 +1,5 @@
-"""The in-memory prefix cache policy: pinned warm entries, an LRU of request prefixes, a byte budget.
+"""The in-memory prefix cache policy: pinned warm entries, an LRU of request prefixes, a byte
+budget.
 
 No mlx here: cache states are opaque values, copied and trimmed through the two functions
 the engine passes in, so the policy is testable without a model. Every fetch returns a
@@ -62,7 +63,8 @@ class Entry:
     last_used: int = 0
     resident: bool = False
     namespace: str | None = None  # None: shared (warm); else the owning request namespace
-    inner: bool = False  # a checkpoint inside a warm prompt: a hit on it is a partial match of that prompt
+    # a checkpoint inside a warm prompt: a hit on it is a partial match of that prompt
+    inner: bool = False
 
     @property
     def slot(self) -> tuple:
@@ -104,7 +106,9 @@ class PrefixCache:
     check_state: CheckFn | None = None
     stats: PrefixStats = field(default_factory=PrefixStats)
     _entries: dict[tuple, Entry] = field(default_factory=dict)  # (namespace, tokens) -> entry
-    _tries: dict[str | None, TokenTrie] = field(default_factory=dict)  # namespace -> its entries' trie
+    _tries: dict[str | None, TokenTrie] = field(
+        default_factory=dict
+    )  # namespace -> its entries' trie
     _clock: Any = field(default_factory=itertools.count)
     _lock: threading.RLock = field(default_factory=threading.RLock)
 
@@ -182,7 +186,10 @@ class PrefixCache:
         over = self.current_bytes - self.max_bytes
         if over <= 0:
             return
-        victims = sorted((e for e in self._entries.values() if self._evictable(e) and e is not keep), key=lambda e: e.last_used)
+        victims = sorted(
+            (e for e in self._entries.values() if self._evictable(e) and e is not keep),
+            key=lambda e: e.last_used,
+        )
         for victim in victims:
             if over <= 0:
                 break
@@ -211,7 +218,9 @@ class PrefixCache:
 
     # --- lookup ----------------------------------------------------------------
 
-    def lookup(self, tokens: Sequence[int], namespace: str = "", shared: bool = True) -> Match | None:
+    def lookup(
+        self, tokens: Sequence[int], namespace: str = "", shared: bool = True
+    ) -> Match | None:
         """The entry that saves the most tokens; strict prefix only, trimming where allowed.
 
         At least one request token is always left to compute, so a prompt equal to an
@@ -223,12 +232,16 @@ class PrefixCache:
         with self._lock:
             tries = (self._tries.get(None) if shared else None, self._tries.get(namespace))
             found = [t.best(tokens) for t in tries if t is not None]
-        best = max((c for c in found if c is not None), key=lambda c: (c.usable, c.rank), default=None)
+        best = max(
+            (c for c in found if c is not None), key=lambda c: (c.usable, c.rank), default=None
+        )
         if best is None:
             return None
         return Match(best.entry, best.usable)
 
-    def fetch(self, tokens: Sequence[int], namespace: str = "", count: bool = True) -> tuple[Any, int, Match | None]:
+    def fetch(
+        self, tokens: Sequence[int], namespace: str = "", count: bool = True
+    ) -> tuple[Any, int, Match | None]:
         """A private cache state for ``tokens`` and how many tokens it already holds.
 
         ``count``: a request's lookup, counted in ``stats`` (hits, misses, tokens saved); the
@@ -289,7 +302,12 @@ class PrefixCache:
         try:
             state = self._copy(match)
             why = self.check_state(state) if self.check_state is not None else None
-        except (ValueError, RuntimeError, TypeError, IndexError) as exc:  # how mlx refuses bad shapes
+        except (
+            ValueError,
+            RuntimeError,
+            TypeError,
+            IndexError,
+        ) as exc:  # how mlx refuses bad shapes
             why = f"its copy failed ({type(exc).__name__}: {exc})"
         if why is None:
             entry.last_used = next(self._clock)
@@ -301,7 +319,9 @@ class PrefixCache:
             self._unindex(entry)
         self.stats.load_errors += 1
         if self.on_load_error is not None:
-            self.on_load_error(entry, UnusableState(entry.name or entry.key or "cached prefix", why))
+            self.on_load_error(
+                entry, UnusableState(entry.name or entry.key or "cached prefix", why)
+            )
         return None
 
     def _copy(self, match: Match) -> Any:

@@ -41,7 +41,8 @@ class Candidate:
 
 
 class TokenTrie:
-    """Entries keyed by their tokens; ``best`` applies the lookup rules of ``PrefixCache.lookup``."""
+    """Entries keyed by their tokens; ``best`` applies the lookup rules of
+    ``PrefixCache.lookup``."""
 
     def __init__(self) -> None:
         self._root = _Node((), None)
@@ -73,7 +74,8 @@ class TokenTrie:
         self._prune(node)
 
     def set_loaded(self, entry: Any, loaded: bool) -> None:
-        """Recount ``entry`` as loaded or not (``PrefixCache`` calls this as it loads or unloads)."""
+        """Recount ``entry`` as loaded or not (``PrefixCache`` calls this as it loads or
+        unloads)."""
         node = self._nodes.get(id(entry))
         if node is None or node.entry is not entry or node.rank[1] == loaded:
             return
@@ -148,7 +150,11 @@ class TokenTrie:
             if node.entry is not None and d < len(tokens):
                 options.append(Candidate(d, node.rank, node.entry))
             for cand in options:
-                if cand is not None and cand.usable > 0 and (best is None or (cand.usable, cand.rank) > (best.usable, best.rank)):
+                if (
+                    cand is not None
+                    and cand.usable > 0
+                    and (best is None or (cand.usable, cand.rank) > (best.usable, best.rank))
+                ):
                     best = cand
             below = node
         return best

@@ -17,7 +17,9 @@ log = logging.getLogger("kvsnap.runtime.engine")
 MIN_SHARED_TOKENS_TO_COMPUTE = 32  # a shared prefix mostly cached already is not computed again
 
 
-def prepare_request(lm: Any, prefix: PrefixCache, accounts: TokenAccounts, state: RequestState) -> tuple[list, list[int]]:
+def prepare_request(
+    lm: Any, prefix: PrefixCache, accounts: TokenAccounts, state: RequestState
+) -> tuple[list, list[int]]:
     """Fetch the longest cached prefix (a private copy), account for it; returns the cache
     and the suffix still to run."""
     tokens = state.request.tokens
@@ -27,12 +29,21 @@ def prepare_request(lm: Any, prefix: PrefixCache, accounts: TokenAccounts, state
     accounts.start_request(state, n_cached)
     state.cache_source = match.entry.source if match else ""
     # A partial match on an entry shared with others tells how far the prompts agree.
-    state.cache_shared_partial = bool(match) and (n_cached < len(match.entry.tokens) or match.entry.inner) and (match.entry.namespace is None or match.entry.namespace == "")
+    state.cache_shared_partial = (
+        bool(match)
+        and (n_cached < len(match.entry.tokens) or match.entry.inner)
+        and (match.entry.namespace is None or match.entry.namespace == "")
+    )
     private = state.request.namespace != ""
     if state.cache_shared_partial and private:
         own = prefix.lookup(tokens, state.request.namespace, shared=False)
         state.own_cached_tokens = own.n_cached if own else 0
-    if private and match and match.entry.namespace != state.request.namespace and n_cached == len(tokens) - 1:
+    if (
+        private
+        and match
+        and match.entry.namespace != state.request.namespace
+        and n_cached == len(tokens) - 1
+    ):
         # Nothing left to prefill, so the usual capture would not run: keep the prefix now.
         # Whether a tenant's own entry exists must not depend on how far a shared one matched
         # (issue 24: its existence would spell out the shared match length).
@@ -42,7 +53,9 @@ def prepare_request(lm: Any, prefix: PrefixCache, accounts: TokenAccounts, state
     return cache, tokens[n_cached:]
 
 
-def capture_request_prefix(prefix: PrefixCache, state: RequestState, cache: list, deferred: list | None = None) -> None:
+def capture_request_prefix(
+    prefix: PrefixCache, state: RequestState, cache: list, deferred: list | None = None
+) -> None:
     """Keep the prompt minus its last token for multi-turn reuse; captured before any decode.
 
     ``deferred``: collect the copy's arrays there to evaluate after the next decode step
@@ -50,7 +63,14 @@ def capture_request_prefix(prefix: PrefixCache, state: RequestState, cache: list
     """
     import mlx.core as mx
 
-    from kvsnap.snapshot.codec import CaptureError, cache_arrays, cache_nbytes_of, check_captured_at, copy_cache, is_trimmable
+    from kvsnap.snapshot.codec import (
+        CaptureError,
+        cache_arrays,
+        cache_nbytes_of,
+        check_captured_at,
+        copy_cache,
+        is_trimmable,
+    )
 
     state.capture = False
     if not state.request.capture:
@@ -67,10 +87,22 @@ def capture_request_prefix(prefix: PrefixCache, state: RequestState, cache: list
         deferred.extend(arrays)
     else:
         mx.eval(arrays)
-    prefix.add(Entry(tokens=tokens, state=own, nbytes=cache_nbytes_of(own), trimmable=is_trimmable(own), pinned=False, source="request", namespace=state.request.namespace))
+    prefix.add(
+        Entry(
+            tokens=tokens,
+            state=own,
+            nbytes=cache_nbytes_of(own),
+            trimmable=is_trimmable(own),
+            pinned=False,
+            source="request",
+            namespace=state.request.namespace,
+        )
+    )
 
 
-def prefill_shared_prefixes(lm: Any, prefix: PrefixCache, accounts: TokenAccounts, batch: list[RequestState]) -> tuple[int, list[Entry]]:
+def prefill_shared_prefixes(
+    lm: Any, prefix: PrefixCache, accounts: TokenAccounts, batch: list[RequestState]
+) -> tuple[int, list[Entry]]:
     """Requests admitted together that share an uncached prefix: compute it once, as a
     prefix entry of their namespace that each of them then hits.
 
@@ -84,7 +116,9 @@ def prefill_shared_prefixes(lm: Any, prefix: PrefixCache, accounts: TokenAccount
     computed, discard = 0, []
     if len(batch) < 2:
         return computed, discard
-    for group in shared_groups([s.request.tokens for s in batch], [s.request.namespace for s in batch]):
+    for group in shared_groups(
+        [s.request.tokens for s in batch], [s.request.namespace for s in batch]
+    ):
         first = batch[group.members[0]].request
         shared = tuple(first.tokens[: group.length])
         match = prefix.lookup(first.tokens[: group.length + 1], first.namespace)
@@ -92,17 +126,33 @@ def prefill_shared_prefixes(lm: Any, prefix: PrefixCache, accounts: TokenAccount
         if group.length - start < MIN_SHARED_TOKENS_TO_COMPUTE:
             continue  # the cache already holds (nearly) all of it
         try:
-            cache, start, _ = prefix.fetch(first.tokens[: group.length + 1], first.namespace, count=False)
+            cache, start, _ = prefix.fetch(
+                first.tokens[: group.length + 1], first.namespace, count=False
+            )
             cursor = PrefillCursor(lm, shared, done_tokens=start, cache=cache or lm.make_cache())
             while cursor.step():
                 pass
             check_captured_at(cursor.cache, group.length)
-        except (CaptureError, ValueError, RuntimeError) as exc:  # the members then prefill on their own
-            log.warning("[kvsnap] shared prefix of %d requests not computed: %s", len(group.members), exc)
+        except (
+            CaptureError,
+            ValueError,
+            RuntimeError,
+        ) as exc:  # the members then prefill on their own
+            log.warning(
+                "[kvsnap] shared prefix of %d requests not computed: %s", len(group.members), exc
+            )
             continue
         accounts.ran(group.length - start)
         computed += 1
-        entry = Entry(tokens=shared, state=cursor.cache, nbytes=cache_nbytes_of(cursor.cache), trimmable=is_trimmable(cursor.cache), pinned=False, source="shared", namespace=first.namespace)
+        entry = Entry(
+            tokens=shared,
+            state=cursor.cache,
+            nbytes=cache_nbytes_of(cursor.cache),
+            trimmable=is_trimmable(cursor.cache),
+            pinned=False,
+            source="shared",
+            namespace=first.namespace,
+        )
         prefix.add(entry)
         if not first.capture:
             discard.append(entry)  # serves this batch only: request prefixes are off

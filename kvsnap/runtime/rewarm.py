@@ -36,7 +36,17 @@ def start_rewarm(prefix: PrefixCache, lm: Any) -> RewarmJob:
     job = RewarmJob()
     for e in old:
         if e.loader is not None:
-            fresh = Entry(tokens=e.tokens, state=None, nbytes=e.nbytes, trimmable=e.trimmable, pinned=e.pinned, source="snapshot", name=e.name, key=e.key, loader=e.loader)
+            fresh = Entry(
+                tokens=e.tokens,
+                state=None,
+                nbytes=e.nbytes,
+                trimmable=e.trimmable,
+                pinned=e.pinned,
+                source="snapshot",
+                name=e.name,
+                key=e.key,
+                loader=e.loader,
+            )
             prefix.add(fresh)
             if e.resident:
                 job.loads.append(fresh)
@@ -60,7 +70,18 @@ def rewarm_step(job: RewarmJob, prefix: PrefixCache, counts: Any) -> None:
         if cursor.finished:
             job.prefills.popleft()
             cache = cursor.cache
-            prefix.add(Entry(tokens=old.tokens, state=cache, nbytes=cache_nbytes_of(cache), trimmable=old.trimmable, pinned=True, source="prefill", name=old.name, resident=True))
+            prefix.add(
+                Entry(
+                    tokens=old.tokens,
+                    state=cache,
+                    nbytes=cache_nbytes_of(cache),
+                    trimmable=old.trimmable,
+                    pinned=True,
+                    source="prefill",
+                    name=old.name,
+                    resident=True,
+                )
+            )
             counts.prefilled += 1
 
 
@@ -96,7 +117,9 @@ class Rewarmer:
     def step(self, prefix: PrefixCache, counts: Any) -> None:
         try:
             rewarm_step(self.job, prefix, counts)
-        except Exception as exc:  # serve on (cold for what is left) rather than die; status says why
+        except (
+            Exception
+        ) as exc:  # serve on (cold for what is left) rather than die; status says why
             self.error = f"{type(exc).__name__}: {exc}"
             log.exception("[kvsnap] re-warm failed")
             self.job = None
@@ -105,4 +128,9 @@ class Rewarmer:
             self.job = None
 
     def as_dict(self) -> dict:
-        return {"rewarms": self.rewarms, "rewarms_coalesced": self.coalesced, "rewarm_in_progress": self.running, "rewarm_error": self.error}
+        return {
+            "rewarms": self.rewarms,
+            "rewarms_coalesced": self.coalesced,
+            "rewarm_in_progress": self.running,
+            "rewarm_error": self.error,
+        }

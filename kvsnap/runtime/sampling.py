@@ -22,7 +22,9 @@ def greedy(logprobs: mx.array) -> mx.array:
     return mx.argmax(logprobs, axis=-1)
 
 
-def make_request_sampler(temperature: float, top_p: float = 1.0, seed: int | None = None) -> Sampler:
+def make_request_sampler(
+    temperature: float, top_p: float = 1.0, seed: int | None = None
+) -> Sampler:
     if temperature <= 0:
         return greedy
     from mlx_lm.sample_utils import apply_top_p

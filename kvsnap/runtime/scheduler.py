@@ -77,7 +77,13 @@ class Scheduler:
     def rows(self, tenant: str | None = None) -> list[dict]:
         """The ``requests`` of ``/v1/status``; with ``tenant``, only that tenant's."""
         return [
-            {"id": s.id, "prompt_tokens": s.prompt_tokens, "cached_tokens": s.cached_tokens, "computed_tokens": s.computed_tokens, "completion_tokens": s.completion_tokens}
+            {
+                "id": s.id,
+                "prompt_tokens": s.prompt_tokens,
+                "cached_tokens": s.cached_tokens,
+                "computed_tokens": s.computed_tokens,
+                "completion_tokens": s.completion_tokens,
+            }
             for s in list(self.active.values()) + list(self.pending)
             if tenant is None or s.request.tenant == tenant
         ]

@@ -21,8 +21,13 @@ class SharedGroup:
     length: int  # tokens all members share; each member has at least one token more
 
 
-def shared_groups(token_lists: Sequence[Sequence[int]], namespaces: Sequence[str], min_shared: int = MIN_SHARED_TOKENS) -> list[SharedGroup]:
-    """Groups of two or more requests of one namespace sharing at least ``min_shared`` leading tokens.
+def shared_groups(
+    token_lists: Sequence[Sequence[int]],
+    namespaces: Sequence[str],
+    min_shared: int = MIN_SHARED_TOKENS,
+) -> list[SharedGroup]:
+    """Groups of two or more requests of one namespace sharing at least ``min_shared`` leading
+    tokens.
 
     Greedy: the first unassigned request collects every other one that shares enough with
     it; the group's length is what all of them share, always less than the shortest member.
@@ -32,10 +37,18 @@ def shared_groups(token_lists: Sequence[Sequence[int]], namespaces: Sequence[str
     while left:
         first = left.pop(0)
         head = token_lists[first]
-        members = [first] + [j for j in left if namespaces[j] == namespaces[first] and common_prefix_length((head, token_lists[j])) >= min_shared]
+        members = [first] + [
+            j
+            for j in left
+            if namespaces[j] == namespaces[first]
+            and common_prefix_length((head, token_lists[j])) >= min_shared
+        ]
         if len(members) < 2:
             continue
-        length = min(min(common_prefix_length((head, token_lists[j])) for j in members[1:]), min(len(token_lists[j]) for j in members) - 1)
+        length = min(
+            min(common_prefix_length((head, token_lists[j])) for j in members[1:]),
+            min(len(token_lists[j]) for j in members) - 1,
+        )
         if length >= min_shared:
             groups.append(SharedGroup(tuple(members), length))
             left = [j for j in left if j not in members]

@@ -33,7 +33,8 @@ def _token_axis_names(layers: list[dict], parent: str | None = None) -> set[str]
 
 
 def named_arrays(cache: list) -> tuple[list[dict], dict]:
-    """A cache's layer fields and its arrays by snapshot tensor name (lazy slices, nothing computed)."""
+    """A cache's layer fields and its arrays by snapshot tensor name (lazy slices, nothing
+    computed)."""
     arrays: dict = {}
     layers = [encode_layer(c, str(i), arrays) for i, c in enumerate(cache)]
     return layers, arrays
@@ -82,7 +83,9 @@ class ModelShapes:
         # Shapes and dtypes are known from the lazy graph: evaluating it would run the model's first
         # pass (kernel compiles, ~1 s at 0.6B) before warm; the kernel priming runs it after warm.
         self._per_token = _token_axis_names(layers)
-        return {name: _spec(name, a.shape, _mlx_dtype(a), self._per_token) for name, a in arrays.items()}
+        return {
+            name: _spec(name, a.shape, _mlx_dtype(a), self._per_token) for name, a in arrays.items()
+        }
 
     def problem_in_arrays(self, arrays: dict, where: str = "") -> str | None:
         """Why these named arrays cannot be this model's state, or None."""
@@ -90,7 +93,9 @@ class ModelShapes:
 
     def problem_in_header(self, tensors: dict, where: str = "") -> str | None:
         """The same check from a file's header entries (``verify --model`` reads no data)."""
-        return self._problem({name: (e.shape, DTYPES[e.dtype][0]) for name, e in tensors.items()}, where)
+        return self._problem(
+            {name: (e.shape, DTYPES[e.dtype][0]) for name, e in tensors.items()}, where
+        )
 
     def _problem(self, found: dict[str, tuple], where: str) -> str | None:
         expected = self.expected()
@@ -99,20 +104,28 @@ class ModelShapes:
                 continue
             want = expected.get(name)
             if want is None:
-                return f"{where}tensor {name} is not part of this model's cache (it has {len(expected)} tensors)"
+                return (
+                    f"{where}tensor {name} is not part of this model's cache (it has "
+                    f"{len(expected)} tensors)"
+                )
             got = _spec(name, shape, dtype, self._per_token)
             if got != want:
-                return f"{where}tensor {name} is {_show(got)}, this model's cache holds {_show(want)}"
+                return (
+                    f"{where}tensor {name} is {_show(got)}, this model's cache holds {_show(want)}"
+                )
         return None
 
     def problem(self, state: Any) -> str | None:
-        """Why a restored state (arrays by name, a composed state or a cache list) does not fit, or None."""
+        """Why a restored state (arrays by name, a composed state or a cache list) does not fit, or
+        None."""
         from kvsnap.runtime.composed import ComposedState
 
         if isinstance(state, dict):
             return self.problem_in_arrays(state)
         if isinstance(state, ComposedState):
-            parts = [b for _, _, b in state.blocks] + ([state.checkpoint] if state.checkpoint is not None else [])
+            parts = [b for _, _, b in state.blocks] + (
+                [state.checkpoint] if state.checkpoint is not None else []
+            )
             for block in parts:
                 why = self.problem_in_arrays(block.arrays, f"part {block.key}: ")
                 if why:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
+from kvsnap.chat import ChatTokenizer, Tokenization, resolve_chat_template
 from kvsnap.key import (
     ModelIdentity,
     canonical_json,
@@ -26,7 +27,6 @@ from kvsnap.key import (
     prompt_identity,
     snapshot_key,
 )
-from kvsnap.chat import ChatTokenizer, Tokenization, resolve_chat_template
 from kvsnap.prompts import PROBE_CONTENTS, WarmPrefix, WarmPrompt, warm_prefix
 
 RECIPE_VERSION = 1  # bump when warm_prefix's algorithm changes in a way the probes do not show
@@ -69,8 +69,11 @@ def warm_key(
 
 
 def recorded_prefix(
-    by_recipe: Mapping[str, Any], prompt: WarmPrompt, prompt_digest: str,
-    identity: ModelIdentity, template: Any,
+    by_recipe: Mapping[str, Any],
+    prompt: WarmPrompt,
+    prompt_digest: str,
+    identity: ModelIdentity,
+    template: Any,
 ) -> tuple[int, ...] | None:
     """The warm-prefix tokens a snapshot recorded for exactly this recipe, if its key still
     follows from them (so the model matches too); None means: compute them."""
@@ -90,8 +93,9 @@ def _library_versions() -> dict:
     return {name: package_version(name) for name in names}
 
 
-def warm_recipe(prompt: WarmPrompt, prompt_digest: str, tokenizer_digest: str,
-                template: Any) -> str | None:
+def warm_recipe(
+    prompt: WarmPrompt, prompt_digest: str, tokenizer_digest: str, template: Any
+) -> str | None:
     """None when the template can render the date: its tokens may differ tomorrow."""
     text = template if isinstance(template, str) else canonical_json(template)
     if "strftime_now" in text and "date_string" not in (prompt.chat_template_kwargs or {}):

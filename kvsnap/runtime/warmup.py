@@ -196,8 +196,13 @@ class _Warmup:
                 continue
             try:
                 entry = make_entry(
-                    self.lm, self.store, t.info, pinned=True, prefetched=self.prefetched,
-                    pool=self.pool, check=self.prefix.check_state,
+                    self.lm,
+                    self.store,
+                    t.info,
+                    pinned=True,
+                    prefetched=self.prefetched,
+                    pool=self.pool,
+                    check=self.prefix.check_state,
                 )
                 if used + t.info.nbytes <= self.budget_bytes:
                     entry.state, entry.nbytes = entry.loader()
@@ -238,7 +243,13 @@ class _Warmup:
     def write_back(self, t: WarmTarget, cache: list, agents_file: str) -> Path | None:
         try:
             written = commit_snapshot(
-                self.lm, self.store, self.identity, t.prompt, t.prompt_digest, t.tokens, cache,
+                self.lm,
+                self.store,
+                self.identity,
+                t.prompt,
+                t.prompt_digest,
+                t.tokens,
+                cache,
                 agents_file,
             )
         except (StoreError, SnapshotError, OSError) as exc:
@@ -259,8 +270,14 @@ class _Warmup:
         nbytes = cache_nbytes_of(cache)
         if self.prefix.current_bytes + nbytes <= self.budget_bytes:
             entry = Entry(
-                tokens=t.tokens, state=cache, nbytes=nbytes, trimmable=is_trimmable(cache),
-                pinned=True, source="prefill", name=t.name, resident=True,
+                tokens=t.tokens,
+                state=cache,
+                nbytes=nbytes,
+                trimmable=is_trimmable(cache),
+                pinned=True,
+                source="prefill",
+                name=t.name,
+                resident=True,
             )
             if written is not None:
                 # A re-warm reads it back instead of prefilling again; its header is read only then.

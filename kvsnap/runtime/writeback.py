@@ -8,19 +8,20 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from kvsnap import __version__
-from kvsnap.key import KVSettings, ModelIdentity, package_version, snapshot_key, tokens_digest
 from kvsnap.chat import resolve_chat_template
+from kvsnap.key import KVSettings, ModelIdentity, package_version, snapshot_key, tokens_digest
 from kvsnap.prompts import WarmPrompt
 from kvsnap.runtime.modeling import LoadedModel
 from kvsnap.snapshot.blocks import BlockSettings
 from kvsnap.snapshot.format import TOKENS, header_metadata, snapshot_relpath
 from kvsnap.store.local import Store
-from kvsnap.store.parts import Written
 from kvsnap.store.manifest import record_id, utc_now
+from kvsnap.store.parts import Written
 
 
 def recorded_fields(settings: KVSettings, tokenization: dict | None = None) -> dict:
-    """Recorded, not keyed (the key has its own copy of the tokenization profile, here as canonical JSON text:
+    """Recorded, not keyed (the key has its own copy of the tokenization profile, here as canonical
+    JSON text:
     recorded values are scalars)."""
     import mlx.core as mx
 
@@ -38,32 +39,63 @@ def recorded_fields(settings: KVSettings, tokenization: dict | None = None) -> d
     }
 
 
-def recipe_fields(lm: LoadedModel, identity: ModelIdentity, prompt: WarmPrompt, prompt_digest: str) -> dict:
-    """The warm recipe a later start can match to reuse these tokens without re-tokenizing (recorded, not keyed)."""
+def recipe_fields(
+    lm: LoadedModel, identity: ModelIdentity, prompt: WarmPrompt, prompt_digest: str
+) -> dict:
+    """The warm recipe a later start can match to reuse these tokens without re-tokenizing
+    (recorded, not keyed)."""
     from kvsnap.runtime.warm_recipe import warm_recipe
 
-    recipe = warm_recipe(prompt, prompt_digest, identity.tokenizer, resolve_chat_template(lm.tokenizer, prompt.tools))
+    recipe = warm_recipe(
+        prompt, prompt_digest, identity.tokenizer, resolve_chat_template(lm.tokenizer, prompt.tools)
+    )
     return {"warm_recipe": recipe} if recipe else {}
 
 
-def snapshot_metadata(identity: ModelIdentity, prompt: WarmPrompt, prompt_digest: str, key: str, tokens: Sequence[int], layers: list, recorded: dict, chain: dict | None = None) -> dict[str, str]:
+def snapshot_metadata(
+    identity: ModelIdentity,
+    prompt: WarmPrompt,
+    prompt_digest: str,
+    key: str,
+    tokens: Sequence[int],
+    layers: list,
+    recorded: dict,
+    chain: dict | None = None,
+) -> dict[str, str]:
     """The header of one warm prompt's record (its fields are ``format.header_metadata``'s)."""
     return header_metadata(
-        key=key, name=prompt.name, model=identity.as_dict(), model_digest=identity.digest, prompt_digest=prompt_digest,
-        n_tokens=len(tokens), tokens_digest=tokens_digest(tokens), layers=layers, recorded=recorded, chain=chain,
+        key=key,
+        name=prompt.name,
+        model=identity.as_dict(),
+        model_digest=identity.digest,
+        prompt_digest=prompt_digest,
+        n_tokens=len(tokens),
+        tokens_digest=tokens_digest(tokens),
+        layers=layers,
+        recorded=recorded,
+        chain=chain,
     )
 
 
 @dataclass
 class ChainPlan:
-    """How one warm prefix is cut into blocks, and what a write stored (filled by ``put_snapshot``)."""
+    """How one warm prefix is cut into blocks, and what a write stored (filled by
+    ``put_snapshot``)."""
 
     settings: BlockSettings = field(default_factory=BlockSettings)
-    branches: frozenset = frozenset()  # depths where another warm prefix of this model leaves this one
-    checkpoints: dict = field(default_factory=dict)  # end -> (arrays, layers) captured there (hybrids)
+    branches: frozenset = (
+        frozenset()
+    )  # depths where another warm prefix of this model leaves this one
+    checkpoints: dict = field(
+        default_factory=dict
+    )  # end -> (arrays, layers) captured there (hybrids)
     written: Written = field(default_factory=Written)
-    replace: set | None = field(default_factory=set)  # keys of parts to rewrite though present (bad ones); None: all (--force)
-    stored: set = field(default_factory=set)  # ends whose checkpoint the store already has (a build restored past them)
+    replace: set | None = field(
+        default_factory=set
+    )  # keys of parts to rewrite though present (bad ones); None: all (--force)
+    stored: set = field(
+        default_factory=set
+    )  # ends whose checkpoint the store already has (a build restored past them)
 
     def keep_stored(self, store: Store, identity: ModelIdentity, tokens: Sequence[int]) -> None:
         """Forget stored checkpoints that are no longer in the store (the caller holds the lock)."""
@@ -73,21 +105,50 @@ class ChainPlan:
 
         ends = sorted(self.stored)
         digests = prefix_digests(tokens, ends)
-        self.stored = {e for e, d in zip(ends, digests) if has_part(store, CHECKPOINT_KIND, checkpoint_key(identity.digest, d))}
+        self.stored = {
+            e
+            for e, d in zip(ends, digests)
+            if has_part(store, CHECKPOINT_KIND, checkpoint_key(identity.digest, d))
+        }
 
-    def links(self, identity: ModelIdentity, tokens: Sequence[int], hybrid: bool, captured_only: bool = True) -> list:
+    def links(
+        self,
+        identity: ModelIdentity,
+        tokens: Sequence[int],
+        hybrid: bool,
+        captured_only: bool = True,
+    ) -> list:
         """The chain. ``captured_only``: a planned checkpoint whose state was not captured is left
         out (the server's write-back captures only the end)."""
         from kvsnap.snapshot.blocks import ChainLink, chain_of, plan_cuts
 
-        links = chain_of(identity.digest, tokens, plan_cuts(len(tokens), set(self.branches), self.settings), hybrid)
+        links = chain_of(
+            identity.digest,
+            tokens,
+            plan_cuts(len(tokens), set(self.branches), self.settings),
+            hybrid,
+        )
         if not captured_only:
             return links
         keep = set(self.checkpoints) | self.stored | {len(tokens)}
-        return [link if link.checkpoint_key is None or link.end in keep else ChainLink(link.start, link.end, link.key, link.prefix_digest, None) for link in links]
+        return [
+            link
+            if link.checkpoint_key is None or link.end in keep
+            else ChainLink(link.start, link.end, link.key, link.prefix_digest, None)
+            for link in links
+        ]
 
 
-def snapshot_payload(lm: LoadedModel, identity: ModelIdentity, prompt: WarmPrompt, prompt_digest: str, tokens: Sequence[int], cache: list, tokenization: dict | None, plan: ChainPlan) -> tuple:
+def snapshot_payload(
+    lm: LoadedModel,
+    identity: ModelIdentity,
+    prompt: WarmPrompt,
+    prompt_digest: str,
+    tokens: Sequence[int],
+    cache: list,
+    tokenization: dict | None,
+    plan: ChainPlan,
+) -> tuple:
     """(key, arrays, layers, links, record tensors, record header) of a captured warm state."""
     from kvsnap.snapshot.blocks import chain_field
     from kvsnap.snapshot.codec import encode_cache, to_out_tensors
@@ -97,25 +158,56 @@ def snapshot_payload(lm: LoadedModel, identity: ModelIdentity, prompt: WarmPromp
 
     arrays, layers = encode_cache(cache, tokens)
     links = plan.links(identity, tokens, needs_checkpoints(layers))
-    recorded = recorded_fields(lm.settings, tokenization) | lm.origin_fields() | recipe_fields(lm, identity, prompt, prompt_digest)
-    metadata = snapshot_metadata(identity, prompt, prompt_digest, key, tokens, layers, recorded, chain_field(links, plan.settings))
+    recorded = (
+        recorded_fields(lm.settings, tokenization)
+        | lm.origin_fields()
+        | recipe_fields(lm, identity, prompt, prompt_digest)
+    )
+    metadata = snapshot_metadata(
+        identity,
+        prompt,
+        prompt_digest,
+        key,
+        tokens,
+        layers,
+        recorded,
+        chain_field(links, plan.settings),
+    )
     return key, arrays, layers, links, to_out_tensors({TOKENS: arrays[TOKENS]}), metadata
 
 
 def profile_record_id(model_digest: str, agents_file: str, tokenization: dict | None) -> str:
-    """One manifest record per (model, agents file, server profile); kvsnap's own keeps its old id."""
+    """One manifest record per (model, agents file, server profile); kvsnap's own keeps its old
+    id."""
     if tokenization is None:
         return record_id(model_digest, agents_file)
     return record_id(f"{model_digest}|{tokenization['server']}", agents_file)
 
 
-def manifest_entry(name: str, key: str, n_tokens: int, coverage: float | None, prompt_digest: str, tokenization: dict | None = None) -> dict:
+def manifest_entry(
+    name: str,
+    key: str,
+    n_tokens: int,
+    coverage: float | None,
+    prompt_digest: str,
+    tokenization: dict | None = None,
+) -> dict:
     """One manifest entry: the snapshot a warm prompt has, by its store-relative path."""
     extra = {"tokenization": tokenization} if tokenization is not None else {}
-    return {"name": name, "key": key, "file": snapshot_relpath(key), "n_tokens": n_tokens, "coverage": coverage, "prompt_digest": prompt_digest, **extra}
+    return {
+        "name": name,
+        "key": key,
+        "file": snapshot_relpath(key),
+        "n_tokens": n_tokens,
+        "coverage": coverage,
+        "prompt_digest": prompt_digest,
+        **extra,
+    }
 
 
-def record_upsert(lm: LoadedModel, identity: ModelIdentity, agents_file: str, entry: dict) -> Callable[[dict], dict]:
+def record_upsert(
+    lm: LoadedModel, identity: ModelIdentity, agents_file: str, entry: dict
+) -> Callable[[dict], dict]:
     """A manifest update that puts ``entry`` into this (model, agents file) record."""
 
     def apply(record: dict) -> dict:
@@ -125,7 +217,12 @@ def record_upsert(lm: LoadedModel, identity: ModelIdentity, agents_file: str, en
             "model_digest": identity.digest,
             "model_path": str(lm.path),
             "agents_file": str(Path(agents_file).resolve()),
-            "kv_settings": {"kv_bits": s.kv_bits, "kv_group_size": s.kv_group_size, "quantized_kv_start": s.quantized_kv_start, "max_kv_size": s.max_kv_size},
+            "kv_settings": {
+                "kv_bits": s.kv_bits,
+                "kv_group_size": s.kv_group_size,
+                "quantized_kv_start": s.quantized_kv_start,
+                "max_kv_size": s.max_kv_size,
+            },
             "updated": utc_now(),
             "entries": sorted(entries + [entry], key=lambda e: e["name"]),
         }
@@ -158,8 +255,19 @@ def put_snapshot(
         # What a restore found may be gone (a gc between it and this lock): the chain names
         # only checkpoints still stored or captured, decided where no gc can run.
         plan.keep_stored(store, identity, tokens)
-        key, arrays, layers, links, record_tensors, metadata = snapshot_payload(lm, identity, prompt, prompt_digest, tokens, cache, tokenization, plan)
-        plan.written = write_chain(store, identity.digest, links, arrays, layers, plan.checkpoints, dense=not needs_checkpoints(layers), replace=plan.replace)
+        key, arrays, layers, links, record_tensors, metadata = snapshot_payload(
+            lm, identity, prompt, prompt_digest, tokens, cache, tokenization, plan
+        )
+        plan.written = write_chain(
+            store,
+            identity.digest,
+            links,
+            arrays,
+            layers,
+            plan.checkpoints,
+            dense=not needs_checkpoints(layers),
+            replace=plan.replace,
+        )
         path = store.put(key, record_tensors, metadata)
         if on_commit is not None:
             on_commit(path)
@@ -177,10 +285,18 @@ def commit_snapshot(
     agents_file: str,
     tokenization: dict | None = None,
 ) -> Path:
-    """Write an already-prefilled warm state back to the store (the server's write-back), with its manifest record."""
+    """Write an already-prefilled warm state back to the store (the server's write-back), with its
+    manifest record."""
 
     def record(path: Path) -> None:
-        entry = manifest_entry(prompt.name, path.stem, len(tokens), None, prompt_digest, tokenization)
-        store.update_record(profile_record_id(identity.digest, agents_file, tokenization), record_upsert(lm, identity, agents_file, entry))
+        entry = manifest_entry(
+            prompt.name, path.stem, len(tokens), None, prompt_digest, tokenization
+        )
+        store.update_record(
+            profile_record_id(identity.digest, agents_file, tokenization),
+            record_upsert(lm, identity, agents_file, entry),
+        )
 
-    return put_snapshot(lm, store, identity, prompt, prompt_digest, tokens, cache, tokenization, on_commit=record)
+    return put_snapshot(
+        lm, store, identity, prompt, prompt_digest, tokens, cache, tokenization, on_commit=record
+    )

@@ -40,7 +40,10 @@ class BlockSettings:
         for name in ("block_tokens", "checkpoint_every"):
             value = getattr(self, name)
             if type(value) is not int or not 1 <= value <= MAX_BLOCK_TOKENS:
-                raise ValueError(f"{name} is {value!r}; give a whole number of tokens from 1 to {MAX_BLOCK_TOKENS}")
+                raise ValueError(
+                    f"{name} is {value!r}; give a whole number of tokens from 1 to "
+                    f"{MAX_BLOCK_TOKENS}"
+                )
 
     def as_dict(self) -> dict:
         return {"block_tokens": self.block_tokens, "checkpoint_every": self.checkpoint_every}
@@ -89,7 +92,9 @@ def plan_cuts(n_tokens: int, branches: set[int], settings: BlockSettings) -> lis
         return []
     b, c = settings.block_tokens, settings.checkpoint_every
     ends = set(range(b, n_tokens, b)) | set(range(c, n_tokens, c)) | {n_tokens}
-    on_grid = {d // b * b for d in branches if 0 < d < n_tokens} - {0}  # multiples of b below n: ends
+    on_grid = {d // b * b for d in branches if 0 < d < n_tokens} - {
+        0
+    }  # multiples of b below n: ends
     checkpoints = on_grid | {n_tokens} | set(range(c, n_tokens, c))
     cuts, start = [], 0
     for end in sorted(ends):
@@ -101,7 +106,9 @@ def plan_cuts(n_tokens: int, branches: set[int], settings: BlockSettings) -> lis
 def prefix_digests(tokens: Sequence[int], ends: Sequence[int]) -> list[str]:
     """The digest of ``tokens[:end]`` for every end, in one pass over the tokens."""
     h = xxhash.xxh3_128()
-    h.update(b"tokens:int32le:")  # the same bytes key.tokens_digest hashes: a whole prefix's digest is its tokens digest
+    h.update(
+        b"tokens:int32le:"
+    )  # the same bytes key.tokens_digest hashes: a whole prefix's digest is its tokens digest
     out, done = [], 0
     for end in ends:
         h.update(pack_tokens(tokens[done:end]))
@@ -111,11 +118,15 @@ def prefix_digests(tokens: Sequence[int], ends: Sequence[int]) -> list[str]:
 
 
 def block_key(model_digest: str, start: int, prefix_digest: str) -> str:
-    return xxhash.xxh3_128_hexdigest(f"kvsnap-block-v{BLOCK_FORMAT_VERSION}|{model_digest}|{start}|{prefix_digest}".encode())
+    return xxhash.xxh3_128_hexdigest(
+        f"kvsnap-block-v{BLOCK_FORMAT_VERSION}|{model_digest}|{start}|{prefix_digest}".encode()
+    )
 
 
 def checkpoint_key(model_digest: str, prefix_digest: str) -> str:
-    return xxhash.xxh3_128_hexdigest(f"kvsnap-checkpoint-v{BLOCK_FORMAT_VERSION}|{model_digest}|{prefix_digest}".encode())
+    return xxhash.xxh3_128_hexdigest(
+        f"kvsnap-checkpoint-v{BLOCK_FORMAT_VERSION}|{model_digest}|{prefix_digest}".encode()
+    )
 
 
 @dataclass(frozen=True)
@@ -127,10 +138,18 @@ class ChainLink:
     checkpoint_key: str | None  # set where the plan stores a checkpoint (hybrids only)
 
 
-def chain_of(model_digest: str, tokens: Sequence[int], cuts: Sequence[Cut], with_checkpoints: bool) -> list[ChainLink]:
+def chain_of(
+    model_digest: str, tokens: Sequence[int], cuts: Sequence[Cut], with_checkpoints: bool
+) -> list[ChainLink]:
     digests = prefix_digests(tokens, [c.end for c in cuts])
     return [
-        ChainLink(c.start, c.end, block_key(model_digest, c.start, d), d, checkpoint_key(model_digest, d) if (with_checkpoints and c.checkpoint) else None)
+        ChainLink(
+            c.start,
+            c.end,
+            block_key(model_digest, c.start, d),
+            d,
+            checkpoint_key(model_digest, d) if (with_checkpoints and c.checkpoint) else None,
+        )
         for c, d in zip(cuts, digests)
     ]
 
@@ -144,7 +163,9 @@ def chain_field(links: Sequence[ChainLink], settings: BlockSettings) -> dict:
     }
 
 
-def restore_point(ends: Sequence[int], checkpoint_ends: Sequence[int], limit: int, needs_checkpoint: bool) -> int:
+def restore_point(
+    ends: Sequence[int], checkpoint_ends: Sequence[int], limit: int, needs_checkpoint: bool
+) -> int:
     """The longest prefix at or before ``limit`` a chain can restore: any block end for trimmable
     models, the last checkpoint for hybrids (0: nothing)."""
     candidates = sorted(checkpoint_ends if needs_checkpoint else ends)

@@ -1,4 +1,5 @@
-"""One object per mlx-lm cache class: its header fields, tensor names, trimmability, encode and decode.
+"""One object per mlx-lm cache class: its header fields, tensor names, trimmability, encode and
+decode.
 
 Every other module asks these objects (codec, the header's layer walk, warm-up); a class no
 object describes is refused with ``UnknownCacheClass``, never guessed. mlx-free at import:
@@ -20,7 +21,9 @@ from typing import Any, Callable, Mapping, Sequence
 from kvsnap.blas import preload_openblas
 from kvsnap.errors import SnapshotError
 
-UNKNOWN_CLASS_FIX = "upgrade kvsnap, or report the class to the kvsnap project so a codec can be added"
+UNKNOWN_CLASS_FIX = (
+    "upgrade kvsnap, or report the class to the kvsnap project so a codec can be added"
+)
 
 
 class CaptureError(AssertionError):
@@ -33,7 +36,12 @@ class UnknownCacheClass(SnapshotError):
     def __init__(self, name: object, where: str = "cache layer", path: str = "<cache>"):
         self.name = name
         shown = repr(name) if len(repr(name)) <= 60 else repr(name)[:57] + "..."
-        super().__init__(path, f"{where} is {shown}, not a cache class this kvsnap knows how to store (it knows {', '.join(CACHE_CLASSES)})", UNKNOWN_CLASS_FIX)
+        super().__init__(
+            path,
+            f"{where} is {shown}, not a cache class this kvsnap knows how to store (it knows "
+            f"{', '.join(CACHE_CLASSES)})",
+            UNKNOWN_CLASS_FIX,
+        )
 
 
 def _no_rule(meta: dict) -> str | None:
@@ -48,13 +56,19 @@ class CacheClass:
     fields: tuple[str, ...]  # header fields every layer of the class has
     filled_fields: tuple[str, ...]  # header fields only a non-empty layer has
     can_be_empty: bool
-    encode: Callable[[Any, str, dict], dict]  # (cache, path, out arrays) -> header fields but "class"
+    encode: Callable[
+        [Any, str, dict], dict
+    ]  # (cache, path, out arrays) -> header fields but "class"
     decode: Callable[[dict, str, dict], Any]  # (header fields, path, arrays) -> a new cache object
-    own_tensor_names: Callable[[dict, str], list[str]]  # the layer's own; a CacheList's members name theirs
+    own_tensor_names: Callable[
+        [dict, str], list[str]
+    ]  # the layer's own; a CacheList's members name theirs
     trimmable: Callable[[dict], bool]  # can it drop any number of its last tokens
     members_field: str | None = None  # the field holding member layers (CacheList)
-    sliceable: bool = False  # its tensors are per-token along axis -2: a block stores a run of them (else: checkpoints only)
-    consistent: Callable[[dict], str | None] = _no_rule  # a rule between fields: the broken one, or None
+    # its tensors are per-token along axis -2: a block stores a run of them (else: checkpoints only)
+    sliceable: bool = False
+    # a rule between fields: the broken one, or None
+    consistent: Callable[[dict], str | None] = _no_rule
 
     def tensor_names(self, meta: dict, path: str) -> list[str]:
         """The tensors this layer itself holds in a snapshot (none when empty)."""
@@ -106,7 +120,11 @@ def _kv_encode(c, path, out) -> dict:
 def _kv_decode(meta, path, arrays):
     c = _mlx_lm_cache().KVCache()
     if not meta.get("empty"):
-        c.keys, c.values, c.offset = arrays[f"{path}.keys"], arrays[f"{path}.values"], int(meta["offset"])
+        c.keys, c.values, c.offset = (
+            arrays[f"{path}.keys"],
+            arrays[f"{path}.values"],
+            int(meta["offset"]),
+        )
     return c
 
 
@@ -169,7 +187,10 @@ def _quantized_names(meta: dict, path: str) -> list[str]:
 
 def _arrays_encode(c, path, out) -> dict:
     if getattr(c, "left_padding", None) is not None or getattr(c, "lengths", None) is not None:
-        raise CaptureError(f"layer {path}: ArraysCache still carries batch padding or lengths; capture from a single-sequence cache")
+        raise CaptureError(
+            f"layer {path}: ArraysCache still carries batch padding or lengths; capture from a "
+            f"single-sequence cache"
+        )
     present = []
     for j, a in enumerate(c.cache):
         if a is not None:
@@ -226,11 +247,15 @@ def _chunked_consistent(meta: dict) -> str | None:
 
 
 def _list_encode(c, path, out) -> dict:
-    return {"caches": [encode_layer(sub, member_path(path, j), out) for j, sub in enumerate(c.caches)]}
+    return {
+        "caches": [encode_layer(sub, member_path(path, j), out) for j, sub in enumerate(c.caches)]
+    }
 
 
 def _list_decode(meta, path, arrays):
-    return _mlx_lm_cache().CacheList(*(decode_layer(sub, member_path(path, j), arrays) for j, sub in enumerate(meta["caches"])))
+    return _mlx_lm_cache().CacheList(
+        *(decode_layer(sub, member_path(path, j), arrays) for j, sub in enumerate(meta["caches"]))
+    )
 
 
 def _list_trimmable(meta: dict) -> bool:
@@ -242,12 +267,70 @@ def _no_tensors(meta: dict, path: str) -> list[str]:
 
 
 _ALL = (
-    CacheClass("KVCache", (), ("offset",), True, _kv_encode, _kv_decode, _keys_values, _always, sliceable=True),
-    CacheClass("RotatingKVCache", ("max_size", "keep"), ("offset", "idx"), True, _rotating_encode, _rotating_decode, _keys_values, _rotating_trimmable),
-    CacheClass("QuantizedKVCache", ("group_size", "bits"), ("offset", "parts"), True, _quantized_encode, _quantized_decode, _quantized_names, _always, sliceable=True),
-    CacheClass("ArraysCache", ("size", "present"), (), False, _arrays_encode, _arrays_decode, _arrays_names, _never),
-    CacheClass("ChunkedKVCache", ("chunk_size",), ("offset", "start_position"), True, _chunked_encode, _chunked_decode, _keys_values, _chunked_trimmable, consistent=_chunked_consistent),
-    CacheClass("CacheList", ("caches",), (), False, _list_encode, _list_decode, _no_tensors, _list_trimmable, members_field="caches"),
+    CacheClass(
+        "KVCache",
+        (),
+        ("offset",),
+        True,
+        _kv_encode,
+        _kv_decode,
+        _keys_values,
+        _always,
+        sliceable=True,
+    ),
+    CacheClass(
+        "RotatingKVCache",
+        ("max_size", "keep"),
+        ("offset", "idx"),
+        True,
+        _rotating_encode,
+        _rotating_decode,
+        _keys_values,
+        _rotating_trimmable,
+    ),
+    CacheClass(
+        "QuantizedKVCache",
+        ("group_size", "bits"),
+        ("offset", "parts"),
+        True,
+        _quantized_encode,
+        _quantized_decode,
+        _quantized_names,
+        _always,
+        sliceable=True,
+    ),
+    CacheClass(
+        "ArraysCache",
+        ("size", "present"),
+        (),
+        False,
+        _arrays_encode,
+        _arrays_decode,
+        _arrays_names,
+        _never,
+    ),
+    CacheClass(
+        "ChunkedKVCache",
+        ("chunk_size",),
+        ("offset", "start_position"),
+        True,
+        _chunked_encode,
+        _chunked_decode,
+        _keys_values,
+        _chunked_trimmable,
+        consistent=_chunked_consistent,
+    ),
+    CacheClass(
+        "CacheList",
+        ("caches",),
+        (),
+        False,
+        _list_encode,
+        _list_decode,
+        _no_tensors,
+        _list_trimmable,
+        members_field="caches",
+    ),
 )
 
 # The explicit registry, read-only: a class not named here is refused everywhere.
@@ -255,7 +338,8 @@ CACHE_CLASSES: Mapping[str, CacheClass] = MappingProxyType({c.name: c for c in _
 
 
 def cache_class(name: object, where: str = "cache layer", path: str = "<cache>") -> CacheClass:
-    """The object for a class name; ``UnknownCacheClass`` (naming ``where`` and the fix) for any other."""
+    """The object for a class name; ``UnknownCacheClass`` (naming ``where`` and the fix) for any
+    other."""
     found = CACHE_CLASSES.get(name) if isinstance(name, str) else None
     if found is None:
         raise UnknownCacheClass(name, where, path)
@@ -276,10 +360,15 @@ def layers_trimmable(layers: Sequence[dict], path: str = "<cache>") -> bool:
     """Whether every layer of a (checked) layer list can drop its last tokens.
 
     ``path``: the snapshot the list came from, named by ``UnknownCacheClass``."""
-    return all(cache_class(meta.get("class"), f"layer {i} class", path).trimmable(meta) for i, meta in enumerate(layers))
+    return all(
+        cache_class(meta.get("class"), f"layer {i} class", path).trimmable(meta)
+        for i, meta in enumerate(layers)
+    )
 
 
-def split_tensor_names(layers: Sequence[dict], parent: str | None = None) -> tuple[list[str], list[str]]:
+def split_tensor_names(
+    layers: Sequence[dict], parent: str | None = None
+) -> tuple[list[str], list[str]]:
     """(sliced, checkpointed): the tensors a block stores a run of tokens of, and those only a
     checkpoint stores whole (SSM state, rotating windows, chunked attention)."""
     sliced: list[str] = []
@@ -313,7 +402,8 @@ def needs_checkpoints(layers: Sequence[dict]) -> bool:
 
 
 def layers_at(layers: Sequence[dict], n_tokens: int) -> list[dict]:
-    """The sliceable layers' header fields as they read at ``n_tokens`` (their offset); others unchanged."""
+    """The sliceable layers' header fields as they read at ``n_tokens`` (their offset); others
+    unchanged."""
     out = []
     for meta in layers:
         spec = cache_class(meta.get("class"))
@@ -324,4 +414,3 @@ def layers_at(layers: Sequence[dict], n_tokens: int) -> list[dict]:
         else:
             out.append(dict(meta))
     return out
-

@@ -1,4 +1,5 @@
-"""Cache objects <-> named arrays + per-layer metadata, one layer at a time through its ``CacheClass``.
+"""Cache objects <-> named arrays + per-layer metadata, one layer at a time through its
+``CacheClass``.
 
 What each mlx-lm cache class stores, how it decodes and whether it trims lives in
 ``cache_classes``; this module applies it to whole caches: the capture check, encode and
@@ -16,11 +17,19 @@ preload_openblas()  # must precede the first mlx import, or mlx keeps its slow r
 import mlx.core as mx  # noqa: E402
 
 from kvsnap.errors import SnapshotError
-from kvsnap.snapshot.cache_classes import CaptureError, cache_class, decode_layer, encode_layer, layers_trimmable  # noqa: F401  (CaptureError re-exported)
+from kvsnap.snapshot.cache_classes import (  # noqa: F401  (CaptureError re-exported)
+    CaptureError,
+    cache_class,
+    decode_layer,
+    encode_layer,
+    layers_trimmable,
+)
 from kvsnap.snapshot.file import OutTensor
 from kvsnap.snapshot.format import DTYPES, TOKENS
 
-_MX_TO_ST = {getattr(mx, mlx_name): st_name for st_name, (mlx_name, _) in DTYPES.items()}  # format.py's one dtype table
+_MX_TO_ST = {
+    getattr(mx, mlx_name): st_name for st_name, (mlx_name, _) in DTYPES.items()
+}  # format.py's one dtype table
 
 
 def _offsets(meta: dict) -> list[int]:
@@ -39,14 +48,20 @@ def _encode_layers(cache: Sequence[Any]) -> tuple[list[dict], dict[str, mx.array
 
 
 def check_captured_at(cache: Sequence[Any], n_tokens: int) -> None:
-    """Every layer must hold exactly ``n_tokens``: a generated token in the state would poison it."""
+    """Every layer must hold exactly ``n_tokens``: a generated token in the state would poison
+    it."""
     for i, (layer, meta) in enumerate(zip(cache, _encode_layers(cache)[0])):
         for offset in _offsets(meta):
             if offset != n_tokens:
-                raise CaptureError(f"layer {i} ({type(layer).__name__}) holds {offset} tokens, expected exactly {n_tokens}")
+                raise CaptureError(
+                    f"layer {i} ({type(layer).__name__}) holds {offset} tokens, expected exactly "
+                    f"{n_tokens}"
+                )
 
 
-def encode_cache(cache: Sequence[Any], tokens: Sequence[int]) -> tuple[dict[str, mx.array], list[dict]]:
+def encode_cache(
+    cache: Sequence[Any], tokens: Sequence[int]
+) -> tuple[dict[str, mx.array], list[dict]]:
     check_captured_at(cache, len(tokens))
     arrays: dict[str, mx.array] = {TOKENS: mx.array(list(tokens), dtype=mx.int32)}
     layers = [encode_layer(c, str(i), arrays) for i, c in enumerate(cache)]
@@ -61,7 +76,11 @@ def to_out_tensors(arrays: dict[str, mx.array]) -> list[OutTensor]:
     out = []
     for name, a in arrays.items():
         if a.dtype not in _MX_TO_ST:
-            raise SnapshotError("<cache>", f"tensor {name} has dtype {a.dtype}, which safetensors cannot hold", "use a float16/bfloat16/float32 model")
+            raise SnapshotError(
+                "<cache>",
+                f"tensor {name} has dtype {a.dtype}, which safetensors cannot hold",
+                "use a float16/bfloat16/float32 model",
+            )
         a = mx.contiguous(a)
         mx.eval(a)
         out.append(OutTensor(name, _MX_TO_ST[a.dtype], tuple(a.shape), memoryview(a).cast("B")))  # type: ignore[arg-type]  # an mlx array is a buffer
@@ -69,7 +88,8 @@ def to_out_tensors(arrays: dict[str, mx.array]) -> list[OutTensor]:
 
 
 def copy_cache(cache: Sequence[Any]) -> list:
-    """A private copy: new cache objects holding new array objects; appends and trims never reach the original.
+    """A private copy: new cache objects holding new array objects; appends and trims never reach
+    the original.
 
     The arrays are copy-on-write views (``x[...]``), not copies: mlx writes in place only
     into a buffer nothing else holds, so the first write to a shared buffer copies it.
@@ -97,7 +117,8 @@ def cache_nbytes_of(cache: Sequence[Any]) -> int:
 
 
 def cache_arrays(cache: Any) -> list:
-    """The arrays a (private, single-sequence) cache layer holds, sliced to its tokens, for mx.eval."""
+    """The arrays a (private, single-sequence) cache layer holds, sliced to its tokens, for
+    mx.eval."""
     arrays: dict[str, mx.array] = {}
     encode_layer(cache, "0", arrays)
     return list(arrays.values())

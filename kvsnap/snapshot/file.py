@@ -23,7 +23,8 @@ import xxhash
 
 from kvsnap.snapshot.format import CHECKSUM_KEY, DTYPE_SIZES, FORMAT_VERSION  # noqa: F401  (FORMAT_VERSION re-exported)
 
-# Bounds checked before anything is built from a header (a real one: a few hundred tensors, tens of KiB).
+# Bounds checked before anything is built from a header (a real one: a few hundred tensors, tens of
+# KiB).
 MAX_HEADER_BYTES = 16 << 20
 MAX_TENSORS = 65536
 MAX_TENSOR_NAME = 1024
@@ -43,7 +44,6 @@ PARSE_SLACK = 1 << 20
 CHECKSUM_PLACEHOLDER = "0" * 32
 CHECKSUM_MARKER = f'"{CHECKSUM_KEY}":"'.encode()
 READ_CHUNK = 8 << 20
-
 
 
 class FormatError(ValueError):
@@ -101,7 +101,10 @@ def _show(value: object) -> str:
 
 def _entry(name: str, raw: object) -> TensorEntry:
     if len(name) > MAX_TENSOR_NAME:
-        raise FormatError(f"tensor name {name[:40]!r}... is {len(name)} characters, over the {MAX_TENSOR_NAME} limit")
+        raise FormatError(
+            f"tensor name {name[:40]!r}... is {len(name)} characters, over the {MAX_TENSOR_NAME} "
+            f"limit"
+        )
     if not isinstance(raw, dict):
         raise FormatError(f"tensor {name!r}: header entry is {_show(raw)}, not an object")
     dtype = raw.get("dtype")
@@ -110,24 +113,36 @@ def _entry(name: str, raw: object) -> TensorEntry:
     if not isinstance(dtype, str) or dtype not in DTYPE_SIZES:
         raise FormatError(f"tensor {name!r}: unknown dtype {_show(dtype)}")
     if not isinstance(shape, list) or len(shape) > MAX_NDIM or not all(_is_count(d) for d in shape):
-        raise FormatError(f"tensor {name!r}: bad shape {_show(shape)} (at most {MAX_NDIM} non-negative integer dimensions)")
+        raise FormatError(
+            f"tensor {name!r}: bad shape {_show(shape)} (at most {MAX_NDIM} non-negative integer "
+            f"dimensions)"
+        )
     if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_count(o) for o in offsets)):
         raise FormatError(f"tensor {name!r}: bad data_offsets {_show(offsets)}")
     start, end = offsets
     expected = math.prod(shape) * DTYPE_SIZES[dtype]
     if end - start != expected:
-        raise FormatError(f"tensor {name!r}: data_offsets span {end - start} bytes but dtype and shape need {expected}")
+        raise FormatError(
+            f"tensor {name!r}: data_offsets span {end - start} bytes but dtype and shape need "
+            f"{expected}"
+        )
     return TensorEntry(name, dtype, tuple(shape), start, end)
 
 
 def parse_cost(raw: bytes) -> int:
-    """An upper bound on the memory that parsing and checking this header text takes (C-speed counts)."""
+    """An upper bound on the memory that parsing and checking this header text takes (C-speed
+    counts)."""
     per_byte = PARSE_COST_BYTE_ASCII if raw.isascii() else PARSE_COST_BYTE_OTHER
-    return per_byte * len(raw) + PARSE_COST_OBJECT * raw.count(b"{") + PARSE_COST_VALUE * (raw.count(b",") + raw.count(b"["))
+    return (
+        per_byte * len(raw)
+        + PARSE_COST_OBJECT * raw.count(b"{")
+        + PARSE_COST_VALUE * (raw.count(b",") + raw.count(b"["))
+    )
 
 
 def parse_header(f: BinaryIO, file_size: int) -> Header:
-    """Read and check the safetensors header: sizes, counts, offsets inside the file, no gaps or overlaps.
+    """Read and check the safetensors header: sizes, counts, offsets inside the file, no gaps or
+    overlaps.
 
     Every bound is checked before the structure it limits is used: the declared size
     before the header is read, counts before entries are built.
@@ -140,17 +155,27 @@ def parse_header(f: BinaryIO, file_size: int) -> Header:
         raise FormatError(f"file ended after {len(prefix)} bytes (truncated while reading)")
     (header_len,) = struct.unpack("<Q", prefix)
     if header_len > MAX_HEADER_BYTES:
-        raise FormatError(f"declared header size {header_len} exceeds the {MAX_HEADER_BYTES}-byte limit (not a safetensors file, or a corrupt one)")
+        raise FormatError(
+            f"declared header size {header_len} exceeds the {MAX_HEADER_BYTES}-byte limit (not a "
+            f"safetensors file, or a corrupt one)"
+        )
     if 8 + header_len > file_size:
-        raise FormatError(f"declared header size {header_len} runs past the end of the {file_size}-byte file (truncated, or not a safetensors file)")
+        raise FormatError(
+            f"declared header size {header_len} runs past the end of the {file_size}-byte file "
+            f"(truncated, or not a safetensors file)"
+        )
     raw = f.read(header_len)
     if len(raw) != header_len:
-        raise FormatError(f"file ended inside its {header_len}-byte header (truncated while reading)")
+        raise FormatError(
+            f"file ended inside its {header_len}-byte header (truncated while reading)"
+        )
     cost = parse_cost(raw)
     if cost > file_size + PARSE_SLACK:
         raise FormatError(
-            f"a {header_len}-byte header holding {raw.count(b'{')} JSON objects is more than a {file_size}-byte file can justify "
-            f"(checking it would take about {cost} bytes of memory, over the file's size plus {PARSE_SLACK}); refusing to parse it"
+            f"a {header_len}-byte header holding "
+            f"{raw.count(b'{')} JSON objects is more than a {file_size}-byte file can justify "
+            f"(checking it would take about {cost} bytes of memory, over the file's size plus "
+            f"{PARSE_SLACK}); refusing to parse it"
         )
     try:
         doc = json.loads(raw.decode("utf-8"), object_pairs_hook=_unique_keys)
@@ -174,10 +199,14 @@ def parse_header(f: BinaryIO, file_size: int) -> Header:
     cursor = 0
     for entry in sorted(tensors.values(), key=lambda e: e.start):
         if entry.start != cursor:
-            raise FormatError(f"tensor {entry.name!r} starts at {entry.start}, expected {cursor} (gap or overlap)")
+            raise FormatError(
+                f"tensor {entry.name!r} starts at {entry.start}, expected {cursor} (gap or overlap)"
+            )
         cursor = entry.end
     if cursor != data_len:
-        raise FormatError(f"tensors cover {cursor} data bytes but the file holds {data_len} (truncated or padded)")
+        raise FormatError(
+            f"tensors cover {cursor} data bytes but the file holds {data_len} (truncated or padded)"
+        )
     return Header(header_len, metadata, tensors, file_size, raw)
 
 
@@ -194,10 +223,20 @@ def _hashed_header(header: Header) -> bytes:
     """The header bytes as the writer hashed them: the checksum value back to its placeholder."""
     recorded = header.metadata.get(CHECKSUM_KEY)
     if not recorded or recorded == CHECKSUM_PLACEHOLDER:
-        raise FormatError("the header has no checksum (written by something other than kvsnap, or never finished)")
-    if header.raw.count(CHECKSUM_MARKER) != 1 or CHECKSUM_MARKER + recorded.encode() not in header.raw:
-        raise FormatError("the checksum field is not where kvsnap writes it (the header was rewritten by another tool)")
-    return header.raw.replace(CHECKSUM_MARKER + recorded.encode(), CHECKSUM_MARKER + CHECKSUM_PLACEHOLDER.encode())
+        raise FormatError(
+            "the header has no checksum (written by something other than kvsnap, or never finished)"
+        )
+    if (
+        header.raw.count(CHECKSUM_MARKER) != 1
+        or CHECKSUM_MARKER + recorded.encode() not in header.raw
+    ):
+        raise FormatError(
+            "the checksum field is not where kvsnap writes it (the header was rewritten by another "
+            "tool)"
+        )
+    return header.raw.replace(
+        CHECKSUM_MARKER + recorded.encode(), CHECKSUM_MARKER + CHECKSUM_PLACEHOLDER.encode()
+    )
 
 
 def _header_hash(header: Header) -> "xxhash.xxh3_128":
@@ -211,7 +250,10 @@ def _header_hash(header: Header) -> "xxhash.xxh3_128":
 def _compare(header: Header, actual: str) -> None:
     recorded = header.metadata.get(CHECKSUM_KEY)
     if actual != recorded:
-        raise FormatError(f"checksum mismatch (header says {recorded}, the file hashes to {actual}): the file is corrupt")
+        raise FormatError(
+            f"checksum mismatch (header says {recorded}, the file hashes to {actual}): the file is "
+            f"corrupt"
+        )
 
 
 def file_checksum(path: str | os.PathLike, header: Header) -> str:
@@ -219,13 +261,16 @@ def file_checksum(path: str | os.PathLike, header: Header) -> str:
     h = _header_hash(header)
     with open(path, "rb") as f:
         f.seek(header.data_start)
-        while chunk := f.read(min(READ_CHUNK, max(header.data_len, 1))):  # never a buffer bigger than the file
+        while chunk := f.read(
+            min(READ_CHUNK, max(header.data_len, 1))
+        ):  # never a buffer bigger than the file
             h.update(chunk)
     return h.hexdigest()
 
 
 def verify_checksum(header: Header, data: memoryview | bytes) -> None:
-    """Check the checksum over a header and data bytes already in memory (one read, no second pass)."""
+    """Check the checksum over a header and data bytes already in memory (one read, no second
+    pass)."""
     h = _header_hash(header)
     h.update(data)
     _compare(header, h.hexdigest())
@@ -272,12 +317,20 @@ def write_snapshot(
     offset = 0
     for t in tensors:
         if t.dtype not in DTYPE_SIZES or t.nbytes != math.prod(t.shape) * DTYPE_SIZES[t.dtype]:
-            raise ValueError(f"tensor {t.name!r}: {t.nbytes} bytes do not match {t.dtype}{list(t.shape)}")
-        header[t.name] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [offset, offset + t.nbytes]}
+            raise ValueError(
+                f"tensor {t.name!r}: {t.nbytes} bytes do not match {t.dtype}{list(t.shape)}"
+            )
+        header[t.name] = {
+            "dtype": t.dtype,
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + t.nbytes],
+        }
         offset += t.nbytes
     encoded = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
     encoded += b" " * (-len(encoded) % 8)  # 8-byte alignment, like the safetensors library
-    placeholder_at = encoded.index(CHECKSUM_MARKER + CHECKSUM_PLACEHOLDER.encode()) + len(CHECKSUM_MARKER)
+    placeholder_at = encoded.index(CHECKSUM_MARKER + CHECKSUM_PLACEHOLDER.encode()) + len(
+        CHECKSUM_MARKER
+    )
     prefix = struct.pack("<Q", len(encoded))
     f.write(prefix)
     f.write(encoded)
@@ -314,7 +367,9 @@ def read_into(fd: int, view: memoryview, offset: int) -> None:
             while done < hi:
                 n = os.preadv(fd, [view[done:hi]], offset + done)
                 if not n:
-                    raise FormatError(f"file ended after {done} of {total} data bytes (truncated while reading)")
+                    raise FormatError(
+                        f"file ended after {done} of {total} data bytes (truncated while reading)"
+                    )
                 done += n
         except BaseException as exc:  # handed to the caller's thread, raised there
             errors.append(exc)
@@ -322,7 +377,10 @@ def read_into(fd: int, view: memoryview, offset: int) -> None:
     if parts == 1:
         part(0, total)
     else:
-        workers = [threading.Thread(target=part, args=(bounds[i], bounds[i + 1]), name="kvsnap-read") for i in range(parts)]
+        workers = [
+            threading.Thread(target=part, args=(bounds[i], bounds[i + 1]), name="kvsnap-read")
+            for i in range(parts)
+        ]
         for w in workers:
             w.start()
         for w in workers:

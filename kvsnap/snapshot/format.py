@@ -21,12 +21,15 @@ import re
 FORMAT_VERSION = 3
 WHOLE_FILE_FORMAT = 2  # the last format whose file holds the state itself
 READ_FORMATS = (WHOLE_FILE_FORMAT, FORMAT_VERSION)
-BLOCK_FORMAT_VERSION = 1  # a block or checkpoint file; keyed (the block and checkpoint key prefixes)
-CODEC_FORMAT_VERSION = 1  # how cache objects become tensors + layer metadata; keyed (identity and key prefix)
+# a block or checkpoint file; keyed (the block and checkpoint key prefixes)
+BLOCK_FORMAT_VERSION = 1
+# how cache objects become tensors + layer metadata; keyed (identity and key prefix)
+CODEC_FORMAT_VERSION = 1
 # manifest.json's layout. Its first and only layout was written as 2 (the snapshot's number at the
 # time) and readers take any integer, so 2 it stays: a lower number would read as older.
 MANIFEST_FORMAT = 2
-OCI_ARTIFACT_VERSION = 1  # one layer per store file, titled by its relative path; pull refuses other artifact types
+# one layer per store file, titled by its relative path; pull refuses other artifact types
+OCI_ARTIFACT_VERSION = 1
 
 # --- where things live in a store (every path relative to its root) ---------------------------
 
@@ -38,10 +41,13 @@ SNAPSHOT_REL_RE = re.compile(rf"{SNAPSHOTS}/[0-9a-f]{{32}}{re.escape(SUFFIX)}")
 SNAPSHOT_REL_HINT = f"{SNAPSHOTS}/<32 hex digits>{SUFFIX}"  # how messages describe the path
 SNAPSHOT_REL_MAX = len(SNAPSHOTS) + 1 + 32 + len(SUFFIX)
 BLOCKS = "blocks"  # blocks/<key>.safetensors: the attention-KV slice of one run of tokens
-CHECKPOINTS = "checkpoints"  # checkpoints/<key>.safetensors: non-trimmable layers' whole state at one token count
+# checkpoints/<key>.safetensors: non-trimmable layers' whole state at one token count
+CHECKPOINTS = "checkpoints"
 PART_FOLDERS = (BLOCKS, CHECKPOINTS)
 PART_REL_RE = re.compile(rf"(?:{BLOCKS}|{CHECKPOINTS})/[0-9a-f]{{32}}{re.escape(SUFFIX)}")
-STORE_FILE_RE = re.compile(rf"{SNAPSHOT_REL_RE.pattern}|{PART_REL_RE.pattern}")  # every file a store ships besides the manifest
+STORE_FILE_RE = re.compile(
+    rf"{SNAPSHOT_REL_RE.pattern}|{PART_REL_RE.pattern}"
+)  # every file a store ships besides the manifest
 
 
 def snapshot_filename(key: str) -> str:
@@ -50,7 +56,8 @@ def snapshot_filename(key: str) -> str:
 
 
 def relpath_of_file(name: str) -> str:
-    """The store-relative path of a file named ``name`` in the snapshots folder (as the manifest lists it)."""
+    """The store-relative path of a file named ``name`` in the snapshots folder (as the manifest
+    lists it)."""
     return f"{SNAPSHOTS}/{name}"
 
 
@@ -74,23 +81,56 @@ def checkpoint_relpath(key: str) -> str:
 CHECKSUM_KEY = "kvsnap.xxh3_128"
 TOKENS = "tokens"  # the tensor of the prefix's token ids, checked against the key and the request
 TOKENS_DTYPE = "I32"
-REQUIRED_META = ("kvsnap.format", "kvsnap.key", "kvsnap.model", "kvsnap.model_digest", "kvsnap.prompt_digest", "kvsnap.n_tokens", "kvsnap.tokens_digest", "kvsnap.layers")
+REQUIRED_META = (
+    "kvsnap.format",
+    "kvsnap.key",
+    "kvsnap.model",
+    "kvsnap.model_digest",
+    "kvsnap.prompt_digest",
+    "kvsnap.n_tokens",
+    "kvsnap.tokens_digest",
+    "kvsnap.layers",
+)
 OPTIONAL_META = ("kvsnap.name", "kvsnap.recorded")
-CHAIN = "kvsnap.chain"  # v3 records: {"block_tokens", "checkpoint_every", "blocks": [[key, start, end]], "checkpoints": [[key, end]]}
+# v3 records: {"block_tokens", "checkpoint_every", "blocks": [[key, start, end]], "checkpoints":
+# [[key, end]]}
+CHAIN = "kvsnap.chain"
 # Block and checkpoint files (``kvsnap.kind`` says which).
-PART_META = ("kvsnap.format", "kvsnap.kind", "kvsnap.key", "kvsnap.model_digest", "kvsnap.start", "kvsnap.end", "kvsnap.prefix_digest")  # + kvsnap.layers
+PART_META = (
+    "kvsnap.format",
+    "kvsnap.kind",
+    "kvsnap.key",
+    "kvsnap.model_digest",
+    "kvsnap.start",
+    "kvsnap.end",
+    "kvsnap.prefix_digest",
+)  # + kvsnap.layers
 BLOCK_KIND, CHECKPOINT_KIND = "block", "checkpoint"
-HEADER_FIELDS = REQUIRED_META + OPTIONAL_META + (CHAIN, "kvsnap.kind", "kvsnap.start", "kvsnap.end", "kvsnap.prefix_digest", CHECKSUM_KEY)
+HEADER_FIELDS = (
+    REQUIRED_META
+    + OPTIONAL_META
+    + (CHAIN, "kvsnap.kind", "kvsnap.start", "kvsnap.end", "kvsnap.prefix_digest", CHECKSUM_KEY)
+)
 
 
 def header_metadata(
-    *, key: str, name: str, model: dict, model_digest: str, prompt_digest: str, n_tokens: int, tokens_digest: str, layers: list, recorded: dict,
+    *,
+    key: str,
+    name: str,
+    model: dict,
+    model_digest: str,
+    prompt_digest: str,
+    n_tokens: int,
+    tokens_digest: str,
+    layers: list,
+    recorded: dict,
     chain: dict | None = None,
 ) -> dict[str, str]:
     """The ``__metadata__`` a snapshot is written with (the writer adds the checksum).
 
     With ``chain`` it is a v3 prompt record; without, a v2 whole file (what ``kvsnap migrate``
-    reads and the tests write). Field order and JSON spelling are part of the file's bytes: keep them.
+    reads and the tests write). Field order and JSON spelling are part of the file's bytes: keep
+    them.
     """
     extra = {CHAIN: encode_chain(chain)} if chain is not None else {}
     return {
@@ -113,8 +153,18 @@ def encode_chain(chain: dict) -> str:
     return json.dumps(chain, sort_keys=True, separators=(",", ":"))
 
 
-def part_metadata(*, kind: str, key: str, model_digest: str, start: int, end: int, prefix_digest: str, layers: list | None) -> dict[str, str]:
-    """The header of a block (``kind`` "block": the sliceable layers' tensors for tokens [start, end))
+def part_metadata(
+    *,
+    kind: str,
+    key: str,
+    model_digest: str,
+    start: int,
+    end: int,
+    prefix_digest: str,
+    layers: list | None,
+) -> dict[str, str]:
+    """The header of a block (``kind`` "block": the sliceable layers' tensors for tokens [start,
+    end))
     or a checkpoint (the other layers' whole state at ``end``, start 0). ``layers``: the whole
     layer list as of ``end`` -- a checkpoint's always, a block's only when every layer is
     sliceable (then it is exact; a hybrid restores its layer list from a checkpoint)."""
@@ -131,18 +181,32 @@ def part_metadata(*, kind: str, key: str, model_digest: str, start: int, end: in
 
 
 def check_format_field(value: str) -> str | None:
-    """None if a header's ``kvsnap.format`` is one this kvsnap reads; else what is wrong, with the fix."""
+    """None if a header's ``kvsnap.format`` is one this kvsnap reads; else what is wrong, with the
+    fix."""
     if value in {str(v) for v in READ_FORMATS}:
         return None
-    return f"snapshot format version {value[:20]!r} is not one this kvsnap reads ({' or '.join(map(str, READ_FORMATS))}); rebuild it with this kvsnap"
+    return (
+        f"snapshot format version {value[:20]!r} is not one this kvsnap reads "
+        f"({' or '.join(map(str, READ_FORMATS))}); rebuild it with this kvsnap"
+    )
 
 
 # --- tensor dtypes: safetensors name -> (mlx dtype attribute, bytes per element) -------------
 
 DTYPES: dict[str, tuple[str, int]] = {
-    "BOOL": ("bool_", 1), "U8": ("uint8", 1), "I8": ("int8", 1), "U16": ("uint16", 2), "I16": ("int16", 2),
-    "F16": ("float16", 2), "BF16": ("bfloat16", 2), "U32": ("uint32", 4), "I32": ("int32", 4),
-    "F32": ("float32", 4), "U64": ("uint64", 8), "I64": ("int64", 8), "F64": ("float64", 8),
+    "BOOL": ("bool_", 1),
+    "U8": ("uint8", 1),
+    "I8": ("int8", 1),
+    "U16": ("uint16", 2),
+    "I16": ("int16", 2),
+    "F16": ("float16", 2),
+    "BF16": ("bfloat16", 2),
+    "U32": ("uint32", 4),
+    "I32": ("int32", 4),
+    "F32": ("float32", 4),
+    "U64": ("uint64", 8),
+    "I64": ("int64", 8),
+    "F64": ("float64", 8),
 }
 DTYPE_SIZES = {name: size for name, (_, size) in DTYPES.items()}
 
@@ -150,5 +214,6 @@ DTYPE_SIZES = {name: size for name, (_, size) in DTYPES.items()}
 
 ARTIFACT_TYPE = f"application/vnd.kvsnap.store.v{OCI_ARTIFACT_VERSION}"
 SNAPSHOT_MEDIA_TYPE = f"application/vnd.kvsnap.snapshot.v{FORMAT_VERSION}+safetensors"
-BLOCK_MEDIA_TYPE = f"application/vnd.kvsnap.block.v{BLOCK_FORMAT_VERSION}+safetensors"  # blocks and checkpoints
+# blocks and checkpoints
+BLOCK_MEDIA_TYPE = f"application/vnd.kvsnap.block.v{BLOCK_FORMAT_VERSION}+safetensors"
 MANIFEST_MEDIA_TYPE = f"application/vnd.kvsnap.manifest.v{MANIFEST_FORMAT}+json"

@@ -1,4 +1,5 @@
-"""What a snapshot's ``__metadata__`` must say, checked field by field before anything is built from it.
+"""What a snapshot's ``__metadata__`` must say, checked field by field before anything is built
+from it.
 
 The field names and the version are ``format.py``'s. The file layer (``file.parse_header``)
 proves the header is bounded JSON with sane tensor offsets; this module checks kvsnap's
@@ -15,7 +16,17 @@ from pathlib import Path
 from kvsnap.key import ModelIdentity, key_from_digests, tokens_digest_of_bytes, unpack_tokens
 from kvsnap.snapshot.chain import Chain, parse_chain
 from kvsnap.snapshot.file import FormatError, Header, tensor_bytes
-from kvsnap.snapshot.format import CHAIN, FORMAT_VERSION, KEY_RE, REQUIRED_META, TOKENS, TOKENS_DTYPE, check_format_field, snapshot_filename, snapshot_relpath
+from kvsnap.snapshot.format import (
+    CHAIN,
+    FORMAT_VERSION,
+    KEY_RE,
+    REQUIRED_META,
+    TOKENS,
+    TOKENS_DTYPE,
+    check_format_field,
+    snapshot_filename,
+    snapshot_relpath,
+)
 from kvsnap.snapshot.header_fields import DIGITS_RE, check_count, json_field, show
 from kvsnap.snapshot.layer_list import MAX_LAYERS, RECORD_NAME_BUDGET, checked_layers
 
@@ -42,8 +53,11 @@ class SnapshotInfo:
     layers: list
     recorded: dict
     nbytes: int
-    tokens: tuple[int, ...] = ()  # read in the same pass as the header: nothing re-reads the file for them
-    chain: Chain | None = None  # v3: the blocks and checkpoints holding the state; None: a v2 file holds it itself
+    tokens: tuple[
+        int, ...
+    ] = ()  # read in the same pass as the header: nothing re-reads the file for them
+    # v3: the blocks and checkpoints holding the state; None: a v2 file holds it itself
+    chain: Chain | None = None
 
     @property
     def relpath(self) -> str:
@@ -53,20 +67,34 @@ class SnapshotInfo:
 def _identity(meta: dict) -> tuple[dict, ModelIdentity]:
     model = json_field(meta, "kvsnap.model", MAX_MODEL_JSON)
     if not isinstance(model, dict) or len(model) > MAX_IDENTITY_FIELDS:
-        raise FormatError(f"kvsnap.model is {show(model)}, expected an object of at most {MAX_IDENTITY_FIELDS} identity fields")
+        raise FormatError(
+            f"kvsnap.model is {show(model)}, expected an object of at most {MAX_IDENTITY_FIELDS} "
+            f"identity fields"
+        )
     for name, value in model.items():
         where = f"kvsnap.model.{name}"
         if name == "layout":
-            if not isinstance(value, list) or len(value) > MAX_LAYERS or not all(isinstance(c, str) and len(c) <= 64 for c in value):
-                raise FormatError(f"{where} is {show(value)}, expected a list of at most {MAX_LAYERS} cache class names")
+            if (
+                not isinstance(value, list)
+                or len(value) > MAX_LAYERS
+                or not all(isinstance(c, str) and len(c) <= 64 for c in value)
+            ):
+                raise FormatError(
+                    f"{where} is {show(value)}, expected a list of at most {MAX_LAYERS} cache "
+                    f"class names"
+                )
         elif value is not None and not isinstance(value, str):
             check_count(where, value)
     try:
         identity = ModelIdentity.from_dict(model)
     except (KeyError, TypeError, ValueError) as exc:
-        raise FormatError(f"kvsnap.model is not a model identity ({type(exc).__name__}: {str(exc)[:120]})") from None
+        raise FormatError(
+            f"kvsnap.model is not a model identity ({type(exc).__name__}: {str(exc)[:120]})"
+        ) from None
     if identity.digest != meta["kvsnap.model_digest"]:
-        raise FormatError("model identity does not hash to the recorded model digest (edited header?)")
+        raise FormatError(
+            "model identity does not hash to the recorded model digest (edited header?)"
+        )
     return model, identity
 
 
@@ -83,15 +111,21 @@ def _recorded(meta: dict) -> dict:
         raise FormatError(f"kvsnap.recorded is {show(recorded)}, expected a JSON object")
     for name, value in recorded.items():
         if not (value is None or isinstance(value, (str, int, float, bool))):
-            raise FormatError(f"kvsnap.recorded.{name} is {show(value)}, expected a string or a number")
+            raise FormatError(
+                f"kvsnap.recorded.{name} is {show(value)}, expected a string or a number"
+            )
     if not isinstance(recorded.get("created", ""), str):
-        raise FormatError(f"kvsnap.recorded.created is {show(recorded['created'])}, expected a date string")
+        raise FormatError(
+            f"kvsnap.recorded.created is {show(recorded['created'])}, expected a date string"
+        )
     return recorded
 
 
 def check_token_count(header: Header, max_tokens: int = MAX_TOKENS) -> int:
     """The header's token count, refused over ``max_tokens`` before a token is read."""
-    if "kvsnap.n_tokens" not in header.metadata:  # a file that is not ours says so, not "n_tokens is ''"
+    if (
+        "kvsnap.n_tokens" not in header.metadata
+    ):  # a file that is not ours says so, not "n_tokens is ''"
         raise FormatError("not a kvsnap snapshot: metadata lacks kvsnap.n_tokens")
     raw = header.metadata["kvsnap.n_tokens"]
     if not DIGITS_RE.fullmatch(raw):
@@ -99,13 +133,17 @@ def check_token_count(header: Header, max_tokens: int = MAX_TOKENS) -> int:
     n = int(raw)
     if n > max_tokens:
         raise FormatError(
-            f"kvsnap.n_tokens is {n}, over the {max_tokens} a record may hold here (kvsnap's limit is {MAX_TOKENS}, "
-            "and the model's context when it is known); a prefix that long cannot be served: rebuild the store for this model"
+            f"kvsnap.n_tokens is {n}, over the {max_tokens} a record may hold here (kvsnap's limit "
+            f"is {MAX_TOKENS}, "
+            "and the model's context when it is known); a prefix that long cannot be served: "
+            "rebuild the store for this model"
         )
     return n
 
 
-def inspect_header(path: Path, header: Header, tokens_raw: bytes | None = None, max_tokens: int = MAX_TOKENS) -> SnapshotInfo:
+def inspect_header(
+    path: Path, header: Header, tokens_raw: bytes | None = None, max_tokens: int = MAX_TOKENS
+) -> SnapshotInfo:
     """Check a header's identity fields against themselves and the tokens; no checksum yet.
 
     ``tokens_raw``: the ``tokens`` tensor's bytes when the caller already holds them (read
@@ -118,7 +156,12 @@ def inspect_header(path: Path, header: Header, tokens_raw: bytes | None = None, 
     wrong_version = check_format_field(meta["kvsnap.format"])
     if wrong_version:
         raise FormatError(wrong_version)
-    for field in ("kvsnap.key", "kvsnap.model_digest", "kvsnap.prompt_digest", "kvsnap.tokens_digest"):
+    for field in (
+        "kvsnap.key",
+        "kvsnap.model_digest",
+        "kvsnap.prompt_digest",
+        "kvsnap.tokens_digest",
+    ):
         if not KEY_RE.fullmatch(meta[field]):
             raise FormatError(f"{field} is {show(meta[field])}, expected 32 lowercase hex digits")
     n_tokens = check_token_count(header, max_tokens)
@@ -131,23 +174,39 @@ def inspect_header(path: Path, header: Header, tokens_raw: bytes | None = None, 
         raise FormatError(f"tokens tensor missing or not int32[{n_tokens}]")
     if tokens_raw is None:
         tokens_raw = tensor_bytes(path, header, TOKENS)
-    if len(tokens_raw) != tok.nbytes or tokens_digest_of_bytes(tokens_raw) != meta["kvsnap.tokens_digest"]:
+    if (
+        len(tokens_raw) != tok.nbytes
+        or tokens_digest_of_bytes(tokens_raw) != meta["kvsnap.tokens_digest"]
+    ):
         raise FormatError("tokens do not match the recorded tokens digest")
     key = key_of(identity, meta["kvsnap.prompt_digest"], meta["kvsnap.tokens_digest"], n_tokens)
     if key != meta["kvsnap.key"]:
         raise FormatError("tokens and identity do not hash to the recorded key")
     if path.name != snapshot_filename(key):
-        raise FormatError(f"file name does not match its key {key} (renamed or copied over another snapshot)")
+        raise FormatError(
+            f"file name does not match its key {key} (renamed or copied over another snapshot)"
+        )
     raw_layers = json_field(meta, "kvsnap.layers", len(header.raw))
     names = set(header.tensors) - {TOKENS}
     record = meta["kvsnap.format"] == str(FORMAT_VERSION)
     if record != (CHAIN in meta):
-        raise FormatError(f"format {meta['kvsnap.format']} " + ("needs" if record else "cannot have") + f" a {CHAIN}")
+        raise FormatError(
+            f"format {meta['kvsnap.format']} "
+            + ("needs" if record else "cannot have")
+            + f" a {CHAIN}"
+        )
     layers, expected = checked_layers(raw_layers, RECORD_NAME_BUDGET if record else len(names))
     if names != (set() if record else expected):
-        raise FormatError(f"tensors do not match the layer list (missing {sorted(expected - names)[:3]}, extra {sorted(names - expected)[:3]})")
+        raise FormatError(
+            f"tensors do not match the layer list (missing {sorted(expected - names)[:3]}, extra "
+            f"{sorted(names - expected)[:3]})"
+        )
     tokens = unpack_tokens(bytes(tokens_raw))
-    chain = parse_chain(meta, meta["kvsnap.model_digest"], tokens, layers, len(header.raw)) if record else None
+    chain = (
+        parse_chain(meta, meta["kvsnap.model_digest"], tokens, layers, len(header.raw))
+        if record
+        else None
+    )
     return SnapshotInfo(
         path=path,
         key=key,

@@ -8,7 +8,9 @@ import re
 
 from kvsnap.snapshot.file import FormatError
 
-DIGITS_RE = re.compile(r"[0-9]{1,12}")  # ASCII only: int() would also take " 7", "7_0" and other scripts' digits
+DIGITS_RE = re.compile(
+    r"[0-9]{1,12}"
+)  # ASCII only: int() would also take " 7", "7_0" and other scripts' digits
 MAX_COUNT = 2**53
 
 
@@ -32,7 +34,8 @@ def json_field(meta: dict, field: str, limit: int) -> object:
 
 
 def check_count(field: str, value: object, low: int = 0, high: int = MAX_COUNT) -> int:
-    """``value`` if it is an integer from ``low`` to ``high``; else a FormatError naming the field."""
+    """``value`` if it is an integer from ``low`` to ``high``; else a FormatError naming the
+    field."""
     if type(value) is not int or not low <= value <= high:  # not bool: JSON true is no count
         raise FormatError(f"{field} is {show(value)}, expected an integer from {low} to {high}")
     return value

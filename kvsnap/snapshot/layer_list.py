@@ -8,6 +8,7 @@ the field and its value. No mlx here.
 """
 
 from __future__ import annotations
+
 from typing import cast
 
 from kvsnap.snapshot.cache_classes import UnknownCacheClass, cache_class, member_path
@@ -19,7 +20,9 @@ MAX_LAYER_OBJECTS = 65536  # in all, CacheList members included
 MAX_CACHE_NESTING = 4  # a CacheList inside a CacheList inside ...
 MAX_PARTS = 8  # QuantizedKVCache: packed data, scales, biases
 MAX_ARRAYS = 256  # ArraysCache slots (SSM conv + recurrent state: 2)
-RECORD_NAME_BUDGET = 2 * MAX_PARTS * MAX_LAYERS  # a v3 record holds no layer tensors; its layer list may still name this many
+RECORD_NAME_BUDGET = (
+    2 * MAX_PARTS * MAX_LAYERS
+)  # a v3 record holds no layer tensors; its layer list may still name this many
 
 
 class _LayerWalk:
@@ -32,7 +35,10 @@ class _LayerWalk:
 
     def add(self, field: str, names: list[str]) -> None:
         if len(self.names) + len(names) > self.budget:
-            raise FormatError(f"{field} implies more tensors than the {self.budget} the header holds besides tokens")
+            raise FormatError(
+                f"{field} implies more tensors than the {self.budget} the header holds besides "
+                f"tokens"
+            )
         self.names.update(names)
 
     def layers(self, field: str, layers: object, parent: str | None, depth: int) -> None:
@@ -41,7 +47,9 @@ class _LayerWalk:
         if len(layers) > MAX_LAYERS:
             raise FormatError(f"{field} lists {len(layers)} layers, over the {MAX_LAYERS} limit")
         for i, meta in enumerate(layers):
-            self.layer(f"{field}[{i}]", meta, str(i) if parent is None else member_path(parent, i), depth)
+            self.layer(
+                f"{field}[{i}]", meta, str(i) if parent is None else member_path(parent, i), depth
+            )
 
     def layer(self, field: str, meta: object, path: str, depth: int) -> None:
         self.objects += 1
@@ -62,7 +70,10 @@ class _LayerWalk:
         unknown = sorted(set(meta) - allowed)
         missing = sorted(required - set(meta))
         if unknown or missing:
-            raise FormatError(f"{field} ({cls}) has {'unknown field ' + show(unknown[0]) if unknown else 'no field ' + show(missing[0])}")
+            what = (
+                f"unknown field {show(unknown[0])}" if unknown else f"no field {show(missing[0])}"
+            )
+            raise FormatError(f"{field} ({cls}) has {what}")
         self.fields(field, meta)
         broken = spec.consistent(meta)
         if broken is not None:
@@ -74,19 +85,26 @@ class _LayerWalk:
         self.add(field, spec.tensor_names(meta, path))
 
     def fields(self, field: str, meta: dict) -> None:
-        """Each number in range; the offset is the token count (the state was captured at its boundary)."""
+        """Each number in range; the offset is the token count (the state was captured at its
+        boundary)."""
         for name, value in meta.items():
             where = f"{field}.{name}"
             if name in ("class", "empty", "caches"):
                 continue
             if name == "present":
                 if not isinstance(value, list) or len(value) > MAX_ARRAYS:
-                    raise FormatError(f"{where} is {show(value)}, expected a list of at most {MAX_ARRAYS} slot numbers")
+                    raise FormatError(
+                        f"{where} is {show(value)}, expected a list of at most {MAX_ARRAYS} slot "
+                        f"numbers"
+                    )
                 size = check_count(f"{field}.size", meta["size"], 0, MAX_ARRAYS)
                 for j in value:
                     check_count(where, j, 0, size - 1)
                 if value != sorted(set(value)):
-                    raise FormatError(f"{where} is {show(value)}, expected increasing slot numbers without repeats")
+                    raise FormatError(
+                        f"{where} is {show(value)}, expected increasing slot numbers without "
+                        f"repeats"
+                    )
             elif name == "parts":
                 check_count(where, value, 1, min(MAX_PARTS, self.budget))
             elif name == "bits":
@@ -98,14 +116,16 @@ class _LayerWalk:
 
 
 def expected_tensor_names(layers: object, budget: int) -> set[str]:
-    """The tensor names a layer list implies; FormatError (field and value) if any field is off or they outnumber ``budget``."""
+    """The tensor names a layer list implies; FormatError (field and value) if any field is off or
+    they outnumber ``budget``."""
     walk = _LayerWalk(budget)
     walk.layers("kvsnap.layers", layers, None, 0)
     return walk.names
 
 
 def checked_layers(layers: object, budget: int) -> tuple[list, set[str]]:
-    """``layers`` checked as a layer list (FormatError otherwise), and the tensor names it implies."""
+    """``layers`` checked as a layer list (FormatError otherwise), and the tensor names it
+    implies."""
     names = expected_tensor_names(layers, budget)
     return cast(list, layers), names  # expected_tensor_names refuses anything but a list
 
@@ -114,11 +134,15 @@ def check_offsets(layers: list, n_tokens: int, field: str = "kvsnap.layers") -> 
     """Every layer's offset is the token count: a state is captured exactly at its tokens.
 
     Run after the checksum (a flipped digit is reported as the corruption it is); this
-    catches a header that is consistent but lies. ``layers`` was checked by ``expected_tensor_names``.
+    catches a header that is consistent but lies. ``layers`` was checked by
+    ``expected_tensor_names``.
     """
     for i, meta in enumerate(layers):
         spec = cache_class(meta["class"])
         if spec.members_field:
             check_offsets(spec.members(meta), n_tokens, f"{field}[{i}].{spec.members_field}")
         elif "offset" in meta and meta["offset"] != n_tokens:
-            raise FormatError(f"{field}[{i}].offset is {meta['offset']}, but the snapshot holds {n_tokens} tokens (a state is captured exactly at its tokens)")
+            raise FormatError(
+                f"{field}[{i}].offset is {meta['offset']}, but the snapshot holds {n_tokens} "
+                f"tokens (a state is captured exactly at its tokens)"
+            )

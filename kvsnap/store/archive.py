@@ -45,26 +45,36 @@ class UnpackReport:
     dest: Path
     files: list[str]
     nbytes: int
-    kept: list[str] = field(default_factory=list)  # differed from the store's good file of that name: not installed
+    kept: list[str] = field(
+        default_factory=list
+    )  # differed from the store's good file of that name: not installed
 
 
 def _tar_mode(name: str, write: bool) -> str:
     if not write:
         return "r:*"
     lower = name.lower()
-    for suffixes, comp in (((".tar.gz", ".tgz"), "gz"), ((".tar.bz2", ".tbz2"), "bz2"), ((".tar.xz", ".txz"), "xz")):
+    for suffixes, comp in (
+        ((".tar.gz", ".tgz"), "gz"),
+        ((".tar.bz2", ".tbz2"), "bz2"),
+        ((".tar.xz", ".txz"), "xz"),
+    ):
         if lower.endswith(suffixes):
             return f"w:{comp}"
     return "w"
 
 
 def pack(root: str | os.PathLike, out: str | os.PathLike) -> PackReport:
-    """Verify the store, then write its manifest and snapshots to a tarball (atomically, ``0600``)."""
+    """Verify the store, then write its manifest and snapshots to a tarball (atomically,
+    ``0600``)."""
     files = collect_store(root)
     out_path = Path(out).expanduser().absolute()
     store_root = Path(root).expanduser().resolve()
     if out_path.resolve() == store_root or store_root in out_path.resolve().parents:
-        raise ArchiveError(f"{out_path}: the archive would be written inside the store {store_root}; write it elsewhere")
+        raise ArchiveError(
+            f"{out_path}: the archive would be written inside the store {store_root}; write it "
+            f"elsewhere"
+        )
     if out_path.is_dir():
         raise ArchiveError(f"{out_path} is a folder; give a file name like snaps.tar")
     if not out_path.parent.is_dir():
@@ -74,7 +84,9 @@ def pack(root: str | os.PathLike, out: str | os.PathLike) -> PackReport:
     try:
         os.fchmod(fd, FILE_MODE)
         with os.fdopen(fd, "wb") as raw:
-            with tarfile.open(fileobj=raw, mode=_tar_mode(out_path.name, True), format=tarfile.PAX_FORMAT) as tar:  # type: ignore[call-overload]  # mode from the file name
+            with tarfile.open(
+                fileobj=raw, mode=_tar_mode(out_path.name, True), format=tarfile.PAX_FORMAT
+            ) as tar:  # type: ignore[call-overload]  # mode from the file name
                 for f in files:
                     with open_checked(f) as fh:
                         info = tarfile.TarInfo(f.relpath)
@@ -112,13 +124,17 @@ def _check_name(name: str, where: str) -> None:
         raise ArchiveError(str(exc)) from None
 
 
-def unpack(archive: str | os.PathLike, dest: str | os.PathLike, limits: UnpackLimits | None = None) -> UnpackReport:
+def unpack(
+    archive: str | os.PathLike, dest: str | os.PathLike, limits: UnpackLimits | None = None
+) -> UnpackReport:
     """Unpack a tarball made by ``pack`` into ``dest``: checked entry by entry (names, kinds, and
     sizes against ``limits`` before a byte is written), verified, installed atomically."""
     limits = limits or UnpackLimits.from_env()
     path = Path(archive).expanduser()
     if not path.is_file():
-        raise ArchiveError(f"{path}: no such archive file; make one with `kvsnap pack STORE -o {path}`")
+        raise ArchiveError(
+            f"{path}: no such archive file; make one with `kvsnap pack STORE -o {path}`"
+        )
     where = str(path)
     check_destination(dest)  # before reading anything: a bad destination is a usage error
     try:
@@ -126,15 +142,23 @@ def unpack(archive: str | os.PathLike, dest: str | os.PathLike, limits: UnpackLi
         guard = ExpansionGuard(limits, path.stat().st_size)
     except (tarfile.TarError, OSError, EOFError, zlib.error, lzma.LZMAError) as exc:
         first = (str(exc).splitlines() or [type(exc).__name__])[0].rstrip(":")
-        raise ArchiveError(f"{path}: not a readable tar archive (.tar, .tar.gz, .tar.bz2, .tar.xz: {first}); make one with `kvsnap pack`") from None
+        raise ArchiveError(
+            f"{path}: not a readable tar archive (.tar, .tar.gz, .tar.bz2, .tar.xz: {first}); make "
+            f"one with `kvsnap pack`"
+        ) from None
     total = 0
     with tar, StagedInstall(Path(dest)) as staging:
         try:
-            for member in tar:  # streaming: one entry at a time, nothing extracted by tarfile itself
+            for (
+                member
+            ) in tar:  # streaming: one entry at a time, nothing extracted by tarfile itself
                 name = _member_name(member)
                 label = f"{where}: entry {member.name!r}"
                 if member.issym() or member.islnk():
-                    raise ArchiveError(f"{label} is a {'symbolic' if member.issym() else 'hard'} link (to {member.linkname!r}); refusing it (a store holds only regular files)")
+                    raise ArchiveError(
+                        f"{label} is a {'symbolic' if member.issym() else 'hard'} link (to "
+                        f"{member.linkname!r}); refusing it (a store holds only regular files)"
+                    )
                 if member.isdir():
                     if name in ("", ".", SNAPSHOTS, *PART_FOLDERS):
                         too_many = guard.admit(0)  # only the entry count can be broken here
@@ -144,25 +168,45 @@ def unpack(archive: str | os.PathLike, dest: str | os.PathLike, limits: UnpackLi
                     _check_name(name, where)  # says escape or unknown
                     raise ArchiveError(f"{label}: unexpected folder; refusing it")
                 if not member.isreg():
-                    kind = "device" if (member.ischr() or member.isblk()) else "FIFO" if member.isfifo() else "special file"
-                    raise ArchiveError(f"{label} is a {kind}; refusing it (a store holds only regular files)")
+                    kind = (
+                        "device"
+                        if (member.ischr() or member.isblk())
+                        else "FIFO"
+                        if member.isfifo()
+                        else "special file"
+                    )
+                    raise ArchiveError(
+                        f"{label} is a {kind}; refusing it (a store holds only regular files)"
+                    )
                 _check_name(name, where)
                 if name in staging.staged:
                     raise ArchiveError(f"{label} appears twice; refusing the archive")
                 too_big = guard.admit(member.size)
                 if too_big:
-                    raise ArchiveError(f"{label}: the archive {too_big}; refusing it (nothing was changed in {staging.dest})")
+                    raise ArchiveError(
+                        f"{label}: the archive {too_big}; refusing it (nothing was changed in "
+                        f"{staging.dest})"
+                    )
                 src = tar.extractfile(member)
                 assert src is not None
                 with staging.open(name) as out:
                     shutil.copyfileobj(src, out, CHUNK)
                 total += member.size
             if not staging.staged:
-                raise ArchiveError(f"{where}: no store files inside (no manifest.json, no snapshots/); make the archive with `kvsnap pack`")
+                raise ArchiveError(
+                    f"{where}: no store files inside (no manifest.json, no snapshots/); make the "
+                    f"archive with `kvsnap pack`"
+                )
         except (tarfile.TarError, EOFError, zlib.error, lzma.LZMAError) as exc:
-            raise ArchiveError(f"{where}: archive is truncated or corrupt ({exc}); nothing was changed in {staging.dest}") from None
+            raise ArchiveError(
+                f"{where}: archive is truncated or corrupt ({exc}); nothing was changed in "
+                f"{staging.dest}"
+            ) from None
         except OSError as exc:
-            raise ArchiveError(f"{where}: cannot unpack ({exc.strerror or exc}); nothing was changed in {staging.dest}") from None
+            raise ArchiveError(
+                f"{where}: cannot unpack ({exc.strerror or exc}); nothing was changed in "
+                f"{staging.dest}"
+            ) from None
         staging.verify(where)
         files = list(staging.staged)
         staging.commit()

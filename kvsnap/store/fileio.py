@@ -75,10 +75,13 @@ def make_dirs(folder: Path, fsync: Fsync = default_fsync) -> None:
         except FileExistsError:
             if not new.is_dir():
                 raise  # a file in the way: the caller names it
-        fsync_dir(new.parent, fsync)  # even when another writer made it: it may not have got this far
+        # even when another writer made it: it may not have got this far
+        fsync_dir(new.parent, fsync)
 
 
-def atomic_write(target: Path, write: Callable[[Any], object], fault: FaultFn, fsync: Fsync = default_fsync) -> None:
+def atomic_write(
+    target: Path, write: Callable[[Any], object], fault: FaultFn, fsync: Fsync = default_fsync
+) -> None:
     """Temp file in the target's folder, fsync, rename over the target, fsync the folder.
     A crash at any point leaves the old file or the new one, never a mix."""
     make_dirs(target.parent, fsync)
@@ -111,7 +114,8 @@ def hash_file(path: Path, hasher: H) -> H:
 
 
 def check_regular(path: Path, root: Path) -> None:
-    """SnapshotError unless ``path`` is a regular file (a link, even one inside ``root``, is not)."""
+    """SnapshotError unless ``path`` is a regular file (a link, even one inside ``root``, is
+    not)."""
     if path.is_symlink():
         try:
             path.resolve().relative_to(root)

@@ -34,7 +34,8 @@ from kvsnap.store.stage import adopt_stage, clean_stale_stages, new_stage
 
 
 def check_manifest_bytes(data: bytes, where: str, dest: Path | None = None) -> dict:
-    """A shipped manifest, checked field by field like the store's own; ShipError (nothing changed) if not."""
+    """A shipped manifest, checked field by field like the store's own; ShipError (nothing changed)
+    if not."""
     untouched = f"nothing was changed in {dest}" if dest is not None else "nothing was changed"
     try:
         return parse_manifest(data, f"{where}: {MANIFEST}", f"refusing it ({untouched})")
@@ -49,7 +50,12 @@ def existing_file_is_good(store: Store, relpath: str) -> bool:
     path = store.root / relpath
     try:
         if PART_REL_RE.fullmatch(relpath):
-            check_part(store, "block" if relpath.startswith(PART_FOLDERS[0]) else "checkpoint", path.stem, path=path)
+            check_part(
+                store,
+                "block" if relpath.startswith(PART_FOLDERS[0]) else "checkpoint",
+                path.stem,
+                path=path,
+            )
         else:
             store.verify_file(path, parts=False)
     except (SnapshotError, OSError):
@@ -80,9 +86,14 @@ def check_destination(dest: str | os.PathLike) -> Path:
         raise ShipError(f"{path}: a dangling symbolic link; give a folder")
     if path.exists():
         if not path.is_dir():
-            raise StoreError(f"snapshot store {str(dest)!r} is a file, not a directory; give a folder")
+            raise StoreError(
+                f"snapshot store {str(dest)!r} is a file, not a directory; give a folder"
+            )
         if any(path.iterdir()) and not Store(root=path).is_initialized():
-            raise ShipError(f"{path} is not empty and not a kvsnap store; give an empty or new folder, or a store")
+            raise ShipError(
+                f"{path} is not empty and not a kvsnap store; give an empty or new folder, or a "
+                f"store"
+            )
     return path
 
 
@@ -95,10 +106,14 @@ class StagedInstall:
     staged: list[str] = field(default_factory=list)
     manifest: dict | None = None  # the shipped manifest, once verified
     reached: set[str] = field(default_factory=set)  # blocks and checkpoints the staged records need
-    kept: list[str] = field(default_factory=list)  # shipped files that differ from the store's good one: not installed
-    resume: bool = False  # take over a killed install's stage for this dest (pull: its files are digest-checked)
+    kept: list[str] = field(
+        default_factory=list
+    )  # shipped files that differ from the store's good one: not installed
+    # take over a killed install's stage for this dest (pull: its files are digest-checked)
+    resume: bool = False
     leftover: set[str] = field(default_factory=set)  # files of an adopted stage not yet reused
-    _lock_fd: int | None = None  # held while this install runs: a live stage is never cleaned or adopted
+    # held while this install runs: a live stage is never cleaned or adopted
+    _lock_fd: int | None = None
 
     def __post_init__(self) -> None:
         self.dest = check_destination(self.dest)
@@ -114,7 +129,10 @@ class StagedInstall:
                 os.chmod(self.tmp / folder, DIR_MODE)
         except OSError as exc:
             self.cleanup()
-            raise ShipError(f"cannot make a temp folder next to {self.dest} ({exc.strerror or exc}); check the parent folder's permissions") from None
+            raise ShipError(
+                f"cannot make a temp folder next to {self.dest} ({exc.strerror or exc}); check the "
+                f"parent folder's permissions"
+            ) from None
 
     def __enter__(self) -> "StagedInstall":
         return self
@@ -127,7 +145,11 @@ class StagedInstall:
         assert self.tmp is not None
         found = set()
         for entry in self.tmp.iterdir():
-            if entry.name in (SNAPSHOTS, *PART_FOLDERS) and not entry.is_symlink() and entry.is_dir():
+            if (
+                entry.name in (SNAPSHOTS, *PART_FOLDERS)
+                and not entry.is_symlink()
+                and entry.is_dir()
+            ):
                 for f in entry.iterdir():
                     rel = f"{entry.name}/{f.name}"
                     if is_store_relpath(rel) and _is_regular_file(f):
@@ -141,7 +163,8 @@ class StagedInstall:
         return found
 
     def reuse(self, relpath: str, size: int, digest: str) -> bool:
-        """Count a file a killed install staged as staged, if it has this size and sha256; else drop it."""
+        """Count a file a killed install staged as staged, if it has this size and sha256; else
+        drop it."""
         assert self.tmp is not None
         if relpath not in self.leftover or relpath in self.staged:
             return False
@@ -169,7 +192,9 @@ class StagedInstall:
             self.leftover.discard(relpath)
             _remove(self.tmp / relpath)
         target = self.tmp / relpath
-        fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), FILE_MODE)
+        fd = os.open(
+            target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), FILE_MODE
+        )
         os.fchmod(fd, FILE_MODE)
         with os.fdopen(fd, "wb") as fh:
             yield fh
@@ -179,7 +204,8 @@ class StagedInstall:
 
     def verify(self, source: str) -> None:
         """Every staged file's own checks (header, key, checksum; a block's or checkpoint's too) and
-        the manifest's JSON. A record's parts are checked where they will be: staged, or already in ``dest``."""
+        the manifest's JSON. A record's parts are checked where they will be: staged, or already in
+        ``dest``."""
         from kvsnap.store.parts import chain_relpaths, check_part
 
         assert self.tmp is not None
@@ -193,25 +219,44 @@ class StagedInstall:
                 continue
             try:
                 if PART_REL_RE.fullmatch(relpath):
-                    check_part(store, "block" if relpath.startswith(PART_FOLDERS[0]) else "checkpoint", path.stem, path=path)
+                    check_part(
+                        store,
+                        "block" if relpath.startswith(PART_FOLDERS[0]) else "checkpoint",
+                        path.stem,
+                        path=path,
+                    )
                 else:
                     self.reached.update(chain_relpaths(store.verify_file(path, parts=False)))
             except SnapshotError as exc:
-                raise ShipError(f"{source}: {relpath}: {exc.reason}; refusing it (nothing was changed in {self.dest})") from None
+                raise ShipError(
+                    f"{source}: {relpath}: {exc.reason}; refusing it (nothing was changed in "
+                    f"{self.dest})"
+                ) from None
 
     def _check_references(self, present: Callable[[str], bool]) -> None:
         """Every snapshot the shipped manifest lists is shipped too, or already in the store."""
         parts = sorted(r for r in self.reached if r not in self.staged and not present(r))
         if parts:
-            raise ShipError(f"a shipped record needs {parts[0]}, which was not shipped and is not in {self.dest}; refusing it (nothing was changed in {self.dest}); ship the whole store with `kvsnap pack` or `kvsnap push`")
+            raise ShipError(
+                f"a shipped record needs {parts[0]}, which was not shipped and is not in "
+                f"{self.dest}; refusing it (nothing was changed in {self.dest}); ship the whole "
+                f"store with `kvsnap pack` or `kvsnap push`"
+            )
         if self.manifest is None:
             return
-        missing = sorted(r for r in referenced_files(self.manifest) if r not in self.staged and not present(r))
+        missing = sorted(
+            r for r in referenced_files(self.manifest) if r not in self.staged and not present(r)
+        )
         if missing:
-            raise ShipError(f"{MANIFEST} lists {missing[0]}, which was not shipped and is not in {self.dest}; refusing it (nothing was changed in {self.dest}); ship the whole store with `kvsnap pack` or `kvsnap push`")
+            raise ShipError(
+                f"{MANIFEST} lists {missing[0]}, which was not shipped and is not in {self.dest}; "
+                f"refusing it (nothing was changed in {self.dest}); ship the whole store with "
+                f"`kvsnap pack` or `kvsnap push`"
+            )
 
     def commit(self) -> None:
-        """Move the staged files into ``dest``: all at once for a new store, else under the lock, merging the manifest."""
+        """Move the staged files into ``dest``: all at once for a new store, else under the lock,
+        merging the manifest."""
         assert self.tmp is not None
         if not self.staged:  # everything was already in place: leave the store untouched
             self.cleanup()
@@ -224,7 +269,9 @@ class StagedInstall:
                 os.rename(self.tmp, self.dest)
             except OSError as exc:
                 if exc.errno not in (errno.EEXIST, errno.ENOTEMPTY):
-                    raise ShipError(f"cannot move the new store into {self.dest} ({exc.strerror or exc})") from None
+                    raise ShipError(
+                        f"cannot move the new store into {self.dest} ({exc.strerror or exc})"
+                    ) from None
             else:
                 self.tmp = None
                 self.cleanup()  # releases the stage lock, now on the new store's folder
@@ -236,10 +283,15 @@ class StagedInstall:
                 try:
                     store.read_manifest()  # the store's own must be sound before anything moves
                 except ManifestError as exc:
-                    raise ShipError(f"{exc}; the install merges into it, so nothing was changed in {self.dest}") from None
+                    raise ShipError(
+                        f"{exc}; the install merges into it, so nothing was changed in {self.dest}"
+                    ) from None
                 self._check_references(lambda relpath: _is_regular_file(store.root / relpath))
                 # Parts before records, records before the manifest: what lands is always whole.
-                files = sorted((r for r in self.staged if r != MANIFEST), key=lambda r: not PART_REL_RE.fullmatch(r))
+                files = sorted(
+                    (r for r in self.staged if r != MANIFEST),
+                    key=lambda r: not PART_REL_RE.fullmatch(r),
+                )
                 files = [r for r in files if not self._keeps_existing(store, r)]
                 for relpath in files:
                     (store.root / relpath).parent.mkdir(mode=DIR_MODE, exist_ok=True)
@@ -249,7 +301,9 @@ class StagedInstall:
                 if self.manifest is not None:
                     store.merge_manifest(self.manifest)
         except OSError as exc:
-            raise ShipError(f"cannot move files into {self.dest} ({exc.strerror or exc}); check its permissions") from None
+            raise ShipError(
+                f"cannot move files into {self.dest} ({exc.strerror or exc}); check its permissions"
+            ) from None
         finally:
             self.cleanup()
 

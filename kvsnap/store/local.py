@@ -25,53 +25,75 @@ from typing import Any, Callable, Iterator
 
 from kvsnap.errors import SnapshotError, StoreError
 from kvsnap.key import ModelIdentity, unpack_tokens
-from kvsnap.store.manifest import encode_manifest, merge_manifests, read_manifest_file, referenced_files, update_manifest
-from kvsnap.snapshot.file import FormatError, OutTensor, check_data, parse_header, read_header, tensor_bytes, verify_checksum, write_snapshot
-from kvsnap.snapshot.format import DTYPES, KEY_RE, MANIFEST, PART_FOLDERS, SNAPSHOTS, SUFFIX, TOKENS, relpath_of_file, snapshot_filename
-from kvsnap.snapshot.header import MAX_NAME_CHARS, MAX_TOKENS, SnapshotInfo, check_token_count, inspect_header
+from kvsnap.snapshot.file import (
+    FormatError,
+    OutTensor,
+    check_data,
+    parse_header,
+    read_header,
+    tensor_bytes,
+    verify_checksum,
+    write_snapshot,
+)
+from kvsnap.snapshot.format import (
+    DTYPES,
+    KEY_RE,
+    MANIFEST,
+    PART_FOLDERS,
+    SNAPSHOTS,
+    SUFFIX,
+    TOKENS,
+    relpath_of_file,
+    snapshot_filename,
+)
+from kvsnap.snapshot.header import (
+    MAX_NAME_CHARS,
+    MAX_TOKENS,
+    SnapshotInfo,
+    check_token_count,
+    inspect_header,
+)
 from kvsnap.snapshot.layer_list import check_offsets
-from kvsnap.store.fileio import DIR_MODE, FILE_MODE, TMP_PREFIX, FaultFn, atomic_write, check_regular, default_fsync, fsync_dir, make_dirs, read_whole
-from kvsnap.store.parts import assemble, chain_relpaths, part_files, part_relpath_of_file, reached_parts, verify_chain
+from kvsnap.store.fileio import (
+    DIR_MODE,
+    FILE_MODE,
+    TMP_PREFIX,
+    FaultFn,
+    atomic_write,
+    check_regular,
+    default_fsync,
+    fsync_dir,
+    make_dirs,
+    read_whole,
+)
+from kvsnap.store.foreign import Problem, classify, require_model
+from kvsnap.store.manifest import (
+    encode_manifest,
+    merge_manifests,
+    read_manifest_file,
+    referenced_files,
+    update_manifest,
+)
+from kvsnap.store.parts import (
+    assemble,
+    chain_relpaths,
+    part_files,
+    part_relpath_of_file,
+    reached_parts,
+    verify_chain,
+)
 
 LOCK = ".lock"
-__all__ = ["DIR_MODE", "FILE_MODE", "TMP_PREFIX", "Problem", "Store"]  # the modes and prefix others import from here
+__all__ = [
+    "DIR_MODE",
+    "FILE_MODE",
+    "TMP_PREFIX",
+    "Store",
+]  # the modes and prefix others import from here
 
 
 def _no_fault(point: str) -> None:
     return None
-
-
-@dataclass
-class Problem:
-    path: Path
-    reason: str
-
-    def __str__(self) -> str:
-        return f"{self.path}: {self.reason}"
-
-
-def identity_mismatch(expected: ModelIdentity, found: dict) -> str:
-    """Which identity fields differ, in words, for 'built for another model' messages."""
-    mine = expected.as_dict()
-    fields = [k for k in sorted(set(mine) | set(found)) if mine.get(k) != found.get(k)]
-    return ", ".join(fields) or "nothing"
-
-
-FOREIGN_FIX = "rebuild it for this model, or run `kvsnap gc` to drop it"
-
-
-def foreign_reason(expected: ModelIdentity | None, info: SnapshotInfo) -> str | None:
-    """None if the snapshot was built for ``expected`` (or nothing is expected); else why not, field by field."""
-    if expected is None or info.model_digest == expected.digest:
-        return None
-    return f"built for another model or KV setting (differs in: {identity_mismatch(expected, info.model)})"
-
-
-def require_model(info: SnapshotInfo, expected: ModelIdentity | None) -> None:
-    """SnapshotError (the file, the differing fields, the fix) unless the snapshot is ``expected``'s."""
-    reason = foreign_reason(expected, info)
-    if reason:
-        raise SnapshotError(str(info.path), reason, FOREIGN_FIX)
 
 
 @dataclass
@@ -86,13 +108,24 @@ class Store:
     # --- opening ----------------------------------------------------------------
 
     @classmethod
-    def open(cls, root: str | os.PathLike, create: bool = False, readonly: bool = False, fault: FaultFn | None = None) -> "Store":
+    def open(
+        cls,
+        root: str | os.PathLike,
+        create: bool = False,
+        readonly: bool = False,
+        fault: FaultFn | None = None,
+    ) -> "Store":
         path = Path(root).expanduser()
         if path.exists() and not path.is_dir():
-            raise StoreError(f"snapshot store {str(root)!r} is a file, not a directory; give a folder")
+            raise StoreError(
+                f"snapshot store {str(root)!r} is a file, not a directory; give a folder"
+            )
         if not path.exists():
             if not create:
-                raise StoreError(f"snapshot store {str(root)!r} does not exist; build one with `kvsnap build agents.json --model M --out {root}`")
+                raise StoreError(
+                    f"snapshot store {str(root)!r} does not exist; build one with `kvsnap build "
+                    f"agents.json --model M --out {root}`"
+                )
             make_dirs(path)
         store = cls(root=path.resolve(), readonly=readonly, fault=fault or _no_fault)
         if create and not readonly:
@@ -113,9 +146,13 @@ class Store:
         return (self.root / MANIFEST).is_file() or self.snapshots_dir.is_dir()
 
     def require_store(self) -> "Store":
-        """This store, or a StoreError if the folder holds neither a manifest nor a snapshots folder."""
+        """This store, or a StoreError if the folder holds neither a manifest nor a snapshots
+        folder."""
         if not self.is_initialized():
-            raise StoreError(f"{self.root} is not a kvsnap store (no {MANIFEST}, no {SNAPSHOTS}/); give the folder passed to `kvsnap build --out`")
+            raise StoreError(
+                f"{self.root} is not a kvsnap store (no {MANIFEST}, no {SNAPSHOTS}/); give the "
+                f"folder passed to `kvsnap build --out`"
+            )
         return self
 
     def _inside(self, path: Path) -> bool:
@@ -129,7 +166,8 @@ class Store:
 
     @contextlib.contextmanager
     def lock(self) -> Iterator[None]:
-        """Exclusive writer lock (re-entrant in one process); blocks while another writer holds it."""
+        """Exclusive writer lock (re-entrant in one process); blocks while another writer holds
+        it."""
         if self.readonly:
             raise StoreError(f"{self.root}: the store is read-only here; writes are disabled")
         if self._lock_depth == 0:
@@ -156,34 +194,53 @@ class Store:
         target = self.path_for(key)
         name = metadata.get("kvsnap.name", "")
         if len(name) > MAX_NAME_CHARS:  # never write a file the reader would refuse
-            raise StoreError(f"agent name {name[:40]!r}... is {len(name)} characters, over the {MAX_NAME_CHARS} a snapshot may hold; give the agent a shorter name")
+            raise StoreError(
+                f"agent name {name[:40]!r}... is {len(name)} characters, over the {MAX_NAME_CHARS} "
+                f"a snapshot may hold; give the agent a shorter name"
+            )
         try:
-            self._atomic_write(target, lambda f: write_snapshot(f, tensors, metadata, on_progress=self.fault))
+            self._atomic_write(
+                target, lambda f: write_snapshot(f, tensors, metadata, on_progress=self.fault)
+            )
         except OSError as exc:
-            hint = "free some disk space" if exc.errno == errno.ENOSPC else "check the folder's permissions"
-            raise StoreError(f"cannot write snapshot {target} ({exc.strerror or exc}); the store is unchanged; {hint}") from exc
+            hint = (
+                "free some disk space"
+                if exc.errno == errno.ENOSPC
+                else "check the folder's permissions"
+            )
+            raise StoreError(
+                f"cannot write snapshot {target} ({exc.strerror or exc}); the store is unchanged; "
+                f"{hint}"
+            ) from exc
         self.fault("after-rename")
         return target
 
     # --- manifest ---------------------------------------------------------------
 
     def read_manifest(self) -> dict:
-        """The store's manifest, checked field by field (an empty one when there is none); ManifestError if damaged."""
+        """The store's manifest, checked field by field (an empty one when there is none);
+        ManifestError if damaged."""
         return read_manifest_file(self.root / MANIFEST)
 
     def _write_manifest(self, data: bytes) -> None:
         try:
             self._atomic_write(self.root / MANIFEST, lambda f: f.write(data))
         except OSError as exc:
-            raise StoreError(f"cannot write {self.root / MANIFEST} ({exc.strerror or exc}); the previous manifest is intact") from exc
+            raise StoreError(
+                f"cannot write {self.root / MANIFEST} ({exc.strerror or exc}); the previous "
+                f"manifest is intact"
+            ) from exc
 
     def update_record(self, record_id: str, update: Callable[[dict], dict]) -> None:
         """Read-modify-write one manifest record, atomically, under the lock."""
         with self.lock():
-            self._write_manifest(update_manifest(self.read_manifest(), record_id, update, str(self.root / MANIFEST)))
+            self._write_manifest(
+                update_manifest(self.read_manifest(), record_id, update, str(self.root / MANIFEST))
+            )
 
     def merge_manifest(self, incoming: dict) -> bool:
-        """Add an installed manifest's records to this store's (the caller holds the lock); False if nothing changed.
+        """Add an installed manifest's records to this store's (the caller holds the lock); False
+        if nothing changed.
 
         An install never replaces the manifest: records it does not carry stay, so their
         snapshots stay referenced and ``gc`` keeps them.
@@ -201,7 +258,11 @@ class Store:
     def snapshot_files(self) -> list[Path]:
         if not self.snapshots_dir.is_dir():
             return []
-        return sorted(p for p in self.snapshots_dir.iterdir() if p.name.endswith(SUFFIX) and not p.name.startswith(TMP_PREFIX))
+        return sorted(
+            p
+            for p in self.snapshots_dir.iterdir()
+            if p.name.endswith(SUFFIX) and not p.name.startswith(TMP_PREFIX)
+        )
 
     def temp_files(self) -> list[Path]:
         found = []
@@ -228,15 +289,24 @@ class Store:
         except FormatError as exc:
             raise SnapshotError(str(path), str(exc)) from None
         except OSError as exc:
-            raise SnapshotError(str(path), f"cannot be read ({exc.strerror or exc})", "check the file's permissions") from None
-        if info.chain is not None:  # a record's size is its state's: its blocks and checkpoints (a stat each)
-            info = replace(info, nbytes=info.nbytes + sum(_size(self.root / rel) for rel in chain_relpaths(info)))
+            raise SnapshotError(
+                str(path), f"cannot be read ({exc.strerror or exc})", "check the file's permissions"
+            ) from None
+        if (
+            info.chain is not None
+        ):  # a record's size is its state's: its blocks and checkpoints (a stat each)
+            info = replace(
+                info,
+                nbytes=info.nbytes + sum(_size(self.root / rel) for rel in chain_relpaths(info)),
+            )
         return info
 
     def _check_regular(self, path: Path) -> None:
         check_regular(path, self.root)
 
-    def verify_file(self, path: Path, expected: ModelIdentity | None = None, parts: bool = True) -> SnapshotInfo:
+    def verify_file(
+        self, path: Path, expected: ModelIdentity | None = None, parts: bool = True
+    ) -> SnapshotInfo:
         """Full check: header, identity, tokens, data checksum, and (optionally) the model; for a
         v3 record also every block and checkpoint it reaches (unless ``parts`` is False)."""
         info = self.inspect(path)
@@ -250,8 +320,11 @@ class Store:
             verify_chain(self, info)
         return info
 
-    def scan(self, expected: ModelIdentity | None = None, max_tokens: int = MAX_TOKENS) -> tuple[list[SnapshotInfo], list[Problem]]:
-        """Header-only scan of every snapshot; foreign ones are problems only when ``expected`` is given."""
+    def scan(
+        self, expected: ModelIdentity | None = None, max_tokens: int = MAX_TOKENS
+    ) -> tuple[list[SnapshotInfo], list[Problem]]:
+        """Header-only scan of every snapshot; foreign ones are problems only when ``expected`` is
+        given."""
         infos, bad = [], []
         for path in self.snapshot_files():
             try:
@@ -262,7 +335,8 @@ class Store:
         return good, bad + foreign
 
     def read_tokens(self, info: SnapshotInfo) -> list[int]:
-        """The token ids a snapshot holds: from the index when it has them, else from the file (no mlx)."""
+        """The token ids a snapshot holds: from the index when it has them, else from the file (no
+        mlx)."""
         if info.tokens or info.n_tokens == 0:
             return list(info.tokens)
         try:
@@ -289,32 +363,54 @@ class Store:
             header, buf, view = read_whole(path)
             tok = header.tensors.get(TOKENS)
             # The tokens come from the bytes just read: one open, one parse, one read.
-            current = inspect_header(path, header, bytes(view[tok.start : tok.end]) if tok is not None else None)
+            current = inspect_header(
+                path, header, bytes(view[tok.start : tok.end]) if tok is not None else None
+            )
             verify_checksum(header, view)
             check_offsets(current.layers, current.n_tokens)
-            if current.key != info.key or current.layers != info.layers or current.n_tokens != info.n_tokens or current.chain != info.chain:
-                raise SnapshotError(str(path), f"now holds another snapshot (key {current.key}) than the one indexed ({info.key})", "restart, or rebuild it with `kvsnap build`")
+            if (
+                current.key != info.key
+                or current.layers != info.layers
+                or current.n_tokens != info.n_tokens
+                or current.chain != info.chain
+            ):
+                raise SnapshotError(
+                    str(path),
+                    f"now holds another snapshot (key {current.key}) than the one indexed "
+                    f"({info.key})",
+                    "restart, or rebuild it with `kvsnap build`",
+                )
             require_model(current, expected)
         except FormatError as exc:
             raise SnapshotError(str(path), str(exc)) from None
         except OSError as exc:
-            raise SnapshotError(str(path), f"cannot be read ({exc.strerror or exc})", "check the file's permissions") from None
-        if current.chain is not None:  # a v3 record (just read and checked): its state is in blocks and checkpoints
+            raise SnapshotError(
+                str(path), f"cannot be read ({exc.strerror or exc})", "check the file's permissions"
+            ) from None
+        if (
+            current.chain is not None
+        ):  # a v3 record (just read and checked): its state is in blocks and checkpoints
             return assemble(self, current)[0]
         arrays = {}
         for name, entry in header.tensors.items():
-            arrays[name] = buf[entry.start : entry.end].view(getattr(mx, DTYPES[entry.dtype][0])).reshape(entry.shape)
+            arrays[name] = (
+                buf[entry.start : entry.end]
+                .view(getattr(mx, DTYPES[entry.dtype][0]))
+                .reshape(entry.shape)
+            )
         mx.eval(list(arrays.values()))
         return arrays
 
     # --- garbage collection -----------------------------------------------------
 
     def referenced(self) -> set[str]:
-        """Every snapshot path a manifest record lists; ManifestError (deleting nothing) if the manifest is damaged."""
+        """Every snapshot path a manifest record lists; ManifestError (deleting nothing) if the
+        manifest is damaged."""
         return referenced_files(self.read_manifest())
 
     def missing_files(self, referenced: set[str] | None = None) -> list[str]:
-        """The snapshot paths the manifest lists (``referenced``, else read now) that are not in the folder, sorted."""
+        """The snapshot paths the manifest lists (``referenced``, else read now) that are not in
+        the folder, sorted."""
         listed = self.referenced() if referenced is None else referenced
         return sorted(listed - {relpath_of_file(p.name) for p in self.snapshot_files()})
 
@@ -329,14 +425,18 @@ class Store:
             live = self.referenced()
             candidates = self.temp_files()
             if (self.root / MANIFEST).exists():
-                candidates += [p for p in self.snapshot_files() if relpath_of_file(p.name) not in live]
+                candidates += [
+                    p for p in self.snapshot_files() if relpath_of_file(p.name) not in live
+                ]
                 kept = [p for p in self.snapshot_files() if relpath_of_file(p.name) in live]
                 try:  # a block stays while any kept record reaches it
                     reached: set[str] | None = reached_parts([self.inspect(p) for p in kept])
                 except SnapshotError:
                     reached = None  # an unreadable record might reach any of them: keep them all
                 if reached is not None:
-                    candidates += [p for p in part_files(self) if part_relpath_of_file(p) not in reached]
+                    candidates += [
+                        p for p in part_files(self) if part_relpath_of_file(p) not in reached
+                    ]
             doomed = [p for p in candidates if not stat.S_ISDIR(p.lstat().st_mode)]
             freed = sum(p.lstat().st_size for p in doomed)
             if apply:
@@ -356,17 +456,3 @@ def _size(path: Path) -> int:
         return path.stat().st_size
     except OSError:
         return 0
-
-
-def classify(infos: list[SnapshotInfo], expected: ModelIdentity | None) -> tuple[list[SnapshotInfo], list[Problem]]:
-    """Split indexed snapshots into this model's and foreign ones (problems), when ``expected`` is given."""
-    if expected is None:
-        return list(infos), []
-    good, foreign = [], []
-    for info in infos:
-        reason = foreign_reason(expected, info)
-        if reason:
-            foreign.append(Problem(info.path, reason))
-        else:
-            good.append(info)
-    return good, foreign

@@ -16,12 +16,27 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvsnap.errors import SnapshotError
-from kvsnap.snapshot.blocks import BlockSettings, ChainLink, branch_points, chain_field, chain_of, plan_cuts
+from kvsnap.snapshot.blocks import (
+    BlockSettings,
+    ChainLink,
+    branch_points,
+    chain_field,
+    chain_of,
+    plan_cuts,
+)
 from kvsnap.snapshot.cache_classes import needs_checkpoints
 from kvsnap.snapshot.file import read_header
-from kvsnap.snapshot.format import CHAIN, CHECKSUM_KEY, FORMAT_VERSION, TOKENS, WHOLE_FILE_FORMAT, encode_chain
+from kvsnap.snapshot.format import (
+    CHAIN,
+    CHECKSUM_KEY,
+    FORMAT_VERSION,
+    TOKENS,
+    WHOLE_FILE_FORMAT,
+    encode_chain,
+)
 from kvsnap.snapshot.header import SnapshotInfo
-from kvsnap.store.local import Problem, Store
+from kvsnap.store.foreign import Problem
+from kvsnap.store.local import Store
 from kvsnap.store.parts import write_chain
 
 
@@ -34,7 +49,9 @@ class MigrateReport:
     bytes_after: int = 0
 
 
-def migrate_store(root: str | Path, settings: BlockSettings = BlockSettings(), dry_run: bool = False) -> MigrateReport:
+def migrate_store(
+    root: str | Path, settings: BlockSettings = BlockSettings(), dry_run: bool = False
+) -> MigrateReport:
     """Rewrite every v2 file of the store as a v3 record plus blocks; under the store lock."""
     store = Store.open(root).require_store()
     report = MigrateReport()
@@ -49,7 +66,9 @@ def migrate_store(root: str | Path, settings: BlockSettings = BlockSettings(), d
         by_model[info.model_digest].append(info)
     with store.lock():
         for infos_of_model in by_model.values():
-            for info, branches in zip(infos_of_model, branch_points([i.tokens for i in infos_of_model])):
+            for info, branches in zip(
+                infos_of_model, branch_points([i.tokens for i in infos_of_model])
+            ):
                 try:
                     report.bytes_before += info.nbytes
                     report.bytes_after += _migrate_one(store, info, branches, settings)
@@ -59,18 +78,34 @@ def migrate_store(root: str | Path, settings: BlockSettings = BlockSettings(), d
     return report
 
 
-def _migrate_one(store: Store, info: SnapshotInfo, branches: set[int], settings: BlockSettings) -> int:
-    """One v2 file -> its blocks, its end checkpoint and a record under the same key; returns the bytes written."""
+def _migrate_one(
+    store: Store, info: SnapshotInfo, branches: set[int], settings: BlockSettings
+) -> int:
+    """One v2 file -> its blocks, its end checkpoint and a record under the same key; returns the
+    bytes written."""
     from kvsnap.snapshot.codec import to_out_tensors
 
     arrays = store.load_arrays(info)  # the full v2 checks: checksum, offsets, the file as indexed
     hybrid = needs_checkpoints(info.layers)
-    links = chain_of(info.model_digest, info.tokens, plan_cuts(info.n_tokens, branches, settings), hybrid)
-    ends_only = [link if link.end == info.n_tokens else ChainLink(link.start, link.end, link.key, link.prefix_digest, None) for link in links]
-    written = write_chain(store, info.model_digest, ends_only, arrays, info.layers, {}, dense=not hybrid)
+    links = chain_of(
+        info.model_digest, info.tokens, plan_cuts(info.n_tokens, branches, settings), hybrid
+    )
+    ends_only = [
+        link
+        if link.end == info.n_tokens
+        else ChainLink(link.start, link.end, link.key, link.prefix_digest, None)
+        for link in links
+    ]
+    written = write_chain(
+        store, info.model_digest, ends_only, arrays, info.layers, {}, dense=not hybrid
+    )
     old = read_header(info.path).metadata
     if old["kvsnap.format"] != str(WHOLE_FILE_FORMAT):
-        raise SnapshotError(str(info.path), f"changed while migrating (format {old['kvsnap.format']!r})", "run `kvsnap migrate` again")
+        raise SnapshotError(
+            str(info.path),
+            f"changed while migrating (format {old['kvsnap.format']!r})",
+            "run `kvsnap migrate` again",
+        )
     meta = {k: v for k, v in old.items() if k != CHECKSUM_KEY}
     meta["kvsnap.format"] = str(FORMAT_VERSION)
     meta[CHAIN] = encode_chain(chain_field(ends_only, settings))

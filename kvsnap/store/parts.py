@@ -19,12 +19,29 @@ from typing import Callable, Iterable, Sequence
 from kvsnap.errors import SnapshotError, StoreError
 from kvsnap.snapshot.blocks import ChainLink
 from kvsnap.snapshot.cache_classes import split_tensor_names
-from kvsnap.snapshot.file import FormatError, OutTensor, check_data, read_header, verify_checksum, write_snapshot
+from kvsnap.snapshot.chain import Chain, PartInfo, inspect_part
+from kvsnap.snapshot.file import (
+    FormatError,
+    OutTensor,
+    check_data,
+    read_header,
+    verify_checksum,
+    write_snapshot,
+)
 from kvsnap.snapshot.format import (
-    BLOCK_KIND, BLOCKS, CHECKPOINT_KIND, CHECKPOINTS, DTYPES, KEY_RE, SUFFIX, TOKENS, block_relpath, checkpoint_relpath, part_metadata,
+    BLOCK_KIND,
+    BLOCKS,
+    CHECKPOINT_KIND,
+    CHECKPOINTS,
+    DTYPES,
+    KEY_RE,
+    SUFFIX,
+    TOKENS,
+    block_relpath,
+    checkpoint_relpath,
+    part_metadata,
     snapshot_filename,
 )
-from kvsnap.snapshot.chain import Chain, PartInfo, inspect_part
 from kvsnap.snapshot.header import SnapshotInfo
 from kvsnap.store.fileio import TMP_PREFIX, StoreFiles, atomic_write, check_regular, read_whole
 
@@ -56,7 +73,11 @@ def part_files(store: StoreFiles) -> list[Path]:
     for kind in (BLOCK_KIND, CHECKPOINT_KIND):
         folder = store.root / FOLDER[kind]
         if folder.is_dir():
-            found += [p for p in folder.iterdir() if p.name.endswith(SUFFIX) and not p.name.startswith(TMP_PREFIX)]
+            found += [
+                p
+                for p in folder.iterdir()
+                if p.name.endswith(SUFFIX) and not p.name.startswith(TMP_PREFIX)
+            ]
     return sorted(found)
 
 
@@ -69,7 +90,9 @@ def chain_relpaths(info: SnapshotInfo) -> list[str]:
     """The block and checkpoint files a record reaches (none for a v2 file)."""
     if info.chain is None:
         return []
-    return [block_relpath(k) for k, _, _ in info.chain.blocks] + [checkpoint_relpath(k) for k, _ in info.chain.checkpoints]
+    return [block_relpath(k) for k, _, _ in info.chain.blocks] + [
+        checkpoint_relpath(k) for k, _ in info.chain.checkpoints
+    ]
 
 
 # --- writing --------------------------------------------------------------------------------
@@ -82,24 +105,44 @@ class Written:
     nbytes: int = 0
 
 
-def put_part(store: StoreFiles, kind: str, key: str, tensors: list[OutTensor], metadata: dict[str, str]) -> int:
+def put_part(
+    store: StoreFiles, kind: str, key: str, tensors: list[OutTensor], metadata: dict[str, str]
+) -> int:
     """Write one block or checkpoint atomically (the caller holds the lock); returns its size."""
     target = part_path(store, kind, key)
     try:
-        atomic_write(target, lambda f: write_snapshot(f, tensors, metadata, on_progress=store.fault), store.fault, store.fsync)
+        atomic_write(
+            target,
+            lambda f: write_snapshot(f, tensors, metadata, on_progress=store.fault),
+            store.fault,
+            store.fsync,
+        )
     except OSError as exc:
-        hint = "free some disk space" if exc.errno == errno.ENOSPC else "check the folder's permissions"
-        raise StoreError(f"cannot write {kind} {target} ({exc.strerror or exc}); the store is unchanged; {hint}") from exc
+        hint = (
+            "free some disk space"
+            if exc.errno == errno.ENOSPC
+            else "check the folder's permissions"
+        )
+        raise StoreError(
+            f"cannot write {kind} {target} ({exc.strerror or exc}); the store is unchanged; {hint}"
+        ) from exc
     return target.stat().st_size
 
 
 def write_chain(
-    store: StoreFiles, model_digest: str, links: Sequence[ChainLink], arrays: dict, layers: list, checkpoint_arrays: dict[int, tuple[dict, list]], dense: bool,
+    store: StoreFiles,
+    model_digest: str,
+    links: Sequence[ChainLink],
+    arrays: dict,
+    layers: list,
+    checkpoint_arrays: dict[int, tuple[dict, list]],
+    dense: bool,
     replace: set | frozenset | None = frozenset(),
 ) -> Written:
     """Write every block and checkpoint of ``links`` the store lacks (the caller holds the lock).
 
-    ``arrays``/``layers``: the state at the chain's end; blocks are its slices. ``checkpoint_arrays``:
+    ``arrays``/``layers``: the state at the chain's end; blocks are its slices.
+    ``checkpoint_arrays``:
     end -> (arrays, layers) captured there (the chain's end is taken from ``arrays``). ``replace``:
     keys written even though a file is there (found bad); None rewrites every one."""
     from kvsnap.snapshot.cache_classes import layers_at
@@ -111,16 +154,43 @@ def write_chain(
     for link in links:
         if replace is None or link.key in replace or not has_part(store, BLOCK_KIND, link.key):
             part = {name: arrays[name][..., link.start : link.end, :] for name in sliced}
-            meta = part_metadata(kind=BLOCK_KIND, key=link.key, model_digest=model_digest, start=link.start, end=link.end, prefix_digest=link.prefix_digest, layers=layers_at(layers, link.end) if dense else None)
+            meta = part_metadata(
+                kind=BLOCK_KIND,
+                key=link.key,
+                model_digest=model_digest,
+                start=link.start,
+                end=link.end,
+                prefix_digest=link.prefix_digest,
+                layers=layers_at(layers, link.end) if dense else None,
+            )
             done.nbytes += put_part(store, BLOCK_KIND, link.key, to_out_tensors(part), meta)
             done.blocks += 1
-        if link.checkpoint_key and (replace is None or link.checkpoint_key in replace or not has_part(store, CHECKPOINT_KIND, link.checkpoint_key)):
-            if link.end != n and link.end not in checkpoint_arrays:  # a chain names only what it has
-                raise StoreError(f"the checkpoint at {link.end} tokens ({link.checkpoint_key}) is neither in the store nor captured; the store is unchanged; run the build again")
+        if link.checkpoint_key and (
+            replace is None
+            or link.checkpoint_key in replace
+            or not has_part(store, CHECKPOINT_KIND, link.checkpoint_key)
+        ):
+            if (
+                link.end != n and link.end not in checkpoint_arrays
+            ):  # a chain names only what it has
+                raise StoreError(
+                    f"the checkpoint at {link.end} tokens ({link.checkpoint_key}) is neither in "
+                    f"the store nor captured; the store is unchanged; run the build again"
+                )
             state, state_layers = (arrays, layers) if link.end == n else checkpoint_arrays[link.end]
             part = {name: state[name] for name in whole}
-            meta = part_metadata(kind=CHECKPOINT_KIND, key=link.checkpoint_key, model_digest=model_digest, start=0, end=link.end, prefix_digest=link.prefix_digest, layers=state_layers)
-            done.nbytes += put_part(store, CHECKPOINT_KIND, link.checkpoint_key, to_out_tensors(part), meta)
+            meta = part_metadata(
+                kind=CHECKPOINT_KIND,
+                key=link.checkpoint_key,
+                model_digest=model_digest,
+                start=0,
+                end=link.end,
+                prefix_digest=link.prefix_digest,
+                layers=state_layers,
+            )
+            done.nbytes += put_part(
+                store, CHECKPOINT_KIND, link.checkpoint_key, to_out_tensors(part), meta
+            )
             done.checkpoints += 1
     return done
 
@@ -128,12 +198,36 @@ def write_chain(
 # --- reading --------------------------------------------------------------------------------
 
 
-def _expect(info: PartInfo, kind: str, model_digest: str | None, start: int | None, end: int | None, prefix_digest: str | None) -> None:
-    if info.kind != kind or (model_digest and info.model_digest != model_digest) or (start is not None and (info.start, info.end) != (start, end)) or (prefix_digest and info.prefix_digest != prefix_digest):
-        raise FormatError(f"holds a {info.kind} of [{info.start}, {info.end}) for model {info.model_digest[:8]}, not the {kind} of [{start}, {end}) the chain names")
+def _expect(
+    info: PartInfo,
+    kind: str,
+    model_digest: str | None,
+    start: int | None,
+    end: int | None,
+    prefix_digest: str | None,
+) -> None:
+    if (
+        info.kind != kind
+        or (model_digest and info.model_digest != model_digest)
+        or (start is not None and (info.start, info.end) != (start, end))
+        or (prefix_digest and info.prefix_digest != prefix_digest)
+    ):
+        raise FormatError(
+            f"holds a {info.kind} of [{info.start}, {info.end}) for model {info.model_digest[:8]}, "
+            f"not the {kind} of [{start}, {end}) the chain names"
+        )
 
 
-def check_part(store: StoreFiles, kind: str, key: str, model_digest: str | None = None, start: int | None = None, end: int | None = None, prefix_digest: str | None = None, path: Path | None = None) -> tuple[PartInfo, dict]:
+def check_part(
+    store: StoreFiles,
+    kind: str,
+    key: str,
+    model_digest: str | None = None,
+    start: int | None = None,
+    end: int | None = None,
+    prefix_digest: str | None = None,
+    path: Path | None = None,
+) -> tuple[PartInfo, dict]:
     """A block's or checkpoint's header and checksum, streamed from the file (no mlx): its
     ``PartInfo`` and tensor entries. With the chain's expectations, checks it is that part."""
     path = path or part_path(store, kind, key)
@@ -146,11 +240,21 @@ def check_part(store: StoreFiles, kind: str, key: str, model_digest: str | None 
     except FormatError as exc:
         raise SnapshotError(str(path), str(exc), FIX) from None
     except OSError as exc:
-        raise SnapshotError(str(path), f"cannot be read ({exc.strerror or exc})", "check the file's permissions") from None
+        raise SnapshotError(
+            str(path), f"cannot be read ({exc.strerror or exc})", "check the file's permissions"
+        ) from None
     return info, header.tensors
 
 
-def read_part(store: StoreFiles, kind: str, key: str, model_digest: str, start: int, end: int, prefix_digest: str | None = None) -> tuple[PartInfo, dict]:
+def read_part(
+    store: StoreFiles,
+    kind: str,
+    key: str,
+    model_digest: str,
+    start: int,
+    end: int,
+    prefix_digest: str | None = None,
+) -> tuple[PartInfo, dict]:
     """One open and one read into mlx memory; the header checked against itself and against what
     the chain expects (model, span, prefix), the checksum over exactly the bytes returned."""
     import mlx.core as mx
@@ -167,18 +271,33 @@ def read_part(store: StoreFiles, kind: str, key: str, model_digest: str, start: 
     except FileNotFoundError:
         raise SnapshotError(str(path), f"is missing (the chain names this {kind})", FIX) from None
     except OSError as exc:
-        raise SnapshotError(str(path), f"cannot be read ({exc.strerror or exc})", "check the file's permissions") from None
-    arrays = {name: buf[e.start : e.end].view(getattr(mx, DTYPES[e.dtype][0])).reshape(e.shape) for name, e in header.tensors.items()}
-    mx.eval(list(arrays.values()))  # views, evaluated here: the reading thread's stream may not outlive it
+        raise SnapshotError(
+            str(path), f"cannot be read ({exc.strerror or exc})", "check the file's permissions"
+        ) from None
+    arrays = {
+        name: buf[e.start : e.end].view(getattr(mx, DTYPES[e.dtype][0])).reshape(e.shape)
+        for name, e in header.tensors.items()
+    }
+    mx.eval(
+        list(arrays.values())
+    )  # views, evaluated here: the reading thread's stream may not outlive it
     return info, arrays
 
 
 Span = tuple[str, int, int, str]  # a block: (key, start, end, prefix digest at end)
-Fetch = Callable[[str, str, int, int, str], tuple[dict, "list | None"]]  # (kind, key, start, end, digest) -> (arrays, layers)
+Fetch = Callable[
+    [str, str, int, int, str], tuple[dict, "list | None"]
+]  # (kind, key, start, end, digest) -> (arrays, layers)
 
 
 def read_state_parts(
-    store: StoreFiles, where: str, model_digest: str, spans: Sequence[Span], checkpoint: str | None, layers: list | None, fetch: Fetch | None = None,
+    store: StoreFiles,
+    where: str,
+    model_digest: str,
+    spans: Sequence[Span],
+    checkpoint: str | None,
+    layers: list | None,
+    fetch: Fetch | None = None,
 ) -> tuple[list[dict], dict, list]:
     """The arrays of each block of ``spans`` (tiling [0, n)) and of the ``checkpoint`` at n (its
     key, or None), and the layer list at n: ``layers`` when known (a record's end), else the
@@ -203,24 +322,44 @@ def read_state_parts(
             layers = part_layers
         blocks.append(arrays)
     if layers is None:
-        raise SnapshotError(where, f"has no layer list at {n} tokens (a hybrid model restores only at a checkpoint)")
+        raise SnapshotError(
+            where, f"has no layer list at {n} tokens (a hybrid model restores only at a checkpoint)"
+        )
     sliced, whole = split_tensor_names(layers)
     for (key, start, end, _), arrays in zip(spans, blocks):
-        bad = [name for name in sliced if name not in arrays or arrays[name].ndim < 2 or arrays[name].shape[-2] != end - start]
+        bad = [
+            name
+            for name in sliced
+            if name not in arrays or arrays[name].ndim < 2 or arrays[name].shape[-2] != end - start
+        ]
         if bad:
-            raise SnapshotError(str(part_path(store, BLOCK_KIND, key)), f"tensor {bad[0]} is missing or not {end - start} tokens long", FIX)
+            raise SnapshotError(
+                str(part_path(store, BLOCK_KIND, key)),
+                f"tensor {bad[0]} is missing or not {end - start} tokens long",
+                FIX,
+            )
     missing = [name for name in whole if name not in whole_arrays]
     if missing:
         raise SnapshotError(where, f"its checkpoint at {n} lacks tensor {missing[0]}", FIX)
     return blocks, whole_arrays, layers
 
 
-def assemble_state(store: StoreFiles, where: str, model_digest: str, tokens: Sequence[int], spans: Sequence[Span], checkpoint: str | None, layers: list | None) -> tuple[dict, list]:
+def assemble_state(
+    store: StoreFiles,
+    where: str,
+    model_digest: str,
+    tokens: Sequence[int],
+    spans: Sequence[Span],
+    checkpoint: str | None,
+    layers: list | None,
+) -> tuple[dict, list]:
     """The named arrays and layer list of the state after ``spans``: the attention slices
     concatenated along the token axis, the other layers whole from ``checkpoint`` (at n)."""
     import mlx.core as mx
 
-    blocks, whole_arrays, layers = read_state_parts(store, where, model_digest, spans, checkpoint, layers)
+    blocks, whole_arrays, layers = read_state_parts(
+        store, where, model_digest, spans, checkpoint, layers
+    )
     sliced, whole = split_tensor_names(layers)
     out = {TOKENS: mx.array(list(tokens[: spans[-1][2]]), dtype=mx.int32)}
     for name in sliced:
@@ -234,7 +373,9 @@ def assemble_state(store: StoreFiles, where: str, model_digest: str, tokens: Seq
 def chain_of(info: SnapshotInfo) -> Chain:
     """A v3 record's chain; these readers are only called on records that have one."""
     if info.chain is None:
-        raise SnapshotError(str(info.path), "holds its own state, not a chain of blocks", "read it as a whole file")
+        raise SnapshotError(
+            str(info.path), "holds its own state, not a chain of blocks", "read it as a whole file"
+        )
     return info.chain
 
 
@@ -247,7 +388,15 @@ def end_checkpoint(info: SnapshotInfo) -> str | None:
 
 def assemble(store: StoreFiles, info: SnapshotInfo) -> tuple[dict, list]:
     """A v3 record's whole state: the arrays a v2 file of it would hold, and its layer list."""
-    return assemble_state(store, str(info.path), info.model_digest, info.tokens, chain_of(info).spans(info.n_tokens), end_checkpoint(info), info.layers)
+    return assemble_state(
+        store,
+        str(info.path),
+        info.model_digest,
+        info.tokens,
+        chain_of(info).spans(info.n_tokens),
+        end_checkpoint(info),
+        info.layers,
+    )
 
 
 def verify_chain(store: StoreFiles, info: SnapshotInfo) -> int:
@@ -265,21 +414,35 @@ def verify_chain(store: StoreFiles, info: SnapshotInfo) -> int:
     return total
 
 
-def check_checkpoint(store: StoreFiles, key: str, model_digest: str, end: int, prefix_digest: str) -> None:
+def check_checkpoint(
+    store: StoreFiles, key: str, model_digest: str, end: int, prefix_digest: str
+) -> None:
     """A checkpoint's header, span, checksum and tensors (its layer list's whole layers),
     streamed (no mlx); SnapshotError names it."""
     part, tensors = check_part(store, CHECKPOINT_KIND, key, model_digest, 0, end, prefix_digest)
     _check_tensors(store, part, tensors, set(split_tensor_names(part.layers or [])[1]), None)
 
 
-def _check_tensors(store: StoreFiles, part: PartInfo, tensors: dict, names: set, tokens: int | None) -> None:
+def _check_tensors(
+    store: StoreFiles, part: PartInfo, tensors: dict, names: set, tokens: int | None
+) -> None:
     path = str(part_path(store, part.kind, part.key))
     if set(tensors) != names:
-        raise SnapshotError(path, f"holds tensors {sorted(set(tensors) - names)[:3] or sorted(names - set(tensors))[:3]} the record's layers do not (or lacks them)", FIX)
+        raise SnapshotError(
+            path,
+            f"holds tensors {sorted(set(tensors) - names)[:3] or sorted(names - set(tensors))[:3]} "
+            f"the record's layers do not (or lacks them)",
+            FIX,
+        )
     if tokens is not None:
         for name, entry in tensors.items():
             if len(entry.shape) < 2 or entry.shape[-2] != tokens:
-                raise SnapshotError(path, f"tensor {name} has shape {list(entry.shape)}, not {tokens} tokens on its token axis", FIX)
+                raise SnapshotError(
+                    path,
+                    f"tensor {name} has shape {list(entry.shape)}, not {tokens} tokens on its "
+                    f"token axis",
+                    FIX,
+                )
 
 
 def reached_parts(infos: Iterable[SnapshotInfo]) -> set[str]:

@@ -33,7 +33,13 @@ SCHEME_RE = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://")
 SECRET_PATTERNS = (
     (re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://)[^/\s@]*@"), r"\1***@"),  # scheme://user:password@
     (re.compile(r"\b(Basic|Bearer)\s+[A-Za-z0-9._~+/=-]+", re.I), r"\1 ***"),
-    (re.compile(r'("?(?:secret|password|passwd|auth|token|identitytoken|access_token)"?\s*[:=]\s*)("[^"]*"|[^\s,}]+)', re.I), r"\1***"),
+    (
+        re.compile(
+            r'("?(?:secret|password|passwd|auth|token|identitytoken|access_token)"?\s*[:=]\s*)("[^"]*"|[^\s,}]+)',
+            re.I,
+        ),
+        r"\1***",
+    ),
 )
 
 
@@ -42,13 +48,18 @@ class Backend(Protocol):
 
     def fetch(self, url: str) -> Path: ...
 
-    def push(self, root: str | os.PathLike, url: str, plain_http: bool | None = None, deadlines=None): ...  # report: ref, manifest_digest, uploaded, skipped, uploaded_bytes
+    def push(
+        self, root: str | os.PathLike, url: str, plain_http: bool | None = None, deadlines=None
+    ): ...  # report: ref, manifest_digest, uploaded, skipped, uploaded_bytes
 
-    def pull(self, url: str, dest: str | os.PathLike, plain_http: bool | None = None, deadlines=None): ...  # report: ref, dest, manifest_digest, downloaded, present, downloaded_bytes, kept
+    def pull(
+        self, url: str, dest: str | os.PathLike, plain_http: bool | None = None, deadlines=None
+    ): ...  # report: ref, dest, manifest_digest, downloaded, present, downloaded_bytes, kept
 
 
 def redact(text: str) -> str:
-    """``text`` with anything shaped like a credential replaced by ``***`` (URL user info, auth headers, secret fields)."""
+    """``text`` with anything shaped like a credential replaced by ``***`` (URL user info, auth
+    headers, secret fields)."""
     for pattern, replacement in SECRET_PATTERNS:
         text = pattern.sub(replacement, text)
     return text
@@ -65,13 +76,18 @@ def known_schemes() -> str:
 
 
 def backend_module(url: str, what: str) -> str:
-    """The name of the module for ``url``'s scheme, not imported; a UsageError naming the value, the known schemes and the fix."""
+    """The name of the module for ``url``'s scheme, not imported; a UsageError naming the value,
+    the known schemes and the fix."""
     scheme = scheme_of(url)
     if scheme is None:
-        raise UsageError(f"{what} {redact(url)!r} is not a remote store URL; give one of {known_schemes()}, e.g. oci://registry.example.com/team/snaps:v1")
+        raise UsageError(
+            f"{what} {redact(url)!r} is not a remote store URL; give one of {known_schemes()}, "
+            f"e.g. oci://registry.example.com/team/snaps:v1"
+        )
     if scheme not in BACKENDS:
         raise UsageError(
-            f"{what} {redact(url)!r}: kvsnap has no remote store backend for {scheme}:// (it knows {known_schemes()}); "
+            f"{what} {redact(url)!r}: kvsnap has no remote store backend for {scheme}:// (it knows "
+            f"{known_schemes()}); "
             f"give oci://HOST[:PORT]/REPO:TAG, or a local folder (copy the store there first)"
         )
     return BACKENDS[scheme]
@@ -88,7 +104,8 @@ def check_kv_snapshots(value: str | None) -> None:
 
 
 def resolve_kv_snapshots(value: str | None) -> str | None:
-    """``--kv-snapshots``: a folder stays as it is; a remote URL is pulled into kvsnap's cache folder first, whose path is returned."""
+    """``--kv-snapshots``: a folder stays as it is; a remote URL is pulled into kvsnap's cache
+    folder first, whose path is returned."""
     if not value or scheme_of(value) is None:
         return value
     return str(backend_for(value, "--kv-snapshots").fetch(value))
@@ -97,12 +114,17 @@ def resolve_kv_snapshots(value: str | None) -> str | None:
 def push(root: str | os.PathLike, url: str, plain_http: bool | None = None, deadlines=None):
     """Ship the store at ``root`` to ``url``; the backend's push report. ``deadlines``: the
     backend's per-request limits (None: its defaults and environment)."""
-    return backend_for(url, "push to").push(root, url, plain_http=plain_http, **_given(deadlines=deadlines))
+    return backend_for(url, "push to").push(
+        root, url, plain_http=plain_http, **_given(deadlines=deadlines)
+    )
 
 
 def pull(url: str, dest: str | os.PathLike, plain_http: bool | None = None, deadlines=None):
-    """Install the store at ``url`` into ``dest`` (merged, staged, verified); the backend's pull report."""
-    return backend_for(url, "pull from").pull(url, dest, plain_http=plain_http, **_given(deadlines=deadlines))
+    """Install the store at ``url`` into ``dest`` (merged, staged, verified); the backend's pull
+    report."""
+    return backend_for(url, "pull from").pull(
+        url, dest, plain_http=plain_http, **_given(deadlines=deadlines)
+    )
 
 
 def _given(**options) -> dict:

@@ -2,7 +2,8 @@
 
 Shipping moves exactly these files, by their path relative to the store root:
 ``manifest.json``, ``snapshots/<key>.safetensors`` (records, or v2 whole files) and the
-``blocks/<key>.safetensors`` and ``checkpoints/<key>.safetensors`` a record reaches. Nothing else is packed, pushed,
+``blocks/<key>.safetensors`` and ``checkpoints/<key>.safetensors`` a record reaches. Nothing else
+is packed, pushed,
 unpacked or pulled, so a name from an archive or a registry can never point outside the
 store (``../x``, ``/etc/x``, ``snapshots/../../x`` are refused), nor at ``.lock`` or a
 temp file.
@@ -48,7 +49,12 @@ def check_relpath(name: str, where: str) -> str:
     if is_store_relpath(name):
         return name
     parts = name.replace("\\", "/").split("/")
-    if name.startswith(("/", "\\")) or re.match(r"[A-Za-z]:", name) or ".." in parts or "\x00" in name:
+    if (
+        name.startswith(("/", "\\"))
+        or re.match(r"[A-Za-z]:", name)
+        or ".." in parts
+        or "\x00" in name
+    ):
         raise ShipError(f"{where}: {name!r} escapes the store folder; refusing it ({SHIPPED})")
     raise ShipError(f"{where}: {name!r} is not a store file ({SHIPPED}); refusing it")
 
@@ -73,11 +79,18 @@ def collect_store(root: str | os.PathLike) -> list[StoreFile]:
     reached: set[str] = set()
     for path in store.snapshot_files():
         try:
-            reached.update(chain_relpaths(store.verify_file(path)))  # a record's blocks and checkpoints too
+            reached.update(
+                chain_relpaths(store.verify_file(path))
+            )  # a record's blocks and checkpoints too
         except SnapshotError as exc:
-            raise ShipError(f"{exc.path}: {exc.reason}; refusing to ship a store with a bad snapshot ({exc.fix}, or remove it; `kvsnap verify {store.root}` lists them)") from None
+            raise ShipError(
+                f"{exc.path}: {exc.reason}; refusing to ship a store with a bad snapshot "
+                f"({exc.fix}, or remove it; `kvsnap verify {store.root}` lists them)"
+            ) from None
         st = path.stat()
-        files.append(StoreFile(relpath_of_file(path.name), path, st.st_size, (st.st_dev, st.st_ino)))
+        files.append(
+            StoreFile(relpath_of_file(path.name), path, st.st_size, (st.st_dev, st.st_ino))
+        )
     for rel in sorted(reached):  # parts no record reaches are gc's, not shipped
         st = (store.root / rel).stat()
         files.append(StoreFile(rel, store.root / rel, st.st_size, (st.st_dev, st.st_ino)))
@@ -88,7 +101,10 @@ def collect_store(root: str | os.PathLike) -> list[StoreFile]:
             raise ShipError(f"{manifest}: not a regular file; refusing to ship it")
         missing = store.missing_files()  # read_manifest raises StoreError for a bad one
         if missing:
-            raise ShipError(f"{store.root / missing[0]}: listed in the manifest but missing; run `kvsnap build` again (or `kvsnap verify {store.root}`) before shipping")
+            raise ShipError(
+                f"{store.root / missing[0]}: listed in the manifest but missing; run `kvsnap "
+                f"build` again (or `kvsnap verify {store.root}`) before shipping"
+            )
         files.append(StoreFile(MANIFEST, manifest, st.st_size, (st.st_dev, st.st_ino)))
     if not files:
         raise ShipError(f"{store.root}: the store is empty; build it first with `kvsnap build`")
@@ -102,7 +118,9 @@ def open_checked(f: StoreFile) -> Iterator[BinaryIO]:
     try:
         st = os.fstat(fh.fileno())
         if (st.st_dev, st.st_ino) != f.ino or st.st_size != f.size:
-            raise ShipError(f"{f.path}: changed while shipping (a build or gc running?); run the command again")
+            raise ShipError(
+                f"{f.path}: changed while shipping (a build or gc running?); run the command again"
+            )
         yield fh
     finally:
         fh.close()

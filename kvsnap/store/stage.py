@@ -1,4 +1,5 @@
-"""Stage folders of installs (``.kvsnap-stage-<name>-*`` beside the store): made, locked, resumed, cleaned.
+"""Stage folders of installs (``.kvsnap-stage-<name>-*`` beside the store): made, locked, resumed,
+cleaned.
 
 A live install holds an exclusive ``flock`` on its stage folder for as long as it runs; the
 kernel drops it when the process dies. So a stage nobody holds was left by a killed pull or
@@ -29,7 +30,9 @@ def stage_prefix(dest: Path) -> str:
 def lock_folder(folder: Path) -> int | None:
     """A descriptor holding an exclusive lock on ``folder``; None when a live process holds it."""
     try:
-        fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW", 0))
+        fd = os.open(
+            folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW", 0)
+        )
     except OSError:
         return None
     try:
@@ -69,7 +72,8 @@ def _stages(parent: Path, prefix: str) -> list[Path]:
 
 
 def clean_stale_stages(parent: Path, max_age_s: float = STALE_STAGE_S) -> list[Path]:
-    """Remove every stage folder in ``parent`` older than ``max_age_s`` that no live process holds."""
+    """Remove every stage folder in ``parent`` older than ``max_age_s`` that no live process
+    holds."""
     removed = []
     now = time.time()
     for folder in _stages(parent, STAGE_PREFIX):
@@ -88,9 +92,12 @@ def clean_stale_stages(parent: Path, max_age_s: float = STALE_STAGE_S) -> list[P
 
 
 def adopt_stage(dest: Path) -> tuple[Path, int] | None:
-    """The newest stage for ``dest`` that no live process holds (a killed pull's), locked; or None."""
+    """The newest stage for ``dest`` that no live process holds (a killed pull's), locked; or
+    None."""
     candidates = []
-    own = re.compile(re.escape(stage_prefix(dest)) + r"[a-z0-9_]{8}")  # mkdtemp's suffix: not "snaps-b"'s stages
+    own = re.compile(
+        re.escape(stage_prefix(dest)) + r"[a-z0-9_]{8}"
+    )  # mkdtemp's suffix: not "snaps-b"'s stages
     for folder in (f for f in _stages(dest.parent, stage_prefix(dest)) if own.fullmatch(f.name)):
         try:
             candidates.append((_last_write(folder), folder))

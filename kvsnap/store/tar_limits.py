@@ -18,7 +18,13 @@ from typing import Mapping
 from kvsnap.errors import UsageError
 
 MAX_META_BYTES = 1 << 20  # one pax header or long name; kvsnap's are under 200 bytes
-META_TYPES = (tarfile.XHDTYPE, tarfile.XGLTYPE, tarfile.SOLARIS_XHDTYPE, tarfile.GNUTYPE_LONGNAME, tarfile.GNUTYPE_LONGLINK)
+META_TYPES = (
+    tarfile.XHDTYPE,
+    tarfile.XGLTYPE,
+    tarfile.SOLARIS_XHDTYPE,
+    tarfile.GNUTYPE_LONGNAME,
+    tarfile.GNUTYPE_LONGLINK,
+)
 ENV = {
     "max_total_bytes": "KVSNAP_UNPACK_MAX_BYTES",
     "max_files": "KVSNAP_UNPACK_MAX_FILES",
@@ -64,28 +70,39 @@ class ExpansionGuard:
         self.total = 0
 
     def admit(self, size: int) -> str | None:
-        """None if an entry of ``size`` bytes fits; else the limit it breaks (then nothing is written)."""
+        """None if an entry of ``size`` bytes fits; else the limit it breaks (then nothing is
+        written)."""
         lim = self.limits
         self.files += 1
         if self.files > lim.max_files:
             return f"holds more than {lim.max_files} entries (${ENV['max_files']} raises it)"
         if size > lim.max_file_bytes:
-            return f"declares {size} bytes, over the {lim.max_file_bytes}-byte limit for one file (${ENV['max_file_bytes']} raises it)"
+            return (
+                f"declares {size} bytes, over the {lim.max_file_bytes}-byte limit for one file "
+                f"(${ENV['max_file_bytes']} raises it)"
+            )
         self.total += size
         if self.total > lim.max_total_bytes:
-            return f"expands past {lim.max_total_bytes} bytes in all (${ENV['max_total_bytes']} raises it)"
+            return (
+                f"expands past {lim.max_total_bytes} bytes in all (${ENV['max_total_bytes']} "
+                f"raises it)"
+            )
         if self.total > lim.ratio_floor and self.total > lim.max_ratio * self.archive_bytes:
             return (
-                f"expands to {self.total} bytes from a {self.archive_bytes}-byte archive, over {lim.max_ratio:g} times "
+                f"expands to {self.total} bytes from a {self.archive_bytes}-byte archive, over "
+                f"{lim.max_ratio:g} times "
                 f"its size (a compression bomb? ${ENV['max_ratio']} raises it)"
             )
         return None
 
 
 class BoundedTarInfo(tarfile.TarInfo):
-    """A TarInfo that refuses a pax header or long name over MAX_META_BYTES before tarfile reads it."""
+    """A TarInfo that refuses a pax header or long name over MAX_META_BYTES before tarfile reads
+    it."""
 
     def _proc_member(self, tarfile_obj):
         if self.type in META_TYPES and self.size > MAX_META_BYTES:
-            raise tarfile.ReadError(f"a tar metadata entry of {self.size} bytes, over the {MAX_META_BYTES}-byte limit")
+            raise tarfile.ReadError(
+                f"a tar metadata entry of {self.size} bytes, over the {MAX_META_BYTES}-byte limit"
+            )
         return super()._proc_member(tarfile_obj)

@@ -1,4 +1,5 @@
-"""`kvsnap bench-serve`: load an OpenAI-compatible server and report TTFT, TPOT, latency, throughput.
+"""`kvsnap bench-serve`: load an OpenAI-compatible server and report TTFT, TPOT, latency,
+throughput.
 
 Nothing is sent before the measured requests unless ``--warmup N`` asks for it (no
 preflight token count), so a cold server stays cold for its first measured request.
@@ -16,8 +17,18 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from kvsnap.errors import UsageError
+from kvsnap.tools.client import chat_body
 
-_TOPICS = ["the server's request handler", "a rust parser", "the cache eviction policy", "a flaky test", "the build pipeline", "an HTTP client retry loop", "a database migration", "the logging setup"]
+_TOPICS = [
+    "the server's request handler",
+    "a rust parser",
+    "the cache eviction policy",
+    "a flaky test",
+    "the build pipeline",
+    "an HTTP client retry loop",
+    "a database migration",
+    "the logging setup",
+]
 
 
 def builtin_prompts(kind: str) -> list[str]:
@@ -25,12 +36,15 @@ def builtin_prompts(kind: str) -> list[str]:
     if kind == "short":
         return [f"In one sentence, what could go wrong in {t}?" for t in _TOPICS]
     body = (
-        "Here is the context. The function reads a request, checks the headers, parses the body, calls the "
+        "Here is the context. The function reads a request, checks the headers, parses the body, "
+        "calls the "
         "store, retries on a timeout and writes a response. Tests cover the happy path only. "
     )
     reps = {"medium": 4, "long": 32}.get(kind)
     if reps is None:
-        raise UsageError(f"--prompts {kind!r} is not a built-in set; use short, medium, long or a file path")
+        raise UsageError(
+            f"--prompts {kind!r} is not a built-in set; use short, medium, long or a file path"
+        )
     return [f"Review {t}. " + body * reps + "List the three most important fixes." for t in _TOPICS]
 
 
@@ -94,7 +108,7 @@ def percentile(values: list[float], q: float) -> float:
 
 
 async def _one(client, url: str, model: str, messages: list, max_tokens: int) -> RequestSample:
-    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "stream": True, "stream_options": {"include_usage": True}, "temperature": 0}
+    body = chat_body(model, messages, max_tokens)
     t0 = time.perf_counter()
     ttft = None
     usage: dict = {}
@@ -132,7 +146,17 @@ def _messages(system: str | None, user: str) -> list:
     return msgs + [{"role": "user", "content": user}]
 
 
-async def run_bench(url: str, sets: dict[str, list[str]], concurrencies: list[int], max_tokens: int, repetitions: int, warmup: int, system: str | None, tag: str, on_done=None) -> list[ConfigResult]:
+async def run_bench(
+    url: str,
+    sets: dict[str, list[str]],
+    concurrencies: list[int],
+    max_tokens: int,
+    repetitions: int,
+    warmup: int,
+    system: str | None,
+    tag: str,
+    on_done=None,
+) -> list[ConfigResult]:
     import httpx
 
     results = []
@@ -146,7 +170,9 @@ async def run_bench(url: str, sets: dict[str, list[str]], concurrencies: list[in
                 t0 = time.perf_counter()
                 for rep in range(repetitions):
                     batch = [prompts[(rep * conc + i) % len(prompts)] for i in range(conc)]
-                    samples += await asyncio.gather(*(_one(client, url, model, _messages(system, p), max_tokens) for p in batch))
+                    samples += await asyncio.gather(
+                        *(_one(client, url, model, _messages(system, p), max_tokens) for p in batch)
+                    )
                     if on_done:
                         on_done(conc)
                 wall = time.perf_counter() - t0
@@ -184,7 +210,20 @@ def render(results: list[ConfigResult], fmt: str) -> str:
     from rich.table import Table
 
     table = Table(title="kvsnap bench-serve")
-    cols = ["tag", "prompts", "concurrency", "requests", "ttft_p50_ms", "ttft_p95_ms", "tpot_ms", "e2e_p50_ms", "prompt_tps", "generation_tps", "cached_tokens_mean", "prompt_tokens_mean"]
+    cols = [
+        "tag",
+        "prompts",
+        "concurrency",
+        "requests",
+        "ttft_p50_ms",
+        "ttft_p95_ms",
+        "tpot_ms",
+        "e2e_p50_ms",
+        "prompt_tps",
+        "generation_tps",
+        "cached_tokens_mean",
+        "prompt_tokens_mean",
+    ]
     for c in cols:
         table.add_column(c.replace("_", " "), justify="right")
     for r in rows:

@@ -21,7 +21,8 @@ from typing import Callable
 
 MODES = ("cold", "warm-prompts", "kv-snapshots")
 FILLER = (
-    "You are an agent that reviews code, plans tasks and calls tools. Read the request, check the data, "
+    "You are an agent that reviews code, plans tasks and calls tools. Read the request, check the "
+    "data, "
     "list the steps, explain each fix briefly and never answer without checking the tests first. "
 )
 
@@ -53,6 +54,7 @@ def system_prompt_of(tokenizer, n_tokens: int, salt: str = "") -> str:
 
 def child_rss_mb(pid: int) -> float:
     """RSS of the server: the python child under `timeout`, else the process itself."""
+
     def rss(p: int) -> float:
         try:
             for line in Path(f"/proc/{p}/status").read_text().splitlines():
@@ -74,24 +76,51 @@ def mode_args(mode: str, agents_file: Path, store: Path) -> list[str]:
     if mode == "warm-prompts":
         args += ["--warm-prompts", str(agents_file)]
     elif mode == "kv-snapshots":
-        args += ["--warm-prompts", str(agents_file), "--kv-snapshots", str(store), "--no-write-back"]
+        args += [
+            "--warm-prompts",
+            str(agents_file),
+            "--kv-snapshots",
+            str(store),
+            "--no-write-back",
+        ]
     return args
 
 
-def launch_once(mode: str, rep: int, model: Path, agents_file: Path, store: Path, first_messages: list, prompt_tokens: int, n_agents: int, workdir: Path, max_tokens: int = 16, env: dict | None = None, request: bool = True) -> Launch:
+def launch_once(
+    mode: str,
+    rep: int,
+    model: Path,
+    agents_file: Path,
+    store: Path,
+    first_messages: list,
+    prompt_tokens: int,
+    n_agents: int,
+    workdir: Path,
+    max_tokens: int = 16,
+    env: dict | None = None,
+    request: bool = True,
+) -> Launch:
     import httpx
 
     from kvsnap.tools.client import stream_chat
     from kvsnap.tools.serverproc import start_server
 
     row = Launch(mode=mode, rep=rep, prompt_tokens=prompt_tokens, agents=n_agents)
-    server = start_server(model, mode_args(mode, agents_file, store), workdir / f"{mode}-{rep}.log", env=env, limit_s=3600)
+    server = start_server(
+        model,
+        mode_args(mode, agents_file, store),
+        workdir / f"{mode}-{rep}.log",
+        env=env,
+        limit_s=3600,
+    )
     try:
         row.ready_s = server.wait_ready(timeout=3000)
         warmup = server.status()["warmup"]  # the report the warm-up log line is written from
         row.warmup_s = float(warmup["seconds"]) if warmup else 0.0
         row.rss_mb = child_rss_mb(server.proc.pid)
-        if not request:  # ready time only: a cold server's first request would prefill the whole prompt
+        if (
+            not request
+        ):  # ready time only: a cold server's first request would prefill the whole prompt
             return row
         with httpx.Client(timeout=3000) as client:
             res = stream_chat(client, server.url, model.name, first_messages, max_tokens=max_tokens)
@@ -99,7 +128,9 @@ def launch_once(mode: str, rep: int, model: Path, agents_file: Path, store: Path
         row.completion_tokens = int(res.usage.get("completion_tokens", 0))
         row.cached_tokens = res.cached_tokens
         row.tpot_s = (res.total_s - res.ttft_s) / max(1, row.completion_tokens - 1)
-        row.first_token_from_launch_s = time.perf_counter() - server.launched_at - (res.total_s - res.ttft_s)
+        row.first_token_from_launch_s = (
+            time.perf_counter() - server.launched_at - (res.total_s - res.ttft_s)
+        )
         row.rss_mb = max(row.rss_mb, child_rss_mb(server.proc.pid))
     finally:
         server.stop()
@@ -122,45 +153,104 @@ def prepare_point(point: SweepPoint, workdir: Path, env: dict) -> tuple[Path, Pa
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(point.model))
-    agents = [{"name": f"agent-{i}", "messages": [{"role": "system", "content": system_prompt_of(tok, point.prompt_tokens, salt=f"Agent {i}.")}]} for i in range(point.agents)]
+    agents = [
+        {
+            "name": f"agent-{i}",
+            "messages": [
+                {
+                    "role": "system",
+                    "content": system_prompt_of(tok, point.prompt_tokens, salt=f"Agent {i}."),
+                }
+            ],
+        }
+        for i in range(point.agents)
+    ]
     tag = f"{point.model.name}-{point.prompt_tokens}t-{point.agents}a"
     agents_file = workdir / f"agents-{tag}.json"
     agents_file.write_text(json.dumps(agents))
     store = workdir / f"snaps-{tag}"
     build_store(point.model, agents_file, store, env)
-    first = agents[0]["messages"] + [{"role": "user", "content": "Please review the function and explain the fix."}]
+    first = agents[0]["messages"] + [
+        {"role": "user", "content": "Please review the function and explain the fix."}
+    ]
     return agents_file, store, first
 
 
 def build_store(model: Path, agents_file: Path, store: Path, env: dict) -> None:
     """`kvsnap build` in its own process, with the servers' environment: the model it loads
     is gone before the first launch is measured."""
-    cmd = [sys.executable, "-m", "kvsnap", "build", str(agents_file), "--model", str(model), "--out", str(store)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "kvsnap",
+        "build",
+        str(agents_file),
+        "--model",
+        str(model),
+        "--out",
+        str(store),
+    ]
     rc = subprocess.run(cmd, env={**os.environ, **env}).returncode
     if rc != 0:
-        raise RuntimeError(f"`kvsnap build {agents_file} --model {model} --out {store}` exited with {rc} (its output is above)")
+        raise RuntimeError(
+            f"`kvsnap build {agents_file} --model {model} --out {store}` exited with {rc} (its "
+            f"output is above)"
+        )
 
 
-def run_point(point: SweepPoint, workdir: Path, deadline: float, env: dict, log: Callable[[str], None] = print) -> list[Launch]:
+def run_point(
+    point: SweepPoint, workdir: Path, deadline: float, env: dict, log: Callable[[str], None] = print
+) -> list[Launch]:
     agents_file, store, first = prepare_point(point, workdir, env)
     for rep in range(point.reps):
         for mode in point.modes:  # interleaved, so drift on a shared machine hits every mode alike
             if time.monotonic() > deadline:
-                log(f"budget reached: stopping {point.model.name} {point.prompt_tokens}t at rep {rep}")
+                log(
+                    f"budget reached: stopping {point.model.name} {point.prompt_tokens}t at rep "
+                    f"{rep}"
+                )
                 return point.rows
-            row = launch_once(mode, rep, point.model, agents_file, store, first, point.prompt_tokens, point.agents, workdir, env=env, request=point.request)
+            row = launch_once(
+                mode,
+                rep,
+                point.model,
+                agents_file,
+                store,
+                first,
+                point.prompt_tokens,
+                point.agents,
+                workdir,
+                env=env,
+                request=point.request,
+            )
             point.rows.append(row)
-            log(f"{point.model.name} {point.prompt_tokens:>5}t x{point.agents:<3} {mode:<13} rep {rep}: ready {row.ready_s:7.2f}s warm-up {row.warmup_s:7.2f}s TTFT {row.ttft_s * 1000:8.1f} ms TPOT {row.tpot_s * 1000:6.1f} ms RSS {row.rss_mb:7.0f} MB cached {row.cached_tokens}")
+            log(
+                f"{point.model.name} {point.prompt_tokens:>5}t x{point.agents:<3} {mode:<13} rep "
+                f"{rep}: ready {row.ready_s:7.2f}s warm-up {row.warmup_s:7.2f}s TTFT "
+                f"{row.ttft_s * 1000:8.1f} ms TPOT {row.tpot_s * 1000:6.1f} ms RSS "
+                f"{row.rss_mb:7.0f} MB cached {row.cached_tokens}"
+            )
     return point.rows
 
 
 def medians(rows: list[Launch]) -> list[dict]:
     out = []
-    keys = sorted({(r.prompt_tokens, r.agents, r.mode) for r in rows}, key=lambda k: (k[0], k[1], MODES.index(k[2])))
+    keys = sorted(
+        {(r.prompt_tokens, r.agents, r.mode) for r in rows},
+        key=lambda k: (k[0], k[1], MODES.index(k[2])),
+    )
     for pt, ag, mode in keys:
         sel = [r for r in rows if (r.prompt_tokens, r.agents, r.mode) == (pt, ag, mode)]
         med = {"prompt_tokens": pt, "agents": ag, "mode": mode, "launches": len(sel)}
-        for f in ("ready_s", "warmup_s", "ttft_s", "tpot_s", "first_token_from_launch_s", "rss_mb", "cached_tokens"):
+        for f in (
+            "ready_s",
+            "warmup_s",
+            "ttft_s",
+            "tpot_s",
+            "first_token_from_launch_s",
+            "rss_mb",
+            "cached_tokens",
+        ):
             med[f] = statistics.median(getattr(r, f) for r in sel)
         out.append(med)
     return out

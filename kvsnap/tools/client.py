@@ -1,4 +1,5 @@
-"""A small OpenAI-API client for the quickstart, tests and benchmarks: streams and times a request."""
+"""A small OpenAI-API client for the quickstart, tests and benchmarks: streams and times a
+request."""
 
 from __future__ import annotations
 
@@ -23,9 +24,24 @@ class ChatResult:
         return int((self.usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
 
 
-def stream_chat(client: httpx.Client, url: str, model: str, messages: list, max_tokens: int = 32, **extra) -> ChatResult:
+def chat_body(model: str, messages: list, max_tokens: int, **extra) -> dict:
+    """A greedy streaming chat request that reports usage (and so cached tokens) at its end."""
+    return {
+        "model": model,
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "temperature": 0,
+        **extra,
+    }
+
+
+def stream_chat(
+    client: httpx.Client, url: str, model: str, messages: list, max_tokens: int = 32, **extra
+) -> ChatResult:
     """POST a streaming chat completion; time to the first content token and usage."""
-    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "stream": True, "stream_options": {"include_usage": True}, "temperature": 0, **extra}
+    body = chat_body(model, messages, max_tokens, **extra)
     result = ChatResult()
     t0 = time.perf_counter()
     with client.stream("POST", f"{url}/v1/chat/completions", json=body) as resp:

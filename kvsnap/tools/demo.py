@@ -19,11 +19,14 @@ from kvsnap.tools.demo_tokenizer import non_text_ids, train_tokenizer
 
 
 def _mask_output_rows(model, ids: list[int], used_vocab: int) -> None:
-    """Zero lm_head rows (``ids``, and those past the tokenizer's vocabulary): a zero logit never beats the largest of hundreds of random ones."""
+    """Zero lm_head rows (``ids``, and those past the tokenizer's vocabulary): a zero logit never
+    beats the largest of hundreds of random ones."""
     import mlx.core as mx
     from mlx.utils import tree_flatten, tree_unflatten
 
-    (name, weight), = [(n, w) for n, w in tree_flatten(model.parameters()) if n.endswith("lm_head.weight")]
+    ((name, weight),) = [
+        (n, w) for n, w in tree_flatten(model.parameters()) if n.endswith("lm_head.weight")
+    ]
     keep = mx.ones((weight.shape[0], 1))
     keep[mx.array(ids)] = 0.0
     keep[used_vocab:] = 0.0
@@ -49,7 +52,9 @@ def _randomize(model, seed: int, used_vocab: int) -> None:
             w = mx.random.normal(value.shape, key=key)
             if used_vocab < value.shape[0]:
                 # Ids the tokenizer never produces get zero logits, so greedy never picks them.
-                w = mx.concatenate([w[:used_vocab], mx.zeros((value.shape[0] - used_vocab, value.shape[1]))])
+                w = mx.concatenate(
+                    [w[:used_vocab], mx.zeros((value.shape[0] - used_vocab, value.shape[1]))]
+                )
         else:
             w = mx.random.normal(value.shape, key=key) * (1.5 / fan_in**0.5)
         new.append((name, w.astype(mx.float32)))
@@ -71,7 +76,9 @@ def make_demo_model(out_dir: str | Path, spec: DemoSpec = DemoSpec(), force: boo
     if out.exists() and not force:
         if (out / "config.json").exists():
             return out
-        raise UsageError(f"{out} exists and is not a model directory; choose another path or pass --force")
+        raise UsageError(
+            f"{out} exists and is not a model directory; choose another path or pass --force"
+        )
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
@@ -91,7 +98,12 @@ def make_demo_model(out_dir: str | Path, spec: DemoSpec = DemoSpec(), force: boo
             config["quantization_config"] = config["quantization"]
         weights = dict(tree_flatten(model.parameters()))
         mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})
-        config["kvsnap_demo"] = {"arch": spec.arch, "size": spec.size, "template": spec.chat_template, "seed": spec.seed}
+        config["kvsnap_demo"] = {
+            "arch": spec.arch,
+            "size": spec.size,
+            "template": spec.chat_template,
+            "seed": spec.seed,
+        }
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         if out.exists():
             shutil.rmtree(out)

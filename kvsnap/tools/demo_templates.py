@@ -12,7 +12,8 @@ CHATML = (
     r"{{ '<|im_end|>\n' }}"
     r"{% endfor %}"
     r"{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
-    r"{% if enable_thinking is defined and not enable_thinking %}{{ '<think>\n\n</think>\n\n' }}{% endif %}"
+    r"{% if enable_thinking is defined and not enable_thinking %}{{ '<think>\n\n</think>\n\n' }}{% "
+    r"endif %}"
     r"{% endif %}"
 )
 
@@ -22,7 +23,8 @@ MISTRAL = (
     r"{{ bos_token }}{% set ns = namespace(system='') %}"
     r"{% for message in messages %}"
     r"{% if message['role'] == 'system' %}{% set ns.system = message['content'] + ' ' %}"
-    r"{% elif message['role'] == 'user' %}{{ '[INST] ' + ns.system + message['content'] + ' [/INST]' }}{% set ns.system = '' %}"
+    r"{% elif message['role'] == 'user' %}{{ '[INST] ' + ns.system + message['content'] + ' "
+    r"[/INST]' }}{% set ns.system = '' %}"
     r"{% elif message['role'] == 'assistant' %}{{ ' ' + message['content'] + eos_token }}"
     r"{% endif %}"
     r"{% endfor %}"
@@ -40,9 +42,17 @@ DEFAULT_SYSTEM = (
 # tokenizer's post-processor adds another BOS on a plain encode, as Meta's does.
 LLAMA3 = (
     r"{% set loop_messages = messages %}{% for message in loop_messages %}"
-    r"{% set content = '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'+ message['content'] | trim + '<|eot_id|>' %}"
-    r"{% if loop.index0 == 0 %}{% set content = bos_token + content %}{% endif %}{{ content }}{% endfor %}"
-    r"{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
+    r"{% set content = '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'+ "
+    r"message['content'] | trim + '<|eot_id|>' %}"
+    r"{% if loop.index0 == 0 %}{% set content = bos_token + content %}{% endif %}{{ content }}{% "
+    r"endfor %}"
+    r"{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% "
+    r"endif %}"
 )
 
-TEMPLATES = {"chatml": CHATML, "mistral": MISTRAL, "default-system": DEFAULT_SYSTEM, "llama3": LLAMA3}
+TEMPLATES = {
+    "chatml": CHATML,
+    "mistral": MISTRAL,
+    "default-system": DEFAULT_SYSTEM,
+    "llama3": LLAMA3,
+}

@@ -11,21 +11,45 @@ from pathlib import Path
 
 from kvsnap.tools.demo_templates import TEMPLATES
 
-SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<s>", "</s>", "[INST]", "[/INST]", "<think>", "</think>"]
-LLAMA3_SPECIAL_TOKENS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+SPECIAL_TOKENS = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<s>",
+    "</s>",
+    "[INST]",
+    "[/INST]",
+    "<think>",
+    "</think>",
+]
+LLAMA3_SPECIAL_TOKENS = [
+    "<|begin_of_text|>",
+    "<|end_of_text|>",
+    "<|start_header_id|>",
+    "<|end_header_id|>",
+    "<|eot_id|>",
+]
 # Meta's Llama-3 pre-tokenizer split (digits in threes, newlines kept apart from words).
-LLAMA3_SPLIT = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| "
+    r"?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 DEMO_VOCAB = 2048
-CONTEXT = 32768  # every demo model's context: the tokenizer's model_max_length, the config's max positions
+# every demo model's context: the tokenizer's model_max_length, the config's max positions
+CONTEXT = 32768
 
 _CORPUS_WORDS = (
     "you are a helpful code assistant reviewer planner agent that reads writes tests and explains "
     "python rust function class module error value return import file path server request response "
     "the of to in and for with on by from as is are be this that it not or if then else when while "
-    "please answer briefly carefully always never use tools call search open list check fix build run "
+    "please answer briefly carefully always never use tools call search open list check fix build "
+    "run "
     "system user assistant message content token prompt cache model layer state snapshot warm cold "
-    "hello world question first second next number data time day week plan task step goal review code "
-    "中文 内容 你好 世界 模型 缓存 0 1 2 3 4 5 6 7 8 9 42 100 2026 ! ? . , : ; ' \" ( ) [ ] { } < > / - _ = + * # @ $ % & "
+    "hello world question first second next number data time day week plan task step goal review "
+    "code "
+    "中文 内容 你好 世界 模型 缓存 0 1 2 3 4 5 6 7 8 9 42 100 2026 "
+    "! ? . , : ; ' \" ( ) [ ] { } < > / - _ = + "
+    "* # @ $ % & "
 ).split()
 
 
@@ -40,10 +64,16 @@ def _corpus(seed: int) -> list[str]:
 
 
 def _llama3_tokenizer(tok) -> list[str]:
-    """Llama-3's pre-tokenizer and post-processor: a plain encode starts with <|begin_of_text|>, as Meta's does."""
+    """Llama-3's pre-tokenizer and post-processor: a plain encode starts with <|begin_of_text|>, as
+    Meta's does."""
     from tokenizers import Regex, pre_tokenizers
 
-    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(LLAMA3_SPLIT), behavior="isolated"), pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(LLAMA3_SPLIT), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     return LLAMA3_SPECIAL_TOKENS
 
 
@@ -54,12 +84,18 @@ def _add_bos_post_processor(tok) -> None:
     tok.post_processor = processors.Sequence(
         [
             processors.ByteLevel(trim_offsets=False),
-            processors.TemplateProcessing(single=f"{bos}:0 $A:0", pair=f"{bos}:0 $A:0 {bos}:1 $B:1", special_tokens=[(bos, tok.token_to_id(bos))]),
+            processors.TemplateProcessing(
+                single=f"{bos}:0 $A:0",
+                pair=f"{bos}:0 $A:0 {bos}:1 $B:1",
+                special_tokens=[(bos, tok.token_to_id(bos))],
+            ),
         ]
     )
 
 
-def train_tokenizer(out_dir: Path, template: str, seed: int = 0, vocab_size: int = DEMO_VOCAB) -> tuple[int, list[int]]:
+def train_tokenizer(
+    out_dir: Path, template: str, seed: int = 0, vocab_size: int = DEMO_VOCAB
+) -> tuple[int, list[int]]:
     """Train a byte-level BPE tokenizer and write tokenizer.json + tokenizer_config.json.
 
     Returns the vocabulary size and the end-of-sequence ids for config.json.
@@ -90,8 +126,13 @@ def train_tokenizer(out_dir: Path, template: str, seed: int = 0, vocab_size: int
             "clean_up_tokenization_spaces": True,
             "chat_template": TEMPLATES[template],
         }
-        (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False))
-        return tok.get_vocab_size(), [tok.token_to_id("<|end_of_text|>"), tok.token_to_id("<|eot_id|>")]
+        (out_dir / "tokenizer_config.json").write_text(
+            json.dumps(config, indent=2, ensure_ascii=False)
+        )
+        return tok.get_vocab_size(), [
+            tok.token_to_id("<|end_of_text|>"),
+            tok.token_to_id("<|eot_id|>"),
+        ]
     eos = "</s>" if template == "mistral" else "<|im_end|>"
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
@@ -108,7 +149,8 @@ def train_tokenizer(out_dir: Path, template: str, seed: int = 0, vocab_size: int
 
 
 def non_text_ids(tokenizer_json: Path) -> list[int]:
-    """Ids that decode to no text alone: special tokens, and byte pieces of a longer UTF-8 character."""
+    """Ids that decode to no text alone: special tokens, and byte pieces of a longer UTF-8
+    character."""
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(tokenizer_json))

@@ -28,12 +28,15 @@ class ServerProcess:
     launched_at: float
 
     def wait_ready(self, timeout: float = 120.0) -> float:
-        """Poll /health until 200 (warm); returns seconds since launch. Raises if the process died."""
+        """Poll /health until 200 (warm); returns seconds since launch. Raises if the process
+        died."""
         deadline = time.monotonic() + timeout
         with httpx.Client(timeout=2.0) as client:
             while time.monotonic() < deadline:
                 if self.proc.poll() is not None:
-                    raise RuntimeError(f"kvsnap serve exited with {self.proc.returncode}:\n{self.log()[-3000:]}")
+                    raise RuntimeError(
+                        f"kvsnap serve exited with {self.proc.returncode}:\n{self.log()[-3000:]}"
+                    )
                 try:
                     if client.get(f"{self.url}/health").status_code == 200:
                         return time.perf_counter() - self.launched_at
@@ -43,7 +46,8 @@ class ServerProcess:
         raise TimeoutError(f"kvsnap serve not warm after {timeout}s:\n{self.log()[-3000:]}")
 
     def status(self, api_key: str | None = None, timeout: float = 10.0) -> dict:
-        """``GET /v1/status`` as data: the warm-up report is its ``warmup`` (an admin key, or none configured)."""
+        """``GET /v1/status`` as data: the warm-up report is its ``warmup`` (an admin key, or none
+        configured)."""
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         resp = httpx.get(f"{self.url}/v1/status", headers=headers, timeout=timeout)
         resp.raise_for_status()
@@ -79,14 +83,36 @@ def under_hard_limit(cmd: list[str], limit_s: int) -> list[str]:
     return ["/usr/bin/timeout", "--foreground", "-k", "5", str(limit_s), *cmd]
 
 
-def start_server(model: str | Path, args: list[str], log_path: Path, port: int | None = None, env: dict | None = None, limit_s: int = 900, prefix: list[str] | None = None) -> ServerProcess:
+def start_server(
+    model: str | Path,
+    args: list[str],
+    log_path: Path,
+    port: int | None = None,
+    env: dict | None = None,
+    limit_s: int = 900,
+    prefix: list[str] | None = None,
+) -> ServerProcess:
     """Launch `kvsnap serve` under `timeout -k` so it can never outlive ``limit_s``."""
     port = port or free_port()
-    cmd = [*(prefix or []), sys.executable, "-m", "kvsnap", "serve", str(model), "--host", "127.0.0.1", "--port", str(port), *args]
+    cmd = [
+        *(prefix or []),
+        sys.executable,
+        "-m",
+        "kvsnap",
+        "serve",
+        str(model),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        *args,
+    ]
     cmd = under_hard_limit(cmd, limit_s)
     full_env = {**os.environ, **(env or {})}
     log_file = open(log_path, "wb")
     launched = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=full_env)
     log_file.close()
-    return ServerProcess(proc=proc, url=f"http://127.0.0.1:{port}", log_path=log_path, launched_at=launched)
+    return ServerProcess(
+        proc=proc, url=f"http://127.0.0.1:{port}", log_path=log_path, launched_at=launched
+    )

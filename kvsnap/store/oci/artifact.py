@@ -17,18 +17,28 @@ from dataclasses import dataclass
 
 from kvsnap import __version__
 from kvsnap.errors import UsageError
-from kvsnap.snapshot.format import ARTIFACT_TYPE, BLOCK_MEDIA_TYPE, MANIFEST_MEDIA_TYPE, PART_REL_RE, SNAPSHOT_MEDIA_TYPE  # named after the format versions
-from kvsnap.store.shipping import ShipError, check_relpath
+from kvsnap.snapshot.format import (  # named after the format versions
+    ARTIFACT_TYPE,
+    BLOCK_MEDIA_TYPE,
+    MANIFEST_MEDIA_TYPE,
+    PART_REL_RE,
+    SNAPSHOT_MEDIA_TYPE,
+)
 from kvsnap.store.local import MANIFEST
 from kvsnap.store.manifest import MAX_MANIFEST_BYTES as MAX_STORE_MANIFEST_BYTES
 from kvsnap.store.oci.errors import RegistryError
 from kvsnap.store.oci.reference import DIGEST_RE, Reference
+from kvsnap.store.shipping import ShipError, check_relpath
 
 OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
 OCI_INDEX = "application/vnd.oci.image.index.v1+json"
 DOCKER_MANIFEST = "application/vnd.docker.distribution.manifest.v2+json"
 EMPTY_JSON = b"{}"
-EMPTY_CONFIG = {"mediaType": "application/vnd.oci.empty.v1+json", "digest": "sha256:" + hashlib.sha256(EMPTY_JSON).hexdigest(), "size": len(EMPTY_JSON)}
+EMPTY_CONFIG = {
+    "mediaType": "application/vnd.oci.empty.v1+json",
+    "digest": "sha256:" + hashlib.sha256(EMPTY_JSON).hexdigest(),
+    "size": len(EMPTY_JSON),
+}
 TITLE = "org.opencontainers.image.title"
 MAX_MANIFEST_BYTES = 4 << 20
 MAX_BLOB_BYTES = 64 << 30  # one store file; a 2,048-token fp32 snapshot of a 0.6B model is 470 MB
@@ -59,20 +69,33 @@ def media_type(relpath: str) -> str:
 
 
 def artifact_manifest(layers: list[Layer]) -> bytes:
-    """The manifest ``push`` tags; RegistryError (nothing tagged) past the 4 MiB registries accept."""
+    """The manifest ``push`` tags; RegistryError (nothing tagged) past the 4 MiB registries
+    accept."""
     doc = {
         "schemaVersion": 2,
         "mediaType": OCI_MANIFEST,
         "artifactType": ARTIFACT_TYPE,
         "config": EMPTY_CONFIG,
-        "layers": [{"mediaType": media_type(layer.relpath), "digest": layer.digest, "size": layer.size, "annotations": {TITLE: layer.relpath}} for layer in layers],
-        "annotations": {"io.kvsnap.version": __version__},  # no timestamp: an unchanged store pushes the same manifest digest
+        "layers": [
+            {
+                "mediaType": media_type(layer.relpath),
+                "digest": layer.digest,
+                "size": layer.size,
+                "annotations": {TITLE: layer.relpath},
+            }
+            for layer in layers
+        ],
+        "annotations": {
+            "io.kvsnap.version": __version__
+        },  # no timestamp: an unchanged store pushes the same manifest digest
     }
     body = json.dumps(doc, separators=(",", ":")).encode()
     if len(body) > MAX_MANIFEST_BYTES:
         raise RegistryError(
-            f"the registry manifest for {len(layers)} files would be {len(body)} bytes, over the {MAX_MANIFEST_BYTES} registries accept; "
-            "rebuild with a larger `kvsnap build --block-tokens` (fewer, larger blocks), or push the agents in several stores"
+            f"the registry manifest for {len(layers)} files would be {len(body)} bytes, over the "
+            f"{MAX_MANIFEST_BYTES} registries accept; "
+            "rebuild with a larger `kvsnap build --block-tokens` (fewer, larger blocks), or push "
+            "the agents in several stores"
         )
     return body
 
@@ -83,11 +106,16 @@ def _check_kind(doc: object, ref: Reference) -> dict:
         raise RegistryError(f"{ref}: the manifest is not a JSON object; not a kvsnap store")
     media = doc.get("mediaType")
     if media == OCI_INDEX or "manifests" in doc:
-        raise RegistryError(f"{ref} is an image index, not a kvsnap store; give the tag `kvsnap push` wrote")
+        raise RegistryError(
+            f"{ref} is an image index, not a kvsnap store; give the tag `kvsnap push` wrote"
+        )
     config = doc["config"] if isinstance(doc.get("config"), dict) else {}
     if doc.get("artifactType") != ARTIFACT_TYPE and config.get("mediaType") != ARTIFACT_TYPE:
         kind = str(doc.get("artifactType") or config.get("mediaType") or media or "unknown")[:100]
-        raise RegistryError(f"{ref} is not a kvsnap store (its type is {kind!r}); give a tag written by `kvsnap push`")
+        raise RegistryError(
+            f"{ref} is not a kvsnap store (its type is {kind!r}); give a tag written by `kvsnap "
+            f"push`"
+        )
     return doc
 
 
@@ -95,7 +123,11 @@ def _parse_layer(layer: object, i: int, ref: Reference, max_blob: int) -> Layer:
     """One layer descriptor: a store path as its title, a sha256 digest, a size."""
     if not isinstance(layer, dict):
         raise RegistryError(f"{ref}: layer {i} is not a JSON object; not a kvsnap store")
-    title = (layer.get("annotations") or {}).get(TITLE) if isinstance(layer.get("annotations"), dict) else None
+    title = (
+        (layer.get("annotations") or {}).get(TITLE)
+        if isinstance(layer.get("annotations"), dict)
+        else None
+    )
     if not isinstance(title, str):
         raise RegistryError(f"{ref}: layer {i} has no {TITLE} annotation; not a kvsnap store")
     try:
@@ -104,18 +136,28 @@ def _parse_layer(layer: object, i: int, ref: Reference, max_blob: int) -> Layer:
         raise RegistryError(str(exc)) from None
     digest, size = layer.get("digest"), layer.get("size")
     if not isinstance(digest, str) or not DIGEST_RE.fullmatch(digest):
-        raise RegistryError(f"{ref}: layer {title} has digest {digest!r}, not a sha256 digest; refusing it")
+        raise RegistryError(
+            f"{ref}: layer {title} has digest {digest!r}, not a sha256 digest; refusing it"
+        )
     if not isinstance(size, int) or isinstance(size, bool) or size < 0:
         raise RegistryError(f"{ref}: layer {title} has size {size!r}; refusing it")
     # Declared sizes bound what a pull streams: checked here, before any download.
-    cap, why = (MAX_STORE_MANIFEST_BYTES, "the limit for a store manifest") if title == MANIFEST else (max_blob, f"the blob limit (${ENV_MAX_BLOB} raises it)")
+    cap, why = (
+        (MAX_STORE_MANIFEST_BYTES, "the limit for a store manifest")
+        if title == MANIFEST
+        else (max_blob, f"the blob limit (${ENV_MAX_BLOB} raises it)")
+    )
     if size > cap:
-        raise RegistryError(f"{ref}: layer {title} declares {size} bytes, over {cap}, {why}; refusing it before downloading anything")
+        raise RegistryError(
+            f"{ref}: layer {title} declares {size} bytes, over {cap}, {why}; refusing it before "
+            f"downloading anything"
+        )
     return Layer(title, digest, size)
 
 
 def parse_artifact(body: bytes, ref: Reference, max_blob: int | None = None) -> list[Layer]:
-    """The layers of a kvsnap store manifest, each with a checked digest, size (bounded) and store path."""
+    """The layers of a kvsnap store manifest, each with a checked digest, size (bounded) and store
+    path."""
     max_blob = max_blob_bytes() if max_blob is None else max_blob
     try:
         doc = _check_kind(json.loads(body), ref)

@@ -26,14 +26,19 @@ ENV_MIN_RATE = "KVSNAP_REGISTRY_MIN_RATE"
 
 @dataclass(frozen=True)
 class Deadlines:
-    """How long one registry request may take: ``total_s`` + its bytes at ``min_rate``; ``idle_s`` per read."""
+    """How long one registry request may take: ``total_s`` + its bytes at ``min_rate``; ``idle_s``
+    per read."""
 
     total_s: float = 120.0
     idle_s: float = 30.0
     min_rate: float = 256 * 1024  # bytes per second a blob must at least arrive at
 
     def __post_init__(self) -> None:
-        for _name, value, flag in (("total_s", self.total_s, "--registry-timeout"), ("idle_s", self.idle_s, "--registry-idle-timeout"), ("min_rate", self.min_rate, "--registry-min-rate")):
+        for _name, value, flag in (
+            ("total_s", self.total_s, "--registry-timeout"),
+            ("idle_s", self.idle_s, "--registry-idle-timeout"),
+            ("min_rate", self.min_rate, "--registry-min-rate"),
+        ):
             if not isinstance(value, (int, float)) or not 0 < value < float("inf"):
                 raise UsageError(f"{flag} is {value!r}; give a positive number")
 
@@ -41,7 +46,11 @@ class Deadlines:
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> "Deadlines":
         """The defaults, each replaced by its environment variable when set."""
         values = {}
-        for field_name, env in (("total_s", ENV_TIMEOUT), ("idle_s", ENV_IDLE), ("min_rate", ENV_MIN_RATE)):
+        for field_name, env in (
+            ("total_s", ENV_TIMEOUT),
+            ("idle_s", ENV_IDLE),
+            ("min_rate", ENV_MIN_RATE),
+        ):
             text = environ.get(env, "").strip()
             if not text:
                 continue
@@ -103,9 +112,13 @@ class _DeadlineStream(httpcore.NetworkStream):
     def close(self) -> None:
         self.inner.close()
 
-    def start_tls(self, ssl_context, server_hostname: str | None = None, timeout: float | None = None) -> httpcore.NetworkStream:
+    def start_tls(
+        self, ssl_context, server_hostname: str | None = None, timeout: float | None = None
+    ) -> httpcore.NetworkStream:
         bounded = self.clock.bound(timeout, httpcore.ConnectTimeout)
-        return _DeadlineStream(self.inner.start_tls(ssl_context, server_hostname, bounded), self.clock)
+        return _DeadlineStream(
+            self.inner.start_tls(ssl_context, server_hostname, bounded), self.clock
+        )
 
     def get_extra_info(self, info: str):
         return self.inner.get_extra_info(info)
@@ -118,12 +131,28 @@ class DeadlineBackend(httpcore.NetworkBackend):
         self.inner = inner
         self.clock = clock
 
-    def connect_tcp(self, host: str, port: int, timeout: float | None = None, local_address: str | None = None, socket_options: Iterable | None = None) -> httpcore.NetworkStream:
+    def connect_tcp(
+        self,
+        host: str,
+        port: int,
+        timeout: float | None = None,
+        local_address: str | None = None,
+        socket_options: Iterable | None = None,
+    ) -> httpcore.NetworkStream:
         bounded = self.clock.bound(timeout, httpcore.ConnectTimeout)
-        return _DeadlineStream(self.inner.connect_tcp(host, port, bounded, local_address, socket_options), self.clock)
+        return _DeadlineStream(
+            self.inner.connect_tcp(host, port, bounded, local_address, socket_options), self.clock
+        )
 
-    def connect_unix_socket(self, path: str, timeout: float | None = None, socket_options: Iterable | None = None) -> httpcore.NetworkStream:
-        return _DeadlineStream(self.inner.connect_unix_socket(path, self.clock.bound(timeout, httpcore.ConnectTimeout), socket_options), self.clock)
+    def connect_unix_socket(
+        self, path: str, timeout: float | None = None, socket_options: Iterable | None = None
+    ) -> httpcore.NetworkStream:
+        return _DeadlineStream(
+            self.inner.connect_unix_socket(
+                path, self.clock.bound(timeout, httpcore.ConnectTimeout), socket_options
+            ),
+            self.clock,
+        )
 
     def sleep(self, seconds: float) -> None:
         self.inner.sleep(seconds)
@@ -134,8 +163,13 @@ def deadline_transport(clock: RequestClock):
     import httpx
 
     transport = httpx.HTTPTransport()
-    pool = transport._pool  # httpx keeps its httpcore pool here (httpx 0.27-0.28); checked, not assumed
+    pool = (
+        transport._pool
+    )  # httpx keeps its httpcore pool here (httpx 0.27-0.28); checked, not assumed
     if not isinstance(getattr(pool, "_network_backend", None), httpcore.NetworkBackend):
-        raise RuntimeError("this httpx/httpcore version hides its network backend; kvsnap cannot bound registry requests (report it)")
+        raise RuntimeError(
+            "this httpx/httpcore version hides its network backend; kvsnap cannot bound registry "
+            "requests (report it)"
+        )
     pool._network_backend = DeadlineBackend(pool._network_backend, clock)
     return transport

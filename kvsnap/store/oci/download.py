@@ -1,4 +1,5 @@
-"""``kvsnap pull`` and ``serve --kv-snapshots oci://…``: download what the folder lacks, verify it all, move it in.
+"""``kvsnap pull`` and ``serve --kv-snapshots oci://…``: download what the folder lacks, verify it
+all, move it in.
 
 Blobs go into a staged install next to the store (checked for size and sha256 while they
 stream, then each snapshot's own checks), and only a complete, verified set is moved in;
@@ -18,8 +19,6 @@ from kvsnap.errors import ManifestError, SnapshotError
 from kvsnap.faults import FaultHook
 from kvsnap.snapshot.format import BLOCKS, PART_REL_RE
 from kvsnap.store.install import StagedInstall, check_destination, existing_file_is_good
-from kvsnap.store.shipping import ShipError, present_with_digest
-from kvsnap.store.parts import check_part
 from kvsnap.store.local import MANIFEST, Store
 from kvsnap.store.manifest import read_manifest_file
 from kvsnap.store.oci.artifact import Layer, parse_artifact
@@ -28,6 +27,8 @@ from kvsnap.store.oci.credentials import Credentials
 from kvsnap.store.oci.deadlines import Deadlines
 from kvsnap.store.oci.errors import RegistryError, RegistryUnreachableError
 from kvsnap.store.oci.reference import Reference, as_reference
+from kvsnap.store.parts import check_part
+from kvsnap.store.shipping import ShipError, present_with_digest
 
 log = logging.getLogger("kvsnap")
 
@@ -46,8 +47,12 @@ class PullReport:
     downloaded: list[str] = field(default_factory=list)
     present: list[str] = field(default_factory=list)
     downloaded_bytes: int = 0
-    kept: list[str] = field(default_factory=list)  # differ from the store's good file of that name: not installed
-    resumed: list[str] = field(default_factory=list)  # staged by a killed pull, digest-checked, not downloaded again
+    kept: list[str] = field(
+        default_factory=list
+    )  # differ from the store's good file of that name: not installed
+    resumed: list[str] = field(
+        default_factory=list
+    )  # staged by a killed pull, digest-checked, not downloaded again
 
 
 def _kept_existing(dest: Path, layers: list[Layer], have: list[Layer]) -> list[str]:
@@ -57,19 +62,31 @@ def _kept_existing(dest: Path, layers: list[Layer], have: list[Layer]) -> list[s
         return []
     store = Store(root=dest.resolve(), readonly=True)
     return [
-        layer.relpath for layer in layers
-        if layer not in have and layer.relpath != MANIFEST and (dest / layer.relpath).is_file() and existing_file_is_good(store, layer.relpath)
+        layer.relpath
+        for layer in layers
+        if layer not in have
+        and layer.relpath != MANIFEST
+        and (dest / layer.relpath).is_file()
+        and existing_file_is_good(store, layer.relpath)
     ]
 
 
-def _download_missing(client: RegistryClient, layers: list[Layer], have: list[Layer], staging: StagedInstall, report: PullReport) -> None:
+def _download_missing(
+    client: RegistryClient,
+    layers: list[Layer],
+    have: list[Layer],
+    staging: StagedInstall,
+    report: PullReport,
+) -> None:
     for layer in layers:
         if layer in have:
             report.present.append(layer.relpath)
             continue
         if layer.relpath in report.kept:
             continue
-        if staging.reuse(layer.relpath, layer.size, layer.digest):  # staged by a killed pull: sha256 checked
+        if staging.reuse(
+            layer.relpath, layer.size, layer.digest
+        ):  # staged by a killed pull: sha256 checked
             report.resumed.append(layer.relpath)
             continue
         with staging.open(layer.relpath) as out:
@@ -79,15 +96,29 @@ def _download_missing(client: RegistryClient, layers: list[Layer], have: list[La
         fault("pull-staged-blob")
 
 
-def pull(ref: Reference | str, dest: str | os.PathLike, plain_http: bool | None = None, credentials: Credentials | None | bool = True, transport: httpx.BaseTransport | None = None, deadlines: Deadlines | None = None) -> PullReport:
-    """Fetch the manifest, download what ``dest`` lacks into a temp folder, verify all, move it in."""
+def pull(
+    ref: Reference | str,
+    dest: str | os.PathLike,
+    plain_http: bool | None = None,
+    credentials: Credentials | None | bool = True,
+    transport: httpx.BaseTransport | None = None,
+    deadlines: Deadlines | None = None,
+) -> PullReport:
+    """Fetch the manifest, download what ``dest`` lacks into a temp folder, verify all, move it
+    in."""
     ref = as_reference(ref)
     dest_path = check_destination(dest)  # before any network call
-    with RegistryClient(ref, plain_http, credentials, transport=transport, deadlines=deadlines) as client:
+    with RegistryClient(
+        ref, plain_http, credentials, transport=transport, deadlines=deadlines
+    ) as client:
         body, digest = client.get_manifest()
         layers = parse_artifact(body, ref)
         report = PullReport(ref, dest_path, digest)
-        have = [layer for layer in layers if present_with_digest(dest_path / layer.relpath, layer.size, layer.digest)]
+        have = [
+            layer
+            for layer in layers
+            if present_with_digest(dest_path / layer.relpath, layer.size, layer.digest)
+        ]
         report.kept = _kept_existing(dest_path, layers, have)
         with StagedInstall(dest_path, resume=True) as staging:
             try:
@@ -108,19 +139,31 @@ def _verify_present(root: Path, relpaths: list[str], ref: Reference) -> None:
     for relpath in relpaths:
         try:
             if relpath == MANIFEST:
-                read_manifest_file(store.root / MANIFEST, f"refusing it (nothing was changed in {root})")
+                read_manifest_file(
+                    store.root / MANIFEST, f"refusing it (nothing was changed in {root})"
+                )
             elif PART_REL_RE.fullmatch(relpath):
-                check_part(store, "block" if relpath.startswith(BLOCKS) else "checkpoint", Path(relpath).stem, path=store.root / relpath)
+                check_part(
+                    store,
+                    "block" if relpath.startswith(BLOCKS) else "checkpoint",
+                    Path(relpath).stem,
+                    path=store.root / relpath,
+                )
             else:
-                store.verify_file(store.root / relpath, parts=False)  # its parts: staged or present, each checked
+                store.verify_file(
+                    store.root / relpath, parts=False
+                )  # its parts: staged or present, each checked
         except ManifestError as exc:
             raise ShipError(f"{ref}: {exc}") from None
         except SnapshotError as exc:
-            raise ShipError(f"{ref}: {relpath}: {exc.reason}; refusing it (nothing was changed in {root})") from None
+            raise ShipError(
+                f"{ref}: {relpath}: {exc.reason}; refusing it (nothing was changed in {root})"
+            ) from None
 
 
 def fetch(url: str) -> Path:
-    """Pull ``url`` into kvsnap's cache folder and return it (what ``serve --kv-snapshots oci://…`` starts from).
+    """Pull ``url`` into kvsnap's cache folder and return it (what ``serve --kv-snapshots oci://…``
+    starts from).
 
     The cache folder is ``$KVSNAP_CACHE_DIR/oci/<host>/<repo>/<tag>`` (else
     ``~/.cache/kvsnap/oci/…``); files already there are reused. If the registry cannot be
@@ -138,6 +181,11 @@ def fetch(url: str) -> Path:
         raise
     log.info(
         "[kvsnap] pulled %s (%s) into %s: %d file(s) downloaded (%d bytes), %d already there",
-        ref, report.manifest_digest[:19], dest, len(report.downloaded), report.downloaded_bytes, len(report.present),
+        ref,
+        report.manifest_digest[:19],
+        dest,
+        len(report.downloaded),
+        report.downloaded_bytes,
+        len(report.present),
     )
     return dest

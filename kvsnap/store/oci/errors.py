@@ -26,4 +26,5 @@ class DigestMismatchError(RegistryError):
 
 
 class CredentialError(RegistryAuthError):
-    """A docker config that cannot be read, or a credential helper that fails (named, with its redacted stderr)."""
+    """A docker config that cannot be read, or a credential helper that fails (named, with its
+    redacted stderr)."""

@@ -1,4 +1,5 @@
-"""``kvsnap push``: verify the store, upload only the blobs the registry lacks (HEADs in parallel first), then tag the manifest."""
+"""``kvsnap push``: verify the store, upload only the blobs the registry lacks (HEADs in parallel
+first), then tag the manifest."""
 
 from __future__ import annotations
 
@@ -11,12 +12,12 @@ from typing import BinaryIO, Callable, ContextManager
 import httpx
 
 from kvsnap.errors import UsageError
-from kvsnap.store.shipping import collect_store, open_checked, sha256_file
 from kvsnap.store.oci.artifact import EMPTY_CONFIG, EMPTY_JSON, Layer, artifact_manifest
 from kvsnap.store.oci.client import RegistryClient
 from kvsnap.store.oci.credentials import Credentials
 from kvsnap.store.oci.deadlines import Deadlines
 from kvsnap.store.oci.reference import Reference, as_reference
+from kvsnap.store.shipping import collect_store, open_checked, sha256_file
 
 
 @dataclass
@@ -41,7 +42,14 @@ class BytesOpener:
         return None
 
 
-def push(root: str | os.PathLike, ref: Reference | str, plain_http: bool | None = None, credentials: Credentials | None | bool = True, transport: httpx.BaseTransport | None = None, deadlines: Deadlines | None = None) -> PushReport:
+def push(
+    root: str | os.PathLike,
+    ref: Reference | str,
+    plain_http: bool | None = None,
+    credentials: Credentials | None | bool = True,
+    transport: httpx.BaseTransport | None = None,
+    deadlines: Deadlines | None = None,
+) -> PushReport:
     """Verify the store, upload the blobs the registry lacks, then tag the manifest."""
     ref = as_reference(ref)
     if not ref.tag:
@@ -54,12 +62,24 @@ def push(root: str | os.PathLike, ref: Reference | str, plain_http: bool | None 
     by_path = {f.relpath: f for f in files}
     manifest = artifact_manifest(layers)  # too large for a registry: refused before any upload
     report = PushReport(ref, "")
-    with RegistryClient(ref, plain_http, credentials, push=True, transport=transport, deadlines=deadlines) as client:
-        config_blob = ("config", str(EMPTY_CONFIG["digest"]), len(EMPTY_JSON), lambda: BytesOpener(EMPTY_JSON))
+    with RegistryClient(
+        ref, plain_http, credentials, push=True, transport=transport, deadlines=deadlines
+    ) as client:
+        config_blob = (
+            "config",
+            str(EMPTY_CONFIG["digest"]),
+            len(EMPTY_JSON),
+            lambda: BytesOpener(EMPTY_JSON),
+        )
         blobs: list[tuple[str, str, int, Callable[[], ContextManager[BinaryIO]]]] = [config_blob]
-        blobs += [(layer.relpath, layer.digest, layer.size, partial(open_checked, by_path[layer.relpath])) for layer in layers]
+        blobs += [
+            (layer.relpath, layer.digest, layer.size, partial(open_checked, by_path[layer.relpath]))
+            for layer in layers
+        ]
         seen: set[str] = set()
-        present = client.blobs_exist([digest for _, digest, _, _ in blobs])  # in parallel: only what is missing goes up
+        present = client.blobs_exist(
+            [digest for _, digest, _, _ in blobs]
+        )  # in parallel: only what is missing goes up
         for name, digest, size, opener in blobs:
             if digest in seen or present[digest]:
                 report.skipped.append(name)
