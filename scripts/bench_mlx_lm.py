@@ -30,6 +30,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 
@@ -42,6 +43,7 @@ preload_openblas()  # before mlx loads (the demo model is made here)
 from kvsnap.tools.demo import DemoSpec, make_demo_model  # noqa: E402
 from kvsnap.tools.serverproc import ServerProcess, free_port, under_hard_limit  # noqa: E402
 
+KVSNAP = (sys.executable, "-m", "kvsnap")
 SERVERS = ("mlx_lm.server", "kvsnap mlx-lm serve", "kvsnap serve")
 AGENT_HEADS = (
     "You are the house code reviewer for a python and rust server. Read the tests first. ",
@@ -59,7 +61,10 @@ def system_prompt(tokenizer, head: str, target: int, seed: int) -> str:
     """``head`` then seeded words, cut to the shortest text of at least ``target`` tokens."""
     rng = random.Random(seed)
     words = head.split() + [rng.choice(_WORDS) for _ in range(target * 2)]
-    count = lambda n: len(tokenizer.encode(" ".join(words[:n]), add_special_tokens=False).ids)
+
+    def count(n: int) -> int:
+        return len(tokenizer.encode(" ".join(words[:n]), add_special_tokens=False).ids)
+
     lo, hi = 1, len(words)
     while lo < hi:  # bisect: the word count where the text first reaches target tokens
         mid = (lo + hi) // 2
@@ -71,15 +76,26 @@ def make_agents(model: Path, tokens: list[int], path: Path) -> list[dict]:
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(model / "tokenizer.json"))
-    agents = [{"name": f"agent{i + 1}", "messages": [{"role": "system", "content": system_prompt(
-        tok, AGENT_HEADS[i], n, seed=i)}]} for i, n in enumerate(tokens)]
+    agents = [
+        {
+            "name": f"agent{i + 1}",
+            "messages": [
+                {"role": "system", "content": system_prompt(tok, AGENT_HEADS[i], n, seed=i)}
+            ],
+        }
+        for i, n in enumerate(tokens)
+    ]
     path.write_text(json.dumps(agents, indent=1))
     return agents
 
 
 def server_env(workdir: Path) -> dict:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1",
-           "KVSNAP_CACHE_DIR": str(workdir / "cache")}
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "PYTHONUNBUFFERED": "1",
+        "KVSNAP_CACHE_DIR": str(workdir / "cache"),
+    }
     blas = find_openblas()
     if blas:  # python -m mlx_lm.server would otherwise run on mlx-cpu's reference BLAS
         env["LD_PRELOAD"] = blas
@@ -87,27 +103,30 @@ def server_env(workdir: Path) -> dict:
 
 
 def build(model: Path, agents: Path, out: Path, extra: list[str], env: dict) -> dict:
-    cmd = [sys.executable, "-m", "kvsnap", "build", str(agents), "--model", str(model),
-           "--out", str(out), "--json", *extra]
+    cmd = [*KVSNAP, "build", str(agents), "--model", str(model), "--out", str(out), "--json"]
+    cmd += extra
     t0 = time.perf_counter()
     r = subprocess.run(under_hard_limit(cmd, 1800), capture_output=True, text=True, env=env)
     if r.returncode != 0:
         raise SystemExit(f"build failed ({' '.join(cmd)}):\n{r.stderr[-3000:]}")
     report = json.loads(r.stdout)
-    return {"command": " ".join(cmd[1:]), "seconds": round(time.perf_counter() - t0, 2),
-            "entries": [{k: e.get(k) for k in ("name", "status", "n_tokens", "tokens_prefilled")}
-                        for e in report["entries"]]}
+    return {
+        "command": " ".join(cmd[1:]),
+        "seconds": round(time.perf_counter() - t0, 2),
+        "entries": [
+            {k: e.get(k) for k in ("name", "status", "n_tokens", "tokens_prefilled")}
+            for e in report["entries"]
+        ],
+    }
 
 
 def command(server: str, model: Path, agents: Path, stores: dict) -> list[str]:
-    py = sys.executable
     if server == "mlx_lm.server":
-        return [py, "-m", "mlx_lm.server", "--model", str(model)]
+        return [sys.executable, "-m", "mlx_lm.server", "--model", str(model)]
+    mlx_store, kv_store = str(stores["mlx-lm"]), str(stores["kvsnap"])
     if server == "kvsnap mlx-lm serve":
-        return [py, "-m", "kvsnap", "mlx-lm", "serve", "--model", str(model),
-                "--kv-snapshots", str(stores["mlx-lm"])]
-    return [py, "-m", "kvsnap", "serve", str(model), "--kv-snapshots", str(stores["kvsnap"]),
-            "--warm-prompts", str(agents)]
+        return [*KVSNAP, "mlx-lm", "serve", "--model", str(model), "--kv-snapshots", mlx_store]
+    return [*KVSNAP, "serve", str(model), "--kv-snapshots", kv_store, "--warm-prompts", str(agents)]
 
 
 def launch(cmd: list[str], log: Path, env: dict) -> ServerProcess:
@@ -119,12 +138,17 @@ def launch(cmd: list[str], log: Path, env: dict) -> ServerProcess:
     return ServerProcess(proc=proc, url=f"http://127.0.0.1:{port}", log_path=log, launched_at=t0)
 
 
-def ask(server: ServerProcess, body_model: str | None, system: str, user: str,
-        max_tokens: int) -> dict:
+def ask(
+    server: ServerProcess, body_model: str | None, system: str, user: str, max_tokens: int
+) -> dict:
     """One streamed chat request; TTFT is the first chunk with content."""
-    body = {"messages": [{"role": "system", "content": system}, {"role": "user", "content": user}],
-            "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     if body_model:  # kvsnap serve needs it; mlx_lm.server would load another model by that name
         body["model"] = body_model
     text, usage, ttft = "", {}, None
@@ -146,11 +170,14 @@ def ask(server: ServerProcess, body_model: str | None, system: str, user: str,
     if ttft is None:
         raise RuntimeError(f"no content chunk from {server.url}; usage {usage}")
     details = usage.get("prompt_tokens_details") or {}
-    return {"ttft_s": round(ttft - t0, 4), "first_token_from_launch_s":
-            round(ttft - server.launched_at, 3), "text": text,
-            "prompt_tokens": usage.get("prompt_tokens"),
-            "cached_tokens": details.get("cached_tokens"),
-            "completion_tokens": usage.get("completion_tokens")}
+    return {
+        "ttft_s": round(ttft - t0, 4),
+        "first_token_from_launch_s": round(ttft - server.launched_at, 3),
+        "text": text,
+        "prompt_tokens": usage.get("prompt_tokens"),
+        "cached_tokens": details.get("cached_tokens"),
+        "completion_tokens": usage.get("completion_tokens"),
+    }
 
 
 def warmup_report(server_name: str, server: ServerProcess) -> dict | str | None:
@@ -163,26 +190,40 @@ def warmup_report(server_name: str, server: ServerProcess) -> dict | str | None:
     return None
 
 
-def one_launch(name: str, args, model: Path, agents: list[dict], agents_file: Path, stores: dict,
-               env: dict, rep: int) -> dict:
-    logs = args.workdir / "logs"
+def one_launch(name: str, ctx: SimpleNamespace, rep: int) -> dict:
+    """One launch of ``name``: ready, then each agent's first request; the server stopped."""
+    logs = ctx.workdir / "logs"
     logs.mkdir(exist_ok=True)
     log = logs / f"{name.replace(' ', '_')}-{rep}.log"
-    server = launch(command(name, model, agents_file, stores), log, env)
+    load_before = os.getloadavg()[0]  # the 2 cores are shared: a busy machine shows here
+    server = launch(command(name, ctx.model, ctx.agents_file, ctx.stores), log, ctx.env)
     try:
         ready = server.wait_ready(900)
-        body_model = model.name if name == "kvsnap serve" else None
-        answers = [ask(server, body_model, a["messages"][0]["content"], USER[i], args.max_tokens)
-                   for i, a in enumerate(agents)]
+        body_model = ctx.model.name if name == "kvsnap serve" else None
+        answers = [
+            ask(server, body_model, a["messages"][0]["content"], USER[i], ctx.max_tokens)
+            for i, a in enumerate(ctx.agents)
+        ]
         warm = warmup_report(name, server)
     finally:
         rc = server.stop()
-    row = {"server": name, "rep": rep, "ready_s": round(ready, 3), "answers": answers,
-           "warmup": warm, "exit_code": rc, "log": str(log)}
+    row = {
+        "server": name,
+        "rep": rep,
+        "ready_s": round(ready, 3),
+        "answers": answers,
+        "warmup": warm,
+        "exit_code": rc,
+        "log": str(log),
+        "loadavg_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
+    }
     a1 = answers[0]
-    print(f"rep {rep} {name:<20} ready {ready:6.2f}s  TTFT {a1['ttft_s']:7.3f}s  launch->token "
-          f"{a1['first_token_from_launch_s']:6.2f}s  cached {a1['cached_tokens']}/"
-          f"{a1['prompt_tokens']}  {a1['text']!r}", flush=True)
+    print(
+        f"rep {rep} {name:<20} ready {ready:6.2f}s  TTFT {a1['ttft_s']:7.3f}s  launch->token "
+        f"{a1['first_token_from_launch_s']:6.2f}s  cached {a1['cached_tokens']}/"
+        f"{a1['prompt_tokens']}  {a1['text']!r}",
+        flush=True,
+    )
     return row
 
 
@@ -196,30 +237,44 @@ def summarize(runs: list[dict]) -> list[dict]:
     out = []
     for name in SERVERS:
         rows = [r for r in runs if r["server"] == name]
-        out.append({
-            "server": name, "launches": len(rows),
-            "ready_s": med(rows, lambda r: r["ready_s"]),
-            "ttft_agent1_s": med(rows, lambda r: r["answers"][0]["ttft_s"]),
-            "first_token_from_launch_s": med(
-                rows, lambda r: r["answers"][0]["first_token_from_launch_s"]),
-            "ttft_agent2_s": med(rows, lambda r: r["answers"][1]["ttft_s"]),
-            "cached_tokens": sorted({tuple(a["cached_tokens"] for a in r["answers"]) for r in rows}),
-            "prompt_tokens": sorted({tuple(a["prompt_tokens"] for a in r["answers"]) for r in rows}),
-            "answers_identical_across_servers": same,
-        })
+        out.append(
+            {
+                "server": name,
+                "launches": len(rows),
+                "ready_s": med(rows, lambda r: r["ready_s"]),
+                "ttft_agent1_s": med(rows, lambda r: r["answers"][0]["ttft_s"]),
+                "first_token_from_launch_s": med(
+                    rows, lambda r: r["answers"][0]["first_token_from_launch_s"]
+                ),
+                "ttft_agent2_s": med(rows, lambda r: r["answers"][1]["ttft_s"]),
+                "cached_tokens": sorted(
+                    {tuple(a["cached_tokens"] for a in r["answers"]) for r in rows}
+                ),
+                "prompt_tokens": sorted(
+                    {tuple(a["prompt_tokens"] for a in r["answers"]) for r in rows}
+                ),
+                "answers_identical_across_servers": same,
+            }
+        )
     return out
 
 
 def table(summary: list[dict]) -> str:
-    lines = ["| server | ready | 1st agent TTFT | launch → 1st token | 2nd agent TTFT "
-             "| cached / prompt tokens (agent 1, 2) | same answers |",
-             "|---|---:|---:|---:|---:|---|---|"]
+    lines = [
+        "| server | ready | 1st agent TTFT | launch → 1st token | 2nd agent TTFT "
+        "| cached / prompt tokens (agent 1, 2) | same answers |",
+        "|---|---:|---:|---:|---:|---|---|",
+    ]
     for s in summary:
-        cached = "; ".join(", ".join(f"{c} / {p}" for c, p in zip(cs, ps))
-                           for cs, ps in zip(s["cached_tokens"], s["prompt_tokens"]))
-        lines.append(f"| {s['server']} | {s['ready_s']:.2f} s | {s['ttft_agent1_s']:.2f} s "
-                     f"| {s['first_token_from_launch_s']:.2f} s | {s['ttft_agent2_s']:.2f} s "
-                     f"| {cached} | {'yes' if s['answers_identical_across_servers'] else 'NO'} |")
+        cached = "; ".join(
+            ", ".join(f"{c} / {p}" for c, p in zip(cs, ps))
+            for cs, ps in zip(s["cached_tokens"], s["prompt_tokens"])
+        )
+        lines.append(
+            f"| {s['server']} | {s['ready_s']:.2f} s | {s['ttft_agent1_s']:.2f} s "
+            f"| {s['first_token_from_launch_s']:.2f} s | {s['ttft_agent2_s']:.2f} s "
+            f"| {cached} | {'yes' if s['answers_identical_across_servers'] else 'NO'} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -247,8 +302,9 @@ def plot(summary: list[dict], path: Path, title: str) -> bool:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--size", default="qwen3-0.6b", choices=("tiny", "small", "qwen3-0.6b"))
     ap.add_argument("--model", help="use this model folder instead of a demo model")
     ap.add_argument("--tokens", default="1800,1600", help="two agents' system-prompt tokens")
@@ -268,28 +324,49 @@ def main() -> int:
         model = make_demo_model(args.workdir / f"demo-{args.size}", spec)
     tokens = [int(t) for t in args.tokens.split(",")]
     if len(tokens) != 2:
-        raise SystemExit(f"--tokens {args.tokens!r}: give two counts, one per agent, e.g. 1800,1600")
+        raise SystemExit(
+            f"--tokens {args.tokens!r}: give two counts, one per agent, e.g. 1800,1600"
+        )
     agents_file = args.workdir / "agents.json"
     agents = make_agents(model, tokens, agents_file)
     env = server_env(args.workdir)
     stores = {"mlx-lm": args.workdir / "snaps-mlx-lm", "kvsnap": args.workdir / "snaps-kvsnap"}
-    builds = {"mlx-lm": build(model, agents_file, stores["mlx-lm"], ["--for", "mlx-lm"], env),
-              "kvsnap": build(model, agents_file, stores["kvsnap"], [], env)}
+    builds = {
+        "mlx-lm": build(model, agents_file, stores["mlx-lm"], ["--for", "mlx-lm"], env),
+        "kvsnap": build(model, agents_file, stores["kvsnap"], [], env),
+    }
     print("builds:", json.dumps(builds), flush=True)
+    ctx = SimpleNamespace(
+        workdir=args.workdir,
+        model=model,
+        agents=agents,
+        env=env,
+        agents_file=agents_file,
+        stores=stores,
+        max_tokens=args.max_tokens,
+    )
     runs = []
     for rep in range(args.reps):
-        order = SERVERS[rep % 3:] + SERVERS[: rep % 3]  # interleaved: each server leads once
-        runs += [one_launch(n, args, model, agents, agents_file, stores, env, rep) for n in order]
+        order = SERVERS[rep % 3 :] + SERVERS[: rep % 3]  # interleaved: each server leads once
+        runs += [one_launch(n, ctx, rep) for n in order]
     summary = summarize(runs)
     tag = args.tag or model.name
     md = table(summary)
     print(md)
     (args.out / f"mlx_lm-{tag}.md").write_text(md)
-    result = {"command": " ".join(sys.argv), "model": str(model), "size": args.size,
-              "agents": agents, "users": USER, "max_tokens": args.max_tokens,
-              "openblas": env.get("LD_PRELOAD"), "builds": builds,
-              "commands": {n: command(n, model, agents_file, stores) for n in SERVERS},
-              "summary": summary, "runs": runs}
+    result = {
+        "command": " ".join(sys.argv),
+        "model": str(model),
+        "size": args.size,
+        "agents": agents,
+        "users": USER,
+        "max_tokens": args.max_tokens,
+        "openblas": env.get("LD_PRELOAD"),
+        "builds": builds,
+        "commands": {n: command(n, model, agents_file, stores) for n in SERVERS},
+        "summary": summary,
+        "runs": runs,
+    }
     (args.out / f"mlx_lm-{tag}.json").write_text(json.dumps(result, indent=1))
     plot(summary, args.out / f"mlx_lm-{tag}.png", f"restart to first token, {tag}")
     return 0
