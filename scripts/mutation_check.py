@@ -820,6 +820,22 @@ BREAKAGES = (
         ),
     ),
     Breakage(
+        "install-new-folder-not-fsynced",
+        "4. nothing lost (durable folders)",
+        "unpack and pull create a store's missing blocks/ or checkpoints/ with mkdir alone",
+        (
+            Patch(
+                "kvsnap/store/install.py",
+                "                    make_dirs((store.root / relpath).parent, store.fsync)\n",
+                "                    (store.root / relpath).parent.mkdir(exist_ok=True)\n",
+            ),
+        ),
+        (
+            "tests/test_block_store_durability.py::"
+            "test_folders_an_unpack_adds_to_an_existing_store_are_fsynced_in_its_root",
+        ),
+    ),
+    Breakage(
         "prepared-requests-not-counted-for-429",
         "server under attack",
         "a request takes its in-flight slot only after its prompt is rendered (heavy requests "

@@ -76,3 +76,40 @@ def test_every_folder_a_store_creates_is_fsynced_in_its_parent_before_it_is_used
             assert fsyncs.index(parent) < fsyncs.index(folder), (
                 f"{folder} was used before {parent} was fsynced"
             )
+
+
+def test_folders_an_unpack_adds_to_an_existing_store_are_fsynced_in_its_root(
+    demo_models, tmp_path, monkeypatch
+):
+    """An install into a store that has no blocks/ or checkpoints/ yet creates them: each is
+    made durable in the store's root before files are renamed into it."""
+    from kvsnap.store.archive import pack, unpack
+
+    lm = demo_models.load("hybrid")
+    agents_file = tmp_path / "agents.json"
+    text = "You are a careful reviewer. Read the tests first, then every function. " * 8
+    agents_file.write_text(
+        json.dumps([{"name": "a", "messages": [{"role": "system", "content": text}]}])
+    )
+    source = Store.open(tmp_path / "source", create=True)
+    report = build_snapshots(
+        lm, load_warm_prompts(agents_file), source, str(agents_file), blocks=BlockSettings(32, 64)
+    )
+    assert report.ok, report.entries
+    pack(source.root, tmp_path / "store.tar.gz")
+    dest = Store.open(tmp_path / "dest", create=True).root
+    for folder in ("blocks", "checkpoints"):
+        if (dest / folder).exists():
+            (dest / folder).rmdir()  # a store made before blocks existed: no such folders
+
+    events = _spy(monkeypatch)
+    unpack(tmp_path / "store.tar.gz", dest)
+    made = [p for kind, p in events if kind == "mkdir" and ".kvsnap-stage" not in p]
+    assert {str(dest / "blocks"), str(dest / "checkpoints")} <= set(made), made
+    for folder in made:
+        after = events[events.index(("mkdir", folder)) + 1 :]
+        fsyncs = [path for kind, path in after if kind == "fsync"]
+        parent = str(Path(folder).parent)
+        assert parent in fsyncs, f"{folder} was created but never made durable"
+        if folder in fsyncs:  # its first use: the commit of the files renamed into it
+            assert fsyncs.index(parent) < fsyncs.index(folder), f"{folder} used before {parent}"

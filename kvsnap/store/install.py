@@ -26,7 +26,7 @@ from typing import BinaryIO, Callable, Iterator
 
 from kvsnap.errors import ManifestError, SnapshotError, StoreError
 from kvsnap.snapshot.format import PART_FOLDERS, PART_REL_RE
-from kvsnap.store.fileio import fsync_dir
+from kvsnap.store.fileio import fsync_dir, make_dirs
 from kvsnap.store.local import DIR_MODE, FILE_MODE, MANIFEST, SNAPSHOTS, Store
 from kvsnap.store.manifest import parse_manifest, referenced_files
 from kvsnap.store.shipping import ShipError, is_store_relpath, present_with_digest
@@ -294,7 +294,8 @@ class StagedInstall:
                 )
                 files = [r for r in files if not self._keeps_existing(store, r)]
                 for relpath in files:
-                    (store.root / relpath).parent.mkdir(mode=DIR_MODE, exist_ok=True)
+                    # a new blocks/ or checkpoints/ is durable in the root before it is used
+                    make_dirs((store.root / relpath).parent, store.fsync)
                     os.replace(self.tmp / relpath, store.root / relpath)
                 for folder in sorted({(store.root / r).parent for r in files}):
                     fsync_dir(folder)
