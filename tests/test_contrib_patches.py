@@ -40,14 +40,23 @@ PATCH_CALLS = {
 def apply_patch(patch: Path, package: Path, dest: Path) -> Path:
     """A copy of ``package`` (an installed upstream package folder) in ``dest``, patched."""
     shutil.copytree(package, dest / package.name, ignore=shutil.ignore_patterns("__pycache__"))
+    # Inside another git work tree, git apply takes paths from that tree's root, skips ours
+    # and still exits 0: stop its search at dest, and check the target really changed.
+    env = {**os.environ, "GIT_CEILING_DIRECTORIES": str(dest.parent)}
     r = subprocess.run(
         ["git", "apply", "--verbose", str(patch)],
         cwd=dest,
         capture_output=True,
         text=True,
         timeout=60,
+        env=env,
     )
     assert r.returncode == 0, f"{patch.name} does not apply to {package}:\n{r.stderr}"
+    targets = re.findall(r"^\+\+\+ b/(\S+)$", patch.read_text(), re.M)
+    assert targets, f"{patch.name} names no file"
+    for target in targets:
+        text = (dest / target).read_text()
+        assert "--kv-snapshots" in text, f"git apply left {dest / target} unpatched:\n{r.stderr}"
     return dest
 
 
@@ -207,6 +216,36 @@ def test_patched_mlx_lm_server_refuses_a_bad_option_in_one_line(demo_models, tmp
         r = subprocess.run([*command, *extra], capture_output=True, text=True, timeout=120, env=env)
         assert r.returncode == code and "mlx_lm.server: error: " in r.stderr, r.stderr[-2000:]
         assert said in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+
+
+def test_patched_mlx_lm_server_without_kvsnap_refuses_in_one_line(demo_models, tmp_path):
+    """--kv-snapshots where kvsnap cannot be imported: argparse's one line and exit 2."""
+    import mlx_lm
+
+    patched = apply_patch(MLX_LM_PATCH, Path(mlx_lm.__file__).parent, tmp_path / "mlx-lm")
+    # A kvsnap first on the path that fails to import, as a missing one does (the real one is
+    # installed in this environment).
+    shadow = tmp_path / "no-kvsnap" / "kvsnap"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text("raise ModuleNotFoundError(\"No module named 'kvsnap'\")\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(PYTHONPATH=f"{shadow.parent}{os.pathsep}{patched}", HF_HUB_OFFLINE="1")
+    model = str(demo_models.path("dense"))
+    for extra in (["--kv-snapshots", str(tmp_path)], ["--warm-prompts", str(tmp_path / "a.json")]):
+        r = subprocess.run(
+            [sys.executable, "-m", "mlx_lm.server", "--model", model, *extra],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=env,
+            cwd=tmp_path,  # python -m puts the cwd first on the path: not this checkout
+        )
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 2 and len(lines) == 1, r.stderr[-2000:]
+        assert lines[0].startswith(
+            "mlx_lm.server: error: --kv-snapshots needs kvsnap installed (No module named"
+        ), lines
+        assert "pip install -e PATH" in lines[0] and "pip install kvsnap" not in lines[0]
 
 
 def test_patched_mlx_lm_server_warm_prompts_prefill_once_and_write_back(demo_models, tmp_path):
