@@ -12,6 +12,7 @@ mlx-lm loaded, captured at the exact prefix boundary, and written back to a writ
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
 import time
@@ -59,22 +60,43 @@ class MlxLmWarmPlan(WarmPlan):
         return True
 
     def _warn_other_renderings(self, prompt, infos, key, info, report) -> None:
-        from kvsnap.integrations.mlx_lm_profile import built_for
         from kvsnap.integrations.vllm_mlx_profile import recorded_tokenization
 
+        server = self.tokenization.descriptor()
         for other in infos:
             if other.name == prompt.name and other.key != key and other is not info:
+                recorded = recorded_tokenization(other.recorded)
                 report.warn(
-                    f"{prompt.name}: snapshot {other.path.name} was built for "
-                    f"{built_for(recorded_tokenization(other.recorded))}'s tokenization, not "
-                    "mlx_lm.server's; prefilling instead; build for it with "
-                    "`kvsnap build … --for mlx-lm`"
+                    f"{prompt.name}: snapshot {other.path.name} {other_profile(recorded, server)}"
+                    "; prefilling instead"
                 )
 
 
-def pin_store(cache: Any, model_key: Any, store: Any, identity: Any) -> InsertReport:
-    """Pin every snapshot of this model (its own tokens); foreign and broken files are skipped."""
-    from kvsnap.integrations.mlx_lm_profile import SERVER, built_for
+def _rendering(descriptor: dict | None) -> tuple:
+    """What decides the tokens: kvsnap serve's profile (None) renders as mlx-lm's without args."""
+    d = descriptor or {}
+    return bool(d.get("add_special_tokens")), d.get("template_defaults") or {}, d.get("text")
+
+
+def other_profile(recorded: dict | None, server: dict | None) -> str:
+    """Why a snapshot built for ``recorded`` may not match this server, and how to rebuild."""
+    from kvsnap.integrations.vllm_mlx_profile import describe
+
+    args = (server or {}).get("template_defaults") or {}
+    fix = "--for mlx-lm" + (f" --chat-template-args '{json.dumps(args)}'" if args else "")
+    return (
+        f"was built for {describe(recorded)} tokenization, but this mlx_lm.server tokenizes as "
+        f"{describe(server)}; rebuild it with `kvsnap build … {fix}`"
+    )
+
+
+def pin_store(
+    cache: Any, model_key: Any, store: Any, identity: Any, tokenization: Any = None
+) -> InsertReport:
+    """Pin every snapshot of this model (its own tokens); foreign and broken files are skipped.
+    A snapshot built for another profile than ``tokenization`` (the server's) is pinned with a
+    warning."""
+    from kvsnap.integrations.mlx_lm_profile import mlx_lm_tokenization
     from kvsnap.integrations.vllm_mlx_profile import recorded_tokenization
     from kvsnap.snapshot.codec import cache_nbytes_of, decode_cache
 
@@ -82,21 +104,25 @@ def pin_store(cache: Any, model_key: Any, store: Any, identity: Any) -> InsertRe
     report = InsertReport()
     good, bad = store.scan(identity)
     report.rejected = [f"{p.path}: {p.reason}" for p in bad]
-    # Built for mlx-lm first: a record of the same tokens built for another server is then skipped.
-    good.sort(key=lambda i: (built_for(recorded_tokenization(i.recorded)) != SERVER, i.name, i.key))
+    server = (tokenization or mlx_lm_tokenization()).descriptor()
+
+    def other(info) -> bool:
+        return _rendering(recorded_tokenization(info.recorded)) != _rendering(server)
+
+    # This server's profile first: a record of the same tokens built for another is then skipped.
+    good.sort(key=lambda i: (other(i), i.name, i.key))
     pinned: set[tuple] = set()
     for info in good:
-        server = built_for(recorded_tokenization(info.recorded))
-        if server not in (SERVER, "kvsnap"):
-            report.warn(
-                f"{info.name or info.path.name}: snapshot {info.path.name} was built for "
-                f"{server}'s tokenization; mlx_lm.server's requests may not start with "
-                "its tokens; rebuild with `kvsnap build … --for mlx-lm`"
-            )
         try:
             tokens = tuple(store.read_tokens(info))
             if tokens in pinned:
                 continue
+            if other(info):  # pinned anyway: its tokens may still start some requests
+                report.warn(
+                    f"{info.name or info.path.name}: snapshot {info.path.name} "
+                    f"{other_profile(recorded_tokenization(info.recorded), server)}; its "
+                    "requests may not start with its tokens (then no hit)"
+                )
             state = decode_cache(store.load_arrays(info, identity), info.layers)
         except SnapshotError as exc:
             report.skip(info.name or info.path.name, f"{exc.path}: {exc.reason}")
@@ -177,7 +203,8 @@ def _warm_prompt_cache(
     )
     identity = lm.identity(default_digest_cache())
     if prompts is None:
-        report = pin_store(cache, model_key, store, identity)
+        tokenization = mlx_lm_tokenization(getattr(args, "chat_template_args", None))
+        report = pin_store(cache, model_key, store, identity, tokenization)
     else:
         plan = MlxLmWarmPlan(
             prefix_cache=cache,
