@@ -355,5 +355,6 @@ def key_from_digests(
 ) -> str:
     """The key formula, from digests alone: what a reader recomputes from a header."""
     return hexdigest(
-        f"kvsnap-key-v{CODEC_FORMAT_VERSION}|{model_digest}|{prompt_digest}|{tokens_digest}|{n_tokens}".encode()
+        f"kvsnap-key-v{CODEC_FORMAT_VERSION}|{model_digest}|{prompt_digest}|"
+        f"{tokens_digest}|{n_tokens}".encode()
     )

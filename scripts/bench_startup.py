@@ -22,7 +22,7 @@ from kvsnap.blas import preload_openblas  # noqa: E402
 
 preload_openblas()
 
-from kvsnap.tools.bench_startup import SweepPoint, medians, run_point, write_csv, write_raw  # noqa: E402
+from kvsnap.tools.bench_startup import SweepPoint, medians, run_point, write_csv, write_raw
 from kvsnap.tools.demo import DemoSpec, make_demo_model  # noqa: E402
 
 

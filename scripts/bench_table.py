@@ -58,7 +58,7 @@ from kvsnap.blas import find_openblas, preload_openblas  # noqa: E402
 preload_openblas()  # before mlx loads (the demo models and the rate probe use it here)
 from kvsnap.tools.client import stream_chat  # noqa: E402
 from kvsnap.tools.demo import DemoSpec, make_demo_model  # noqa: E402
-from kvsnap.tools.serverproc import ServerProcess, free_port, start_server, under_hard_limit  # noqa: E402
+from kvsnap.tools.serverproc import ServerProcess, free_port, start_server, under_hard_limit
 
 
 @dataclass(frozen=True)
@@ -747,7 +747,11 @@ def markdown(summary: dict, meta: dict) -> str:
     for family in meta["families"]:
         for server, cold_m, warm_m, snap_m in SERVERS:
             for conc in meta["concurrency"]:
-                get = lambda m, k: (cells.get(f"{family}|{m}|{conc}") or {}).get(k)  # noqa: E731, B023 (called at once, in this iteration)
+                row = {m: cells.get(f"{family}|{m}|{conc}") or {} for m in (cold_m, warm_m, snap_m)}
+
+                def get(m, k, row=row):
+                    return row[m].get(k)
+
                 if all(get(m, "runs") is None for m in (cold_m, warm_m, snap_m)):
                     continue
                 cold, warm, snap = (get(m, "ttft_s") for m in (cold_m, warm_m, snap_m))

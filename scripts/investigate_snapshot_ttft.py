@@ -32,6 +32,7 @@ $TMPDIR/mlx/<version>/cpu does not hold it yet (a fresh machine or container).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -390,7 +391,7 @@ def micro(model: Path, agents: Path, store_dir: Path, system: str, reps: int) ->
         times = {m: [] for m in states}
         for i in range(r):
             for mode in list(states) if i % 2 == 0 else list(reversed(states)):
-                times[mode].append(_timeit(lambda: fn(states[mode]), 1))  # noqa: B023 (timed at once, in this iteration)
+                times[mode].append(_timeit(functools.partial(fn, states[mode]), 1))
         med = {m: statistics.median(v) for m, v in times.items()}
         low = {m: min(v) for m, v in times.items()}
         print(

@@ -216,7 +216,8 @@ def test_llama3_tokenizer_adds_bos_on_encode_and_the_template_carries_its_own(fa
     text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert (
         text == "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nBe "
-        "brief.<|eot_id|><|start_header_id|>user<|end_header_id|>\n\nhello<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"
+        "brief.<|eot_id|><|start_header_id|>user<|end_header_id|>\n\nhello<|eot_id|>"
+        "<|start_header_id|>assistant<|end_header_id|>\n\n"
     )
     # Like Meta's: a plain encode of the rendered prompt starts with two BOS, kvsnap's request path
     # with one.

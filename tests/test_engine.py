@@ -331,7 +331,10 @@ def test_concurrent_requests_each_equal_the_same_request_served_alone(
     world = worlds(arch)
     engine = engines.start(world)
     seen = []
-    record = lambda st, kind, payload: seen.append(engine.batch_size)  # noqa: E731 (runs on the engine thread)
+
+    def record(st, kind, payload):  # runs on the engine thread
+        seen.append(engine.batch_size)
+
     requests = [world.request(a, q) for a in range(len(AGENTS)) for q in QUESTIONS]
     states = [submit(engine, t, on_event=record) for t in requests]
     for st in states:

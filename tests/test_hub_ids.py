@@ -137,7 +137,10 @@ def test_revision_picks_the_snapshot_of_that_tag_or_commit(hf_home, revision, co
 def test_the_other_revision_has_the_identity_of_its_own_files(hf_home, models):
     """--revision v2 is model b, byte for byte: the same identity as model b's folder, not
     main's."""
-    ident = lambda path: model_identity(path, "float32", ("KVCache",), KVSettings(), DigestCache())  # noqa: E731
+
+    def ident(path):
+        return model_identity(path, "float32", ("KVCache",), KVSettings(), DigestCache())
+
     v2 = resolve_model(REPO, "v2", cache_dir=hf_home / "hub")
     assert ident(v2.path) == ident(models["b"]) != ident(models["a"])
 
@@ -338,8 +341,11 @@ def test_a_blob_name_checked_once_spares_hashing_a_copy_of_the_cache(hf_home, mo
     assert weights.is_symlink() and hub_blob_sha256(weights) is not None
     assert again.digest(weights) == value
     assert (again.hits, again.misses, again.blob_hits) == (0, 0, 1)
+
     # Same bytes by path, same identity: blob names never enter the key.
-    ident = lambda path, c: model_identity(path, "float32", ("KVCache",), KVSettings(), c)  # noqa: E731
+    def ident(path, c):
+        return model_identity(path, "float32", ("KVCache",), KVSettings(), c)
+
     assert ident(weights.parent, DigestCache(digests)) == ident(models["a"], DigestCache())
 
 

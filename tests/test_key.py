@@ -150,7 +150,10 @@ def test_recorded_only_fields_do_not_change_the_key(model_copy):
 
 def test_weight_digest_is_cached_by_inode_size_and_mtime(model_copy, tmp_path):
     cache = DigestCache(tmp_path / "digests.json")
-    identity = lambda c: model_identity(model_copy, "float32", ("KVCache",), KVSettings(), c)  # noqa: E731
+
+    def identity(c):
+        return model_identity(model_copy, "float32", ("KVCache",), KVSettings(), c)
+
     first = identity(cache)
     assert cache.misses == 1 and cache.hits == 0
     # A new process reads the cache file and does not re-hash.

@@ -623,7 +623,8 @@ def _push_raw(ref: Reference, files: dict[str, bytes]) -> None:
         client.put_manifest(ref.tag, artifact_manifest(layers))
 
 
-from kvsnap.store.oci import BytesOpener as _Opener  # noqa: E402  (the same in-memory opener push uses)
+# the same in-memory opener push uses
+from kvsnap.store.oci import BytesOpener as _Opener  # noqa: E402
 
 
 @pytest.mark.parametrize(

@@ -39,7 +39,7 @@ def store(built, tmp_path) -> Path:
     return dest
 
 
-def test_regression_pull_never_overwrites_a_good_block_with_a_forged_one(registry, store, tmp_path):  # noqa: F811
+def test_regression_pull_never_overwrites_a_good_block_with_a_forged_one(registry, store, tmp_path):
     """A registry artifact carrying other bytes under an existing block's name: reported, not
     installed."""
     block = sorted((store / "blocks").iterdir())[0]
@@ -94,7 +94,7 @@ def test_regression_a_killed_pull_resumes_from_its_stage_and_downloads_only_what
     assert run_kvsnap("verify", dest).returncode == 0
 
 
-def test_a_staged_file_that_does_not_match_its_blob_is_downloaded_again(registry, built, tmp_path):  # noqa: F811
+def test_a_staged_file_that_does_not_match_its_blob_is_downloaded_again(registry, built, tmp_path):
     ref = registry.ref("ship/resume-bad")
     assert run_kvsnap("push", built, ref).returncode == 0
     dest = tmp_path / "replica"

@@ -240,7 +240,8 @@ FAULTS = {
     "duplicate-header-key": (
         overwrite_with(
             craft(
-                '{"x":{"dtype":"U8","shape":[4],"data_offsets":[0,4]},"x":{"dtype":"I8","shape":[4],"data_offsets":[0,4]}}',
+                '{"x":{"dtype":"U8","shape":[4],"data_offsets":[0,4]},"x":{"dtype":"I8","shape":'
+                '[4],"data_offsets":[0,4]}}',
                 b"\0" * 4,
             )
         ),

@@ -26,7 +26,9 @@ from pathlib import Path
 import pytest
 from conftest import run_kvsnap
 from test_archive import build_store, no_stage_dirs, store_files, tree
-from test_oci import _push_raw, auth_registry, no_ambient_credentials, registry  # noqa: F401  (fixtures: a real docker-registry on 127.0.0.1)
+
+# fixtures: a real docker-registry on 127.0.0.1
+from test_oci import _push_raw, auth_registry, no_ambient_credentials, registry  # noqa: F401
 
 from kvsnap.errors import ManifestError, SnapshotError, StoreError
 from kvsnap.key import snapshot_key, tokens_digest
@@ -827,7 +829,7 @@ def test_credential_helper_and_docker_config_failures_raise_named_errors(tmp_pat
     )  # env first: a broken config is skipped
 
 
-def test_a_broken_docker_config_is_a_warning_for_an_open_registry(registry, built_b, tmp_path):  # noqa: F811
+def test_a_broken_docker_config_is_a_warning_for_an_open_registry(registry, built_b, tmp_path):
     ref = registry.ref("safety/open")
     assert run_kvsnap("push", built_b, ref).returncode == 0
     config = docker_config(tmp_path / "docker", "{ broken")

@@ -83,7 +83,9 @@ def to_out_tensors(arrays: dict[str, mx.array]) -> list[OutTensor]:
             )
         a = mx.contiguous(a)
         mx.eval(a)
-        out.append(OutTensor(name, _MX_TO_ST[a.dtype], tuple(a.shape), memoryview(a).cast("B")))  # type: ignore[arg-type]  # an mlx array is a buffer
+        # an mlx array is a buffer; its stubs do not say so
+        data = memoryview(a).cast("B")  # type: ignore[arg-type]
+        out.append(OutTensor(name, _MX_TO_ST[a.dtype], tuple(a.shape), data))
     return out
 
 

@@ -21,7 +21,8 @@ from typing import BinaryIO, Callable, Iterable
 
 import xxhash
 
-from kvsnap.snapshot.format import CHECKSUM_KEY, DTYPE_SIZES, FORMAT_VERSION  # noqa: F401  (FORMAT_VERSION re-exported)
+# FORMAT_VERSION is re-exported
+from kvsnap.snapshot.format import CHECKSUM_KEY, DTYPE_SIZES, FORMAT_VERSION  # noqa: F401
 
 # Bounds checked before anything is built from a header (a real one: a few hundred tensors, tens of
 # KiB).

@@ -138,7 +138,8 @@ def unpack(
     where = str(path)
     check_destination(dest)  # before reading anything: a bad destination is a usage error
     try:
-        tar = tarfile.open(path, _tar_mode(path.name, False), tarinfo=BoundedTarInfo)  # type: ignore[call-overload]
+        mode = _tar_mode(path.name, False)  # chosen at run time: typeshed wants a literal
+        tar = tarfile.open(path, mode, tarinfo=BoundedTarInfo)  # type: ignore[call-overload]
         guard = ExpansionGuard(limits, path.stat().st_size)
     except (tarfile.TarError, OSError, EOFError, zlib.error, lzma.LZMAError) as exc:
         first = (str(exc).splitlines() or [type(exc).__name__])[0].rstrip(":")

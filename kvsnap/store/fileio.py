@@ -142,6 +142,7 @@ def read_whole(path: Path) -> tuple[Header, Any, memoryview]:
         header = parse_header(f, os.fstat(f.fileno()).st_size)
         buf = mx.zeros((max(1, header.data_len),), dtype=mx.uint8)
         mx.eval(buf)
-        view = memoryview(buf)[: header.data_len]  # type: ignore[arg-type]  # mlx arrays are buffers; its stubs do not say so
+        # mlx arrays are buffers; its stubs do not say so
+        view = memoryview(buf)[: header.data_len]  # type: ignore[arg-type]
         read_into(f.fileno(), view, header.data_start)
     return header, buf, view

@@ -35,7 +35,8 @@ SECRET_PATTERNS = (
     (re.compile(r"\b(Basic|Bearer)\s+[A-Za-z0-9._~+/=-]+", re.I), r"\1 ***"),
     (
         re.compile(
-            r'("?(?:secret|password|passwd|auth|token|identitytoken|access_token)"?\s*[:=]\s*)("[^"]*"|[^\s,}]+)',
+            r'("?(?:secret|password|passwd|auth|token|identitytoken|access_token)"?'
+            r'\s*[:=]\s*)("[^"]*"|[^\s,}]+)',
             re.I,
         ),
         r"\1***",
