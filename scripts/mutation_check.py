@@ -72,6 +72,7 @@ ENGINE_FIRST = (
     "test_first_request_per_agent_computes_only_its_suffix_and_matches_a_full_prefill"
 )
 SERVER_EXACT = "tests/test_server.py::test_answers_over_http_come_from_the_exact_snapshot_state"
+FORGED_INTEGRATIONS = "tests/test_forged_integrations.py::"
 
 BREAKAGES = (
     Breakage(
@@ -429,7 +430,79 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/test_forged_token_counts.py::test_regression_a_record_longer_than_the_models_context_is_refused_by_the_start_scan",
+            "tests/test_forged_token_counts.py::test_regression_a_record_longer_than_the_models_"
+            "context_is_refused_by_the_start_scan",
+        ),
+    ),
+    Breakage(
+        "integration-restored-shapes-not-checked",
+        "4. hostile files",
+        "kvsnap mlx-lm and vllm-mlx pin or insert a restored state without comparing its tensors "
+        "with the model's own cache",
+        (
+            Patch(
+                "kvsnap/integrations/vllm_mlx_warm.py",
+                "    if why:\n        raise SnapshotError(str(info.path), why, SHAPE_FIX)\n",
+                "    if False:\n        raise SnapshotError(str(info.path), why, SHAPE_FIX)\n",
+            ),
+        ),
+        (
+            f"{FORGED_INTEGRATIONS}test_regression_mlx_lm_serve_skips_a_forged_agent_and_answers_"
+            "it_cold",
+            f"{FORGED_INTEGRATIONS}test_regression_vllm_mlx_insert_skips_a_forged_snapshot_and_"
+            "inserts_the_good_one",
+            f"{FORGED_INTEGRATIONS}test_regression_vllm_mlx_warm_plan_prefills_an_agent_whose_"
+            "snapshot_is_forged",
+            f"{FORGED_INTEGRATIONS}test_regression_mlx_lm_pin_store_skips_a_forged_snapshot",
+        ),
+    ),
+    Breakage(
+        "mlx-lm-scan-ignores-context",
+        "4. hostile files",
+        "kvsnap mlx-lm's --kv-snapshots scan reads records longer than the model's context",
+        (
+            Patch(
+                "kvsnap/integrations/mlx_lm_warm.py",
+                "store.scan(identity, max_tokens=context_tokens(lm.path))",
+                "store.scan(identity)",
+            ),
+        ),
+        (
+            f"{FORGED_INTEGRATIONS}test_regression_mlx_lm_pin_store_refuses_a_record_longer_than_"
+            "the_context",
+        ),
+    ),
+    Breakage(
+        "vllm-mlx-insert-scan-ignores-context",
+        "4. hostile files",
+        "kvsnap vllm-mlx's insert scan reads records longer than the model's context",
+        (
+            Patch(
+                "kvsnap/integrations/vllm_mlx_insert.py",
+                "store.scan(identity, max_tokens=context_tokens(model_dir))",
+                "store.scan(identity)",
+            ),
+        ),
+        (
+            f"{FORGED_INTEGRATIONS}test_regression_vllm_mlx_insert_refuses_a_record_longer_than_"
+            "the_context",
+        ),
+    ),
+    Breakage(
+        "warm-plan-scan-ignores-context",
+        "4. hostile files",
+        "the --warm-prompts plan of kvsnap vllm-mlx and mlx-lm reads records longer than the "
+        "model's context",
+        (
+            Patch(
+                "kvsnap/integrations/vllm_mlx_warm.py",
+                "self.store.scan(self.identity, max_tokens=context_tokens(self.lm.path))",
+                "self.store.scan(self.identity)",
+            ),
+        ),
+        (
+            f"{FORGED_INTEGRATIONS}test_regression_warm_plans_never_take_a_record_longer_than_the_"
+            "context_for_the_agent",
         ),
     ),
     Breakage(

@@ -111,3 +111,16 @@ def test_warm_prompts_prefill_an_agent_built_for_vllm_mlx_with_a_warning(tmp_pat
         assert text.startswith("was built for vllm-mlx's (encoded with"), text
         assert "`kvsnap build … --for mlx-lm`; prefilling instead" in text, text
     assert mlx_lm_tests._warmup(log) == (0, 2), log[-3000:]
+
+
+@pytest.mark.parametrize(
+    "option", [["--chat-template", "{{ messages }}"], ["--use-default-chat-template"]]
+)
+def test_a_chat_template_other_than_the_models_own_is_refused(stores, option, tmp_path):
+    """The snapshots hold the model's own template's tokens: another template never hits."""
+    root, _, model = stores
+    cmd = ["mlx-lm", "serve", "--model", model, "--kv-snapshots", root / "mlx", *option]
+    r = run_kvsnap(*cmd, "--port", "1", timeout=120)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert f"drop {option[0]} (the snapshots hold the model's own chat" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr

@@ -34,6 +34,18 @@ def check_cli_args(args: Any) -> None:
         problems.append("drop --draft-model (its cache layers are not in the snapshots)")
     if getattr(args, "kv_bits", None) is not None:
         problems.append("drop --kv-bits (the snapshots hold full-precision KV)")
+    # The snapshots hold the tokens of the model's own template; another renders other tokens.
+    if getattr(args, "chat_template", None):
+        problems.append(
+            "drop --chat-template (the snapshots hold the model's own chat template's tokens: "
+            "no request rendered with another template would hit; put the template in the "
+            "model's tokenizer_config.json and rebuild instead)"
+        )
+    if getattr(args, "use_default_chat_template", False):
+        problems.append(
+            "drop --use-default-chat-template (the snapshots hold the model's own chat "
+            "template's tokens, not the tokenizer's default template's)"
+        )
     if getattr(args, "model", None) is None:
         problems.append("add --model MODEL (the snapshots are loaded for mlx-lm's default model)")
     if problems:

@@ -96,6 +96,8 @@ def insert_snapshots(
     from kvsnap.key import KVSettings, read_config
     from kvsnap.runtime.model_source import resolve_model
     from kvsnap.runtime.modeling import LoadedModel
+    from kvsnap.runtime.prefetch import context_tokens
+    from kvsnap.runtime.state_shapes import ModelShapes
 
     t0 = time.perf_counter()
     report = InsertReport(store=str(store.root))
@@ -109,7 +111,8 @@ def insert_snapshots(
         settings=KVSettings(),
     )
     identity = lm.identity(digests)
-    good, bad = store.scan(identity)
+    shapes = ModelShapes(lm)  # every state is checked against it before vllm-mlx sees it
+    good, bad = store.scan(identity, max_tokens=context_tokens(model_dir))
     for problem in bad:
         report.skip(problem.path, problem.reason)
     config = getattr(prefix_cache, "_config", None)
@@ -124,7 +127,7 @@ def insert_snapshots(
                 f"{min_tokens} tokens",
             )
             continue
-        insert_one(prefix_cache, store, identity, info, pins, report)
+        insert_one(prefix_cache, store, identity, info, pins, report, shapes)
     report.seconds = time.perf_counter() - t0
     return report
 
@@ -182,10 +185,18 @@ def usable_renderings(
 
 
 def insert_one(
-    prefix_cache: Any, store: Any, identity: Any, info: Any, pins: Any, report: InsertReport
+    prefix_cache: Any,
+    store: Any,
+    identity: Any,
+    info: Any,
+    pins: Any,
+    report: InsertReport,
+    shapes: Any,
 ) -> None:
-    """Read, check and decode one snapshot and hand it to vllm-mlx's cache, within its budget."""
-    from kvsnap.snapshot.codec import cache_nbytes_of, decode_cache
+    """Read, check (``shapes``: the model's ``ModelShapes``) and decode one snapshot and hand it
+    to vllm-mlx's cache, within its budget."""
+    from kvsnap.integrations.vllm_mlx_warm import checked_state
+    from kvsnap.snapshot.codec import cache_nbytes_of
 
     limit = float(getattr(prefix_cache, "memory_limit_mb", float("inf"))) * 2**20
     used = float(getattr(prefix_cache, "memory_usage_mb", 0.0)) * 2**20
@@ -198,12 +209,11 @@ def insert_one(
         )
         return
     try:
-        arrays = store.load_arrays(info, identity)
+        state = checked_state(store, info, identity, shapes)
         tokens = store.read_tokens(info)
     except SnapshotError as exc:
         report.skip(exc.path, exc.reason)
         return
-    state = decode_cache(arrays, info.layers)
     nbytes = cache_nbytes_of(state)
     # The cache's own store: it copies the arrays (detached from ours) and indexes the tokens.
     # evict_prefixes=False: a snapshot never evicts another that is its prefix.

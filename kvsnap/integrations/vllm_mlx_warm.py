@@ -67,6 +67,19 @@ class WarmReport:
         return asdict(self)
 
 
+def checked_state(store: Any, info: Any, identity: Any, shapes: Any) -> list:
+    """One snapshot read and decoded; a SnapshotError (naming file and tensor) when its tensors
+    are not this model's cache: a forged block would otherwise fail mlx-lm's generation step."""
+    from kvsnap.runtime.warmup_entries import SHAPE_FIX
+    from kvsnap.snapshot.codec import decode_cache
+
+    arrays = store.load_arrays(info, identity)
+    why = shapes.problem(arrays)  # before decoding: the arrays are what a forger wrote
+    if why:
+        raise SnapshotError(str(info.path), why, SHAPE_FIX)
+    return decode_cache(arrays, info.layers)
+
+
 @dataclass
 class WarmPlan:
     """Everything a warm-up needs, fixed at start; ``run`` may be called again for each re-warm."""
@@ -80,15 +93,18 @@ class WarmPlan:
     prompts: WarmPromptSet
     agents_file: str
     tokenization: Tokenization
+    shapes: Any = None  # runtime.state_shapes.ModelShapes of ``lm``, learned on first use
 
     def run(self) -> WarmReport:
+        from kvsnap.runtime.prefetch import context_tokens
+
         t0 = time.perf_counter()
         report = WarmReport()
         for problem in self.prompts.problems:
             report.skip(f"entry {problem.index}", str(problem))
-        infos, _bad = self.store.scan(
-            self.identity
-        )  # foreign and broken files: not ours to report per entry
+        # Foreign and broken files (and records longer than the context): not ours to report
+        # per entry.
+        infos, _bad = self.store.scan(self.identity, max_tokens=context_tokens(self.lm.path))
         by_key = {info.key: info for info in infos}
         for prompt in self.prompts.entries:
             found = self._warm_prefix(prompt, report)
@@ -157,10 +173,12 @@ class WarmPlan:
         return tokens, warm.prompt_digest, warm.key
 
     def _restore(self, prompt, info, report: WarmReport) -> list | None:
-        from kvsnap.snapshot.codec import decode_cache
+        from kvsnap.runtime.state_shapes import ModelShapes
 
+        if self.shapes is None:
+            self.shapes = ModelShapes(self.lm)
         try:
-            return decode_cache(self.store.load_arrays(info, self.identity), info.layers)
+            return checked_state(self.store, info, self.identity, self.shapes)
         except SnapshotError as exc:
             report.warn(
                 f"{prompt.name}: snapshot {exc.path} cannot be used ({exc.reason}); prefilling "
