@@ -103,18 +103,22 @@ def other_profile(recorded: dict | None, server: dict | None) -> str:
 
 
 def pin_store(
-    cache: Any, model_key: Any, store: Any, identity: Any, tokenization: Any = None
+    cache: Any, model_key: Any, store: Any, identity: Any, lm: Any, tokenization: Any = None
 ) -> InsertReport:
-    """Pin every snapshot of this model (its own tokens); foreign and broken files are skipped.
-    A snapshot built for another profile than ``tokenization`` (the server's) is pinned with a
-    warning."""
+    """Pin every snapshot of this model (its own tokens); foreign and broken files, records longer
+    than ``lm``'s context and states that are not its cache's shapes are skipped. A snapshot built
+    for another profile than ``tokenization`` (the server's) is pinned with a warning."""
     from kvsnap.integrations.mlx_lm_profile import mlx_lm_tokenization
     from kvsnap.integrations.vllm_mlx_profile import recorded_tokenization
-    from kvsnap.snapshot.codec import cache_nbytes_of, decode_cache
+    from kvsnap.integrations.vllm_mlx_warm import checked_state
+    from kvsnap.runtime.prefetch import context_tokens
+    from kvsnap.runtime.state_shapes import ModelShapes
+    from kvsnap.snapshot.codec import cache_nbytes_of
 
     t0 = time.perf_counter()
     report = InsertReport()
-    good, bad = store.scan(identity)
+    shapes = ModelShapes(lm)
+    good, bad = store.scan(identity, max_tokens=context_tokens(lm.path))
     report.rejected = [f"{p.path}: {p.reason}" for p in bad]
     server = (tokenization or mlx_lm_tokenization()).descriptor()
 
@@ -135,7 +139,7 @@ def pin_store(
                     f"{other_profile(recorded_tokenization(info.recorded), server)}; its "
                     "requests may not start with its tokens (then no hit)"
                 )
-            state = decode_cache(store.load_arrays(info, identity), info.layers)
+            state = checked_state(store, info, identity, shapes)
         except SnapshotError as exc:
             report.skip(info.name or info.path.name, f"{exc.path}: {exc.reason}")
             continue
@@ -216,7 +220,7 @@ def _warm_prompt_cache(
     identity = lm.identity(default_digest_cache())
     if prompts is None:
         tokenization = mlx_lm_tokenization(getattr(args, "chat_template_args", None))
-        report = pin_store(cache, model_key, store, identity, tokenization)
+        report = pin_store(cache, model_key, store, identity, lm, tokenization)
     else:
         plan = MlxLmWarmPlan(
             prefix_cache=cache,
