@@ -467,6 +467,8 @@ BREAKAGES = (
                 "store.scan(identity)",
             ),
         ),
+            f"{FORGED_INTEGRATIONS}test_regression_vllm_mlx_serve_skips_a_forged_snapshot_and_"
+            "answers_it_cold",
         (
             f"{FORGED_INTEGRATIONS}test_regression_mlx_lm_pin_store_refuses_a_record_longer_than_"
             "the_context",

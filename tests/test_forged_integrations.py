@@ -17,12 +17,18 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import run_kvsnap
+from conftest import LONG_SYSTEM, run_kvsnap
 from test_archive import build_store
 from test_forged_shapes import SYSTEMS, _agents, forge_agent
 from test_forged_token_counts import forge_long_record
-from test_mlx_lm_server import _kvsnap_mlx_lm, _launch
-from test_vllm_mlx import FakePrefixCache
+from test_mlx_lm_server import PLANNER, _kvsnap_mlx_lm, _launch
+from test_vllm_mlx import (
+    FakePrefixCache,
+    _venv_kvsnap,
+    vllm_mlx_python,  # noqa: F401  (the cached vllm-mlx venv, a fixture)
+)
+from test_vllm_mlx import _ask as vllm_ask
+from test_vllm_mlx import _launch as vllm_launch
 
 from kvsnap.runtime.prefetch import context_tokens
 from kvsnap.store.local import Store
@@ -271,3 +277,77 @@ def _pins():
     from kvsnap.integrations.mlx_lm_cache import PinnedPromptCache
 
     return PinnedPromptCache(4)
+
+
+# --- kvsnap vllm-mlx serve, end to end in the cached vllm-mlx environment ---------------------
+
+LONG_AGENTS = [
+    {"name": "reviewer", "messages": [{"role": "system", "content": LONG_SYSTEM}]},
+    {"name": "planner", "messages": [{"role": "system", "content": PLANNER}]},
+]
+
+
+@pytest.fixture(scope="module")
+def forged_for_vllm_mlx(vllm_mlx_python, tmp_path_factory) -> dict:
+    """The demo model and a store of reviewer and planner built in vllm-mlx's environment
+    (over its 128-token minimum prefix); the reviewer's own blocks forged."""
+    tmp = tmp_path_factory.mktemp("forged-vllm-mlx-e2e")
+    home = tmp / "home"
+    home.mkdir()
+    agents = tmp / "agents.json"
+    agents.write_text(json.dumps(LONG_AGENTS))
+    model = tmp / "dense"
+    _venv_kvsnap(vllm_mlx_python, home, "demo-model", model)
+    r = _venv_kvsnap(
+        vllm_mlx_python, home, "build", agents, "--model", model, "--out", tmp / "store", "--json"
+    )
+    n_tokens = {e["name"]: e["n_tokens"] for e in json.loads(r.stdout)["entries"]}
+    assert min(n_tokens.values()) > 128, n_tokens
+    forge_agent(tmp / "store", "reviewer")
+    store = Store.open(tmp / "store")
+    files = {store.inspect(p).name: p for p in store.snapshot_files()}
+    return {"python": str(vllm_mlx_python), "model": str(model), "store": tmp / "store"} | {
+        "n": n_tokens,
+        "files": files,
+    }
+
+
+def _vllm_mlx_answers(w: dict, cmd: list[str], tmp_path: Path, tag: str, env=None) -> tuple:
+    home = tmp_path / f"home-{tag}"
+    home.mkdir()
+    server = vllm_launch(cmd, home, tmp_path / f"{tag}.log", env)
+    try:
+        server.wait_ready(180)
+        # The good agent first: a forged entry would fail the batch of any request after it.
+        answers = {
+            a["name"]: vllm_ask(server, w["model"], "Check the tests first.", 12, a["messages"][0])
+            for a in LONG_AGENTS[::-1]
+        }
+    finally:
+        server.stop()
+    return answers, server.log()
+
+
+@pytest.mark.slow
+def test_regression_vllm_mlx_serve_skips_a_forged_snapshot_and_answers_it_cold(
+    forged_for_vllm_mlx, tmp_path
+):
+    from kvsnap.blas import find_openblas
+
+    w = forged_for_vllm_mlx
+    serve = [w["python"], "-m", "kvsnap", "vllm-mlx", "serve", w["model"], "--continuous-batching"]
+    warm, log = _vllm_mlx_answers(w, [*serve, "--kv-snapshots", str(w["store"])], tmp_path, "warm")
+    skipped = [line for line in log.splitlines() if "skipped snapshot" in line]
+    assert len(skipped) == 1 and str(w["files"]["reviewer"]) in skipped[0], log[-3000:]
+    assert SHAPE_WHY in skipped[0], skipped
+    assert warm["planner"]["cached_tokens"] == w["n"]["planner"], log[-3000:]  # still hits
+    assert warm["reviewer"]["cached_tokens"] < w["n"]["reviewer"] // 2, log[-3000:]
+    blas = find_openblas()
+    cold, _ = _vllm_mlx_answers(
+        w,
+        [w["python"], "-m", "vllm_mlx.cli", "serve", w["model"], "--continuous-batching"],
+        tmp_path,
+        "cold",
+        {"LD_PRELOAD": blas} if blas else None,
+    )
+    assert {n: a["text"] for n, a in warm.items()} == {n: a["text"] for n, a in cold.items()}
