@@ -1,6 +1,6 @@
 """Break each contract of docs/design.md on purpose and check that the tests notice.
 
-For every named breakage: copy kvsnap/, tests/ and pyproject.toml to a temporary folder,
+For every named breakage: copy kvsnap/, tests/, contrib/ and pyproject.toml to a temp folder,
 apply the breakage's textual patch there, and run the tests that guard that contract with
 the copy first on PYTHONPATH (so the copy, not the editable install, is what gets
 imported, in pytest and in every `python -m kvsnap` the tests start). A breakage is
@@ -87,8 +87,10 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/test_prefix.py::test_an_untrimmable_entry_that_differs_only_at_its_last_token_is_not_used",
-            "tests/test_engine.py::test_a_request_differing_from_an_untrimmable_snapshot_only_at_its_last_token_is_prefilled",
+            "tests/test_prefix.py::test_an_untrimmable_entry_that_differs_only_at_its_last_token_"
+            "is_not_used",
+            "tests/test_engine.py::test_a_request_differing_from_an_untrimmable_snapshot_only_at_"
+            "its_last_token_is_prefilled",
             "tests/test_prefix_trie.py::test_the_trie_lookup_equals_a_scan_over_every_entry",
         ),
     ),
@@ -109,7 +111,8 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/test_prefix.py::test_prompt_equal_to_untrimmable_entry_falls_back_to_a_shorter_entry_or_cold",
+            "tests/test_prefix.py::test_prompt_equal_to_untrimmable_entry_falls_back_to_a_shorter_"
+            "entry_or_cold",
             "tests/test_engine.py::test_prompt_equal_to_a_cached_untrimmable_prefix_still_works",
             "tests/test_prefix_trie.py::test_the_trie_lookup_equals_a_scan_over_every_entry",
         ),
@@ -139,7 +142,8 @@ BREAKAGES = (
         (Patch("kvsnap/key.py", "        kv_bits=settings.kv_bits,\n", "        kv_bits=None,\n"),),
         (
             "tests/test_key.py::test_config_kv_settings_layout_and_tokens_are_keyed",
-            "tests/test_engine.py::test_a_store_built_without_kv_bits_is_not_used_by_a_kv_bits_engine",
+            "tests/test_engine.py::test_a_store_built_without_kv_bits_is_not_used_by_a_kv_bits_"
+            "engine",
         ),
     ),
     Breakage(
@@ -188,7 +192,8 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/test_hardening.py::test_build_killed_at_each_fault_point_leaves_a_sound_store_that_resumes[mid-write]",
+            "tests/test_hardening.py::test_build_killed_at_each_fault_point_leaves_a_sound_store_"
+            "that_resumes[mid-write]",
         ),
     ),
     Breakage(
@@ -229,7 +234,8 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/test_snapshot_equivalence.py::test_restored_snapshot_matches_fresh_prefill[dense]",
+            "tests/test_snapshot_equivalence.py::test_restored_snapshot_matches_fresh_"
+            "prefill[dense]",
             f"{ENGINE_FIRST}[dense]",
             f"{SERVER_EXACT}[sliding]",
         ),
@@ -247,7 +253,8 @@ BREAKAGES = (
         ),
         (
             "tests/test_codec.py::test_copies_never_share_appends",
-            "tests/test_prefix.py::test_fetching_a_pinned_entry_three_times_through_a_trim_leaves_it_unchanged",
+            "tests/test_prefix.py::test_fetching_a_pinned_entry_three_times_through_a_trim_leaves_"
+            "it_unchanged",
         ),
     ),
     Breakage(
@@ -262,7 +269,8 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/test_snapshot_equivalence.py::test_capture_refuses_a_state_with_a_generated_token",
+            "tests/test_snapshot_equivalence.py::test_capture_refuses_a_state_with_a_generated_"
+            "token",
         ),
     ),
     Breakage(
@@ -279,7 +287,8 @@ BREAKAGES = (
         ),
         (
             "tests/test_security.py::test_prefixes_of_two_namespaces_never_match_each_other",
-            "tests/test_shared_prefix.py::test_requests_of_two_namespaces_never_share_a_computed_prefix",
+            "tests/test_shared_prefix.py::test_requests_of_two_namespaces_never_share_a_computed_"
+            "prefix",
         ),
     ),
     Breakage(
@@ -361,7 +370,8 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/test_forged_shapes.py::test_regression_forged_head_dim_blocks_are_dropped_and_never_fail_a_batch",
+            "tests/test_forged_shapes.py::test_regression_forged_head_dim_blocks_are_dropped_and_"
+            "never_fail_a_batch",
         ),
     ),
     Breakage(
@@ -378,7 +388,8 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/test_startup_pass.py::test_regression_kv_snapshots_alone_does_the_work_of_warm_prompts",
+            "tests/test_startup_pass.py::test_regression_kv_snapshots_alone_does_the_work_of_warm_"
+            "prompts",
         ),
     ),
     Breakage(
@@ -406,7 +417,8 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/test_forged_shapes.py::test_verify_with_the_model_reports_another_models_records_and_exits_0",
+            "tests/test_forged_shapes.py::test_verify_with_the_model_reports_another_models_"
+            "records_and_exits_0",
         ),
     ),
     Breakage(
@@ -415,7 +427,8 @@ BREAKAGES = (
         "a record's token count is not bounded before its tokens are read",
         (Patch("kvsnap/snapshot/header.py", "    if n > max_tokens:\n", "    if False:\n"),),
         (
-            "tests/test_forged_token_counts.py::test_regression_a_25m_token_record_is_refused_by_ls_and_scan_before_its_tokens_are_read",
+            "tests/test_forged_token_counts.py::test_regression_a_25m_token_record_is_refused_by_"
+            "ls_and_scan_before_its_tokens_are_read",
         ),
     ),
     Breakage(
@@ -454,6 +467,8 @@ BREAKAGES = (
             f"{FORGED_INTEGRATIONS}test_regression_vllm_mlx_warm_plan_prefills_an_agent_whose_"
             "snapshot_is_forged",
             f"{FORGED_INTEGRATIONS}test_regression_mlx_lm_pin_store_skips_a_forged_snapshot",
+            f"{FORGED_INTEGRATIONS}test_regression_vllm_mlx_serve_skips_a_forged_snapshot_and_"
+            "answers_it_cold",
         ),
     ),
     Breakage(
@@ -467,8 +482,6 @@ BREAKAGES = (
                 "store.scan(identity)",
             ),
         ),
-            f"{FORGED_INTEGRATIONS}test_regression_vllm_mlx_serve_skips_a_forged_snapshot_and_"
-            "answers_it_cold",
         (
             f"{FORGED_INTEGRATIONS}test_regression_mlx_lm_pin_store_refuses_a_record_longer_than_"
             "the_context",
@@ -521,8 +534,10 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/test_mlx_lm_server.py::test_pinned_warm_entries_survive_size_bytes_and_prefix_eviction_and_are_private_copies",
-            "tests/test_mlx_lm_server.py::test_agents_stay_warm_under_prompt_cache_size_and_bytes_pressure",
+            "tests/test_mlx_lm_server.py::test_pinned_warm_entries_survive_size_bytes_and_prefix_"
+            "eviction_and_are_private_copies",
+            "tests/test_mlx_lm_server.py::test_agents_stay_warm_under_prompt_cache_size_and_bytes_"
+            "pressure",
         ),
     ),
     Breakage(
@@ -538,8 +553,10 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/test_mlx_lm_server.py::test_mlx_lm_profile_prefix_is_a_strict_prefix_of_mlx_lm_servers_own_tokens[llama]",
-            "tests/test_mlx_lm_server.py::test_real_llama3_tokenizer_mlx_lm_requests_start_with_one_bos_and_hit",
+            "tests/test_mlx_lm_server.py::test_mlx_lm_profile_prefix_is_a_strict_prefix_of_mlx_lm_"
+            "servers_own_tokens[llama]",
+            "tests/test_mlx_lm_server.py::test_real_llama3_tokenizer_mlx_lm_requests_start_with_"
+            "one_bos_and_hit",
         ),
     ),
     Breakage(
@@ -554,7 +571,8 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/test_prompts.py::test_warm_key_keys_another_servers_tokenization_apart_from_kvsnaps",
+            "tests/test_prompts.py::test_warm_key_keys_another_servers_tokenization_apart_from_"
+            "kvsnaps",
         ),
     ),
     Breakage(
@@ -583,7 +601,8 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/test_http_connections.py::test_slowloris_connections_are_closed_and_health_still_answers",
+            "tests/test_http_connections.py::test_slowloris_connections_are_closed_and_health_"
+            "still_answers",
         ),
     ),
     Breakage(
@@ -592,7 +611,8 @@ BREAKAGES = (
         "EMFILE on accept() goes to asyncio's handler, one traceback per attempt",
         (Patch("kvsnap/http/connections.py", "exc.errno in ACCEPT_ERRNOS:", "exc.errno in ():"),),
         (
-            "tests/test_http_connections.py::test_accept_errors_from_running_out_of_descriptors_are_logged_rate_limited",
+            "tests/test_http_connections.py::test_accept_errors_from_running_out_of_descriptors_"
+            "are_logged_rate_limited",
         ),
     ),
     Breakage(
@@ -608,7 +628,8 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/test_security.py::test_cached_tokens_binary_search_against_own_entries_learns_only_the_rounded_match",
+            "tests/test_security.py::test_cached_tokens_binary_search_against_own_entries_learns_"
+            "only_the_rounded_match",
         ),
     ),
     Breakage(
@@ -623,7 +644,8 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/test_security.py::test_tenant_status_shows_nothing_that_moves_with_other_tenants_traffic",
+            "tests/test_security.py::test_tenant_status_shows_nothing_that_moves_with_other_"
+            "tenants_traffic",
         ),
     ),
     Breakage(
@@ -657,7 +679,8 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/test_http_connections.py::test_a_busy_port_fails_before_the_model_loads_with_exit_2",
+            "tests/test_http_connections.py::test_a_busy_port_fails_before_the_model_loads_with_"
+            "exit_2",
         ),
     ),
     Breakage(
@@ -686,7 +709,8 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/test_shipping_installs.py::test_regression_a_tiny_tarball_with_an_empty_record_cannot_erase_a_store",
+            "tests/test_shipping_installs.py::test_regression_a_tiny_tarball_with_an_empty_record_"
+            "cannot_erase_a_store",
         ),
     ),
     Breakage(
@@ -701,7 +725,8 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/test_shipping_installs.py::test_regression_unpack_never_overwrites_a_good_block_with_a_forged_one",
+            "tests/test_shipping_installs.py::test_regression_unpack_never_overwrites_a_good_block_"
+            "with_a_forged_one",
         ),
     ),
     Breakage(
@@ -716,7 +741,8 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/test_shipping_registry.py::test_regression_pull_never_overwrites_a_good_block_with_a_forged_one",
+            "tests/test_shipping_registry.py::test_regression_pull_never_overwrites_a_good_block_"
+            "with_a_forged_one",
         ),
     ),
     Breakage(
@@ -733,7 +759,8 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/test_shipping_http.py::test_regression_registry_credentials_never_reach_a_redirect_target",
+            "tests/test_shipping_http.py::test_regression_registry_credentials_never_reach_a_"
+            "redirect_target",
         ),
     ),
     Breakage(
@@ -749,7 +776,8 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/test_shipping_http.py::test_regression_a_trickling_registry_hits_the_request_deadline",
+            "tests/test_shipping_http.py::test_regression_a_trickling_registry_hits_the_request_"
+            "deadline",
         ),
     ),
     Breakage(
@@ -758,7 +786,8 @@ BREAKAGES = (
         "a layer's declared size is not bounded before the download",
         (Patch("kvsnap/store/oci/artifact.py", "    if size > cap:\n", "    if False:\n"),),
         (
-            "tests/test_shipping_http.py::test_regression_an_oversize_declared_layer_is_refused_before_any_download",
+            "tests/test_shipping_http.py::test_regression_an_oversize_declared_layer_is_refused_"
+            "before_any_download",
         ),
     ),
     Breakage(
@@ -773,7 +802,8 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/test_shipping_installs.py::test_regression_a_gzip_bomb_is_refused_before_anything_is_written",
+            "tests/test_shipping_installs.py::test_regression_a_gzip_bomb_is_refused_before_"
+            "anything_is_written",
         ),
     ),
     Breakage(
@@ -789,7 +819,8 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/test_shipping_registry.py::test_regression_a_killed_pull_resumes_from_its_stage_and_downloads_only_what_is_missing",
+            "tests/test_shipping_registry.py::test_regression_a_killed_pull_resumes_from_its_stage_"
+            "and_downloads_only_what_is_missing",
         ),
     ),
     Breakage(
@@ -805,8 +836,10 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/test_engine_parts.py::test_a_stop_string_that_completes_first_wins_over_one_that_starts_earlier_issue_24",
-            "tests/test_engine_parts.py::test_any_chunking_sends_what_one_scan_of_the_whole_text_sends",
+            "tests/test_engine_parts.py::test_a_stop_string_that_completes_first_wins_over_one_"
+            "that_starts_earlier_issue_24",
+            "tests/test_engine_parts.py::test_any_chunking_sends_what_one_scan_of_the_whole_text_"
+            "sends",
         ),
     ),
     Breakage(
@@ -816,7 +849,8 @@ BREAKAGES = (
         "(issue 24)",
         (Patch("tests/golden_summary.py", "RTOL = 1e-4\n", "RTOL = 0.0\n"),),
         (
-            "tests/test_golden.py::test_golden_tensor_bytes_changed_on_another_cpu_is_float_noise_not_a_failure[Prescott]",
+            "tests/test_golden.py::test_golden_tensor_bytes_changed_on_another_cpu_is_float_noise_"
+            "not_a_failure[Prescott]",
         ),
     ),
     Breakage(
@@ -826,7 +860,8 @@ BREAKAGES = (
         (Patch("tests/golden_summary.py", "RTOL = 1e-4\n", "RTOL = 0.1\n"),),
         (
             "tests/test_golden.py::test_the_golden_comparison_sees_a_real_change[one-token-zeroed]",
-            "tests/test_golden.py::test_the_golden_comparison_sees_a_real_change[one-tensor-scaled-1e-3]",
+            "tests/test_golden.py::test_the_golden_comparison_sees_a_real_change[one-tensor-scaled-"
+            "1e-3]",
         ),
     ),
     Breakage(
@@ -843,7 +878,8 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/test_block_store_cuts.py::test_adding_an_unrelated_agent_never_moves_another_chains_blocks",
+            "tests/test_block_store_cuts.py::test_adding_an_unrelated_agent_never_moves_another_"
+            "chains_blocks",
         ),
     ),
     Breakage(
@@ -859,7 +895,8 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/test_block_store_repair.py::test_a_bad_intermediate_checkpoint_of_a_hybrid_is_rewritten_by_a_rebuild[flipped]",
+            "tests/test_block_store_repair.py::test_a_bad_intermediate_checkpoint_of_a_hybrid_is_"
+            "rewritten_by_a_rebuild[flipped]",
         ),
     ),
     Breakage(
@@ -875,7 +912,8 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/test_block_store_repair.py::test_gc_between_a_hybrid_builds_prefill_and_its_commit_never_breaks_it",
+            "tests/test_block_store_repair.py::test_gc_between_a_hybrid_builds_prefill_and_its_"
+            "commit_never_breaks_it",
         ),
     ),
     Breakage(
@@ -891,7 +929,8 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/test_block_store_durability.py::test_every_folder_a_store_creates_is_fsynced_in_its_parent_before_it_is_used",
+            "tests/test_block_store_durability.py::test_every_folder_a_store_creates_is_fsynced_in_"
+            "its_parent_before_it_is_used",
         ),
     ),
     Breakage(
@@ -942,7 +981,8 @@ BREAKAGES = (
         "the message count is not checked before the messages are normalised and rendered",
         (Patch("kvsnap/http/routes_generation.py", "        ctx.check_sizes(req)\n", ""),),
         (
-            "tests/test_http_limits.py::test_a_hundred_thousand_messages_are_refused_before_rendering_and_health_stays_fast",
+            "tests/test_http_limits.py::test_a_hundred_thousand_messages_are_refused_before_"
+            "rendering_and_health_stays_fast",
         ),
     ),
     Breakage(
@@ -957,7 +997,8 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/test_shared_prefix.py::test_concurrent_cold_requests_sharing_a_system_prompt_compute_it_once",
+            "tests/test_shared_prefix.py::test_concurrent_cold_requests_sharing_a_system_prompt_"
+            "compute_it_once",
         ),
     ),
 )
