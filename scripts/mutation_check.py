@@ -748,14 +748,13 @@ BREAKAGES = (
     Breakage(
         "credentials-to-redirect-target",
         "shipped content",
-        "a 401 from a host the registry redirected to is answered with the registry's credentials",
+        "every host counts as the registry's own origin: a redirect target gets the credentials "
+        "and its 401 is answered with them (the origin check is the one guard, in two places)",
         (
             Patch(
                 "kvsnap/store/oci/client.py",
-                "        if resp.status_code == 401 and not is_same_origin(resp.request.url, "
-                "self.base):\n            raise self._foreign_401(resp, method)\n        if "
-                "resp.status_code == 401:\n            had_auth",
-                "        if resp.status_code == 401:\n            had_auth",
+                "    return origin_of(url) == origin_of(base)\n",
+                "    return True\n",
             ),
         ),
         (
@@ -983,6 +982,39 @@ BREAKAGES = (
         (
             "tests/test_http_limits.py::test_a_hundred_thousand_messages_are_refused_before_"
             "rendering_and_health_stays_fast",
+        ),
+    ),
+    Breakage(
+        "mlx-lm-profile-not-compared",
+        "3. never foreign (another tokenization)",
+        "kvsnap mlx-lm serve pins a snapshot built for another profile without a word",
+        (
+            Patch(
+                "kvsnap/integrations/mlx_lm_warm.py",
+                "        return _rendering(recorded_tokenization(info.recorded)) != "
+                "_rendering(server)\n",
+                "        return False\n",
+            ),
+        ),
+        (
+            "tests/test_mlx_lm_profile_warnings.py::"
+            "test_a_store_built_for_another_profile_warns_once_per_agent",
+        ),
+    ),
+    Breakage(
+        "mlx-lm-patch-import-unguarded",
+        "upstream patches",
+        "the patched mlx_lm.server ends in a traceback when kvsnap is not installed",
+        (
+            Patch(
+                "contrib/mlx-lm/0001-server-kv-snapshots.patch",
+                "+            sys.exit(2)\n",
+                "+            raise\n",
+            ),
+        ),
+        (
+            "tests/test_contrib_patches.py::"
+            "test_patched_mlx_lm_server_without_kvsnap_refuses_in_one_line",
         ),
     ),
     Breakage(

@@ -70,6 +70,7 @@ def stores(demo_models, tmp_path_factory):
             f"`kvsnap build … --for mlx-lm --chat-template-args '{NO_THINKING}'`",
         ),
     ],
+    ids=["vllm-mlx-store", "other-template-args", "kvsnap-store-with-args"],
 )
 def test_a_store_built_for_another_profile_warns_once_per_agent(
     stores, store, server_args, built, fix, tmp_path
