@@ -1096,9 +1096,12 @@ def run_guards(copy: Path, guards: tuple[str, ...]) -> tuple[int, list[tuple[str
     """pytest's exit status, the (node id, first message line) of each failure, and the output's
     tail."""
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE", *guards]
-    r = subprocess.run(
-        cmd, cwd=copy, env=copy_env(copy), capture_output=True, text=True, timeout=TIMEOUT_S
-    )
+    try:
+        r = subprocess.run(
+            cmd, cwd=copy, env=copy_env(copy), capture_output=True, text=True, timeout=TIMEOUT_S
+        )
+    except subprocess.TimeoutExpired:  # a guard that hangs notices nothing: bound the test itself
+        return 1, [], f"the guards ran past {TIMEOUT_S} s and were stopped; bound their waits"
     failed = re.findall(r"^(?:FAILED|ERROR) (\S+)(?: - (.*))?$", r.stdout, re.M)
     return r.returncode, failed, r.stdout[-3000:] + r.stderr[-2000:]
 
