@@ -17,7 +17,6 @@ import re
 import shutil
 import subprocess
 import sys
-import time
 from importlib import metadata
 from pathlib import Path
 
@@ -125,23 +124,11 @@ def _vllm_mlx_package(python: Path) -> Path:
 
 def _mlx_lm_server(cmd: list[str], log: Path, pythonpath: str | None):
     """mlx_lm.server as this environment runs it; only PYTHONPATH differs between the two."""
-    from kvsnap.tools.serverproc import ServerProcess, free_port, under_hard_limit
-
-    port = free_port()
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "LD_PRELOAD")}
     env.update(HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1", **_blas_env())
     if pythonpath:
         env["PYTHONPATH"] = pythonpath
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            under_hard_limit([*cmd, "--host", "127.0.0.1", "--port", str(port)], 300),
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env=env,
-        )
-    return ServerProcess(
-        proc=proc, url=f"http://127.0.0.1:{port}", log_path=log, launched_at=time.perf_counter()
-    )
+    return mlx_lm_tests._launch(cmd, log, env)
 
 
 def _mlx_lm_answers(

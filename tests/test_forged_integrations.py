@@ -29,6 +29,7 @@ from test_vllm_mlx import (
 )
 from test_vllm_mlx import _ask as vllm_ask
 from test_vllm_mlx import _launch as vllm_launch
+from test_vllm_mlx import _plan as warm_plan
 
 from kvsnap.runtime.prefetch import context_tokens
 from kvsnap.store.local import Store
@@ -144,24 +145,6 @@ def _warm_prompts(tmp_path: Path, names: list[str]):
     return parse_warm_prompts(_agents(names), str(agents)), str(agents)
 
 
-def _plan(lm, store, prompts, agents_file, cache):
-    from kvsnap.integrations.vllm_mlx_profile import vllm_mlx_tokenization
-    from kvsnap.integrations.vllm_mlx_warm import WarmPlan
-    from kvsnap.key import DigestCache
-
-    return WarmPlan(
-        prefix_cache=cache,
-        pins=None,
-        lm=lm,
-        identity=lm.identity(DigestCache()),
-        store=store,
-        writable=False,
-        prompts=prompts,
-        agents_file=agents_file,
-        tokenization=vllm_mlx_tokenization("demo"),
-    )
-
-
 def test_regression_vllm_mlx_warm_plan_prefills_an_agent_whose_snapshot_is_forged(
     forged_store, demo_models, tmp_path
 ):
@@ -169,7 +152,7 @@ def test_regression_vllm_mlx_warm_plan_prefills_an_agent_whose_snapshot_is_forge
     prompts, agents_file = _warm_prompts(tmp_path, ["alpha", "beta"])
     cache = FakePrefixCache(min_prefix_tokens=1)
     store = Store.open(forged_store["root"], readonly=True)
-    report = _plan(lm, store, prompts, agents_file, cache).run()
+    report = warm_plan(lm, store, False, cache, prompts, agents_file).run()
     assert [(a.name, a.source) for a in report.agents] == [
         ("alpha", "prefilled"),
         ("beta", "snapshot"),
@@ -263,7 +246,7 @@ def test_regression_warm_plans_never_take_a_record_longer_than_the_context_for_t
     lm = demo_models.load("dense")
     prompts, agents_file = _warm_prompts(tmp_path, ["alpha"])
     store = Store.open(root, readonly=True)
-    plan = _plan(lm, store, prompts, agents_file, FakePrefixCache(min_prefix_tokens=1))
+    plan = warm_plan(lm, store, False, FakePrefixCache(min_prefix_tokens=1), prompts, agents_file)
     report = plan.run()
     assert (report.prefilled, report.warnings) == (1, []), report
     mlx_lm = MlxLmWarmPlan(**{**plan.__dict__, "prefix_cache": _pins()})

@@ -236,14 +236,16 @@ def test_mlx_lm_serve_refuses_options_the_snapshots_cannot_serve(demo_models, tm
 # --- end to end: kvsnap mlx-lm serve beside a plain mlx_lm.server ---------------------------
 
 
-def _launch(cmd: list[str], log: Path):
+def _launch(cmd: list[str], log: Path, env: dict | None = None):
+    """``cmd`` as a server on a free 127.0.0.1 port, its output in ``log``; ``env``: the whole
+    environment (default: this one, offline and unbuffered)."""
     import os
     import time
 
     from kvsnap.tools.serverproc import ServerProcess, free_port, under_hard_limit
 
     port = free_port()
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+    env = env or {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
     with open(log, "wb") as out:
         proc = subprocess.Popen(
             under_hard_limit([*cmd, "--host", "127.0.0.1", "--port", str(port)], 300),

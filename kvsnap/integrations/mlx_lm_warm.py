@@ -179,9 +179,8 @@ def _warm_prompt_cache(
     from kvsnap.integrations.mlx_lm_cache import PinnedPromptCache
     from kvsnap.integrations.mlx_lm_profile import mlx_lm_tokenization
     from kvsnap.integrations.vllm_mlx import load_warm_prompt_file, open_store
-    from kvsnap.key import KVSettings, read_config
-    from kvsnap.runtime.model_source import resolve_model
-    from kvsnap.runtime.modeling import LoadedModel, default_digest_cache
+    from kvsnap.integrations.vllm_mlx_warm import upstream_model
+    from kvsnap.runtime.modeling import default_digest_cache
     from kvsnap.store.remote import resolve_kv_snapshots
 
     args = model_provider.cli_args
@@ -208,18 +207,10 @@ def _warm_prompt_cache(
     store, writable = open_store(resolve_kv_snapshots(kv_snapshots), want_write=prompts is not None)
     model_provider.load_default()  # here, not on the generation thread: the port opens warm
     model_key = model_provider.model_key
-    model_dir = resolve_model(model_key[0]).path  # a hub id: the cached files mlx-lm loaded
-    # mlx_lm.server's batched KV is mlx-lm's default cache: no quantization, no bound.
-    lm = LoadedModel(
-        path=model_dir,
-        model=model_provider.model,
-        tokenizer=model_provider.tokenizer,
-        config=read_config(model_dir),
-        settings=KVSettings(),
-    )
+    lm = upstream_model(model_key[0], model_provider.model, model_provider.tokenizer)
     identity = lm.identity(default_digest_cache())
+    tokenization = mlx_lm_tokenization(getattr(args, "chat_template_args", None))
     if prompts is None:
-        tokenization = mlx_lm_tokenization(getattr(args, "chat_template_args", None))
         report = pin_store(cache, model_key, store, identity, lm, tokenization)
     else:
         plan = MlxLmWarmPlan(
@@ -231,7 +222,7 @@ def _warm_prompt_cache(
             writable=writable,
             prompts=prompts,
             agents_file=str(warm_prompts),
-            tokenization=mlx_lm_tokenization(getattr(args, "chat_template_args", None)),
+            tokenization=tokenization,
         )
         plan.model_key = model_key
         report = plan.run()

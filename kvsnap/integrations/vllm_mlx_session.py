@@ -157,22 +157,9 @@ class Session:
         return work
 
     def _make_plan(self, prefix_cache: Any, scheduler: Any, model_path: str, tokenization: Any):
-        from kvsnap.integrations.vllm_mlx_warm import WarmPlan
-        from kvsnap.key import KVSettings, read_config
-        from kvsnap.runtime.model_source import resolve_model
-        from kvsnap.runtime.modeling import LoadedModel
+        from kvsnap.integrations.vllm_mlx_warm import WarmPlan, upstream_model
 
-        model_dir = resolve_model(
-            model_path
-        ).path  # a hub id: the same cached files vllm-mlx loaded
-        # vllm-mlx's live KV is mlx-lm's default cache: no KV quantization, no bound.
-        lm = LoadedModel(
-            path=model_dir,
-            model=scheduler.model,
-            tokenizer=scheduler.tokenizer,
-            config=read_config(model_dir),
-            settings=KVSettings(),
-        )
+        lm = upstream_model(model_path, scheduler.model, scheduler.tokenizer)
         return WarmPlan(
             prefix_cache=prefix_cache,
             pins=self.pins,

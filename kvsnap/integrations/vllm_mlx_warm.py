@@ -34,6 +34,24 @@ class AgentResult:
     reason: str = ""
 
 
+def upstream_model(model_name: str, model: Any, tokenizer: Any) -> Any:
+    """The model an upstream server (vllm-mlx, mlx_lm.server) loaded, as kvsnap's LoadedModel:
+    its folder (a hub id: the cached files it loaded) and config beside the live objects. Its
+    live KV is mlx-lm's default cache: no KV quantization, no bound."""
+    from kvsnap.key import KVSettings, read_config
+    from kvsnap.runtime.model_source import resolve_model
+    from kvsnap.runtime.modeling import LoadedModel
+
+    model_dir = resolve_model(model_name).path
+    return LoadedModel(
+        path=model_dir,
+        model=model,
+        tokenizer=tokenizer,
+        config=read_config(model_dir),
+        settings=KVSettings(),
+    )
+
+
 @dataclass
 class WarmReport:
     """What one warm-up (or re-warm) did; tests and ``GET /v1/kvsnap/status`` read this, not the

@@ -43,19 +43,21 @@ def check_manifest_bytes(data: bytes, where: str, dest: Path | None = None) -> d
         raise ShipError(str(exc)) from None
 
 
-def existing_file_is_good(store: Store, relpath: str) -> bool:
-    """A store file that passes its own checks (a record's parts are checked on their own)."""
+def check_part_file(store: Store, relpath: str, path: Path) -> None:
+    """A block or checkpoint file at ``path`` (stored or staged as ``relpath``) checked on its
+    own: header, key, checksum; SnapshotError names it."""
     from kvsnap.store.parts import check_part
 
+    kind = "block" if relpath.startswith(PART_FOLDERS[0]) else "checkpoint"
+    check_part(store, kind, path.stem, path=path)
+
+
+def existing_file_is_good(store: Store, relpath: str) -> bool:
+    """A store file that passes its own checks (a record's parts are checked on their own)."""
     path = store.root / relpath
     try:
         if PART_REL_RE.fullmatch(relpath):
-            check_part(
-                store,
-                "block" if relpath.startswith(PART_FOLDERS[0]) else "checkpoint",
-                path.stem,
-                path=path,
-            )
+            check_part_file(store, relpath, path)
         else:
             store.verify_file(path, parts=False)
     except (SnapshotError, OSError):
@@ -206,7 +208,7 @@ class StagedInstall:
         """Every staged file's own checks (header, key, checksum; a block's or checkpoint's too) and
         the manifest's JSON. A record's parts are checked where they will be: staged, or already in
         ``dest``."""
-        from kvsnap.store.parts import chain_relpaths, check_part
+        from kvsnap.store.parts import chain_relpaths
 
         assert self.tmp is not None
         self._drop_leftovers()
@@ -219,12 +221,7 @@ class StagedInstall:
                 continue
             try:
                 if PART_REL_RE.fullmatch(relpath):
-                    check_part(
-                        store,
-                        "block" if relpath.startswith(PART_FOLDERS[0]) else "checkpoint",
-                        path.stem,
-                        path=path,
-                    )
+                    check_part_file(store, relpath, path)
                 else:
                     self.reached.update(chain_relpaths(store.verify_file(path, parts=False)))
             except SnapshotError as exc:
