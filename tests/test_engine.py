@@ -897,8 +897,7 @@ def test_clear_prefix_cache_rewarms_from_snapshots(worlds, engines, oracle):
     engine = engines.start(world)
     serve(engine, world.request(0, QUESTIONS[0]))
     assert len(engine.prefix) == 3  # two warm entries and the captured request prefix
-    engine.clear_prefix_cache(rewarm=True)
-    engine.call(lambda: None)  # the clear has been handled once a later call returns
+    assert engine.clear_prefix_cache(rewarm=True) == 3  # returns once the engine has cleared
     assert len(engine.prefix) == 2  # the warm set is indexed again at once; loads follow in steps
     deadline = time.monotonic() + 30
     while engine.status()["rewarm_in_progress"]:

@@ -521,6 +521,12 @@ def test_deletes_during_a_rewarm_are_coalesced_and_answer_the_same(keyed, client
         client.delete(f"{url}/v1/cache/prefix", headers=auth(ADMIN)).json() for _ in range(5)
     ]
     assert all(a["status"] == "cleared" and a["rewarm_scheduled"] is True for a in answers)
+    # Each answer is sent once the engine has cleared: all five are counted at once.
+    now = client.get(f"{url}/v1/status", headers=auth(ADMIN)).json()
+    assert (
+        now["rewarms"] + now["rewarms_coalesced"]
+        == before["rewarms"] + before["rewarms_coalesced"] + 5
+    ), (before, now)
     deadline = time.monotonic() + 30
     while (st := client.get(f"{url}/v1/status", headers=auth(ADMIN)).json())["rewarm_in_progress"]:
         assert time.monotonic() < deadline, st

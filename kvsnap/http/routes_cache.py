@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
+from starlette.concurrency import run_in_threadpool
 
 from kvsnap.http.context import ServerContext
 
@@ -15,8 +16,8 @@ def cache_router(ctx: ServerContext) -> APIRouter:
     async def clear_prefix(request: Request):
         ctx.require_admin(request)
         ctx.check_ready()
-        cleared = len(engine.prefix) if engine.prefix is not None else 0
-        engine.clear_prefix_cache(rewarm=True)  # coalesced into a re-warm already running
+        # waits for the engine thread (off the event loop); coalesced into a running re-warm
+        cleared = await run_in_threadpool(engine.clear_prefix_cache, True)
         return {"status": "cleared", "rewarm_scheduled": True, "cleared_entries": cleared}
 
     return router

@@ -126,8 +126,18 @@ class Engine:
     def cancel(self, state: RequestState) -> None:
         self._commands.put(("cancel", state))
 
-    def clear_prefix_cache(self, rewarm: bool = True) -> None:
-        self._commands.put(("clear", rewarm))
+    def clear_prefix_cache(self, rewarm: bool = True, timeout: float = 60.0) -> int:
+        """Drop the request prefixes; returns once the engine thread has (the entries it held).
+
+        Waiting makes the answer true when it is sent: a status read after it sees the clear."""
+        prefix = self.prefix
+
+        def clear() -> int:
+            held = len(prefix) if prefix is not None else 0
+            self.rewarmer.clear(prefix, self.lm, rewarm=rewarm)
+            return held
+
+        return self.call(clear, timeout=timeout)
 
     def call(self, fn: Callable[[], Any], timeout: float = 300.0) -> Any:
         """Run ``fn`` on the engine thread (for tests and admin) and return its result."""
@@ -324,8 +334,6 @@ class Engine:
             self.sched.submit(cmd[1])
         elif kind == "cancel":
             self._cancel(cmd[1])
-        elif kind == "clear":
-            self.rewarmer.clear(self.prefix, self.lm, rewarm=cmd[1])
         elif kind == "call":
             _, fn, box, done = cmd
             try:
