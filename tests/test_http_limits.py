@@ -41,13 +41,25 @@ def _flood(url: str, body: bytes) -> tuple[list[httpx.Response], list[float]]:
     health: list[float] = []
     done = threading.Event()
 
+    # Each body's last byte waits for all the others: the requests reach the route together
+    # even when a loaded machine uploads them at different speeds.
+    sent_but_last = threading.Barrier(N_CONCURRENT, timeout=60)
+
+    def content():
+        yield body[:-1]
+        sent_but_last.wait()
+        yield body[-1:]
+
     def post():
         with httpx.Client(timeout=120) as c:
             answers.append(
                 c.post(
                     f"{url}/v1/chat/completions",
-                    content=body,
-                    headers={"content-type": "application/json"},
+                    content=content(),
+                    headers={
+                        "content-type": "application/json",
+                        "content-length": str(len(body)),
+                    },
                 )
             )
 
