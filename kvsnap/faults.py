@@ -25,6 +25,15 @@ POINTS = (
     "after-rename",
 )
 KILL_POINTS = POINTS[1:]
+# The conversation writer's own points (``--persist-requests``), in write order: after the
+# first new block of a record, after all its parts, after the record, after the superseded
+# record is gone.
+CONVERSATION_POINTS = (
+    "conversation-mid-parts",
+    "conversation-before-record",
+    "conversation-after-record",
+    "conversation-after-supersede",
+)
 
 
 @dataclass

@@ -141,8 +141,57 @@ def add_serve(sub) -> None:
         help="partial matches on prefixes shared between clients report cached_tokens in these "
         "steps (default: 128, as OpenAI; 1 = exact)",
     )
+    c = p.add_argument_group("conversations that survive restarts (docs/conversations.md)")
+    c.add_argument(
+        "--persist-requests",
+        action="store_true",
+        help="write the request prefixes the cache keeps behind into --kv-snapshots, so the next "
+        "turn of a conversation hits after a restart or a crash. Off by default: it writes "
+        "clients' prompt state to disk (docs/server.md#security)",
+    )
+    c.add_argument(
+        "--persist-max-gb",
+        type=positive_float,
+        metavar="GB",
+        help="disk budget for persisted conversations; the least recently used go first "
+        "(default: 20)",
+    )
+    c.add_argument(
+        "--persist-flush-timeout",
+        type=positive_float,
+        metavar="SECONDS",
+        help="at shutdown (SIGTERM), write the queued prefixes for at most this long (default: 5)",
+    )
     add_kv_options(p)
     p.set_defaults(run=cmd_serve)
+
+
+def persist_options(args):
+    """``--persist-requests`` and its settings as ``PersistOptions``, None when off; a
+    KvsnapError for flags that contradict each other."""
+    from kvsnap.runtime.persist import DEFAULT_FLUSH_TIMEOUT_S, DEFAULT_MAX_GB, PersistOptions
+
+    if not args.persist_requests:
+        for flag, value in (
+            ("--persist-max-gb", args.persist_max_gb),
+            ("--persist-flush-timeout", args.persist_flush_timeout),
+        ):
+            if value is not None:
+                raise KvsnapError(
+                    f"{flag} {value:g} needs --persist-requests; add it or drop {flag}"
+                )
+        return None
+    if not args.kv_snapshots:
+        raise KvsnapError("--persist-requests needs a store to write into; add --kv-snapshots DIR")
+    if args.no_request_prefix_cache:
+        raise KvsnapError(
+            "--persist-requests persists the request prefixes the cache keeps, and "
+            "--no-request-prefix-cache keeps none; drop one of the two"
+        )
+    return PersistOptions(
+        max_bytes=int((args.persist_max_gb or DEFAULT_MAX_GB) * 2**30),
+        flush_timeout_s=args.persist_flush_timeout or DEFAULT_FLUSH_TIMEOUT_S,
+    )
 
 
 def positive_float(text: str) -> float:
@@ -191,6 +240,7 @@ def cmd_serve(args) -> int:
             f"--kv-snapshots {args.kv_snapshots}: is a file; give the store folder made by `kvsnap "
             f"build --out` (or oci://…)"
         )
+    persist_options(args)  # contradicting flags fail before the model loads
     prompts = load_warm_prompts(args.warm_prompts) if args.warm_prompts else None
     for problem in prompts.problems if prompts else []:
         log.warning("[kvsnap] skipped warm prompt %s", problem)
@@ -237,6 +287,7 @@ def engine_config(args, model_dir: Path, prompts):
         continuous_batching=args.continuous_batching,
         max_batch_size=args.max_batch_size if args.continuous_batching else 1,
         digest_cache=default_digest_cache(),
+        persist=persist_options(args),
     )
 
 

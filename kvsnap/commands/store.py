@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from kvsnap.commands import conversations
 from kvsnap.commands.common import (
     EXIT_BAD,
     EXIT_OK,
@@ -49,6 +50,7 @@ def cmd_ls(args) -> int:
                         for i in good
                     ],
                     "problems": [{"file": str(p.path), "reason": p.reason} for p in bad],
+                    "conversations": conversations.summary(store),
                 },
                 indent=1,
             )
@@ -79,6 +81,9 @@ def cmd_ls(args) -> int:
     out.print(table)
     for p in bad:
         out.print(f"unreadable: {p}", markup=False)
+    line = conversations.summary_line(store)  # users' data: a summary, never their contents
+    if line:
+        out.print(line, markup=False, soft_wrap=True)
     return EXIT_OK
 
 
@@ -201,6 +206,9 @@ def cmd_verify(args) -> int:
         except SnapshotError as exc:
             bad += 1
             print(f"BAD  {exc.path}: {exc.reason}; {exc.fix}")
+    check = (lambda info: _check_shapes(store, info, shapes)) if shapes is not None else None
+    n_ok, n_bad, n_other = conversations.verify_conversations(store, expected, check)
+    ok, bad, other = ok + n_ok, bad + n_bad, other + n_other
     bad += _verify_manifest(store)
     for tmp in store.temp_files():
         print(
@@ -263,6 +271,12 @@ def add_gc(sub) -> None:
     )
     p.add_argument("store")
     p.add_argument("--yes", action="store_true", help="really delete")
+    p.add_argument(
+        "--conversations-unused-for",
+        type=conversations.duration,
+        metavar="AGE",
+        help="also remove persisted conversations not used for AGE (90s, 30m, 12h, 7d, 2w)",
+    )
     p.set_defaults(run=cmd_gc)
 
 
@@ -270,17 +284,23 @@ def cmd_gc(args) -> int:
     from kvsnap.store.local import MANIFEST, Store
 
     store = Store.open(args.store)
+    n_conv = conv_bytes = 0
+    if args.conversations_unused_for is not None:
+        n_conv, conv_bytes = conversations.gc_conversations(
+            store, args.conversations_unused_for, args.yes
+        )
     doomed, freed = store.gc(apply=args.yes)
+    doomed_count, freed = len(doomed) + n_conv, freed + conv_bytes
     verb = "removed" if args.yes else "would remove"
     if not (store.root / MANIFEST).exists() and store.snapshot_files():
         print(
-            f"note {store.root} has no manifest.json, so no snapshot is known to be unused; only "
-            f"temp files are removed"
+            f"note {store.root} has no manifest.json, so no snapshot is known to be unused; every "
+            f"snapshot is kept (temp files and blocks no record reaches go)"
         )
     for p in doomed:
         print(f"{verb} {p}")
     print(
-        f"{verb} {len(doomed)} file(s), {human_bytes(freed)}"
+        f"{verb} {doomed_count} file(s), {human_bytes(freed)}"
         + ("" if args.yes else "; run again with --yes to delete")
     )
     return EXIT_OK

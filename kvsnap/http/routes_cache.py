@@ -1,4 +1,5 @@
-"""``DELETE /v1/cache/prefix``: drop the request prefixes and re-warm from the snapshots (admin)."""
+"""``DELETE /v1/cache/prefix``: drop the request prefixes (persisted ones too) and re-warm
+from the snapshots (admin)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,13 @@ def cache_router(ctx: ServerContext) -> APIRouter:
         ctx.check_ready()
         # waits for the engine thread (off the event loop); coalesced into a running re-warm
         cleared = await run_in_threadpool(engine.clear_prefix_cache, True)
-        return {"status": "cleared", "rewarm_scheduled": True, "cleared_entries": cleared}
+        # then the conversations persisted on disk (--persist-requests; None when off)
+        removed = await run_in_threadpool(engine.purge_persisted)
+        return {
+            "status": "cleared",
+            "rewarm_scheduled": True,
+            "cleared_entries": cleared,
+            "persisted_removed": removed,
+        }
 
     return router

@@ -69,6 +69,8 @@ class Engine:
         self._stop_tokens: list[list[int]] = []
         self.rewarmer = Rewarmer()  # re-warms after DELETE /v1/cache/prefix
         self._prefetched = None  # prefetch.Prefetched: snapshots read while the model loaded
+        self.persister = None  # persist.Persister with --persist-requests and a writable store
+        self.persist_note = ""  # why persisting is off although asked for
 
     # --- lifecycle ------------------------------------------------------------
 
@@ -110,6 +112,8 @@ class Engine:
         """Stop the engine loop; requests still running end with finish_reason "cancelled"."""
         self._stopping = True
         self._commands.put(("stop",))
+        if self.config.persist is not None:  # the queued conversation writes get their time
+            timeout += self.config.persist.flush_timeout_s
         if self._thread is not None:
             self.stopped.wait(timeout)  # the thread itself stays parked, see run_then_park
 
@@ -127,17 +131,24 @@ class Engine:
         self._commands.put(("cancel", state))
 
     def clear_prefix_cache(self, rewarm: bool = True, timeout: float = 60.0) -> int:
-        """Drop the request prefixes; returns once the engine thread has (the entries it held).
-
-        Waiting makes the answer true when it is sent: a status read after it sees the clear."""
+        """Drop the request prefixes, persisted ones too; returns once the engine thread has
+        (the entries it held). Waiting makes the answer true when it is sent."""
         prefix = self.prefix
 
         def clear() -> int:
             held = len(prefix) if prefix is not None else 0
             self.rewarmer.clear(prefix, self.lm, rewarm=rewarm)
+            if self.persister is not None:
+                self.persister.pending.clear()
             return held
 
         return self.call(clear, timeout=timeout)
+
+    def purge_persisted(self, timeout: float = 60.0) -> int | None:
+        """Remove every persisted conversation from the store (any thread; waits for the
+        writer); None when persisting is off or the writer did not finish in time."""
+        persister = self.persister
+        return persister.purge(timeout) if persister is not None else None
 
     def call(self, fn: Callable[[], Any], timeout: float = 300.0) -> Any:
         """Run ``fn`` on the engine thread (for tests and admin) and return its result."""
@@ -172,6 +183,11 @@ class Engine:
             "requests_started": self.accounts.started_requests,
             "shared_prefills": batch.shared_prefills if batch is not None else 0,
             **self.rewarmer.as_dict(),
+            "persist": (
+                self.persister.as_dict()
+                if self.persister is not None
+                else {"enabled": False, "note": self.persist_note}
+            ),
             "warmup": self.warmup_report.__dict__ if self.warmup_report else None,
         }
 
@@ -196,6 +212,7 @@ class Engine:
     def _serve(self) -> None:
         try:
             self._warm_up()
+            self._start_persisting()
             self.warm.set()
         except BaseException as exc:  # reported to the server, which exits non-zero
             self.failed = exc
@@ -220,6 +237,8 @@ class Engine:
         self._finish_all("cancelled")
         self._batch.drop()
         self._refuse_queued()
+        if self.persister is not None:  # SIGTERM: the queued writes, within a bound
+            self.persister.close()
 
     def _refuse_queued(self) -> None:
         """Commands that raced with the stop: requests end cancelled, calls get an error."""
@@ -279,6 +298,9 @@ class Engine:
     def _on_load_error(self, entry, exc: BaseException) -> None:
         """A snapshot indexed at start failed to load on first hit: report it, serve without it."""
         path = getattr(exc, "path", "") or entry.name or entry.key
+        if entry.source == "persisted" and self.persister is not None:
+            self.persister.load_error(str(path), exc)  # users' data, not a snapshot of the build
+            return
         self.counts.reject(str(path), getattr(exc, "reason", None) or str(exc))
 
     def _warm_up(self, allow_prefill: bool = True) -> None:
@@ -360,6 +382,8 @@ class Engine:
             state = self.sched.next_sequential()
             if state is not None:
                 self._run_sequential(state)
+        if self.persister is not None:  # after the step that evaluated the captured copies
+            self.persister.pump()
         if self.rewarmer.running:
             self.rewarmer.step(
                 self.prefix, self.counts
@@ -368,7 +392,19 @@ class Engine:
     def _prepare(self, state: RequestState) -> tuple[list, list[int]]:
         from kvsnap.runtime.request_cache import prepare_request
 
-        return prepare_request(self.lm, self.prefix, self.accounts, state)
+        return prepare_request(self.lm, self.prefix, self.accounts, state, self.persister)
+
+    def _start_persisting(self) -> None:
+        from kvsnap.runtime.persist import start_persister
+
+        if self.config.persist is None:
+            return
+        self.persister, self.persist_note = start_persister(
+            self.config.persist, self.store, self.lm, self.identity
+        )
+        if self.persister is not None:
+            persister = self.persister
+            self.prefix.on_request_prefix = lambda e, st: persister.captured(e, st.extends)
 
     def _cancel(self, state: RequestState) -> None:
         uid = self.sched.withdraw(state)

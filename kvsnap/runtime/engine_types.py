@@ -27,6 +27,7 @@ class EngineConfig:
     max_batch_size: int = 8
     prefill_batch_size: int = 4
     digest_cache: DigestCache | None = None
+    persist: Any = None  # persist.PersistOptions: --persist-requests (None: off)
 
 
 @dataclass
@@ -63,6 +64,9 @@ class RequestState:
     uid: int | None = None
     detok: Any = None
     capture: bool = False
+    # the tokens of its own namespace's request prefix it extends in full (persisted
+    # conversations: the record for those tokens is superseded by this request's)
+    extends: tuple | None = None
     last_token_counted: bool = False
     held_text: str = ""
     done: threading.Event = field(default_factory=threading.Event)

@@ -104,6 +104,8 @@ class PrefixCache:
     # Why a state cannot serve this model (None: it can): checked on every copy handed out, so
     # a bad entry is dropped and the request served from the next best one, never failing a batch.
     check_state: CheckFn | None = None
+    # Told of every request prefix captured, with the request's state (``--persist-requests``).
+    on_request_prefix: Callable[[Entry, Any], None] | None = None
     stats: PrefixStats = field(default_factory=PrefixStats)
     _entries: dict[tuple, Entry] = field(default_factory=dict)  # (namespace, tokens) -> entry
     _tries: dict[str | None, TokenTrie] = field(
@@ -209,9 +211,14 @@ class PrefixCache:
                 self._unindex(entry)
 
     def drop_request_prefixes(self) -> int:
-        """Forget every entry no warm prompt or snapshot file backs; returns how many."""
+        """Forget every request prefix: those no warm prompt or snapshot file backs, and
+        persisted ones (a conversation record backs them); returns how many."""
         with self._lock:
-            doomed = [e for e in self._entries.values() if not e.pinned and e.loader is None]
+            doomed = [
+                e
+                for e in self._entries.values()
+                if not e.pinned and (e.loader is None or e.source == "persisted")
+            ]
             for e in doomed:
                 self._unindex(e)
             return len(doomed)

@@ -18,14 +18,23 @@ MIN_SHARED_TOKENS_TO_COMPUTE = 32  # a shared prefix mostly cached already is no
 
 
 def prepare_request(
-    lm: Any, prefix: PrefixCache, accounts: TokenAccounts, state: RequestState
+    lm: Any, prefix: PrefixCache, accounts: TokenAccounts, state: RequestState, persister=None
 ) -> tuple[list, list[int]]:
     """Fetch the longest cached prefix (a private copy), account for it; returns the cache
-    and the suffix still to run."""
+    and the suffix still to run. ``persister``: persisted conversations are looked up too."""
     tokens = state.request.tokens
+    if persister is not None and state.request.capture:
+        persister.offer(prefix, tokens, state.request.namespace)
     cache, n_cached, match = prefix.fetch(tokens, state.request.namespace)
     if cache is None:
         cache = lm.make_cache()
+    if (
+        match
+        and match.entry.namespace == state.request.namespace
+        and match.entry.source in ("request", "persisted")
+        and n_cached == len(match.entry.tokens)
+    ):
+        state.extends = match.entry.tokens
     accounts.start_request(state, n_cached)
     state.cache_source = match.entry.source if match else ""
     # A partial match on an entry shared with others tells how far the prompts agree.
@@ -87,17 +96,18 @@ def capture_request_prefix(
         deferred.extend(arrays)
     else:
         mx.eval(arrays)
-    prefix.add(
-        Entry(
-            tokens=tokens,
-            state=own,
-            nbytes=cache_nbytes_of(own),
-            trimmable=is_trimmable(own),
-            pinned=False,
-            source="request",
-            namespace=state.request.namespace,
-        )
+    entry = Entry(
+        tokens=tokens,
+        state=own,
+        nbytes=cache_nbytes_of(own),
+        trimmable=is_trimmable(own),
+        pinned=False,
+        source="request",
+        namespace=state.request.namespace,
     )
+    prefix.add(entry)
+    if prefix.on_request_prefix is not None:
+        prefix.on_request_prefix(entry, state)
 
 
 def prefill_shared_prefixes(

@@ -44,6 +44,10 @@ BLOCKS = "blocks"  # blocks/<key>.safetensors: the attention-KV slice of one run
 # checkpoints/<key>.safetensors: non-trimmable layers' whole state at one token count
 CHECKPOINTS = "checkpoints"
 PART_FOLDERS = (BLOCKS, CHECKPOINTS)
+# conversations/<key>.safetensors: a persisted request prefix (same record format, its own
+# folder: users' data, never shipped); conversations/.secret: the store's tenant-tag secret
+CONVERSATIONS = "conversations"
+SECRET_NAME = ".secret"
 PART_REL_RE = re.compile(rf"(?:{BLOCKS}|{CHECKPOINTS})/[0-9a-f]{{32}}{re.escape(SUFFIX)}")
 STORE_FILE_RE = re.compile(
     rf"{SNAPSHOT_REL_RE.pattern}|{PART_REL_RE.pattern}"

@@ -54,6 +54,7 @@ from kvsnap.snapshot.header import (
     inspect_header,
 )
 from kvsnap.snapshot.layer_list import check_offsets
+from kvsnap.store.conversations import conversation_files, conversations_dir
 from kvsnap.store.fileio import (
     DIR_MODE,
     FILE_MODE,
@@ -266,7 +267,8 @@ class Store:
 
     def temp_files(self) -> list[Path]:
         found = []
-        for folder in (self.root, self.snapshots_dir, *(self.root / f for f in PART_FOLDERS)):
+        folders = (self.root, self.snapshots_dir, *(self.root / f for f in PART_FOLDERS))
+        for folder in (*folders, conversations_dir(self.root)):
             if folder.is_dir():
                 found += [p for p in folder.iterdir() if p.name.startswith(TMP_PREFIX)]
         return sorted(found)
@@ -418,25 +420,27 @@ class Store:
         """Temp files and snapshots no manifest record refers to; removed only when ``apply``.
 
         Without a manifest nothing says which snapshots are in use (a store copied
-        without it, or written only by a server), so only temp files go. Folders are
-        never removed; a symbolic link is removed, never what it points to.
+        without it, or written only by a server), so every snapshot stays. Blocks and
+        checkpoints go when no record reaches them (agents' and persisted conversations').
+        Folders are never removed; a symbolic link is removed, never what it points to.
         """
         with self.lock():
             live = self.referenced()
             candidates = self.temp_files()
+            kept = self.snapshot_files()
             if (self.root / MANIFEST).exists():
+                candidates += [p for p in kept if relpath_of_file(p.name) not in live]
+                kept = [p for p in kept if relpath_of_file(p.name) in live]
+            # A block stays while any kept record reaches it, a conversation's included.
+            kept += conversation_files(self.root)
+            try:
+                reached: set[str] | None = reached_parts([self.inspect(p) for p in kept])
+            except SnapshotError:
+                reached = None  # an unreadable record might reach any of them: keep them all
+            if reached is not None:
                 candidates += [
-                    p for p in self.snapshot_files() if relpath_of_file(p.name) not in live
+                    p for p in part_files(self) if part_relpath_of_file(p) not in reached
                 ]
-                kept = [p for p in self.snapshot_files() if relpath_of_file(p.name) in live]
-                try:  # a block stays while any kept record reaches it
-                    reached: set[str] | None = reached_parts([self.inspect(p) for p in kept])
-                except SnapshotError:
-                    reached = None  # an unreadable record might reach any of them: keep them all
-                if reached is not None:
-                    candidates += [
-                        p for p in part_files(self) if part_relpath_of_file(p) not in reached
-                    ]
             doomed = [p for p in candidates if not stat.S_ISDIR(p.lstat().st_mode)]
             freed = sum(p.lstat().st_size for p in doomed)
             if apply:

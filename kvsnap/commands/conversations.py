@@ -1,0 +1,92 @@
+"""What ``ls``, ``verify`` and ``gc`` say and do about persisted conversations (records in
+``conversations/``, written by ``kvsnap serve --persist-requests``): kept apart from the
+agents, summarised rather than listed (there may be thousands, and they are users' data)."""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import re
+
+from kvsnap.commands.common import human_bytes
+
+DURATION_RE = re.compile(r"(\d+(?:\.\d+)?)([smhdw])")
+UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+
+
+def duration(text: str) -> float:
+    """``30m``, ``12h``, ``7d``, ``2w`` (or seconds: ``90s``) as seconds, for argparse."""
+    m = DURATION_RE.fullmatch(text.strip())
+    if not m:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a duration; give a number and a unit: 90s, 30m, 12h, 7d or 2w"
+        )
+    return float(m.group(1)) * UNIT_S[m.group(2)]
+
+
+def _when(ts: float | None) -> str | None:
+    if ts is None:
+        return None
+    return dt.datetime.fromtimestamp(ts, dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def summary(store) -> dict:
+    """Count, bytes (records and the parts only they reach), oldest and newest use."""
+    from kvsnap.store.conversation_space import conversation_stats
+
+    stats = conversation_stats(store)
+    return {
+        "count": stats.count,
+        "bytes": stats.nbytes,
+        "oldest_use": _when(stats.oldest_use),
+        "newest_use": _when(stats.newest_use),
+    }
+
+
+def summary_line(store) -> str | None:
+    s = summary(store)
+    if not s["count"]:
+        return None
+    return (
+        f"conversations: {s['count']} persisted, {human_bytes(s['bytes'])} of their own, "
+        f"last used {s['oldest_use']} .. {s['newest_use']}"
+    )
+
+
+def verify_conversations(store, expected, check_shapes) -> tuple[int, int, int]:
+    """Every conversation record and the parts it reaches, fully checked; prints the bad ones
+    (and those for another model) and returns (ok, bad, other)."""
+    from kvsnap.errors import SnapshotError
+    from kvsnap.store.conversations import conversation_files
+    from kvsnap.store.foreign import foreign_reason
+
+    ok = bad = other = 0
+    for path in conversation_files(store.root):
+        try:
+            info = store.verify_file(path)
+            foreign = foreign_reason(expected, info)
+            if foreign:
+                other += 1
+                print(f"other conversations/{path.name}: {foreign}")
+                continue
+            if check_shapes is not None:
+                check_shapes(info)
+            ok += 1
+        except SnapshotError as exc:
+            bad += 1
+            print(f"BAD  {exc.path}: {exc.reason}; {exc.fix}")
+    if ok:
+        print(f"ok   {ok} persisted conversation(s)")
+    return ok, bad, other
+
+
+def gc_conversations(store, unused_for: float, apply: bool) -> tuple[int, int]:
+    """Conversations unused for ``unused_for`` seconds: removed (``apply``) or listed; returns
+    (records, bytes)."""
+    from kvsnap.store.conversation_space import drop_unused
+
+    paths, nbytes = drop_unused(store, unused_for, apply)
+    verb = "removed" if apply else "would remove"
+    for p in paths:
+        print(f"{verb} {p} (conversation unused for over {unused_for:g}s)")
+    return len(paths), nbytes

@@ -1,0 +1,323 @@
+"""``--persist-requests``: the engine's side of persisted request prefixes. Engine thread.
+
+A captured request prefix is noted at capture (``captured``) and, after the decode step
+that evaluates it (``pump``), cut on the store's block grid: only the blocks the store lacks
+(and a hybrid's checkpoint at the end) are copied to the host and handed to the writer
+thread with the record's header. A request whose namespace has a persisted record longer
+than what memory holds gets it indexed first (``offer``): it loads on that first hit,
+like a snapshot. The record's key binds the namespace's tag, so no other namespace finds it.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from kvsnap.errors import SnapshotError, StoreError
+from kvsnap.key import ModelIdentity, tokens_digest
+from kvsnap.runtime.prefix import Entry, PrefixCache
+from kvsnap.snapshot.blocks import BlockSettings, ChainLink, chain_field, chain_of, plan_cuts
+from kvsnap.store.conversation_writer import ConversationWrite, ConversationWriter, PartWrite
+from kvsnap.store.conversations import (
+    ConversationIndex,
+    conversation_digest,
+    longest_persisted,
+    namespace_tag,
+    record_key,
+    record_path,
+    store_secret,
+)
+from kvsnap.store.local import Store
+
+log = logging.getLogger("kvsnap.persist")
+
+PERSISTED = "persisted"  # an Entry's source: a conversation record from the store
+DEFAULT_MAX_GB = 20.0
+DEFAULT_FLUSH_TIMEOUT_S = 5.0
+
+
+@dataclass
+class PersistOptions:
+    max_bytes: int = int(DEFAULT_MAX_GB * 2**30)
+    flush_timeout_s: float = DEFAULT_FLUSH_TIMEOUT_S
+    max_queued: int = 32
+
+
+@dataclass
+class Persister:
+    store: Store  # the engine's (reads)
+    identity: ModelIdentity
+    secret: bytes
+    writer: ConversationWriter
+    recorded: dict  # the records' kvsnap.recorded
+    options: PersistOptions
+    settings: BlockSettings = field(default_factory=BlockSettings)
+    index: ConversationIndex | None = None
+    pending: list = field(default_factory=list)  # (entry, tokens of the entry it extends)
+    disk_hits: int = 0  # records indexed for a request (each loads on that hit)
+    load_errors: int = 0
+
+    @classmethod
+    def open(cls, store: Store, lm: Any, identity: ModelIdentity, options: PersistOptions):
+        """Start persisting into ``store`` (writable); StoreError if its secret is unusable."""
+        from kvsnap.faults import FaultHook
+        from kvsnap.runtime.writeback import recorded_fields
+
+        secret = store_secret(store.root, store.fsync)
+        writer = ConversationWriter(
+            Store.open(store.root, fault=FaultHook.from_env()),
+            max_bytes=options.max_bytes,
+            max_queued=options.max_queued,
+        )
+        writer.start()
+        return cls(
+            store=store,
+            identity=identity,
+            secret=secret,
+            writer=writer,
+            recorded=recorded_fields(lm.settings),
+            options=options,
+            index=ConversationIndex(store.root),
+        )
+
+    def _digest(self, namespace: str) -> str:
+        return conversation_digest(namespace_tag(self.secret, namespace))
+
+    def _key(self, namespace: str, tokens: Sequence[int]) -> str:
+        return record_key(
+            self.identity.digest, self._digest(namespace), tokens_digest(tokens), len(tokens)
+        )
+
+    # --- capture ----------------------------------------------------------------------------
+
+    def captured(self, entry: Entry, extends: tuple | None) -> None:
+        """A request prefix was just captured (its arrays may be evaluated only after the next
+        decode step): persist it at the next ``pump``."""
+        self.pending.append((entry, extends))
+
+    def pump(self) -> None:
+        """Hand the captured prefixes to the writer: the new blocks copied to the host."""
+        from kvsnap.snapshot.codec import CaptureError
+
+        items, self.pending = self.pending, []
+        for entry, extends in items:
+            try:
+                write = self._prepare(entry, extends)
+            except (CaptureError, SnapshotError, StoreError, ValueError, RuntimeError) as exc:
+                log.warning("[kvsnap] a request prefix is not persisted: %s", exc)
+                continue
+            if write is not None:
+                self.writer.submit(write)
+
+    def _prepare(self, entry: Entry, extends: tuple | None) -> ConversationWrite | None:
+        from kvsnap.snapshot.cache_classes import layers_at, needs_checkpoints, split_tensor_names
+        from kvsnap.snapshot.codec import encode_cache, to_out_tensors
+        from kvsnap.snapshot.format import BLOCK_KIND, CHECKPOINT_KIND, TOKENS, part_metadata
+        from kvsnap.store.parts import has_part
+
+        namespace, tokens, digest = entry.namespace or "", entry.tokens, self.identity.digest
+        conv_digest = self._digest(namespace)
+        tdigest = tokens_digest(tokens)
+        key = record_key(digest, conv_digest, tdigest, len(tokens))
+        if record_path(self.store.root, key).exists():
+            self.writer.touch(key)  # persisted already: a use
+            return None
+        arrays, layers = encode_cache(entry.state, tokens)
+        hybrid = needs_checkpoints(layers)
+        links = _end_checkpoint_only(
+            chain_of(digest, tokens, plan_cuts(len(tokens), set(), self.settings), hybrid)
+        )
+        sliced, whole = split_tensor_names(layers)
+        parts = []
+        for link in links:
+            if not has_part(self.store, BLOCK_KIND, link.key):
+                sl = {name: arrays[name][..., link.start : link.end, :] for name in sliced}
+                meta = part_metadata(
+                    kind=BLOCK_KIND,
+                    key=link.key,
+                    model_digest=digest,
+                    start=link.start,
+                    end=link.end,
+                    prefix_digest=link.prefix_digest,
+                    layers=None if hybrid else layers_at(layers, link.end),
+                )
+                parts.append(PartWrite(BLOCK_KIND, link.key, to_out_tensors(sl), meta))
+            if link.checkpoint_key and not has_part(
+                self.store, CHECKPOINT_KIND, link.checkpoint_key
+            ):
+                meta = part_metadata(
+                    kind=CHECKPOINT_KIND,
+                    key=link.checkpoint_key,
+                    model_digest=digest,
+                    start=0,
+                    end=link.end,
+                    prefix_digest=link.prefix_digest,
+                    layers=layers,
+                )
+                whole_state = {name: arrays[name] for name in whole}
+                parts.append(
+                    PartWrite(
+                        CHECKPOINT_KIND, link.checkpoint_key, to_out_tensors(whole_state), meta
+                    )
+                )
+        chain = chain_field(links, self.settings)
+        metadata = _record_header(
+            self.identity, key, conv_digest, tokens, tdigest, layers, self.recorded, chain
+        )
+        reaches = [(BLOCK_KIND, link.key) for link in links] + [
+            (CHECKPOINT_KIND, link.checkpoint_key) for link in links if link.checkpoint_key
+        ]
+        supersedes = None
+        if extends and entry.trimmable and len(extends) < len(tokens):
+            supersedes = self._key(namespace, extends)  # a longer record serves all it did
+        return ConversationWrite(
+            key=key,
+            tensors=to_out_tensors({TOKENS: arrays[TOKENS]}),
+            metadata=metadata,
+            parts=parts,
+            reaches=reaches,
+            supersedes=supersedes,
+            nbytes=sum(len(t.data) for p in parts for t in p.tensors),
+        )
+
+    # --- lookup -----------------------------------------------------------------------------
+
+    def offer(self, prefix: PrefixCache, tokens: Sequence[int], namespace: str) -> None:
+        """Index the namespace's longest persisted record for ``tokens`` when it is longer
+        than what memory holds; it loads on this request's fetch."""
+        from kvsnap.runtime.warmup_entries import snapshot_loader
+        from kvsnap.snapshot.cache_classes import layers_trimmable
+
+        keys = self.index.current() if self.index is not None else set()
+        if not keys:
+            return
+        match = prefix.lookup(tokens, namespace)
+        conv_digest = self._digest(namespace)
+        found = longest_persisted(
+            keys, self.identity.digest, conv_digest, tokens, match.n_cached if match else 0
+        )
+        if found is None:
+            return
+        n, key = found
+        path = record_path(self.store.root, key)
+        try:
+            info = self.store.inspect(path, max_tokens=n)
+        except SnapshotError as exc:  # removed meanwhile (superseded, evicted), or bad
+            keys.discard(key)
+            log.debug("[kvsnap] persisted record not used: %s", exc)
+            return
+        if (
+            info.prompt_digest != conv_digest
+            or info.model_digest != self.identity.digest
+            or tuple(info.tokens) != tuple(tokens[:n])
+        ):
+            return  # the key said so; the header must too
+        prefix.add(
+            Entry(
+                tokens=tuple(info.tokens),
+                state=None,
+                nbytes=info.nbytes,
+                trimmable=layers_trimmable(info.layers, str(path)),
+                pinned=False,
+                source=PERSISTED,
+                name="",
+                key=key,
+                loader=snapshot_loader(self.store, info, check=prefix.check_state),
+                namespace=namespace,
+            )
+        )
+        self.disk_hits += 1
+        self.writer.touch(key)
+
+    def load_error(self, where: str, exc: BaseException) -> None:
+        """A persisted record failed to load on its hit (removed meanwhile, or bad): the
+        request prefills instead."""
+        self.load_errors += 1
+        log.warning("[kvsnap] persisted conversation %s not used: %s", where, exc)
+
+    # --- admin and shutdown -----------------------------------------------------------------
+
+    def purge(self, timeout: float = 60.0) -> int | None:
+        """Forget what was captured and remove every persisted conversation."""
+        self.pending.clear()
+        removed = self.writer.purge(timeout)
+        if self.index is not None:
+            self.index.listed_at = float("-inf")  # list again at the next lookup
+        return removed
+
+    def close(self) -> int:
+        self.pump()
+        return self.writer.close(self.options.flush_timeout_s)
+
+    def as_dict(self) -> dict:
+        return {
+            "enabled": True,
+            **self.writer.as_dict(),
+            "disk_hits": self.disk_hits,
+            "load_errors": self.load_errors,
+            "max_bytes": self.options.max_bytes,
+        }
+
+
+def _end_checkpoint_only(links: list[ChainLink]) -> list[ChainLink]:
+    """A request prefix is captured at its end only: the chain names no other checkpoint."""
+    n = links[-1].end if links else 0
+    return [
+        link
+        if link.end == n or link.checkpoint_key is None
+        else ChainLink(link.start, link.end, link.key, link.prefix_digest, None)
+        for link in links
+    ]
+
+
+def _record_header(
+    identity: ModelIdentity,
+    key: str,
+    conv_digest: str,
+    tokens: Sequence[int],
+    tdigest: str,
+    layers: list,
+    recorded: dict,
+    chain: dict,
+) -> dict[str, str]:
+    from kvsnap.snapshot.format import header_metadata
+
+    return header_metadata(
+        key=key,
+        name="",
+        model=identity.as_dict(),
+        model_digest=identity.digest,
+        prompt_digest=conv_digest,
+        n_tokens=len(tokens),
+        tokens_digest=tdigest,
+        layers=layers,
+        recorded=recorded,
+        chain=chain,
+    )
+
+
+def start_persister(
+    options: PersistOptions, store: Store | None, lm: Any, identity: ModelIdentity
+) -> tuple[Persister | None, str]:
+    """The persister, or None and why not (the server serves on, persisting nothing)."""
+    from kvsnap.runtime.warmup_store import probe_writable
+
+    if store is None:
+        return None, "no store (--kv-snapshots DIR) to persist into"
+    why = probe_writable(store.root, store.fault)
+    if why is not None:
+        note = f"{store.root} is not writable here ({why}): request prefixes are not persisted"
+        log.warning("[kvsnap] %s", note)
+        return None, note
+    try:
+        persister = Persister.open(store, lm, identity, options)
+    except (OSError, StoreError) as exc:
+        log.warning("[kvsnap] request prefixes are not persisted: %s", exc)
+        return None, str(exc)
+    log.info(
+        "[kvsnap] persisting request prefixes into %s (budget %.1f GiB)",
+        store.root,
+        options.max_bytes / 2**30,
+    )
+    return persister, ""

@@ -1,0 +1,305 @@
+"""The write-behind thread: persisted request prefixes go to disk off the request path.
+
+The engine hands over a finished ``ConversationWrite`` (tensors already on the host) and goes
+on; a bounded queue drops its oldest write when full, never blocking a request. Each write
+runs under the store lock in the order that keeps every crash sound: the new blocks and
+checkpoint (atomic each), then the record (atomic), then the record it supersedes is
+removed. A kill loses at most the queued writes; it never leaves a record naming a
+missing part. Disk full stops persisting with one warning. No mlx.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from kvsnap.errors import SnapshotError, StoreError
+from kvsnap.snapshot.file import OutTensor, write_snapshot
+from kvsnap.store.conversation_space import evict_to_budget, purge, sweep_orphans
+from kvsnap.store.conversations import record_path, touch
+from kvsnap.store.fileio import atomic_write
+from kvsnap.store.local import Store
+from kvsnap.store.parts import chain_relpaths, has_part, part_relpath, put_part
+
+log = logging.getLogger("kvsnap.persist")
+
+ORPHAN_SWEEP_BYTES = 64 << 20  # superseded tails are swept once they add up to this much
+
+
+@dataclass
+class PartWrite:
+    kind: str  # block | checkpoint
+    key: str
+    tensors: list[OutTensor]
+    metadata: dict[str, str]
+
+
+@dataclass
+class ConversationWrite:
+    key: str  # the record's
+    tensors: list[OutTensor]  # its tokens
+    metadata: dict[str, str]
+    parts: list[PartWrite]  # those the store lacked when the engine looked
+    reaches: list[tuple[str, str]]  # (kind, key) of every part the record names
+    supersedes: str | None = None  # the record this one extends (removed once it is written)
+    nbytes: int = 0  # host bytes held while queued
+
+    @property
+    def relpaths(self) -> set[str]:
+        return {part_relpath(kind, key) for kind, key in self.reaches}
+
+
+@dataclass
+class WriterStats:
+    queued: int = 0
+    written: int = 0
+    dropped: int = 0  # oldest queued writes dropped for a full queue
+    skipped: int = 0  # a part vanished before the write (a gc, an eviction): not written
+    failed: int = 0
+    superseded: int = 0
+    evicted: int = 0  # conversations removed for the disk budget
+    disabled: str = ""  # why persisting stopped ("" while it runs)
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+@dataclass
+class ConversationWriter:
+    store: Store  # its own instance: the lock's depth is per object, one per thread
+    max_bytes: int  # the disk budget for conversations
+    max_queued: int = 32
+    max_queued_bytes: int = 1 << 30
+    stats: WriterStats = field(default_factory=WriterStats)
+    _queue: deque = field(default_factory=deque)
+    _cond: threading.Condition = field(default_factory=threading.Condition)
+    _closing: bool = False
+    _busy: bool = False
+    _thread: threading.Thread | None = None
+    _estimate: int = 0  # conversation bytes on disk, at most (corrected by each eviction pass)
+    _orphans: dict = field(default_factory=dict)  # relpath -> bytes, of superseded records
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="kvsnap-persist", daemon=True)
+        self._thread.start()
+
+    # --- any thread -------------------------------------------------------------------------
+
+    def submit(self, item: ConversationWrite) -> None:
+        """Queue a write; never blocks. A full queue drops its oldest write."""
+        with self._cond:
+            if self._closing or self.stats.disabled:
+                return
+            self._queue.append(item)
+            while len(self._queue) > self.max_queued or (
+                len(self._queue) > 1 and self._queued_bytes() > self.max_queued_bytes
+            ):
+                self._queue.popleft()
+                self.stats.dropped += 1
+            self._cond.notify()
+
+    def touch(self, key: str) -> None:
+        """Record a hit on a persisted record (its last use, for the budget)."""
+        with self._cond:
+            if not self._closing:
+                self._queue.append(("touch", key))
+                self._cond.notify()
+
+    def purge(self, timeout: float) -> int | None:
+        """Drop queued writes and remove every conversation record (and parts only they reach);
+        the number removed, or None if the writer did not get to it within ``timeout``."""
+        done, box = threading.Event(), dict[str, int]()
+        with self._cond:
+            self._queue.clear()
+            self._queue.append(("purge", done, box))
+            self._cond.notify()
+        if not done.wait(timeout):
+            return None
+        return box.get("removed", 0)
+
+    def close(self, timeout: float) -> int:
+        """Finish the queued writes within ``timeout``; returns how many were left unwritten."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            self._closing = True
+            self._cond.notify()
+            while (self._queue or self._busy) and self._thread is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._cond.wait(left)
+            left_over = sum(1 for item in self._queue if isinstance(item, ConversationWrite))
+            self._queue.clear()
+            self._cond.notify()
+        if self._thread is not None:  # its last sweep of superseded tails, within the bound
+            self._thread.join(max(0.0, deadline - time.monotonic()))
+        if left_over:
+            log.warning(
+                "[kvsnap] shutdown: %d queued conversation write(s) not written within %.1fs "
+                "(--persist-flush-timeout); the next turn of those conversations prefills",
+                left_over,
+                timeout,
+            )
+        return left_over
+
+    def as_dict(self) -> dict:
+        with self._cond:
+            self.stats.queued = sum(1 for i in self._queue if isinstance(i, ConversationWrite))
+            return self.stats.as_dict()
+
+    def _queued_bytes(self) -> int:
+        return sum(i.nbytes for i in self._queue if isinstance(i, ConversationWrite))
+
+    # --- the writer thread ------------------------------------------------------------------
+
+    def _run(self) -> None:
+        self._estimate = _stored_bytes(self.store)
+        self._keep_budget_guarded()  # a smaller budget than the last run's applies at once
+        while True:
+            with self._cond:
+                while not self._queue and not self._closing:
+                    self._cond.wait()
+                if not self._queue:
+                    break
+                item = self._queue.popleft()
+                self._busy = True
+            try:
+                self._handle(item)
+            except (OSError, StoreError, SnapshotError) as exc:  # the thread must outlive one
+                log.warning("[kvsnap] conversation writer: %s", exc)
+            finally:
+                with self._cond:
+                    self._busy = False
+                    self._cond.notify_all()
+        if self._orphans and not self.stats.disabled:  # closing: superseded tails go now
+            self._sweep_guarded()
+
+    def _handle(self, item) -> None:
+        if isinstance(item, ConversationWrite):
+            if not self.stats.disabled:
+                self._write_guarded(item)
+        elif item[0] == "touch":
+            touch(record_path(self.store.root, item[1]))
+        elif item[0] == "purge":
+            _, done, box = item
+            try:
+                box["removed"], _ = purge(self.store)
+                self._orphans.clear()
+                self._estimate = _stored_bytes(self.store)
+            except (OSError, StoreError) as exc:
+                log.warning("[kvsnap] removing persisted conversations failed: %s", exc)
+            finally:
+                done.set()
+
+    def _write_guarded(self, item: ConversationWrite) -> None:
+        try:
+            self._write(item)
+        except (StoreError, SnapshotError, OSError) as exc:
+            cause = exc if isinstance(exc, OSError) else exc.__cause__
+            if isinstance(cause, OSError) and cause.errno == errno.ENOSPC:
+                self.stats.disabled = f"disk full: {exc}"
+                log.warning(
+                    "[kvsnap] the store's disk is full: persisting conversations stops until "
+                    "restart; serving goes on (%s)",
+                    exc,
+                )
+                with self._cond:
+                    self._queue.clear()
+                return
+            self.stats.failed += 1
+            log.warning("[kvsnap] a conversation was not persisted: %s", exc)
+            return
+        self._keep_budget_guarded()
+
+    def _keep_budget_guarded(self) -> None:
+        try:
+            self._keep_budget()
+        except (OSError, StoreError) as exc:  # the next write tries again
+            log.warning("[kvsnap] keeping conversations within the disk budget failed: %s", exc)
+
+    def _write(self, item: ConversationWrite) -> None:
+        store = self.store
+        with store.lock():
+            # What the engine saw stored may be gone (a gc, an eviction): write nothing then.
+            given = {(p.kind, p.key) for p in item.parts}
+            if any(not has_part(store, k, key) for k, key in item.reaches if (k, key) not in given):
+                self.stats.skipped += 1
+                return
+            for n, part in enumerate(item.parts):
+                if not has_part(store, part.kind, part.key):
+                    self._estimate += put_part(
+                        store, part.kind, part.key, part.tensors, part.metadata
+                    )
+                if n == 0:
+                    store.fault("conversation-mid-parts")
+            store.fault("conversation-before-record")
+            target = record_path(store.root, item.key)
+            atomic_write(
+                target,
+                lambda f: write_snapshot(f, item.tensors, item.metadata),
+                store.fault,
+                store.fsync,
+            )
+            self._estimate += target.stat().st_size
+            self.stats.written += 1
+            store.fault("conversation-after-record")
+            if item.supersedes and item.supersedes != item.key:
+                self._supersede(item)
+
+    def _supersede(self, item: ConversationWrite) -> None:
+        """Remove the record ``item`` extends; its parts the new record does not reach are
+        swept later (another record may reach them)."""
+        old = record_path(self.store.root, item.supersedes or "")
+        try:
+            parts = chain_relpaths(self.store.inspect(old))
+            old.unlink()
+        except (SnapshotError, FileNotFoundError):
+            return  # gone already, or not readable: gc's to judge
+        self.stats.superseded += 1
+        self.store.fault("conversation-after-supersede")
+        for rel in set(parts) - item.relpaths:
+            self._orphans[rel] = _size(self.store.root / rel)
+        if sum(self._orphans.values()) >= ORPHAN_SWEEP_BYTES:
+            self._sweep()
+
+    def _sweep_guarded(self) -> None:
+        try:
+            self._sweep()
+        except (OSError, StoreError) as exc:
+            log.warning("[kvsnap] sweeping superseded conversation parts failed: %s", exc)
+
+    def _sweep(self) -> None:
+        freed = sweep_orphans(self.store, set(self._orphans))
+        self._estimate -= freed
+        self._orphans.clear()
+
+    def _keep_budget(self) -> None:
+        if self._estimate <= self.max_bytes:
+            return
+        if self._orphans:
+            self._sweep()
+        removed, self._estimate = evict_to_budget(self.store, self.max_bytes)
+        self.stats.evicted += removed
+        if removed:
+            log.info(
+                "[kvsnap] disk budget: %d least recently used conversation(s) removed", removed
+            )
+
+
+def _size(path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+def _stored_bytes(store: Store) -> int:
+    """An upper bound of what conversations hold: every part and conversation record."""
+    from kvsnap.store.conversations import conversation_files
+    from kvsnap.store.parts import part_files
+
+    return sum(_size(p) for p in part_files(store) + conversation_files(store.root))

@@ -1,0 +1,154 @@
+"""Persisted request prefixes ("conversations") in a store: names, the tenant tag, lookup.
+
+A conversation record is a v3 record like an agent's, in its own folder
+(``conversations/<key>.safetensors``) and with the blocks and checkpoints it reaches shared
+with every other record. Its key binds the model, the tokens and the namespace's tag: the
+tag is an HMAC of the namespace (API-key fingerprint + cache_salt) under a per-store secret
+(``conversations/.secret``, 0600), so nothing on disk is the key or an unsalted hash of it,
+and a record can only be found by a request of its own namespace.
+
+Finding one needs no index file: the folder's names are listed (cheap, at most every few
+seconds) and a request's tokens are hashed once, incrementally, into the key each prefix
+length would have. No mlx.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import hmac
+import os
+import secrets
+import stat
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import xxhash
+
+from kvsnap.errors import StoreError
+from kvsnap.key import hexdigest, key_from_digests, pack_tokens
+from kvsnap.snapshot.format import CONVERSATIONS, KEY_RE, SECRET_NAME, SUFFIX
+from kvsnap.store.fileio import FILE_MODE, TMP_PREFIX, Fsync, default_fsync, fsync_dir, make_dirs
+
+SECRET_BYTES = 32
+INDEX_MAX_AGE_S = 2.0  # another server's new records are seen within this long
+
+
+def conversations_dir(root: Path) -> Path:
+    return root / CONVERSATIONS
+
+
+def record_path(root: Path, key: str) -> Path:
+    if not KEY_RE.fullmatch(key):
+        raise StoreError(f"conversation key {key!r} is not 32 lowercase hex digits")
+    return conversations_dir(root) / f"{key}{SUFFIX}"
+
+
+def conversation_files(root: Path) -> list[Path]:
+    """Every conversation record (temp files excluded), sorted."""
+    folder = conversations_dir(root)
+    if not folder.is_dir():
+        return []
+    return sorted(
+        p for p in folder.iterdir() if p.name.endswith(SUFFIX) and not p.name.startswith(TMP_PREFIX)
+    )
+
+
+# --- the tenant tag ---------------------------------------------------------------------------
+
+
+def store_secret(root: Path, fsync: Fsync = default_fsync) -> bytes:
+    """The store's secret, created (0600) by the first writer; two servers starting at once
+    agree on one (the file is linked into place, never overwritten)."""
+    path = conversations_dir(root) / SECRET_NAME
+    if not path.exists() and not path.is_symlink():
+        make_dirs(path.parent, fsync)
+        fd, tmp = tempfile.mkstemp(prefix=TMP_PREFIX + SECRET_NAME, dir=path.parent)
+        try:
+            os.fchmod(fd, FILE_MODE)
+            os.write(fd, secrets.token_bytes(SECRET_BYTES))
+            fsync(fd)
+            os.close(fd)
+            with contextlib.suppress(FileExistsError):  # another writer's is the one
+                os.link(tmp, path)
+        finally:
+            os.unlink(tmp)
+        fsync_dir(path.parent, fsync)
+    st = path.lstat()
+    if not stat.S_ISREG(st.st_mode) or st.st_size != SECRET_BYTES or st.st_mode & 0o077:
+        raise StoreError(
+            f"{path} is not a {SECRET_BYTES}-byte private file (mode {stat.filemode(st.st_mode)}, "
+            f"{st.st_size} bytes); delete it to start the conversations afresh (their records "
+            f"then no longer match), or restore it with mode 0600"
+        )
+    return path.read_bytes()
+
+
+def namespace_tag(secret: bytes, namespace: str) -> str:
+    """What identifies a namespace on disk: an HMAC under the store's secret."""
+    return hmac.new(secret, namespace.encode(), hashlib.sha256).hexdigest()[:32]
+
+
+def conversation_digest(tag: str) -> str:
+    """A conversation record's ``kvsnap.prompt_digest``: binds its key to the namespace."""
+    return hexdigest(f"kvsnap-conversation-v1|{tag}".encode())
+
+
+def record_key(model_digest: str, conv_digest: str, tokens_digest: str, n_tokens: int) -> str:
+    return key_from_digests(model_digest, conv_digest, tokens_digest, n_tokens)
+
+
+# --- lookup -----------------------------------------------------------------------------------
+
+
+@dataclass
+class ConversationIndex:
+    """The keys in ``conversations/``, listed at start and again when older than
+    ``max_age_s`` (another server may have written some); reading a record waits for a hit."""
+
+    root: Path
+    max_age_s: float = INDEX_MAX_AGE_S
+    keys: set[str] = field(default_factory=set)
+    listed_at: float = float("-inf")
+
+    def current(self) -> set[str]:
+        if time.monotonic() - self.listed_at >= self.max_age_s:
+            self.keys = {p.name[: -len(SUFFIX)] for p in conversation_files(self.root)}
+            self.listed_at = time.monotonic()
+        return self.keys
+
+
+def longest_persisted(
+    keys: set[str],
+    model_digest: str,
+    conv_digest: str,
+    tokens: Sequence[int],
+    above: int,
+) -> tuple[int, str] | None:
+    """(n, key) of the longest record among ``keys`` holding ``tokens[:n]`` for some
+    ``above < n < len(tokens)`` (one token is always left to compute), or None.
+
+    One pass: the tokens digest of every prefix comes from one incremental hash (the bytes
+    ``key.tokens_digest`` hashes), so a long prompt costs a few microseconds per new token."""
+    if not keys or len(tokens) - 1 <= above:
+        return None
+    packed = pack_tokens(tokens[: len(tokens) - 1])
+    h = xxhash.xxh3_128()
+    h.update(b"tokens:int32le:")
+    h.update(packed[: 4 * above])
+    best = None
+    for n in range(above + 1, len(tokens)):
+        h.update(packed[4 * (n - 1) : 4 * n])
+        key = key_from_digests(model_digest, conv_digest, h.hexdigest(), n)
+        if key in keys:
+            best = (n, key)
+    return best
+
+
+def touch(path: Path) -> None:
+    """Record a use: a record's mtime is its last use (budget eviction and ``gc`` read it)."""
+    with contextlib.suppress(FileNotFoundError):  # evicted meanwhile: nothing to record
+        os.utime(path)
