@@ -81,6 +81,7 @@ class ConversationWriter:
     _busy: bool = False
     _thread: threading.Thread | None = None
     _estimate: int = 0  # conversation bytes on disk, at most (corrected by each eviction pass)
+    _estimated: bool = False
     _orphans: dict = field(default_factory=dict)  # relpath -> bytes, of superseded records
 
     def start(self) -> None:
@@ -157,8 +158,6 @@ class ConversationWriter:
     # --- the writer thread ------------------------------------------------------------------
 
     def _run(self) -> None:
-        self._estimate = _stored_bytes(self.store)
-        self._keep_budget_guarded()  # a smaller budget than the last run's applies at once
         while True:
             with self._cond:
                 while not self._queue and not self._closing:
@@ -180,6 +179,10 @@ class ConversationWriter:
 
     def _handle(self, item) -> None:
         if isinstance(item, ConversationWrite):
+            if not self._estimated:  # at the first write, not at start: start stays fast
+                self._estimated = True
+                self._estimate = _stored_bytes(self.store)
+                self._keep_budget_guarded()  # a smaller budget than the last run's applies now
             if not self.stats.disabled:
                 self._write_guarded(item)
         elif item[0] == "touch":
