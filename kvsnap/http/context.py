@@ -95,12 +95,17 @@ class ServerContext:
 
     def model_limits(self) -> dict:
         if not self._limits:
+            # Built whole, then published: requests prepared at once in worker threads must
+            # never see it half filled (a burst right after a restart did: KeyError, 500).
             lm = self.engine.lm
-            self._limits["vocab"] = vocab_bound(lm.model, lm.config)
-            self._limits["template_kwargs"] = allowed_template_kwargs(
-                getattr(lm.tokenizer, "chat_template", None)
-            )
-            self._limits["context"] = self.config.context_length or context_length(lm.config)
+            limits = {
+                "vocab": vocab_bound(lm.model, lm.config),
+                "template_kwargs": allowed_template_kwargs(
+                    getattr(lm.tokenizer, "chat_template", None)
+                ),
+                "context": self.config.context_length or context_length(lm.config),
+            }
+            self._limits = limits
         return self._limits
 
     @staticmethod
