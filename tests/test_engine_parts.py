@@ -370,3 +370,30 @@ def test_a_clear_during_a_rewarm_is_coalesced_and_the_warm_set_comes_back_one_re
         "rewarm_in_progress": False,
         "rewarm_error": "",
     }
+
+
+def test_a_rewarm_drops_a_tenants_persisted_conversation_and_never_shares_it_issue_23():
+    """A persisted conversation is backed by a file like a snapshot, but it is a request
+    prefix of one namespace: a clear drops it (the DELETE removes its file too), and the
+    re-warm must never put it back as a warm entry (namespace None: shared by everyone)."""
+    from kvsnap.runtime.prefix import Entry, PrefixCache
+    from kvsnap.runtime.rewarm import Rewarmer
+
+    prefix = PrefixCache(max_bytes=10**6, copy_state=list, trim_state=lambda s, n: s)
+    prefix.add(
+        Entry(
+            tokens=(7, 8, 9),
+            state=[7],
+            nbytes=1,
+            trimmable=True,
+            pinned=False,
+            source="persisted",
+            loader=lambda: ([7], 1),
+            namespace="tenant-a/",
+        )
+    )
+    for rewarm in (True, False):
+        rewarmer = Rewarmer()
+        rewarmer.clear(prefix, lm=None, rewarm=rewarm)
+        assert prefix.lookup((7, 8, 9, 10), "tenant-b/") is None
+        assert prefix.entries == []

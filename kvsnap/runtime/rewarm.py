@@ -35,6 +35,8 @@ def start_rewarm(prefix: PrefixCache, lm: Any) -> RewarmJob:
     prefix.clear()
     job = RewarmJob()
     for e in old:
+        if e.source == "persisted":
+            continue  # a request prefix of one namespace, file-backed: cleared like the others
         if e.loader is not None:
             fresh = Entry(
                 tokens=e.tokens,
