@@ -189,16 +189,36 @@ class Persister:
         from kvsnap.runtime.warmup_entries import snapshot_loader
         from kvsnap.snapshot.cache_classes import layers_trimmable
 
+        match = prefix.lookup(tokens, namespace)
+        info = self.persisted_for(tokens, namespace, match.n_cached if match else 0)
+        if info is None:
+            return
+        prefix.add(
+            Entry(
+                tokens=tuple(info.tokens),
+                state=None,
+                nbytes=info.nbytes,
+                trimmable=layers_trimmable(info.layers, str(info.path)),
+                pinned=False,
+                source=PERSISTED,
+                name="",
+                key=info.key,
+                loader=snapshot_loader(self.store, info, check=prefix.check_state),
+                namespace=namespace,
+            )
+        )
+
+    def persisted_for(self, tokens: Sequence[int], namespace: str, above: int):
+        """The header (``SnapshotInfo``, tokens read) of the namespace's longest persisted
+        record holding more than ``above`` tokens of ``tokens`` (at least one left to compute),
+        or None; a hit is recorded as a use."""
         keys = self.index.current() if self.index is not None else set()
         if not keys:
-            return
-        match = prefix.lookup(tokens, namespace)
+            return None
         conv_digest = self._digest(namespace)
-        found = longest_persisted(
-            keys, self.identity.digest, conv_digest, tokens, match.n_cached if match else 0
-        )
+        found = longest_persisted(keys, self.identity.digest, conv_digest, tokens, above)
         if found is None:
-            return
+            return None
         n, key = found
         path = record_path(self.store.root, key)
         try:
@@ -206,29 +226,16 @@ class Persister:
         except SnapshotError as exc:  # removed meanwhile (superseded, evicted), or bad
             keys.discard(key)
             log.debug("[kvsnap] persisted record not used: %s", exc)
-            return
+            return None
         if (
             info.prompt_digest != conv_digest
             or info.model_digest != self.identity.digest
             or tuple(info.tokens) != tuple(tokens[:n])
         ):
-            return  # the key said so; the header must too
-        prefix.add(
-            Entry(
-                tokens=tuple(info.tokens),
-                state=None,
-                nbytes=info.nbytes,
-                trimmable=layers_trimmable(info.layers, str(path)),
-                pinned=False,
-                source=PERSISTED,
-                name="",
-                key=key,
-                loader=snapshot_loader(self.store, info, check=prefix.check_state),
-                namespace=namespace,
-            )
-        )
+            return None  # the key said so; the header must too
         self.disk_hits += 1
         self.writer.touch(key)
+        return info
 
     def load_error(self, where: str, exc: BaseException) -> None:
         """A persisted record failed to load on its hit (removed meanwhile, or bad): the
