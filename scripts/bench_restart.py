@@ -162,11 +162,30 @@ def one_turn(url: str, model_id: str, histories: list[list], max_tokens: int, po
 
 
 def conversation_bytes(store: Path) -> dict:
+    """What the conversations hold on disk against their unique KV: the tokens of each record
+    past the agent's, at the bytes per token of a full block."""
+    from kvsnap.snapshot.file import read_header
     from kvsnap.store.conversation_space import conversation_stats
+    from kvsnap.store.conversations import conversation_files
     from kvsnap.store.local import Store
 
-    s = conversation_stats(Store.open(store, readonly=True))
-    return {"count": s.count, "bytes": s.nbytes}
+    st = Store.open(store, readonly=True)
+    s = conversation_stats(st)
+    shared_tokens = max((i.n_tokens for i in st.scan()[0]), default=0)
+    infos = [st.inspect(p) for p in conversation_files(store)]
+    chain = infos[0].chain if infos else None
+    if chain is None:
+        return {"count": s.count, "bytes": s.nbytes}
+    key, start, end = next(b for b in chain.blocks if b[2] - b[1] == chain.block_tokens)
+    block = store / "blocks" / f"{key}.safetensors"
+    per_token = (block.stat().st_size - read_header(block).data_start) / (end - start)
+    unique = sum(max(0, i.n_tokens - shared_tokens) for i in infos) * per_token
+    return {
+        "count": s.count,
+        "bytes": s.nbytes,
+        "unique_kv_bytes": int(unique),
+        "ratio": s.nbytes / unique if unique else None,
+    }
 
 
 def run(args, server: str, way: str, model: Path, agents: Path, store0: Path, system: str, convs):
@@ -231,6 +250,9 @@ def main() -> int:
     ap.add_argument("--servers", default=",".join(SERVERS))
     ap.add_argument("--ways", default=",".join(WAYS))
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--report-bytes", metavar="STORE", help="only print a store's conversation bytes"
+    )
     ap.add_argument("--workdir", default=".kvsnap-bench")
     ap.add_argument(
         "--vllm-python",
@@ -238,6 +260,9 @@ def main() -> int:
         help="vllm-mlx's venv python (the tests' cached one by default)",
     )
     args = ap.parse_args()
+    if args.report_bytes:
+        print(json.dumps(conversation_bytes(Path(args.report_bytes))))
+        return 0
     from transformers import AutoTokenizer
 
     work = Path(args.workdir).resolve()
