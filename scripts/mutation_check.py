@@ -1033,6 +1033,22 @@ BREAKAGES = (
             "compute_it_once",
         ),
     ),
+    Breakage(
+        "persisted-conversation-rewarmed-as-shared",
+        "tenants",
+        "a re-warm re-indexes a persisted conversation (file-backed) as a warm entry",
+        (
+            Patch(
+                "kvsnap/runtime/rewarm.py",
+                '        if e.source == "persisted":\n            continue',
+                '        if e.source == "persisted" and False:\n            continue',
+            ),
+        ),
+        (
+            "tests/test_engine_parts.py::test_a_rewarm_drops_a_tenants_persisted_conversation_"
+            "and_never_shares_it_issue_23",
+        ),
+    ),
 )
 
 
