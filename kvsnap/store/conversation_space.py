@@ -2,12 +2,15 @@
 unused-for-a-while drop, ``DELETE /v1/cache/prefix``'s purge. No mlx.
 
 Every removal runs under the store lock and reads the chains of every record first: a block
-or checkpoint goes only once no record reaches it, an agent's or a conversation's. A record
-that cannot be read might reach anything, so nothing is removed then but records.
+or checkpoint goes only once no record reaches it, an agent's or a conversation's. An agent's
+record that cannot be read might reach anything, so no block goes then, only records. A
+conversation record that cannot be read serves no request (the lookup skips it): the budget,
+the purge and gc's unused-for drop remove it first and read the chains again.
 """
 
 from __future__ import annotations
 
+import stat
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -36,6 +39,7 @@ class Reach:
     records: list[ConversationRecord] = field(default_factory=list)
     counts: Counter = field(default_factory=Counter)
     complete: bool = True  # False: a record could not be read; no part may be removed
+    unreadable: list[Path] = field(default_factory=list)  # conversation records not read
 
     def part_bytes(self, store: Store) -> int:
         """Bytes of the parts only conversations reach."""
@@ -60,6 +64,7 @@ def read_reach(store: Store) -> Reach:
             info = store.inspect(path)
         except (SnapshotError, OSError):
             reach.complete = False
+            reach.unreadable.append(path)
             continue
         parts = chain_relpaths(info)
         reach.records.append(ConversationRecord(path, st.st_mtime, st.st_size, parts))
@@ -91,15 +96,43 @@ def remove_records(store: Store, reach: Reach, doomed: list[ConversationRecord])
     return freed
 
 
+def drop_unreadable(store: Store, reach: Reach, paths: list[Path]) -> tuple[Reach, int, int]:
+    """Remove the unreadable conversation records ``paths`` and read the chains again (complete
+    once no other record is unreadable); returns (that reach, records removed, bytes freed).
+    What they alone reached stays, unreached, for ``kvsnap gc``. The caller holds the lock."""
+    if not paths:
+        return reach, 0, 0
+    folders: set[Path] = set()
+    n = freed = 0
+    for path in paths:
+        try:
+            st = path.lstat()
+            if stat.S_ISDIR(st.st_mode):
+                continue  # not a record a writer made: verify names it, nothing here removes it
+            path.unlink()
+        except OSError:  # gone meanwhile, or not ours to remove: it stays, and stays unread
+            continue
+        n, freed = n + 1, freed + st.st_size
+        folders.add(path.parent)
+    for folder in folders:
+        fsync_dir(folder, store.fsync)
+    return read_reach(store), n, freed
+
+
 def evict_to_budget(store: Store, max_bytes: int, low_water: float = 0.9) -> tuple[int, int]:
-    """Over ``max_bytes``, least recently used conversations go until the rest fit in
+    """Over ``max_bytes``, unreadable conversation records go first (they serve nothing and stop
+    every block removal), then the least recently used conversations until the rest fit in
     ``low_water`` of it (so the next pass is not one write away); returns (records removed,
     bytes the conversations hold after)."""
     with store.lock():
         reach = read_reach(store)
-        total = reach.nbytes(store)
+        total = reach.nbytes(store) + sum(_size(p) for p in reach.unreadable)
         if total <= max_bytes:
             return 0, total
+        reach, n_bad, _ = drop_unreadable(store, reach, reach.unreadable)
+        total = reach.nbytes(store)
+        if total <= max_bytes:
+            return n_bad, total
         doomed, left, counts = [], total, reach.counts.copy()
         for record in sorted(reach.records, key=lambda r: r.last_use):
             if left <= max_bytes * low_water:
@@ -111,28 +144,32 @@ def evict_to_budget(store: Store, max_bytes: int, low_water: float = 0.9) -> tup
             left -= record.size + sum(_size(store.root / rel) for rel in only_here)
             counts.subtract(record.parts)
         freed = remove_records(store, reach, doomed)
-        return len(doomed), total - freed
+        return n_bad + len(doomed), total - freed
 
 
 def drop_unused(store: Store, older_than_s: float, apply: bool) -> tuple[list[Path], int]:
-    """Conversations unused for ``older_than_s`` seconds (and parts only they reach): what would
-    go, or (``apply``) what went, and the bytes."""
+    """Conversations unused for ``older_than_s`` seconds, unreadable ones included (and parts
+    only they reach): what would go, or (``apply``) what went, and the bytes."""
     with store.lock():
         reach = read_reach(store)
         cutoff = time.time() - older_than_s
-        doomed = [r for r in reach.records if r.last_use < cutoff]
-        paths = [r.path for r in doomed]
+        bad = [p for p in reach.unreadable if _mtime(p) < cutoff]
+        paths = bad + [r.path for r in reach.records if r.last_use < cutoff]
         if not apply:
-            return paths, sum(r.size for r in doomed)
-        return paths, remove_records(store, reach, doomed)
+            return paths, sum(_size(p) for p in paths)
+        reach, _, freed = drop_unreadable(store, reach, bad)
+        doomed = [r for r in reach.records if r.last_use < cutoff]
+        return paths, freed + remove_records(store, reach, doomed)
 
 
 def purge(store: Store) -> tuple[int, int]:
-    """Every conversation record and the parts only they reach; (records, bytes)."""
+    """Every conversation record, unreadable ones too, and the parts only they reach;
+    (records, bytes)."""
     with store.lock():
         reach = read_reach(store)
+        reach, n_bad, freed = drop_unreadable(store, reach, reach.unreadable)
         n = len(reach.records)
-        return n, remove_records(store, reach, list(reach.records))
+        return n_bad + n, freed + remove_records(store, reach, list(reach.records))
 
 
 def sweep_orphans(store: Store, candidates: set[str]) -> int:
@@ -178,6 +215,13 @@ def _size(path: Path) -> int:
         return path.stat().st_size
     except OSError:
         return 0
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return float("inf")  # cannot tell its last use: never "unused"
 
 
 def _unlink(path: Path, folders: set[Path]) -> int:

@@ -1,0 +1,752 @@
+"""Issue 23: persisted conversations in the block store, with real `kvsnap serve` processes.
+
+Tenants stay apart on disk and across a restart, the flags that contradict each other are
+refused, DELETE /v1/cache/prefix purges, the disk budget evicts the least recently used
+conversations and never a block a kept record reaches, gc runs during writes, two servers
+and a build share one store, and ls / pack treat conversations as users' data. The tiny
+dense demo model on 127.0.0.1; every check reads the store's real files.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import stat
+import subprocess
+import sys
+import tarfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import xxhash
+from conftest import LONG_SYSTEM, run_kvsnap
+
+from kvsnap.store.conversation_space import read_reach
+from kvsnap.store.conversations import conversation_files
+from kvsnap.store.local import Store
+from kvsnap.store.parts import part_files
+from kvsnap.tools.serverproc import start_server
+
+KEY_A, KEY_B, ADMIN = "tenant-key-alpha-1111", "tenant-key-bravo-2222", "admin-key-charlie-3333"
+SALT_A = "salt-of-alpha-ledger-7f3c"
+PLANNER = (
+    "You are a planner agent for a busy team. Plan each task step by step, list the tools you "
+    "need, estimate the time every step takes, name the risks and who owns each of them. "
+) * 5
+AGENTS = [
+    {"name": "reviewer", "messages": [{"role": "system", "content": LONG_SYSTEM}]},
+    {"name": "planner", "messages": [{"role": "system", "content": PLANNER}]},
+]
+# Not an agent's: conversations on it share a first block only conversations reach.
+SHARED_SYSTEM = (
+    "You are the support desk of a bicycle shop. Answer questions about repairs, spare parts, "
+    "opening hours and prices politely, and ask for the frame size when it matters. "
+) * 5
+KEYS_ENV = {"KVSNAP_API_KEY": f"{KEY_A},{KEY_B}", "KVSNAP_ADMIN_API_KEY": ADMIN}
+
+
+# --- helpers ------------------------------------------------------------------------------
+
+
+def user_turn(conv: str, n: int) -> dict:
+    text = f"Conversation {conv}, turn {n}: please look at file {conv}-{n}.py and its tests."
+    return {"role": "user", "content": text}
+
+
+class Chat:
+    """One conversation: its messages grow by each reply, as a client's would."""
+
+    def __init__(self, name: str, system: str, key: str | None = None, salt: str | None = None):
+        self.name, self.key, self.salt = name, key, salt
+        self.messages = [{"role": "system", "content": system}]
+        self.turns = 0
+        self.last_prompt = 0  # the prompt tokens of the last turn sent
+
+    def body(self) -> dict:
+        body = {"model": "m", "messages": self.messages, "max_tokens": 3, "temperature": 0}
+        return {**body, "cache_salt": self.salt} if self.salt else body
+
+    def send(self, url: str, key: str | None = None, salt: str | None = None) -> int:
+        """The next turn; returns its cached_tokens. ``key``/``salt`` send it as someone else
+        (a probe: the conversation does not go on)."""
+        probe = key is not None or salt is not None
+        msgs = self.messages + [user_turn(self.name, self.turns + 1)]
+        body = {**self.body(), "messages": msgs}
+        if probe:
+            body.pop("cache_salt", None)
+            body.update({"cache_salt": salt} if salt else {})
+        who = key if probe else self.key
+        headers = {"Authorization": f"Bearer {who}"} if who else {}
+        r = httpx.post(f"{url}/v1/chat/completions", json=body, headers=headers, timeout=60)
+        assert r.status_code == 200, r.text
+        out = r.json()
+        if not probe:
+            self.messages = msgs + [
+                {"role": "assistant", "content": out["choices"][0]["message"]["content"]}
+            ]
+            self.turns += 1
+            self.last_prompt = out["usage"]["prompt_tokens"]
+        return out["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def persist_status(server, key: str | None = None) -> dict:
+    return server.status(key)["persist"]
+
+
+def settle(server, root: Path, written: int, key: str | None = None, timeout=60.0) -> dict:
+    """Wait until the server's writer has written ``written`` records (since its start) and
+    finished with them (the store lock is free), with nothing failed or skipped."""
+    deadline = time.monotonic() + timeout
+    while True:
+        st = persist_status(server, key)
+        if st["written"] >= written and st["queued"] == 0:
+            break
+        assert time.monotonic() < deadline, (written, st, server.log()[-2000:])
+        time.sleep(0.05)
+    with Store.open(root).lock():  # the writer's last write (and supersede) is done
+        pass
+    assert st["failed"] == st["skipped"] == st["dropped"] == 0, st
+    return st
+
+
+def record_keys(root: Path) -> set[str]:
+    return {p.name.split(".")[0] for p in conversation_files(root)}
+
+
+def serve(model: Path, root: Path, tmp: Path, name: str, *extra, env=None, agents=True):
+    args = ["--continuous-batching", "--kv-snapshots", str(root), *map(str, extra)]
+    if agents:
+        args += ["--warm-prompts", str(tmp / "agents.json")]
+    env = {"KVSNAP_CACHE_DIR": str(tmp / "cache"), **(env or {})}
+    server = start_server(model, args, tmp / f"{name}.log", env=env, limit_s=600)
+    try:
+        server.wait_ready(120)
+    except BaseException:
+        server.stop()
+        raise
+    return server
+
+
+def assert_sound(root: Path) -> None:
+    """`kvsnap verify` passes and every part a record reaches (agent's or conversation's) is
+    there."""
+    r = run_kvsnap("verify", root)
+    assert r.returncode == 0, r.stdout + r.stderr
+    reach = read_reach(Store.open(root))
+    assert reach.complete
+    missing = [rel for rel in set(reach.counts) | reach.agent_parts if not (root / rel).is_file()]
+    assert missing == []
+
+
+def part_set(root: Path) -> set[str]:
+    return {f"{p.parent.name}/{p.name}" for p in part_files(Store.open(root, readonly=True))}
+
+
+# --- fixtures -----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def base(demo_models, tmp_path_factory):
+    """(tmp, model, store): the model as "m", agents.json, and a store `kvsnap build` made
+    for the two agents (each test works on a copy)."""
+    tmp = tmp_path_factory.mktemp("persist")
+    model = tmp / "m"
+    model.symlink_to(demo_models.path("dense"), target_is_directory=True)
+    (tmp / "agents.json").write_text(json.dumps(AGENTS))
+    store = tmp / "built"
+    env = {"KVSNAP_CACHE_DIR": str(tmp / "cache")}
+    r = run_kvsnap("build", tmp / "agents.json", "--model", model, "--out", store, env=env)
+    assert r.returncode == 0, r.stderr
+    return tmp, model, store
+
+
+def copy_store(base, tmp_path: Path) -> Path:
+    dest = tmp_path / "store"
+    shutil.copytree(base[2], dest)
+    return dest
+
+
+@pytest.fixture(scope="module")
+def conv_store(base, tmp_path_factory):
+    """A store holding the agents and three persisted conversations: two on a system prompt
+    no agent has (they share a block only conversations reach), one on the reviewer's."""
+    tmp, model, _ = base
+    root = tmp_path_factory.mktemp("conv") / "store"
+    shutil.copytree(base[2], root)
+    server = serve(model, root, tmp, "conv", "--persist-requests")
+    try:
+        chats = [Chat("s1", SHARED_SYSTEM), Chat("s2", SHARED_SYSTEM), Chat("r1", LONG_SYSTEM)]
+        for chat in chats:
+            chat.send(server.url)
+        chats[0].send(server.url)
+        settle(server, root, 4)
+    finally:
+        server.stop()
+    return root
+
+
+# --- 1. tenants stay apart on disk and across a restart ----------------------------------
+
+
+def secrets_of(key: str, namespace: str) -> dict[str, bytes]:
+    """What must never be on disk: the key, its unsalted hashes, and the namespace's."""
+    out = {}
+    for label, text in (("key", key), ("namespace", namespace)):
+        data = text.encode()
+        out[label] = data
+        out[f"sha256({label})"] = hashlib.sha256(data).hexdigest().encode()
+        out[f"sha256({label}) raw"] = hashlib.sha256(data).digest()
+        out[f"xxh3_128({label})"] = xxhash.xxh3_128_hexdigest(data).encode()
+        out[f"xxh64({label})"] = xxhash.xxh64_hexdigest(data).encode()
+    out["fingerprint"] = hashlib.sha256(key.encode()).hexdigest()[:16].encode()
+    return out
+
+
+def test_tenants_stay_apart_across_a_restart_and_nothing_on_disk_names_them(base, tmp_path):
+    tmp, model, _ = base
+    root = copy_store(base, tmp_path)
+    # The system prompt shares only its first half with the reviewer's warm prompt: another
+    # tenant's match on that shared entry is partial, so it is rounded (granularity 128).
+    system = LONG_SYSTEM[: len(LONG_SYSTEM) // 2] + " Alpha's ledger: account 4812, pin 7731."
+    chat = Chat("alpha", system, key=KEY_A, salt=SALT_A)
+    server = serve(model, root, tmp, "tenant1", "--persist-requests", env=KEYS_ENV)
+    try:
+        for _ in range(3):
+            chat.send(server.url)
+        settle(server, root, 3, ADMIN)
+    finally:
+        server.stop()
+    (record,) = conversation_files(root)  # each turn superseded the one before
+    used = record.stat().st_mtime_ns
+
+    server = serve(model, root, tmp, "tenant2", "--persist-requests", env=KEYS_ENV)
+    try:
+        fresh = chat.send(server.url, key=KEY_B, salt="never-used-before")  # warm entries only
+        assert fresh >= 128 and fresh % 128 == 0 and fresh < chat.last_prompt - 1
+        assert chat.send(server.url, key=KEY_B) == fresh  # another key: A's record unseen
+        assert chat.send(server.url, key=KEY_A, salt="another-salt") == fresh  # another salt
+        assert chat.send(server.url, key=KEY_A, salt="") == fresh  # no salt is another one
+        assert persist_status(server, ADMIN)["disk_hits"] == 0
+        assert record.stat().st_mtime_ns == used  # nobody else's request used it
+        prev = chat.last_prompt
+        assert chat.send(server.url) == prev - 1  # A's own: all of turn 3's prompt but one
+        assert persist_status(server, ADMIN)["disk_hits"] == 1
+        settle(server, root, 5, ADMIN)
+    finally:
+        server.stop()
+
+    secret = root / "conversations" / ".secret"
+    assert stat.S_IMODE(secret.stat().st_mode) == 0o600
+    fingerprint_a = hashlib.sha256(KEY_A.encode()).hexdigest()[:16]
+    forbidden = {
+        **secrets_of(KEY_A, f"{fingerprint_a}/{SALT_A}"),
+        **{f"B {k}": v for k, v in secrets_of(KEY_B, "").items() if k.endswith("(key)")},
+        "admin key": ADMIN.encode(),
+        "salt": SALT_A.encode(),
+    }
+    files = [p for p in root.rglob("*") if p.is_file()]
+    assert len(conversation_files(root)) >= 5 and len(files) > 10
+    found = [(str(p), what) for p in files for what, b in forbidden.items() if b in p.read_bytes()]
+    assert found == []
+
+
+# --- 2. flags ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "flags, says",
+    [
+        (["--persist-requests", "--no-request-prefix-cache", "--kv-snapshots", "S"], "drop one"),
+        (["--persist-requests"], "add --kv-snapshots DIR"),
+        (["--persist-max-gb", "1", "--kv-snapshots", "S"], "needs --persist-requests"),
+        (["--persist-flush-timeout", "2", "--kv-snapshots", "S"], "needs --persist-requests"),
+    ],
+)
+def test_contradicting_persist_flags_are_refused_before_the_model_loads(
+    base, tmp_path, flags, says
+):
+    tmp, model, _ = base
+    store = tmp_path / "store"
+    args = [str(store) if f == "S" else f for f in flags]
+    r = run_kvsnap("serve", model, "--continuous-batching", *args, timeout=60)
+    assert r.returncode != 0
+    assert says in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert not store.exists()  # refused before anything was opened
+
+
+def test_without_persist_requests_nothing_is_written_into_conversations(base, tmp_path):
+    tmp, model, _ = base
+    root = copy_store(base, tmp_path)
+    before = part_set(root)
+    server = serve(model, root, tmp, "off")
+    try:
+        chat = Chat("off", LONG_SYSTEM)
+        for _ in range(2):
+            chat.send(server.url)
+        assert persist_status(server)["enabled"] is False
+    finally:
+        server.stop()
+    assert not (root / "conversations").exists()
+    assert part_set(root) == before
+
+
+# --- 3. DELETE /v1/cache/prefix ------------------------------------------------------------
+
+
+def test_delete_prefix_cache_removes_persisted_conversations_and_only_their_blocks(base, tmp_path):
+    tmp, model, _ = base
+    root = copy_store(base, tmp_path)
+    server = serve(model, root, tmp, "delete", "--persist-requests", env=KEYS_ENV)
+    try:
+        chats = [
+            Chat("d1", LONG_SYSTEM, key=KEY_A),
+            Chat("d2", PLANNER, key=KEY_A),
+            Chat("d3", SHARED_SYSTEM, key=KEY_B, salt="x"),
+        ]
+        for chat in chats + chats[:1]:
+            chat.send(server.url)
+        settle(server, root, 4, ADMIN)
+        reach = read_reach(Store.open(root))
+        n = len(reach.records)
+        assert n == 3
+        conv_only = {rel for rel in reach.counts if rel not in reach.agent_parts}
+        assert conv_only and set(reach.counts) & reach.agent_parts  # dedup with the agents
+
+        url = f"{server.url}/v1/cache/prefix"
+        r = httpx.delete(url, headers={"Authorization": f"Bearer {KEY_A}"}, timeout=60)
+        assert r.status_code == 403, r.text
+        assert len(conversation_files(root)) == n
+        r = httpx.delete(url, headers={"Authorization": f"Bearer {ADMIN}"}, timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.json()["persisted_removed"] == n
+        assert conversation_files(root) == []
+        parts = part_set(root)
+        assert reach.agent_parts <= parts and not conv_only & parts
+        assert chats[0].send(server.url) < chats[0].last_prompt - 1  # memory is cleared too
+    finally:
+        server.stop()
+    assert_sound(root)
+
+
+# --- 4. the disk budget ----------------------------------------------------------------------
+
+
+def test_budget_evicts_least_recently_used_across_a_restart_and_keeps_reached_blocks(
+    base, tmp_path
+):
+    tmp, model, _ = base
+    root = copy_store(base, tmp_path)
+    # c2 is the only conversation on the planner's prompt: its eviction leaves the planner's
+    # first block, which the planner's record reaches, to the agent alone.
+    c1, c2, c3, c4 = (Chat(f"c{i}", PLANNER if i == 2 else LONG_SYSTEM) for i in range(1, 5))
+    whose: dict[str, str] = {}  # record key -> conversation
+    server = serve(model, root, tmp, "budget1", "--persist-requests")
+    try:
+        for n, chat in enumerate((c1, c2, c3, c4, c1), 1):
+            before = record_keys(root)
+            cached = chat.send(server.url)
+            if chat is c2:
+                c2_warm = cached
+            settle(server, root, n)
+            whose.update(dict.fromkeys(record_keys(root) - before, chat.name))
+            time.sleep(0.02)  # distinct last uses
+    finally:
+        server.stop()
+    reach = read_reach(Store.open(root))
+    lru = [
+        whose[r.path.name.split(".")[0]] for r in sorted(reach.records, key=lambda r: r.last_use)
+    ]
+    assert lru == ["c2", "c3", "c4", "c1"]
+    budget = 0.75 * reach.nbytes(Store.open(root))  # room for c1 and one more, not for all
+    gb = f"{budget / 2**30:.9f}"
+
+    server = serve(model, root, tmp, "budget2", "--persist-requests", "--persist-max-gb", gb)
+    try:
+        time.sleep(0.5)
+        assert len(conversation_files(root)) == 4  # start reads (and evicts) nothing
+        c5 = Chat("c5", LONG_SYSTEM)
+        c5.send(server.url)
+        st = settle(server, root, 1)
+        assert st["evicted"] >= 1
+        kept = {whose.get(k, "c5") for k in record_keys(root)}
+        assert {"c1", "c5"} <= kept and "c2" not in kept
+        order = ["c2", "c3", "c4"]  # the evicted are the least recently used
+        gone = [c for c in order if c not in kept]
+        assert gone == order[: len(gone)]
+        space = read_reach(Store.open(root))
+        assert space.nbytes(Store.open(root)) <= budget
+        prev = c1.last_prompt
+        assert c1.send(server.url) == prev - 1  # the kept one still hits from disk
+        assert c2.send(server.url) == c2_warm  # the evicted one: the planner's warm prefix only
+    finally:
+        server.stop()
+    assert_sound(root)
+    assert reach.agent_parts <= part_set(root)
+
+
+# --- 5. gc while the writer writes ------------------------------------------------------------
+
+
+def test_gc_during_writes_keeps_every_reached_block_and_drops_unused_conversations(base, tmp_path):
+    tmp, model, _ = base
+    root = copy_store(base, tmp_path)
+    server = serve(model, root, tmp, "gc", "--persist-requests")
+    errors: list[BaseException] = []
+    chats = [Chat(f"g{i}", (LONG_SYSTEM, SHARED_SYSTEM, PLANNER)[i % 3]) for i in range(4)]
+
+    def talk():
+        try:
+            for _ in range(2):
+                for chat in chats:
+                    chat.send(server.url)
+        except BaseException as exc:  # reported by the test thread
+            errors.append(exc)
+
+    try:
+        writer = threading.Thread(target=talk)
+        writer.start()
+        runs = 0
+        while runs < 3 or (writer.is_alive() and runs < 8):
+            r = run_kvsnap("gc", root, "--yes", timeout=60)
+            assert r.returncode == 0, r.stdout + r.stderr
+            runs += 1
+        writer.join(120)
+        assert not writer.is_alive() and errors == []
+        settle(server, root, 8)
+    finally:
+        server.stop()
+    assert_sound(root)
+    agent_parts = read_reach(Store.open(root)).agent_parts
+    n = len(conversation_files(root))
+    assert n == 4
+
+    time.sleep(1.2)
+    r = run_kvsnap("gc", root, "--conversations-unused-for", "1s")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count("(conversation unused for over 1s)") == n, r.stdout
+    assert len(conversation_files(root)) == n  # a dry run
+    r = run_kvsnap("gc", root, "--conversations-unused-for", "1s", "--yes")
+    assert r.returncode == 0 and r.stdout.count("removed ") >= n, r.stdout
+    assert conversation_files(root) == []
+    assert part_set(root) == agent_parts  # only the agents' blocks are left
+    assert_sound(root)
+
+
+# --- 6. two servers and a build on one store -----------------------------------------------
+
+
+def test_two_servers_and_a_build_share_one_store(base, tmp_path):
+    tmp, model, _ = base
+    root = tmp_path / "store"  # empty: the build and both servers make it at once
+    env = {**KEYS_ENV, "KVSNAP_CACHE_DIR": str(tmp / "cache")}
+    starts = [
+        start_server(
+            model,
+            ["--continuous-batching", "--kv-snapshots", str(root), "--persist-requests"],
+            tmp_path / f"s{i}.log",
+            env=env,
+            limit_s=600,
+        )
+        for i in (1, 2)
+    ]
+    servers = list(starts)
+    try:
+        for s in servers:
+            s.wait_ready(120)
+        build = subprocess.Popen(
+            [sys.executable, "-m", "kvsnap", "build", str(tmp / "agents.json"), "--model"]
+            + [str(model), "--out", str(root)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={**os.environ, "KVSNAP_CACHE_DIR": str(tmp / "cache")},
+        )
+        x, y = Chat("x", LONG_SYSTEM, key=KEY_A), Chat("y", PLANNER, key=KEY_A)
+        errors: list[BaseException] = []
+
+        def talk(chat, server):
+            try:
+                for _ in range(4):
+                    chat.send(server.url)
+            except BaseException as exc:  # reported by the test thread
+                errors.append(exc)
+
+        threads = [
+            threading.Thread(target=talk, args=a) for a in ((x, servers[0]), (y, servers[1]))
+        ]
+        for t in threads:
+            t.start()
+        out, _ = build.communicate(timeout=300)
+        for t in threads:
+            t.join(120)
+        assert build.returncode == 0, out
+        assert errors == []
+        for s in servers:
+            settle(s, root, 4, ADMIN)
+        assert_sound(root)
+        records = {p.name for p in conversation_files(root)}
+        others = [p.name for p in (root / "conversations").iterdir() if p.name not in records]
+        assert others == [".secret"]  # one secret, no temp file left
+
+        servers[1].stop()  # x's record was written by the first server
+        servers[1] = serve(
+            model, root, tmp_path, "s2b", "--persist-requests", env=env, agents=False
+        )
+        prev = x.last_prompt
+        assert x.send(servers[1].url) == prev - 1
+        servers[0].stop()  # y's by the second (before its restart)
+        servers[0] = serve(
+            model, root, tmp_path, "s1b", "--persist-requests", env=env, agents=False
+        )
+        prev = y.last_prompt
+        assert y.send(servers[0].url) == prev - 1
+        for s in servers:
+            assert persist_status(s, ADMIN)["disk_hits"] == 1
+    finally:
+        for s in starts + servers:
+            s.stop()
+    assert_sound(root)
+
+
+# --- 7. ls and pack ------------------------------------------------------------------------
+
+
+def test_ls_summarises_conversations_apart_from_the_agents(conv_store):
+    from kvsnap.store.conversation_space import conversation_stats
+
+    stats = conversation_stats(Store.open(conv_store, readonly=True))
+    assert stats.count == 3 and stats.nbytes > 0
+    r = run_kvsnap("ls", conv_store)
+    assert r.returncode == 0, r.stderr
+    assert "reviewer" in r.stdout and "planner" in r.stdout
+    (line,) = [ln for ln in r.stdout.splitlines() if ln.startswith("conversations:")]
+    assert line.startswith("conversations: 3 persisted, ") and " last used 20" in line
+    assert not [k for k in record_keys(conv_store) if k in r.stdout]  # summarised, not listed
+    r = run_kvsnap("ls", conv_store, "--json")
+    assert r.returncode == 0, r.stderr
+    data = json.loads(r.stdout)
+    conv = data["conversations"]
+    assert conv["count"] == 3 and conv["bytes"] == stats.nbytes
+    assert conv["oldest_use"] <= conv["newest_use"]
+    assert {s["name"] for s in data["snapshots"]} == {"reviewer", "planner"}
+
+
+def test_pack_ships_no_conversation_nor_a_block_only_conversations_reach(conv_store, tmp_path):
+    reach = read_reach(Store.open(conv_store))
+    conv_only = {rel for rel in reach.counts if rel not in reach.agent_parts}
+    assert conv_only
+    archive = tmp_path / "out.tar"
+    r = run_kvsnap("pack", conv_store, "-o", archive)
+    assert r.returncode == 0, r.stdout + r.stderr
+    with tarfile.open(archive) as tar:
+        names = {m.name.removeprefix("./") for m in tar.getmembers() if m.isfile()}
+    assert not [n for n in names if "conversations" in n or ".secret" in n]
+    shipped_parts = {n for n in names if n.startswith(("blocks/", "checkpoints/"))}
+    assert shipped_parts == reach.agent_parts and not shipped_parts & conv_only
+
+
+# --- units: names and the tenant tag (kvsnap/store/conversations.py) ----------------------
+
+
+def test_longest_persisted_finds_the_longest_own_prefix_and_leaves_one_token():
+    from kvsnap.key import tokens_digest
+    from kvsnap.store.conversations import (
+        conversation_digest,
+        longest_persisted,
+        namespace_tag,
+        record_key,
+    )
+
+    model, secret, tokens = "ab" * 16, bytes(range(32)), list(range(100, 140))
+    conv = conversation_digest(namespace_tag(secret, "fingerprint/salt"))
+
+    def key(n: int, conv_digest: str = conv) -> str:
+        return record_key(model, conv_digest, tokens_digest(tokens[:n]), n)
+
+    keys = {key(10), key(25), key(40)}  # key(40): the whole request, never (one token is left)
+    assert longest_persisted(keys, model, conv, tokens, 0) == (25, key(25))
+    assert longest_persisted(keys, model, conv, tokens, 24) == (25, key(25))
+    assert longest_persisted(keys, model, conv, tokens, 25) is None  # memory holds as much
+    assert longest_persisted(keys, model, conv, tokens[:20] + [7] * 20, 0) == (10, key(10))
+    assert longest_persisted(keys, model, conv, tokens[:10], 0) is None  # n < len(tokens)
+    assert longest_persisted(set(), model, conv, tokens, 0) is None
+    assert longest_persisted(keys, "cd" * 16, conv, tokens, 0) is None  # another model's
+    other = conversation_digest(namespace_tag(secret, "fingerprint/other-salt"))
+    assert longest_persisted(keys, model, other, tokens, 0) is None  # another namespace's
+    assert longest_persisted(keys | {key(30, other)}, model, other, tokens, 0) == (
+        30,
+        key(30, other),
+    )
+
+
+def test_the_namespace_tag_is_keyed_by_the_stores_secret():
+    from kvsnap.key import tokens_digest
+    from kvsnap.store.conversations import conversation_digest, namespace_tag, record_key
+
+    namespace, one, two = "0123456789abcdef/salt", b"\x01" * 32, b"\x02" * 32
+    tag = namespace_tag(one, namespace)
+    assert tag == namespace_tag(one, namespace) and len(tag) == 32
+    assert namespace_tag(two, namespace) != tag  # another store's secret: another tag
+    assert namespace_tag(one, namespace + "x") != tag
+    unsalted = (
+        hashlib.sha256(namespace.encode()).hexdigest(),
+        xxhash.xxh3_128_hexdigest(namespace.encode()),
+        hashlib.md5(namespace.encode()).hexdigest(),
+    )
+    assert not [h for h in unsalted if tag in h or h[:32] == tag]
+
+    def key(secret: bytes) -> str:
+        digest = conversation_digest(namespace_tag(secret, namespace))
+        return record_key("ab" * 16, digest, tokens_digest([1, 2, 3]), 3)
+
+    assert key(one) != key(two)
+
+
+def test_the_store_secret_is_private_made_once_and_a_readable_one_refused(tmp_path):
+    from kvsnap.errors import StoreError
+    from kvsnap.store.conversations import store_secret
+
+    secret = store_secret(tmp_path)
+    path = tmp_path / "conversations" / ".secret"
+    assert len(secret) == 32 and stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert store_secret(tmp_path) == secret
+    assert [p.name for p in path.parent.iterdir()] == [".secret"]  # no temp file left
+    path.chmod(0o644)
+    with pytest.raises(StoreError, match="0600"):
+        store_secret(tmp_path)
+
+
+# --- units: freeing space (kvsnap/store/conversation_space.py) ----------------------------
+
+
+def roles(store: Store):
+    """(reach, the two records on SHARED_SYSTEM, the reviewer's, their shared block): the
+    shared block is the one part two conversations and no agent reach."""
+    reach = read_reach(store)
+    (shared,) = [r for r, c in reach.counts.items() if c == 2 and r not in reach.agent_parts]
+    pair = [r for r in reach.records if shared in r.parts]
+    (reviewer,) = [r for r in reach.records if shared not in r.parts]
+    assert len(pair) == 2 and set(reviewer.parts) & reach.agent_parts
+    return reach, pair, reviewer, shared
+
+
+def own_parts(reach, record) -> set[str]:
+    return {r for r in record.parts if reach.counts[r] == 1 and r not in reach.agent_parts}
+
+
+def test_remove_records_never_deletes_a_part_another_record_reaches(conv_store, tmp_path):
+    from kvsnap.store.conversation_space import remove_records
+
+    root = tmp_path / "store"
+    shutil.copytree(conv_store, root)
+    store = Store.open(root)
+    reach, (first, second), reviewer, shared = roles(store)
+    gone = own_parts(reach, first)
+    assert gone
+    with store.lock():
+        freed = remove_records(store, reach, [first])
+    parts = part_set(root)
+    assert shared in parts and not gone & parts and not first.path.exists()
+    assert freed == first.size + sum(os.path.getsize(conv_store / r) for r in gone)
+    assert_sound(root)
+    reach = read_reach(store)
+    with store.lock():  # the rest too: what an agent reaches stays, the rest goes
+        remove_records(store, reach, list(reach.records))
+    assert part_set(root) == reach.agent_parts and conversation_files(root) == []
+    assert_sound(root)
+
+
+def test_evict_to_budget_goes_by_last_use_and_keeps_shared_blocks(conv_store, tmp_path):
+    from kvsnap.store.conversation_space import conversation_stats, evict_to_budget
+
+    root = tmp_path / "store"
+    shutil.copytree(conv_store, root)
+    store = Store.open(root)
+    reach, (first, second), reviewer, shared = roles(store)
+    now = time.time()
+    for age, record in ((30, first), (20, reviewer), (10, second)):
+        os.utime(record.path, (now - age, now - age))
+    total = reach.nbytes(store)
+    assert evict_to_budget(store, total) == (0, total)  # within the budget: nothing goes
+    removed, left = evict_to_budget(store, total - 1)
+    assert removed == 1 and not first.path.exists() and reviewer.path.exists()
+    assert shared in part_set(root) and left == conversation_stats(store).nbytes < total
+    removed, left = evict_to_budget(store, 1)
+    assert removed == 2 and left == 0 and conversation_files(root) == []
+    assert part_set(root) == reach.agent_parts
+    assert_sound(root)
+
+
+BAD_HEADER = b"\x08" + b"\x00" * 7 + b"not a header"
+
+
+def test_an_unreadable_agent_record_blocks_every_part_removal(conv_store, tmp_path):
+    from kvsnap.store.conversation_space import evict_to_budget, purge, remove_records
+
+    root = tmp_path / "store"
+    shutil.copytree(conv_store, root)
+    store = Store.open(root)
+    (root / "snapshots" / f"{'0' * 32}.safetensors").write_bytes(BAD_HEADER)
+    parts = part_set(root)
+    reach = read_reach(store)
+    assert not reach.complete and len(reach.records) == 3
+    with store.lock():
+        remove_records(store, reach, reach.records[:1])
+    assert len(conversation_files(root)) == 2 and part_set(root) == parts
+    assert evict_to_budget(store, 1)[0] == 2
+    assert conversation_files(root) == [] and part_set(root) == parts  # it might reach any
+    assert purge(store) == (0, 0)
+
+
+def test_regression_an_unreadable_conversation_record_goes_first_and_then_blocks_go(
+    conv_store, tmp_path
+):
+    """An unreadable record in conversations/ (a newer format's, a damaged one) serves no
+    request, yet it once stayed through DELETE /v1/cache/prefix (users' data kept after an
+    admin removed "every persisted conversation"), and it stopped every block removal: the
+    budget then evicted every readable conversation one after another while the blocks they
+    left piled up without bound. Now the purge, the budget and gc's unused-for drop remove
+    it first, then read the chains again."""
+    from kvsnap.store.conversation_space import drop_unused, evict_to_budget, purge
+
+    def fresh(name: str) -> tuple[Path, Store, Path]:
+        root = tmp_path / name
+        shutil.copytree(conv_store, root)
+        bad = root / "conversations" / f"{'0' * 32}.safetensors"
+        bad.write_bytes(BAD_HEADER)
+        return root, Store.open(root), bad
+
+    root, store, bad = fresh("purge")
+    agent_parts = read_reach(store).agent_parts
+    assert purge(store)[0] == 4  # the three readable ones and the unreadable one
+    assert conversation_files(root) == [] and part_set(root) == agent_parts
+    assert_sound(root)
+
+    root, store, bad = fresh("budget")
+    reach, (first, second), reviewer, shared = roles(store)
+    now = time.time()
+    for age, path in ((40, first.path), (30, reviewer.path), (20, second.path), (5, bad)):
+        os.utime(path, (now - age, now - age))
+    total = reach.nbytes(store)
+    removed, left = evict_to_budget(store, total - 1)
+    assert removed == 2 and not bad.exists() and not first.path.exists()
+    assert second.path.exists() and reviewer.path.exists()
+    assert not own_parts(reach, first) & part_set(root) and shared in part_set(root)
+    assert_sound(root)
+
+    root, store, bad = fresh("gc")
+    os.utime(bad, (now - 60, now - 60))
+    assert bad in drop_unused(store, 30, apply=False)[0] and bad.exists()
+    r = run_kvsnap("gc", root, "--conversations-unused-for", "30s", "--yes")
+    assert r.returncode == 0 and str(bad) in r.stdout, r.stdout + r.stderr
+    assert not bad.exists() and len(conversation_files(root)) == 3  # the rest were used
+    os.utime(conversation_files(root)[0], (now - 60, now - 60))
+    drop_unused(store, 30, apply=True)
+    reach = read_reach(store)
+    assert reach.complete and len(reach.records) == 2
+    assert_sound(root)
