@@ -1049,6 +1049,73 @@ BREAKAGES = (
             "and_never_shares_it_issue_23",
         ),
     ),
+    Breakage(
+        "persisted-records-ignore-namespace",
+        "tenants",
+        "every namespace's conversation records are keyed (and looked up) as the empty one's",
+        (
+            Patch(
+                "kvsnap/runtime/persist.py",
+                "        return conversation_digest(namespace_tag(self.secret, namespace))\n",
+                '        return conversation_digest(namespace_tag(self.secret, ""))\n',
+            ),
+        ),
+        (
+            "tests/test_persist_store.py::test_tenants_stay_apart_across_a_restart_and_nothing_"
+            "on_disk_names_them",
+        ),
+    ),
+    Breakage(
+        "namespace-tag-without-secret",
+        "tenants",
+        "a namespace's tag on disk is an unsalted sha256 of it: the store's secret is ignored",
+        (
+            Patch(
+                "kvsnap/store/conversations.py",
+                "    return hmac.new(secret, namespace.encode(), hashlib.sha256)"
+                ".hexdigest()[:32]\n",
+                "    return hashlib.sha256(namespace.encode()).hexdigest()[:32]\n",
+            ),
+        ),
+        ("tests/test_persist_store.py::test_the_namespace_tag_is_keyed_by_the_stores_secret",),
+    ),
+    Breakage(
+        "conversation-removal-ignores-agent-parts",
+        "4",
+        "removing conversations (budget, purge, gc) also removes the blocks agents' records reach",
+        (
+            Patch(
+                "kvsnap/store/conversation_space.py",
+                "                if rel not in reach.agent_parts:\n"
+                "                    freed += _unlink(store.root / rel, folders)\n",
+                "                if True:\n"
+                "                    freed += _unlink(store.root / rel, folders)\n",
+            ),
+        ),
+        (
+            "tests/test_persist_store.py::test_remove_records_never_deletes_a_part_another_"
+            "record_reaches",
+            "tests/test_persist_store.py::test_delete_prefix_cache_removes_persisted_"
+            "conversations_and_only_their_blocks",
+        ),
+    ),
+    Breakage(
+        "unreadable-conversation-kept",
+        "tenants / bounded disk",
+        "an unreadable conversation record survives the purge and the budget, and stops every "
+        "block removal",
+        (
+            Patch(
+                "kvsnap/store/conversation_space.py",
+                "    if not paths:\n        return reach, 0, 0\n",
+                "    if True:\n        return reach, 0, 0\n",
+            ),
+        ),
+        (
+            "tests/test_persist_store.py::test_regression_an_unreadable_conversation_record_"
+            "goes_first_and_then_blocks_go",
+        ),
+    ),
 )
 
 
