@@ -79,6 +79,7 @@ class ConversationWriter:
     _cond: threading.Condition = field(default_factory=threading.Condition)
     _closing: bool = False
     _busy: bool = False
+    _busy_write: bool = False  # the item under way is a write (not a touch or a purge)
     _thread: threading.Thread | None = None
     _estimate: int = 0  # conversation bytes on disk, at most (corrected by each eviction pass)
     _estimated: bool = False
@@ -123,7 +124,9 @@ class ConversationWriter:
         return box.get("removed", 0)
 
     def close(self, timeout: float) -> int:
-        """Finish the queued writes within ``timeout``; returns how many were left unwritten."""
+        """Finish the queued writes within ``timeout``; returns how many were left unwritten:
+        those still queued and the one under way (stuck on a slow disk or another writer's
+        lock, it is not waited for past the bound)."""
         deadline = time.monotonic() + timeout
         with self._cond:
             self._closing = True
@@ -133,17 +136,22 @@ class ConversationWriter:
                 if left <= 0:
                     break
                 self._cond.wait(left)
-            left_over = sum(1 for item in self._queue if isinstance(item, ConversationWrite))
+            queued = sum(1 for item in self._queue if isinstance(item, ConversationWrite))
+            under_way = int(self._busy and self._busy_write)
+            left_over = queued + under_way
             self._queue.clear()
             self._cond.notify()
         if self._thread is not None:  # its last sweep of superseded tails, within the bound
             self._thread.join(max(0.0, deadline - time.monotonic()))
         if left_over:
             log.warning(
-                "[kvsnap] shutdown: %d queued conversation write(s) not written within %.1fs "
-                "(--persist-flush-timeout); the next turn of those conversations prefills",
+                "[kvsnap] shutdown: %d conversation write(s) not written within %.1fs "
+                "(--persist-flush-timeout; %d queued, %d under way); the next turn of those "
+                "conversations prefills",
                 left_over,
                 timeout,
+                queued,
+                under_way,
             )
         return left_over
 
@@ -165,7 +173,7 @@ class ConversationWriter:
                 if not self._queue:
                     break
                 item = self._queue.popleft()
-                self._busy = True
+                self._busy, self._busy_write = True, isinstance(item, ConversationWrite)
             try:
                 self._handle(item)
             except (OSError, StoreError, SnapshotError) as exc:  # the thread must outlive one

@@ -1,0 +1,199 @@
+"""Real `kvsnap serve --persist-requests` processes for the issue-23 crash tests: the
+conversations they replay, a never-restarted reference server, SIGTERM and kill -9 of the
+server process itself, and the store checks after each."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+from conftest import LONG_SYSTEM, run_kvsnap
+
+from kvsnap.tools.serverproc import ServerProcess, start_server
+
+TURNS = (
+    "Question one: which tests should I read first?",
+    "Question two: and the error handling of the parser?",
+    # long: turn 3's record crosses a block edge, so it brings two new blocks (a dense
+    # record's write is killed between them at conversation-mid-parts)
+    "Question three: what about the file paths? "
+    + "Check every path, folder and file name the server reads or writes. " * 8,
+    "Question four: which fix comes first?",
+)
+# Conversations apart from their first token on: none is a prefix of another.
+SYSTEMS = (
+    LONG_SYSTEM,
+    "Planner agent here. Plan each task step by step, list the tools and check the data. " * 4,
+    "Rust expert here. Review the parser, the error handling and every data path twice. " * 4,
+)
+MAX_TOKENS = 8
+
+
+@dataclass(frozen=True)
+class Conversation:
+    system: str
+    users: tuple[str, ...] = TURNS
+    salt: str = ""  # its own namespace: no partial hit on another conversation's prefix
+
+    def body(self, model: Path, turn: int, answers: list[str]) -> dict:
+        """The request of turn ``turn`` (1-based), the earlier turns answered by ``answers``."""
+        msgs = [{"role": "system", "content": self.system}]
+        for i in range(turn - 1):
+            msgs += [
+                {"role": "user", "content": self.users[i]},
+                {"role": "assistant", "content": answers[i]},
+            ]
+        msgs.append({"role": "user", "content": self.users[turn - 1]})
+        body = {"model": model.name, "messages": msgs, "max_tokens": MAX_TOKENS, "temperature": 0}
+        return {**body, "cache_salt": self.salt} if self.salt else body
+
+
+CONVERSATION = Conversation(SYSTEMS[0])
+
+
+def ask(client: httpx.Client, server: ServerProcess, body: dict) -> dict:
+    r = client.post(f"{server.url}/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def content(reply: dict) -> str:
+    return reply["choices"][0]["message"]["content"]
+
+
+def cached(reply: dict) -> int:
+    return reply["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+class Reference:
+    """What a server that never restarted answers: one persisting nothing per model, started
+    on first use; each conversation's turns go to it in order, so its later turns hit its
+    own in-memory prefixes, as a long-running server's would."""
+
+    def __init__(self, demo_models, tmp: Path):
+        self.demo_models, self.tmp = demo_models, tmp
+        self.servers: dict[str, ServerProcess] = {}
+        self.replies: dict[tuple, list[dict]] = {}
+
+    def model(self, name: str) -> Path:
+        return self.demo_models.path(name)
+
+    def transcript(self, name: str, conv: Conversation = CONVERSATION) -> list[dict]:
+        """The replies of every turn of ``conv``."""
+        if (name, conv) not in self.replies:
+            server = self.servers.get(name)
+            if server is None:
+                server = start(self.model(name), None, self.tmp / f"reference-{name}.log")
+                self.servers[name] = server
+            replies: list[dict] = []
+            with httpx.Client(timeout=60) as client:
+                for turn in range(1, len(conv.users) + 1):
+                    body = conv.body(self.model(name), turn, [content(r) for r in replies])
+                    replies.append(ask(client, server, body))
+            self.replies[(name, conv)] = replies
+        return self.replies[(name, conv)]
+
+    def answers(self, name: str, conv: Conversation = CONVERSATION) -> list[str]:
+        return [content(r) for r in self.transcript(name, conv)]
+
+    def prefix_lengths(self, name: str, conv: Conversation = CONVERSATION) -> list[int]:
+        """The tokens each turn's persisted record holds: its prompt minus the last token."""
+        return [r["usage"]["prompt_tokens"] - 1 for r in self.transcript(name, conv)]
+
+    def close(self) -> None:
+        for server in self.servers.values():
+            server.stop()
+
+
+def start(
+    model: Path, store: Path | None, log: Path, env: dict | None = None, extra=()
+) -> ServerProcess:
+    args = ["--continuous-batching"]
+    if store is not None:
+        args += ["--kv-snapshots", str(store), "--persist-requests", *extra]
+    cache = {"KVSNAP_CACHE_DIR": str(log.parent / "kvsnap-cache")}
+    server = start_server(model, args, log, env={**cache, **(env or {})}, limit_s=300)
+    try:
+        server.wait_ready(120)
+    except BaseException:
+        server.stop()
+        raise
+    return server
+
+
+def server_pid(server: ServerProcess) -> int:
+    """The kvsnap process itself: start_server runs it under `timeout`, and a kill -9 of
+    `timeout` would leave the server running."""
+    if Path(str(server.proc.args[0])).name != "timeout":
+        return server.proc.pid
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = stat.read_text().rpartition(")")[2].split()
+            except OSError:  # gone meanwhile
+                continue
+            if int(fields[1]) == server.proc.pid:
+                return int(stat.parent.name)
+        time.sleep(0.01)
+    raise AssertionError(f"no child process under `timeout` (pid {server.proc.pid})")
+
+
+def persist_status(server: ServerProcess) -> dict:
+    return server.status()["persist"]
+
+
+def wait_written(server: ServerProcess, written: int, timeout: float = 30.0) -> dict:
+    """Wait until the writer has written ``written`` records and nothing is queued."""
+    deadline = time.monotonic() + timeout
+    while True:
+        persist = persist_status(server)
+        if persist["written"] >= written and persist["queued"] == 0:
+            return persist
+        assert time.monotonic() < deadline, f"not {written} records written: {persist}"
+        time.sleep(0.02)
+
+
+def sigterm(server: ServerProcess, timeout: float = 30.0) -> float:
+    """SIGTERM the server; returns the seconds it took to exit (by itself, re-raising it)."""
+    started = time.monotonic()
+    os.kill(server_pid(server), signal.SIGTERM)
+    rc = server.proc.wait(timeout)
+    elapsed = time.monotonic() - started
+    assert rc in (0, -signal.SIGTERM), f"exit status {rc}:\n{server.log()[-3000:]}"
+    assert "Application shutdown complete" in server.log(), server.log()[-3000:]
+    return elapsed
+
+
+def assert_sound(store: Path) -> None:
+    """`kvsnap verify` passes, every record reaches only parts that are there, and no part,
+    named or not, is torn."""
+    from kvsnap.store.conversations import conversation_files
+    from kvsnap.store.local import Store
+    from kvsnap.store.parts import chain_relpaths, check_part, part_files
+
+    v = run_kvsnap("verify", store, env={"KVSNAP_CACHE_DIR": str(store.parent)})
+    assert v.returncode == 0, v.stdout + v.stderr
+    opened = Store.open(store, readonly=True)
+    for record in conversation_files(store):
+        missing = [
+            rel for rel in chain_relpaths(opened.inspect(record)) if not (store / rel).is_file()
+        ]
+        assert not missing, f"{record.name} names missing parts {missing}"
+    for path in part_files(opened):
+        kind = "block" if path.parent.name == "blocks" else "checkpoint"
+        check_part(opened, kind, path.stem, path=path)
+
+
+def wait_for_point(log: Path, point: str, count: int, proc, deadline: float) -> bool:
+    """Poll the fault log until ``point`` was logged ``count`` times; False if the server
+    ended or the deadline passed first."""
+    while time.monotonic() < deadline and proc.poll() is None:
+        if log.exists() and log.read_text().split().count(point) >= count:
+            return True
+        time.sleep(0.001)
+    return False
