@@ -750,3 +750,44 @@ def test_regression_an_unreadable_conversation_record_goes_first_and_then_blocks
     reach = read_reach(store)
     assert reach.complete and len(reach.records) == 2
     assert_sound(root)
+
+
+# --- units: verify (kvsnap/commands/conversations.py) ---------------------------------------
+
+
+def test_regression_verify_skips_a_record_superseded_while_it_runs(
+    conv_store, tmp_path, monkeypatch, capsys
+):
+    """`kvsnap verify` run while a server persisted printed `BAD ... does not exist; rebuild it
+    with kvsnap build` and exited 1 for a record the writer superseded between the listing and
+    the read (1 run in 40 against a live server). The race, made certain: the record goes just
+    before verify reads it."""
+    from kvsnap.commands.conversations import verify_conversations
+
+    root = tmp_path / "store"
+    shutil.copytree(conv_store, root)
+    victim = conversation_files(root)[0]
+    real = Store.verify_file
+
+    def superseded_first(self, path, *args, **kwargs):
+        if path == victim:
+            path.unlink()  # the writer supersedes it now
+        return real(self, path, *args, **kwargs)
+
+    monkeypatch.setattr(Store, "verify_file", superseded_first)
+    assert verify_conversations(Store.open(root, readonly=True), None, None) == (2, 0, 0)
+    assert "BAD" not in capsys.readouterr().out
+
+
+def test_a_bad_conversation_record_is_named_with_a_fix_that_fits_it(conv_store, tmp_path):
+    root = tmp_path / "store"
+    shutil.copytree(conv_store, root)
+    record = conversation_files(root)[0]
+    data = bytearray(record.read_bytes())
+    data[-3] ^= 0x01  # a byte of its tokens: the checksum no longer matches
+    record.write_bytes(bytes(data))
+    r = run_kvsnap("verify", root)
+    assert r.returncode == 1
+    (line,) = [ln for ln in r.stdout.splitlines() if ln.startswith("BAD")]
+    assert str(record) in line and "kvsnap build" not in line
+    assert f"delete {record} (that conversation's next turn prefills)" in line

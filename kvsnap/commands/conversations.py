@@ -6,10 +6,15 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import os
 import re
 
 from kvsnap.commands.common import human_bytes
 
+# A conversation is no build's: the default "rebuild it" does not apply.
+CONVERSATION_FIX = (
+    "delete {record} (that conversation's next turn prefills), then `kvsnap gc {store} --yes`"
+)
 DURATION_RE = re.compile(r"(\d+(?:\.\d+)?)([smhdw])")
 UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
 
@@ -55,7 +60,8 @@ def summary_line(store) -> str | None:
 
 def verify_conversations(store, expected, check_shapes) -> tuple[int, int, int]:
     """Every conversation record and the parts it reaches, fully checked; prints the bad ones
-    (and those for another model) and returns (ok, bad, other)."""
+    (and those for another model) and returns (ok, bad, other). A record gone since the
+    listing was superseded or evicted by a server writing meanwhile: not bad, not counted."""
     from kvsnap.errors import SnapshotError
     from kvsnap.store.conversations import conversation_files
     from kvsnap.store.foreign import foreign_reason
@@ -73,8 +79,12 @@ def verify_conversations(store, expected, check_shapes) -> tuple[int, int, int]:
                 check_shapes(info)
             ok += 1
         except SnapshotError as exc:
+            if not os.path.lexists(path):
+                continue
             bad += 1
-            print(f"BAD  {exc.path}: {exc.reason}; {exc.fix}")
+            rebuild = exc.fix == SnapshotError("", "").fix  # the default hint, an agent's
+            fix = CONVERSATION_FIX.format(record=path, store=store.root) if rebuild else exc.fix
+            print(f"BAD  {exc.path}: {exc.reason}; {fix}")
     if ok:
         print(f"ok   {ok} persisted conversation(s)")
     return ok, bad, other
