@@ -73,6 +73,10 @@ ENGINE_FIRST = (
 )
 SERVER_EXACT = "tests/test_server.py::test_answers_over_http_come_from_the_exact_snapshot_state"
 FORGED_INTEGRATIONS = "tests/test_forged_integrations.py::"
+CRASH = "tests/test_persist_crash.py::"
+KILLED_AT = (
+    CRASH + "test_killed_at_each_writer_fault_point_the_store_verifies_and_the_next_turn_is_served"
+)
 
 BREAKAGES = (
     Breakage(
@@ -1130,6 +1134,71 @@ BREAKAGES = (
         (
             "tests/test_persist_store.py::test_regression_verify_skips_a_record_superseded_"
             "while_it_runs",
+        ),
+    ),
+    Breakage(
+        "conversation-record-before-parts",
+        "4. nothing lost, nothing half-written (persisted conversations)",
+        "the conversation writer writes the record before the new blocks and checkpoint it names",
+        (
+            Patch(
+                "kvsnap/store/conversation_writer.py",
+                "            for n, part in enumerate(item.parts):\n",
+                "            atomic_write(record_path(store.root, item.key), lambda f: "
+                "write_snapshot(f, item.tensors, item.metadata), store.fault, store.fsync)\n"
+                "            for n, part in enumerate(item.parts):\n",
+            ),
+        ),
+        (
+            KILLED_AT + "[dense-conversation-mid-parts]",
+            KILLED_AT + "[hybrid-conversation-mid-parts]",
+        ),
+    ),
+    Breakage(
+        "superseded-conversation-removed-first",
+        "4. nothing lost, nothing half-written (persisted conversations)",
+        "the record a longer one supersedes is removed before the new record is written",
+        (
+            Patch(
+                "kvsnap/store/conversation_writer.py",
+                '            store.fault("conversation-before-record")\n',
+                "            if item.supersedes and item.supersedes != item.key:\n"
+                "                self._supersede(item)\n"
+                '            store.fault("conversation-before-record")\n',
+            ),
+        ),
+        (
+            KILLED_AT + "[dense-conversation-before-record]",
+            KILLED_AT + "[dense-conversation-after-supersede]",
+        ),
+    ),
+    Breakage(
+        "conversation-enospc-not-stopping",
+        "4. nothing lost, nothing half-written (persisted conversations)",
+        "a full disk counts as one failed write: persisting goes on, a warning per write",
+        (
+            Patch(
+                "kvsnap/store/conversation_writer.py",
+                "            if isinstance(cause, OSError) and cause.errno == errno.ENOSPC:\n",
+                "            if False:\n",
+            ),
+        ),
+        (CRASH + "test_a_full_disk_stops_persisting_with_one_warning_and_serving_goes_on",),
+    ),
+    Breakage(
+        "flush-write-under-way-not-counted",
+        "4. nothing lost, nothing half-written (persisted conversations)",
+        "the shutdown line counts only the queued writes, not the one stuck under way",
+        (
+            Patch(
+                "kvsnap/store/conversation_writer.py",
+                "            under_way = int(self._busy and self._busy_write)\n",
+                "            under_way = 0\n",
+            ),
+        ),
+        (
+            CRASH + "test_sigterm_with_writes_stuck_behind_another_writer_exits_within_the_"
+            "flush_bound",
         ),
     ),
 )
