@@ -371,15 +371,17 @@ def test_budget_evicts_least_recently_used_across_a_restart_and_keeps_reached_bl
         assert len(conversation_files(root)) == 4  # start reads (and evicts) nothing
         c5 = Chat("c5", LONG_SYSTEM)
         c5.send(server.url)
-        st = settle(server, root, 1)
-        assert st["evicted"] >= 1
+        assert settle(server, root, 1)["evicted"] >= 1  # the pass before the write
+        store = Store.open(root)
+        deadline = time.monotonic() + 30  # the pass after it runs once the lock is let go
+        while read_reach(store).nbytes(store) > budget:
+            assert time.monotonic() < deadline, persist_status(server)
+            time.sleep(0.05)
         kept = {whose.get(k, "c5") for k in record_keys(root)}
         assert {"c1", "c5"} <= kept and "c2" not in kept
         order = ["c2", "c3", "c4"]  # the evicted are the least recently used
         gone = [c for c in order if c not in kept]
         assert gone == order[: len(gone)]
-        space = read_reach(Store.open(root))
-        assert space.nbytes(Store.open(root)) <= budget
         prev = c1.last_prompt
         assert c1.send(server.url) == prev - 1  # the kept one still hits from disk
         assert c2.send(server.url) == c2_warm  # the evicted one: the planner's warm prefix only
@@ -791,3 +793,40 @@ def test_a_bad_conversation_record_is_named_with_a_fix_that_fits_it(conv_store, 
     (line,) = [ln for ln in r.stdout.splitlines() if ln.startswith("BAD")]
     assert str(record) in line and "kvsnap build" not in line
     assert f"delete {record} (that conversation's next turn prefills)" in line
+
+
+# --- known defect, outside this file's modules ------------------------------------------------
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="kvsnap/runtime/persist.py supersedes the record a request extends even when another "
+    "conversation of the namespace still ends there (a fork, a regenerated turn), and the disk "
+    "lookup takes strict prefixes only: after a restart that conversation's next turn "
+    "prefills all of it, where a server that never stopped reuses most of it",
+)
+def test_a_forked_conversation_keeps_its_shared_turn_across_a_restart(base, tmp_path):
+    tmp, model, _ = base
+    root = copy_store(base, tmp_path)
+
+    def fork(url: str, salt: str | None) -> tuple[Chat, Chat]:
+        first = Chat("p", SHARED_SYSTEM, salt=salt)
+        first.send(url)
+        other = Chat("q", SHARED_SYSTEM, salt=salt)  # the same history so far, then its own
+        other.messages, other.turns = list(first.messages), first.turns
+        other.send(url)
+        return first, other
+
+    server = serve(model, root, tmp, "fork1", "--persist-requests")
+    try:
+        never_stopped = fork(server.url, "control")[0].send(server.url)
+        assert never_stopped > 0
+        first, _ = fork(server.url, None)
+        settle(server, root, 5)
+    finally:
+        server.stop()
+    server = serve(model, root, tmp, "fork2", "--persist-requests")
+    try:
+        assert first.send(server.url) >= never_stopped
+    finally:
+        server.stop()
