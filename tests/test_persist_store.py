@@ -240,8 +240,10 @@ def test_tenants_stay_apart_across_a_restart_and_nothing_on_disk_names_them(base
     finally:
         server.stop()
 
-    secret = root / "conversations" / ".secret"
-    assert stat.S_IMODE(secret.stat().st_mode) == 0o600
+    folder = root / "conversations"
+    assert stat.S_IMODE((folder / ".secret").stat().st_mode) == 0o600
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o700  # users' data: the owner's alone
+    assert {stat.S_IMODE(p.stat().st_mode) for p in folder.iterdir()} == {0o600}
     fingerprint_a = hashlib.sha256(KEY_A.encode()).hexdigest()[:16]
     forbidden = {
         **secrets_of(KEY_A, f"{fingerprint_a}/{SALT_A}"),
