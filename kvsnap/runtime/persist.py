@@ -64,11 +64,11 @@ class Persister:
         from kvsnap.faults import FaultHook
         from kvsnap.runtime.writeback import recorded_fields
 
-        secret = store_secret(store.root, store.fsync)
+        writable = Store.open(store.root, fault=FaultHook.from_env())
+        with writable.lock():  # a gc removes temp files: never the secret's before its link
+            secret = store_secret(store.root, store.fsync)
         writer = ConversationWriter(
-            Store.open(store.root, fault=FaultHook.from_env()),
-            max_bytes=options.max_bytes,
-            max_queued=options.max_queued,
+            writable, max_bytes=options.max_bytes, max_queued=options.max_queued
         )
         writer.start()
         return cls(
