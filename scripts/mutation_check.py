@@ -1201,6 +1201,40 @@ BREAKAGES = (
             "flush_bound",
         ),
     ),
+    Breakage(
+        "vllm-mlx-persist-only-what-vllm-mlx-keys",
+        "conversations survive restarts (the vllm-mlx route)",
+        "the vllm-mlx route persists only vllm-mlx's prompt + reply entry, not its prompt-only cut",
+        (
+            Patch(
+                "kvsnap/integrations/vllm_mlx_persist.py",
+                "        if 0 < n_prompt < n:\n",
+                "        if False:\n",
+            ),
+        ),
+        (
+            "tests/test_vllm_mlx_persist.py::test_hooks_persist_the_entry_and_its_prompt_only_"
+            "cut_superseding_the_turn_they_continue",
+            "tests/test_vllm_mlx_persist.py::test_a_conversation_survives_kill_9_and_its_next_"
+            "turn_answers_as_if_never_restarted[dense]",
+        ),
+    ),
+    Breakage(
+        "vllm-mlx-delete-keeps-persisted",
+        "conversations survive restarts (the vllm-mlx route)",
+        "DELETE /v1/cache/prefix under kvsnap vllm-mlx serve clears memory only",
+        (
+            Patch(
+                "kvsnap/integrations/vllm_mlx_session.py",
+                '                answer["persisted_removed"] = await session.purge_persisted()\n',
+                '                answer["persisted_removed"] = 0\n',
+            ),
+        ),
+        (
+            "tests/test_vllm_mlx_persist.py::test_a_conversation_survives_kill_9_and_its_next_"
+            "turn_answers_as_if_never_restarted[dense]",
+        ),
+    ),
 )
 
 

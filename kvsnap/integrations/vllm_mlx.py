@@ -22,12 +22,17 @@ vllm-mlx's own warm-up never runs; ``vllm_mlx_warm`` serves each entry from the 
 prefills (and writes back) only what the store lacks. ``vllm_mlx_session`` glues this to
 vllm-mlx's lifespan and its ``DELETE /v1/cache/prefix``; ``vllm_mlx_pin`` keeps the warm
 entries from eviction; ``vllm_mlx_profile`` says how vllm-mlx tokenizes.
+
+``--persist-requests`` (with ``--persist-max-gb GB`` and ``--persist-flush-timeout S``) is
+kvsnap's too: the prefix entries vllm-mlx keeps are written behind into the store and read
+back after a restart (``vllm_mlx_persist``), in place of vllm-mlx's shutdown save.
 """
 
 from __future__ import annotations
 
 import logging
 import sys
+from types import SimpleNamespace
 from typing import Any, Sequence
 
 from kvsnap.errors import StoreError, UsageError
@@ -37,11 +42,14 @@ log = logging.getLogger("kvsnap.vllm_mlx")
 
 OPTION = "--kv-snapshots"
 WARM_OPTION = "--warm-prompts"
+PERSIST_OPTION = "--persist-requests"
+PERSIST_VALUES = ("--persist-max-gb", "--persist-flush-timeout")
 TESTED_VLLM_MLX = ("0.6.0",)
 HOOKS = ("_load_prefix_cache_from_disk", "_save_prefix_cache_to_disk", "_engine")
 
 USAGE = f"""\
 usage: kvsnap vllm-mlx serve MODEL [vllm-mlx serve options] {OPTION} DIR [{WARM_OPTION} FILE]
+           [{PERSIST_OPTION} [--persist-max-gb GB] [--persist-flush-timeout S]]
 
 Runs vllm-mlx's own OpenAI-compatible server with the kvsnap snapshots of MODEL in its
 prefix cache before it accepts requests (no warm-up prefill). Snapshots built for another
@@ -56,6 +64,11 @@ kvsnap's options:
   {WARM_OPTION} FILE  with {OPTION}: warm exactly these entries (vllm-mlx's file shape or
                       kvsnap's), each from its snapshot, or prefilled once and written back
                       to the store when it is writable; vllm-mlx's own warm-up does not run
+  {PERSIST_OPTION}  with {OPTION}: write the prefix entries vllm-mlx keeps behind into
+                      DIR, so the next turn of a conversation hits after a restart or a
+                      crash (off by default: it writes clients' prompt state to disk)
+  --persist-max-gb GB      disk budget for those conversations (default: 20)
+  --persist-flush-timeout S  at shutdown, write what is queued for at most S (default: 5)
 
 Every other argument goes to `vllm-mlx serve` unchanged. See docs/vllm-mlx.md.
 """
@@ -94,6 +107,47 @@ def split_argv(
             raise UsageError(f"{option} given twice ({found!r} and {value!r}); give it once")
         found = value
     return found, rest
+
+
+def split_persist_argv(argv: Sequence[str]) -> tuple[dict, list[str]]:
+    """Take ``--persist-requests`` and its two settings out: ``{"persist_requests": bool,
+    "persist_max_gb": float | None, "persist_flush_timeout": float | None}`` and the rest."""
+    rest = list(argv)
+    cut = rest.index("--") if "--" in rest else len(rest)
+    found = {"persist_requests": PERSIST_OPTION in rest[:cut]}
+    rest = [a for i, a in enumerate(rest) if i >= cut or a != PERSIST_OPTION]
+    for option in PERSIST_VALUES:
+        text, rest = split_argv(rest, option, "a positive number, e.g. " + option + " 5")
+        value = None
+        if text is not None:
+            try:
+                value = float(text)
+            except ValueError:
+                value = -1.0
+            if not value > 0:
+                raise UsageError(f"{option} {text!r} is not a positive number; e.g. {option} 5")
+        found[option[2:].replace("-", "_")] = value
+    return found, rest
+
+
+def persist_options(args: Any) -> Any:
+    """``--persist-requests`` and its settings as ``PersistOptions``, None when off; a
+    UsageError for flags that contradict each other (as ``kvsnap serve``'s)."""
+    from kvsnap.runtime.persist import DEFAULT_FLUSH_TIMEOUT_S, DEFAULT_MAX_GB, PersistOptions
+
+    max_gb = getattr(args, "persist_max_gb", None)
+    flush = getattr(args, "persist_flush_timeout", None)
+    if not getattr(args, "persist_requests", False):
+        for flag, value in zip(PERSIST_VALUES, (max_gb, flush)):
+            if value is not None:
+                raise UsageError(f"{flag} {value:g} needs {PERSIST_OPTION}; add it or drop {flag}")
+        return None
+    if not getattr(args, "kv_snapshots", None):
+        raise UsageError(f"{PERSIST_OPTION} needs a store to write into; add {OPTION} DIR")
+    return PersistOptions(
+        max_bytes=int((max_gb or DEFAULT_MAX_GB) * 2**30),
+        flush_timeout_s=flush or DEFAULT_FLUSH_TIMEOUT_S,
+    )
 
 
 def check_serve_args(ns: Any) -> None:
@@ -137,6 +191,7 @@ def install(server: Any, session: Any) -> None:
 
     async def skip_disk_cache_save(engine: Any = None) -> None:
         # Called at shutdown and before an idle unload: the engine's model is about to go.
+        await session.flush_persisted()  # --persist-requests: the queued writes, within a bound
         session.release()
         log.info(
             "[kvsnap] vllm-mlx's prefix cache is not saved to ~/.cache/vllm-mlx/prefix_cache in a "
@@ -292,9 +347,13 @@ def main(argv: Sequence[str]) -> int:
             f"`vllm-mlx {argv[0]} ...` directly"
         )
     store_dir, rest = split_argv(argv[1:])
+    persist, rest = split_persist_argv(rest)
     from kvsnap.store.remote import check_kv_snapshots
 
-    check_kv_snapshots(store_dir)  # an unknown scheme is a usage error before vllm-mlx is imported
+    check_kv_snapshots(store_dir)
+    persist_options(
+        SimpleNamespace(kv_snapshots=store_dir, **persist)
+    )  # before any import  # an unknown scheme is a usage error before vllm-mlx is imported
     from kvsnap.blas import preload_openblas
 
     preload_openblas()  # before vllm-mlx imports mlx: the same BLAS kvsnap build uses
@@ -311,6 +370,7 @@ def main(argv: Sequence[str]) -> int:
     warm_file, rest = split_argv(rest, WARM_OPTION, "a file, e.g. --warm-prompts agents.json")
     ns = parse_serve_args(cli, rest)
     ns.kv_snapshots, ns.warm_prompts = store_dir, warm_file
+    vars(ns).update(persist)
     use_kv_snapshots(server, ns)  # what the patched `vllm-mlx serve --kv-snapshots` calls
     return run_vllm_mlx(cli, ["serve", *rest])
 
@@ -333,24 +393,29 @@ def use_kv_snapshots(server: Any, args: Any) -> Any:
     store_dir, warm_file = args.kv_snapshots, getattr(args, "warm_prompts", None)
     check_kv_snapshots(store_dir)
     check_serve_args(args)
+    persist = persist_options(args)
     prompts = load_warm_prompt_file(warm_file) if warm_file else None
     # A remote URL is pulled into kvsnap's cache folder first, as `kvsnap serve` does.
-    store, writable = open_store(resolve_kv_snapshots(store_dir), want_write=prompts is not None)
+    store, writable = open_store(
+        resolve_kv_snapshots(store_dir), want_write=prompts is not None or persist is not None
+    )
     session = Session(
         server=server,
         store=store,
-        writable=writable,
+        writable=writable and prompts is not None,
         prompts=prompts,
         agents_file=str(warm_file or ""),
         digests=default_digest_cache(),
+        persist=persist,
     )
     install(server, session)
     args.warm_prompts = None
     what = f"warm prompts of {warm_file} from" if prompts is not None else "snapshots from"
     log.info(
-        "[kvsnap] vllm-mlx: %s %s go into its prefix cache at start-up%s",
+        "[kvsnap] vllm-mlx: %s %s go into its prefix cache at start-up%s%s",
         what,
         store.root,
-        " (write-back on)" if writable else "",
+        " (write-back on)" if session.writable else "",
+        "; the entries it keeps are persisted there" if persist is not None else "",
     )
     return session

@@ -12,7 +12,10 @@ background on the model's thread. At most one re-warm runs at a time: a DELETE t
 arrives while one runs is coalesced into a single further pass (the clear it made may have
 removed entries the running pass had already put back).
 
-``GET /v1/kvsnap/status`` returns the last warm-up's report and the re-warm count as JSON.
+``GET /v1/kvsnap/status`` returns the last warm-up's report and the re-warm count as JSON,
+and with ``--persist-requests`` a ``persist`` object (``vllm_mlx_persist``): the entries
+vllm-mlx keeps are written behind into the store, read back on a hit after a restart, and
+removed by ``DELETE /v1/cache/prefix`` (its answer's ``persisted_removed``).
 """
 
 from __future__ import annotations
@@ -86,6 +89,9 @@ class Session:
     _task: Any = None
     _again: bool = False
     pins: Any = field(default=None, repr=False)
+    persist: Any = None  # runtime.persist.PersistOptions with --persist-requests, else None
+    persist_hooks: Any = field(default=None, repr=False)  # vllm_mlx_persist.PersistHooks
+    persist_note: str = ""  # why nothing is persisted although it was asked for
 
     # --- start-up --------------------------------------------------------------------
 
@@ -134,15 +140,20 @@ class Session:
             from kvsnap.integrations.vllm_mlx_profile import vllm_mlx_enable_thinking
 
             thinking = vllm_mlx_enable_thinking(getattr(engine, "_model_name", "") or "")
-            return lambda: insert_snapshots(
+            return self._persisting(
                 prefix_cache,
-                scheduler.model,
-                scheduler.tokenizer,
+                scheduler,
                 model_path,
-                self.store,
-                self.digests,
-                pins=self.pins,
-                enable_thinking=thinking,
+                lambda: insert_snapshots(
+                    prefix_cache,
+                    scheduler.model,
+                    scheduler.tokenizer,
+                    model_path,
+                    self.store,
+                    self.digests,
+                    pins=self.pins,
+                    enable_thinking=thinking,
+                ),
             )
         tokenization = engine_tokenization(self.server, engine, scheduler)
         plan_box: dict = {}
@@ -154,7 +165,40 @@ class Session:
                 )
             return plan_box["plan"].run()
 
+        return self._persisting(prefix_cache, scheduler, model_path, work)
+
+    def _persisting(self, prefix_cache: Any, scheduler: Any, model_path: str, warm: Any):
+        """``warm`` (a warm pass, model thread), after the persist hooks are installed (first
+        pass of an engine); what it inserts is the store's own, never persisted again."""
+
+        def work():
+            if self.persist is not None and self.persist_hooks is None and not self.persist_note:
+                self._start_persisting(prefix_cache, scheduler, model_path)
+            hooks = self.persist_hooks
+            if hooks is not None:
+                hooks.paused += 1
+            try:
+                return warm()
+            finally:
+                if hooks is not None:
+                    hooks.paused -= 1
+
         return work
+
+    def _start_persisting(self, prefix_cache: Any, scheduler: Any, model_path: str) -> None:
+        from kvsnap.integrations.vllm_mlx_persist import start_hooks
+        from kvsnap.integrations.vllm_mlx_warm import upstream_model
+
+        try:
+            lm = upstream_model(model_path, scheduler.model, scheduler.tokenizer)
+            identity = lm.identity(self.digests)
+        except KvsnapError as exc:
+            self.persist_note = f"request prefixes are not persisted: {exc}"
+            log.warning("[kvsnap] %s", self.persist_note)
+            return
+        self.persist_hooks, self.persist_note = start_hooks(
+            prefix_cache, lm, identity, self.store, self.persist
+        )
 
     def _make_plan(self, prefix_cache: Any, scheduler: Any, model_path: str, tokenization: Any):
         from kvsnap.integrations.vllm_mlx_warm import WarmPlan, upstream_model
@@ -188,6 +232,32 @@ class Session:
             else line.replace("[lifespan] Warm-up done", "[clear_prefix_cache] re-warm done", 1),
         )
         return report
+
+    async def flush_persisted(self) -> None:
+        """Shutdown or unload: write what is queued within ``--persist-flush-timeout`` (the
+        writer's log line says what was left); nothing is captured after."""
+        hooks, self.persist_hooks = self.persist_hooks, None
+        self.persist_note = ""  # a reloaded engine persists again
+        if hooks is None:
+            return
+        hooks.paused += 1
+        stats = hooks.as_dict()
+        persister = hooks.persister  # its writer only: no mlx off the model's thread
+        left = await asyncio.to_thread(persister.writer.close, persister.options.flush_timeout_s)
+        log.info(
+            "[kvsnap] persisted conversations: %d written this run, %d restored, %d left unwritten",
+            stats["written"],
+            hooks.restored,
+            left,
+        )
+
+    async def purge_persisted(self) -> int | None:
+        """Remove every persisted conversation, on the model's thread; None when off (or the
+        writer did not finish in time)."""
+        hooks = self.persist_hooks
+        if hooks is None:
+            return None
+        return await self._run(hooks.purge) if self._run is not None else hooks.purge()
 
     def release(self) -> None:
         """Drop every reference to the engine's model and cache (vllm-mlx is about to stop or
@@ -243,7 +313,15 @@ class Session:
             "pinned": pins.present() if pins is not None else 0,
             "pinned_mib": round(pins.nbytes() / 2**20, 3) if pins is not None else 0.0,
             "last": report.as_dict() if report is not None else None,
+            "persist": self.persist_status(),
         }
+
+    def persist_status(self) -> dict:
+        hooks = self.persist_hooks
+        if hooks is not None:
+            return hooks.as_dict()
+        note = self.persist_note if self.persist is not None else ""
+        return {"enabled": False, "note": note or ("" if self.persist is None else "starting")}
 
 
 def install_routes(server: Any, session: Session) -> None:
@@ -275,7 +353,11 @@ def install_routes(server: Any, session: Session) -> None:
         """vllm-mlx's clear, then a re-warm from the kvsnap store in the background."""
         result = await clear()
         if isinstance(result, dict) and result.get("status") == "cleared":
-            return {"status": "cleared", "rewarm_scheduled": session.schedule_rewarm()}
+            answer: dict = {"status": "cleared"}
+            if session.persist is not None:  # memory first, then the store (kvsnap serve's order)
+                answer["persisted_removed"] = await session.purge_persisted()
+            answer["rewarm_scheduled"] = session.schedule_rewarm()
+            return answer
         return result
 
     async def kvsnap_status():
