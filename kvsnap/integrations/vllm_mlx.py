@@ -67,8 +67,10 @@ kvsnap's options:
   {PERSIST_OPTION}  with {OPTION}: write the prefix entries vllm-mlx keeps behind into
                       DIR, so the next turn of a conversation hits after a restart or a
                       crash (off by default: it writes clients' prompt state to disk)
-  --persist-max-gb GB      disk budget for those conversations (default: 20)
-  --persist-flush-timeout S  at shutdown, write what is queued for at most S (default: 5)
+  --persist-max-gb GB  disk budget for those conversations, least recently used go first
+                      (default: 20)
+  --persist-flush-timeout S
+                      at shutdown, write what is queued for at most S seconds (default: 5)
 
 Every other argument goes to `vllm-mlx serve` unchanged. See docs/vllm-mlx.md.
 """
