@@ -189,6 +189,15 @@ def assert_sound(store: Path) -> None:
         check_part(opened, kind, path.stem, path=path)
 
 
+def record_lengths(store: Path) -> set[int]:
+    """How many tokens each conversation record in ``store`` holds."""
+    from kvsnap.store.conversations import conversation_files
+    from kvsnap.store.local import Store
+
+    opened = Store.open(store, readonly=True)
+    return {opened.inspect(path).n_tokens for path in conversation_files(store)}
+
+
 def wait_for_point(log: Path, point: str, count: int, proc, deadline: float) -> bool:
     """Poll the fault log until ``point`` was logged ``count`` times; False if the server
     ended or the deadline passed first."""

@@ -14,7 +14,7 @@ import shutil
 import signal
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -30,6 +30,7 @@ from persist_servers import (
     cached,
     content,
     persist_status,
+    record_lengths,
     server_pid,
     sigterm,
     start,
@@ -53,6 +54,7 @@ LEFT_UNWRITTEN = "not written within"
 
 @pytest.fixture(scope="module")
 def reference(demo_models, tmp_path_factory):
+    """The never-restarted servers every answer is compared with."""
     ref = Reference(demo_models, tmp_path_factory.mktemp("reference"))
     try:
         yield ref
@@ -60,9 +62,9 @@ def reference(demo_models, tmp_path_factory):
         ref.close()
 
 
-def _restart_for_turn_four(model: Path, store: Path, want: list[str], log: Path):
-    """Start on ``store`` and ask turn 4: its reply and /v1/status's persist, once the one
-    persisted record the turn needed loaded without an error."""
+def _restart_for_turn_four(model: Path, store: Path, want: list[str], log: Path) -> dict:
+    """Start on ``store`` and ask turn 4: its reply, once /v1/status says the one persisted
+    record it needed was indexed and loaded without an error."""
     server = start(model, store, log)
     try:
         with httpx.Client(timeout=60) as client:
@@ -72,7 +74,7 @@ def _restart_for_turn_four(model: Path, store: Path, want: list[str], log: Path)
         server.stop()
     assert persist["disk_hits"] == 1 and persist["load_errors"] == 0, persist
     assert "Traceback" not in server.log()
-    return fourth, persist
+    return fourth
 
 
 # --- 1. SIGTERM ----------------------------------------------------------------------------
@@ -99,7 +101,7 @@ def test_after_a_sigterm_restart_the_fourth_turn_hits_the_third_turns_prefix(
         server.stop()
     assert LEFT_UNWRITTEN not in server.log()  # nothing was left to write
 
-    fourth, persist = _restart_for_turn_four(model, store, want, tmp_path / "again.log")
+    fourth = _restart_for_turn_four(model, store, want, tmp_path / "again.log")
     assert cached(fourth) == lengths[2]  # turn 3's prompt minus its last token
     assert content(fourth) == want[3]  # as the server that never restarted answers
 
@@ -169,9 +171,15 @@ def test_killed_at_each_writer_fault_point_the_store_verifies_and_the_next_turn_
     assert rc == -signal.SIGKILL, f"exit status {rc}:\n{server.log()[-3000:]}"
     assert point in faults.read_text().split(), "the fault point was never reached"
     assert_sound(store)
-
-    fourth, _ = _restart_for_turn_four(model, store, want, tmp_path / "again.log")
+    # turn 3's record once written; turn 2's until it is superseded
     written = point in ("conversation-after-record", "conversation-after-supersede")
+    held = record_lengths(store)
+    assert (lengths[2] in held, lengths[1] in held) == (
+        written,
+        point != "conversation-after-supersede",
+    ), (point, lengths, held)
+
+    fourth = _restart_for_turn_four(model, store, want, tmp_path / "again.log")
     assert cached(fourth) == lengths[2 if written else 1], (point, lengths)
     assert content(fourth) == want[3]
 
@@ -185,7 +193,7 @@ class Chats:
 
     model: Path
     done: dict  # conversation -> turns answered
-    replies: list = None  # (conversation, turn, status, cached, content)
+    replies: list = field(default_factory=list)  # (conversation, turn, status, cached, text)
 
     def next_turns(self, server: ServerProcess, want: dict, rounds: int) -> None:
         """A turn of each conversation per round (its last turn again once all are done);
@@ -219,7 +227,7 @@ def test_killed_at_random_moments_while_serving_the_store_verifies_and_the_resta
     model, store = reference.model(name), tmp_path / "store"
     want = {conv: reference.answers(name, conv) for conv in CHATS}
     lengths = {conv: reference.prefix_lengths(name, conv) for conv in CHATS}
-    chats = Chats(model, {conv: 0 for conv in CHATS}, [])
+    chats = Chats(model, {conv: 0 for conv in CHATS})
     landings = []
     for i in range(RANDOM_KILLS):
         faults = tmp_path / f"faults-{i}.log"
