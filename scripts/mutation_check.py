@@ -1038,6 +1038,22 @@ BREAKAGES = (
         ),
     ),
     Breakage(
+        "superseded-turn-dropped-whole",
+        "conversations",
+        "a superseded turn's record goes whole, not kept up to its last full block",
+        (
+            Patch(
+                "kvsnap/store/conversation_writer.py",
+                "        kept = self._write_whole_blocks_record(info)\n",
+                "        kept: set = set()\n",
+            ),
+        ),
+        (
+            "tests/test_persist_store.py::test_a_forked_conversation_keeps_its_shared_turn_"
+            "across_a_restart",
+        ),
+    ),
+    Breakage(
         "persisted-conversation-rewarmed-as-shared",
         "tenants",
         "a re-warm re-indexes a persisted conversation (file-backed) as a warm entry",

@@ -26,6 +26,7 @@ import pytest
 import xxhash
 from conftest import LONG_SYSTEM, run_kvsnap
 
+from kvsnap.snapshot.blocks import DEFAULT_BLOCK_TOKENS
 from kvsnap.store.conversation_space import read_reach
 from kvsnap.store.conversations import conversation_files
 from kvsnap.store.local import Store
@@ -183,8 +184,7 @@ def conv_store(base, tmp_path_factory):
         chats = [Chat("s1", SHARED_SYSTEM), Chat("s2", SHARED_SYSTEM), Chat("r1", LONG_SYSTEM)]
         for chat in chats:
             chat.send(server.url)
-        chats[0].send(server.url)
-        settle(server, root, 4)
+        settle(server, root, 3)
     finally:
         server.stop()
     return root
@@ -221,7 +221,9 @@ def test_tenants_stay_apart_across_a_restart_and_nothing_on_disk_names_them(base
         settle(server, root, 3, ADMIN)
     finally:
         server.stop()
-    (record,) = conversation_files(root)  # each turn superseded the one before
+    # Each turn superseded the one before, which keeps only its whole blocks: the longest
+    # record is the conversation's.
+    record = max(conversation_files(root), key=lambda p: Store.open(root).inspect(p).n_tokens)
     used = record.stat().st_mtime_ns
 
     server = serve(model, root, tmp, "tenant2", "--persist-requests", env=KEYS_ENV)
@@ -315,7 +317,7 @@ def test_delete_prefix_cache_removes_persisted_conversations_and_only_their_bloc
         settle(server, root, 4, ADMIN)
         reach = read_reach(Store.open(root))
         n = len(reach.records)
-        assert n == 3
+        assert n >= 3  # and d1's first turn, up to its last whole block
         conv_only = {rel for rel in reach.counts if rel not in reach.agent_parts}
         assert conv_only and set(reach.counts) & reach.agent_parts  # dedup with the agents
 
@@ -364,14 +366,17 @@ def test_budget_evicts_least_recently_used_across_a_restart_and_keeps_reached_bl
     lru = [
         whose[r.path.name.split(".")[0]] for r in sorted(reach.records, key=lambda r: r.last_use)
     ]
-    assert lru == ["c2", "c3", "c4", "c1"]
+    # c1's first turn, kept up to its last whole block when its second superseded it, keeps
+    # that turn's last use
+    assert lru[-4:] == ["c2", "c3", "c4", "c1"] and set(lru[:-4]) <= {"c1"}
     budget = 0.75 * reach.nbytes(Store.open(root))  # room for c1 and one more, not for all
     gb = f"{budget / 2**30:.9f}"
 
     server = serve(model, root, tmp, "budget2", "--persist-requests", "--persist-max-gb", gb)
     try:
         time.sleep(0.5)
-        assert len(conversation_files(root)) == 4  # start reads (and evicts) nothing
+        # start reads (and evicts) nothing
+        assert len(conversation_files(root)) == len(reach.records)
         c5 = Chat("c5", LONG_SYSTEM)
         c5.send(server.url)
         assert settle(server, root, 1)["evicted"] >= 1  # the pass before the write
@@ -428,7 +433,7 @@ def test_gc_during_writes_keeps_every_reached_block_and_drops_unused_conversatio
     assert_sound(root)
     agent_parts = read_reach(Store.open(root)).agent_parts
     n = len(conversation_files(root))
-    assert n == 4
+    assert n >= 4  # and earlier turns kept up to their last whole block
 
     time.sleep(1.2)
     r = run_kvsnap("gc", root, "--conversations-unused-for", "1s")
@@ -798,17 +803,14 @@ def test_a_bad_conversation_record_is_named_with_a_fix_that_fits_it(conv_store, 
     assert f"delete {record} (that conversation's next turn prefills)" in line
 
 
-# --- known defect, outside this file's modules ------------------------------------------------
+# --- a fork across a restart -----------------------------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="kvsnap/runtime/persist.py supersedes the record a request extends even when another "
-    "conversation of the namespace still ends there (a fork, a regenerated turn), and the disk "
-    "lookup takes strict prefixes only: after a restart that conversation's next turn "
-    "prefills all of it, where a server that never stopped reuses most of it",
-)
 def test_a_forked_conversation_keeps_its_shared_turn_across_a_restart(base, tmp_path):
+    """A regenerated or edited turn (a fork) extends the same record as the original:
+    superseding it must keep its whole blocks, or after a restart the other branch's next
+    turn (the disk lookup serves strict prefixes only) prefills all of it. It loses at most
+    the partial last block against a server that never stopped (which trims in memory)."""
     tmp, model, _ = base
     root = copy_store(base, tmp_path)
 
@@ -830,6 +832,6 @@ def test_a_forked_conversation_keeps_its_shared_turn_across_a_restart(base, tmp_
         server.stop()
     server = serve(model, root, tmp, "fork2", "--persist-requests")
     try:
-        assert first.send(server.url) >= never_stopped
+        assert first.send(server.url) >= never_stopped - DEFAULT_BLOCK_TOKENS > 0
     finally:
         server.stop()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 import threading
 import time
 from collections import deque
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 
 from kvsnap.errors import SnapshotError, StoreError
 from kvsnap.snapshot.file import OutTensor, write_snapshot
+from kvsnap.snapshot.format import BLOCK_KIND
 from kvsnap.store.conversation_space import evict_to_budget, purge, sweep_orphans
 from kvsnap.store.conversations import record_path, touch
 from kvsnap.store.fileio import atomic_write
@@ -262,20 +264,79 @@ class ConversationWriter:
                 self._supersede(item)
 
     def _supersede(self, item: ConversationWrite) -> None:
-        """Remove the record ``item`` extends; its parts the new record does not reach are
-        swept later (another record may reach them)."""
+        """Replace the record ``item`` extends with its whole blocks only: the new record
+        serves everything it did, but another branch may continue from it (a regenerated or
+        edited turn), and after a restart the disk lookup finds strict prefixes only. So the
+        record up to its last full block stays (those blocks are the new record's too: it
+        costs a header) and keeps that turn's last use; only the partial tail goes, swept
+        later (another record may reach it). The shorter record lands before the old goes."""
         old = record_path(self.store.root, item.supersedes or "")
         try:
-            parts = chain_relpaths(self.store.inspect(old))
-            old.unlink()
-        except (SnapshotError, FileNotFoundError):
+            info = self.store.inspect(old)
+        except SnapshotError:
             return  # gone already, or not readable: gc's to judge
+        chain = info.chain
+        if chain is None or chain.checkpoints or info.n_tokens % chain.block_tokens == 0:
+            return  # a hybrid's (never superseded), or whole blocks already: it stays
+        kept = self._write_whole_blocks_record(info)
+        try:
+            old.unlink()
+        except FileNotFoundError:
+            return
         self.stats.superseded += 1
         self.store.fault("conversation-after-supersede")
-        for rel in set(parts) - item.relpaths:
+        for rel in set(chain_relpaths(info)) - item.relpaths - kept:
             self._orphans[rel] = _size(self.store.root / rel)
         if sum(self._orphans.values()) >= ORPHAN_SWEEP_BYTES:
             self._sweep()
+
+    def _write_whole_blocks_record(self, info) -> set[str]:
+        """The record of ``info``'s tokens up to its last full block (none when that is 0),
+        with ``info``'s last use; returns the parts it reaches."""
+        from kvsnap.key import pack_tokens, tokens_digest
+        from kvsnap.snapshot.cache_classes import layers_at
+        from kvsnap.snapshot.format import TOKENS, header_metadata
+        from kvsnap.store.conversations import record_key
+
+        chain = info.chain
+        n = info.n_tokens // chain.block_tokens * chain.block_tokens
+        blocks = [b for b in chain.blocks if b[2] <= n]
+        if n == 0 or not blocks or blocks[-1][2] != n:
+            return set()
+        tokens = list(info.tokens[:n])
+        tdigest = tokens_digest(tokens)
+        key = record_key(info.model_digest, info.prompt_digest, tdigest, n)
+        target = record_path(self.store.root, key)
+        if not target.exists():
+            metadata = header_metadata(
+                key=key,
+                name="",
+                model=info.model,
+                model_digest=info.model_digest,
+                prompt_digest=info.prompt_digest,
+                n_tokens=n,
+                tokens_digest=tdigest,
+                layers=layers_at(info.layers, n),
+                recorded=info.recorded,
+                chain={
+                    "block_tokens": chain.block_tokens,
+                    "checkpoint_every": chain.checkpoint_every,
+                    "blocks": [list(b) for b in blocks],
+                    "checkpoints": [],
+                },
+            )
+            raw = pack_tokens(tokens)
+            tensors = [OutTensor(TOKENS, "I32", (n,), memoryview(raw))]
+            atomic_write(
+                target,
+                lambda f: write_snapshot(f, tensors, metadata),
+                self.store.fault,
+                self.store.fsync,
+            )
+            used = info.path.stat()
+            os.utime(target, ns=(used.st_atime_ns, used.st_mtime_ns))  # that turn's last use
+            self._estimate += target.stat().st_size
+        return {part_relpath(BLOCK_KIND, b[0]) for b in blocks}
 
     def _sweep_guarded(self) -> None:
         try:
