@@ -101,6 +101,8 @@ class Persister:
         from kvsnap.snapshot.codec import CaptureError
 
         items, self.pending = self.pending, []
+        if self.writer.stats.disabled:  # disk full: no work on the serving path for nothing
+            return
         for entry, extends in items:
             try:
                 write = self._prepare(entry, extends)
