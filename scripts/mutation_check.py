@@ -1251,6 +1251,45 @@ BREAKAGES = (
             "turn_answers_as_if_never_restarted[dense]",
         ),
     ),
+    Breakage(
+        "vllm-mlx-restore-not-shape-checked",
+        "4. nothing lost, nothing half-written (persisted conversations, the vllm-mlx route)",
+        "a persisted record is put into vllm-mlx's cache without comparing its tensors with the "
+        "model's own cache",
+        (
+            Patch(
+                "kvsnap/integrations/vllm_mlx_persist.py",
+                "            state = checked_state(self.persister.store, info, self.identity, "
+                "self.shapes)\n",
+                "            from kvsnap.snapshot.codec import decode_cache\n\n"
+                "            state = decode_cache(\n"
+                "                self.persister.store.load_arrays(info, self.identity), "
+                "info.layers\n"
+                "            )\n",
+            ),
+        ),
+        (
+            "tests/test_vllm_mlx_persist.py::test_a_forged_persisted_block_is_refused_and_the_"
+            "turn_is_served_cold[all]",
+        ),
+    ),
+    Breakage(
+        "vllm-mlx-restore-error-fails-request",
+        "4. nothing lost, nothing half-written (persisted conversations, the vllm-mlx route)",
+        "an mlx error reading a persisted record (blocks that do not fit together) escapes into "
+        "vllm-mlx's add_request",
+        (
+            Patch(
+                "kvsnap/integrations/vllm_mlx_persist.py",
+                "        except (KvsnapError, OSError, ValueError, RuntimeError) as exc:\n",
+                "        except (KvsnapError, OSError) as exc:\n",
+            ),
+        ),
+        (
+            "tests/test_vllm_mlx_persist.py::test_a_forged_persisted_block_is_refused_and_the_"
+            "turn_is_served_cold[own]",
+        ),
+    ),
 )
 
 

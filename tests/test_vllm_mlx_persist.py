@@ -217,32 +217,29 @@ def _records(store) -> list[str]:
     return sorted(p.name for p in folder.glob("*.safetensors")) if folder.is_dir() else []
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("arch", ["dense", "hybrid"])
-def test_a_conversation_survives_kill_9_and_its_next_turn_answers_as_if_never_restarted(
-    world, arch, tmp_path
-):
-    model = str(world.models[arch])
+def _serve_cmd(world, arch: str, store) -> list[str]:
+    return [
+        str(world.python),
+        *("-m", "kvsnap", "vllm-mlx", "serve", str(world.models[arch]), "--continuous-batching"),
+        *("--kv-snapshots", str(store)),
+    ]
+
+
+def _three_turns_then_kill_9(world, arch: str, tmp_path, home) -> tuple:
+    """A store, three turns through a persisting server, its writes done, kill -9; the store,
+    the answers, the history so far, the persist status and the records left."""
     store = tmp_path / "snaps"
     if arch == "dense":  # the agent's snapshot in the store: the conversation shares its blocks
         shutil.copytree(world.store, store)
     # A hybrid request that hit a snapshot is not stored again until it grows 4,096 tokens
     # past it (vllm-mlx's SNAPSHOT_REFRESH_TOKENS): its conversation starts from an empty store.
-    home = tmp_path / "home"
-    home.mkdir()
-    serve = [
-        str(world.python),
-        *("-m", "kvsnap", "vllm-mlx", "serve", model, "--continuous-batching"),
-        *("--kv-snapshots", str(store)),
-    ]
-    persisting = [*serve, "--persist-requests"]
     history = [AGENTS[0]["messages"][0]]
-
-    # Three turns, the writes done, then kill -9.
-    first = _launch(persisting, home, tmp_path / "first.log")
+    first = _launch(
+        [*_serve_cmd(world, arch, store), "--persist-requests"], home, tmp_path / "1.log"
+    )
     try:
         first.wait_ready(180)
-        before = _converse(first, model, USERS[:3], history)
+        before = _converse(first, str(world.models[arch]), USERS[:3], history)
         want = 6 if arch == "dense" else 1  # dense: per turn the entry and its prompt-only cut
         deadline = time.monotonic() + 30
         while (p := _kvsnap_status(first)["persist"])["written"] < want or p["queued"]:
@@ -256,9 +253,22 @@ def test_a_conversation_survives_kill_9_and_its_next_turn_answers_as_if_never_re
     records = _records(store)
     assert records, first.log()[-3000:]
     _venv_kvsnap(world.python, home, "verify", store)  # sound after the kill
+    return store, before, history, records
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["dense", "hybrid"])
+def test_a_conversation_survives_kill_9_and_its_next_turn_answers_as_if_never_restarted(
+    world, arch, tmp_path
+):
+    model = str(world.models[arch])
+    home = tmp_path / "home"
+    home.mkdir()
+    store, before, history, records = _three_turns_then_kill_9(world, arch, tmp_path, home)
+    serve = _serve_cmd(world, arch, store)
 
     # Restart: turn 4 reads the last turn's record from disk.
-    second = _launch(persisting, home, tmp_path / "second.log")
+    second = _launch([*serve, "--persist-requests"], home, tmp_path / "second.log")
     try:
         second.wait_ready(180)
         after = _converse(second, model, USERS[3:], history)[0]
@@ -291,3 +301,52 @@ def test_a_conversation_survives_kill_9_and_its_next_turn_answers_as_if_never_re
         f"restarted: {never[3]['cached_tokens']}; records {len(records)}"
     )
     assert json.dumps(status)  # the status object is JSON as served
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("which", ["all", "own"])
+def test_a_forged_persisted_block_is_refused_and_the_turn_is_served_cold(world, which, tmp_path):
+    """Blocks a conversation record reaches rewritten with half their head dim (checksums
+    recomputed, so the records still name them and verify without a model passes): all of them
+    (the shape check refuses the record before vllm-mlx sees it), or only those no agent reaches
+    (the chain no longer fits together; that used to fail the request inside vllm-mlx's
+    add_request). Either way the turn is prefilled and the server serves on."""
+    from test_forged_shapes import forge_head_dim
+
+    from kvsnap.store.local import Store
+    from kvsnap.store.parts import chain_relpaths
+
+    home = tmp_path / "home"
+    home.mkdir()
+    store, before, history, _ = _three_turns_then_kill_9(world, "dense", tmp_path, home)
+    opened = Store.open(store, readonly=True)
+    forged = {
+        rel
+        for p in (store / "conversations").glob("*.safetensors")
+        for rel in chain_relpaths(opened.inspect(p))
+    }
+    if which == "own":
+        forged -= {
+            rel for p in opened.snapshot_files() for rel in chain_relpaths(opened.inspect(p))
+        }
+    assert forged and all(rel.startswith("blocks/") for rel in forged)
+    for rel in sorted(forged):
+        forge_head_dim(store / rel)
+    _venv_kvsnap(world.python, home, "verify", store)  # a store alone cannot tell
+    model = str(world.models["dense"])
+    second = _launch(
+        [*_serve_cmd(world, "dense", store), "--persist-requests"], home, tmp_path / "2.log"
+    )
+    try:
+        second.wait_ready(180)
+        after = _converse(second, model, USERS[3:], history)[0]
+        again = _turn(second, model, history[:-1])  # the same turn, the server still serving
+        status = _kvsnap_status(second)["persist"]
+    finally:
+        assert second.stop() == 0, second.log()[-3000:]
+    assert (status["restored"], status["load_errors"]) == (0, 1), status
+    assert after["cached_tokens"] < before[2]["prompt_tokens"] - 1, after
+    assert again["text"] == after["text"]
+    refused = [line for line in second.log().splitlines() if "persisted conversation" in line]
+    why = "this model's cache holds" if which == "all" else "concatenate"
+    assert any("not used" in line and why in line for line in refused), refused

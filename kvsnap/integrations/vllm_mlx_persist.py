@@ -23,7 +23,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-from kvsnap.errors import KvsnapError, SnapshotError, StoreError
+from kvsnap.errors import KvsnapError
 
 log = logging.getLogger("kvsnap.vllm_mlx")
 
@@ -122,7 +122,11 @@ class PersistHooks:
         prompt = tuple(tokens)
         matched = len(tokens) - len(remaining) if cache is not None else 0
         self.recent.append(prompt)
-        info = self.persister.persisted_for(prompt, NAMESPACE, matched)
+        try:
+            info = self.persister.persisted_for(prompt, NAMESPACE, matched)
+        except (KvsnapError, OSError) as exc:  # an unreadable conversations/: memory serves on
+            log.warning("[kvsnap] persisted conversations not looked up: %s", exc)
+            info = None
         if info is None or not self._restore(info):
             return cache, remaining
         vars(self.cache._stats).update(stats)  # one lookup, counted once by the second fetch
@@ -195,10 +199,10 @@ class PersistHooks:
         """Put a persisted record into vllm-mlx's cache (checked against the model's shapes)."""
         from kvsnap.integrations.vllm_mlx_warm import checked_state
 
-        try:
+        try:  # ValueError/RuntimeError: mlx on blocks that do not fit together (forged)
             state = checked_state(self.persister.store, info, self.identity, self.shapes)
-        except (SnapshotError, StoreError, OSError) as exc:
-            self.persister.load_error(str(info.path), exc)
+        except (KvsnapError, OSError, ValueError, RuntimeError) as exc:
+            self.persister.load_error(str(info.path), exc)  # the request prefills instead
             return False
         self.paused += 1
         try:  # evict_prefixes=False: what else memory holds stays
