@@ -70,6 +70,12 @@ def test_persist_flags_split_off_and_are_checked_like_kvsnap_serves():
         )
 
 
+def test_persist_requests_refuses_vllm_mlx_quantized_entries():
+    found = split_persist_argv(["--persist-requests"])[0]
+    with pytest.raises(UsageError, match="--kv-cache-quantization.*drop one of the two"):
+        persist_options(SimpleNamespace(kv_snapshots="s", kv_cache_quantization=True, **found))
+
+
 def test_persist_requests_without_kv_snapshots_is_a_usage_error(tmp_path):
     r = run_kvsnap("vllm-mlx", "serve", tmp_path, "--continuous-batching", "--persist-requests")
     assert r.returncode == 2, r.stderr

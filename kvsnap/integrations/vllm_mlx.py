@@ -146,6 +146,11 @@ def persist_options(args: Any) -> Any:
         return None
     if not getattr(args, "kv_snapshots", None):
         raise UsageError(f"{PERSIST_OPTION} needs a store to write into; add {OPTION} DIR")
+    if getattr(args, "kv_cache_quantization", False):
+        raise UsageError(
+            f"{PERSIST_OPTION} cannot write the entries --kv-cache-quantization makes (vllm-mlx's "
+            f"own quantized wrapper, not an mlx-lm cache); drop one of the two"
+        )
     return PersistOptions(
         max_bytes=int((max_gb or DEFAULT_MAX_GB) * 2**30),
         flush_timeout_s=flush or DEFAULT_FLUSH_TIMEOUT_S,
