@@ -252,7 +252,7 @@ class Persister:
         self.pending.clear()
         removed = self.writer.purge(timeout)
         if self.index is not None:
-            self.index.listed_at = float("-inf")  # list again at the next lookup
+            self.index.forget()
         return removed
 
     def close(self) -> int:

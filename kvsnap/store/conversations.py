@@ -107,18 +107,38 @@ def record_key(model_digest: str, conv_digest: str, tokens_digest: str, n_tokens
 @dataclass
 class ConversationIndex:
     """The keys in ``conversations/``, listed at start and again when older than
-    ``max_age_s`` (another server may have written some); reading a record waits for a hit."""
+    ``max_age_s`` and the folder changed (another server may have written some): a stat,
+    then names only. Reading a record waits for a hit."""
 
     root: Path
     max_age_s: float = INDEX_MAX_AGE_S
     keys: set[str] = field(default_factory=set)
     listed_at: float = float("-inf")
+    folder_mtime_ns: int = -1
 
     def current(self) -> set[str]:
-        if time.monotonic() - self.listed_at >= self.max_age_s:
-            self.keys = {p.name[: -len(SUFFIX)] for p in conversation_files(self.root)}
-            self.listed_at = time.monotonic()
+        now = time.monotonic()
+        if now - self.listed_at < self.max_age_s:
+            return self.keys
+        self.listed_at = now
+        folder = conversations_dir(self.root)
+        try:
+            mtime = folder.stat().st_mtime_ns
+        except FileNotFoundError:
+            self.keys, self.folder_mtime_ns = set(), -1
+            return self.keys
+        if mtime != self.folder_mtime_ns:  # 10,000 names: ~5 ms; a stat: microseconds
+            self.folder_mtime_ns = mtime
+            self.keys = {
+                name[: -len(SUFFIX)]
+                for name in os.listdir(folder)
+                if name.endswith(SUFFIX) and not name.startswith(TMP_PREFIX)
+            }
         return self.keys
+
+    def forget(self) -> None:
+        """List again at the next lookup (the records were removed)."""
+        self.listed_at, self.folder_mtime_ns = float("-inf"), -1
 
 
 def longest_persisted(
