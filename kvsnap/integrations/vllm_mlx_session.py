@@ -241,12 +241,11 @@ class Session:
         if hooks is None:
             return
         hooks.paused += 1
-        stats = hooks.as_dict()
         persister = hooks.persister  # its writer only: no mlx off the model's thread
         left = await asyncio.to_thread(persister.writer.close, persister.options.flush_timeout_s)
         log.info(
             "[kvsnap] persisted conversations: %d written this run, %d restored, %d left unwritten",
-            stats["written"],
+            persister.writer.as_dict()["written"],
             hooks.restored,
             left,
         )
