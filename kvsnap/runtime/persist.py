@@ -103,16 +103,19 @@ class Persister:
         items, self.pending = self.pending, []
         if self.writer.stats.disabled:  # disk full: no work on the serving path for nothing
             return
+        copied: set[str] = set()  # parts already copied in this pump: written by the first
         for entry, extends in items:
             try:
-                write = self._prepare(entry, extends)
+                write = self._prepare(entry, extends, copied)
             except (CaptureError, SnapshotError, StoreError, ValueError, RuntimeError) as exc:
                 log.warning("[kvsnap] a request prefix is not persisted: %s", exc)
                 continue
             if write is not None:
                 self.writer.submit(write)
 
-    def _prepare(self, entry: Entry, extends: tuple | None) -> ConversationWrite | None:
+    def _prepare(
+        self, entry: Entry, extends: tuple | None, copied: set[str]
+    ) -> ConversationWrite | None:
         from kvsnap.snapshot.cache_classes import layers_at, needs_checkpoints, split_tensor_names
         from kvsnap.snapshot.codec import encode_cache, to_out_tensors
         from kvsnap.snapshot.format import BLOCK_KIND, CHECKPOINT_KIND, TOKENS, part_metadata
@@ -133,7 +136,8 @@ class Persister:
         sliced, whole = split_tensor_names(layers)
         parts = []
         for link in links:
-            if not has_part(self.store, BLOCK_KIND, link.key):
+            if link.key not in copied and not has_part(self.store, BLOCK_KIND, link.key):
+                copied.add(link.key)
                 sl = {name: arrays[name][..., link.start : link.end, :] for name in sliced}
                 meta = part_metadata(
                     kind=BLOCK_KIND,
