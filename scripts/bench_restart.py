@@ -8,6 +8,8 @@ kill -9), for each server:
   kvsnap          the same without --persist-requests
   vllm-mlx        vllm-mlx serve M --continuous-batching --warm-prompts A (its own prefix-cache
                   save at a graceful shutdown; one HOME across the restart)
+  vllm-route      kvsnap vllm-mlx serve M --continuous-batching --kv-snapshots S --warm-prompts A
+                  --persist-requests (in vllm-mlx's venv, this checkout on PYTHONPATH)
 
 Every conversation shares one agent's system prompt (~1,500 tokens); user turns are 100-400
 tokens and the assistant replies in the history 100-400-token texts the client writes (the
@@ -57,7 +59,7 @@ from kvsnap.tools.serverproc import (  # noqa: E402
     under_hard_limit,
 )
 
-SERVERS = ("kvsnap-persist", "kvsnap", "vllm-mlx")
+SERVERS = ("kvsnap-persist", "kvsnap", "vllm-mlx", "vllm-route")
 WAYS = ("none", "sigterm", "kill9")
 WORDS = (
     "config parser request handler cache block token index file path error test retry budget "
@@ -108,10 +110,17 @@ def launch(server: str, model: Path, store: Path, agents: Path, home: Path, log:
             args.append("--persist-requests")
         return start_server(model, args, log, env=env, limit_s=7200)
     port = free_port()
-    cmd = [str(vllm_python), "-m", "vllm_mlx.cli", "serve", str(model), "--continuous-batching"]
+    if server == "vllm-route":
+        cmd = [str(vllm_python), "-m", "kvsnap", "vllm-mlx", "serve", str(model)]
+        cmd += ["--continuous-batching", "--kv-snapshots", str(store), "--persist-requests"]
+    else:
+        cmd = [str(vllm_python), "-m", "vllm_mlx.cli", "serve", str(model)]
+        cmd += ["--continuous-batching"]
     cmd += ["--warm-prompts", str(agents), "--host", "127.0.0.1", "--port", str(port)]
     full_env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     full_env.update(env, PYTHONUNBUFFERED="1")
+    if server == "vllm-route":
+        full_env["PYTHONPATH"] = str(ROOT)
     blas = find_openblas()
     if blas:
         full_env["LD_PRELOAD"] = blas
@@ -212,7 +221,7 @@ def run(args, server: str, way: str, model: Path, agents: Path, store0: Path, sy
             for h, conv in zip(histories, convs):
                 h.append({"role": "user", "content": conv[turn][0]})
             results = one_turn(
-                proc.url, model_id, histories, args.max_tokens, poll=server == "vllm-mlx"
+                proc.url, model_id, histories, args.max_tokens, poll=server.startswith("vllm")
             )
             for i, (h, conv, r) in enumerate(zip(histories, convs, results)):
                 rows.append({**extra, "turn": turn + 1, "conversation": i, **r})
@@ -282,7 +291,7 @@ def main() -> int:
     rows = json.loads(out.read_text()) if out.exists() else []
     for server in args.servers.split(","):
         for way in args.ways.split(","):
-            if server == "vllm-mlx" and not Path(args.vllm_python).exists():
+            if server.startswith("vllm") and not Path(args.vllm_python).exists():
                 print(f"skip {server}: no {args.vllm_python}", flush=True)
                 continue
             rows = [r for r in rows if (r["server"], r["way"]) != (server, way)]
