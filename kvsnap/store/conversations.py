@@ -30,7 +30,7 @@ import xxhash
 
 from kvsnap.errors import StoreError
 from kvsnap.key import hexdigest, key_from_digests, pack_tokens
-from kvsnap.snapshot.format import CONVERSATIONS, KEY_RE, SECRET_NAME, SUFFIX
+from kvsnap.snapshot.format import CONVERSATIONS, KEY_RE, SECRET_NAME, SUFFIX, snapshot_filename
 from kvsnap.store.fileio import FILE_MODE, TMP_PREFIX, Fsync, default_fsync, fsync_dir, make_dirs
 
 SECRET_BYTES = 32
@@ -44,7 +44,7 @@ def conversations_dir(root: Path) -> Path:
 def record_path(root: Path, key: str) -> Path:
     if not KEY_RE.fullmatch(key):
         raise StoreError(f"conversation key {key!r} is not 32 lowercase hex digits")
-    return conversations_dir(root) / f"{key}{SUFFIX}"
+    return conversations_dir(root) / snapshot_filename(key)
 
 
 def conversation_files(root: Path) -> list[Path]:
