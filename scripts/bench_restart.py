@@ -188,9 +188,16 @@ def conversation_bytes(store: Path) -> dict:
     key, start, end = next(b for b in chain.blocks if b[2] - b[1] == chain.block_tokens)
     block = store / "blocks" / f"{key}.safetensors"
     per_token = (block.stat().st_size - read_header(block).data_start) / (end - start)
-    unique = sum(max(0, i.n_tokens - shared_tokens) for i in infos) * per_token
+    # a conversation's turns kept up to their whole blocks are prefixes of its latest record
+    leaves = [
+        i
+        for i in infos
+        if not any(o.n_tokens > i.n_tokens and o.tokens[: i.n_tokens] == i.tokens for o in infos)
+    ]
+    unique = sum(max(0, i.n_tokens - shared_tokens) for i in leaves) * per_token
     return {
         "count": s.count,
+        "conversations": len(leaves),
         "bytes": s.nbytes,
         "unique_kv_bytes": int(unique),
         "ratio": s.nbytes / unique if unique else None,

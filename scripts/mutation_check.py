@@ -1054,6 +1054,22 @@ BREAKAGES = (
         ),
     ),
     Breakage(
+        "conversation-blocks-ignore-warm-ends",
+        "conversations",
+        "a conversation's chain is cut on the grid only, not also where its agent's record ends",
+        (
+            Patch(
+                "kvsnap/runtime/engine.py",
+                "            persister.prefix = self.prefix\n",
+                "",
+            ),
+        ),
+        (
+            "tests/test_persist_store.py::test_a_conversation_shares_its_agents_partial_last_"
+            "block",
+        ),
+    ),
+    Breakage(
         "persisted-conversation-rewarmed-as-shared",
         "tenants",
         "a re-warm re-indexes a persisted conversation (file-backed) as a warm entry",

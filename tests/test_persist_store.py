@@ -835,3 +835,21 @@ def test_a_forked_conversation_keeps_its_shared_turn_across_a_restart(base, tmp_
         assert first.send(server.url) >= never_stopped - DEFAULT_BLOCK_TOKENS > 0
     finally:
         server.stop()
+
+
+def test_a_conversation_shares_its_agents_partial_last_block(conv_store):
+    """A warm entry's end is a block end of the conversations that start with it: the agent's
+    partial last block is theirs too, not a second copy of the agent's tail tokens."""
+    store = Store.open(conv_store, readonly=True)
+    agents = {i.name: i for i in store.scan()[0]}
+    reviewer = agents["reviewer"]
+    last = reviewer.chain.blocks[-1]
+    assert last[2] - last[1] < DEFAULT_BLOCK_TOKENS  # partial: the case that matters
+    on_reviewer = [
+        info
+        for info in (store.inspect(p) for p in conversation_files(conv_store))
+        if info.tokens[: reviewer.n_tokens] == reviewer.tokens
+    ]
+    assert on_reviewer
+    for info in on_reviewer:
+        assert last[0] in {b[0] for b in info.chain.blocks}, (last, info.chain.blocks)

@@ -404,6 +404,7 @@ class Engine:
         )
         if self.persister is not None:
             persister = self.persister
+            persister.prefix = self.prefix
             self.prefix.on_request_prefix = lambda e, st: persister.captured(e, st.extends)
 
     def _cancel(self, state: RequestState) -> None:

@@ -17,7 +17,14 @@ from typing import Any, Sequence
 from kvsnap.errors import SnapshotError, StoreError
 from kvsnap.key import ModelIdentity, tokens_digest
 from kvsnap.runtime.prefix import Entry, PrefixCache
-from kvsnap.snapshot.blocks import BlockSettings, ChainLink, chain_field, chain_of, plan_cuts
+from kvsnap.snapshot.blocks import (
+    BlockSettings,
+    ChainLink,
+    Cut,
+    chain_field,
+    chain_of,
+    plan_cuts,
+)
 from kvsnap.store.conversation_writer import ConversationWrite, ConversationWriter, PartWrite
 from kvsnap.store.conversations import (
     ConversationIndex,
@@ -55,6 +62,8 @@ class Persister:
     settings: BlockSettings = field(default_factory=BlockSettings)
     index: ConversationIndex | None = None
     pending: list = field(default_factory=list)  # (entry, tokens of the entry it extends)
+    # the engine's cache: a warm entry's end is a block end too, so its last block is shared
+    prefix: PrefixCache | None = None
     disk_hits: int = 0  # records indexed for a request (each loads on that hit)
     load_errors: int = 0
 
@@ -130,8 +139,9 @@ class Persister:
             return None
         arrays, layers = encode_cache(entry.state, tokens)
         hybrid = needs_checkpoints(layers)
+        warm_ends = self.prefix.shared_ends(tokens) if self.prefix is not None else []
         links = _end_checkpoint_only(
-            chain_of(digest, tokens, plan_cuts(len(tokens), set(), self.settings), hybrid)
+            chain_of(digest, tokens, _cuts(len(tokens), warm_ends, self.settings), hybrid)
         )
         sliced, whole = split_tensor_names(layers)
         parts = []
@@ -271,6 +281,20 @@ class Persister:
             "load_errors": self.load_errors,
             "max_bytes": self.options.max_bytes,
         }
+
+
+def _cuts(n: int, extra_ends: Sequence[int], settings: BlockSettings) -> list[Cut]:
+    """The block grid of ``n`` tokens, also cut where a warm entry ends: that agent's partial
+    last block (its record's) is then the conversation's too, not a second copy of its
+    tokens in a block of the conversation's own."""
+    base = plan_cuts(n, set(), settings)
+    checkpoints = {c.end for c in base if c.checkpoint}
+    ends = sorted({c.end for c in base} | {e for e in extra_ends if 0 < e < n})
+    cuts, start = [], 0
+    for end in ends:
+        cuts.append(Cut(start, end, end in checkpoints))
+        start = end
+    return cuts
 
 
 def _end_checkpoint_only(links: list[ChainLink]) -> list[ChainLink]:

@@ -246,6 +246,12 @@ class PrefixCache:
             return None
         return Match(best.entry, best.usable)
 
+    def shared_ends(self, tokens: Sequence[int]) -> list[int]:
+        """The lengths of the shared (warm) entries that are whole prefixes of ``tokens``."""
+        with self._lock:
+            trie = self._tries.get(None)
+            return trie.entry_ends(tuple(tokens)) if trie is not None else []
+
     def fetch(
         self, tokens: Sequence[int], namespace: str = "", count: bool = True
     ) -> tuple[Any, int, Match | None]:

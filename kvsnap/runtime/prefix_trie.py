@@ -159,6 +159,11 @@ class TokenTrie:
             below = node
         return best
 
+    def entry_ends(self, tokens: tuple[int, ...]) -> list[int]:
+        """The lengths of the entries that are whole prefixes of ``tokens``."""
+        path, _, _ = self._walk(tokens)
+        return [d for node, d in path if node.entry is not None]
+
     def _walk(self, tokens: tuple[int, ...]) -> tuple[list[tuple[_Node, int]], _Node | None, int]:
         """The nodes ``tokens`` reaches whole (with their depths), the child whose edge they
         leave part-way (or None), and how many tokens match in all."""
