@@ -1064,10 +1064,7 @@ BREAKAGES = (
                 "",
             ),
         ),
-        (
-            "tests/test_persist_store.py::test_a_conversation_shares_its_agents_partial_last_"
-            "block",
-        ),
+        ("tests/test_persist_store.py::test_a_conversation_shares_its_agents_partial_last_block",),
     ),
     Breakage(
         "persisted-conversation-rewarmed-as-shared",
