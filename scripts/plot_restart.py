@@ -76,7 +76,7 @@ def main() -> int:
     ax1.legend(fontsize=7)
     fig.suptitle("Conversations across a restart (scripts/bench_restart.py)")
     fig.tight_layout()
-    fig.savefig(prefix.with_suffix(".png"), dpi=110)
+    fig.savefig(prefix.parent / (prefix.name + ".png"), dpi=110)
     t, p = restart_turn, restart_turn - 1
     lines = [
         f"| server | restart | turn-{t} TTFT p50 | p95 | vs never restarted | cached turn {t} "
@@ -102,7 +102,7 @@ def main() -> int:
             f"| {tpot_text} |"
         )
     table = "\n".join(lines)
-    prefix.with_suffix(".md").write_text(table + "\n")
+    (prefix.parent / (prefix.name + ".md")).write_text(table + "\n")
     print(table)
     return 0
 
