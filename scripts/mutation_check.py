@@ -352,9 +352,9 @@ BREAKAGES = (
         (
             Patch(
                 "kvsnap/store/local.py",
-                "                    reached: set[str] | None = reached_parts([self.inspect(p) for "
+                "                reached: set[str] | None = reached_parts([self.inspect(p) for "
                 "p in kept])\n",
-                "                    reached: set[str] | None = set()\n",
+                "                reached: set[str] | None = set()\n",
             ),
         ),
         (
