@@ -925,6 +925,27 @@ def _launch(cmd: list[str], home: Path, log: Path, extra_env: dict | None = None
     )
 
 
+def _polled(server, body: dict, headers: dict | None = None) -> tuple[dict, list]:
+    """POST a chat ``body`` while polling /v1/status (vllm-mlx 0.6 reports a request's cache
+    figures there, not in usage); the answer and every status row seen for it."""
+    result: dict = {}
+
+    def send():
+        with httpx.Client(timeout=120, headers=headers) as c:
+            result["response"] = c.post(f"{server.url}/v1/chat/completions", json=body).json()
+
+    thread = threading.Thread(target=send)
+    seen = []
+    with httpx.Client(timeout=10, headers=headers) as c:
+        thread.start()
+        while thread.is_alive():
+            seen += c.get(f"{server.url}/v1/status").json()["requests"]
+            time.sleep(0.01)
+    thread.join()
+    assert seen, "the request never showed in /v1/status"
+    return result["response"], seen
+
+
 def _ask(
     server,
     model: str,
@@ -941,24 +962,10 @@ def _ask(
         "max_tokens": max_tokens,
         "temperature": 0,
     }
-    result: dict = {}
-
-    def send():
-        with httpx.Client(timeout=120, headers=headers) as c:
-            result["response"] = c.post(f"{server.url}/v1/chat/completions", json=body).json()
-
-    thread = threading.Thread(target=send)
-    seen = []
-    with httpx.Client(timeout=10, headers=headers) as c:
-        thread.start()
-        while thread.is_alive():
-            seen += c.get(f"{server.url}/v1/status").json()["requests"]
-            time.sleep(0.01)
-    thread.join()
-    assert seen, "the request never showed in /v1/status"
+    response, seen = _polled(server, body, headers)
     assert len({r["request_id"] for r in seen}) == 1
     return {
-        "text": result["response"]["choices"][0]["message"]["content"],
+        "text": response["choices"][0]["message"]["content"],
         "prompt_tokens": seen[-1]["prompt_tokens"],
         "cached_tokens": seen[-1]["cached_tokens"],
         "hit": seen[-1]["cache_hit_type"],

@@ -13,7 +13,6 @@ import json
 import os
 import shutil
 import signal
-import threading
 import time
 from types import SimpleNamespace
 
@@ -21,7 +20,15 @@ import httpx
 import pytest
 from conftest import run_kvsnap
 from persist_servers import server_pid
-from test_vllm_mlx import AGENTS, _kvsnap_status, _launch, _venv_kvsnap, vllm_mlx_python, world
+from test_vllm_mlx import (
+    AGENTS,
+    _kvsnap_status,
+    _launch,
+    _polled,
+    _venv_kvsnap,
+    vllm_mlx_python,
+    world,
+)
 
 from kvsnap.errors import UsageError
 from kvsnap.integrations.vllm_mlx import persist_options, split_persist_argv
@@ -188,22 +195,9 @@ def _turn(server, model: str, messages: list) -> dict:
     """One greedy chat turn; /v1/status is polled meanwhile for its cache figures (vllm-mlx 0.6
     reports cached tokens there, not in usage)."""
     body = {"model": model, "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0}
-    result: dict = {}
-
-    def send():
-        with httpx.Client(timeout=120) as c:
-            result["response"] = c.post(f"{server.url}/v1/chat/completions", json=body).json()
-
-    thread, seen = threading.Thread(target=send), []
-    with httpx.Client(timeout=10) as c:
-        thread.start()
-        while thread.is_alive():
-            seen += c.get(f"{server.url}/v1/status").json()["requests"]
-            time.sleep(0.01)
-    thread.join()
-    assert seen, "the request never showed in /v1/status"
+    response, seen = _polled(server, body)
     return {
-        "text": result["response"]["choices"][0]["message"]["content"],
+        "text": response["choices"][0]["message"]["content"],
         "prompt_tokens": seen[-1]["prompt_tokens"],
         "cached_tokens": max(int(s["cached_tokens"] or 0) for s in seen),
     }
