@@ -125,10 +125,10 @@ class Persister:
     def _prepare(
         self, entry: Entry, extends: tuple | None, copied: set[str]
     ) -> ConversationWrite | None:
-        from kvsnap.snapshot.cache_classes import layers_at, needs_checkpoints, split_tensor_names
+        from kvsnap.snapshot.cache_classes import needs_checkpoints, split_tensor_names
         from kvsnap.snapshot.codec import encode_cache, to_out_tensors
-        from kvsnap.snapshot.format import BLOCK_KIND, CHECKPOINT_KIND, TOKENS, part_metadata
-        from kvsnap.store.parts import has_part
+        from kvsnap.snapshot.format import BLOCK_KIND, CHECKPOINT_KIND, TOKENS
+        from kvsnap.store.parts import block_metadata, checkpoint_metadata, has_part
 
         namespace, tokens, digest = entry.namespace or "", entry.tokens, self.identity.digest
         conv_digest = self._digest(namespace)
@@ -149,28 +149,12 @@ class Persister:
             if link.key not in copied and not has_part(self.store, BLOCK_KIND, link.key):
                 copied.add(link.key)
                 sl = {name: arrays[name][..., link.start : link.end, :] for name in sliced}
-                meta = part_metadata(
-                    kind=BLOCK_KIND,
-                    key=link.key,
-                    model_digest=digest,
-                    start=link.start,
-                    end=link.end,
-                    prefix_digest=link.prefix_digest,
-                    layers=None if hybrid else layers_at(layers, link.end),
-                )
+                meta = block_metadata(link, digest, layers, dense=not hybrid)
                 parts.append(PartWrite(BLOCK_KIND, link.key, to_out_tensors(sl), meta))
             if link.checkpoint_key and not has_part(
                 self.store, CHECKPOINT_KIND, link.checkpoint_key
             ):
-                meta = part_metadata(
-                    kind=CHECKPOINT_KIND,
-                    key=link.checkpoint_key,
-                    model_digest=digest,
-                    start=0,
-                    end=link.end,
-                    prefix_digest=link.prefix_digest,
-                    layers=layers,
-                )
+                meta = checkpoint_metadata(link, digest, layers)
                 whole_state = {name: arrays[name] for name in whole}
                 parts.append(
                     PartWrite(

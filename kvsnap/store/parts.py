@@ -129,6 +129,35 @@ def put_part(
     return target.stat().st_size
 
 
+def block_metadata(link: ChainLink, model_digest: str, layers: list, dense: bool) -> dict[str, str]:
+    """The header of ``link``'s block; ``layers``: the state's at the chain's end (a block
+    names its layer list only when every layer is sliceable)."""
+    from kvsnap.snapshot.cache_classes import layers_at
+
+    return part_metadata(
+        kind=BLOCK_KIND,
+        key=link.key,
+        model_digest=model_digest,
+        start=link.start,
+        end=link.end,
+        prefix_digest=link.prefix_digest,
+        layers=layers_at(layers, link.end) if dense else None,
+    )
+
+
+def checkpoint_metadata(link: ChainLink, model_digest: str, layers: list) -> dict[str, str]:
+    """The header of the checkpoint at ``link``'s end; ``layers``: the state's there."""
+    return part_metadata(
+        kind=CHECKPOINT_KIND,
+        key=link.checkpoint_key or "",
+        model_digest=model_digest,
+        start=0,
+        end=link.end,
+        prefix_digest=link.prefix_digest,
+        layers=layers,
+    )
+
+
 def write_chain(
     store: StoreFiles,
     model_digest: str,
@@ -145,7 +174,6 @@ def write_chain(
     ``checkpoint_arrays``:
     end -> (arrays, layers) captured there (the chain's end is taken from ``arrays``). ``replace``:
     keys written even though a file is there (found bad); None rewrites every one."""
-    from kvsnap.snapshot.cache_classes import layers_at
     from kvsnap.snapshot.codec import to_out_tensors
 
     sliced, whole = split_tensor_names(layers)
@@ -154,15 +182,7 @@ def write_chain(
     for link in links:
         if replace is None or link.key in replace or not has_part(store, BLOCK_KIND, link.key):
             part = {name: arrays[name][..., link.start : link.end, :] for name in sliced}
-            meta = part_metadata(
-                kind=BLOCK_KIND,
-                key=link.key,
-                model_digest=model_digest,
-                start=link.start,
-                end=link.end,
-                prefix_digest=link.prefix_digest,
-                layers=layers_at(layers, link.end) if dense else None,
-            )
+            meta = block_metadata(link, model_digest, layers, dense)
             done.nbytes += put_part(store, BLOCK_KIND, link.key, to_out_tensors(part), meta)
             done.blocks += 1
         if link.checkpoint_key and (
@@ -179,15 +199,7 @@ def write_chain(
                 )
             state, state_layers = (arrays, layers) if link.end == n else checkpoint_arrays[link.end]
             part = {name: state[name] for name in whole}
-            meta = part_metadata(
-                kind=CHECKPOINT_KIND,
-                key=link.checkpoint_key,
-                model_digest=model_digest,
-                start=0,
-                end=link.end,
-                prefix_digest=link.prefix_digest,
-                layers=state_layers,
-            )
+            meta = checkpoint_metadata(link, model_digest, state_layers)
             done.nbytes += put_part(
                 store, CHECKPOINT_KIND, link.checkpoint_key, to_out_tensors(part), meta
             )
