@@ -278,6 +278,46 @@ BREAKAGES = (
         ),
     ),
     Breakage(
+        "api-key-first-chars",
+        "tenant isolation: API keys (server.md#security)",
+        "an API key is compared on its first 8 characters only",
+        (
+            Patch(
+                "kvsnap/http/guard.py",
+                "            found |= hmac.compare_digest(given.encode(), k.encode())\n",
+                "            found |= hmac.compare_digest(given[:8].encode(), k[:8].encode())\n",
+            ),
+        ),
+        ("tests/test_security.py::test_near_miss_keys_are_refused_and_do_not_pass_for_admin",),
+    ),
+    Breakage(
+        "api-key-any-case",
+        "tenant isolation: API keys (server.md#security)",
+        "an API key is compared case-insensitively",
+        (
+            Patch(
+                "kvsnap/http/guard.py",
+                "            found |= hmac.compare_digest(given.encode(), k.encode())\n",
+                "            found |= hmac.compare_digest(given.lower().encode(), "
+                "k.lower().encode())\n",
+            ),
+        ),
+        ("tests/test_security.py::test_near_miss_keys_are_refused_and_do_not_pass_for_admin",),
+    ),
+    Breakage(
+        "api-key-prefix",
+        "tenant isolation: API keys (server.md#security)",
+        "a prefix of a valid API key, or a valid key plus a suffix, passes",
+        (
+            Patch(
+                "kvsnap/http/guard.py",
+                "            found |= hmac.compare_digest(given.encode(), k.encode())\n",
+                "            found |= k.startswith(given) or given.startswith(k)\n",
+            ),
+        ),
+        ("tests/test_security.py::test_near_miss_keys_are_refused_and_do_not_pass_for_admin",),
+    ),
+    Breakage(
         "ignore-namespaces",
         "no shared mutable cache / tenant isolation (server.md#security)",
         "a request prefix of one key or cache_salt matches requests of another",

@@ -129,6 +129,39 @@ def test_every_endpoint_but_health_needs_a_key(keyed, client):
     assert USER_A not in keyed.log() and ADMIN not in keyed.log()
 
 
+def near_misses(key: str) -> list[str]:
+    """Keys a sloppy comparison would take for ``key``: one character changed (first, middle,
+    last), a prefix, the key plus a suffix, and the key in another case."""
+
+    def swap(i: int) -> str:
+        return key[:i] + ("x" if key[i] != "x" else "y") + key[i + 1 :]
+
+    return [
+        swap(0),
+        swap(len(key) // 2),
+        swap(len(key) - 1),
+        key[:-1],
+        key[: len(key) // 2],
+        key + "0",
+        key + " " + key,
+        key.upper(),
+    ]
+
+
+def test_near_miss_keys_are_refused_and_do_not_pass_for_admin(keyed, client):
+    url = keyed.url
+    for key in (USER_A, USER_B, ADMIN):
+        for miss in near_misses(key):
+            assert miss not in (USER_A, USER_B, ADMIN)
+            r = client.get(f"{url}/v1/models", headers=auth(miss))
+            assert_openai_error(r, 401, "invalid_api_key")
+    # An ordinary key with the admin key's tail, or a near miss of the admin key, is no admin.
+    for miss in near_misses(ADMIN):
+        r = client.delete(f"{url}/v1/cache/prefix", headers=auth(miss))
+        assert_openai_error(r, 401, "invalid_api_key")
+    assert client.get(f"{url}/v1/models", headers=auth(USER_B)).status_code == 200
+
+
 def test_only_an_admin_key_clears_the_cache_and_sees_every_request(keyed, client):
     url = keyed.url
     assert_openai_error(
