@@ -677,6 +677,39 @@ BREAKAGES = (
         ),
     ),
     Breakage(
+        "cached-tokens-rounded-without-keys",
+        "honest accounting",
+        "a server without keys rounds partial shared matches too: a request containing a whole "
+        "warm prompt reports less, and the responses no longer add up to /v1/status",
+        (
+            Patch(
+                "kvsnap/http/context.py",
+                "step = self.config.cached_tokens_granularity if self.config.auth.enabled else 1",
+                "step = self.config.cached_tokens_granularity",
+            ),
+        ),
+        (
+            "tests/test_cached_tokens.py::test_sequential_requests_report_every_reused_token_"
+            "without_keys",
+            "tests/test_cached_tokens.py::test_concurrent_requests_report_every_reused_token_"
+            "without_keys",
+        ),
+    ),
+    Breakage(
+        "cached-tokens-below-whole-warm-prompt",
+        "honest accounting",
+        "with keys, a request containing a whole warm prompt that matches part of a longer one "
+        "is rounded below the whole warm prompt",
+        (
+            Patch(
+                "kvsnap/runtime/accounting.py",
+                "told_exactly = max(state.own_cached_tokens, state.whole_shared_tokens)",
+                "told_exactly = state.own_cached_tokens",
+            ),
+        ),
+        ("tests/test_cached_tokens.py::test_with_keys_a_whole_warm_prompt_is_never_rounded_away",),
+    ),
+    Breakage(
         "tenant-status-shows-cache-counters",
         "server under attack",
         "a non-admin key sees the cache-wide counters again",

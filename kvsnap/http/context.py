@@ -180,5 +180,8 @@ class ServerContext:
         return max_tokens
 
     def reported_usage(self, state: RequestState) -> dict:
-        cached = reported_cached_tokens(state, self.config.cached_tokens_granularity)
+        # Without keys every caller is trusted alike and sees /v1/status's exact counts:
+        # rounding would hide nothing from anyone and only under-report.
+        step = self.config.cached_tokens_granularity if self.config.auth.enabled else 1
+        cached = reported_cached_tokens(state, step)
         return usage(state.prompt_tokens, state.completion_tokens, cached)

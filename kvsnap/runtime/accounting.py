@@ -98,16 +98,19 @@ class TokenAccounts:
 
 def reported_cached_tokens(state: RequestState, granularity: int) -> int:
     """The ``cached_tokens`` a client is told: exact, except that a partial match on a shared
-    entry counts in steps of ``granularity``, and never below the request's own best match.
+    entry counts in steps of ``granularity``, and never below the request's own best match
+    nor below a whole warm prompt it contains. ``granularity`` 1: exact (a server without
+    keys has one trust level, and its status shows the exact counts to everyone anyway).
 
-    max(own, rounded shared) depends on the shared match only through its rounded value: a
-    tenant comparing it with entries of its own learns nothing finer (issue 24). Never more
-    than the engine really reused.
+    max(own, whole warm, rounded shared) depends on the shared match only through its
+    rounded value: a tenant comparing it with entries of its own learns nothing finer.
+    Never more than the engine really reused.
     """
     cached = state.cached_tokens
     if not state.cache_shared_partial or granularity <= 1:
         return cached
-    return max(min(state.own_cached_tokens, cached), cached - cached % granularity)
+    told_exactly = max(state.own_cached_tokens, state.whole_shared_tokens)
+    return max(min(told_exactly, cached), cached - cached % granularity)
 
 
 def cache_stats(prefix: Any, max_memory_mb: float) -> dict:

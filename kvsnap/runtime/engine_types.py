@@ -61,6 +61,8 @@ class RequestState:
     cache_shared_partial: bool = False
     # with cache_shared_partial: the best match among its own namespace's entries
     own_cached_tokens: int = 0
+    # with cache_shared_partial: the longest whole warm prompt the request contains
+    whole_shared_tokens: int = 0
     uid: int | None = None
     detok: Any = None
     capture: bool = False

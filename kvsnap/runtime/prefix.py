@@ -252,6 +252,15 @@ class PrefixCache:
             trie = self._tries.get(None)
             return trie.entry_ends(tuple(tokens)) if trie is not None else []
 
+    def whole_shared_prefix(self, tokens: Sequence[int]) -> int:
+        """The length of the longest warm prompt ``tokens`` contain whole (a checkpoint inside
+        one does not count: a hit on it is a partial match); 0 when none."""
+        tokens = tuple(tokens)
+        with self._lock:
+            trie = self._tries.get(None)
+            ends = trie.entry_ends(tokens) if trie is not None else []
+            return max((n for n in ends if not self._entries[(None, tokens[:n])].inner), default=0)
+
     def fetch(
         self, tokens: Sequence[int], namespace: str = "", count: bool = True
     ) -> tuple[Any, int, Match | None]:

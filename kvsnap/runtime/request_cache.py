@@ -43,6 +43,9 @@ def prepare_request(
         and (n_cached < len(match.entry.tokens) or match.entry.inner)
         and (match.entry.namespace is None or match.entry.namespace == "")
     )
+    if state.cache_shared_partial:
+        # The client sent a whole warm prompt itself: that much is never hidden from it.
+        state.whole_shared_tokens = prefix.whole_shared_prefix(tokens)
     private = state.request.namespace != ""
     if state.cache_shared_partial and private:
         own = prefix.lookup(tokens, state.request.namespace, shared=False)
