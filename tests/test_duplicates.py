@@ -1,11 +1,16 @@
 """No copied code in the package: pylint's similarity checker finds no block of 6+ lines twice
-(scripts/check_duplicates.sh runs the same check by hand)."""
+(scripts/check_duplicates.sh runs the same check by hand).
+
+pylint's similarity pass takes one to three minutes on 2 cores, longer on a busy machine: no
+timeout (a slow machine is not a failure) and marked slow, out of the quick loop."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -21,9 +26,10 @@ def run_similarity(*paths: str) -> subprocess.CompletedProcess:
         "--score=n",
         *paths,
     ]
-    return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300)
+    return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
 
 
+@pytest.mark.slow
 def test_the_package_has_no_duplicated_block():
     r = run_similarity("kvsnap")
     assert r.returncode == 0, r.stdout + r.stderr

@@ -7,15 +7,16 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "kvsnap"
 MAX_MODULE_LINES = 500  # formatted; past this a module has more than one job: split it
 
 
 def run_tool(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", *args], cwd=ROOT, capture_output=True, text=True, timeout=600
-    )
+    # No timeout: a busy machine makes mypy slow, not wrong.
+    return subprocess.run([sys.executable, "-m", *args], cwd=ROOT, capture_output=True, text=True)
 
 
 def test_ruff_finds_nothing():
@@ -28,6 +29,8 @@ def test_the_tree_is_formatted():
     assert r.returncode == 0, "run `ruff format .`:\n" + r.stdout + r.stderr
 
 
+# A minute or more on 2 cores: out of the quick loop.
+@pytest.mark.slow
 def test_mypy_passes_on_the_snapshot_format_and_the_store():
     r = run_tool("mypy", "--no-incremental")  # files and settings: pyproject.toml [tool.mypy]
     assert r.returncode == 0, r.stdout + r.stderr
