@@ -650,6 +650,39 @@ BREAKAGES = (
         ),
     ),
     Breakage(
+        "slow-body-deadline-off",
+        "server under attack",
+        "a request body trickling one byte at a time keeps its connection for as long as it likes",
+        (
+            Patch(
+                "kvsnap/http/connections.py",
+                'timeout = guard.header_timeout_s if what == "head" else guard.body_timeout_s',
+                'timeout = guard.header_timeout_s if what == "head" else 3600.0',
+            ),
+        ),
+        (
+            "tests/test_http_connections.py::test_slow_bodies_from_one_valid_key_lock_out_"
+            "neither_health_nor_another_key",
+        ),
+    ),
+    Breakage(
+        "slow-body-not-evictable",
+        "server under attack",
+        "at the cap only connections waiting for a head are pushed out: slow bodies fill every "
+        "slot and /health and real clients are refused",
+        (
+            Patch(
+                "kvsnap/http/connections.py",
+                "            guard.waiting[self] = what\n",
+                '            guard.waiting.update({self: what} if what == "head" else {})\n',
+            ),
+        ),
+        (
+            "tests/test_http_connections.py::test_slow_bodies_from_one_valid_key_lock_out_"
+            "neither_health_nor_another_key",
+        ),
+    ),
+    Breakage(
         "accept-errors-flood-the-log",
         "server under attack",
         "EMFILE on accept() goes to asyncio's handler, one traceback per attempt",

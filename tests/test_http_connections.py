@@ -104,6 +104,105 @@ def test_slowloris_connections_are_closed_and_health_still_answers(slow_server):
     assert grown < 20_000, slow_server.log()[-3000:]  # counted lines, not one per connection
 
 
+SLOW_BODY_CAP = 64
+N_SLOW_BODIES = 96  # more than the cap: the cap must push some out
+BODY_TIMEOUT_S = 2.0
+KEY_A, KEY_B = "tenant-a-key-1111", "tenant-b-key-2222"
+
+
+def _open_slow_bodies(port: int, n: int, key: str) -> list[socket.socket]:
+    """``n`` connections that each send a whole request head (a valid key, a body of 100,000
+    bytes declared) and then the body's first byte only."""
+    head = (
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Authorization: Bearer {key}\r\nContent-Length: 100000\r\n\r\n{{"
+    ).encode()
+    socks = []
+    for _ in range(n):
+        s = socket.socket()
+        s.settimeout(2)
+        try:
+            s.connect(("127.0.0.1", port))
+            s.sendall(head)
+        except OSError:
+            s.close()
+            continue
+        socks.append(s)
+    return socks
+
+
+def _trickle_body(socks: list[socket.socket]) -> None:
+    for s in socks:
+        try:
+            s.sendall(b" ")
+        except OSError:
+            pass  # closed by the server: the guard at work
+
+
+@pytest.fixture()
+def slow_body_server(demo_models, tmp_path):
+    args = [
+        "--max-connections",
+        str(SLOW_BODY_CAP),
+        "--header-timeout",
+        "30",  # only the body's deadline may close the slow bodies
+        "--body-timeout",
+        str(BODY_TIMEOUT_S),
+    ]
+    server = start_server(
+        demo_models.path("dense"),
+        args,
+        tmp_path / "serve.log",
+        limit_s=300,
+        env={"KVSNAP_CACHE_DIR": str(tmp_path / "cache"), "KVSNAP_API_KEY": f"{KEY_A},{KEY_B}"},
+    )
+    try:
+        server.wait_ready(120)
+        yield server
+    finally:
+        server.stop()
+
+
+def test_slow_bodies_from_one_valid_key_lock_out_neither_health_nor_another_key(
+    slow_body_server,
+):
+    """More connections than the cap, each with a whole head and a body trickling one byte at a
+    time, all under tenant A's valid key: the cap pushes the longest-waiting out (not only
+    connections still waiting for a head), so /health and tenant B are served during the
+    attack, and each slow body is closed --body-timeout after its head however it trickles."""
+    url = slow_body_server.url
+    port = int(url.rsplit(":", 1)[1])
+    log_before = slow_body_server.log_path.stat().st_size
+    socks = _open_slow_bodies(port, N_SLOW_BODIES, KEY_A)
+    assert len(socks) >= SLOW_BODY_CAP
+    try:
+        latencies, answered_b = [], 0
+        deadline = time.monotonic() + BODY_TIMEOUT_S + 3
+        with httpx.Client(timeout=10) as client:
+            while time.monotonic() < deadline:  # bounded: a few seconds of trickling
+                _trickle_body(socks)
+                try:
+                    latencies.append(_health_latency(url))
+                    r = client.post(
+                        f"{url}/v1/completions",
+                        json={"model": "dense", "prompt": "hello", "max_tokens": 1},
+                        headers={"Authorization": f"Bearer {KEY_B}"},
+                    )
+                except httpx.TransportError as exc:
+                    pytest.fail(f"a real client was refused during the attack: {exc!r}")
+                assert r.status_code == 200, r.text
+                answered_b += 1
+                time.sleep(0.3)
+        assert answered_b >= 3 and max(latencies) < 1.0, latencies
+        still_open = [s for s in socks if not _closed_by_server(s)]
+        assert not still_open, f"{len(still_open)} of {len(socks)} slow bodies still open"
+    finally:
+        for s in socks:
+            s.close()
+    log = slow_body_server.log()[log_before:]
+    assert "--body-timeout" in log and "--max-connections" in log, log[-3000:]
+
+
 def test_the_connection_cap_stays_below_the_open_files_limit(demo_models, tmp_path):
     """A cap above the descriptors the process may open is lowered, with a reserve, at start."""
     server = start_server(

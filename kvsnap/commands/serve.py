@@ -124,7 +124,7 @@ def add_serve(sub) -> None:
         type=positive_int,
         default=512,
         help="most open client connections; at the cap a new one replaces the one waiting longest "
-        "for its request head (default: 512; lowered to stay below the open-files limit)",
+        "for its request head or body (default: 512; lowered to stay below the open-files limit)",
     )
     g.add_argument(
         "--header-timeout",
@@ -135,11 +135,19 @@ def add_serve(sub) -> None:
         "this time (default: 10)",
     )
     g.add_argument(
+        "--body-timeout",
+        type=positive_float,
+        default=60.0,
+        metavar="SECONDS",
+        help="close a connection whose request body is not complete this long after its head, "
+        "however it trickles (default: 60)",
+    )
+    g.add_argument(
         "--cached-tokens-granularity",
         type=positive_int,
         default=128,
-        help="partial matches on prefixes shared between clients report cached_tokens in these "
-        "steps (default: 128, as OpenAI; 1 = exact)",
+        help="with API keys, partial matches on prefixes shared between clients report "
+        "cached_tokens in these steps (default: 128, as OpenAI; 1 = exact; exact without keys)",
     )
     c = p.add_argument_group("conversations that survive restarts (docs/conversations.md)")
     c.add_argument(
@@ -252,7 +260,11 @@ def cmd_serve(args) -> int:
     engine.start()  # load the model on the main thread, before the port opens
     # After the load: importing mlx-lm sets the open-files limit itself (2048, hard 4096).
     max_connections = effective_max_connections(args.max_connections, raise_open_files_limit())
-    guard = ConnectionGuard(max_connections=max_connections, header_timeout_s=args.header_timeout)
+    guard = ConnectionGuard(
+        max_connections=max_connections,
+        header_timeout_s=args.header_timeout,
+        body_timeout_s=args.body_timeout,
+    )
     server = make_server(
         create_app(engine, server_config), guard, log_level="info", timeout_graceful_shutdown=5
     )

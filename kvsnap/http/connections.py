@@ -1,12 +1,15 @@
 """Connections before they are requests: a cap on open connections, a deadline for each
-request head, and accept errors logged as one line per interval, never a flood.
+request head and for each request body, and accept errors logged as one line per interval,
+never a flood.
 
-uvicorn bounds neither how long a request head may take nor (short of answering 503 after
-reading it) how many sockets are open, so a client trickling one header line every few
-seconds over thousands of connections exhausts the file descriptors (slowloris). The
-protocol class made here closes a connection whose head is not complete in time; at the
-cap, a new connection evicts the one that has waited longest for its head (a slow client,
-never a request being served), and is refused only when every slot serves a request.
+uvicorn bounds neither how long a request head or body may take nor (short of answering 503
+after reading the head) how many sockets are open, so a client trickling one header line, or
+one body byte, every few seconds over thousands of connections exhausts the connection slots
+and the file descriptors (slowloris, slow POST). The protocol class made here closes a
+connection whose head is not complete in time, and one whose body is not complete in time
+after its head (a total, so trickling never extends it); at the cap, a new connection evicts
+the one that has waited longest for its head or its body (a slow client, never a request
+being served), and is refused only when every slot serves a request.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ log = logging.getLogger("kvsnap.http.server")
 FD_RESERVE = 128  # descriptors kept free beyond the connection cap: model, store files, threads
 MIN_CONNECTIONS = 8
 LOG_INTERVAL_S = 10.0
+DEFAULT_HEADER_TIMEOUT_S = 10.0
+DEFAULT_BODY_TIMEOUT_S = 60.0  # 8 MiB (the default --max-request-bytes) at 140 KB/s
 ACCEPT_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 
 
@@ -50,15 +55,18 @@ class ConnectionGuard:
     """One server's connection bookkeeping (no module-level state)."""
 
     max_connections: int
-    header_timeout_s: float
+    header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S
+    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
     flood_log: RateLimitedLog = field(default_factory=RateLimitedLog)
     open: set = field(default_factory=set)
-    waiting_head: dict = field(default_factory=dict)  # protocol -> None, oldest first
+    # protocol -> "head" or "body": what it waits for, oldest wait first
+    waiting: dict = field(default_factory=dict)
 
     def admit(self, proto) -> bool:
-        """Room for ``proto``: evict the connection waiting longest for its head, if needed."""
+        """Room for ``proto``: evict the connection waiting longest for a head or a body, if
+        needed (whoever holds the key it sent: the wait is what a slow client controls)."""
         if len(self.open) >= self.max_connections:
-            oldest = next(iter(self.waiting_head), None)
+            oldest = next(iter(self.waiting), None)
             if oldest is None:
                 self.flood_log.event(
                     "refused",
@@ -68,7 +76,8 @@ class ConnectionGuard:
                 return False
             self.flood_log.event(
                 "evicted",
-                f"slow connections closed to make room (--max-connections {self.max_connections})",
+                "slow connections (waiting for a request head or body) closed to make room "
+                f"(--max-connections {self.max_connections})",
             )
             oldest.close_slow()
         self.open.add(proto)
@@ -89,12 +98,14 @@ class ConnectionGuard:
 
 
 def guarded_protocol(base: type, guard: ConnectionGuard) -> type:
-    """``base`` (uvicorn's h11 protocol) with the cap and the head deadline of ``guard``."""
+    """``base`` (uvicorn's h11 protocol) with the cap and the head and body deadlines of
+    ``guard``."""
 
     class GuardedProtocol(base):
         _refused = False
-        _head_timer = None
-        _head_cycle = None
+        _deadline = None
+        _waits_for = ""  # "head", "body", or "" while a request is served
+        _seen_cycle = None
 
         def connection_made(self, transport) -> None:
             if not guard.admit(self):
@@ -102,48 +113,72 @@ def guarded_protocol(base: type, guard: ConnectionGuard) -> type:
                 transport.abort()  # nothing read, nothing answered: the cheapest refusal
                 return
             super().connection_made(transport)
-            self._await_head()
+            self._await("head")
 
         def connection_lost(self, exc) -> None:
             if self._refused:
                 return
             guard.open.discard(self)
-            self._head_done()
+            self._wait_done()
             super().connection_lost(exc)
 
         def data_received(self, data: bytes) -> None:
             super().data_received(data)
-            if self.cycle is not None and self.cycle is not self._head_cycle:
-                self._head_cycle = self.cycle  # a whole head arrived: a request now runs
-                self._head_done()
+            self._follow_request()
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
-            if not self.transport.is_closing():
-                self._await_head()  # the next request's head has its own deadline
+            if self.transport.is_closing():
+                return
+            if self.cycle is not self._seen_cycle:
+                self._follow_request()  # a pipelined request started at once
+            else:
+                self._await("head")  # the next request's head has its own deadline
 
-        def _await_head(self) -> None:
-            self._head_done()
-            guard.waiting_head[self] = None
-            self._head_timer = self.loop.call_later(guard.header_timeout_s, self._head_late)
+        def _follow_request(self) -> None:
+            """Move to the deadline of where the current request now is."""
+            cycle = self.cycle
+            if cycle is not None and cycle is not self._seen_cycle:
+                self._seen_cycle = cycle  # a whole head arrived: a request now runs
+                if cycle.more_body:
+                    self._await("body")  # its body has a deadline of its own, from now
+                else:
+                    self._wait_done()
+            elif self._waits_for == "body" and not cycle.more_body:
+                self._wait_done()  # the whole body is in
 
-        def _head_done(self) -> None:
-            guard.waiting_head.pop(self, None)
-            if self._head_timer is not None:
-                self._head_timer.cancel()
-                self._head_timer = None
+        def _await(self, what: str) -> None:
+            self._wait_done()
+            self._waits_for = what
+            guard.waiting[self] = what
+            timeout = guard.header_timeout_s if what == "head" else guard.body_timeout_s
+            self._deadline = self.loop.call_later(timeout, self._late)
 
-        def _head_late(self) -> None:
-            self._head_timer = None
-            guard.flood_log.event(
-                "head-timeout",
-                "connections closed: no complete request head "
-                f"within {guard.header_timeout_s:g}s (--header-timeout)",
-            )
+        def _wait_done(self) -> None:
+            guard.waiting.pop(self, None)
+            self._waits_for = ""
+            if self._deadline is not None:
+                self._deadline.cancel()
+                self._deadline = None
+
+        def _late(self) -> None:
+            self._deadline = None
+            if self._waits_for == "head":
+                guard.flood_log.event(
+                    "head-timeout",
+                    "connections closed: no complete request head "
+                    f"within {guard.header_timeout_s:g}s (--header-timeout)",
+                )
+            else:
+                guard.flood_log.event(
+                    "body-timeout",
+                    "connections closed: request body not complete "
+                    f"within {guard.body_timeout_s:g}s of its head (--body-timeout)",
+                )
             self.close_slow()
 
         def close_slow(self) -> None:
-            self._head_done()
+            self._wait_done()
             self.transport.abort()
 
     GuardedProtocol.__name__ = f"Guarded{base.__name__}"
