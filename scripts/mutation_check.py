@@ -77,6 +77,7 @@ CRASH = "tests/test_persist_crash.py::"
 KILLED_AT = (
     CRASH + "test_killed_at_each_writer_fault_point_the_store_verifies_and_the_next_turn_is_served"
 )
+DAMAGE = "tests/test_persist_damage.py::"
 
 BREAKAGES = (
     Breakage(
@@ -379,11 +380,47 @@ BREAKAGES = (
         (
             Patch(
                 "kvsnap/snapshot/chain.py",
-                "        if item[0] != block_key(model_digest, item[1], digests[item[2]]):\n",
+                "        if item[0] != block_key(model_digest, item[1], digests[item[2]], form):\n",
                 "        if False:\n",
             ),
         ),
         ("tests/test_blocks.py::test_a_record_cannot_name_another_models_or_prefixs_block",),
+    ),
+    Breakage(
+        "block-key-ignores-kv-form",
+        "4. nothing lost",
+        "with --kv-bits and a quantization start above 0, a block's key does not name its KV form: "
+        "a quantized record names the unquantized blocks of a shorter prefix (verify: BAD)",
+        (
+            Patch(
+                "kvsnap/snapshot/blocks.py",
+                '    return f"|{form}" if form else ""\n',
+                '    return ""\n',
+            ),
+        ),
+        (
+            "tests/test_quantized_start.py::test_a_conversation_crossing_the_start_verifies_after_"
+            "sigterm_and_resumes_whole",
+            "tests/test_quantized_start.py::test_a_build_whose_agents_sit_on_both_sides_of_the_"
+            "start_verifies",
+        ),
+    ),
+    Breakage(
+        "shapes-know-one-kv-form",
+        "1. same answer",
+        "with a quantization start above 0 the shape check knows only the quantized form: a "
+        "prefix captured below the start is rejected at the next turn",
+        (
+            Patch(
+                "kvsnap/runtime/state_shapes.py",
+                "        if s.kv_bits is None or s.quantized_kv_start > 0:\n",
+                "        if s.kv_bits is None:\n",
+            ),
+        ),
+        (
+            "tests/test_quantized_start.py::test_a_prefix_captured_below_the_start_serves_the_"
+            "turns_that_reach_past_it",
+        ),
     ),
     Breakage(
         "gc-drops-shared-blocks",
@@ -582,6 +619,23 @@ BREAKAGES = (
             "eviction_and_are_private_copies",
             "tests/test_mlx_lm_server.py::test_agents_stay_warm_under_prompt_cache_size_and_bytes_"
             "pressure",
+        ),
+    ),
+    Breakage(
+        "mlx-lm-request-loads-any-model",
+        "hostile requests: kvsnap mlx-lm serve loads only its model (mlx-lm.md#security)",
+        "kvsnap mlx-lm serve passes a request's model, adapters and draft_model to mlx-lm, "
+        "which loads whatever path they name",
+        (
+            Patch(
+                "kvsnap/integrations/mlx_lm_models.py",
+                "            refused = _refusal(raw, served)\n",
+                "            refused = None\n",
+            ),
+        ),
+        (
+            "tests/test_mlx_lm_security.py::test_request_fields_that_load_another_model_are_"
+            "refused_and_nothing_is_loaded",
         ),
     ),
     Breakage(
@@ -791,6 +845,85 @@ BREAKAGES = (
         (
             "tests/test_http_connections.py::test_a_busy_port_fails_before_the_model_loads_with_"
             "exit_2",
+        ),
+    ),
+    Breakage(
+        "closed-pipe-traceback",
+        "command line",
+        "a reader closing the output early (`| head`) ends the command in a BrokenPipeError "
+        "traceback, and rich tables exit 1 (a failed check)",
+        (
+            Patch(
+                "kvsnap/cli.py", "    except BrokenPipeError:\n", "    except ZeroDivisionError:\n"
+            ),
+            Patch(
+                "kvsnap/commands/common.py",
+                "            raise BrokenPipeError\n",
+                "            super().on_broken_pipe()\n",
+            ),
+        ),
+        (
+            "tests/test_cli_newcomer.py::test_a_pipe_closed_after_the_first_line_ends_the_command_"
+            "quietly",
+            "tests/test_cli_newcomer.py::test_a_pipe_closed_before_any_output_ends_every_command_"
+            "quietly",
+        ),
+    ),
+    Breakage(
+        "piped-tables-cut-to-80-columns",
+        "command line",
+        "tables written to a pipe or a file (CI logs) are cut to rich's default 80 columns",
+        (
+            Patch(
+                "kvsnap/commands/common.py",
+                "        out.width = UNWRAPPED_WIDTH\n",
+                "        pass\n",
+            ),
+        ),
+        ("tests/test_cli_newcomer.py::test_build_and_ls_print_whole_rows_into_a_pipe",),
+    ),
+    Breakage(
+        "serve-two-models-accepted",
+        "command line",
+        "`serve A --model B` serves A and ignores B without a word",
+        (
+            Patch(
+                "kvsnap/commands/serve.py",
+                "    if positional is not None and flag is not None and positional != flag:\n",
+                "    if False:\n",
+            ),
+        ),
+        ("tests/test_cli_newcomer.py::test_serve_without_a_model_or_with_two_says_how_to_name_it",),
+    ),
+    Breakage(
+        "system-prompt-file-must-be-regular",
+        "command line",
+        "bench-serve refuses a FIFO or a process substitution (<(...)) as not a file",
+        (
+            Patch(
+                "kvsnap/tools/bench_serve.py",
+                '    try:\n        with open(path, encoding="utf-8") as f:\n',
+                "    if not path.is_file():\n"
+                '        raise UsageError(f"{flag} {path}: no such file")\n'
+                '    try:\n        with open(path, encoding="utf-8") as f:\n',
+            ),
+        ),
+        ("tests/test_cli_newcomer.py::test_bench_serve_takes_a_process_substitution_and_a_fifo",),
+    ),
+    Breakage(
+        "system-prompt-trailing-newline-sent",
+        "command line",
+        "bench-serve sends the system prompt file's trailing newline, missing the warm prefix",
+        (
+            Patch(
+                "kvsnap/tools/bench_serve.py",
+                '    return text[:-1] if text.endswith("\\n") else text\n',
+                "    return text\n",
+            ),
+        ),
+        (
+            "tests/test_cli_newcomer.py::test_bench_serve_drops_one_trailing_newline_so_the_warm_"
+            "prefix_hits",
         ),
     ),
     Breakage(
@@ -1225,10 +1358,8 @@ BREAKAGES = (
         (
             Patch(
                 "kvsnap/store/conversation_space.py",
-                "                if rel not in reach.agent_parts:\n"
-                "                    freed += _unlink(store.root / rel, folders)\n",
-                "                if True:\n"
-                "                    freed += _unlink(store.root / rel, folders)\n",
+                "        gone = [rel for rel in unreached if rel not in reach.agent_parts]\n",
+                "        gone = unreached\n",
             ),
         ),
         (
@@ -1236,6 +1367,61 @@ BREAKAGES = (
             "record_reaches",
             "tests/test_persist_store.py::test_delete_prefix_cache_removes_persisted_"
             "conversations_and_only_their_blocks",
+        ),
+    ),
+    Breakage(
+        "budget-off-while-an-agent-record-is-unreadable",
+        "bounded disk",
+        "an agent record that cannot be read keeps every block: the budget removes records only",
+        (
+            Patch(
+                "kvsnap/store/conversation_space.py",
+                "    if not reach.unreadable:\n        unreached = ",
+                "    if reach.complete:\n        unreached = ",
+            ),
+        ),
+        (
+            "tests/test_conversation_space.py::test_regression_an_unreadable_agent_record_no_"
+            "longer_switches_the_budget_off",
+            "tests/test_conversation_space.py::test_the_servers_budget_holds_while_an_agent_"
+            "record_cannot_be_read",
+        ),
+    ),
+    Breakage(
+        "budget-one-global-lru",
+        "tenants / bounded disk",
+        "budget eviction takes the least recently used record of any namespace (one global "
+        "LRU), not the namespace holding the most",
+        (
+            Patch(
+                "kvsnap/store/conversation_space.py",
+                "        namespace = max(busy, key=lambda ns: "
+                "(held[ns], -queues[ns][0].last_use))\n",
+                "        namespace = min(busy, key=lambda ns: queues[ns][0].last_use)\n",
+            ),
+        ),
+        (
+            "tests/test_conversation_space.py::test_regression_one_tenants_flood_evicts_its_own_"
+            "conversations_not_anothers",
+        ),
+    ),
+    Breakage(
+        "store-folder-link-followed",
+        "nothing lost",
+        "a store folder that is a symbolic link is listed and removed through (gc, DELETE, the "
+        "budget reach files outside the store)",
+        (
+            Patch(
+                "kvsnap/store/fileio.py",
+                "        st = folder.lstat()\n",
+                "        st = folder.stat()\n",
+            ),
+        ),
+        (
+            "tests/test_store_links.py::test_regression_a_linked_store_folder_is_refused_and_"
+            "nothing_outside_is_removed",
+            "tests/test_store_links.py::test_regression_delete_prefix_cache_never_removes_"
+            "through_a_linked_conversations_folder",
         ),
     ),
     Breakage(
@@ -1335,6 +1521,120 @@ BREAKAGES = (
             CRASH + "test_sigterm_with_writes_stuck_behind_another_writer_exits_within_the_"
             "flush_bound",
         ),
+    ),
+    Breakage(
+        "bad-part-never-copied-again",
+        "4. nothing lost, nothing half-written (persisted conversations)",
+        "a block a load found bad is never copied again: the writer keeps refusing to name it, "
+        "the conversation is never persisted again",
+        (
+            Patch(
+                "kvsnap/runtime/persist.py",
+                "        bad = self.writer.health.bad_parts()  # copied again, and rewritten\n",
+                "        bad = frozenset()\n",
+            ),
+        ),
+        (
+            DAMAGE
+            + "test_a_bad_block_is_rewritten_by_the_next_write_and_every_record_naming_it_heals",
+        ),
+    ),
+    Breakage(
+        "stored-part-named-unchecked",
+        "4. nothing lost, nothing half-written (persisted conversations)",
+        "the conversation writer names a stored block it has not checked (only its existence): "
+        "a bad one spreads into every new record",
+        (
+            Patch(
+                "kvsnap/store/conversation_writer.py",
+                "            if has_part(store, *part) and not self.health.sound(store, *part)\n",
+                "            if False\n",
+            ),
+        ),
+        (
+            DAMAGE
+            + "test_a_bad_block_is_rewritten_by_the_next_write_and_every_record_naming_it_heals",
+        ),
+    ),
+    Breakage(
+        "write-back-names-bad-part",
+        "4. nothing lost, nothing half-written",
+        "the server's write-back of a warm prompt names the stored blocks it did not read, bad "
+        "ones too",
+        (
+            Patch(
+                "kvsnap/runtime/writeback.py",
+                "        plan=ChainPlan(check_stored=True),\n",
+                "        plan=ChainPlan(),\n",
+            ),
+        ),
+        (DAMAGE + "test_a_bad_agent_block_is_rewritten_by_the_servers_write_back",),
+    ),
+    Breakage(
+        "torn-record-hides-shorter",
+        "4. a corrupt file is detected and the server falls back",
+        "a persisted record that fails its checks at lookup ends the lookup (a shorter sound "
+        "record of the conversation is not tried)",
+        (
+            Patch(
+                "kvsnap/runtime/persist.py",
+                "                    self._unreadable(key, n, exc)\n",
+                "                    return None\n",
+            ),
+        ),
+        (
+            DAMAGE + "test_a_torn_newest_record_falls_back_to_the_next_longest_and_is_replaced",
+            DAMAGE
+            + "test_an_unreadable_record_is_warned_about_once_and_passed_over_by_every_lookup",
+        ),
+    ),
+    Breakage(
+        "damaged-record-touched-not-rewritten",
+        "4. a corrupt file is detected and the server falls back",
+        "a persisted record already there is only touched at the next write of its prefix, "
+        "damaged or not",
+        (
+            Patch(
+                "kvsnap/store/conversation_writer.py",
+                "            if self._holds(target, item):",
+                "            if target.exists():",
+            ),
+        ),
+        (
+            DAMAGE
+            + "test_a_damaged_record_is_rewritten_when_its_turn_comes_again_and_never_kept_young",
+        ),
+    ),
+    Breakage(
+        "persisted-record-checksum-unchecked-at-lookup",
+        "4. a corrupt file is detected and the server falls back",
+        "the lookup takes (and touches) a persisted record on its header alone: a damaged one "
+        "stays young and hides a shorter sound one",
+        (
+            Patch(
+                "kvsnap/runtime/persist.py",
+                "            check_data(path, read_header(path))\n",
+                "            read_header(path)\n",
+            ),
+        ),
+        (
+            DAMAGE
+            + "test_a_damaged_record_is_rewritten_when_its_turn_comes_again_and_never_kept_young",
+        ),
+    ),
+    Breakage(
+        "persisted-header-tokens-unchecked",
+        "3. never stale, never foreign (persisted conversations)",
+        "the lookup takes a persisted record whose header holds other tokens than the request's "
+        "prefix its file name's key promised",
+        (
+            Patch(
+                "kvsnap/runtime/persist.py",
+                "            or tuple(info.tokens) != tuple(tokens[:n])\n",
+                "",
+            ),
+        ),
+        (DAMAGE + "test_a_record_whose_header_holds_other_tokens_than_its_name_is_refused",),
     ),
     Breakage(
         "vllm-mlx-persist-only-what-vllm-mlx-keys",

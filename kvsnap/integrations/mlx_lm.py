@@ -10,7 +10,9 @@ runs mlx-lm's ``main`` with every other argument unchanged. ``warm_run`` is what
 upstream patch (contrib/mlx-lm/) makes ``run`` itself: the prompt cache comes from
 ``mlx_lm_warm.warm_prompt_cache`` instead of ``LRUPromptCache(...)``, so the model is
 loaded and the warm entries are in the cache before the generation thread starts and
-before the port opens. Without ``--kv-snapshots`` mlx_lm.server runs unchanged.
+before the port opens. Without ``--kv-snapshots`` mlx_lm.server runs with its own prompt
+cache. Either way a request that names another model, adapter or draft model than the
+served one is refused (mlx_lm_models), unless ``--allow-request-models`` is given.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Any, Sequence
 
 from kvsnap.errors import UsageError
 from kvsnap.integrations.argv import run_main
+from kvsnap.integrations.mlx_lm_models import ALLOW_OPTION, guard_request_models
 
 log = logging.getLogger("kvsnap.mlx_lm")
 
@@ -29,6 +32,7 @@ TESTED_MLX_LM = ("0.32",)
 
 USAGE = f"""\
 usage: kvsnap mlx-lm serve --model MODEL [mlx_lm.server options] {OPTION} DIR [{WARM_OPTION} FILE]
+                           [{ALLOW_OPTION}]
 
 Runs mlx-lm's own OpenAI-compatible server (mlx_lm.server) with the kvsnap snapshots of
 MODEL in its prompt cache before the port opens (no warm-up prefill). They are protected
@@ -41,6 +45,9 @@ kvsnap's options:
   {WARM_OPTION} FILE  with {OPTION}: warm exactly these entries, each from its snapshot, or
                       prefilled once on the loaded model and written back to the store
                       when it is writable (the next start prefills nothing)
+  {ALLOW_OPTION}  let a request's `model`, `adapters` and `draft_model` load other
+                      models from the server's disk, as mlx_lm.server does; by default a
+                      request naming another than the served one is refused with a 400
 
 Every other argument goes to mlx_lm.server unchanged. See docs/mlx-lm.md.
 """
@@ -86,6 +93,13 @@ def make_warm_run(server: Any, store_dir: str, warm_file: str | None):
     return warm_run
 
 
+def take_flag(argv: list[str], flag: str) -> tuple[bool, list[str]]:
+    """Whether ``flag`` (no value) is in ``argv`` before any ``--``, and the other arguments."""
+    end = argv.index("--") if "--" in argv else len(argv)
+    head = [a for a in argv[:end] if a != flag]
+    return len(head) < end, head + argv[end:]
+
+
 def run_mlx_lm(server: Any, args: list[str]) -> int:
     """mlx-lm's own ``main``, as if run as ``mlx_lm.server ARGS``; its exit status is returned."""
     return run_main(server.main, ["mlx_lm.server", *args])
@@ -105,6 +119,7 @@ def main(argv: Sequence[str]) -> int:
         )
     store_dir, rest = split_argv(argv[1:], OPTION, "a directory, e.g. --kv-snapshots ./snaps")
     warm_file, rest = split_argv(rest, WARM_OPTION, "a file, e.g. --warm-prompts agents.json")
+    allow_request_models, rest = take_flag(rest, ALLOW_OPTION)
     from kvsnap.store.remote import check_kv_snapshots
 
     check_kv_snapshots(store_dir)  # an unknown scheme fails before mlx-lm is imported
@@ -121,7 +136,9 @@ def main(argv: Sequence[str]) -> int:
         print(USAGE)
         return run_mlx_lm(server, ["--help"])
     if store_dir is None:
-        log.info("[kvsnap] no %s: running mlx_lm.server unchanged", OPTION)
-        return run_mlx_lm(server, rest)
-    server.run = make_warm_run(server, store_dir, warm_file)
+        log.info("[kvsnap] no %s: running mlx_lm.server's own prompt cache", OPTION)
+    else:
+        server.run = make_warm_run(server, store_dir, warm_file)
+    if not allow_request_models:
+        guard_request_models(server)
     return run_mlx_lm(server, rest)
