@@ -148,6 +148,25 @@ def mlx_lm_build_tokenization(args):
     return mlx_lm_tokenization(parse_chat_template_args(args.chat_template_args))
 
 
+def unread_template_kwargs(entries, tokenizer) -> list[str]:
+    """One warning per agent ``chat_template_kwargs`` key the model's chat template never reads:
+    it changes nothing in the snapshot, and kvsnap serve refuses requests that carry it."""
+    # The server's own check (kvsnap serve's 400 for such a key), so both always agree.
+    from kvsnap.http.limits import allowed_template_kwargs
+
+    settable = allowed_template_kwargs(getattr(tokenizer, "chat_template", None))
+    offered = ", ".join(sorted(settable)) or "none"
+    return [
+        f"agent {entry.name!r}: chat_template_kwargs {key!r} is not a variable this model's "
+        f"chat template reads (settable variables: {offered}); it changes nothing in the "
+        f"snapshot, and kvsnap serve refuses requests that carry it with a 400: drop it from the "
+        f"agents file or use one of those"
+        for entry in entries
+        for key in (entry.chat_template_kwargs or {})
+        if key not in settable
+    ]
+
+
 def cmd_build(args) -> int:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -168,6 +187,8 @@ def cmd_build(args) -> int:
     for problem in prompts.problems:
         out.print(f"[yellow]skipped[/] {problem}", markup=True)
     lm = load_model(source, kv_settings(args))
+    for warning in unread_template_kwargs(prompts.entries, lm.tokenizer):
+        out.print(f"warning: {warning}", markup=False, soft_wrap=True)
     with Progress(
         TextColumn("{task.description}"),
         BarColumn(),
