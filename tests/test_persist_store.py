@@ -695,24 +695,6 @@ def test_evict_to_budget_goes_by_last_use_and_keeps_shared_blocks(conv_store, tm
 BAD_HEADER = b"\x08" + b"\x00" * 7 + b"not a header"
 
 
-def test_an_unreadable_agent_record_blocks_every_part_removal(conv_store, tmp_path):
-    from kvsnap.store.conversation_space import evict_to_budget, purge, remove_records
-
-    root = tmp_path / "store"
-    shutil.copytree(conv_store, root)
-    store = Store.open(root)
-    (root / "snapshots" / f"{'0' * 32}.safetensors").write_bytes(BAD_HEADER)
-    parts = part_set(root)
-    reach = read_reach(store)
-    assert not reach.complete and len(reach.records) == 3
-    with store.lock():
-        remove_records(store, reach, reach.records[:1])
-    assert len(conversation_files(root)) == 2 and part_set(root) == parts
-    assert evict_to_budget(store, 1)[0] == 2
-    assert conversation_files(root) == [] and part_set(root) == parts  # it might reach any
-    assert purge(store) == (0, 0)
-
-
 def test_regression_an_unreadable_conversation_record_goes_first_and_then_blocks_go(
     conv_store, tmp_path
 ):

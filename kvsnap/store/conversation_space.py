@@ -2,25 +2,33 @@
 unused-for-a-while drop, ``DELETE /v1/cache/prefix``'s purge. No mlx.
 
 Every removal runs under the store lock and reads the chains of every record first: a block
-or checkpoint goes only once no record reaches it, an agent's or a conversation's. An agent's
-record that cannot be read might reach anything, so no block goes then, only records. A
-conversation record that cannot be read serves no request (the lookup skips it): the budget,
-the purge and gc's unused-for drop remove it first and read the chains again.
+or checkpoint goes only once no record it can read reaches it, an agent's or a conversation's.
+An agent's record that cannot be read serves nothing and might reach anything: waiting for it
+once left the budget off for good (every block kept), so removals go by what can be read, with
+a warning naming it and the fix. A conversation record that cannot be read serves no request
+(the lookup skips it): the budget, the purge and gc's unused-for drop remove it first and read
+the chains again.
+
+Over the budget, records go from the namespace (tenant) holding the most bytes, least recently
+used first within it (``budget_victims``): one tenant's flood evicts its own records, never
+those of a tenant holding less. Nothing here follows a symbolic link (``fileio.store_folder``).
 """
 
 from __future__ import annotations
 
-import stat
+import logging
 import time
-from collections import Counter
+from collections import Counter, defaultdict, deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvsnap.errors import SnapshotError
 from kvsnap.store.conversations import conversation_files
-from kvsnap.store.fileio import fsync_dir
+from kvsnap.store.fileio import check_store_folders, fsync_dir, remove_store_file
 from kvsnap.store.local import Store
 from kvsnap.store.parts import chain_relpaths
+
+log = logging.getLogger("kvsnap.persist")
 
 
 @dataclass
@@ -29,6 +37,7 @@ class ConversationRecord:
     last_use: float  # the record's mtime: written, or touched on a hit
     size: int
     parts: list[str]  # store-relative block and checkpoint paths it reaches
+    namespace: str = ""  # its prompt digest: one per namespace (the tenant tag's), no name
 
 
 @dataclass
@@ -38,8 +47,13 @@ class Reach:
     agent_parts: set[str] = field(default_factory=set)
     records: list[ConversationRecord] = field(default_factory=list)
     counts: Counter = field(default_factory=Counter)
-    complete: bool = True  # False: a record could not be read; no part may be removed
     unreadable: list[Path] = field(default_factory=list)  # conversation records not read
+    unreadable_agents: list[SnapshotError] = field(default_factory=list)  # naming each one
+
+    @property
+    def complete(self) -> bool:
+        """Every record was read."""
+        return not self.unreadable and not self.unreadable_agents
 
     def part_bytes(self, store: Store) -> int:
         """Bytes of the parts only conversations reach."""
@@ -51,46 +65,49 @@ class Reach:
 
 
 def read_reach(store: Store) -> Reach:
-    """Every record's chain (headers only; the caller holds the lock)."""
+    """Every record's chain (headers only; the caller holds the lock). StoreError when a store
+    folder is a symbolic link: every removal reads this first, so none starts then."""
+    check_store_folders(store.root)
     reach = Reach()
     for path in store.snapshot_files():
         try:
             reach.agent_parts.update(chain_relpaths(store.inspect(path)))
-        except SnapshotError:
-            reach.complete = False
+        except SnapshotError as exc:
+            reach.unreadable_agents.append(exc)
     for path in conversation_files(store.root):
         try:
             st = path.stat()
             info = store.inspect(path)
         except (SnapshotError, OSError):
-            reach.complete = False
             reach.unreadable.append(path)
             continue
         parts = chain_relpaths(info)
-        reach.records.append(ConversationRecord(path, st.st_mtime, st.st_size, parts))
+        record = ConversationRecord(path, st.st_mtime, st.st_size, parts, info.prompt_digest)
+        reach.records.append(record)
         reach.counts.update(parts)
     return reach
 
 
 def remove_records(store: Store, reach: Reach, doomed: list[ConversationRecord]) -> int:
-    """Remove ``doomed`` records, then every part no record reaches any more; returns the bytes
-    freed (the caller holds the lock)."""
+    """Remove ``doomed`` records, then every part no record reaches any more (while every
+    conversation record was read: one that was not might reach any); returns the bytes freed
+    (the caller holds the lock)."""
     freed, folders = 0, set()
     for record in doomed:
-        try:
-            record.path.unlink()
-        except FileNotFoundError:
+        if remove_store_file(record.path, store.root) is None:
             continue  # another writer removed it already
         freed += record.size
         folders.add(record.path.parent)
         reach.records.remove(record)
         reach.counts.subtract(record.parts)
-    if reach.complete:
-        for rel, count in list(reach.counts.items()):
-            if count <= 0:
-                del reach.counts[rel]
-                if rel not in reach.agent_parts:
-                    freed += _unlink(store.root / rel, folders)
+    if not reach.unreadable:
+        unreached = [rel for rel, count in reach.counts.items() if count <= 0]
+        for rel in unreached:
+            del reach.counts[rel]
+        gone = [rel for rel in unreached if rel not in reach.agent_parts]
+        if gone:
+            warn_unreadable_agents(reach)
+        freed += sum(_unlink(store.root / rel, folders, store.root) for rel in gone)
     for folder in folders:
         fsync_dir(folder, store.fsync)
     return freed
@@ -106,13 +123,13 @@ def drop_unreadable(store: Store, reach: Reach, paths: list[Path]) -> tuple[Reac
     n = freed = 0
     for path in paths:
         try:
-            st = path.lstat()
-            if stat.S_ISDIR(st.st_mode):
-                continue  # not a record a writer made: verify names it, nothing here removes it
-            path.unlink()
-        except OSError:  # gone meanwhile, or not ours to remove: it stays, and stays unread
+            # a folder, a device: not a record a writer made; verify names it, it stays
+            size = remove_store_file(path, store.root)
+        except OSError:  # not ours to remove: it stays, and stays unread
             continue
-        n, freed = n + 1, freed + st.st_size
+        if size is None:
+            continue
+        n, freed = n + 1, freed + size
         folders.add(path.parent)
     for folder in folders:
         fsync_dir(folder, store.fsync)
@@ -121,7 +138,7 @@ def drop_unreadable(store: Store, reach: Reach, paths: list[Path]) -> tuple[Reac
 
 def evict_to_budget(store: Store, max_bytes: int, low_water: float = 0.9) -> tuple[int, int]:
     """Over ``max_bytes``, unreadable conversation records go first (they serve nothing and stop
-    every block removal), then the least recently used conversations until the rest fit in
+    every block removal), then conversations by ``budget_victims`` until the rest fit in
     ``low_water`` of it (so the next pass is not one write away); returns (records removed,
     bytes the conversations hold after)."""
     with store.lock():
@@ -133,18 +150,61 @@ def evict_to_budget(store: Store, max_bytes: int, low_water: float = 0.9) -> tup
         total = reach.nbytes(store)
         if total <= max_bytes:
             return n_bad, total
-        doomed, left, counts = [], total, reach.counts.copy()
-        for record in sorted(reach.records, key=lambda r: r.last_use):
-            if left <= max_bytes * low_water:
-                break
-            doomed.append(record)
-            only_here = [
-                rel for rel in record.parts if counts[rel] == 1 and rel not in reach.agent_parts
-            ]
-            left -= record.size + sum(_size(store.root / rel) for rel in only_here)
-            counts.subtract(record.parts)
+        doomed = budget_victims(store, reach, max_bytes * low_water)
         freed = remove_records(store, reach, doomed)
         return n_bad + len(doomed), total - freed
+
+
+def budget_victims(store: Store, reach: Reach, target: float) -> list[ConversationRecord]:
+    """The records to remove for the rest to fit in ``target`` bytes: each time, the least
+    recently used record of the namespace holding the most (its records, and an even share of
+    every part it reaches with other namespaces; agents' parts cost nothing).
+
+    The namespace holding the most holds at least the average, so while the total is over
+    ``target`` a namespace holding less than an even share of it (``target`` / namespaces) is
+    never evicted: one tenant's flood removes its own records first, and every namespace
+    ends up holding about the same, or less if it needs less."""
+    sizes = {rel: _size(store.root / rel) for rel in reach.counts if rel not in reach.agent_parts}
+    holders: dict[str, Counter] = defaultdict(Counter)  # part -> namespace -> its records there
+    queues: dict[str, deque[ConversationRecord]] = defaultdict(deque)  # least recent first
+    held: dict[str, float] = defaultdict(float)  # namespace -> bytes it holds
+    for record in sorted(reach.records, key=lambda r: r.last_use):
+        queues[record.namespace].append(record)
+        held[record.namespace] += record.size
+        for rel in _own(record, sizes):
+            holders[rel][record.namespace] += 1
+    for rel, namespaces in holders.items():
+        for namespace in namespaces:
+            held[namespace] += sizes[rel] / len(namespaces)
+    left = sum(r.size for r in reach.records) + sum(sizes[rel] for rel in holders)
+    doomed = []
+    while left > target:
+        busy = [ns for ns, queue in queues.items() if queue]
+        if not busy:
+            break
+        namespace = max(busy, key=lambda ns: (held[ns], -queues[ns][0].last_use))
+        record = queues[namespace].popleft()
+        doomed.append(record)
+        held[namespace] -= record.size
+        left -= record.size
+        for rel in _own(record, sizes):
+            namespaces = holders[rel]
+            namespaces[namespace] -= 1
+            if namespaces[namespace] > 0:
+                continue
+            k = len(namespaces)  # its share of the part moves to the others reaching it
+            del namespaces[namespace]
+            held[namespace] -= sizes[rel] / k
+            for other in namespaces:
+                held[other] += sizes[rel] / (k - 1) - sizes[rel] / k
+            if not namespaces:
+                left -= sizes[rel]
+    return doomed
+
+
+def _own(record: ConversationRecord, sizes: dict[str, int]) -> list[str]:
+    """The parts ``record`` reaches that only conversations reach (each once)."""
+    return [rel for rel in dict.fromkeys(record.parts) if rel in sizes]
 
 
 def drop_unused(store: Store, older_than_s: float, apply: bool) -> tuple[list[Path], int]:
@@ -177,14 +237,14 @@ def sweep_orphans(store: Store, candidates: set[str]) -> int:
     reaches now; returns the bytes freed."""
     with store.lock():
         reach = read_reach(store)
-        if not reach.complete:
-            return 0
+        if reach.unreadable:
+            return 0  # it might reach any of them; the budget removes it when it must
         folders: set[Path] = set()
-        freed = sum(
-            _unlink(store.root / rel, folders)
-            for rel in candidates
-            if reach.counts[rel] <= 0 and rel not in reach.agent_parts
-        )
+        agents = reach.agent_parts
+        gone = [rel for rel in candidates if reach.counts[rel] <= 0 and rel not in agents]
+        if gone:
+            warn_unreadable_agents(reach)
+        freed = sum(_unlink(store.root / rel, folders, store.root) for rel in gone)
         for folder in folders:
             fsync_dir(folder, store.fsync)
         return freed
@@ -210,9 +270,22 @@ def conversation_stats(store: Store) -> ConversationStats:
     )
 
 
+def warn_unreadable_agents(reach: Reach) -> None:
+    """Name each agent record that cannot be read: parts it reaches may be removed now."""
+    for exc in reach.unreadable_agents:
+        log.warning(
+            "[kvsnap] conversations' blocks are removed without agent record %s: it cannot be "
+            "read (%s), so blocks only it reaches may go; run `kvsnap verify`, then rebuild it "
+            "with `kvsnap build` or delete it",
+            exc.path,
+            exc.reason,
+        )
+
+
 def _size(path: Path) -> int:
+    """Bytes a store file holds: a symbolic link's own, never what it points to."""
     try:
-        return path.stat().st_size
+        return path.lstat().st_size
     except OSError:
         return 0
 
@@ -224,11 +297,9 @@ def _mtime(path: Path) -> float:
         return float("inf")  # cannot tell its last use: never "unused"
 
 
-def _unlink(path: Path, folders: set[Path]) -> int:
-    try:
-        size = path.stat().st_size
-        path.unlink()
-    except FileNotFoundError:
+def _unlink(path: Path, folders: set[Path], root: Path) -> int:
+    size = remove_store_file(path, root)
+    if size is None:
         return 0
     folders.add(path.parent)
     return size

@@ -31,7 +31,15 @@ import xxhash
 from kvsnap.errors import StoreError
 from kvsnap.key import hexdigest, key_from_digests, pack_tokens
 from kvsnap.snapshot.format import CONVERSATIONS, KEY_RE, SECRET_NAME, SUFFIX, snapshot_filename
-from kvsnap.store.fileio import FILE_MODE, TMP_PREFIX, Fsync, default_fsync, fsync_dir, make_dirs
+from kvsnap.store.fileio import (
+    FILE_MODE,
+    TMP_PREFIX,
+    Fsync,
+    default_fsync,
+    fsync_dir,
+    make_dirs,
+    store_files,
+)
 
 SECRET_BYTES = 32
 INDEX_MAX_AGE_S = 2.0  # another server's new records are seen within this long
@@ -48,13 +56,9 @@ def record_path(root: Path, key: str) -> Path:
 
 
 def conversation_files(root: Path) -> list[Path]:
-    """Every conversation record (temp files excluded), sorted."""
-    folder = conversations_dir(root)
-    if not folder.is_dir():
-        return []
-    return sorted(
-        p for p in folder.iterdir() if p.name.endswith(SUFFIX) and not p.name.startswith(TMP_PREFIX)
-    )
+    """Every conversation record (temp files excluded), sorted; StoreError when
+    ``conversations/`` is a symbolic link (removing through it would reach others' files)."""
+    return store_files(root, CONVERSATIONS, SUFFIX)
 
 
 # --- the tenant tag ---------------------------------------------------------------------------

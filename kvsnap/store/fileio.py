@@ -1,5 +1,6 @@
-"""Checked file I/O for a store: the one place that creates folders, writes files atomically,
-hashes files in chunks and reads a file whole into mlx memory.
+"""Checked file I/O for a store: the one place that creates folders, lists and removes a
+store's files, writes files atomically, hashes files in chunks and reads a file whole into
+mlx memory.
 
 ``store/local.py`` (records, manifest, gc) and ``store/parts.py`` (blocks, checkpoints) both
 use it, so neither needs the other for a write or a read. Only ``read_whole`` imports mlx.
@@ -14,8 +15,9 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable, Protocol, TypeVar
 
-from kvsnap.errors import SnapshotError
+from kvsnap.errors import SnapshotError, StoreError
 from kvsnap.snapshot.file import Header, parse_header, read_into
+from kvsnap.snapshot.format import CONVERSATIONS, PART_FOLDERS, SNAPSHOTS
 
 TMP_PREFIX = ".tmp-"
 FILE_MODE = 0o600
@@ -100,6 +102,66 @@ def atomic_write(
             os.unlink(tmp)
         raise
     fsync_dir(target.parent, fsync)
+
+
+def store_folder(root: Path, name: str) -> Path | None:
+    """``root/name`` when it is a real folder of the store, None when it is missing. A symbolic
+    link there (wherever it points, inside the store too) or a file is a StoreError: listing
+    or removing through it would reach files the store does not own."""
+    folder = root / name
+    try:
+        st = folder.lstat()
+    except FileNotFoundError:
+        return None
+    if stat.S_ISLNK(st.st_mode):
+        raise StoreError(
+            f"{folder} is a symbolic link (to {os.readlink(folder)}); kvsnap never lists or "
+            f"removes store files through a link; replace it with a real folder holding its "
+            f"files (or link the whole store instead)"
+        )
+    if not stat.S_ISDIR(st.st_mode):
+        raise StoreError(f"{folder} is not a folder; move it out of the store")
+    return folder
+
+
+def check_store_folders(root: Path) -> None:
+    """StoreError unless each of the store's folders is a real folder or missing: a remover
+    checks them all before it removes anything, so a refusal leaves nothing half done."""
+    for name in (SNAPSHOTS, *PART_FOLDERS, CONVERSATIONS):
+        store_folder(root, name)
+
+
+def store_files(root: Path, name: str, suffix: str) -> list[Path]:
+    """The entries of the store's folder ``root/name`` whose names end in ``suffix``, temp files
+    excluded, sorted ([] when the folder is missing; see ``store_folder`` for a link)."""
+    folder = store_folder(root, name)
+    if folder is None:
+        return []
+    names = os.listdir(folder)
+    return sorted(folder / n for n in names if n.endswith(suffix) and not n.startswith(TMP_PREFIX))
+
+
+def remove_store_file(path: Path, root: Path) -> int | None:
+    """Remove ``path``, an entry of the store's ``root`` or of one of its real folders (never
+    through a link: see ``store_folder``); returns the bytes it held, or None when nothing was
+    removed: gone already, or not a file (a folder, a device). A symbolic link is removed as a
+    link: what it points to is never touched."""
+    try:
+        where = path.parent.relative_to(root).parts
+    except ValueError:
+        where = ("..", "..")  # outside the store
+    if len(where) > 1:
+        raise StoreError(f"{path} is not a file of the store {root}; nothing was removed")
+    if where and store_folder(root, where[0]) is None:
+        return None  # its folder is gone: so is it
+    try:
+        st = path.lstat()
+        if not (stat.S_ISREG(st.st_mode) or stat.S_ISLNK(st.st_mode)):
+            return None
+        path.unlink()
+    except FileNotFoundError:
+        return None  # another writer removed it already
+    return st.st_size
 
 
 H = TypeVar("H", bound=Hasher)

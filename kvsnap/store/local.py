@@ -36,6 +36,7 @@ from kvsnap.snapshot.file import (
     write_snapshot,
 )
 from kvsnap.snapshot.format import (
+    CONVERSATIONS,
     DTYPES,
     KEY_RE,
     MANIFEST,
@@ -54,7 +55,7 @@ from kvsnap.snapshot.header import (
     inspect_header,
 )
 from kvsnap.snapshot.layer_list import check_offsets
-from kvsnap.store.conversations import conversation_files, conversations_dir
+from kvsnap.store.conversations import conversation_files
 from kvsnap.store.fileio import (
     DIR_MODE,
     FILE_MODE,
@@ -62,10 +63,14 @@ from kvsnap.store.fileio import (
     FaultFn,
     atomic_write,
     check_regular,
+    check_store_folders,
     default_fsync,
     fsync_dir,
     make_dirs,
     read_whole,
+    remove_store_file,
+    store_files,
+    store_folder,
 )
 from kvsnap.store.foreign import Problem, classify, require_model
 from kvsnap.store.manifest import (
@@ -257,19 +262,14 @@ class Store:
     # --- reading ----------------------------------------------------------------
 
     def snapshot_files(self) -> list[Path]:
-        if not self.snapshots_dir.is_dir():
-            return []
-        return sorted(
-            p
-            for p in self.snapshots_dir.iterdir()
-            if p.name.endswith(SUFFIX) and not p.name.startswith(TMP_PREFIX)
-        )
+        """The agents' records; StoreError when ``snapshots/`` is a link (``store_folder``)."""
+        return store_files(self.root, SNAPSHOTS, SUFFIX)
 
     def temp_files(self) -> list[Path]:
-        found = []
-        folders = (self.root, self.snapshots_dir, *(self.root / f for f in PART_FOLDERS))
-        for folder in (*folders, conversations_dir(self.root)):
-            if folder.is_dir():
+        found = [p for p in self.root.iterdir() if p.name.startswith(TMP_PREFIX)]
+        for name in (SNAPSHOTS, *PART_FOLDERS, CONVERSATIONS):
+            folder = store_folder(self.root, name)
+            if folder is not None:
                 found += [p for p in folder.iterdir() if p.name.startswith(TMP_PREFIX)]
         return sorted(found)
 
@@ -422,9 +422,11 @@ class Store:
         Without a manifest nothing says which snapshots are in use (a store copied
         without it, or written only by a server), so every snapshot stays. Blocks and
         checkpoints go when no record reaches them (agents' and persisted conversations').
-        Folders are never removed; a symbolic link is removed, never what it points to.
+        Folders are never removed; a symbolic link is removed, never what it points to, and a
+        store folder that is a link is refused (``store_folder``): nothing is removed then.
         """
         with self.lock():
+            check_store_folders(self.root)  # a link refused before anything goes
             live = self.referenced()
             candidates = self.temp_files()
             kept = self.snapshot_files()
@@ -445,7 +447,7 @@ class Store:
             freed = sum(p.lstat().st_size for p in doomed)
             if apply:
                 for p in doomed:
-                    p.unlink()
+                    remove_store_file(p, self.root)
                 for folder in sorted({p.parent for p in doomed}):
                     self._fsync_dir(folder)
             return doomed, freed

@@ -43,7 +43,7 @@ from kvsnap.snapshot.format import (
     snapshot_filename,
 )
 from kvsnap.snapshot.header import SnapshotInfo
-from kvsnap.store.fileio import TMP_PREFIX, StoreFiles, atomic_write, check_regular, read_whole
+from kvsnap.store.fileio import StoreFiles, atomic_write, check_regular, read_whole, store_files
 
 FOLDER = {BLOCK_KIND: BLOCKS, CHECKPOINT_KIND: CHECKPOINTS}
 FIX = "rebuild it with `kvsnap build` (the chain is prefilled from the last good block)"
@@ -68,16 +68,11 @@ def has_part(store: StoreFiles, kind: str, key: str) -> bool:
 
 
 def part_files(store: StoreFiles) -> list[Path]:
-    """Every block and checkpoint file (temp files excluded), sorted."""
+    """Every block and checkpoint file (temp files excluded), sorted; StoreError when either
+    folder is a symbolic link (``fileio.store_folder``)."""
     found = []
     for kind in (BLOCK_KIND, CHECKPOINT_KIND):
-        folder = store.root / FOLDER[kind]
-        if folder.is_dir():
-            found += [
-                p
-                for p in folder.iterdir()
-                if p.name.endswith(SUFFIX) and not p.name.startswith(TMP_PREFIX)
-            ]
+        found += store_files(store.root, FOLDER[kind], SUFFIX)
     return sorted(found)
 
 

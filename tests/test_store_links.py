@@ -1,0 +1,135 @@
+"""Symbolic links in a store never make kvsnap remove what lies outside it.
+
+A store folder (``conversations/``, ``blocks/``, ``checkpoints/``, ``snapshots/``) that is a
+link is refused, with an error naming it, by every lister and remover: `kvsnap gc`, the
+unused-for drop, the disk budget and ``DELETE /v1/cache/prefix``. A record file that is a
+link is removed as a link: what it points to stays. Real stores, real links pointing outside
+the store, a real `kvsnap serve` (kvsnap/store/fileio.py ``store_folder``)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from conftest import run_kvsnap
+from test_persist_store import (  # noqa: F401  (base, conv_store: the fixtures)
+    LONG_SYSTEM,
+    Chat,
+    base,
+    conv_store,
+    copy_store,
+    persist_status,
+    serve,
+)
+
+from kvsnap.errors import StoreError
+from kvsnap.store.conversation_space import drop_unused, evict_to_budget, purge
+from kvsnap.store.conversations import conversation_files
+from kvsnap.store.local import Store
+
+FOLDERS = ("conversations", "blocks", "checkpoints", "snapshots")
+
+
+def tree(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+def outside_folder(tmp_path: Path, root: Path, name: str) -> Path:
+    """``root/name`` moved out of the store and linked back, next to files that are not the
+    store's: a model's weights and the operator's agent record."""
+    outside = tmp_path / "elsewhere" / name
+    outside.parent.mkdir(exist_ok=True)
+    if (root / name).exists():
+        shutil.move(root / name, outside)
+    else:
+        outside.mkdir()
+    (outside / "model.safetensors").write_bytes(b"the weights of someone's model")
+    agent = next((root / "snapshots").glob("*.safetensors"), None) if name != "snapshots" else None
+    if agent is not None:
+        shutil.copy2(agent, outside / f"{'e' * 32}.safetensors")
+    old = time.time() - 3600  # older than any cutoff: an "unused" drop would take them
+    for p in outside.iterdir():
+        os.utime(p, (old, old))
+    (root / name).symlink_to(outside, target_is_directory=True)
+    return outside
+
+
+@pytest.mark.parametrize("name", FOLDERS)
+def test_regression_a_linked_store_folder_is_refused_and_nothing_outside_is_removed(
+    conv_store, tmp_path, name
+):
+    """`kvsnap gc` listed a linked blocks/ (or checkpoints/, snapshots/, conversations/)
+    through the link and deleted every file there no record reached: a model's weights, the
+    operator's agent record. Every remover now refuses the link, naming it."""
+    root = tmp_path / "store"
+    shutil.copytree(conv_store, root)
+    outside = outside_folder(tmp_path, root, name)
+    before = tree(outside)
+    link = root / name
+    for args in (("gc", root, "--yes"), ("gc", root, "--conversations-unused-for", "1s", "--yes")):
+        r = run_kvsnap(*args)
+        assert r.returncode != 0, r.stdout
+        assert f"{link} is a symbolic link" in r.stderr and "real folder" in r.stderr, r.stderr
+    store = Store.open(root)
+    for remove in (
+        lambda: purge(store),
+        lambda: evict_to_budget(store, 1),
+        lambda: drop_unused(store, 1, apply=True),
+    ):
+        with pytest.raises(StoreError, match="symbolic link"):
+            remove()
+    assert tree(outside) == before
+
+
+def test_regression_delete_prefix_cache_never_removes_through_a_linked_conversations_folder(
+    base, tmp_path
+):
+    """DELETE /v1/cache/prefix on a store whose conversations/ linked to a model's folder
+    removed the model's weights (an "unreadable conversation record"). It now removes nothing
+    there and the server's log names the link."""
+    tmp, model, _ = base
+    root = copy_store(base, tmp_path)
+    outside = outside_folder(tmp_path, root, "conversations")
+    server = serve(model, root, tmp, "linked", "--persist-requests")
+    warning = f"{root / 'conversations'} is a symbolic link"
+    try:
+        for n in range(2):
+            Chat(f"l{n}", LONG_SYSTEM).send(server.url)
+        deadline = time.monotonic() + 60  # the writer's turn at them
+        while warning not in server.log() or persist_status(server)["queued"]:
+            assert time.monotonic() < deadline, server.log()[-3000:]
+            time.sleep(0.05)
+        before = tree(outside)  # the model's files and any record written through the link
+        r = httpx.delete(f"{server.url}/v1/cache/prefix", timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.json()["persisted_removed"] == 0
+        log = server.log()
+    finally:
+        server.stop()
+    assert tree(outside) == before
+    assert log.count(warning) >= 2, log[-3000:]  # the writer's, and the purge's
+
+
+def test_a_record_file_that_is_a_link_goes_as_a_link_and_its_target_stays(conv_store, tmp_path):
+    """A link in conversations/ named like a record (to an agent record elsewhere, to a model's
+    weights): the purge and the budget remove the link, never what it points to."""
+    root = tmp_path / "store"
+    shutil.copytree(conv_store, root)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    weights = elsewhere / "model.safetensors"
+    weights.write_bytes(b"the weights of someone's model")
+    agent = elsewhere / "agent.safetensors"
+    shutil.copy2(next((root / "snapshots").glob("*.safetensors")), agent)
+    before = tree(elsewhere)
+    store = Store.open(root)
+    for target, remove in ((weights, purge), (agent, lambda s: evict_to_budget(s, 1))):
+        link = root / "conversations" / f"{'f' * 32}.safetensors"
+        link.symlink_to(target)
+        remove(store)
+        assert not link.is_symlink() and conversation_files(root) == []
+        assert tree(elsewhere) == before
