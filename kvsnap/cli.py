@@ -3,7 +3,8 @@
 Exit codes: 0 success; 1 a check found bad files (verify), or some warm-prompt entries
 were invalid or failed to build (build: the valid ones are still built and the table
 says which); 2 a usage or input error, printed as one line on stderr naming the problem
-and the fix.
+and the fix; 141 the reader of the output closed it early (`kvsnap ls S --json | head`): the
+command stops quietly, as a shell tool killed by SIGPIPE does.
 
 Each subcommand's flags and implementation live together in kvsnap/commands/; this module
 only assembles the parser, in `kvsnap --help` order, and dispatches.
@@ -13,14 +14,15 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from kvsnap import __version__
 from kvsnap.commands import build, serve, store, tools, transfer
-from kvsnap.commands.common import EXIT_BAD, EXIT_OK, EXIT_USAGE
+from kvsnap.commands.common import EXIT_BAD, EXIT_OK, EXIT_PIPE_CLOSED, EXIT_USAGE
 from kvsnap.errors import KvsnapError
 
-__all__ = ["EXIT_BAD", "EXIT_OK", "EXIT_USAGE", "build_parser", "main"]
+__all__ = ["EXIT_BAD", "EXIT_OK", "EXIT_PIPE_CLOSED", "EXIT_USAGE", "build_parser", "main"]
 
 log = logging.getLogger("kvsnap")
 
@@ -59,6 +61,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        status = run(argv)
+        sys.stdout.flush()  # inside the try: a closed pipe surfaces here, not at exit
+    except BrokenPipeError:
+        # The Python docs' recipe: stdout onto devnull, so the interpreter's final flush of the
+        # unwritten rest cannot raise again ("Exception ignored ... BrokenPipeError").
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_PIPE_CLOSED
+    return status
+
+
+def run(argv: list[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(

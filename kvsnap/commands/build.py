@@ -14,6 +14,7 @@ from kvsnap.commands.common import (
     console,
     human_bytes,
     kv_settings,
+    table_title,
 )
 
 
@@ -263,7 +264,7 @@ def print_build_report(out, report) -> None:
     """One row per entry, its warnings and failures, then the totals line."""
     from rich.table import Table
 
-    table = Table(title=f"kvsnap build → {report.store}")
+    table = Table(title=table_title(f"kvsnap build → {report.store}"))
     for col in (
         "agent",
         "status",

@@ -4,8 +4,13 @@ helpers."""
 from __future__ import annotations
 
 import argparse
+import os
 
 EXIT_OK, EXIT_BAD, EXIT_USAGE = 0, 1, 2
+# What a shell reports for a program killed by SIGPIPE: the reader (`| head`) closed the pipe.
+EXIT_PIPE_CLOSED = 141
+# Rows printed to a file or pipe (CI logs, `| tee`) are never wrapped or cut below this width.
+UNWRAPPED_WIDTH = 10_000
 
 MODEL_HELP = (
     "hub id (org/name, from the Hugging Face cache as mlx-lm resolves it) or local mlx-lm "
@@ -72,9 +77,29 @@ def kv_settings(args: argparse.Namespace):
 
 
 def console(stderr: bool = False):
+    """A rich console for tables and notes. On a terminal it fits the window; written to a file
+    or a pipe it prints whole rows (rich would cut them to 80 columns) unless COLUMNS is set.
+    A reader that closes the pipe early raises BrokenPipeError, which `kvsnap` ends quietly."""
     from rich.console import Console
 
-    return Console(stderr=stderr, highlight=False)
+    class PipeAwareConsole(Console):
+        def on_broken_pipe(self) -> None:
+            # rich's own handler exits 1 (a failed check, for `kvsnap`); the CLI's handler
+            # silences the rest and exits as a closed pipe does.
+            raise BrokenPipeError
+
+    out = PipeAwareConsole(stderr=stderr, highlight=False)
+    if not out.is_terminal and not os.environ.get("COLUMNS"):
+        out.width = UNWRAPPED_WIDTH
+    return out
+
+
+def table_title(text: str):
+    """A table's title, printed whole: rich wraps a plain title at the table's width, splitting
+    a long store path across lines. Plain text, never markup (paths come from users)."""
+    from rich.text import Text
+
+    return Text(text, no_wrap=True, overflow="ignore")
 
 
 def human_bytes(n: float) -> str:

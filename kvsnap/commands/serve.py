@@ -26,7 +26,13 @@ log = logging.getLogger("kvsnap")
 
 def add_serve(sub) -> None:
     p = sub.add_parser("serve", help="OpenAI-compatible server that starts warm from snapshots")
-    p.add_argument("model", help=MODEL_HELP)
+    p.add_argument("model", nargs="?", help=MODEL_HELP)
+    p.add_argument(
+        "--model",
+        dest="model_flag",
+        metavar="MODEL",
+        help="the model, as mlx_lm.server takes it: the same as the positional MODEL",
+    )
     p.add_argument("--revision", metavar="REV", help=REVISION_HELP)
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
@@ -174,6 +180,23 @@ def add_serve(sub) -> None:
     p.set_defaults(run=cmd_serve)
 
 
+def served_model(args) -> str:
+    """The model to serve, given as `serve MODEL` or as mlx_lm.server users type it, `serve
+    --model MODEL`; a KvsnapError when neither is given, or both name different models."""
+    positional, flag = args.model, args.model_flag
+    if positional is None and flag is None:
+        raise KvsnapError(
+            "no model given; name it as `kvsnap serve ORG/NAME|DIR` or `kvsnap serve --model "
+            "ORG/NAME|DIR`"
+        )
+    if positional is not None and flag is not None and positional != flag:
+        raise KvsnapError(
+            f"two models given: {positional!r} (positional) and --model {flag!r}; give one of "
+            f"the two"
+        )
+    return positional if positional is not None else flag
+
+
 def persist_options(args):
     """``--persist-requests`` and its settings as ``PersistOptions``, None when off; a
     KvsnapError for flags that contradict each other."""
@@ -227,6 +250,7 @@ def cmd_serve(args) -> int:
     from kvsnap.runtime.modeling import resolve_model
     from kvsnap.store.remote import check_kv_snapshots, resolve_kv_snapshots
 
+    args.model = served_model(args)
     check_kv_snapshots(args.kv_snapshots)  # an unknown scheme fails before the model is resolved
     auth = Auth.from_flags(args.api_key, args.admin_api_key)
     if args.max_queued_requests < 0:

@@ -15,6 +15,7 @@ from kvsnap.commands.common import (
     console,
     human_bytes,
     kv_settings,
+    table_title,
 )
 from kvsnap.errors import KvsnapError
 
@@ -60,7 +61,7 @@ def cmd_ls(args) -> int:
     from rich.table import Table
 
     # Names and dates come from the files: data, never rich markup ("[/bold]" would raise).
-    table = Table(title=escape(f"{store.root}: {len(good)} snapshot(s)"))
+    table = Table(title=table_title(f"{store.root}: {len(good)} snapshot(s)"))
     for col in ("key", "agent", "tokens", "size", "model", "created"):
         table.add_column(col)
     for i in good:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvsnap.commands.common import EXIT_OK, positive_int
+from kvsnap.commands.common import EXIT_OK, console, positive_int
 from kvsnap.errors import KvsnapError
 
 
@@ -87,7 +87,9 @@ def add_bench_serve(sub) -> None:
     )
     p.add_argument(
         "--system-prompt-file",
-        help="system prompt prepended to every request (nothing is sent that could warm it first)",
+        help="system prompt prepended to every request (nothing is sent that could warm it "
+        "first); any readable path, <(...) too; one trailing newline is dropped, as a warm "
+        "prompt's JSON string has none",
     )
     p.add_argument("--max-tokens", type=positive_int, default=64)
     p.add_argument(
@@ -123,16 +125,11 @@ def cmd_bench_serve(args) -> int:
     import httpx
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from kvsnap.tools.bench_serve import load_prompt_set, render, run_bench
+    from kvsnap.tools.bench_serve import load_prompt_set, read_system_prompt, render, run_bench
 
     sets = load_prompt_set(args.prompts)
     concurrencies = _concurrencies(args.concurrency)
-    system = None
-    if args.system_prompt_file:
-        path = Path(args.system_prompt_file)
-        if not path.is_file():
-            raise KvsnapError(f"--system-prompt-file {path}: no such file")
-        system = path.read_text()
+    system = read_system_prompt(Path(args.system_prompt_file)) if args.system_prompt_file else None
     total = len(sets) * sum(concurrencies) * args.repetitions
     with Progress(
         TextColumn("bench-serve"),
@@ -161,7 +158,8 @@ def cmd_bench_serve(args) -> int:
                 f"benchmark against {args.url} failed ({type(exc).__name__}: {exc}); is `kvsnap "
                 f"serve` running there?"
             ) from None
-    print(render(results, args.format))
+    # A terminal's width, or whole rows in a file or pipe (CI logs).
+    print(render(results, args.format, width=max(200, console().width)))
     if args.output:
         Path(args.output).write_text(
             render(results, "csv" if args.format == "table" else args.format)

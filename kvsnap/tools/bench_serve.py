@@ -55,9 +55,9 @@ def load_prompt_set(spec: str) -> dict[str, list[str]]:
             sets[item] = builtin_prompts(item)
             continue
         path = Path(item)
-        if not path.is_file():
+        if not path.exists():
             raise UsageError(f"--prompts {item!r} is neither short/medium/long nor a readable file")
-        text = path.read_text()
+        text = read_text_file(path, "--prompts")
         try:
             data = json.loads(text)
             prompts = [p if isinstance(p, str) else json.dumps(p) for p in data]
@@ -67,6 +67,34 @@ def load_prompt_set(spec: str) -> dict[str, list[str]]:
             raise UsageError(f"--prompts file {item!r} holds no prompt")
         sets[path.stem] = prompts
     return sets
+
+
+def read_text_file(path: Path, flag: str) -> str:
+    """The text of any readable path: a file, a FIFO, or a shell's process substitution
+    (`<(...)`, a /dev/fd/N pipe that is neither a regular file nor readable twice)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except FileNotFoundError:
+        raise UsageError(f"{flag} {path}: no such file; check the path") from None
+    except IsADirectoryError:
+        raise UsageError(f"{flag} {path}: is a folder; give a text file") from None
+    except UnicodeDecodeError as exc:
+        raise UsageError(
+            f"{flag} {path}: not UTF-8 text ({exc.reason} at byte {exc.start}); save it as UTF-8"
+        ) from None
+    except OSError as exc:
+        raise UsageError(
+            f"{flag} {path}: cannot be read ({exc.strerror or exc}); check its permissions"
+        ) from None
+
+
+def read_system_prompt(path: Path) -> str:
+    """The system prompt in ``path`` less one trailing newline: editors end a file with one,
+    and sent as-is it would change the prompt's last tokens, so a warm prefix built from the
+    same text without it would miss by a partial block."""
+    text = read_text_file(path, "--system-prompt-file")
+    return text[:-1] if text.endswith("\n") else text
 
 
 @dataclass
@@ -195,7 +223,7 @@ async def run_bench(
     return results
 
 
-def render(results: list[ConfigResult], fmt: str) -> str:
+def render(results: list[ConfigResult], fmt: str, width: int = 200) -> str:
     rows = [asdict(r) for r in results]
     if fmt == "json":
         return json.dumps(rows, indent=1)
@@ -229,5 +257,5 @@ def render(results: list[ConfigResult], fmt: str) -> str:
     for r in rows:
         table.add_row(*[f"{r[c]:.1f}" if isinstance(r[c], float) else str(r[c]) for c in cols])
     buf = io.StringIO()
-    Console(file=buf, width=200).print(table)
+    Console(file=buf, width=width).print(table)
     return buf.getvalue()
