@@ -93,7 +93,6 @@ def test_sequential_requests_report_every_reused_token_without_keys(open_server,
     # Later ones also reuse the chat template's tokens after the system prompt (kept by the
     # earlier requests): more than the warm prefix, and exactly what the engine counted.
     assert all(c > warm_length for c in cached[1:]), cached
-    assert [c % 128 for c in cached[1:]] != [0, 0, 0], cached
     assert after[0] - before[0] == sum(cached), (before, after, cached)
     assert after[1] - before[1] == sum(cached), (before, after, cached)
 
