@@ -29,7 +29,13 @@ from test_persist_store import (  # noqa: F401  (base, conv_store: the fixtures)
     settle,
 )
 
-from kvsnap.store.conversation_space import evict_to_budget, read_reach
+from kvsnap.store.conversation_space import (
+    ConversationRecord,
+    Reach,
+    budget_victims,
+    evict_to_budget,
+    read_reach,
+)
 from kvsnap.store.conversations import conversation_files
 from kvsnap.store.local import Store
 
@@ -143,3 +149,28 @@ def test_regression_one_tenants_flood_evicts_its_own_conversations_not_anothers(
     assert b_keys <= record_keys(root)  # and every one of B's conversations stayed
     assert record_keys(root) - b_keys  # A keeps what fits besides
     assert_sound(root)
+
+
+def test_the_namespace_holding_the_most_gives_first_and_shares_split_shared_blocks(tmp_path):
+    """The rule on its own, over real part files: B's one record is the oldest, but A holds
+    the most (its records, its own blocks, half of the block both reach), so A's go, least
+    recently used first; when A's last goes, the whole shared block counts as B's."""
+    store = Store.open(tmp_path / "store", create=True)
+    (store.root / "blocks").mkdir()
+    for name, size in (("shared", 1000), ("a1", 1000), ("a2", 1000), ("a3", 1000), ("b1", 500)):
+        (store.root / "blocks" / f"{name}.safetensors").write_bytes(b"x" * size)
+
+    def record(namespace: str, own: str, age: float) -> ConversationRecord:
+        parts = ["blocks/shared.safetensors", f"blocks/{own}.safetensors"]
+        return ConversationRecord(Path(own), time.time() - age, 100, parts, namespace)
+
+    b = record("B", "b1", 40)
+    a = [record("A", f"a{i}", 30 - i) for i in (1, 2, 3)]
+    reach = Reach(records=[b, *a])
+    for r in reach.records:
+        reach.counts.update(r.parts)
+    assert reach.nbytes(store) == 4900  # A holds 3800 (half the shared block), B 1100
+    assert budget_victims(store, reach, 4900) == []
+    assert budget_victims(store, reach, 3000) == a[:2]  # global LRU would take B's first
+    assert budget_victims(store, reach, 1700) == a  # A at 1600 still holds more than B
+    assert budget_victims(store, reach, 1000) == [*a, b]  # then B holds all 1600 of it
