@@ -327,6 +327,7 @@ def restore_longest(
 
     A block or checkpoint that fails its checks is named in a warning and the chain is
     prefilled from the last good restore point before it."""
+    from kvsnap.snapshot.blocks import kv_form_at
     from kvsnap.snapshot.codec import decode_cache
     from kvsnap.snapshot.format import BLOCK_KIND, CHECKPOINT_KIND
     from kvsnap.store.parts import assemble_state, check_checkpoint, has_part
@@ -340,7 +341,9 @@ def restore_longest(
     points = [
         link
         for link in present
-        if not hybrid or has_part(store, CHECKPOINT_KIND, _checkpoint_key(identity, link))
+        if (not hybrid or has_part(store, CHECKPOINT_KIND, _checkpoint_key(identity, link)))
+        # a quantized chain restores only where a fresh prefill has quantized too
+        and kv_form_at(link.end, identity) == link.form
     ]
     replace: set = set()
     warnings: tuple[str, ...] = ()
@@ -415,7 +418,7 @@ def _bad_past(
 def _checkpoint_key(identity: ModelIdentity, link) -> str:
     from kvsnap.snapshot.blocks import checkpoint_key
 
-    return link.checkpoint_key or checkpoint_key(identity.digest, link.prefix_digest)
+    return link.checkpoint_key or checkpoint_key(identity.digest, link.prefix_digest, link.form)
 
 
 def _end_of(links: Sequence, key: str, default: int) -> int:

@@ -23,7 +23,9 @@ from kvsnap.snapshot.blocks import (
     Cut,
     chain_field,
     chain_of,
+    kv_form,
     plan_cuts,
+    without_checkpoint,
 )
 from kvsnap.store.conversation_writer import ConversationWrite, ConversationWriter, PartWrite
 from kvsnap.store.conversations import (
@@ -140,8 +142,11 @@ class Persister:
         arrays, layers = encode_cache(entry.state, tokens)
         hybrid = needs_checkpoints(layers)
         warm_ends = self.prefix.shared_ends(tokens) if self.prefix is not None else []
+        cuts = _cuts(len(tokens), warm_ends, self.settings)
+        # keyed by the state's KV form: a prefix captured before the quantization start is
+        # unquantized, one past it quantized, and a record names only blocks of its own form
         links = _end_checkpoint_only(
-            chain_of(digest, tokens, _cuts(len(tokens), warm_ends, self.settings), hybrid)
+            chain_of(digest, tokens, cuts, hybrid, kv_form(layers, self.identity))
         )
         sliced, whole = split_tensor_names(layers)
         parts = []
@@ -285,9 +290,7 @@ def _end_checkpoint_only(links: list[ChainLink]) -> list[ChainLink]:
     """A request prefix is captured at its end only: the chain names no other checkpoint."""
     n = links[-1].end if links else 0
     return [
-        link
-        if link.end == n or link.checkpoint_key is None
-        else ChainLink(link.start, link.end, link.key, link.prefix_digest, None)
+        link if link.end == n or link.checkpoint_key is None else without_checkpoint(link)
         for link in links
     ]
 

@@ -77,14 +77,21 @@ class ModelShapes:
         s = self._lm.settings
         cache = self._lm.make_cache()
         self._lm.model(mx.array([[0]], dtype=mx.int32), cache=cache)
-        if s.kv_bits is not None:  # the names and dtypes of quantized parts, whatever the start
+        forms = []
+        if s.kv_bits is None or s.quantized_kv_start > 0:
+            # below a quantization start above 0 a state is still unquantized (mlx-lm converts it
+            # once a longer prompt reaches the start): that form is this model's too
+            forms.append(named_arrays(cache))
+        if s.kv_bits is not None:  # the names and dtypes of quantized parts
             maybe_quantize_kv_cache(cache, 0, s.kv_group_size, s.kv_bits)
-        layers, arrays = named_arrays(cache)
+            forms.append(named_arrays(cache))
         # Shapes and dtypes are known from the lazy graph: evaluating it would run the model's first
         # pass (kernel compiles, ~1 s at 0.6B) before warm; the kernel priming runs it after warm.
-        self._per_token = _token_axis_names(layers)
+        self._per_token = set().union(*(_token_axis_names(layers) for layers, _ in forms))
         return {
-            name: _spec(name, a.shape, _mlx_dtype(a), self._per_token) for name, a in arrays.items()
+            name: _spec(name, a.shape, _mlx_dtype(a), self._per_token)
+            for _, arrays in forms
+            for name, a in arrays.items()
         }
 
     def problem_in_arrays(self, arrays: dict, where: str = "") -> str | None:

@@ -99,16 +99,17 @@ class ChainPlan:
 
     def keep_stored(self, store: Store, identity: ModelIdentity, tokens: Sequence[int]) -> None:
         """Forget stored checkpoints that are no longer in the store (the caller holds the lock)."""
-        from kvsnap.snapshot.blocks import checkpoint_key, prefix_digests
+        from kvsnap.snapshot.blocks import checkpoint_key, kv_form_at, prefix_digests
         from kvsnap.snapshot.format import CHECKPOINT_KIND
         from kvsnap.store.parts import has_part
 
         ends = sorted(self.stored)
         digests = prefix_digests(tokens, ends)
+        form = kv_form_at(len(tokens), identity)
         self.stored = {
             e
             for e, d in zip(ends, digests)
-            if has_part(store, CHECKPOINT_KIND, checkpoint_key(identity.digest, d))
+            if has_part(store, CHECKPOINT_KIND, checkpoint_key(identity.digest, d, form))
         }
 
     def links(
@@ -117,24 +118,25 @@ class ChainPlan:
         tokens: Sequence[int],
         hybrid: bool,
         captured_only: bool = True,
+        form: str | None = None,
     ) -> list:
         """The chain. ``captured_only``: a planned checkpoint whose state was not captured is left
-        out (the server's write-back captures only the end)."""
-        from kvsnap.snapshot.blocks import ChainLink, chain_of, plan_cuts
+        out (the server's write-back captures only the end). ``form``: the captured state's KV
+        form; None, before the prefill, the one a prefill of ``tokens`` ends in."""
+        from kvsnap.snapshot.blocks import chain_of, kv_form_at, plan_cuts, without_checkpoint
 
         links = chain_of(
             identity.digest,
             tokens,
             plan_cuts(len(tokens), set(self.branches), self.settings),
             hybrid,
+            kv_form_at(len(tokens), identity) if form is None else form,
         )
         if not captured_only:
             return links
         keep = set(self.checkpoints) | self.stored | {len(tokens)}
         return [
-            link
-            if link.checkpoint_key is None or link.end in keep
-            else ChainLink(link.start, link.end, link.key, link.prefix_digest, None)
+            link if link.checkpoint_key is None or link.end in keep else without_checkpoint(link)
             for link in links
         ]
 
@@ -150,14 +152,14 @@ def snapshot_payload(
     plan: ChainPlan,
 ) -> tuple:
     """(key, arrays, layers, links, record tensors, record header) of a captured warm state."""
-    from kvsnap.snapshot.blocks import chain_field
+    from kvsnap.snapshot.blocks import chain_field, kv_form
     from kvsnap.snapshot.codec import encode_cache, to_out_tensors
 
     key = snapshot_key(identity, prompt_digest, tokens)
     from kvsnap.snapshot.cache_classes import needs_checkpoints
 
     arrays, layers = encode_cache(cache, tokens)
-    links = plan.links(identity, tokens, needs_checkpoints(layers))
+    links = plan.links(identity, tokens, needs_checkpoints(layers), form=kv_form(layers, identity))
     recorded = (
         recorded_fields(lm.settings, tokenization)
         | lm.origin_fields()

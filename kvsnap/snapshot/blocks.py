@@ -11,18 +11,20 @@ a checkpoint is an extra file, never an extra cut.
 Keys are content addresses: a block's is a hash of the model identity digest, its start and
 every token up to its end; a checkpoint's of the model identity digest and every token up to
 its position. Two prompts that share their first 2,000 tokens therefore name the same blocks,
-whatever else differs (template, name, agents file). Pure: no mlx, no files.
+whatever else differs (template, name, agents file). Where the same tokens have two forms (KV
+quantized from a start above token 0: unquantized below it, quantized from it) the key also
+names the form, so a record never names a block of the other form. Pure: no mlx, no files.
 """
 
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 import xxhash
 
-from kvsnap.key import pack_tokens
+from kvsnap.key import ModelIdentity, pack_tokens
 from kvsnap.prompts import common_prefix_length
 from kvsnap.snapshot.format import BLOCK_FORMAT_VERSION
 
@@ -117,15 +119,54 @@ def prefix_digests(tokens: Sequence[int], ends: Sequence[int]) -> list[str]:
     return out
 
 
-def block_key(model_digest: str, start: int, prefix_digest: str) -> str:
+QUANTIZED_FORM = "quantized"
+UNQUANTIZED_FORM = "unquantized"
+KV_FORMS = (QUANTIZED_FORM, UNQUANTIZED_FORM)  # "" (no form in the key): the model has one
+
+
+def has_two_forms(identity: ModelIdentity) -> bool:
+    """Whether a prefix of this model can be stored both ways: mlx-lm quantizes the KV once its
+    offset reaches the start, so below a start above 0 it is still unquantized."""
+    return identity.kv_bits is not None and (identity.quantized_kv_start or 0) > 0
+
+
+def is_quantized(layers: Sequence[dict]) -> bool:
+    """Whether a state's attention KV is quantized (mlx-lm converts every layer at once)."""
+    return any(meta.get("class") == "QuantizedKVCache" for meta in layers)
+
+
+def kv_form(layers: Sequence[dict], identity: ModelIdentity) -> str:
+    """The form a state's blocks and checkpoints are keyed by: "" where the model has one form
+    (keys as before forms existed), else quantized or unquantized (bits and group size are in
+    the model digest)."""
+    if not has_two_forms(identity):
+        return ""
+    return QUANTIZED_FORM if is_quantized(layers) else UNQUANTIZED_FORM
+
+
+def kv_form_at(n_tokens: int, identity: ModelIdentity) -> str:
+    """The form a prefill of exactly ``n_tokens`` ends in, before it runs: its last step leaves
+    the offset at ``n_tokens``, and mlx-lm quantizes once the offset reaches the start."""
+    if not has_two_forms(identity):
+        return ""
+    return QUANTIZED_FORM if n_tokens >= (identity.quantized_kv_start or 0) else UNQUANTIZED_FORM
+
+
+def _form_suffix(form: str) -> str:
+    return f"|{form}" if form else ""
+
+
+def block_key(model_digest: str, start: int, prefix_digest: str, form: str = "") -> str:
     return xxhash.xxh3_128_hexdigest(
-        f"kvsnap-block-v{BLOCK_FORMAT_VERSION}|{model_digest}|{start}|{prefix_digest}".encode()
+        f"kvsnap-block-v{BLOCK_FORMAT_VERSION}|{model_digest}|{start}|{prefix_digest}"
+        f"{_form_suffix(form)}".encode()
     )
 
 
-def checkpoint_key(model_digest: str, prefix_digest: str) -> str:
+def checkpoint_key(model_digest: str, prefix_digest: str, form: str = "") -> str:
     return xxhash.xxh3_128_hexdigest(
-        f"kvsnap-checkpoint-v{BLOCK_FORMAT_VERSION}|{model_digest}|{prefix_digest}".encode()
+        f"kvsnap-checkpoint-v{BLOCK_FORMAT_VERSION}|{model_digest}|{prefix_digest}"
+        f"{_form_suffix(form)}".encode()
     )
 
 
@@ -136,22 +177,33 @@ class ChainLink:
     key: str  # the block's
     prefix_digest: str  # of tokens[:end]
     checkpoint_key: str | None  # set where the plan stores a checkpoint (hybrids only)
+    form: str = ""  # the state's KV form its keys name ("" where the model has one)
 
 
 def chain_of(
-    model_digest: str, tokens: Sequence[int], cuts: Sequence[Cut], with_checkpoints: bool
+    model_digest: str,
+    tokens: Sequence[int],
+    cuts: Sequence[Cut],
+    with_checkpoints: bool,
+    form: str = "",
 ) -> list[ChainLink]:
     digests = prefix_digests(tokens, [c.end for c in cuts])
     return [
         ChainLink(
             c.start,
             c.end,
-            block_key(model_digest, c.start, d),
+            block_key(model_digest, c.start, d, form),
             d,
-            checkpoint_key(model_digest, d) if (with_checkpoints and c.checkpoint) else None,
+            checkpoint_key(model_digest, d, form) if (with_checkpoints and c.checkpoint) else None,
+            form,
         )
         for c, d in zip(cuts, digests)
     ]
+
+
+def without_checkpoint(link: ChainLink) -> ChainLink:
+    """``link`` naming no checkpoint (a plan's checkpoint that was not captured)."""
+    return replace(link, checkpoint_key=None)
 
 
 def chain_field(links: Sequence[ChainLink], settings: BlockSettings) -> dict:

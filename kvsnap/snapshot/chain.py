@@ -11,7 +11,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvsnap.snapshot.blocks import BlockSettings, block_key, checkpoint_key, prefix_digests
+from kvsnap.snapshot.blocks import (
+    KV_FORMS,
+    QUANTIZED_FORM,
+    BlockSettings,
+    block_key,
+    checkpoint_key,
+    is_quantized,
+    prefix_digests,
+)
 from kvsnap.snapshot.cache_classes import needs_checkpoints, split_tensor_names
 from kvsnap.snapshot.file import FormatError, Header
 from kvsnap.snapshot.format import (
@@ -20,6 +28,7 @@ from kvsnap.snapshot.format import (
     CHAIN,
     CHECKPOINT_KIND,
     KEY_RE,
+    KV_FORM,
     PART_META,
     snapshot_filename,
 )
@@ -64,13 +73,16 @@ class PartInfo:
     end: int
     prefix_digest: str
     layers: list | None
+    form: str = ""
 
 
 def parse_chain(
-    meta: dict, model_digest: str, tokens: list[int], layers: list, limit: int
+    meta: dict, model_digest: str, tokens: list[int], layers: list, limit: int, form: str = ""
 ) -> Chain:
     """Parse ``kvsnap.chain`` and prove it: blocks tile [0, n) in order, and every key is the one
-    this record's tokens and model give, so a record can name no block of other tokens or models."""
+    this record's tokens, model and KV ``form`` give, so a record can name no block of other
+    tokens, models or forms. A record written before keys named a form (all its keys without
+    one) still proves: its parts are checked against its layer list when read."""
     raw = json_field(meta, CHAIN, limit)
     if not isinstance(raw, dict) or set(raw) != {
         "block_tokens",
@@ -121,8 +133,10 @@ def parse_chain(
     if start != n:
         raise FormatError(f"{CHAIN}: the blocks cover {start} of the record's {n} tokens")
     digests = dict(zip(ends, prefix_digests(tokens, ends)))
+    if form and blocks and blocks[0][0] == block_key(model_digest, 0, digests[blocks[0][2]]):
+        form = ""  # written before keys named a form: every key of the record must then be so
     for i, item in enumerate(blocks):
-        if item[0] != block_key(model_digest, item[1], digests[item[2]]):
+        if item[0] != block_key(model_digest, item[1], digests[item[2]], form):
             raise FormatError(
                 f"{CHAIN}.blocks[{i}] key {item[0]} is not the key of these tokens [{item[1]}, "
                 f"{item[2]}) and this model"
@@ -141,7 +155,7 @@ def parse_chain(
                 f"{CHAIN}.checkpoints[{i}] is {show(item)}, expected [key, end] at a block end, "
                 f"ends increasing"
             )
-        if item[0] != checkpoint_key(model_digest, digests[item[1]]):
+        if item[0] != checkpoint_key(model_digest, digests[item[1]], form):
             raise FormatError(
                 f"{CHAIN}.checkpoints[{i}] key {item[0]} is not the key of these tokens [0, "
                 f"{item[1]}) and this model"
@@ -188,10 +202,13 @@ def inspect_part(path: Path, header: Header) -> PartInfo:
     start, end = int(meta["kvsnap.start"]), int(meta["kvsnap.end"])
     if not start < end or (kind == CHECKPOINT_KIND and start != 0):
         raise FormatError(f"kvsnap.start {start} and kvsnap.end {end} do not make a {kind}")
+    form = meta.get(KV_FORM, "")
+    if KV_FORM in meta and form not in KV_FORMS:
+        raise FormatError(f"{KV_FORM} is {show(form)}, expected one of {', '.join(KV_FORMS)}")
     key = (
-        block_key(meta["kvsnap.model_digest"], start, meta["kvsnap.prefix_digest"])
+        block_key(meta["kvsnap.model_digest"], start, meta["kvsnap.prefix_digest"], form)
         if kind == BLOCK_KIND
-        else checkpoint_key(meta["kvsnap.model_digest"], meta["kvsnap.prefix_digest"])
+        else checkpoint_key(meta["kvsnap.model_digest"], meta["kvsnap.prefix_digest"], form)
     )
     if key != meta["kvsnap.key"]:
         raise FormatError(f"its fields do not hash to the recorded key {meta['kvsnap.key']}")
@@ -213,8 +230,17 @@ def inspect_part(path: Path, header: Header) -> PartInfo:
                 f"{sorted(names - set(header.tensors))[:3]}, extra "
                 f"{sorted(set(header.tensors) - names)[:3]})"
             )
+        if form and (form == QUANTIZED_FORM) != is_quantized(layers):
+            raise FormatError(f"{KV_FORM} is {form!r}, its layer list says otherwise")
     elif kind == CHECKPOINT_KIND:
         raise FormatError("a checkpoint has no kvsnap.layers")
     return PartInfo(
-        kind, key, meta["kvsnap.model_digest"], start, end, meta["kvsnap.prefix_digest"], layers
+        kind,
+        key,
+        meta["kvsnap.model_digest"],
+        start,
+        end,
+        meta["kvsnap.prefix_digest"],
+        layers,
+        form,
     )

@@ -109,11 +109,21 @@ PART_META = (
     "kvsnap.end",
     "kvsnap.prefix_digest",
 )  # + kvsnap.layers
+# A part's KV form (quantized or unquantized), only where the model's KV has two: its key hashes it.
+KV_FORM = "kvsnap.kv_form"
 BLOCK_KIND, CHECKPOINT_KIND = "block", "checkpoint"
 HEADER_FIELDS = (
     REQUIRED_META
     + OPTIONAL_META
-    + (CHAIN, "kvsnap.kind", "kvsnap.start", "kvsnap.end", "kvsnap.prefix_digest", CHECKSUM_KEY)
+    + (
+        CHAIN,
+        "kvsnap.kind",
+        "kvsnap.start",
+        "kvsnap.end",
+        "kvsnap.prefix_digest",
+        KV_FORM,
+        CHECKSUM_KEY,
+    )
 )
 
 
@@ -166,12 +176,14 @@ def part_metadata(
     end: int,
     prefix_digest: str,
     layers: list | None,
+    form: str = "",
 ) -> dict[str, str]:
     """The header of a block (``kind`` "block": the sliceable layers' tensors for tokens [start,
     end))
     or a checkpoint (the other layers' whole state at ``end``, start 0). ``layers``: the whole
     layer list as of ``end`` -- a checkpoint's always, a block's only when every layer is
-    sliceable (then it is exact; a hybrid restores its layer list from a checkpoint)."""
+    sliceable (then it is exact; a hybrid restores its layer list from a checkpoint). ``form``:
+    the KV form its key names, "" (no field) where the model has one."""
     return {
         "kvsnap.format": str(BLOCK_FORMAT_VERSION),
         "kvsnap.kind": kind,
@@ -181,6 +193,7 @@ def part_metadata(
         "kvsnap.end": str(end),
         "kvsnap.prefix_digest": prefix_digest,
         **({"kvsnap.layers": json.dumps(layers)} if layers is not None else {}),
+        **({KV_FORM: form} if form else {}),
     }
 
 

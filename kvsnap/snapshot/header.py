@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvsnap.key import ModelIdentity, key_from_digests, tokens_digest_of_bytes, unpack_tokens
+from kvsnap.snapshot.blocks import kv_form
 from kvsnap.snapshot.chain import Chain, parse_chain
 from kvsnap.snapshot.file import FormatError, Header, tensor_bytes
 from kvsnap.snapshot.format import (
@@ -203,7 +204,14 @@ def inspect_header(
         )
     tokens = unpack_tokens(bytes(tokens_raw))
     chain = (
-        parse_chain(meta, meta["kvsnap.model_digest"], tokens, layers, len(header.raw))
+        parse_chain(
+            meta,
+            meta["kvsnap.model_digest"],
+            tokens,
+            layers,
+            len(header.raw),
+            kv_form(layers, identity),
+        )
         if record
         else None
     )

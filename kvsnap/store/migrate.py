@@ -16,13 +16,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvsnap.errors import SnapshotError
+from kvsnap.key import ModelIdentity
 from kvsnap.snapshot.blocks import (
     BlockSettings,
-    ChainLink,
     branch_points,
     chain_field,
     chain_of,
+    kv_form,
     plan_cuts,
+    without_checkpoint,
 )
 from kvsnap.snapshot.cache_classes import needs_checkpoints
 from kvsnap.snapshot.file import read_header
@@ -88,14 +90,13 @@ def _migrate_one(
     arrays = store.load_arrays(info)  # the full v2 checks: checksum, offsets, the file as indexed
     hybrid = needs_checkpoints(info.layers)
     links = chain_of(
-        info.model_digest, info.tokens, plan_cuts(info.n_tokens, branches, settings), hybrid
+        info.model_digest,
+        info.tokens,
+        plan_cuts(info.n_tokens, branches, settings),
+        hybrid,
+        kv_form(info.layers, ModelIdentity.from_dict(info.model)),
     )
-    ends_only = [
-        link
-        if link.end == info.n_tokens
-        else ChainLink(link.start, link.end, link.key, link.prefix_digest, None)
-        for link in links
-    ]
+    ends_only = [link if link.end == info.n_tokens else without_checkpoint(link) for link in links]
     written = write_chain(
         store, info.model_digest, ends_only, arrays, info.layers, {}, dense=not hybrid
     )

@@ -137,6 +137,7 @@ def block_metadata(link: ChainLink, model_digest: str, layers: list, dense: bool
         end=link.end,
         prefix_digest=link.prefix_digest,
         layers=layers_at(layers, link.end) if dense else None,
+        form=link.form,
     )
 
 
@@ -150,6 +151,7 @@ def checkpoint_metadata(link: ChainLink, model_digest: str, layers: list) -> dic
         end=link.end,
         prefix_digest=link.prefix_digest,
         layers=layers,
+        form=link.form,
     )
 
 

@@ -1,0 +1,145 @@
+"""`--kv-bits` with `--quantized-kv-start S > 0`: a prefix below S is unquantized, one past it
+quantized (mlx-lm converts the cache once its offset reaches S), so the same tokens have two
+forms. A conversation crossing S is persisted and restored whole, a build whose agents sit on
+both sides of S verifies, and an in-memory prefix captured below S serves a longer turn.
+
+Real `kvsnap serve` processes on loopback, a real store, the tiny dense demo model."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import httpx
+import pytest
+from conftest import LONG_SYSTEM, run_kvsnap
+from persist_servers import (
+    CONVERSATION,
+    Conversation,
+    ask,
+    assert_sound,
+    cached,
+    content,
+    record_lengths,
+    sigterm,
+    start,
+    wait_written,
+)
+
+from kvsnap.tools.serverproc import ServerProcess, start_server
+
+# The conversation's prompts are 293, 334, 553 and 590 tokens: turns 1 and 2 are captured
+# below the start, turns 3 and 4 past it, and turn 3's first block is turn 1's tokens.
+START = 512
+KV_FLAGS = ("--kv-bits", "8", "--quantized-kv-start", str(START))
+TURNS = len(CONVERSATION.users)
+
+
+def _serve(model: Path, log: Path) -> ServerProcess:
+    """A server persisting nothing, with the quantization settings."""
+    env = {"KVSNAP_CACHE_DIR": str(log.parent / "kvsnap-cache")}
+    server = start_server(model, ["--continuous-batching", *KV_FLAGS], log, env=env, limit_s=300)
+    try:
+        server.wait_ready(120)
+    except BaseException:
+        server.stop()
+        raise
+    return server
+
+
+def _conversation(client: httpx.Client, server: ServerProcess, model: Path, turns, replies):
+    for turn in turns:
+        body = CONVERSATION.body(model, turn, [content(r) for r in replies])
+        replies.append(ask(client, server, body))
+    return replies
+
+
+@pytest.fixture(scope="module")
+def model(demo_models) -> Path:
+    return demo_models.path("dense")
+
+
+@pytest.fixture(scope="module")
+def never_restarted(model, tmp_path_factory):
+    """Every turn on a server that keeps its in-memory prefixes, and each turn's answer after a
+    fresh prefill (its own namespace: nothing cached), on the same server."""
+    tmp = tmp_path_factory.mktemp("quantized-start-reference")
+    server = _serve(model, tmp / "reference.log")
+    try:
+        with httpx.Client(timeout=120) as client:
+            replies = _conversation(client, server, model, range(1, TURNS + 1), [])
+            fresh = []
+            for turn in range(1, TURNS + 1):
+                salted = Conversation(CONVERSATION.system, salt=f"fresh-{turn}")
+                reply = ask(client, server, salted.body(model, turn, [content(r) for r in replies]))
+                assert cached(reply) == 0
+                fresh.append(content(reply))
+        yield replies, fresh, server.status(), server.log()
+    finally:
+        server.stop()
+
+
+def test_a_prefix_captured_below_the_start_serves_the_turns_that_reach_past_it(never_restarted):
+    replies, fresh, status, log = never_restarted
+    prompts = [r["usage"]["prompt_tokens"] for r in replies]
+    assert prompts[1] < START < prompts[2], prompts  # the conversation crosses the start
+    # each turn hits the whole prompt of the one before (minus its last token)
+    assert [cached(r) for r in replies] == [0] + [p - 1 for p in prompts[:-1]], log[-3000:]
+    assert "rejected" not in log, log[-3000:]
+    assert status["cache"]["load_errors"] == 0, status["cache"]
+    assert [content(r) for r in replies] == fresh
+
+
+def test_a_conversation_crossing_the_start_verifies_after_sigterm_and_resumes_whole(
+    model, never_restarted, tmp_path
+):
+    replies_ref, fresh, _, _ = never_restarted
+    store = tmp_path / "store"
+    server = start(model, store, tmp_path / "server.log", extra=KV_FLAGS)
+    replies: list[dict] = []
+    try:
+        with httpx.Client(timeout=120) as client:
+            _conversation(client, server, model, range(1, TURNS), replies)
+            wait_written(server, TURNS - 1)
+        sigterm(server)
+    finally:
+        server.stop()
+    lengths = record_lengths(store)
+    assert max(lengths) >= START, lengths  # the latest record is quantized
+    assert_sound(store)  # verify OK: no record names a block of the other form
+    server = start(model, store, tmp_path / "restarted.log", extra=KV_FLAGS)
+    try:
+        with httpx.Client(timeout=120) as client:
+            _conversation(client, server, model, [TURNS], replies)
+        persist = server.status()["persist"]
+    finally:
+        server.stop()
+    assert cached(replies[-1]) == cached(replies_ref[-1]) > 0, server.log()[-3000:]
+    assert persist["disk_hits"] == 1 and persist["load_errors"] == 0, persist
+    assert [content(r) for r in replies] == [content(r) for r in replies_ref] == fresh
+
+
+def test_a_build_whose_agents_sit_on_both_sides_of_the_start_verifies(model, tmp_path):
+    """Two agents sharing their first blocks: one ends below the start (unquantized), the other
+    past it (quantized); each record names only blocks of its own form."""
+    agents = tmp_path / "agents.json"
+    short = LONG_SYSTEM
+    agents.write_text(
+        json.dumps(
+            [
+                {"name": "short", "messages": [{"role": "system", "content": short}]},
+                {"name": "long", "messages": [{"role": "system", "content": short * 3}]},
+            ]
+        )
+    )
+    store = tmp_path / "store"
+    env = {"KVSNAP_CACHE_DIR": str(tmp_path / "cache")}
+    built = run_kvsnap(
+        "build", agents, "--model", model, "--out", store, *KV_FLAGS, "--json", env=env
+    )
+    assert built.returncode == 0, built.stdout + built.stderr
+    report = json.loads(built.stdout)
+    sizes = sorted(e["n_tokens"] for e in report["entries"])
+    assert sizes[0] < START <= sizes[1], sizes
+    verified = run_kvsnap("verify", store, env=env)
+    assert verified.returncode == 0, verified.stdout + verified.stderr
