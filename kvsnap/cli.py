@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import stat
 import sys
 
 from kvsnap import __version__
@@ -65,12 +66,23 @@ def main(argv: list[str] | None = None) -> int:
         status = run(argv)
         sys.stdout.flush()  # inside the try: a closed pipe surfaces here, not at exit
     except BrokenPipeError:
+        if not stdout_is_a_pipe():  # a terminal or a file cannot be closed by a reader
+            raise
         # The Python docs' recipe: stdout onto devnull, so the interpreter's final flush of the
         # unwritten rest cannot raise again ("Exception ignored ... BrokenPipeError").
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         return EXIT_PIPE_CLOSED
     return status
+
+
+def stdout_is_a_pipe() -> bool:
+    """Whether stdout is a pipe or a socket: the only outputs a reader can close early."""
+    try:
+        mode = os.fstat(sys.stdout.fileno()).st_mode
+    except (OSError, ValueError):  # no file descriptor: pytest's capture, a closed stream
+        return False
+    return stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode)
 
 
 def run(argv: list[str] | None) -> int:

@@ -870,6 +870,21 @@ BREAKAGES = (
         ),
     ),
     Breakage(
+        "broken-pipe-from-anywhere-hidden",
+        "command line",
+        "any BrokenPipeError (a socket's, a child's) ends a command quietly as if its reader had "
+        "closed stdout",
+        (
+            Patch(
+                "kvsnap/cli.py",
+                "        if not stdout_is_a_pipe():  # a terminal or a file cannot be closed by a "
+                "reader\n            raise\n",
+                "",
+            ),
+        ),
+        ("tests/test_cli_newcomer.py::test_a_broken_pipe_that_is_not_stdout_is_not_hidden",),
+    ),
+    Breakage(
         "piped-tables-cut-to-80-columns",
         "command line",
         "tables written to a pipe or a file (CI logs) are cut to rich's default 80 columns",

@@ -148,6 +148,22 @@ def test_a_pipe_closed_before_any_output_ends_every_command_quietly(
     assert rc == EXIT_PIPE_CLOSED, err
 
 
+def test_a_broken_pipe_that_is_not_stdout_is_not_hidden(monkeypatch, tmp_path):
+    """Only a reader of stdout can close it early: a BrokenPipeError from anything else (a
+    socket, a child's stdin) while stdout is a file is a real failure, raised as it is."""
+    from kvsnap import cli
+    from kvsnap.commands import store
+
+    def cmd_ls(args):
+        raise BrokenPipeError(32, "Broken pipe (a socket)")
+
+    monkeypatch.setattr(store, "cmd_ls", cmd_ls)
+    with open(tmp_path / "out.txt", "w") as out:
+        monkeypatch.setattr(sys, "stdout", out)
+        with pytest.raises(BrokenPipeError, match="a socket"):
+            cli.main(["ls", str(tmp_path)])
+
+
 # --- output into a pipe or a file keeps whole rows -------------------------------------------
 
 
