@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 from kvsnap.errors import UsageError
-from kvsnap.http.schemas import error_body
 
 ALLOW_OPTION = "--allow-request-models"
 DEFAULT = "default_model"
@@ -91,6 +90,8 @@ def alias_served_names(model_provider: Any, served: ServedModel) -> None:
 def refusing_handler(api_handler: type[BaseHTTPRequestHandler], served: ServedModel) -> type:
     """mlx-lm's ``APIHandler`` that answers 400 (OpenAI's error shape) to a POST whose body
     names another model, adapter or draft model than ``served``; any other POST is mlx-lm's."""
+    # Imported here, at start-up: a refusal then reads no module from disk.
+    from kvsnap.http.schemas import error_body
 
     class RequestModelGuard(api_handler):  # type: ignore[valid-type, misc]
         def do_POST(self) -> None:
