@@ -15,6 +15,12 @@ from kvsnap.commands.common import human_bytes
 CONVERSATION_FIX = (
     "delete {record} (that conversation's next turn prefills), then `kvsnap gc {store} --yes`"
 )
+# Nor is a block or checkpoint no agent reaches: only a conversation's write brings it back.
+CONVERSATION_PART_FIX = (
+    "no agent reaches it, so `kvsnap build` cannot rebuild it: a server with --persist-requests "
+    "rewrites it at the next turn that reaches it; or delete {record} and the other records "
+    "listed with it (their next turns prefill), then `kvsnap gc {store} --yes`"
+)
 DURATION_RE = re.compile(r"(\d+(?:\.\d+)?)([smhdw])")
 UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
 
@@ -67,6 +73,7 @@ def verify_conversations(store, expected, check_shapes) -> tuple[int, int, int]:
     from kvsnap.store.foreign import foreign_reason
 
     ok = bad = other = 0
+    agent_parts: set[str] | None = None
     for path in conversation_files(store.root):
         try:
             info = store.verify_file(path)
@@ -82,12 +89,32 @@ def verify_conversations(store, expected, check_shapes) -> tuple[int, int, int]:
             if not os.path.lexists(path):
                 continue
             bad += 1
-            rebuild = exc.fix == SnapshotError("", "").fix  # the default hint, an agent's
-            fix = CONVERSATION_FIX.format(record=path, store=store.root) if rebuild else exc.fix
-            print(f"BAD  {exc.path}: {exc.reason}; {fix}")
+            if agent_parts is None:
+                agent_parts = _agent_parts(store)
+            print(f"BAD  {exc.path}: {exc.reason}; {_fix(store, exc, path, agent_parts)}")
     if ok:
         print(f"ok   {ok} persisted conversation(s)")
     return ok, bad, other
+
+
+def _agent_parts(store) -> set[str]:
+    """The blocks and checkpoints the agents' sound records reach (a build rebuilds those)."""
+    from kvsnap.store.parts import reached_parts
+
+    return reached_parts(store.scan()[0])
+
+
+def _fix(store, exc, record, agent_parts: set[str]) -> str:
+    """What mends a conversation record ``exc`` found bad (its own file or a part of it)."""
+    from kvsnap.errors import SnapshotError
+    from kvsnap.store.parts import FIX, part_of_path, part_relpath
+
+    if exc.fix == SnapshotError("", "").fix:  # the default hint, an agent's
+        return CONVERSATION_FIX.format(record=record, store=store.root)
+    part = part_of_path(store, exc.path)
+    if exc.fix == FIX and part is not None and part_relpath(*part) not in agent_parts:
+        return CONVERSATION_PART_FIX.format(record=record, store=store.root)
+    return exc.fix  # an agent's part too: a build rebuilds it
 
 
 def gc_conversations(store, unused_for: float, apply: bool) -> tuple[int, int]:

@@ -301,6 +301,8 @@ class Engine:
         if entry.source == "persisted" and self.persister is not None:
             self.persister.load_error(str(path), exc)  # users' data, not a snapshot of the build
             return
+        if self.persister is not None:  # a bad block of an agent's: conversations rewrite it too
+            self.persister.part_failed(exc)
         self.counts.reject(str(path), getattr(exc, "reason", None) or str(exc))
 
     def _warm_up(self, allow_prefill: bool = True) -> None:

@@ -6,11 +6,17 @@ that evaluates it (``pump``), cut on the store's block grid: only the blocks the
 thread with the record's header. A request whose namespace has a persisted record longer
 than what memory holds gets it indexed first (``offer``): it loads on that first hit,
 like a snapshot. The record's key binds the namespace's tag, so no other namespace finds it.
+
+Damage never spreads: a record that fails its checks at lookup (torn, flipped, forged) is
+warned about once, counted in ``load_errors`` and passed over for the next-longest one (the
+next write of that conversation replaces it); a block or checkpoint a load found bad is
+copied again at the next capture reaching it, and the writer rewrites it.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -44,6 +50,8 @@ log = logging.getLogger("kvsnap.persist")
 PERSISTED = "persisted"  # an Entry's source: a conversation record from the store
 DEFAULT_MAX_GB = 20.0
 DEFAULT_FLUSH_TIMEOUT_S = 5.0
+MAX_UNREADABLE = 64  # records found unreadable, remembered (warned once, skipped by lookups)
+MAX_PASSED_OVER = 8  # unreadable records one lookup passes over before it gives up
 
 
 @dataclass
@@ -68,6 +76,7 @@ class Persister:
     prefix: PrefixCache | None = None
     disk_hits: int = 0  # records indexed for a request (each loads on that hit)
     load_errors: int = 0
+    unreadable: dict = field(default_factory=dict)  # record key -> its token count
 
     @classmethod
     def open(cls, store: Store, lm: Any, identity: ModelIdentity, options: PersistOptions):
@@ -136,9 +145,9 @@ class Persister:
         conv_digest = self._digest(namespace)
         tdigest = tokens_digest(tokens)
         key = record_key(digest, conv_digest, tdigest, len(tokens))
-        if record_path(self.store.root, key).exists():
-            self.writer.touch(key)  # persisted already: a use
-            return None
+        # Persisted already: the writer refreshes its last use if it is sound, else rewrites it.
+        self.unreadable.pop(key, None)
+        bad = self.writer.health.bad_parts()  # copied again, and rewritten
         arrays, layers = encode_cache(entry.state, tokens)
         hybrid = needs_checkpoints(layers)
         warm_ends = self.prefix.shared_ends(tokens) if self.prefix is not None else []
@@ -151,19 +160,25 @@ class Persister:
         sliced, whole = split_tensor_names(layers)
         parts = []
         for link in links:
-            if link.key not in copied and not has_part(self.store, BLOCK_KIND, link.key):
+            block = (BLOCK_KIND, link.key)
+            if link.key not in copied and (block in bad or not has_part(self.store, *block)):
                 copied.add(link.key)
                 sl = {name: arrays[name][..., link.start : link.end, :] for name in sliced}
                 meta = block_metadata(link, digest, layers, dense=not hybrid)
-                parts.append(PartWrite(BLOCK_KIND, link.key, to_out_tensors(sl), meta))
-            if link.checkpoint_key and not has_part(
-                self.store, CHECKPOINT_KIND, link.checkpoint_key
-            ):
+                parts.append(
+                    PartWrite(BLOCK_KIND, link.key, to_out_tensors(sl), meta, block in bad)
+                )
+            checkpoint = (CHECKPOINT_KIND, link.checkpoint_key or "")
+            if link.checkpoint_key and (checkpoint in bad or not has_part(self.store, *checkpoint)):
                 meta = checkpoint_metadata(link, digest, layers)
                 whole_state = {name: arrays[name] for name in whole}
                 parts.append(
                     PartWrite(
-                        CHECKPOINT_KIND, link.checkpoint_key, to_out_tensors(whole_state), meta
+                        CHECKPOINT_KIND,
+                        link.checkpoint_key,
+                        to_out_tensors(whole_state),
+                        meta,
+                        checkpoint in bad,
                     )
                 )
         chain = chain_field(links, self.settings)
@@ -184,7 +199,21 @@ class Persister:
             reaches=reaches,
             supersedes=supersedes,
             nbytes=sum(len(t.data) for p in parts for t in p.tensors),
+            damaged=self._damaged_prefixes(conv_digest, tokens),
         )
+
+    def _damaged_prefixes(self, conv_digest: str, tokens: Sequence[int]) -> list[str]:
+        """Keys of the records found unreadable that hold a strict prefix of ``tokens`` in
+        this namespace: the record of ``tokens`` serves all they did (the writer removes them)."""
+        found = [
+            key
+            for key, n in self.unreadable.items()
+            if n < len(tokens)
+            and key == record_key(self.identity.digest, conv_digest, tokens_digest(tokens[:n]), n)
+        ]
+        for key in found:
+            del self.unreadable[key]
+        return found
 
     # --- lookup -----------------------------------------------------------------------------
 
@@ -198,6 +227,13 @@ class Persister:
         info = self.persisted_for(tokens, namespace, match.n_cached if match else 0)
         if info is None:
             return
+        load = snapshot_loader(self.store, info, check=prefix.check_state)
+
+        def loader():
+            loaded = load()
+            self.writer.health.mark_good(read_parts(info))  # checked as they were read
+            return loaded
+
         prefix.add(
             Entry(
                 tokens=tuple(info.tokens),
@@ -208,45 +244,92 @@ class Persister:
                 source=PERSISTED,
                 name="",
                 key=info.key,
-                loader=snapshot_loader(self.store, info, check=prefix.check_state),
+                loader=loader,
                 namespace=namespace,
             )
         )
 
     def persisted_for(self, tokens: Sequence[int], namespace: str, above: int):
-        """The header (``SnapshotInfo``, tokens read) of the namespace's longest persisted
-        record holding more than ``above`` tokens of ``tokens`` (at least one left to compute),
-        or None; a hit is recorded as a use."""
+        """The header (``SnapshotInfo``, tokens read) of the namespace's longest sound
+        persisted record holding more than ``above`` tokens of ``tokens`` (at least one left to
+        compute), or None; a hit is recorded as a use. A record that fails its checks (torn,
+        damaged, forged) is passed over for the next-longest: warned once, counted in
+        ``load_errors``."""
         keys = self.index.current() if self.index is not None else set()
         if not keys:
             return None
         conv_digest = self._digest(namespace)
-        found = longest_persisted(keys, self.identity.digest, conv_digest, tokens, above)
-        if found is None:
-            return None
-        n, key = found
-        path = record_path(self.store.root, key)
+        for _ in range(MAX_PASSED_OVER):
+            found = longest_persisted(
+                keys, self.identity.digest, conv_digest, tokens, above, exclude=self.unreadable
+            )
+            if found is None:
+                return None
+            n, key = found
+            path = record_path(self.store.root, key)
+            try:
+                info = self._checked_record(path, n, conv_digest, tokens)
+            except SnapshotError as exc:
+                if os.path.lexists(path):
+                    self._unreadable(key, n, exc)
+                else:  # removed meanwhile (superseded, evicted)
+                    keys.discard(key)
+                continue
+            self.disk_hits += 1
+            self.writer.touch(key)
+            return info
+        return None
+
+    def _checked_record(self, path, n: int, conv_digest: str, tokens: Sequence[int]):
+        """The record's header, its checksum checked (a small file: its tokens and chain), and
+        its tokens, namespace and model equal to what its name promised; else SnapshotError."""
+        from kvsnap.snapshot.file import FormatError, check_data, read_header
+
+        info = self.store.inspect(path, max_tokens=n)
         try:
-            info = self.store.inspect(path, max_tokens=n)
-        except SnapshotError as exc:  # removed meanwhile (superseded, evicted), or bad
-            keys.discard(key)
-            log.debug("[kvsnap] persisted record not used: %s", exc)
-            return None
+            check_data(path, read_header(path))
+        except FormatError as exc:
+            raise SnapshotError(str(path), str(exc)) from None
+        except OSError as exc:
+            raise SnapshotError(str(path), f"cannot be read ({exc.strerror or exc})") from None
         if (
             info.prompt_digest != conv_digest
             or info.model_digest != self.identity.digest
             or tuple(info.tokens) != tuple(tokens[:n])
-        ):
-            return None  # the key said so; the header must too
-        self.disk_hits += 1
-        self.writer.touch(key)
+        ):  # the key said so; the header must too (a forged file, or a hash collision)
+            raise SnapshotError(
+                str(path), "holds another prefix than its file name's key", "delete it"
+            )
         return info
+
+    def _unreadable(self, key: str, n: int, exc: SnapshotError) -> None:
+        if len(self.unreadable) >= MAX_UNREADABLE:
+            del self.unreadable[next(iter(self.unreadable))]
+        self.unreadable[key] = n
+        self.load_errors += 1
+        log.warning(
+            "[kvsnap] persisted conversation %s not used: %s; a shorter record of it is tried, "
+            "and its next persisted turn replaces it",
+            exc.path,
+            exc.reason,
+        )
 
     def load_error(self, where: str, exc: BaseException) -> None:
         """A persisted record failed to load on its hit (removed meanwhile, or bad): the
         request prefills instead."""
         self.load_errors += 1
+        self.part_failed(exc)
         log.warning("[kvsnap] persisted conversation %s not used: %s", where, exc)
+
+    def part_failed(self, exc: BaseException) -> None:
+        """A load failed on a block or checkpoint (the error names its file): the next capture
+        reaching it copies it and the writer rewrites it; till then no record names it."""
+        from kvsnap.store.parts import part_of_path
+
+        where = getattr(exc, "path", None) or getattr(exc, "filename", None)
+        part = part_of_path(self.store, where) if isinstance(where, str) else None
+        if part is not None:
+            self.writer.health.mark_bad(*part)
 
     # --- admin and shutdown -----------------------------------------------------------------
 
@@ -270,6 +353,19 @@ class Persister:
             "load_errors": self.load_errors,
             "max_bytes": self.options.max_bytes,
         }
+
+
+def read_parts(info) -> list[tuple[str, str]]:
+    """(kind, key) of the parts a load of the record ``info`` reads: every block, and its
+    checkpoint at the end (a persisted record names no other)."""
+    from kvsnap.snapshot.format import BLOCK_KIND, CHECKPOINT_KIND
+
+    chain = info.chain
+    if chain is None:
+        return []
+    return [(BLOCK_KIND, key) for key, _, _ in chain.blocks] + [
+        (CHECKPOINT_KIND, key) for key, end in chain.checkpoints if end == info.n_tokens
+    ]
 
 
 def _cuts(n: int, extra_ends: Sequence[int], settings: BlockSettings) -> list[Cut]:

@@ -5,11 +5,15 @@ on; a bounded queue drops its oldest write when full, never blocking a request. 
 runs under the store lock in the order that keeps every crash sound: the new blocks and
 checkpoint (atomic each), then the record (atomic), then the record it supersedes is
 removed. A kill loses at most the queued writes; it never leaves a record naming a
-missing part. Disk full stops persisting with one warning. No mlx.
+missing part. A stored part a record would name is checked once per process first (a bad one
+is rewritten by the next write that copies it, and named by none before); a record already
+there is rewritten when damaged, and only a sound one's last use is refreshed. Disk full stops
+persisting with one warning. No mlx.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -25,7 +29,7 @@ from kvsnap.store.conversation_space import evict_to_budget, purge, sweep_orphan
 from kvsnap.store.conversations import record_path, touch
 from kvsnap.store.fileio import atomic_write
 from kvsnap.store.local import Store
-from kvsnap.store.parts import chain_relpaths, has_part, part_relpath, put_part
+from kvsnap.store.parts import PartHealth, chain_relpaths, has_part, part_relpath, put_part
 
 log = logging.getLogger("kvsnap.persist")
 
@@ -38,6 +42,7 @@ class PartWrite:
     key: str
     tensors: list[OutTensor]
     metadata: dict[str, str]
+    replace: bool = False  # written over the stored one (found bad)
 
 
 @dataclass
@@ -49,6 +54,9 @@ class ConversationWrite:
     reaches: list[tuple[str, str]]  # (kind, key) of every part the record names
     supersedes: str | None = None  # the record this one extends (removed once it is written)
     nbytes: int = 0  # host bytes held while queued
+    # records of shorter prefixes found unreadable: this one serves all they did (removed
+    # once it is written, if still unreadable)
+    damaged: list[str] = field(default_factory=list)
 
     @property
     def relpaths(self) -> set[str]:
@@ -64,6 +72,7 @@ class WriterStats:
     failed: int = 0
     superseded: int = 0
     evicted: int = 0  # conversations removed for the disk budget
+    repaired: int = 0  # bad parts and damaged records rewritten (or removed, once covered)
     disabled: str = ""  # why persisting stopped ("" while it runs)
 
     def as_dict(self) -> dict:
@@ -77,6 +86,7 @@ class ConversationWriter:
     max_queued: int = 32
     max_queued_bytes: int = 1 << 30
     stats: WriterStats = field(default_factory=WriterStats)
+    health: PartHealth = field(default_factory=PartHealth)  # shared with the engine's persister
     _queue: deque = field(default_factory=deque)
     _cond: threading.Condition = field(default_factory=threading.Condition)
     _closing: bool = False
@@ -236,21 +246,50 @@ class ConversationWriter:
 
     def _write(self, item: ConversationWrite) -> None:
         store = self.store
+        given = {(p.kind, p.key) for p in item.parts}
+        stored = [(k, key) for k, key in item.reaches if (k, key) not in given]
+        # Checked before the lock (a streamed read, once per process): a bad part is never
+        # named; the engine copies it for the next write reaching it, which rewrites it.
+        bad = [
+            part
+            for part in stored
+            if has_part(store, *part) and not self.health.sound(store, *part)
+        ]
+        if bad:
+            self.stats.skipped += 1
+            log.warning(
+                "[kvsnap] %s failed its checks: the conversation record naming it is not written; "
+                "the next one reaching it rewrites it",
+                store.root / part_relpath(*bad[0]),
+            )
+            return
         with store.lock():
             # What the engine saw stored may be gone (a gc, an eviction): write nothing then.
-            given = {(p.kind, p.key) for p in item.parts}
-            if any(not has_part(store, k, key) for k, key in item.reaches if (k, key) not in given):
+            if any(not has_part(store, k, key) for k, key in stored):
                 self.stats.skipped += 1
                 return
             for n, part in enumerate(item.parts):
-                if not has_part(store, part.kind, part.key):
+                there = has_part(store, part.kind, part.key)
+                if part.replace or not there or not self.health.sound(store, part.kind, part.key):
                     self._estimate += put_part(
                         store, part.kind, part.key, part.tensors, part.metadata
                     )
+                    self.health.mark_good([(part.kind, part.key)])
+                    if there:
+                        self.stats.repaired += 1
+                        log.info(
+                            "[kvsnap] rewrote %s, found bad",
+                            store.root / part_relpath(part.kind, part.key),
+                        )
                 if n == 0:
                     store.fault("conversation-mid-parts")
-            store.fault("conversation-before-record")
             target = record_path(store.root, item.key)
+            if self._holds(target, item):  # persisted already, and sound: a use
+                touch(target)
+                self._remove_damaged(item)
+                return
+            damaged = os.path.lexists(target)
+            store.fault("conversation-before-record")
             atomic_write(
                 target,
                 lambda f: write_snapshot(f, item.tensors, item.metadata),
@@ -259,9 +298,55 @@ class ConversationWriter:
             )
             self._estimate += target.stat().st_size
             self.stats.written += 1
+            if damaged:
+                self.stats.repaired += 1
+                log.info("[kvsnap] rewrote the conversation record %s", target)
             store.fault("conversation-after-record")
+            self._remove_damaged(item)
             if item.supersedes and item.supersedes != item.key:
                 self._supersede(item)
+
+    def _holds(self, target, item: ConversationWrite) -> bool:
+        """``target`` is there, passes its checks and holds ``item``'s tokens and namespace (a
+        damaged or forged one is written over, and its last use never refreshed)."""
+        from kvsnap.key import pack_tokens
+
+        if not target.exists():
+            return False
+        try:
+            info = self.store.verify_file(target, parts=False)
+        except SnapshotError as exc:
+            log.warning(
+                "[kvsnap] conversation record %s is damaged (%s): rewriting it", target, exc.reason
+            )
+            return False
+        meta = item.metadata
+        return (
+            info.prompt_digest == meta.get("kvsnap.prompt_digest")
+            and info.model_digest == meta.get("kvsnap.model_digest")
+            and pack_tokens(info.tokens) == b"".join(bytes(t.data) for t in item.tensors)
+        )
+
+    def _remove_damaged(self, item: ConversationWrite) -> None:
+        """Remove the records found unreadable that ``item``'s record serves whole (a sound
+        one, rewritten meanwhile, stays)."""
+        for key in item.damaged:
+            path = record_path(self.store.root, key)
+            if key == item.key or not path.exists():
+                continue
+            try:
+                self.store.verify_file(path, parts=False)
+                continue
+            except SnapshotError:
+                size = _size(path)
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+                self._estimate -= size
+                self.stats.repaired += 1
+                log.info(
+                    "[kvsnap] removed the damaged conversation record %s (a longer one serves it)",
+                    path,
+                )
 
     def _supersede(self, item: ConversationWrite) -> None:
         """Replace the record ``item`` extends with its whole blocks only: the new record

@@ -24,7 +24,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Container, Sequence
 
 import xxhash
 
@@ -151,9 +151,11 @@ def longest_persisted(
     conv_digest: str,
     tokens: Sequence[int],
     above: int,
+    exclude: Container[str] = frozenset(),
 ) -> tuple[int, str] | None:
-    """(n, key) of the longest record among ``keys`` holding ``tokens[:n]`` for some
-    ``above < n < len(tokens)`` (one token is always left to compute), or None.
+    """(n, key) of the longest record among ``keys`` (and not in ``exclude``) holding
+    ``tokens[:n]`` for some ``above < n < len(tokens)`` (one token is always left to
+    compute), or None.
 
     One pass: the tokens digest of every prefix comes from one incremental hash (the bytes
     ``key.tokens_digest`` hashes), so a long prompt costs a few microseconds per new token."""
@@ -167,7 +169,7 @@ def longest_persisted(
     for n in range(above + 1, len(tokens)):
         h.update(packed[4 * (n - 1) : 4 * n])
         key = key_from_digests(model_digest, conv_digest, h.hexdigest(), n)
-        if key in keys:
+        if key in keys and key not in exclude:
             best = (n, key)
     return best
 

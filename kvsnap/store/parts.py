@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import errno
 import stat
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
@@ -65,6 +66,68 @@ def has_part(store: StoreFiles, kind: str, key: str) -> bool:
         return stat.S_ISREG(part_path(store, kind, key).lstat().st_mode)
     except FileNotFoundError:
         return False
+
+
+def part_of_path(store: StoreFiles, path: str | Path) -> tuple[str, str] | None:
+    """(kind, key) of the block or checkpoint file ``path`` names in ``store``, else None
+    (a record, or a file elsewhere)."""
+    where = Path(path)
+    for kind, folder in FOLDER.items():
+        key = where.name.removesuffix(SUFFIX)
+        if where.parent == store.root / folder and where.name.endswith(SUFFIX):
+            return (kind, key) if KEY_RE.fullmatch(key) else None
+    return None
+
+
+@dataclass
+class PartHealth:
+    """What one server process has learned of its store's blocks and checkpoints: bad (a
+    record reaching one failed to load on it) or good (written, loaded or checked here).
+    The engine marks, the write-behind thread asks; a bad part is rewritten the next time a
+    record reaching it is written, and until then no record is written naming it. Forgetting
+    a good one (the bound) costs one more check."""
+
+    max_good: int = 100_000
+    _good: set = field(default_factory=set)
+    _bad: set = field(default_factory=set)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def mark_bad(self, kind: str, key: str) -> None:
+        with self._lock:
+            self._good.discard((kind, key))
+            self._bad.add((kind, key))
+
+    def mark_good(self, parts: Iterable[tuple[str, str]]) -> None:
+        with self._lock:
+            for part in parts:
+                self._bad.discard(part)
+                if len(self._good) >= self.max_good:
+                    self._good.clear()
+                self._good.add(part)
+
+    def is_bad(self, kind: str, key: str) -> bool:
+        with self._lock:
+            return (kind, key) in self._bad
+
+    def bad_parts(self) -> frozenset:
+        with self._lock:
+            return frozenset(self._bad)
+
+    def sound(self, store: StoreFiles, kind: str, key: str) -> bool:
+        """Whether a stored part may be named by a new record: known good, or its header and
+        checksum checked now (once per process; a failure marks it bad)."""
+        with self._lock:
+            if (kind, key) in self._bad:
+                return False
+            if (kind, key) in self._good:
+                return True
+        try:
+            check_part(store, kind, key)
+        except SnapshotError:
+            self.mark_bad(kind, key)
+            return False
+        self.mark_good([(kind, key)])
+        return True
 
 
 def part_files(store: StoreFiles) -> list[Path]:
@@ -202,6 +265,34 @@ def write_chain(
             )
             done.checkpoints += 1
     return done
+
+
+def bad_present_parts(store: StoreFiles, model_digest: str, links: Sequence[ChainLink]) -> set:
+    """Keys of the stored blocks and checkpoints of ``links`` that fail their checks (header,
+    span, checksum): a write-back rewrites them rather than naming them again."""
+    bad = set()
+    for link in links:
+        if has_part(store, BLOCK_KIND, link.key):
+            try:
+                check_part(
+                    store,
+                    BLOCK_KIND,
+                    link.key,
+                    model_digest,
+                    link.start,
+                    link.end,
+                    link.prefix_digest,
+                )
+            except SnapshotError:
+                bad.add(link.key)
+        if link.checkpoint_key and has_part(store, CHECKPOINT_KIND, link.checkpoint_key):
+            try:
+                check_checkpoint(
+                    store, link.checkpoint_key, model_digest, link.end, link.prefix_digest
+                )
+            except SnapshotError:
+                bad.add(link.checkpoint_key)
+    return bad
 
 
 # --- reading --------------------------------------------------------------------------------
