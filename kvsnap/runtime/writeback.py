@@ -96,6 +96,9 @@ class ChainPlan:
     stored: set = field(
         default_factory=set
     )  # ends whose checkpoint the store already has (a build restored past them)
+    # check the stored parts the chain names before naming them (the server's write-back: no
+    # restore read them, and a bad one is rewritten rather than named again)
+    check_stored: bool = False
 
     def keep_stored(self, store: Store, identity: ModelIdentity, tokens: Sequence[int]) -> None:
         """Forget stored checkpoints that are no longer in the store (the caller holds the lock)."""
@@ -250,7 +253,7 @@ def put_snapshot(
     runs right after it, so a manifest record written there is in place before a concurrent
     ``gc`` can look. ``plan.written`` counts what was new."""
     from kvsnap.snapshot.cache_classes import needs_checkpoints
-    from kvsnap.store.parts import write_chain
+    from kvsnap.store.parts import bad_present_parts, write_chain
 
     plan = plan or ChainPlan()
     with store.lock():
@@ -260,6 +263,8 @@ def put_snapshot(
         key, arrays, layers, links, record_tensors, metadata = snapshot_payload(
             lm, identity, prompt, prompt_digest, tokens, cache, tokenization, plan
         )
+        if plan.check_stored and plan.replace is not None:
+            plan.replace = plan.replace | bad_present_parts(store, identity.digest, links)
         plan.written = write_chain(
             store,
             identity.digest,
@@ -300,5 +305,14 @@ def commit_snapshot(
         )
 
     return put_snapshot(
-        lm, store, identity, prompt, prompt_digest, tokens, cache, tokenization, on_commit=record
+        lm,
+        store,
+        identity,
+        prompt,
+        prompt_digest,
+        tokens,
+        cache,
+        tokenization,
+        on_commit=record,
+        plan=ChainPlan(check_stored=True),
     )
