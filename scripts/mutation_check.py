@@ -423,6 +423,24 @@ BREAKAGES = (
         ),
     ),
     Breakage(
+        "records-before-kv-form-refused",
+        "4. nothing lost",
+        "a record written before keys named the KV form (its keys without one) fails the chain "
+        "proof: an upgraded --quantized-kv-start store is reported BAD and rebuilt",
+        (
+            Patch(
+                "kvsnap/snapshot/chain.py",
+                '        form = ""  # written before keys named a form: every key of the '
+                "record must then be so\n",
+                "        pass\n",
+            ),
+        ),
+        (
+            "tests/test_quantized_start.py::test_a_store_written_before_keys_named_the_form_still_"
+            "verifies_and_serves",
+        ),
+    ),
+    Breakage(
         "gc-drops-shared-blocks",
         "4. nothing lost",
         "gc removes every block a dropped record reached, shared ones included",

@@ -143,3 +143,94 @@ def test_a_build_whose_agents_sit_on_both_sides_of_the_start_verifies(model, tmp
     assert sizes[0] < START <= sizes[1], sizes
     verified = run_kvsnap("verify", store, env=env)
     assert verified.returncode == 0, verified.stdout + verified.stderr
+
+
+def _rewrite_file(path: Path, target: Path, change) -> None:
+    """Write ``path``'s tensors to ``target`` with ``change(meta)`` applied to its header (a fresh
+    checksum); ``path`` is removed when it is not ``target``."""
+    from kvsnap.snapshot.file import OutTensor, read_header, tensor_bytes, write_snapshot
+    from kvsnap.snapshot.format import CHECKSUM_KEY
+
+    header = read_header(path)
+    meta = {k: v for k, v in header.metadata.items() if k != CHECKSUM_KEY}
+    change(meta)
+    tensors = [
+        OutTensor(name, e.dtype, e.shape, memoryview(tensor_bytes(path, header, name)))
+        for name, e in header.tensors.items()
+    ]
+    with open(target.with_name(target.name + ".new"), "wb") as f:
+        write_snapshot(f, tensors, meta)
+    target.with_name(target.name + ".new").replace(target)
+    if path != target:
+        path.unlink()
+
+
+def _as_written_before_the_form_was_keyed(store: Path) -> int:
+    """Rename every block to the key it had before keys named the KV form (no form in the key
+    or the header) and point the records at them; returns how many blocks were renamed."""
+    from kvsnap.snapshot.blocks import block_key
+    from kvsnap.snapshot.file import read_header
+    from kvsnap.snapshot.format import CHAIN, KV_FORM
+
+    renamed = {}
+    for path in sorted((store / "blocks").glob("*.safetensors")):
+        fields = read_header(path).metadata
+        start, digest = int(fields["kvsnap.start"]), fields["kvsnap.prefix_digest"]
+        old = block_key(fields["kvsnap.model_digest"], start, digest)
+        renamed[path.stem] = old
+
+        def legacy(m, old=old):
+            m.pop(KV_FORM)
+            m["kvsnap.key"] = old
+
+        _rewrite_file(path, path.with_name(f"{old}.safetensors"), legacy)
+    for path in (store / "snapshots").glob("*.safetensors"):
+
+        def relink(m):
+            chain = json.loads(m[CHAIN])
+            chain["blocks"] = [[renamed[k], s, e] for k, s, e in chain["blocks"]]
+            m[CHAIN] = json.dumps(chain)
+
+        _rewrite_file(path, path, relink)
+    return len(renamed)
+
+
+def test_a_store_written_before_keys_named_the_form_still_verifies_and_serves(model, tmp_path):
+    """Old records name blocks by the formula without a form: they still verify, load and
+    serve (their blocks are checked against the record's layer list when read)."""
+    agents = tmp_path / "agents.json"
+    agents.write_text(
+        json.dumps([{"name": "long", "messages": [{"role": "system", "content": LONG_SYSTEM * 3}]}])
+    )
+    store = tmp_path / "store"
+    env = {"KVSNAP_CACHE_DIR": str(tmp_path / "cache")}
+    built = run_kvsnap("build", agents, "--model", model, "--out", store, *KV_FLAGS, env=env)
+    assert built.returncode == 0, built.stdout + built.stderr
+    assert _as_written_before_the_form_was_keyed(store) >= 2
+    verified = run_kvsnap("verify", store, env=env)
+    assert verified.returncode == 0, verified.stdout + verified.stderr
+    server = start_server(
+        model,
+        ["--continuous-batching", "--kv-snapshots", str(store), *KV_FLAGS],
+        tmp_path / "server.log",
+        env=env,
+        limit_s=300,
+    )
+    try:
+        server.wait_ready(120)
+        warm = server.status()["snapshots"]
+        body = {
+            "model": model.name,
+            "messages": [
+                {"role": "system", "content": LONG_SYSTEM * 3},
+                {"role": "user", "content": "Which test first?"},
+            ],
+            "max_tokens": 4,
+            "temperature": 0,
+        }
+        with httpx.Client(timeout=120) as client:
+            reply = ask(client, server, body)
+    finally:
+        server.stop()
+    assert warm["rejected"] == 0 and warm["indexed"] == 1, warm
+    assert cached(reply) > START, server.log()[-3000:]
