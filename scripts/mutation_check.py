@@ -815,6 +815,24 @@ BREAKAGES = (
         ("tests/test_cached_tokens.py::test_with_keys_a_whole_warm_prompt_is_never_rounded_away",),
     ),
     Breakage(
+        "cached-tokens-checkpoint-counts-as-whole",
+        "server under attack",
+        "a checkpoint inside a warm prompt lifts the rounded count like a whole warm prompt: its "
+        "exact length tells how far a request agrees with the operator's prompt",
+        (
+            Patch(
+                "kvsnap/runtime/prefix.py",
+                "return max((n for n in ends if not self._entries[(None, tokens[:n])].inner), "
+                "default=0)",
+                "return max(ends, default=0)",
+            ),
+        ),
+        (
+            "tests/test_cached_tokens.py::test_a_checkpoint_inside_a_warm_prompt_is_not_a_whole_"
+            "warm_prompt",
+        ),
+    ),
+    Breakage(
         "tenant-status-shows-cache-counters",
         "server under attack",
         "a non-admin key sees the cache-wide counters again",

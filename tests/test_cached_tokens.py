@@ -164,3 +164,29 @@ def test_with_keys_a_whole_warm_prompt_is_never_rounded_away(demo_models, tmp_pa
     whole = _warm_length(demo_models, AGENTS[0])
     assert exact > whole  # the longer warm prompt matched further, part-way
     assert cached == whole, (cached, whole, exact)
+
+
+def test_a_checkpoint_inside_a_warm_prompt_is_not_a_whole_warm_prompt():
+    """Only whole warm prompts lift the rounded count: a checkpoint inside one (a hybrid model's
+    restart point, or where two warm prompts diverge) is a partial match of it, and its exact
+    length would tell how far the request agrees with the operator's prompt. No model."""
+    from kvsnap.runtime.prefix import Entry, PrefixCache
+
+    cache = PrefixCache(max_bytes=1000, copy_state=list, trim_state=lambda s, n: s[: len(s) - n])
+    for tokens, inner in ((range(1, 6), False), (range(1, 11), True), (range(1, 21), False)):
+        tokens = tuple(tokens)
+        cache.add(
+            Entry(
+                tokens=tokens,
+                state=list(tokens),
+                nbytes=10,
+                trimmable=True,
+                pinned=True,
+                source="snapshot",
+                inner=inner,
+            )
+        )
+    request = list(range(1, 16)) + [99]  # all of the 10-token checkpoint, part of the 20
+    assert cache.whole_shared_prefix(request) == 5
+    assert cache.whole_shared_prefix(list(range(1, 21)) + [99]) == 20
+    assert cache.whole_shared_prefix([7, 8, 9]) == 0
