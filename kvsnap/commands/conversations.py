@@ -15,11 +15,14 @@ from kvsnap.commands.common import human_bytes
 CONVERSATION_FIX = (
     "delete {record} (that conversation's next turn prefills), then `kvsnap gc {store} --yes`"
 )
-# Nor is a block or checkpoint no agent reaches: only a conversation's write brings it back.
+# Nor is a block or checkpoint no agent reaches: a conversation's next writes rewrite a block
+# (any later turn reaches it); a checkpoint is its record's own end, so only deleting helps.
 CONVERSATION_PART_FIX = (
-    "no agent reaches it, so `kvsnap build` cannot rebuild it: a server with --persist-requests "
-    "rewrites it at the next turn that reaches it; or delete {record} and the other records "
-    "listed with it (their next turns prefill), then `kvsnap gc {store} --yes`"
+    "no agent reaches it, so `kvsnap build` cannot rebuild it: {rewrite}delete {record} and the "
+    "other records listed with it (their next turns prefill), then `kvsnap gc {store} --yes`"
+)
+BLOCK_REWRITE = (
+    "a server with --persist-requests rewrites it as a conversation reaching it goes on; or "
 )
 DURATION_RE = re.compile(r"(\d+(?:\.\d+)?)([smhdw])")
 UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
@@ -107,13 +110,15 @@ def _agent_parts(store) -> set[str]:
 def _fix(store, exc, record, agent_parts: set[str]) -> str:
     """What mends a conversation record ``exc`` found bad (its own file or a part of it)."""
     from kvsnap.errors import SnapshotError
+    from kvsnap.snapshot.format import BLOCK_KIND
     from kvsnap.store.parts import FIX, part_of_path, part_relpath
 
     if exc.fix == SnapshotError("", "").fix:  # the default hint, an agent's
         return CONVERSATION_FIX.format(record=record, store=store.root)
     part = part_of_path(store, exc.path)
     if exc.fix == FIX and part is not None and part_relpath(*part) not in agent_parts:
-        return CONVERSATION_PART_FIX.format(record=record, store=store.root)
+        rewrite = BLOCK_REWRITE if part[0] == BLOCK_KIND else ""
+        return CONVERSATION_PART_FIX.format(rewrite=rewrite, record=record, store=store.root)
     return exc.fix  # an agent's part too: a build rebuilds it
 
 
