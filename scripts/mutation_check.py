@@ -1659,6 +1659,23 @@ BREAKAGES = (
         ),
     ),
     Breakage(
+        "failed-load-record-kept",
+        "4. a corrupt file is detected and the server falls back",
+        "a persisted record that failed to load stays once a longer record serves it (a "
+        "hybrid's own bad checkpoint is never rewritten: BAD for good)",
+        (
+            Patch(
+                "kvsnap/runtime/persist.py",
+                "                _remember(self.failed_loads, info.key, info.n_tokens)\n",
+                "                pass\n",
+            ),
+        ),
+        (
+            DAMAGE + "test_a_hybrid_record_whose_own_checkpoint_is_bad_goes_once_a_longer_one_"
+            "serves_it",
+        ),
+    ),
+    Breakage(
         "persisted-record-checksum-unchecked-at-lookup",
         "4. a corrupt file is detected and the server falls back",
         "the lookup takes (and touches) a persisted record on its header alone: a damaged one "

@@ -274,6 +274,46 @@ def test_verify_advises_what_fixes_a_bad_block_only_conversations_reach(three_tu
         assert f"kvsnap gc {root} --yes" in line, line
 
 
+def test_a_hybrid_record_whose_own_checkpoint_is_bad_goes_once_a_longer_one_serves_it(
+    demo_models, tmp_path
+):
+    """A hybrid record's end checkpoint is its own (no other record reaches it), so no later
+    write rewrites it: the record that failed to load on it stayed, named by verify as BAD
+    for good. Now the record of the turn that prefilled instead serves everything it did,
+    and the writer removes it; verify passes."""
+    model, root = demo_models.path("hybrid"), tmp_path / "store"
+    talk = Talk(chat("h"), model)
+    server = start(model, root, tmp_path / "a.log")
+    try:
+        with httpx.Client(timeout=60) as client:
+            talk.next(client, server)
+            talk.next(client, server)
+        settle(server, root, 2)
+    finally:
+        server.stop()
+    newest = records(root)[-1]
+    key, end = newest.chain.checkpoints[-1]
+    assert end == newest.n_tokens
+    checkpoint = root / "checkpoints" / f"{key}.safetensors"
+    flip_last_byte(checkpoint)
+    r = run_kvsnap("verify", root)
+    (line,) = [ln for ln in r.stdout.splitlines() if ln.startswith("BAD")]
+    assert str(checkpoint) in line and f"delete {newest.path}" in line, line
+    assert "rebuild it with `kvsnap build`" not in line and "rewrites it" not in line, line
+
+    server = start(model, root, tmp_path / "b.log")
+    try:
+        with httpx.Client(timeout=60) as client:
+            talk.next(client, server)
+        persist = settle(server, root, 1)
+        assert persist["load_errors"] == 1 and persist["repaired"] >= 1, persist
+    finally:
+        server.stop()
+    assert not newest.path.exists()
+    assert records(root)[-1].n_tokens == talk.prompts[-1] - 1
+    assert_sound(root)
+
+
 # --- item 3: a torn newest record falls back to the next-longest ----------------------------
 
 

@@ -77,6 +77,7 @@ class Persister:
     disk_hits: int = 0  # records indexed for a request (each loads on that hit)
     load_errors: int = 0
     unreadable: dict = field(default_factory=dict)  # record key -> its token count
+    failed_loads: dict = field(default_factory=dict)  # the same, of records a load failed on
 
     @classmethod
     def open(cls, store: Store, lm: Any, identity: ModelIdentity, options: PersistOptions):
@@ -205,14 +206,18 @@ class Persister:
     def _damaged_prefixes(self, conv_digest: str, tokens: Sequence[int]) -> list[str]:
         """Keys of the records found unreadable that hold a strict prefix of ``tokens`` in
         this namespace: the record of ``tokens`` serves all they did (the writer removes them)."""
-        found = [
-            key
-            for key, n in self.unreadable.items()
-            if n < len(tokens)
-            and key == record_key(self.identity.digest, conv_digest, tokens_digest(tokens[:n]), n)
-        ]
-        for key in found:
-            del self.unreadable[key]
+        found = []
+        for known in (self.unreadable, self.failed_loads):
+            covered = [
+                key
+                for key, n in known.items()
+                if n < len(tokens)
+                and key
+                == record_key(self.identity.digest, conv_digest, tokens_digest(tokens[:n]), n)
+            ]
+            for key in covered:
+                del known[key]
+            found += covered
         return found
 
     # --- lookup -----------------------------------------------------------------------------
@@ -230,7 +235,11 @@ class Persister:
         load = snapshot_loader(self.store, info, check=prefix.check_state)
 
         def loader():
-            loaded = load()
+            try:
+                loaded = load()
+            except (SnapshotError, OSError):  # reported by the cache; a longer record replaces it
+                _remember(self.failed_loads, info.key, info.n_tokens)
+                raise
             self.writer.health.mark_good(read_parts(info))  # checked as they were read
             return loaded
 
@@ -303,9 +312,7 @@ class Persister:
         return info
 
     def _unreadable(self, key: str, n: int, exc: SnapshotError) -> None:
-        if len(self.unreadable) >= MAX_UNREADABLE:
-            del self.unreadable[next(iter(self.unreadable))]
-        self.unreadable[key] = n
+        _remember(self.unreadable, key, n)
         self.load_errors += 1
         log.warning(
             "[kvsnap] persisted conversation %s not used: %s; a shorter record of it is tried, "
@@ -353,6 +360,13 @@ class Persister:
             "load_errors": self.load_errors,
             "max_bytes": self.options.max_bytes,
         }
+
+
+def _remember(known: dict, key: str, n: int) -> None:
+    """Note a record that failed (key -> token count), the oldest forgotten past the bound."""
+    if key not in known and len(known) >= MAX_UNREADABLE:
+        del known[next(iter(known))]
+    known[key] = n
 
 
 def read_parts(info) -> list[tuple[str, str]]:

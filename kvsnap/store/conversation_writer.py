@@ -54,8 +54,8 @@ class ConversationWrite:
     reaches: list[tuple[str, str]]  # (kind, key) of every part the record names
     supersedes: str | None = None  # the record this one extends (removed once it is written)
     nbytes: int = 0  # host bytes held while queued
-    # records of shorter prefixes found unreadable: this one serves all they did (removed
-    # once it is written, if still unreadable)
+    # records of shorter prefixes found unreadable, or whose load failed: this one serves all
+    # they did (removed once it is written, if they still fail their checks, parts included)
     damaged: list[str] = field(default_factory=list)
 
     @property
@@ -328,17 +328,21 @@ class ConversationWriter:
         )
 
     def _remove_damaged(self, item: ConversationWrite) -> None:
-        """Remove the records found unreadable that ``item``'s record serves whole (a sound
-        one, rewritten meanwhile, stays)."""
+        """Remove the records found bad that ``item``'s record serves whole, unless they pass
+        every check now (rewritten meanwhile, or their bad block was just rewritten)."""
         for key in item.damaged:
             path = record_path(self.store.root, key)
             if key == item.key or not path.exists():
                 continue
             try:
-                self.store.verify_file(path, parts=False)
+                self.store.verify_file(path)
                 continue
             except SnapshotError:
                 size = _size(path)
+            try:  # its parts no other record reaches go with the next sweep (a bad one too)
+                reached = set(chain_relpaths(self.store.inspect(path)))
+            except SnapshotError:
+                reached = set()
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
                 self._estimate -= size
@@ -347,6 +351,8 @@ class ConversationWriter:
                     "[kvsnap] removed the damaged conversation record %s (a longer one serves it)",
                     path,
                 )
+                for rel in reached - item.relpaths:
+                    self._orphans[rel] = _size(self.store.root / rel)
 
     def _supersede(self, item: ConversationWrite) -> None:
         """Replace the record ``item`` extends with its whole blocks only: the new record
