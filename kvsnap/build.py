@@ -164,13 +164,19 @@ def build_snapshots(
         except KvsnapError as exc:
             results[prompt.name].error = str(exc)
     branches = dict(zip(planned, branch_points([p.tokens for p in planned.values()])))
+    splits = build.split_points({name: p.tokens for name, p in planned.items()}, branches)
     for prompt in prompts.entries:
         t0 = time.perf_counter()
         progress("start", prompt.name)
         result = results[prompt.name]
         if prompt.name in planned:
             try:
-                build.entry(planned[prompt.name], frozenset(branches[prompt.name]), result)
+                build.entry(
+                    planned[prompt.name],
+                    frozenset(branches[prompt.name]),
+                    splits[prompt.name],
+                    result,
+                )
             except KvsnapError as exc:
                 result.status, result.error = "failed", str(exc)
         result.seconds = time.perf_counter() - t0
@@ -224,7 +230,9 @@ class _Build:
         result.key = warm.key
         return _Planned(prompt, list(tokens), warm.prompt_digest)
 
-    def entry(self, planned: _Planned, branches: frozenset, result: EntryResult) -> None:
+    def entry(
+        self, planned: _Planned, branches: frozenset, splits: frozenset, result: EntryResult
+    ) -> None:
         """One warm prompt: its record reused when sound; else the longest chain of blocks the
         store has is restored and only the rest prefilled, block by block."""
         store, prompt, tokens = self.store, planned.prompt, planned.tokens
@@ -236,7 +244,7 @@ class _Build:
         if not self.force and self.reuse(prompt.name, store.path_for(result.key), commit, result):
             result.tokens_reused = len(tokens)
             return
-        plan = ChainPlan(self.blocks, branches)
+        plan = ChainPlan(self.blocks, branches, splits=splits)
         start, replace = (0, None), set()
         if not self.force:
             start, replace, warnings = restore_longest(
@@ -260,6 +268,43 @@ class _Build:
         result.blocks_written = plan.written.blocks + plan.written.checkpoints
         result.bytes_written = plan.written.nbytes + path.stat().st_size
         result.nbytes = result.bytes_written
+
+    def split_points(
+        self, prefixes: dict[str, list], branches: dict[str, set]
+    ) -> dict[str, frozenset]:
+        """Per prefix, the branch points its chain is also cut at, so siblings that leave each
+        other inside a block store that block's shared head once instead of once each.
+
+        A branch point past the first block is cut at when the block around it is not stored
+        whole along this prefix (a stored block is never re-cut: a rebuild finds it) and the
+        head before it is shared: another prefix leaves there inside the same unstored block or
+        ends there, or the head is already stored. So a prefix built alone, or beside prefixes
+        that share only blocks already stored whole, keeps the plain grid."""
+        from kvsnap.snapshot.format import BLOCK_KIND
+        from kvsnap.store.parts import has_part
+
+        def grid(tokens: list, splits: frozenset = frozenset()) -> list:
+            plan = ChainPlan(self.blocks, splits=splits)
+            return plan.links(self.identity, tokens, self.hybrid, captured_only=False)
+
+        wanted: dict[tuple[int, str], list] = {}  # (depth, prefix digest) -> who would cut there
+        for name, tokens in prefixes.items():
+            links = grid(tokens)
+            wanted.setdefault((len(tokens), links[-1].prefix_digest), []).append(None)
+            # past the first block only: a branch inside it (a chat template's header, a short
+            # opening) is worth neither a block nor, for hybrids, a checkpoint of its own
+            for d in sorted(x for x in branches[name] if x >= self.blocks.block_tokens):
+                cell = next((x for x in links if x.start < d < x.end), None)
+                if cell is None or has_part(self.store, BLOCK_KIND, cell.key):
+                    continue  # already a block end, or a stored block a rebuild will find
+                head = next(x for x in grid(tokens, frozenset({d})) if x.end == d)
+                wanted.setdefault((d, head.prefix_digest), []).append((name, d, head.key))
+        out: dict[str, set] = {name: set() for name in prefixes}
+        for group in wanted.values():
+            for who in group:
+                if who is not None and (len(group) > 1 or has_part(self.store, BLOCK_KIND, who[2])):
+                    out[who[0]].add(who[1])
+        return {name: frozenset(ds) for name, ds in out.items()}
 
     def reuse(
         self, name: str, path: Path, commit: Callable[[Path, str], None], result: EntryResult

@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """The block store's goals (issue 17), measured: store and pinned bytes of agents sharing a
-preamble, what an edit re-prefills, composed vs single-file restore, a new agent's first hit,
-and the registry manifest for 1,000 agents.
+preamble against the KV of their distinct tokens and what editing one of them re-prefills
+(dense and hybrid), what an edit of a long prompt re-prefills, composed vs single-file restore,
+a new agent's first hit, and the registry manifest for 1,000 agents.
 
     python scripts/bench_blocks.py --out /tmp/kvsnap-bench-blocks          # everything (~10 min on
     2 cores)
@@ -18,6 +19,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import statistics
 import subprocess
 import sys
@@ -98,15 +100,34 @@ def folder_bytes(root: Path, *folders: str) -> int:
 
 
 def kv_bytes_per_token(store: Path) -> float:
-    """From a store's own blocks: total block bytes over the tokens they hold."""
+    """From a store's own blocks: their tensor bytes (safetensors headers left out) over the
+    tokens they hold."""
     from kvsnap.snapshot.file import read_header
 
     total = tokens = 0
     for p in (store / "blocks").glob("*.safetensors"):
-        meta = read_header(p).metadata
-        tokens += int(meta["kvsnap.end"]) - int(meta["kvsnap.start"])
-        total += p.stat().st_size
+        header = read_header(p)
+        tokens += int(header.metadata["kvsnap.end"]) - int(header.metadata["kvsnap.start"])
+        total += header.file_size - header.data_start
     return total / tokens
+
+
+def record_tokens(store: Path, reports: list[dict]) -> list[list[int]]:
+    """Each built entry's prefix, read back from its record."""
+    from kvsnap.store.local import Store
+
+    opened = Store.open(store, readonly=True)
+    return [list(opened.inspect(opened.path_for(e["key"])).tokens) for e in reports]
+
+
+def distinct_tokens(prefixes: list[list[int]]) -> int:
+    """The tokens of the prefixes' trie: each prefix's tokens past what an earlier one shares."""
+    from kvsnap.prompts import common_prefix_length
+
+    return sum(
+        len(t) - max((common_prefix_length((t, e)) for e in prefixes[:i]), default=0)
+        for i, t in enumerate(prefixes)
+    )
 
 
 def pinned_bytes(model: Path, store: Path, agents: Path, log: Path) -> dict:
@@ -127,35 +148,63 @@ def pinned_bytes(model: Path, store: Path, agents: Path, log: Path) -> dict:
 
 
 def part_sharing(work: Path, n_agents: int, preamble_tokens: int, tail_tokens: int) -> dict:
-    model = make_demo_model(work / "dense-tiny", DemoSpec(arch="dense"))
-    count = token_counter(model)
-    preamble = words_for(count, 1, preamble_tokens)
-    tails = [
-        f"You are agent {i}. " + words_for(count, 100 + i, tail_tokens) for i in range(n_agents)
-    ]
-    agents = write_agents(work / "sharing.json", preamble, tails)
-    report = build_json(agents, model, work / "sharing")
-    per_token = kv_bytes_per_token(work / "sharing")
-    n = [e["n_tokens"] for e in report["entries"]]
-    shared = min(
-        e["tokens_reused"] for e in report["entries"][1:]
-    )  # the preamble, as the branch point cut it
-    unique_tokens = shared + sum(x - shared for x in n)
-    stored = folder_bytes(work / "sharing", "blocks", "checkpoints", "snapshots")
-    cache = pinned_bytes(model, work / "sharing", agents, work / "sharing-serve.log")
-    return {
-        "agents": n_agents,
-        "tokens_per_agent": n,
-        "shared_prefix_tokens": shared,
-        "kv_bytes_per_token": per_token,
-        "unique_kv_bytes": unique_tokens * per_token,
-        "whole_file_bytes": sum(n) * per_token,
-        "store_bytes": stored,
-        "store_vs_unique": stored / (unique_tokens * per_token),
-        "pinned_bytes": cache["current_memory_mb"] * 2**20,
-        "pinned_vs_unique": cache["current_memory_mb"] * 2**20 / (unique_tokens * per_token),
-        "cache_status": cache,
-    }
+    """Per model (dense, hybrid): the store's bytes against the KV of the agents' distinct
+    tokens, the server's pinned bytes, and what editing one agent's last sentence re-prefills."""
+    from kvsnap.prompts import common_prefix_length
+
+    out = {}
+    for arch in ("dense", "hybrid"):
+        model = make_demo_model(work / f"{arch}-tiny", DemoSpec(arch=arch))
+        count = token_counter(model)
+        preamble = words_for(count, 1, preamble_tokens)
+        tails = [
+            f"You are agent {i}. {words_for(count, 100 + i, tail_tokens)}. Answer in one sentence."
+            for i in range(n_agents)
+        ]
+        root = work / f"sharing-{arch}"
+        shutil.rmtree(root, ignore_errors=True)  # a rerun into the same --out starts empty
+        agents = write_agents(work / f"sharing-{arch}.json", preamble, tails)
+        report = build_json(agents, model, root)
+        per_token = kv_bytes_per_token(root)
+        prefixes = record_tokens(root, report["entries"])
+        unique_kv = distinct_tokens(prefixes) * per_token
+        n = [len(t) for t in prefixes]
+        by_folder = {f: folder_bytes(root, f) for f in ("blocks", "checkpoints", "snapshots")}
+        stored = sum(by_folder.values())
+        cache = pinned_bytes(model, root, agents, work / f"sharing-{arch}-serve.log")
+        tails[3] = tails[3].replace(
+            "Answer in one sentence.", "Answer in two short sentences, then stop."
+        )
+        edited = build_json(write_agents(agents, preamble, tails), model, root)
+        entry = edited["entries"][3]
+        (new,) = record_tokens(root, [entry])
+        changed = len(new) - common_prefix_length((prefixes[3], new))
+        out[arch] = {
+            "agents": n_agents,
+            "tokens_per_agent": n,
+            "preamble_tokens": min(common_prefix_length((prefixes[0], t)) for t in prefixes[1:]),
+            "distinct_tokens": distinct_tokens(prefixes),
+            "kv_bytes_per_token": per_token,
+            "unique_kv_bytes": unique_kv,
+            "whole_file_bytes": sum(n) * per_token,
+            "store_bytes": stored,
+            "store_by_folder": by_folder,
+            "store_vs_unique": stored / unique_kv,
+            "pinned_bytes": cache["current_memory_mb"] * 2**20,
+            "pinned_vs_unique": cache["current_memory_mb"] * 2**20 / unique_kv,
+            "edit": {
+                "changed_tokens": changed,
+                "tokens_prefilled": entry["tokens_prefilled"],
+                "goal": report["block_tokens"] + changed,
+                "others_prefilled": sum(
+                    e["tokens_prefilled"] for i, e in enumerate(edited["entries"]) if i != 3
+                ),
+            },
+            "block_tokens": report["block_tokens"],
+            "checkpoint_every": report["checkpoint_every"],
+            "cache_status": cache,
+        }
+    return out
 
 
 def part_edit(work: Path, prompt_tokens: int) -> dict:
@@ -182,6 +231,7 @@ def part_edit(work: Path, prompt_tokens: int) -> dict:
                 ]
             )
         )
+        shutil.rmtree(work / f"edit-{arch}", ignore_errors=True)  # a rerun starts empty too
         build_json(agents, model, work / f"edit-{arch}")
         agents.write_text(
             agents.read_text().replace(
@@ -421,7 +471,18 @@ def main(argv=None) -> int:
         help="the restore part's model: Qwen3-0.6B-shaped fp32 (the goal's), or tiny for a smoke "
         "run",
     )
+    ap.add_argument(
+        "--sharing-tokens",
+        default="2000,200",
+        help="the sharing part's preamble and tail lengths in tokens (default 2000,200)",
+    )
     args = ap.parse_args(argv)
+    try:
+        preamble_tokens, tail_tokens = (int(x) for x in args.sharing_tokens.split(","))
+    except ValueError:
+        raise SystemExit(
+            f"--sharing-tokens is {args.sharing_tokens!r}; give two token counts, e.g. 2000,200"
+        ) from None
     only = [p for p in args.only.split(",") if p]
     unknown = sorted(set(only) - set(PARTS))
     if unknown:
@@ -429,7 +490,7 @@ def main(argv=None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     results: dict = {}
     runs = {
-        "sharing": lambda: part_sharing(args.out, 10, 2000, 200),
+        "sharing": lambda: part_sharing(args.out, 10, preamble_tokens, tail_tokens),
         "edit": lambda: part_edit(args.out, 4000),
         "restore": lambda: part_restore(args.out, 2048, args.reps, args.restore_size),
         "new-agent": lambda: part_new_agent(args.out, 1500),

@@ -1165,14 +1165,68 @@ BREAKAGES = (
         (
             Patch(
                 "kvsnap/snapshot/blocks.py",
-                "    ends = set(range(b, n_tokens, b)) | set(range(c, n_tokens, c)) | {n_tokens}\n",
                 "    ends = set(range(b, n_tokens, b)) | set(range(c, n_tokens, c)) | {n_tokens} | "
-                "{d for d in branches if 0 < d < n_tokens}\n",
+                "cut\n",
+                "    ends = set(range(b, n_tokens, b)) | set(range(c, n_tokens, c)) | {n_tokens} | "
+                "cut | {d for d in branches if 0 < d < n_tokens}\n",
             ),
         ),
         (
             "tests/test_block_store_cuts.py::test_adding_an_unrelated_agent_never_moves_another_"
             "chains_blocks",
+        ),
+    ),
+    Breakage(
+        "siblings-store-their-shared-head-each",
+        "4. nothing lost (block store)",
+        "the build never cuts where siblings part inside a block: each stores that block's shared "
+        "head, and a hybrid sibling or edit restores from the grid point before the branch",
+        (
+            Patch(
+                "kvsnap/build.py",
+                "                    out[who[0]].add(who[1])\n",
+                "                    pass\n",
+            ),
+        ),
+        (
+            "tests/test_block_store_cuts.py::test_agents_sharing_a_preamble_store_their_unique_kv_"
+            "and_an_edit_prefills_one_block",
+            "tests/test_blocks.py::test_agents_sharing_a_preamble_store_it_once",
+        ),
+    ),
+    Breakage(
+        "stored-block-cut-again",
+        "4. nothing lost (block store)",
+        "a block stored whole is cut again where a sibling added later parts: the edited agent "
+        "finds no head there and re-prefills its whole tail",
+        (
+            Patch(
+                "kvsnap/build.py",
+                "                if cell is None or has_part(self.store, BLOCK_KIND, cell.key):\n",
+                "                if cell is None:\n",
+            ),
+        ),
+        (
+            "tests/test_block_store_cuts.py::test_a_block_stored_whole_is_never_cut_again_when_a_"
+            "sibling_arrives",
+        ),
+    ),
+    Breakage(
+        "conversation-ignores-its-agents-cuts",
+        "conversations",
+        "a conversation is cut on the grid and at its agent's end only, not where the agent's "
+        "record is cut: the head shared with a sibling and the agent's tail are copied again",
+        (
+            Patch(
+                "kvsnap/runtime/warmup_entries.py",
+                "        block_ends=tuple(end for _, _, end in info.chain.blocks) if info.chain "
+                "else (),\n",
+                "",
+            ),
+        ),
+        (
+            "tests/test_block_store_cuts.py::test_a_conversation_on_an_agent_cut_where_it_parts_"
+            "names_that_agents_blocks",
         ),
     ),
     Breakage(

@@ -65,6 +65,8 @@ class Entry:
     namespace: str | None = None  # None: shared (warm); else the owning request namespace
     # a checkpoint inside a warm prompt: a hit on it is a partial match of that prompt
     inner: bool = False
+    # where its record's blocks end (a stored snapshot's): a conversation cut there shares them
+    block_ends: tuple[int, ...] = ()
 
     @property
     def slot(self) -> tuple:
@@ -247,10 +249,16 @@ class PrefixCache:
         return Match(best.entry, best.usable)
 
     def shared_ends(self, tokens: Sequence[int]) -> list[int]:
-        """The lengths of the shared (warm) entries that are whole prefixes of ``tokens``."""
+        """The lengths of the shared (warm) entries that are whole prefixes of ``tokens``, and
+        where their records' blocks end: cut there, a conversation starting with one of them
+        names that record's blocks instead of copying their tokens into blocks of its own."""
+        tokens = tuple(tokens)
         with self._lock:
             trie = self._tries.get(None)
-            return trie.entry_ends(tuple(tokens)) if trie is not None else []
+            ends = trie.entry_ends(tokens) if trie is not None else []
+            return sorted(
+                {e for n in ends for e in (n, *self._entries[(None, tokens[:n])].block_ends)}
+            )
 
     def whole_shared_prefix(self, tokens: Sequence[int]) -> int:
         """The length of the longest warm prompt ``tokens`` contain whole (a checkpoint inside

@@ -48,6 +48,7 @@ def make_entry(
         name=info.name,
         key=info.key,
         loader=snapshot_loader(store, info, prefetched, pool, check),
+        block_ends=tuple(end for _, _, end in info.chain.blocks) if info.chain else (),
     )
 
 

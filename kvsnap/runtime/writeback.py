@@ -86,6 +86,8 @@ class ChainPlan:
     branches: frozenset = (
         frozenset()
     )  # depths where another warm prefix of this model leaves this one
+    # branch points cut at too (the build's choice: siblings share the block head they leave)
+    splits: frozenset = frozenset()
     checkpoints: dict = field(
         default_factory=dict
     )  # end -> (arrays, layers) captured there (hybrids)
@@ -131,7 +133,7 @@ class ChainPlan:
         links = chain_of(
             identity.digest,
             tokens,
-            plan_cuts(len(tokens), set(self.branches), self.settings),
+            plan_cuts(len(tokens), set(self.branches), self.settings, self.splits),
             hybrid,
             kv_form_at(len(tokens), identity) if form is None else form,
         )

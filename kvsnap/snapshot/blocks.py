@@ -3,10 +3,12 @@
 A prefix of ``n`` tokens becomes a chain of blocks ``[start, end)`` cut at every multiple of
 ``block_tokens`` and of ``checkpoint_every`` and at ``n``: a grid fixed from token 0 that no
 other prefix moves, so adding, editing or removing one agent never renames another's blocks.
-Non-trimmable layers (SSM state, rotating windows) are stored whole only at checkpoints: every
-multiple of ``checkpoint_every``, the prefix's end, and each branch point (a depth where another
-warm prefix leaves this one) rounded down to the block grid, so a sibling restores there;
-a checkpoint is an extra file, never an extra cut.
+The build may also cut at a branch point (a depth where another warm prefix leaves this one)
+inside a block nobody stored whole yet, so siblings store that block's shared head once
+(``build._Build.split_points`` decides; here they are ``splits``). Non-trimmable layers (SSM
+state, rotating windows) are stored whole only at checkpoints: every multiple of
+``checkpoint_every``, the prefix's end, and each branch point (exactly, where it is cut; else
+rounded down to the block grid), so a sibling restores there.
 
 Keys are content addresses: a block's is a hash of the model identity digest, its start and
 every token up to its end; a checkpoint's of the model identity digest and every token up to
@@ -20,7 +22,7 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass, replace
-from typing import Sequence
+from typing import Collection, Sequence
 
 import xxhash
 
@@ -85,19 +87,25 @@ def branch_points(prefixes: Sequence[Sequence[int]]) -> list[set[int]]:
     return out
 
 
-def plan_cuts(n_tokens: int, branches: set[int], settings: BlockSettings) -> list[Cut]:
+def plan_cuts(
+    n_tokens: int, branches: set[int], settings: BlockSettings, splits: Collection[int] = ()
+) -> list[Cut]:
     """The chain of a prefix of ``n_tokens``: block boundaries and which of them are checkpoints.
 
-    The boundaries depend on ``n_tokens`` and ``settings`` only; ``branches`` only adds
-    checkpoints, each at the block boundary at or before its branch point."""
+    Without ``splits`` the boundaries depend on ``n_tokens`` and ``settings`` only; ``branches``
+    only adds checkpoints, each at the block boundary at or before its branch point. ``splits``
+    (branch points the build chose to cut at, so siblings share the head of the block they
+    leave) are also boundaries, and checkpoints exactly there; a multiple of ``checkpoint_every``
+    less than a block past one is then no checkpoint: the split's serves it, and past a split
+    every sibling would store its own."""
     if n_tokens <= 0:
         return []
     b, c = settings.block_tokens, settings.checkpoint_every
-    ends = set(range(b, n_tokens, b)) | set(range(c, n_tokens, c)) | {n_tokens}
-    on_grid = {d // b * b for d in branches if 0 < d < n_tokens} - {
-        0
-    }  # multiples of b below n: ends
-    checkpoints = on_grid | {n_tokens} | set(range(c, n_tokens, c))
+    cut = {d for d in splits if 0 < d < n_tokens}
+    ends = set(range(b, n_tokens, b)) | set(range(c, n_tokens, c)) | {n_tokens} | cut
+    on_grid = {d // b * b for d in branches if 0 < d < n_tokens and d not in cut} - {0}
+    every_c = {m for m in range(c, n_tokens, c) if not any(0 < m - d < b for d in cut)}
+    checkpoints = on_grid | cut | {n_tokens} | every_c
     cuts, start = [], 0
     for end in sorted(ends):
         cuts.append(Cut(start, end, end in checkpoints))
