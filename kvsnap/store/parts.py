@@ -82,10 +82,10 @@ def part_of_path(store: StoreFiles, path: str | Path) -> tuple[str, str] | None:
 @dataclass
 class PartHealth:
     """What one server process has learned of its store's blocks and checkpoints: bad (a
-    record reaching one failed to load on it) or good (written, loaded or checked here).
-    The engine marks, the write-behind thread asks; a bad part is rewritten the next time a
-    record reaching it is written, and until then no record is written naming it. Forgetting
-    a good one (the bound) costs one more check."""
+    record reaching one failed to load on it) or good (written, loaded for a conversation,
+    or checked here). The engine marks, the write-behind thread asks; a bad part is
+    rewritten the next time a record reaching it is written, and until then no record is
+    written naming it. Forgetting a good one (the bound) costs one more check."""
 
     max_good: int = 100_000
     _good: set = field(default_factory=set)
