@@ -43,6 +43,7 @@ from kvsnap.store.conversations import (
     record_path,
     store_secret,
 )
+from kvsnap.store.fileio import check_store_folders
 from kvsnap.store.local import Store
 
 log = logging.getLogger("kvsnap.persist")
@@ -439,6 +440,12 @@ def start_persister(
 
     if store is None:
         return None, "no store (--kv-snapshots DIR) to persist into"
+    try:
+        # The budget and DELETE must be able to remove what is written: never through a link.
+        check_store_folders(store.root)
+    except StoreError as exc:
+        log.warning("[kvsnap] request prefixes are not persisted: %s", exc)
+        return None, str(exc)
     why = probe_writable(store.root, store.fault)
     if why is not None:
         note = f"{store.root} is not writable here ({why}): request prefixes are not persisted"

@@ -13,7 +13,6 @@ persisting with one warning. No mlx.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import logging
 import os
@@ -27,7 +26,7 @@ from kvsnap.snapshot.file import OutTensor, write_snapshot
 from kvsnap.snapshot.format import BLOCK_KIND
 from kvsnap.store.conversation_space import evict_to_budget, purge, sweep_orphans
 from kvsnap.store.conversations import record_path, touch
-from kvsnap.store.fileio import atomic_write
+from kvsnap.store.fileio import atomic_write, remove_store_file
 from kvsnap.store.local import Store
 from kvsnap.store.parts import PartHealth, chain_relpaths, has_part, part_relpath, put_part
 
@@ -343,16 +342,16 @@ class ConversationWriter:
                 reached = set(chain_relpaths(self.store.inspect(path)))
             except SnapshotError:
                 reached = set()
-            with contextlib.suppress(FileNotFoundError):
-                path.unlink()
-                self._estimate -= size
-                self.stats.repaired += 1
-                log.info(
-                    "[kvsnap] removed the damaged conversation record %s (a longer one serves it)",
-                    path,
-                )
-                for rel in reached - item.relpaths:
-                    self._orphans[rel] = _size(self.store.root / rel)
+            if remove_store_file(path, self.store.root) is None:
+                continue  # another writer removed it already
+            self._estimate -= size
+            self.stats.repaired += 1
+            log.info(
+                "[kvsnap] removed the damaged conversation record %s (a longer one serves it)",
+                path,
+            )
+            for rel in reached - item.relpaths:
+                self._orphans[rel] = _size(self.store.root / rel)
 
     def _supersede(self, item: ConversationWrite) -> None:
         """Replace the record ``item`` extends with its whole blocks only: the new record
@@ -370,9 +369,7 @@ class ConversationWriter:
         if chain is None or chain.checkpoints or info.n_tokens % chain.block_tokens == 0:
             return  # a hybrid's (never superseded), or whole blocks already: it stays
         kept = self._write_whole_blocks_record(info)
-        try:
-            old.unlink()
-        except FileNotFoundError:
+        if remove_store_file(old, self.store.root) is None:
             return
         self.stats.superseded += 1
         self.store.fault("conversation-after-supersede")
