@@ -15,6 +15,9 @@ import pytest
 from kvsnap.tools.serverproc import start_server
 
 N_CONCURRENT = 8
+# /health answers while the flood is refused; rendering it would take far longer. Loose enough
+# that a busy 2-core machine is slow, not failing.
+HEALTH_BOUND_S = 3.0
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +98,7 @@ def test_a_hundred_thousand_messages_are_refused_before_rendering_and_health_sta
             r.json()["error"]["param"] == "messages"
             and "--max-messages" in r.json()["error"]["message"]
         )
-    assert max(health, default=0) < 1.0, health
+    assert max(health, default=0) < HEALTH_BOUND_S, health
 
 
 def test_requests_being_prepared_count_toward_429(small_server):
@@ -112,4 +115,4 @@ def test_requests_being_prepared_count_toward_429(small_server):
     for r in answers:
         if r.status_code == 429:
             assert r.headers["retry-after"] == "1"
-    assert max(health, default=0) < 1.0, health
+    assert max(health, default=0) < HEALTH_BOUND_S, health

@@ -11,7 +11,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "kvsnap"
-MAX_MODULE_LINES = 500  # formatted; past this a module has more than one job: split it
+# Formatted lines. Cohesion decides a module's size: the cap only catches a module that has
+# quietly taken on a second job (at 500 it made modules split by length instead).
+MAX_MODULE_LINES = 900
 
 
 def run_tool(*args: str) -> subprocess.CompletedProcess:
