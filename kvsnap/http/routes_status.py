@@ -14,7 +14,7 @@ from kvsnap.http.context import ServerContext
 
 # What an ordinary (non-admin) key sees: nothing that moves with other tenants' traffic
 # (cache counters, memory, queue lengths) and no exact cached-token count, which would tell
-# how far a prompt matched the operator's (issue 24); no paths, no warm-up details.
+# how far a prompt matched the operator's; no paths, no warm-up details.
 TENANT_STATUS_FIELDS = ("warm", "requests", "rewarm_in_progress")
 TENANT_REQUEST_FIELDS = ("id", "prompt_tokens", "completion_tokens")
 

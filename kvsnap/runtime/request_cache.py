@@ -58,7 +58,7 @@ def prepare_request(
     ):
         # Nothing left to prefill, so the usual capture would not run: keep the prefix now.
         # Whether a tenant's own entry exists must not depend on how far a shared one matched
-        # (issue 24: its existence would spell out the shared match length).
+        # (its existence would spell out the shared match length).
         capture_request_prefix(prefix, state, cache)
     state.detok = lm.tokenizer.detokenizer
     state.detok.reset()
