@@ -406,6 +406,23 @@ BREAKAGES = (
         ),
     ),
     Breakage(
+        "quantized-chain-checkpoint-below-start",
+        "4. nothing lost",
+        "a hybrid's quantized chain keeps a checkpoint below the quantization start (an "
+        "unquantized state stamped quantized: verify BAD right after a build)",
+        (
+            Patch(
+                "kvsnap/runtime/writeback.py",
+                "        if form == QUANTIZED_FORM:\n",
+                "        if False:\n",
+            ),
+        ),
+        (
+            "tests/test_quantized_start.py::test_a_build_whose_agents_sit_on_both_sides_of_the_"
+            "start_verifies[hybrid]",
+        ),
+    ),
+    Breakage(
         "shapes-know-one-kv-form",
         "1. same answer",
         "with a quantization start above 0 the shape check knows only the quantized form: a "

@@ -119,9 +119,14 @@ def test_a_conversation_crossing_the_start_verifies_after_sigterm_and_resumes_wh
     assert [content(r) for r in replies] == [content(r) for r in replies_ref] == fresh
 
 
-def test_a_build_whose_agents_sit_on_both_sides_of_the_start_verifies(model, tmp_path):
+@pytest.mark.parametrize("family", ["dense", "hybrid"])
+def test_a_build_whose_agents_sit_on_both_sides_of_the_start_verifies(
+    family, demo_models, tmp_path
+):
     """Two agents sharing their first blocks: one ends below the start (unquantized), the other
-    past it (quantized); each record names only blocks of its own form."""
+    past it (quantized); each record names only blocks of its own form. On the hybrid the long
+    agent's chain has checkpoints below the start (the branch point): unquantized states there."""
+    model = demo_models.path(family)
     agents = tmp_path / "agents.json"
     short = LONG_SYSTEM
     agents.write_text(

@@ -128,15 +128,30 @@ class ChainPlan:
         """The chain. ``captured_only``: a planned checkpoint whose state was not captured is left
         out (the server's write-back captures only the end). ``form``: the captured state's KV
         form; None, before the prefill, the one a prefill of ``tokens`` ends in."""
-        from kvsnap.snapshot.blocks import chain_of, kv_form_at, plan_cuts, without_checkpoint
+        from kvsnap.snapshot.blocks import (
+            QUANTIZED_FORM,
+            chain_of,
+            kv_form_at,
+            plan_cuts,
+            without_checkpoint,
+        )
 
+        form = kv_form_at(len(tokens), identity) if form is None else form
         links = chain_of(
             identity.digest,
             tokens,
             plan_cuts(len(tokens), set(self.branches), self.settings, self.splits),
             hybrid,
-            kv_form_at(len(tokens), identity) if form is None else form,
+            form,
         )
+        if form == QUANTIZED_FORM:
+            # A state below the quantization start is unquantized: it is no checkpoint of a
+            # quantized chain (restoring one there would differ from a fresh prefill anyway).
+            start = identity.quantized_kv_start or 0
+            links = [
+                without_checkpoint(link) if link.checkpoint_key and link.end < start else link
+                for link in links
+            ]
         if not captured_only:
             return links
         keep = set(self.checkpoints) | self.stored | {len(tokens)}
