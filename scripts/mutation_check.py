@@ -1502,8 +1502,8 @@ BREAKAGES = (
         (
             Patch(
                 "kvsnap/store/conversation_space.py",
-                "    if not reach.unreadable:\n        unreached = ",
-                "    if reach.complete:\n        unreached = ",
+                "    elif not reach.unreadable:\n        unreached = ",
+                "    elif reach.complete:\n        unreached = ",
             ),
         ),
         (
@@ -1550,6 +1550,28 @@ BREAKAGES = (
             "nothing_outside_is_removed",
             "tests/test_store_links.py::test_regression_delete_prefix_cache_never_removes_"
             "through_a_linked_conversations_folder",
+        ),
+    ),
+    Breakage(
+        "unreadable-agent-blocks-removed-outside-budget",
+        "nothing lost",
+        "the purge, gc's unused-for drop and the sweep remove conversations' blocks while an agent "
+        "record that might reach them cannot be read (only the budget may not wait for it)",
+        (
+            Patch(
+                "kvsnap/store/conversation_space.py",
+                "    if reach.unreadable_agents and not budget:\n",
+                "    if False:\n",
+            ),
+            Patch(
+                "kvsnap/store/conversation_space.py",
+                "        if not reach.complete:\n",
+                "        if reach.unreadable:\n",
+            ),
+        ),
+        (
+            "tests/test_conversation_space.py::test_outside_the_budget_an_unreadable_agent_record_"
+            "keeps_every_block",
         ),
     ),
     Breakage(

@@ -6,6 +6,7 @@ The tiny dense demo model on 127.0.0.1; every check reads the store's real files
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import time
 from pathlib import Path
@@ -77,6 +78,38 @@ def test_regression_an_unreadable_agent_record_no_longer_switches_the_budget_off
     warned = [r.getMessage() for r in caplog.records if str(bad) in r.getMessage()]
     assert warned and "kvsnap build" in warned[0] and "cannot be read" in warned[0], warned
     bad.unlink()
+    assert_sound(root)
+
+
+def test_outside_the_budget_an_unreadable_agent_record_keeps_every_block(
+    conv_store, tmp_path, caplog
+):
+    """The purge, gc's unused-for drop and the sweep after a supersede need not hurry: an agent
+    record they cannot read (damaged for now, or a newer kvsnap's on a shared store) might
+    reach any block, so they remove conversation records only, keep every block and say why."""
+    from kvsnap.store.conversation_space import drop_unused, purge, sweep_orphans
+
+    root = tmp_path / "store"
+    shutil.copytree(conv_store, root)
+    bad = root / "snapshots" / BAD_AGENT
+    bad.write_bytes(BAD_HEADER)
+    store = Store.open(root)
+    parts = part_set(root)
+    assert conversation_parts(root)
+    assert sweep_orphans(store, conversation_parts(root)) == 0
+    with caplog.at_level(logging.WARNING, logger="kvsnap.persist"):
+        newest = max(conversation_files(root), key=lambda p: p.stat().st_mtime)
+        old = time.time() - 3600
+        for path in conversation_files(root):
+            if path != newest:
+                os.utime(path, (old, old))
+        dropped, _ = drop_unused(store, 60, apply=True)
+        assert len(dropped) == 2 and purge(store)[0] == 1
+    assert conversation_files(root) == [] and part_set(root) == parts
+    warned = [r.getMessage() for r in caplog.records if str(bad) in r.getMessage()]
+    assert warned and all("kept" in w for w in warned), warned
+    bad.unlink()
+    assert evict_to_budget(store, 1)[0] == 0
     assert_sound(root)
 
 

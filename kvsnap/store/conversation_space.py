@@ -3,11 +3,12 @@ unused-for-a-while drop, ``DELETE /v1/cache/prefix``'s purge. No mlx.
 
 Every removal runs under the store lock and reads the chains of every record first: a block
 or checkpoint goes only once no record it can read reaches it, an agent's or a conversation's.
-An agent's record that cannot be read serves nothing and might reach anything: waiting for it
-once left the budget off for good (every block kept), so removals go by what can be read, with
-a warning naming it and the fix. A conversation record that cannot be read serves no request
-(the lookup skips it): the budget, the purge and gc's unused-for drop remove it first and read
-the chains again.
+An agent's record that cannot be read serves nothing and might reach anything (or be a newer
+kvsnap's, on a shared store): the purge, gc's unused-for drop and the sweep keep every block
+while one exists, but the budget cannot wait for it (that once left the budget off for good),
+so the budget goes by what can be read, with a warning naming it and the fix. A conversation
+record that cannot be read serves no request (the lookup skips it): the budget, the purge and
+gc's unused-for drop remove it first and read the chains again.
 
 Over the budget, records go from the namespace (tenant) holding the most bytes, least recently
 used first within it (``budget_victims``): one tenant's flood evicts its own records, never
@@ -88,10 +89,12 @@ def read_reach(store: Store) -> Reach:
     return reach
 
 
-def remove_records(store: Store, reach: Reach, doomed: list[ConversationRecord]) -> int:
+def remove_records(
+    store: Store, reach: Reach, doomed: list[ConversationRecord], budget: bool = False
+) -> int:
     """Remove ``doomed`` records, then every part no record reaches any more (while every
-    conversation record was read: one that was not might reach any); returns the bytes freed
-    (the caller holds the lock)."""
+    conversation record was read: one that was not might reach any; and, but for the
+    ``budget``, every agent record); returns the bytes freed (the caller holds the lock)."""
     freed, folders = 0, set()
     for record in doomed:
         if remove_store_file(record.path, store.root) is None:
@@ -100,7 +103,9 @@ def remove_records(store: Store, reach: Reach, doomed: list[ConversationRecord])
         folders.add(record.path.parent)
         reach.records.remove(record)
         reach.counts.subtract(record.parts)
-    if not reach.unreadable:
+    if reach.unreadable_agents and not budget:
+        warn_unreadable_agents(reach, kept=True)
+    elif not reach.unreadable:
         unreached = [rel for rel, count in reach.counts.items() if count <= 0]
         for rel in unreached:
             del reach.counts[rel]
@@ -151,7 +156,7 @@ def evict_to_budget(store: Store, max_bytes: int, low_water: float = 0.9) -> tup
         if total <= max_bytes:
             return n_bad, total
         doomed = budget_victims(store, reach, max_bytes * low_water)
-        freed = remove_records(store, reach, doomed)
+        freed = remove_records(store, reach, doomed, budget=True)
         return n_bad + len(doomed), total - freed
 
 
@@ -237,13 +242,11 @@ def sweep_orphans(store: Store, candidates: set[str]) -> int:
     reaches now; returns the bytes freed."""
     with store.lock():
         reach = read_reach(store)
-        if reach.unreadable:
-            return 0  # it might reach any of them; the budget removes it when it must
+        if not reach.complete:
+            return 0  # it might reach any of them; the budget removes them when it must
         folders: set[Path] = set()
         agents = reach.agent_parts
         gone = [rel for rel in candidates if reach.counts[rel] <= 0 and rel not in agents]
-        if gone:
-            warn_unreadable_agents(reach)
         freed = sum(_unlink(store.root / rel, folders, store.root) for rel in gone)
         for folder in folders:
             fsync_dir(folder, store.fsync)
@@ -270,13 +273,20 @@ def conversation_stats(store: Store) -> ConversationStats:
     )
 
 
-def warn_unreadable_agents(reach: Reach) -> None:
-    """Name each agent record that cannot be read: parts it reaches may be removed now."""
+def warn_unreadable_agents(reach: Reach, kept: bool = False) -> None:
+    """Name each agent record that cannot be read: parts it reaches may be removed now by the
+    budget, or (``kept``) conversations' parts stay until it can be read."""
+    what = (
+        "conversations' blocks are kept while agent record %s cannot be read (%s): it might "
+        "reach any of them"
+        if kept
+        else "conversations' blocks are removed without agent record %s: it cannot be read "
+        "(%s), so blocks only it reaches may go"
+    )
     for exc in reach.unreadable_agents:
         log.warning(
-            "[kvsnap] conversations' blocks are removed without agent record %s: it cannot be "
-            "read (%s), so blocks only it reaches may go; run `kvsnap verify`, then rebuild it "
-            "with `kvsnap build` or delete it",
+            "[kvsnap] " + what + "; run `kvsnap verify`, then rebuild it with `kvsnap build` or "
+            "delete it",
             exc.path,
             exc.reason,
         )
