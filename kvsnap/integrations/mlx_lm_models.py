@@ -40,22 +40,25 @@ class ServedModel:
     model: str | None
     adapter: str | None
     draft: str | None
+    # How requests may name each (``spellings``): looked up once, at start, not per request.
+    model_names: tuple[Any, ...] = ()
+    adapter_names: tuple[Any, ...] = ()
+    draft_names: tuple[Any, ...] = ()
 
     @classmethod
     def of(cls, cli_args: Any) -> "ServedModel":
-        return cls(
-            getattr(cli_args, "model", None),
-            getattr(cli_args, "adapter_path", None),
-            getattr(cli_args, "draft_model", None),
-        )
+        model = getattr(cli_args, "model", None)
+        adapter = getattr(cli_args, "adapter_path", None)
+        draft = getattr(cli_args, "draft_model", None)
+        return cls(model, adapter, draft, spellings(model), spellings(adapter), spellings(draft))
 
     def refusal(self, body: dict) -> tuple[str, str] | None:
         """``(field, message)`` for the first field of ``body`` that would load something else."""
         # (field, what it loads, values that keep the served one, the served one)
         fields = (
-            ("model", "a model", (DEFAULT, *spellings(self.model)), self.model),
-            ("adapters", "an adapter", (None, *spellings(self.adapter)), self.adapter),
-            ("draft_model", "a draft model", (DEFAULT, *spellings(self.draft)), self.draft),
+            ("model", "a model", (DEFAULT, *self.model_names), self.model),
+            ("adapters", "an adapter", (None, *self.adapter_names), self.adapter),
+            ("draft_model", "a draft model", (DEFAULT, *self.draft_names), self.draft),
         )
         for name, role, kept, served in fields:
             if name not in body:
@@ -78,11 +81,11 @@ class ServedModel:
 def alias_served_names(model_provider: Any, served: ServedModel) -> None:
     """Map the served model's other spellings to the loaded model in mlx-lm's ``ModelProvider``
     (its ``_model_map`` is the documented place for such names), so naming it does not reload."""
-    for name in spellings(served.model):
+    for name in served.model_names:
         if name is not None:
             model_provider._model_map[name] = served.model
             model_provider._adapter_map[name] = served.adapter
-    for name in spellings(served.draft):
+    for name in served.draft_names:
         if name is not None:
             model_provider._draft_model_map[name] = served.draft
 
