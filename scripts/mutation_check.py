@@ -406,6 +406,18 @@ BREAKAGES = (
         ),
     ),
     Breakage(
+        "kv-bits-on-rotating-cache-accepted",
+        "1. same answer (a setting accepted at start serves)",
+        "--kv-bits on a model with a sliding-window cache (RotatingKVCache) is accepted: the "
+        "server says ready and fails every request reaching the start with a 500, build with a "
+        "traceback",
+        (Patch("kvsnap/runtime/modeling.py", "    check_kv_quantizable(lm)\n", ""),),
+        (
+            "tests/test_quantized_start.py::test_kv_bits_on_a_sliding_window_model_is_refused_at_"
+            "load_naming_the_layer",
+        ),
+    ),
+    Breakage(
         "quantized-chain-checkpoint-below-start",
         "4. nothing lost",
         "a hybrid's quantized chain keeps a checkpoint below the quantization start (an "

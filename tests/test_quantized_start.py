@@ -239,3 +239,28 @@ def test_a_store_written_before_keys_named_the_form_still_verifies_and_serves(mo
         server.stop()
     assert warm["rejected"] == 0 and warm["indexed"] == 1, warm
     assert cached(reply) > START, server.log()[-3000:]
+
+
+@pytest.mark.parametrize("command", ["build", "serve"])
+def test_kv_bits_on_a_sliding_window_model_is_refused_at_load_naming_the_layer(
+    command, demo_models, tmp_path
+):
+    """mlx-lm cannot quantize a RotatingKVCache: the server used to start, say ready, then fail
+    every request reaching the start with a 500 (NotImplementedError), and build ended in a
+    traceback. Both refuse at load, naming the layer, the setting and the fix."""
+    model = demo_models.path("sliding")
+    flags = ("--kv-bits", "4", "--kv-group-size", "32", "--quantized-kv-start", "100")
+    env = {"KVSNAP_CACHE_DIR": str(tmp_path / "cache")}
+    if command == "build":
+        agents = tmp_path / "agents.json"
+        agents.write_text(
+            json.dumps([{"name": "a", "messages": [{"role": "system", "content": LONG_SYSTEM}]}])
+        )
+        args = ("build", agents, "--model", model, "--out", tmp_path / "store")
+    else:
+        args = ("serve", model, "--port", "1")
+    done = run_kvsnap(*args, *flags, env=env, timeout=120)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    for said in ("--kv-bits 4", "cache layer 0 is a RotatingKVCache", "drop --kv-bits"):
+        assert said in done.stderr, done.stderr

@@ -112,7 +112,30 @@ def load_model(
         path=model_dir, model=model, tokenizer=tokenizer, config=config, settings=settings
     )
     check_cache_classes(lm)
+    check_kv_quantizable(lm)
     return lm
+
+
+def check_kv_quantizable(lm: LoadedModel) -> None:
+    """With ``--kv-bits``, refuse at load a cache layer mlx-lm cannot quantize (a sliding
+    window's RotatingKVCache): mlx-lm converts each layer once a prompt reaches the start, and
+    such a layer fails every request (and build) that gets there."""
+    s = lm.settings
+    if s.kv_bits is None:
+        return
+    for i, layer in enumerate(lm.make_cache()):
+        if not hasattr(layer, "to_quantized"):
+            continue  # mlx-lm leaves it as is (an SSM state, a cache list)
+        try:
+            layer.to_quantized(group_size=s.kv_group_size, bits=s.kv_bits)
+        except NotImplementedError:
+            window = " (the sliding window of --max-kv-size)" if s.max_kv_size else ""
+            raise ModelError(
+                f"{lm.path}: --kv-bits {s.kv_bits}: cache layer {i} is a "
+                f"{type(layer).__name__}{window}, which mlx-lm cannot quantize; drop --kv-bits"
+                + (" or --max-kv-size" if s.max_kv_size else "")
+                + " (build and serve must agree)"
+            ) from None
 
 
 def check_cache_classes(lm: LoadedModel) -> None:
