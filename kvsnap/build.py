@@ -22,6 +22,7 @@ from kvsnap.runtime.writeback import (
     record_upsert,
 )
 from kvsnap.snapshot.blocks import BlockSettings, branch_points
+from kvsnap.store.fileio import check_store_folders
 from kvsnap.store.local import Store
 
 Progress = Callable[[str, str], None]  # (event, entry name)
@@ -148,6 +149,8 @@ def build_snapshots(
     progress = progress or (lambda event, name: None)
     started = time.perf_counter()
     store.read_manifest()  # a damaged manifest stops the build before any prefill (StoreError)
+    # every reader refuses a store folder that is a link: a build never writes through one
+    check_store_folders(store.root)
     identity = lm.identity(digests)
     store.fault("model-loaded")  # marks the start of the window crash tests kill in
     report = BuildReport(

@@ -788,6 +788,39 @@ BREAKAGES = (
         ),
     ),
     Breakage(
+        "unread-answer-deadline-off",
+        "server under attack",
+        "a client that never reads its streamed answer keeps its connection for ever",
+        (
+            Patch(
+                "kvsnap/http/connections.py",
+                "self._stall = self.loop.call_later(guard.write_timeout_s, self._unread)",
+                "self._stall = self.loop.call_later(3600.0, self._unread)",
+            ),
+        ),
+        (
+            "tests/test_http_connections.py::test_clients_that_never_read_a_long_answer_hold_"
+            "no_slot_for_ever",
+        ),
+    ),
+    Breakage(
+        "unread-answer-not-evictable",
+        "server under attack",
+        "at the cap a connection whose client reads none of its answer is never pushed out: "
+        "such clients fill every slot and /health is refused",
+        (
+            Patch(
+                "kvsnap/http/connections.py",
+                '            guard.waiting.setdefault(self, "reader")\n',
+                "",
+            ),
+        ),
+        (
+            "tests/test_http_connections.py::test_clients_that_never_read_a_long_answer_hold_"
+            "no_slot_for_ever",
+        ),
+    ),
+    Breakage(
         "accept-errors-flood-the-log",
         "server under attack",
         "EMFILE on accept() goes to asyncio's handler, one traceback per attempt",
@@ -1562,6 +1595,23 @@ BREAKAGES = (
             "nothing_outside_is_removed",
             "tests/test_store_links.py::test_regression_delete_prefix_cache_never_removes_"
             "through_a_linked_conversations_folder",
+        ),
+    ),
+    Breakage(
+        "build-through-linked-folder",
+        "nothing lost",
+        "kvsnap build writes through a store folder that is a symbolic link (a store every "
+        "reader then refuses)",
+        (
+            Patch(
+                "kvsnap/build.py",
+                "    check_store_folders(store.root)\n",
+                "",
+            ),
+        ),
+        (
+            "tests/test_store_links.py::test_build_into_a_store_with_a_linked_folder_is_refused_"
+            "before_any_prefill",
         ),
     ),
     Breakage(

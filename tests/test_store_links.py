@@ -132,3 +132,28 @@ def test_a_record_file_that_is_a_link_goes_as_a_link_and_its_target_stays(conv_s
         remove(store)
         assert not link.is_symlink() and conversation_files(root) == []
         assert tree(elsewhere) == before
+
+
+@pytest.mark.parametrize("name", FOLDERS)
+def test_build_into_a_store_with_a_linked_folder_is_refused_before_any_prefill(
+    base, tmp_path, name
+):
+    """`kvsnap build` wrote a new agent's record and blocks through a linked snapshots/ (or
+    blocks/), then verify, ls, gc and serve refused the store it had just built. It refuses
+    the link first, naming it, and writes nothing anywhere."""
+    tmp, model, _ = base
+    root = copy_store(base, tmp_path)
+    outside = outside_folder(tmp_path, root, name)
+    before, inside = tree(outside), {p: p.stat().st_mtime_ns for p in root.rglob("*")}
+    agents = tmp_path / "agents.json"
+    agents.write_text(
+        '[{"name": "new", "messages": [{"role": "system", "content": "A new agent, never built. '
+        + "Check every path. " * 40
+        + '"}]}]'
+    )
+    env = {"KVSNAP_CACHE_DIR": str(tmp / "cache")}
+    r = run_kvsnap("build", agents, "--model", model, "--out", root, env=env)
+    assert r.returncode != 0, r.stdout
+    assert f"{root / name} is a symbolic link" in r.stderr and "real folder" in r.stderr, r.stderr
+    assert tree(outside) == before
+    assert {p: p.stat().st_mtime_ns for p in root.rglob("*")} == inside
