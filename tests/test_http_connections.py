@@ -277,3 +277,95 @@ def test_a_busy_port_fails_before_the_model_loads_with_exit_2(demo_models, tmp_p
     assert r.returncode == 2, r.stderr
     assert f"127.0.0.1:{port}" in r.stderr and "already in use" in r.stderr and "--port" in r.stderr
     assert took < 30
+
+
+STREAM_CHUNK = b"x" * 65536
+STREAM_BYTES = 64 * 2**20  # far beyond any socket buffer: an unread stream stalls its writer
+
+
+async def _streaming_app(scope, receive, send):
+    """An ASGI app answering every request with up to 64 MiB streamed: a long answer that
+    outruns the kernel's buffers at once (a model would take minutes to say as much)."""
+    if scope["type"] != "http":
+        return
+    size = 2 if scope["path"] == "/health" else STREAM_BYTES
+    await send({"type": "http.response.start", "status": 200, "headers": []})
+    for _ in range(max(size // len(STREAM_CHUNK), 1)):
+        await send({"type": "http.response.body", "body": STREAM_CHUNK[:size], "more_body": True})
+    await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+@pytest.fixture()
+def streaming_server():
+    """A real uvicorn server on 127.0.0.1 through the connection guard, cap 8, unread answers
+    closed after 1.5 s."""
+    import threading
+
+    from kvsnap.http.connections import ConnectionGuard
+    from kvsnap.http.listen import bind_socket, make_server
+
+    guard = ConnectionGuard(max_connections=8, header_timeout_s=30, write_timeout_s=1.5)
+    sock = bind_socket("127.0.0.1", free_port())
+    server = make_server(_streaming_app, guard, log_level="warning")
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.05)
+    try:
+        yield sock.getsockname()[1]
+    finally:
+        server.should_exit = True
+        thread.join(15)
+        sock.close()
+
+
+def _unread_stream(port: int) -> socket.socket:
+    """A connection that asks for a long answer and never reads a byte of it."""
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    s.settimeout(2)
+    s.connect(("127.0.0.1", port))
+    s.sendall(b"GET /stream HTTP/1.1\r\nHost: x\r\n\r\n")
+    return s
+
+
+def _server_closed(s: socket.socket) -> bool:
+    """Reads what is buffered; True once the server has closed or reset the connection."""
+    s.settimeout(0.05)
+    try:
+        while data := s.recv(2**20):
+            del data
+        return True
+    except socket.timeout:
+        return False
+    except OSError:
+        return True
+
+
+def test_clients_that_never_read_a_long_answer_hold_no_slot_for_ever(streaming_server):
+    """A full cap of clients that asked for a long streamed answer and read none of it: a new
+    connection pushes the longest-stalled one out (so /health answers), and every one is
+    closed --write-timeout after its answer stalled, while a client that reads on gets the
+    whole answer."""
+    port = streaming_server
+    url = f"http://127.0.0.1:{port}"
+    unread = [_unread_stream(port) for _ in range(8)]
+    try:
+        time.sleep(1.0)  # each answer fills the buffers and its writer stalls
+        t0 = time.monotonic()
+        r = httpx.get(f"{url}/health", timeout=10)
+        assert r.status_code == 200 and time.monotonic() - t0 < 5
+        with httpx.stream("GET", f"{url}/stream", timeout=10) as reader:
+            got = 0
+            for chunk in reader.iter_bytes():
+                got += len(chunk)
+                if got % (8 * 2**20) < len(chunk):
+                    time.sleep(0.5)  # pauses shorter than the write timeout are no stall
+        assert got == STREAM_BYTES
+        time.sleep(2.0)
+        still_open = [s for s in unread if not _server_closed(s)]
+        assert not still_open, f"{len(still_open)} of 8 unread answers still hold a slot"
+    finally:
+        for s in unread:
+            s.close()

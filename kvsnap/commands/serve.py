@@ -149,6 +149,14 @@ def add_serve(sub) -> None:
         "however it trickles (default: 60)",
     )
     g.add_argument(
+        "--write-timeout",
+        type=positive_float,
+        default=60.0,
+        metavar="SECONDS",
+        help="close a connection whose client has read none of its response for this long (the "
+        "server's send buffer full the whole time), a streamed answer above all (default: 60)",
+    )
+    g.add_argument(
         "--cached-tokens-granularity",
         type=positive_int,
         default=128,
@@ -288,6 +296,7 @@ def cmd_serve(args) -> int:
         max_connections=max_connections,
         header_timeout_s=args.header_timeout,
         body_timeout_s=args.body_timeout,
+        write_timeout_s=args.write_timeout,
     )
     server = make_server(
         create_app(engine, server_config), guard, log_level="info", timeout_graceful_shutdown=5

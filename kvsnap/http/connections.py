@@ -1,15 +1,17 @@
 """Connections before they are requests: a cap on open connections, a deadline for each
-request head and for each request body, and accept errors logged as one line per interval,
-never a flood.
+request head, for each request body and for a response the client stops reading, and accept
+errors logged as one line per interval, never a flood.
 
 uvicorn bounds neither how long a request head or body may take nor (short of answering 503
 after reading the head) how many sockets are open, so a client trickling one header line, or
 one body byte, every few seconds over thousands of connections exhausts the connection slots
 and the file descriptors (slowloris, slow POST). The protocol class made here closes a
 connection whose head is not complete in time, and one whose body is not complete in time
-after its head (a total, so trickling never extends it); at the cap, a new connection evicts
-the one that has waited longest for its head or its body (a slow client, never a request
-being served), and is refused only when every slot serves a request.
+after its head (a total, so trickling never extends it), and one whose response the client
+has not read for a while (the send buffer full the whole time: a client that never reads a
+long streamed answer would hold its slot for ever); at the cap, a new connection evicts the
+one that has waited longest for its head, its body or its reader (a slow client, never a
+request being served), and is refused only when every slot serves a request.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ MIN_CONNECTIONS = 8
 LOG_INTERVAL_S = 10.0
 DEFAULT_HEADER_TIMEOUT_S = 10.0
 DEFAULT_BODY_TIMEOUT_S = 60.0  # 8 MiB (the default --max-request-bytes) at 140 KB/s
+DEFAULT_WRITE_TIMEOUT_S = 60.0
 ACCEPT_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 
 
@@ -57,14 +60,16 @@ class ConnectionGuard:
     max_connections: int
     header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S
     body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
+    write_timeout_s: float = DEFAULT_WRITE_TIMEOUT_S
     flood_log: RateLimitedLog = field(default_factory=RateLimitedLog)
     open: set = field(default_factory=set)
-    # protocol -> "head" or "body": what it waits for, oldest wait first
+    # protocol -> "head", "body" or "reader": what it waits for, oldest wait first
     waiting: dict = field(default_factory=dict)
 
     def admit(self, proto) -> bool:
-        """Room for ``proto``: evict the connection waiting longest for a head or a body, if
-        needed (whoever holds the key it sent: the wait is what a slow client controls)."""
+        """Room for ``proto``: evict the connection waiting longest for a head, a body or its
+        client to read, if needed (whoever holds the key it sent: the wait is what a slow
+        client controls)."""
         if len(self.open) >= self.max_connections:
             oldest = next(iter(self.waiting), None)
             if oldest is None:
@@ -76,7 +81,8 @@ class ConnectionGuard:
                 return False
             self.flood_log.event(
                 "evicted",
-                "slow connections (waiting for a request head or body) closed to make room "
+                "slow connections (waiting for a request head or body, or for the client to "
+                "read) closed to make room "
                 f"(--max-connections {self.max_connections})",
             )
             oldest.close_slow()
@@ -98,14 +104,15 @@ class ConnectionGuard:
 
 
 def guarded_protocol(base: type, guard: ConnectionGuard) -> type:
-    """``base`` (uvicorn's h11 protocol) with the cap and the head and body deadlines of
-    ``guard``."""
+    """``base`` (uvicorn's h11 protocol) with the cap and the head, body and reader deadlines
+    of ``guard``."""
 
     class GuardedProtocol(base):
         _refused = False
         _deadline = None
         _waits_for = ""  # "head", "body", or "" while a request is served
         _seen_cycle = None
+        _stall = None  # the deadline of a response its client has stopped reading
 
         def connection_made(self, transport) -> None:
             if not guard.admit(self):
@@ -120,6 +127,7 @@ def guarded_protocol(base: type, guard: ConnectionGuard) -> type:
                 return
             guard.open.discard(self)
             self._wait_done()
+            self._reader_back()
             super().connection_lost(exc)
 
         def data_received(self, data: bytes) -> None:
@@ -134,6 +142,33 @@ def guarded_protocol(base: type, guard: ConnectionGuard) -> type:
                 self._follow_request()  # a pipelined request started at once
             else:
                 self._await("head")  # the next request's head has its own deadline
+
+        def pause_writing(self) -> None:
+            super().pause_writing()
+            # The transport's buffer is full: the client has stopped reading, for now.
+            guard.waiting.setdefault(self, "reader")
+            if self._stall is None:
+                self._stall = self.loop.call_later(guard.write_timeout_s, self._unread)
+
+        def resume_writing(self) -> None:
+            super().resume_writing()
+            self._reader_back()
+
+        def _reader_back(self) -> None:
+            if guard.waiting.get(self) == "reader":
+                del guard.waiting[self]
+            if self._stall is not None:
+                self._stall.cancel()
+                self._stall = None
+
+        def _unread(self) -> None:
+            self._stall = None
+            guard.flood_log.event(
+                "write-timeout",
+                "connections closed: the client read none of its response "
+                f"for {guard.write_timeout_s:g}s (--write-timeout)",
+            )
+            self.close_slow()
 
         def _follow_request(self) -> None:
             """Move to the deadline of where the current request now is."""
@@ -155,7 +190,8 @@ def guarded_protocol(base: type, guard: ConnectionGuard) -> type:
             self._deadline = self.loop.call_later(timeout, self._late)
 
         def _wait_done(self) -> None:
-            guard.waiting.pop(self, None)
+            if guard.waiting.get(self, "reader") != "reader":  # a stalled reader stays evictable
+                del guard.waiting[self]
             self._waits_for = ""
             if self._deadline is not None:
                 self._deadline.cancel()
@@ -179,6 +215,7 @@ def guarded_protocol(base: type, guard: ConnectionGuard) -> type:
 
         def close_slow(self) -> None:
             self._wait_done()
+            self._reader_back()
             self.transport.abort()
 
     GuardedProtocol.__name__ = f"Guarded{base.__name__}"
