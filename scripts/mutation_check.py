@@ -690,6 +690,23 @@ BREAKAGES = (
         ),
     ),
     Breakage(
+        "mlx-lm-negative-length-unchecked",
+        "hostile requests: kvsnap mlx-lm serve loads only its model (mlx-lm.md#security)",
+        "a request with Content-Length: -1 goes to mlx-lm unchecked, which reads its body to "
+        "the end of the stream and loads the model it names",
+        (
+            Patch(
+                "kvsnap/integrations/mlx_lm_models.py",
+                "            if length is None:\n",
+                "            if length is None or length < 0:\n",
+            ),
+        ),
+        (
+            "tests/test_mlx_lm_security.py::test_a_body_of_unknown_length_cannot_carry_another_"
+            "model_past_the_check",
+        ),
+    ),
+    Breakage(
         "mlx-lm-profile-bos-on-encode",
         "2. strict prefix",
         "the --for mlx-lm profile encodes with the tokenizer's special tokens (a second BOS on "
@@ -1612,6 +1629,23 @@ BREAKAGES = (
         (
             "tests/test_store_links.py::test_build_into_a_store_with_a_linked_folder_is_refused_"
             "before_any_prefill",
+        ),
+    ),
+    Breakage(
+        "odd-entry-keeps-every-block",
+        "nothing lost",
+        "a folder or FIFO named like a record counts as an unread record that might reach any "
+        "block: DELETE, the budget and gc leave every conversation block for good",
+        (
+            Patch(
+                "kvsnap/store/fileio.py",
+                "    return stat.S_ISREG(mode) or stat.S_ISLNK(mode)\n",
+                "    return True\n",
+            ),
+        ),
+        (
+            "tests/test_conversation_space.py::test_regression_a_folder_or_fifo_named_like_a_"
+            "record_never_keeps_the_blocks",
         ),
     ),
     Breakage(

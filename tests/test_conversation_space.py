@@ -11,6 +11,7 @@ import shutil
 import time
 from pathlib import Path
 
+import pytest
 from test_persist_store import (  # noqa: F401  (base, conv_store: the fixtures)
     ADMIN,
     BAD_HEADER,
@@ -110,6 +111,40 @@ def test_outside_the_budget_an_unreadable_agent_record_keeps_every_block(
     assert warned and all("kept" in w for w in warned), warned
     bad.unlink()
     assert evict_to_budget(store, 1)[0] == 0
+    assert_sound(root)
+
+
+@pytest.mark.parametrize("entry", ["folder", "fifo"])
+@pytest.mark.parametrize("where", ["conversations", "snapshots"])
+def test_regression_a_folder_or_fifo_named_like_a_record_never_keeps_the_blocks(
+    conv_store, tmp_path, entry, where
+):
+    """A folder or a FIFO named like a record (no writer makes one, and none is removed: it is
+    not ours) counted as an unreadable record that might reach any block, for good: DELETE
+    /v1/cache/prefix removed the records and left every block (clients' prompt state on disk),
+    and the budget never removed a block again. It is no record: it reaches nothing, it
+    stays (verify names it), and the blocks go as if it were not there."""
+    from kvsnap.store.conversation_space import purge
+
+    root = tmp_path / "store"
+    shutil.copytree(conv_store, root)
+    odd = root / where / f"{'a' * 32}.safetensors"
+    if entry == "folder":
+        odd.mkdir()
+    else:
+        os.mkfifo(odd)
+    assert conversation_parts(root)
+    store = Store.open(root)
+    assert read_reach(store).complete
+    orphan = root / "blocks" / f"{'c' * 32}.safetensors"  # no record reaches it: gc takes it
+    shutil.copy2(next((root / "blocks").glob("*.safetensors")), orphan)
+    assert orphan in store.gc(apply=True)[0] and not orphan.exists()
+    removed, freed = purge(store)
+    assert removed == 3 and freed > 0
+    assert conversation_parts(root) == set()  # their blocks went too
+    assert os.path.lexists(odd)  # not the store's to remove
+    assert conversation_files(root) == ([odd] if where == "conversations" else [])
+    odd.rmdir() if entry == "folder" else odd.unlink()
     assert_sound(root)
 
 

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from kvsnap.errors import SnapshotError
 from kvsnap.store.conversations import conversation_files
-from kvsnap.store.fileio import check_store_folders, fsync_dir, remove_store_file
+from kvsnap.store.fileio import check_store_folders, file_or_link, fsync_dir, remove_store_file
 from kvsnap.store.local import Store
 from kvsnap.store.parts import chain_relpaths
 
@@ -71,11 +71,15 @@ def read_reach(store: Store) -> Reach:
     check_store_folders(store.root)
     reach = Reach()
     for path in store.snapshot_files():
+        if not file_or_link(path):
+            continue
         try:
             reach.agent_parts.update(chain_relpaths(store.inspect(path)))
         except SnapshotError as exc:
             reach.unreadable_agents.append(exc)
     for path in conversation_files(store.root):
+        if not file_or_link(path):
+            continue
         try:
             st = path.stat()
             info = store.inspect(path)

@@ -164,6 +164,18 @@ def remove_store_file(path: Path, root: Path) -> int | None:
     return st.st_size
 
 
+def file_or_link(path: Path) -> bool:
+    """Whether ``path`` may be a record: a regular file, or a link (removed as a link). A
+    folder, a FIFO or a device named like one is none that a writer made and reaches no part:
+    it is never removed (not ours), and must not keep every block as an unread record would
+    (``kvsnap verify`` names it)."""
+    try:
+        mode = path.lstat().st_mode
+    except FileNotFoundError:
+        return False
+    return stat.S_ISREG(mode) or stat.S_ISLNK(mode)
+
+
 H = TypeVar("H", bound=Hasher)
 
 

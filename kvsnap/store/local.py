@@ -65,6 +65,7 @@ from kvsnap.store.fileio import (
     check_regular,
     check_store_folders,
     default_fsync,
+    file_or_link,
     fsync_dir,
     make_dirs,
     read_whole,
@@ -434,7 +435,7 @@ class Store:
                 candidates += [p for p in kept if relpath_of_file(p.name) not in live]
                 kept = [p for p in kept if relpath_of_file(p.name) in live]
             # A block stays while any kept record reaches it, a conversation's included.
-            kept += conversation_files(self.root)
+            kept += [p for p in conversation_files(self.root) if file_or_link(p)]
             try:
                 reached: set[str] | None = reached_parts([self.inspect(p) for p in kept])
             except SnapshotError:
