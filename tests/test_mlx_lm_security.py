@@ -148,6 +148,47 @@ def test_request_fields_that_load_another_model_are_refused_and_nothing_is_loade
     assert "Traceback" not in server.log(), server.log()[-3000:]
 
 
+def _raw_post(server, head: str, body: bytes) -> tuple[int, dict]:
+    """A POST written by hand (headers no client library would send); the client's side is
+    then shut for writing, so a server reading "to the end" gets the body."""
+    import socket
+
+    port = int(server.url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=120) as s:
+        s.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n{head}\r\n".encode() + body)
+        s.shutdown(socket.SHUT_WR)
+        answer = b""
+        while chunk := s.recv(65536):
+            answer += chunk
+    status_line, _, rest = answer.partition(b"\r\n")
+    return int(status_line.split()[1]), json.loads(rest.partition(b"\r\n\r\n")[2])
+
+
+def test_a_body_of_unknown_length_cannot_carry_another_model_past_the_check(local, tmp_path):
+    """``Content-Length: -1``: the check read no body and passed the request on, and mlx-lm read
+    "to the end of the stream", a body naming another model, which it loaded and answered
+    with. A negative length is refused; no length at all is mlx-lm's own 411."""
+    server = _launch(_kvsnap_mlx_lm(local.served), tmp_path / "length.log", _env(tmp_path))
+    try:
+        server.wait_ready(180)
+        _answer(_post(server))
+        body = json.dumps(
+            {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "model": local.other}
+        ).encode()
+        before = _bytes_read(server)
+        status, answer = _raw_post(server, "Content-Length: -1\r\n", body)
+        assert status == 400, answer
+        assert answer["error"]["code"] == "invalid_content_length", answer
+        assert "Content-Length -1" in answer["error"]["message"], answer
+        chunked = hex(len(body))[2:].encode() + b"\r\n" + body + b"\r\n0\r\n\r\n"
+        status, answer = _raw_post(server, "Transfer-Encoding: chunked\r\n", chunked)
+        assert status == 411, answer
+        assert _bytes_read(server) - before < _weights_bytes(local.other) // 4
+        _answer(_post(server))  # still serving, the served model
+    finally:
+        server.stop()
+
+
 def test_allow_request_models_gives_mlx_lm_servers_own_behaviour_back(local, tmp_path):
     server = _launch(
         _kvsnap_mlx_lm(local.served, "--allow-request-models"),

@@ -98,9 +98,14 @@ def refusing_handler(api_handler: type[BaseHTTPRequestHandler], served: ServedMo
 
     class RequestModelGuard(api_handler):  # type: ignore[valid-type, misc]
         def do_POST(self) -> None:
-            raw = self._read_body()
-            if raw is None:
-                return super().do_POST()
+            length = self._content_length()
+            if length is None:
+                return super().do_POST()  # mlx-lm's own 411 or 400, reading no body
+            if length < 0:
+                # mlx-lm would read a negative length as "to the end of the stream": a body
+                # this check never saw.
+                return self._refuse_length()
+            raw = self.rfile.read(length)
             refused = _refusal(raw, served)
             if refused is not None:
                 return self._refuse(*refused)
@@ -113,13 +118,23 @@ def refusing_handler(api_handler: type[BaseHTTPRequestHandler], served: ServedMo
             finally:
                 self.rfile = socket_file
 
-        def _read_body(self) -> bytes | None:
-            """The body, when mlx-lm would read one (a valid Content-Length); else None."""
+        def _content_length(self) -> int | None:
+            """Content-Length as mlx-lm reads it (``int``); None when absent or not a number."""
             try:
-                length = int(self.headers.get("Content-Length"))
+                return int(self.headers.get("Content-Length"))
             except (TypeError, ValueError):
                 return None
-            return self.rfile.read(length) if length >= 0 else None
+
+        def _refuse_length(self) -> None:
+            self._set_completion_headers(400)
+            self.end_headers()
+            given = self.headers.get("Content-Length")
+            message = (
+                f"Content-Length {given} is negative: send the body's length in bytes "
+                "(kvsnap mlx-lm serve reads no body of unknown length)"
+            )
+            body = error_body(message, code="invalid_content_length")
+            self.wfile.write(json.dumps(body).encode())
 
         def _refuse(self, field: str, message: str) -> None:
             self._set_completion_headers(400)
