@@ -505,3 +505,28 @@ def test_a_record_whose_header_holds_other_tokens_than_its_name_is_refused(
         persister.close()
     assert info is not None and info.path == good, info
     assert persister.load_errors == 1
+
+
+def test_a_folder_in_a_blocks_place_is_named_with_the_fix_not_a_permissions_hint(
+    three_turns, tmp_path
+):
+    """A folder named like a block (no writer makes one): every write behind reaching it
+    failed with "(Is a directory) ... check the folder's permissions", which sends the operator
+    to the wrong fix. The error names the folder and says to move it out of the store."""
+    from kvsnap.errors import StoreError
+    from kvsnap.snapshot.file import OutTensor
+    from kvsnap.snapshot.format import BLOCK_KIND
+    from kvsnap.store.parts import put_part
+
+    root, _ = copy_of(three_turns, tmp_path)
+    key = records(root)[-1].chain.blocks[0][0]
+    block = root / "blocks" / f"{key}.safetensors"
+    block.unlink()
+    block.mkdir()
+    tensor = OutTensor("x", "I32", (1,), memoryview(b"\0\0\0\0"))
+    with pytest.raises(StoreError) as caught:
+        put_part(Store.open(root), BLOCK_KIND, key, [tensor], {})
+    said = str(caught.value)
+    assert str(block) in said and "move it out of the store" in said, said
+    assert "permissions" not in said, said
+    assert block.is_dir() and not [p for p in block.parent.iterdir() if p.name.startswith(".tmp")]

@@ -176,11 +176,12 @@ def put_part(
             store.fsync,
         )
     except OSError as exc:
-        hint = (
-            "free some disk space"
-            if exc.errno == errno.ENOSPC
-            else "check the folder's permissions"
-        )
+        if exc.errno == errno.ENOSPC:
+            hint = "free some disk space"
+        elif exc.errno == errno.EISDIR:  # no writer makes one: someone put it there
+            hint = "a folder is in its place: move it out of the store"
+        else:
+            hint = "check the folder's permissions"
         raise StoreError(
             f"cannot write {kind} {target} ({exc.strerror or exc}); the store is unchanged; {hint}"
         ) from exc
