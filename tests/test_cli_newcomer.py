@@ -248,6 +248,26 @@ def test_serve_without_a_model_or_with_two_says_how_to_name_it(tmp_path, argv, s
     assert re.search(says, lines[0]), lines[0]
 
 
+@pytest.mark.parametrize(
+    "argv, command, flag",
+    [
+        (["verify", "S", "--json"], "verify", "--json"),
+        (["serve", "org/m", "--modle", "org/m"], "serve", "--modle"),
+        (["gc", "S", "--json"], "gc", "--json"),
+    ],
+    ids=["verify", "serve", "gc"],
+)
+def test_a_flag_a_command_does_not_take_is_named_with_that_commands_usage(
+    tmp_path, argv, command, flag
+):
+    """A mistyped flag after a command got the top level's usage ("usage: kvsnap [-h]
+    [--version] [-v] COMMAND ...", none of the command's flags) and "kvsnap: error"."""
+    proc = kvsnap(*argv, env=plain_env(tmp_path), timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith(f"usage: kvsnap {command} "), proc.stderr
+    assert f"kvsnap {command}: error: unrecognized arguments: {flag}" in proc.stderr, proc.stderr
+
+
 def test_serve_dash_dash_model_starts_a_real_server(model_dir, tmp_path):
     port = free_port()
     cmd = [sys.executable, "-m", "kvsnap", "serve", "--model", str(model_dir), "--port", str(port)]
