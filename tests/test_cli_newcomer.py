@@ -391,9 +391,16 @@ def test_bench_serve_drops_one_trailing_newline_so_the_warm_prefix_hits(
 
 def test_bench_serve_says_what_is_wrong_with_a_system_prompt_path(tmp_path):
     (tmp_path / "folder").mkdir()
+    # An empty file (a `<(...)` whose command failed) was run as "no system prompt" in silence.
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "newline.txt").write_text("\n")
+    (tmp_path / "blank.txt").write_text(" \r\n\t\n")
     for path, says in (
         (tmp_path / "missing.txt", r"missing.txt: no such file; check the path"),
         (tmp_path / "folder", r"folder: is a folder; give a text file"),
+        (tmp_path / "empty.txt", r"empty.txt: holds no text; give the system prompt"),
+        (tmp_path / "newline.txt", r"newline.txt: holds no text; give the system prompt"),
+        (tmp_path / "blank.txt", r"blank.txt: holds no text; give the system prompt"),
     ):
         proc = kvsnap(
             "bench-serve",

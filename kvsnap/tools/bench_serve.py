@@ -94,6 +94,12 @@ def read_system_prompt(path: Path) -> str:
     and sent as-is it would change the prompt's last tokens, so a warm prefix built from the
     same text without it would miss by a partial block."""
     text = read_text_file(path, "--system-prompt-file")
+    if not text.strip():
+        # Sent as nothing, it would measure requests without a system prompt, unannounced.
+        raise UsageError(
+            f"--system-prompt-file {path}: holds no text; give the system prompt, or drop "
+            "the flag to send none"
+        )
     return text[:-1] if text.endswith("\n") else text
 
 
