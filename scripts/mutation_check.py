@@ -1632,6 +1632,23 @@ BREAKAGES = (
         ),
     ),
     Breakage(
+        "gc-claims-odd-entries-removed",
+        "nothing lost",
+        "kvsnap gc --yes lists a FIFO named like a block or record as removed, and counts it, "
+        "though it never removes one",
+        (
+            Patch(
+                "kvsnap/store/local.py",
+                "            doomed = [p for p in candidates if file_or_link(p)]\n",
+                "            doomed = list(candidates)\n",
+            ),
+        ),
+        (
+            "tests/test_store_links.py::test_gc_never_claims_to_remove_a_fifo_or_a_folder_it_"
+            "leaves",
+        ),
+    ),
+    Breakage(
         "odd-entry-keeps-every-block",
         "nothing lost",
         "a folder or FIFO named like a record counts as an unread record that might reach any "

@@ -157,3 +157,26 @@ def test_build_into_a_store_with_a_linked_folder_is_refused_before_any_prefill(
     assert f"{root / name} is a symbolic link" in r.stderr and "real folder" in r.stderr, r.stderr
     assert tree(outside) == before
     assert {p: p.stat().st_mtime_ns for p in root.rglob("*")} == inside
+
+
+def test_gc_never_claims_to_remove_a_fifo_or_a_folder_it_leaves(conv_store, tmp_path):
+    """`kvsnap gc --yes` listed a FIFO named like a block, checkpoint or agent record as
+    "removed" (and counted it) though it never removes one (not a file a writer made): the
+    report said what did not happen. Such entries are neither listed nor removed."""
+    root = tmp_path / "store"
+    shutil.copytree(conv_store, root)
+    odd = [root / name / f"{'d' * 32}.safetensors" for name in ("blocks", "snapshots")]
+    odd.append(root / "checkpoints" / f"{'e' * 32}.safetensors")
+    odd[-1].parent.mkdir(exist_ok=True)
+    for path in odd[:2]:
+        os.mkfifo(path)
+    odd[-1].mkdir()
+    orphan = root / "blocks" / f"{'c' * 32}.safetensors"  # a real file no record reaches
+    shutil.copy2(next(p for p in (root / "blocks").glob("*.safetensors") if p not in odd), orphan)
+    for args in (("gc", root), ("gc", root, "--yes")):
+        r = run_kvsnap(*args)
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert str(orphan) in r.stdout, r.stdout
+        assert not any(str(p) in r.stdout for p in odd), r.stdout
+        assert "1 file(s)" in r.stdout, r.stdout
+    assert not orphan.exists() and all(os.path.lexists(p) for p in odd)

@@ -18,7 +18,6 @@ import contextlib
 import errno
 import fcntl
 import os
-import stat
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -444,7 +443,8 @@ class Store:
                 candidates += [
                     p for p in part_files(self) if part_relpath_of_file(p) not in reached
                 ]
-            doomed = [p for p in candidates if not stat.S_ISDIR(p.lstat().st_mode)]
+            # a folder, a FIFO or a device is never removed (not a writer's): never listed
+            doomed = [p for p in candidates if file_or_link(p)]
             freed = sum(p.lstat().st_size for p in doomed)
             if apply:
                 for p in doomed:
