@@ -1632,6 +1632,23 @@ BREAKAGES = (
         ),
     ),
     Breakage(
+        "lock-file-link-followed",
+        "nothing lost",
+        "the writers' lock file is opened through a symbolic link: a dangling one makes every "
+        "writer create its target, a file outside the store",
+        (
+            Patch(
+                "kvsnap/store/local.py",
+                "os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, FILE_MODE",
+                "os.O_RDWR | os.O_CREAT, FILE_MODE",
+            ),
+        ),
+        (
+            "tests/test_store_links.py::test_a_lock_file_that_is_a_link_is_refused_and_its_"
+            "target_never_made",
+        ),
+    ),
+    Breakage(
         "gc-claims-odd-entries-removed",
         "nothing lost",
         "kvsnap gc --yes lists a FIFO named like a block or record as removed, and counts it, "

@@ -180,3 +180,22 @@ def test_gc_never_claims_to_remove_a_fifo_or_a_folder_it_leaves(conv_store, tmp_
         assert not any(str(p) in r.stdout for p in odd), r.stdout
         assert "1 file(s)" in r.stdout, r.stdout
     assert not orphan.exists() and all(os.path.lexists(p) for p in odd)
+
+
+def test_a_lock_file_that_is_a_link_is_refused_and_its_target_never_made(conv_store, tmp_path):
+    """The writers' lock file `.lock` a dangling link: every writer (gc, build, the persister)
+    opened it with O_CREAT and so created its target, a file outside the store. A link there
+    is refused, naming it; nothing outside is made or touched."""
+    root = tmp_path / "store"
+    shutil.copytree(conv_store, root)
+    lock = root / ".lock"
+    lock.unlink(missing_ok=True)
+    target = tmp_path / "elsewhere" / "not-the-store's"
+    target.parent.mkdir()
+    lock.symlink_to(target)
+    r = run_kvsnap("gc", root, "--yes")
+    assert r.returncode != 0, r.stdout
+    assert f"{lock} is a symbolic link" in r.stderr and "delete it" in r.stderr, r.stderr
+    assert not target.exists() and lock.is_symlink()
+    lock.unlink()
+    assert run_kvsnap("gc", root, "--yes").returncode == 0

@@ -177,7 +177,7 @@ class Store:
         if self.readonly:
             raise StoreError(f"{self.root}: the store is read-only here; writes are disabled")
         if self._lock_depth == 0:
-            fd = os.open(self.root / LOCK, os.O_RDWR | os.O_CREAT, FILE_MODE)
+            fd = self._open_lock_file()
             fcntl.flock(fd, fcntl.LOCK_EX)
             self._lock_fd = fd
         self._lock_depth += 1
@@ -189,6 +189,20 @@ class Store:
                 fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
                 os.close(self._lock_fd)
                 self._lock_fd = None
+
+    def _open_lock_file(self) -> int:
+        """The lock file, never through a link: a dangling one made every writer create its
+        target, a file outside the store."""
+        path = self.root / LOCK
+        try:
+            return os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, FILE_MODE)
+        except OSError as exc:
+            if exc.errno != errno.ELOOP:
+                raise
+            raise StoreError(
+                f"{path} is a symbolic link (to {os.readlink(path)}); kvsnap never writes "
+                f"through a link; delete it (writers make their own lock file)"
+            ) from None
 
     # --- writing ----------------------------------------------------------------
 
