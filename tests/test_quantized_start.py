@@ -26,7 +26,7 @@ from persist_servers import (
     wait_written,
 )
 
-from kvsnap.tools.serverproc import ServerProcess, start_server
+from kvsnap.tools.serverproc import ServerProcess, free_port, start_server
 
 # The conversation's prompts are 293, 334, 553 and 590 tokens: turns 1 and 2 are captured
 # below the start, turns 3 and 4 past it, and turn 3's first block is turn 1's tokens.
@@ -258,7 +258,7 @@ def test_kv_bits_on_a_sliding_window_model_is_refused_at_load_naming_the_layer(
         )
         args = ("build", agents, "--model", model, "--out", tmp_path / "store")
     else:
-        args = ("serve", model, "--port", "1")
+        args = ("serve", model, "--port", str(free_port()))  # it must get as far as the load
     done = run_kvsnap(*args, *flags, env=env, timeout=120)
     assert done.returncode == 2, done.stdout + done.stderr
     assert "Traceback" not in done.stderr, done.stderr
