@@ -18,12 +18,14 @@ import pytest
 from conftest import run_kvsnap
 from test_persist_store import (  # noqa: F401  (base, conv_store: the fixtures)
     LONG_SYSTEM,
+    SHARED_SYSTEM,
     Chat,
     base,
     conv_store,
     copy_store,
     persist_status,
     serve,
+    settle,
 )
 
 from kvsnap.errors import StoreError
@@ -199,3 +201,34 @@ def test_a_lock_file_that_is_a_link_is_refused_and_its_target_never_made(conv_st
     assert not target.exists() and lock.is_symlink()
     lock.unlink()
     assert run_kvsnap("gc", root, "--yes").returncode == 0
+
+
+@pytest.mark.parametrize("name", ["conversations", "blocks"])
+def test_a_folder_swapped_for_a_link_while_serving_gets_nothing_written_through_it(
+    base, tmp_path, name
+):
+    """The persister refused a linked store folder at start only: one swapped for a link while
+    the server ran got every later record and block written through it, outside the store.
+    Each write checks the folders under the lock: that turn is not persisted, the warning names
+    the link, the server serves on."""
+    tmp, model, _ = base
+    root = copy_store(base, tmp_path)
+    server = serve(model, root, tmp, f"swapped-{name}", "--persist-requests")
+    try:
+        Chat("w1", SHARED_SYSTEM).send(server.url)
+        settle(server, root, 1)
+        outside = outside_folder(tmp_path, root, name)
+        before = tree(outside)
+        chat = Chat("w2", SHARED_SYSTEM + " Another one.")
+        chat.send(server.url)
+        deadline = time.monotonic() + 60
+        while persist_status(server)["failed"] < 1:
+            assert time.monotonic() < deadline, persist_status(server)
+            time.sleep(0.05)
+        assert persist_status(server)["written"] == 1
+        chat.send(server.url)  # serves on
+        log = server.log()
+    finally:
+        server.stop()
+    assert tree(outside) == before
+    assert f"{root / name} is a symbolic link" in log, log[-3000:]

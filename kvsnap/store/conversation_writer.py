@@ -26,7 +26,7 @@ from kvsnap.snapshot.file import OutTensor, write_snapshot
 from kvsnap.snapshot.format import BLOCK_KIND
 from kvsnap.store.conversation_space import evict_to_budget, purge, sweep_orphans
 from kvsnap.store.conversations import record_path, touch
-from kvsnap.store.fileio import atomic_write, remove_store_file
+from kvsnap.store.fileio import atomic_write, check_store_folders, remove_store_file
 from kvsnap.store.local import Store
 from kvsnap.store.parts import PartHealth, chain_relpaths, has_part, part_relpath, put_part
 
@@ -263,6 +263,8 @@ class ConversationWriter:
             )
             return
         with store.lock():
+            # Checked at start too, but a folder can be swapped for a link while serving.
+            check_store_folders(store.root)
             # What the engine saw stored may be gone (a gc, an eviction): write nothing then.
             if any(not has_part(store, k, key) for k, key in stored):
                 self.stats.skipped += 1
