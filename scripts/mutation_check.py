@@ -1660,10 +1660,7 @@ BREAKAGES = (
                 "            doomed = list(candidates)\n",
             ),
         ),
-        (
-            "tests/test_store_links.py::test_gc_never_claims_to_remove_a_fifo_or_a_folder_it_"
-            "leaves",
-        ),
+        ("tests/test_store_links.py::test_gc_never_claims_to_remove_a_fifo_or_a_folder_it_leaves",),
     ),
     Breakage(
         "odd-entry-keeps-every-block",
