@@ -268,6 +268,32 @@ def test_a_flag_a_command_does_not_take_is_named_with_that_commands_usage(
     assert f"kvsnap {command}: error: unrecognized arguments: {flag}" in proc.stderr, proc.stderr
 
 
+@pytest.mark.parametrize("value", ["", " "])
+@pytest.mark.parametrize("command", ["serve", "build"])
+def test_an_empty_model_is_named_not_taken_for_the_current_folder(
+    model_dir, tmp_path, command, value
+):
+    """``--model ""`` was the current folder (``Path("")`` is "."): run from a model's folder
+    it loaded that, and elsewhere the error named "." rather than the empty value."""
+    shutil.copytree(model_dir, tmp_path / "here")
+    agents = tmp_path / "agents.json"
+    agents.write_text(json.dumps([{"name": "a", "messages": [{"role": "system", "content": "x"}]}]))
+    extra = (
+        ["--port", str(free_port())] if command == "serve" else [agents, "--out", tmp_path / "o"]
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvsnap", command, *map(str, extra), "--model", value],
+        capture_output=True,
+        text=True,
+        env=plain_env(tmp_path),
+        cwd=tmp_path / "here",
+        timeout=120,
+    )
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    said = proc.stderr.strip().splitlines()[-1]
+    assert said.startswith(f"kvsnap {command}: error: model {value!r} is empty; give "), said
+
+
 def test_serve_dash_dash_model_starts_a_real_server(model_dir, tmp_path):
     port = free_port()
     cmd = [sys.executable, "-m", "kvsnap", "serve", "--model", str(model_dir), "--port", str(port)]

@@ -112,6 +112,12 @@ def resolve_model(
     $HF_HOME/hub).
     """
     text = os.fspath(name)
+    if not text.strip():
+        # Path("") is the current folder: an empty value would load whatever is there.
+        raise UsageError(
+            f"model {text!r} is empty; give a local mlx-lm model directory or a hub id like "
+            "org/name"
+        )
     local = Path(text).expanduser()
     if local.exists() or not looks_like_repo_id(text):
         if revision is not None:
