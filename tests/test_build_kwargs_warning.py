@@ -75,3 +75,24 @@ def test_kwargs_the_template_reads_build_without_a_warning(demo_models, tmp_path
     ]
     r = _build(tmp_path, demo_models.path("dense"), agents)
     assert _warnings(r.stdout + r.stderr) == [], r.stdout + r.stderr
+
+
+def test_a_reserved_kwarg_the_template_reads_is_not_called_unread(demo_models, tmp_path):
+    """The ChatML template reads ``tools``, yet the warning said it "is not a variable this
+    model's chat template reads": kvsnap fills ``tools`` in itself (a request may not set it
+    either), so the warning says so and where an agent's tools go."""
+    from kvsnap.http.limits import template_variables
+
+    model = demo_models.path("dense")
+    assert "tools" in template_variables(demo_models.load("dense").tokenizer.chat_template)
+    agents = [
+        {"name": "tooled", "messages": [SYSTEM], "chat_template_kwargs": {"tools": []}},
+        {"name": "plain", "messages": [SYSTEM]},
+    ]
+    path = tmp_path / "agents.json"
+    path.write_text(json.dumps(agents))
+    r = run_kvsnap("build", path, "--model", model, "--out", tmp_path / "snaps")
+    (warning,) = _warnings(r.stdout + r.stderr)
+    assert "agent 'tooled'" in warning and "'tools'" in warning, warning
+    assert "is not a variable this model's chat template reads" not in warning, warning
+    assert "filled in by kvsnap" in warning and "its own 'tools' field" in warning, warning

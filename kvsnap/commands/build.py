@@ -153,15 +153,22 @@ def unread_template_kwargs(entries, tokenizer) -> list[str]:
     """One warning per agent ``chat_template_kwargs`` key the model's chat template never reads:
     it changes nothing in the snapshot, and kvsnap serve refuses requests that carry it."""
     # The server's own check (kvsnap serve's 400 for such a key), so both always agree.
-    from kvsnap.http.limits import allowed_template_kwargs
+    from kvsnap.http.limits import RESERVED_TEMPLATE_KWARGS, allowed_template_kwargs
 
     settable = allowed_template_kwargs(getattr(tokenizer, "chat_template", None))
     offered = ", ".join(sorted(settable)) or "none"
+
+    def why(key: str) -> str:
+        # A reserved name may well be read by the template (tools, messages): say what it is.
+        if key in RESERVED_TEMPLATE_KWARGS:
+            return "is filled in by kvsnap and the tokenizer, never by chat_template_kwargs"
+        return "is not a variable this model's chat template reads"
+
     return [
-        f"agent {entry.name!r}: chat_template_kwargs {key!r} is not a variable this model's "
-        f"chat template reads (settable variables: {offered}); it changes nothing in the "
-        f"snapshot, and kvsnap serve refuses requests that carry it with a 400: drop it from the "
-        f"agents file or use one of those"
+        f"agent {entry.name!r}: chat_template_kwargs {key!r} {why(key)} (settable variables: "
+        f"{offered}); it changes nothing in the snapshot, and kvsnap serve refuses requests "
+        f"that carry it with a 400: drop it from the agents file or use one of those"
+        + ("; an agent's tools go in its own 'tools' field" if key == "tools" else "")
         for entry in entries
         for key in (entry.chat_template_kwargs or {})
         if key not in settable
