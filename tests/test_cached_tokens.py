@@ -16,7 +16,7 @@ import httpx
 import pytest
 from conftest import LONG_SYSTEM
 
-from kvsnap.tools.serverproc import start_server
+from kvsnap.tools.serverproc import serving, start_server
 
 AGENTS = [{"name": "reviewer", "messages": [{"role": "system", "content": LONG_SYSTEM}]}]
 
@@ -28,18 +28,9 @@ def open_server(demo_models, tmp_path_factory):
     agents = tmp / "agents.json"
     agents.write_text(json.dumps(AGENTS))
     args = ["--continuous-batching", "--max-batch-size", "4", "--warm-prompts", str(agents)]
-    server = start_server(
-        demo_models.path("dense"),
-        args,
-        tmp / "serve.log",
-        env={"KVSNAP_CACHE_DIR": str(tmp / "cache")},
-        limit_s=600,
-    )
-    try:
-        server.wait_ready(120)
+    env = {"KVSNAP_CACHE_DIR": str(tmp / "cache")}
+    with serving(demo_models.path("dense"), args, tmp / "serve.log", env, 600) as server:
         yield server
-    finally:
-        server.stop()
 
 
 def _warm_length(demo_models, agent: dict) -> int:

@@ -24,7 +24,12 @@ from conftest import LONG_SYSTEM
 from test_store import build, write_agents
 
 from kvsnap.commands.common import EXIT_PIPE_CLOSED
-from kvsnap.tools.serverproc import ServerProcess, free_port, start_server, under_hard_limit
+from kvsnap.tools.serverproc import (
+    ServerProcess,
+    free_port,
+    serving,
+    under_hard_limit,
+)
 
 # Long enough that a table cut to 80 columns would wrap or elide every row.
 LONG_NAME = "reviewer-of-the-rust-and-python-request-handlers"
@@ -331,18 +336,16 @@ def warm_server(model_dir, tmp_path_factory):
         tmp / "agents.json",
         [{"name": "reviewer", "messages": [{"role": "system", "content": LONG_SYSTEM}]}],
     )
-    server = start_server(
-        model_dir,
-        ["--warm-prompts", agents, "--no-request-prefix-cache", "--cached-tokens-granularity", "1"],
-        tmp / "serve.log",
-        env={"KVSNAP_CACHE_DIR": str(tmp / "cache")},
-        limit_s=600,
-    )
-    try:
-        server.wait_ready(120)
+    args = [
+        "--warm-prompts",
+        agents,
+        "--no-request-prefix-cache",
+        "--cached-tokens-granularity",
+        "1",
+    ]
+    env = {"KVSNAP_CACHE_DIR": str(tmp / "cache")}
+    with serving(model_dir, args, tmp / "serve.log", env, 600) as server:
         yield server
-    finally:
-        server.stop()
 
 
 def bench(server, prompt_file: str, tmp: Path, shell: bool = False) -> dict:

@@ -17,7 +17,7 @@ import httpx
 import pytest
 from conftest import LONG_SYSTEM
 
-from kvsnap.tools.serverproc import free_port, start_server
+from kvsnap.tools.serverproc import free_port, serving, start_server
 
 USER_A, USER_B, ADMIN = "user-key-aaaa-1111", "user-key-bbbb-2222", "admin-key-cccc-3333"
 AGENTS = [{"name": "reviewer", "messages": [{"role": "system", "content": LONG_SYSTEM}]}]
@@ -590,18 +590,11 @@ def test_deletes_during_a_rewarm_are_coalesced_and_answer_the_same(keyed, client
 @pytest.fixture(scope="module")
 def sequential(demo_models, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("sequential")
-    server = start_server(
-        demo_models.path("dense"),
-        ["--served-model-name", "m"],
-        tmp / "seq.log",
-        env={"KVSNAP_CACHE_DIR": str(tmp / "cache")},
-        limit_s=600,
-    )
-    try:
-        server.wait_ready(120)
+    env = {"KVSNAP_CACHE_DIR": str(tmp / "cache")}
+    with serving(
+        demo_models.path("dense"), ["--served-model-name", "m"], tmp / "seq.log", env, 600
+    ) as server:
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.mark.parametrize("which", ["keyed", "sequential"])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -10,6 +11,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 import httpx
 
@@ -116,3 +118,21 @@ def start_server(
     return ServerProcess(
         proc=proc, url=f"http://127.0.0.1:{port}", log_path=log_path, launched_at=launched
     )
+
+
+@contextlib.contextmanager
+def serving(
+    model: str | Path,
+    args: list[str],
+    log_path: Path,
+    env: dict | None = None,
+    limit_s: int = 900,
+    ready_s: float = 120.0,
+) -> Iterator[ServerProcess]:
+    """``start_server``, ready before the block runs, stopped however the block ends."""
+    server = start_server(model, args, log_path, env=env, limit_s=limit_s)
+    try:
+        server.wait_ready(ready_s)
+        yield server
+    finally:
+        server.stop()
