@@ -114,7 +114,8 @@ def start(
 ) -> ServerProcess:
     args = ["--continuous-batching"]
     if store is not None:
-        args += ["--kv-snapshots", str(store), "--persist-requests", *extra]
+        args += ["--kv-snapshots", str(store), "--persist-requests"]
+    args += list(extra)
     cache = {"KVSNAP_CACHE_DIR": str(log.parent / "kvsnap-cache")}
     server = start_server(model, args, log, env={**cache, **(env or {})}, limit_s=300)
     try:

@@ -35,18 +35,6 @@ KV_FLAGS = ("--kv-bits", "8", "--quantized-kv-start", str(START))
 TURNS = len(CONVERSATION.users)
 
 
-def _serve(model: Path, log: Path) -> ServerProcess:
-    """A server persisting nothing, with the quantization settings."""
-    env = {"KVSNAP_CACHE_DIR": str(log.parent / "kvsnap-cache")}
-    server = start_server(model, ["--continuous-batching", *KV_FLAGS], log, env=env, limit_s=300)
-    try:
-        server.wait_ready(120)
-    except BaseException:
-        server.stop()
-        raise
-    return server
-
-
 def _conversation(client: httpx.Client, server: ServerProcess, model: Path, turns, replies):
     for turn in turns:
         body = CONVERSATION.body(model, turn, [content(r) for r in replies])
@@ -64,7 +52,7 @@ def never_restarted(model, tmp_path_factory):
     """Every turn on a server that keeps its in-memory prefixes, and each turn's answer after a
     fresh prefill (its own namespace: nothing cached), on the same server."""
     tmp = tmp_path_factory.mktemp("quantized-start-reference")
-    server = _serve(model, tmp / "reference.log")
+    server = start(model, None, tmp / "reference.log", extra=KV_FLAGS)  # persisting nothing
     try:
         with httpx.Client(timeout=120) as client:
             replies = _conversation(client, server, model, range(1, TURNS + 1), [])
