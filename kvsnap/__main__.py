@@ -1,3 +1,3 @@
-from kvsnap.cli import main
+from kvsnap.commands.cli import main
 
 raise SystemExit(main())

@@ -265,7 +265,7 @@ def _restore_once(store_root: Path, how: str) -> float:
     its arrays); ``assembled`` builds the whole cache (what build and the vllm-mlx route do)."""
     import mlx.core as mx
 
-    from kvsnap.runtime.composed import BlockPool, load_composed
+    from kvsnap.runtime.cache.composed import BlockPool, load_composed
     from kvsnap.snapshot.codec import decode_cache
     from kvsnap.store.local import Store
 

@@ -18,8 +18,8 @@ from pathlib import Path
 import mlx.core as mx
 
 from kvsnap.key import KVSettings
-from kvsnap.runtime.modeling import load_model
-from kvsnap.runtime.prefetch import prefetch
+from kvsnap.runtime.model.loading import load_model
+from kvsnap.runtime.warmup.prefetch import prefetch
 
 M = Path(sys.argv[2])
 S = sys.argv[3]

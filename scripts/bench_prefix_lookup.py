@@ -19,7 +19,7 @@ import sys
 import time
 
 from kvsnap.prompts import common_prefix_length
-from kvsnap.runtime.prefix import Entry, PrefixCache
+from kvsnap.runtime.cache.prefix import Entry, PrefixCache
 
 SIZES = (10, 100, 1000)
 HEADER = tuple(range(1, 13))  # every agent's prompt starts with the same chat-template tokens

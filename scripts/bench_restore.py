@@ -28,8 +28,8 @@ preload_openblas()
 import mlx.core as mx  # noqa: E402
 
 from kvsnap.key import KVSettings  # noqa: E402
-from kvsnap.runtime.modeling import load_model  # noqa: E402
-from kvsnap.runtime.prefill import prefill  # noqa: E402
+from kvsnap.runtime.model.loading import load_model  # noqa: E402
+from kvsnap.runtime.prefill.chunked import prefill  # noqa: E402
 from kvsnap.snapshot.codec import decode_cache  # noqa: E402
 from kvsnap.store.local import Store  # noqa: E402
 

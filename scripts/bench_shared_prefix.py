@@ -45,7 +45,7 @@ def make_model(root: Path) -> Path:
 
 
 def run_round(engine, token_lists) -> list[float]:
-    from kvsnap.runtime.engine import GenerationRequest
+    from kvsnap.runtime.engine.engine import GenerationRequest
 
     states = []
     engine.call(lambda: engine.prefix.clear())
@@ -69,9 +69,9 @@ def main(argv=None) -> int:
     ap.add_argument("--system-tokens", type=int, default=1700)
     args = ap.parse_args(argv)
 
-    import kvsnap.runtime.request_cache as engine_mod  # owns MIN_SHARED_TOKENS_TO_COMPUTE
+    import kvsnap.runtime.engine.request_cache as engine_mod  # owns MIN_SHARED_TOKENS_TO_COMPUTE
     from kvsnap.chat import request_tokens
-    from kvsnap.runtime.engine import Engine, EngineConfig
+    from kvsnap.runtime.engine.engine import Engine, EngineConfig
 
     with tempfile.TemporaryDirectory() as tmp:
         model = make_model(Path(tmp))

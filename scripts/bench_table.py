@@ -443,8 +443,8 @@ def prefill_rate(model: Path, system: str, user_tokens: int) -> float:
     """Prompt tokens/s of one full request (system + a user prompt) in this process: the budget's
     yardstick."""
     from kvsnap.chat import request_tokens
-    from kvsnap.runtime.modeling import load_model
-    from kvsnap.runtime.prefill import prefill
+    from kvsnap.runtime.model.loading import load_model
+    from kvsnap.runtime.prefill.chunked import prefill
 
     lm = load_model(model)
     user = text_of(TokenCounter(model), "probe0 asks: review this code.", user_tokens, seed=-1)

@@ -4,7 +4,7 @@ Issue 14 saw TTFT p50 3.5 s (warm-prompts) vs 4.8 s (snapshots), 2,663 cached to
 both, one repetition each, over HTTP. This reproduces the cell in process, without HTTP:
 one demo qwen3 (hidden 512, 8 layers, fp32), a ~2,660-token system prompt, two engines in
 this process, one with the warm prompt prefilled at start and one with it restored from a
-snapshot built by ``kvsnap.build.build_snapshots``. Requests (system prompt + a distinct
+snapshot built by ``kvsnap.build.pipeline.build_snapshots``. Requests (system prompt + a distinct
 user message) alternate between the engines; request prefixes are dropped before each so
 every timed request hits only the warm entry (checked: cached_tokens == warm length).
 
@@ -119,9 +119,9 @@ def user_message(n: int, kind: str) -> str:
 
 
 def build_store(model: Path, agents: Path, store_dir: Path) -> None:
-    from kvsnap.build import build_snapshots
+    from kvsnap.build.pipeline import build_snapshots
     from kvsnap.prompts import load_warm_prompts
-    from kvsnap.runtime.modeling import load_model
+    from kvsnap.runtime.model.loading import load_model
     from kvsnap.store.local import Store
 
     lm = load_model(str(model))
@@ -139,7 +139,7 @@ def build_store(model: Path, agents: Path, store_dir: Path) -> None:
 
 def start_engine(model: Path, agents: Path, store_dir: Path | None):
     from kvsnap.prompts import load_warm_prompts
-    from kvsnap.runtime.engine import Engine, EngineConfig
+    from kvsnap.runtime.engine.engine import Engine, EngineConfig
 
     cfg = EngineConfig(
         model=str(model),
@@ -164,7 +164,7 @@ def start_engine(model: Path, agents: Path, store_dir: Path | None):
 
 
 def timed_request(engine, tokens: list[int], max_tokens: int, warm_len: int) -> dict:
-    from kvsnap.runtime.engine import GenerationRequest
+    from kvsnap.runtime.engine.engine import GenerationRequest
 
     engine.call(lambda: engine.prefix.drop_request_prefixes())
     state = engine.submit(GenerationRequest(tokens=tokens, max_tokens=max_tokens), lambda *a: None)
@@ -263,8 +263,8 @@ def micro(model: Path, agents: Path, store_dir: Path, system: str, reps: int) ->
     from mlx_lm.generate import _merge_caches
 
     from kvsnap.chat import request_tokens
-    from kvsnap.runtime.modeling import load_model
-    from kvsnap.runtime.prefill import prefill
+    from kvsnap.runtime.model.loading import load_model
+    from kvsnap.runtime.prefill.chunked import prefill
     from kvsnap.snapshot.codec import cache_arrays, copy_cache
     from kvsnap.store.local import Store
 
@@ -408,7 +408,7 @@ def prime_kernels(engine, from_entry: bool = True) -> float:
     3-token suffix, one greedy token) so mlx's CPU JIT compiles or loads its fused kernels
     (mx.compile'd swiglu, masks, ...) at start-up, as a warm-prompts server's own prefill
     does, instead of in the first request's TTFT. Returns the seconds it took."""
-    from kvsnap.runtime.sampling import make_request_sampler
+    from kvsnap.runtime.engine.sampling import make_request_sampler
     from kvsnap.snapshot.codec import copy_cache
 
     t0 = time.perf_counter()
@@ -430,7 +430,7 @@ def prime_kernels(engine, from_entry: bool = True) -> float:
 
 def install_prime_patch(from_entry: bool = True) -> None:
     """Monkeypatch Engine._warm_up to prime the kernels after the warm-up (kvsnap/ untouched)."""
-    from kvsnap.runtime.engine import Engine
+    from kvsnap.runtime.engine.engine import Engine
 
     original = Engine._warm_up
 
@@ -536,8 +536,8 @@ def align_check(store_dir: Path, model: Path, reps: int) -> None:
     import mlx.core as mx
     import numpy as np
 
-    from kvsnap.runtime.modeling import load_model
-    from kvsnap.runtime.prefill import prefill
+    from kvsnap.runtime.model.loading import load_model
+    from kvsnap.runtime.prefill.chunked import prefill
     from kvsnap.snapshot.codec import decode_cache
     from kvsnap.store.local import Store
 
@@ -625,7 +625,7 @@ def main(argv=None) -> int:
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="kvsnap-ttft-"))
     work.mkdir(parents=True, exist_ok=True)
     model = make_model(work)
-    from kvsnap.runtime.modeling import load_model
+    from kvsnap.runtime.model.loading import load_model
 
     tokenizer = load_model(str(model)).tokenizer
     system = system_prompt(tokenizer, args.system_tokens)

@@ -86,7 +86,7 @@ BREAKAGES = (
         "the trie walk compares each edge with the request except the edge's last token",
         (
             Patch(
-                "kvsnap/runtime/prefix_trie.py",
+                "kvsnap/runtime/cache/trie.py",
                 "            if seen == child.edge:\n",
                 "            if seen[:-1] == child.edge[:-1] and len(seen) == len(child.edge):\n",
             ),
@@ -105,12 +105,12 @@ BREAKAGES = (
         "lookup trims every entry, SSM state included",
         (
             Patch(
-                "kvsnap/runtime/prefix_trie.py",
+                "kvsnap/runtime/cache/trie.py",
                 "        if not node.entry.trimmable:\n            return\n",
                 "        if False:\n            return\n",
             ),
             Patch(
-                "kvsnap/runtime/prefix_trie.py",
+                "kvsnap/runtime/cache/trie.py",
                 "if e is not None and e.trimmable and node.rank == rank:",
                 "if e is not None and node.rank == rank:",
             ),
@@ -324,7 +324,7 @@ BREAKAGES = (
         "a request prefix of one key or cache_salt matches requests of another",
         (
             Patch(
-                "kvsnap/runtime/prefix.py",
+                "kvsnap/runtime/cache/prefix.py",
                 "            tries = (self._tries.get(None) if shared else None, "
                 "self._tries.get(namespace))\n",
                 "            tries = tuple(self._tries.values())\n",
@@ -342,7 +342,7 @@ BREAKAGES = (
         "lookup never returns an entry",
         (
             Patch(
-                "kvsnap/runtime/prefix.py",
+                "kvsnap/runtime/cache/prefix.py",
                 "        return Match(best.entry, best.usable)\n",
                 "        return None\n",
             ),
@@ -358,7 +358,7 @@ BREAKAGES = (
         "the engine reports the cached tokens but runs the whole prompt on a fresh cache",
         (
             Patch(
-                "kvsnap/runtime/batch_runner.py",
+                "kvsnap/runtime/engine/batch_runner.py",
                 "                    [list(suffix)],\n"
                 "                    max_tokens=[r.max_tokens],\n"
                 "                    caches=[cache],\n",
@@ -411,7 +411,7 @@ BREAKAGES = (
         "--kv-bits on a model with a sliding-window cache (RotatingKVCache) is accepted: the "
         "server says ready and fails every request reaching the start with a 500, build with a "
         "traceback",
-        (Patch("kvsnap/runtime/modeling.py", "    check_kv_quantizable(lm)\n", ""),),
+        (Patch("kvsnap/runtime/model/loading.py", "    check_kv_quantizable(lm)\n", ""),),
         (
             "tests/test_quantized_start.py::test_kv_bits_on_a_sliding_window_model_is_refused_at_"
             "load_naming_the_layer",
@@ -424,7 +424,7 @@ BREAKAGES = (
         "unquantized state stamped quantized: verify BAD right after a build)",
         (
             Patch(
-                "kvsnap/runtime/writeback.py",
+                "kvsnap/runtime/persist/writeback.py",
                 "        if form == QUANTIZED_FORM:\n",
                 "        if False:\n",
             ),
@@ -441,7 +441,7 @@ BREAKAGES = (
         "prefix captured below the start is rejected at the next turn",
         (
             Patch(
-                "kvsnap/runtime/state_shapes.py",
+                "kvsnap/runtime/model/shapes.py",
                 "        if s.kv_bits is None or s.quantized_kv_start > 0:\n",
                 "        if s.kv_bits is None:\n",
             ),
@@ -492,7 +492,7 @@ BREAKAGES = (
         "a restored state is served without comparing its tensors with the model's own cache",
         (
             Patch(
-                "kvsnap/runtime/warmup.py",
+                "kvsnap/runtime/warmup/run.py",
                 "    if prefix.check_state is None:  # every state served",
                 "    if False:  # every state served",
             ),
@@ -509,7 +509,7 @@ BREAKAGES = (
         "compiles run before warm",
         (
             Patch(
-                "kvsnap/runtime/state_shapes.py",
+                "kvsnap/runtime/model/shapes.py",
                 "        self._per_token = set().union(*(_token_axis_names(layers) for layers, "
                 "_ in "
                 "forms))\n",
@@ -569,7 +569,7 @@ BREAKAGES = (
         "the start scan reads records longer than the model's context",
         (
             Patch(
-                "kvsnap/runtime/prefetch.py",
+                "kvsnap/runtime/warmup/prefetch.py",
                 "store.scan(max_tokens=context_tokens(model_dir))",
                 "store.scan()",
             ),
@@ -586,7 +586,7 @@ BREAKAGES = (
         "with the model's own cache",
         (
             Patch(
-                "kvsnap/integrations/vllm_mlx_warm.py",
+                "kvsnap/integrations/vllm_mlx/warm.py",
                 "    if why:\n        raise SnapshotError(str(info.path), why, SHAPE_FIX)\n",
                 "    if False:\n        raise SnapshotError(str(info.path), why, SHAPE_FIX)\n",
             ),
@@ -609,7 +609,7 @@ BREAKAGES = (
         "kvsnap mlx-lm's --kv-snapshots scan reads records longer than the model's context",
         (
             Patch(
-                "kvsnap/integrations/mlx_lm_warm.py",
+                "kvsnap/integrations/mlx_lm/warm.py",
                 "store.scan(identity, max_tokens=context_tokens(lm.path))",
                 "store.scan(identity)",
             ),
@@ -625,7 +625,7 @@ BREAKAGES = (
         "kvsnap vllm-mlx's insert scan reads records longer than the model's context",
         (
             Patch(
-                "kvsnap/integrations/vllm_mlx_insert.py",
+                "kvsnap/integrations/vllm_mlx/insert.py",
                 "store.scan(identity, max_tokens=context_tokens(model_dir))",
                 "store.scan(identity)",
             ),
@@ -642,7 +642,7 @@ BREAKAGES = (
         "model's context",
         (
             Patch(
-                "kvsnap/integrations/vllm_mlx_warm.py",
+                "kvsnap/integrations/vllm_mlx/warm.py",
                 "self.store.scan(self.identity, max_tokens=context_tokens(self.lm.path))",
                 "self.store.scan(self.identity)",
             ),
@@ -658,7 +658,7 @@ BREAKAGES = (
         "kvsnap mlx-lm pins its warm entries as ordinary mlx-lm 'system' LRU entries",
         (
             Patch(
-                "kvsnap/integrations/mlx_lm_cache.py",
+                "kvsnap/integrations/mlx_lm/cache.py",
                 "        # A plain dict trie insert: the pinned set never drops a warm prefix of "
                 "another.\n",
                 "        return super().insert_cache(model, list(tokens), prompt_cache, "
@@ -679,7 +679,7 @@ BREAKAGES = (
         "which loads whatever path they name",
         (
             Patch(
-                "kvsnap/integrations/mlx_lm_models.py",
+                "kvsnap/integrations/mlx_lm/models.py",
                 "            refused = _refusal(raw, served)\n",
                 "            refused = None\n",
             ),
@@ -696,7 +696,7 @@ BREAKAGES = (
         "the end of the stream and loads the model it names",
         (
             Patch(
-                "kvsnap/integrations/mlx_lm_models.py",
+                "kvsnap/integrations/mlx_lm/models.py",
                 "            if length is None:\n",
                 "            if length is None or length < 0:\n",
             ),
@@ -713,7 +713,7 @@ BREAKAGES = (
         "Llama 3)",
         (
             Patch(
-                "kvsnap/integrations/mlx_lm_profile.py",
+                "kvsnap/integrations/mlx_lm/profile.py",
                 "server=SERVER, add_special_tokens=False,",
                 "server=SERVER, add_special_tokens=True,",
             ),
@@ -731,7 +731,7 @@ BREAKAGES = (
         "warm_key digests every server's warm prompts as kvsnap's own request path",
         (
             Patch(
-                "kvsnap/runtime/warm_recipe.py",
+                "kvsnap/runtime/warmup/recipe.py",
                 "    profile = tokenization.descriptor() if tokenization is not None else None\n",
                 "    profile = None\n",
             ),
@@ -747,10 +747,10 @@ BREAKAGES = (
         "a lazy import inside a function closes an import cycle (warm_recipe <-> warmup)",
         (
             Patch(
-                "kvsnap/runtime/warm_recipe.py",
+                "kvsnap/runtime/warmup/recipe.py",
                 "    template = resolve_chat_template(tokenizer, prompt.tools)\n",
-                "    from kvsnap.runtime.warmup import run_warmup  # noqa: F401\n    template = "
-                "resolve_chat_template(tokenizer, prompt.tools)\n",
+                "    from kvsnap.runtime.warmup.run import run_warmup  # noqa: F401\n"
+                "    template = resolve_chat_template(tokenizer, prompt.tools)\n",
             ),
         ),
         ("tests/test_architecture.py::test_no_import_cycle",),
@@ -854,7 +854,7 @@ BREAKAGES = (
         "existence spells out the match",
         (
             Patch(
-                "kvsnap/runtime/request_cache.py",
+                "kvsnap/runtime/engine/request_cache.py",
                 "        capture_request_prefix(prefix, state, cache)\n",
                 "        pass\n",
             ),
@@ -890,7 +890,7 @@ BREAKAGES = (
         "is rounded below the whole warm prompt",
         (
             Patch(
-                "kvsnap/runtime/accounting.py",
+                "kvsnap/runtime/engine/accounting.py",
                 "told_exactly = max(state.own_cached_tokens, state.whole_shared_tokens)",
                 "told_exactly = state.own_cached_tokens",
             ),
@@ -904,7 +904,7 @@ BREAKAGES = (
         "exact length tells how far a request agrees with the operator's prompt",
         (
             Patch(
-                "kvsnap/runtime/prefix.py",
+                "kvsnap/runtime/cache/prefix.py",
                 "return max((n for n in ends if not self._entries[(None, tokens[:n])].inner), "
                 "default=0)",
                 "return max(ends, default=0)",
@@ -973,7 +973,9 @@ BREAKAGES = (
         "traceback, and rich tables exit 1 (a failed check)",
         (
             Patch(
-                "kvsnap/cli.py", "    except BrokenPipeError:\n", "    except ZeroDivisionError:\n"
+                "kvsnap/commands/cli.py",
+                "    except BrokenPipeError:\n",
+                "    except ZeroDivisionError:\n",
             ),
             Patch(
                 "kvsnap/commands/common.py",
@@ -995,7 +997,7 @@ BREAKAGES = (
         "closed stdout",
         (
             Patch(
-                "kvsnap/cli.py",
+                "kvsnap/commands/cli.py",
                 "        if not stdout_is_a_pipe():  # a terminal or a file cannot be closed by a "
                 "reader\n            raise\n",
                 "",
@@ -1206,7 +1208,7 @@ BREAKAGES = (
         "the chunking (issue 24)",
         (
             Patch(
-                "kvsnap/runtime/stop_strings.py",
+                "kvsnap/runtime/engine/stop_strings.py",
                 '        return StopScan(text[: min(hits)[1]], "", True)',
                 '        return StopScan(text[: min(start for _, start in hits)], "", True)',
             ),
@@ -1266,7 +1268,7 @@ BREAKAGES = (
         "head, and a hybrid sibling or edit restores from the grid point before the branch",
         (
             Patch(
-                "kvsnap/build.py",
+                "kvsnap/build/pipeline.py",
                 "                    out[who[0]].add(who[1])\n",
                 "                    pass\n",
             ),
@@ -1284,7 +1286,7 @@ BREAKAGES = (
         "finds no head there and re-prefills its whole tail",
         (
             Patch(
-                "kvsnap/build.py",
+                "kvsnap/build/pipeline.py",
                 "                if cell is None or has_part(self.store, BLOCK_KIND, cell.key):\n",
                 "                if cell is None:\n",
             ),
@@ -1301,7 +1303,7 @@ BREAKAGES = (
         "record is cut: the head shared with a sibling and the agent's tail are copied again",
         (
             Patch(
-                "kvsnap/runtime/warmup_entries.py",
+                "kvsnap/runtime/warmup/entries.py",
                 "        block_ends=tuple(end for _, _, end in info.chain.blocks) if info.chain "
                 "else (),\n",
                 "",
@@ -1318,7 +1320,7 @@ BREAKAGES = (
         "a rebuild does not check the stored checkpoints its restore does not read",
         (
             Patch(
-                "kvsnap/build.py",
+                "kvsnap/build/pipeline.py",
                 "                check_checkpoint(store, key, identity.digest, link.end, "
                 "link.prefix_digest)\n",
                 "                pass\n",
@@ -1336,7 +1338,7 @@ BREAKAGES = (
         "since",
         (
             Patch(
-                "kvsnap/runtime/writeback.py",
+                "kvsnap/runtime/persist/writeback.py",
                 "        plan.keep_stored(store, identity, tokens)\n",
                 "        pass\n",
             ),
@@ -1421,7 +1423,7 @@ BREAKAGES = (
         "kvsnap mlx-lm serve pins a snapshot built for another profile without a word",
         (
             Patch(
-                "kvsnap/integrations/mlx_lm_warm.py",
+                "kvsnap/integrations/mlx_lm/warm.py",
                 "        return _rendering(recorded_tokenization(info.recorded)) != "
                 "_rendering(server)\n",
                 "        return False\n",
@@ -1454,7 +1456,7 @@ BREAKAGES = (
         "the lookup of a prefix computed once for a batch is counted in /v1/status hits/misses",
         (
             Patch(
-                "kvsnap/runtime/request_cache.py",
+                "kvsnap/runtime/engine/request_cache.py",
                 "first.namespace, count=False\n",
                 "first.namespace\n",
             ),
@@ -1486,7 +1488,7 @@ BREAKAGES = (
         "a conversation's chain is cut on the grid only, not also where its agent's record ends",
         (
             Patch(
-                "kvsnap/runtime/engine.py",
+                "kvsnap/runtime/engine/engine.py",
                 "            persister.prefix = self.prefix\n",
                 "",
             ),
@@ -1499,7 +1501,7 @@ BREAKAGES = (
         "a re-warm re-indexes a persisted conversation (file-backed) as a warm entry",
         (
             Patch(
-                "kvsnap/runtime/rewarm.py",
+                "kvsnap/runtime/warmup/rewarm.py",
                 '        if e.source == "persisted":\n            continue',
                 '        if e.source == "persisted" and False:\n            continue',
             ),
@@ -1515,7 +1517,7 @@ BREAKAGES = (
         "every namespace's conversation records are keyed (and looked up) as the empty one's",
         (
             Patch(
-                "kvsnap/runtime/persist.py",
+                "kvsnap/runtime/persist/requests.py",
                 "        return conversation_digest(namespace_tag(self.secret, namespace))\n",
                 '        return conversation_digest(namespace_tag(self.secret, ""))\n',
             ),
@@ -1621,7 +1623,7 @@ BREAKAGES = (
         "reader then refuses)",
         (
             Patch(
-                "kvsnap/build.py",
+                "kvsnap/build/pipeline.py",
                 "    check_store_folders(store.root)\n",
                 "",
             ),
@@ -1725,7 +1727,7 @@ BREAKAGES = (
         "(what the budget and DELETE then cannot remove)",
         (
             Patch(
-                "kvsnap/runtime/persist.py",
+                "kvsnap/runtime/persist/requests.py",
                 "        check_store_folders(store.root)\n",
                 "        pass\n",
             ),
@@ -1840,7 +1842,7 @@ BREAKAGES = (
         "the conversation is never persisted again",
         (
             Patch(
-                "kvsnap/runtime/persist.py",
+                "kvsnap/runtime/persist/requests.py",
                 "        bad = self.writer.health.bad_parts()  # copied again, and rewritten\n",
                 "        bad = frozenset()\n",
             ),
@@ -1874,7 +1876,7 @@ BREAKAGES = (
         "ones too",
         (
             Patch(
-                "kvsnap/runtime/writeback.py",
+                "kvsnap/runtime/persist/writeback.py",
                 "        plan=ChainPlan(check_stored=True),\n",
                 "        plan=ChainPlan(),\n",
             ),
@@ -1888,7 +1890,7 @@ BREAKAGES = (
         "record of the conversation is not tried)",
         (
             Patch(
-                "kvsnap/runtime/persist.py",
+                "kvsnap/runtime/persist/requests.py",
                 "                    self._unreadable(key, n, exc)\n",
                 "                    return None\n",
             ),
@@ -1923,7 +1925,7 @@ BREAKAGES = (
         "hybrid's own bad checkpoint is never rewritten: BAD for good)",
         (
             Patch(
-                "kvsnap/runtime/persist.py",
+                "kvsnap/runtime/persist/requests.py",
                 "                _remember(self.failed_loads, info.key, info.n_tokens)\n",
                 "                pass\n",
             ),
@@ -1940,7 +1942,7 @@ BREAKAGES = (
         "stays young and hides a shorter sound one",
         (
             Patch(
-                "kvsnap/runtime/persist.py",
+                "kvsnap/runtime/persist/requests.py",
                 "            check_data(path, read_header(path))\n",
                 "            read_header(path)\n",
             ),
@@ -1957,7 +1959,7 @@ BREAKAGES = (
         "prefix its file name's key promised",
         (
             Patch(
-                "kvsnap/runtime/persist.py",
+                "kvsnap/runtime/persist/requests.py",
                 "            or tuple(info.tokens) != tuple(tokens[:n])\n",
                 "",
             ),
@@ -1970,7 +1972,7 @@ BREAKAGES = (
         "the vllm-mlx route persists only vllm-mlx's prompt + reply entry, not its prompt-only cut",
         (
             Patch(
-                "kvsnap/integrations/vllm_mlx_persist.py",
+                "kvsnap/integrations/vllm_mlx/persist.py",
                 "        if 0 < n_prompt < n:\n",
                 "        if False:\n",
             ),
@@ -1988,7 +1990,7 @@ BREAKAGES = (
         "DELETE /v1/cache/prefix under kvsnap vllm-mlx serve clears memory only",
         (
             Patch(
-                "kvsnap/integrations/vllm_mlx_session.py",
+                "kvsnap/integrations/vllm_mlx/session.py",
                 '                answer["persisted_removed"] = await session.purge_persisted()\n',
                 '                answer["persisted_removed"] = 0\n',
             ),
@@ -2005,7 +2007,7 @@ BREAKAGES = (
         "model's own cache",
         (
             Patch(
-                "kvsnap/integrations/vllm_mlx_persist.py",
+                "kvsnap/integrations/vllm_mlx/persist.py",
                 "            state = checked_state(self.persister.store, info, self.identity, "
                 "self.shapes)\n",
                 "            from kvsnap.snapshot.codec import decode_cache\n\n"
@@ -2027,7 +2029,7 @@ BREAKAGES = (
         "vllm-mlx's add_request",
         (
             Patch(
-                "kvsnap/integrations/vllm_mlx_persist.py",
+                "kvsnap/integrations/vllm_mlx/persist.py",
                 "        except (KvsnapError, OSError, ValueError, RuntimeError) as exc:\n",
                 "        except (KvsnapError, OSError) as exc:\n",
             ),

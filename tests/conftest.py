@@ -55,7 +55,7 @@ class DemoModels:
 
     def load(self, name: str, **settings):
         from kvsnap.key import KVSettings
-        from kvsnap.runtime.modeling import load_model
+        from kvsnap.runtime.model.loading import load_model
 
         key = (name, tuple(sorted(settings.items())))
         if key not in self._loaded:

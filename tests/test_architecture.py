@@ -22,16 +22,15 @@ BASE = {
     "kvsnap.key",
     "kvsnap.chat",
     "kvsnap.prompts",
+    "kvsnap.profiles",
     "kvsnap.blas",
     "kvsnap.faults",
     "kvsnap.snapshot.format",
 }
-LAYERS = ("snapshot", "store", "runtime", "http", "tools", "integrations")
-APPS = {"kvsnap.build", "kvsnap.cli", "kvsnap.__main__"}
-CLI = (
-    "kvsnap.cli",
-    "kvsnap.commands",
-)  # the command line: its parser and its command implementations
+LAYERS = ("snapshot", "store", "runtime", "http", "build", "tools", "integrations", "commands")
+APPS = {"kvsnap.__main__"}
+# The command line: its parser and its command implementations; only __main__ imports it.
+CLI = ("kvsnap.commands",)
 
 # importer prefix -> imported prefixes it must never reach
 FORBIDDEN = {
@@ -40,7 +39,7 @@ FORBIDDEN = {
         "kvsnap.runtime",
         "kvsnap.http",
         "kvsnap.build",
-        "kvsnap.cli",
+        "kvsnap.commands",
         "kvsnap.tools",
         "kvsnap.integrations",
     ),
@@ -48,28 +47,24 @@ FORBIDDEN = {
         "kvsnap.runtime",
         "kvsnap.http",
         "kvsnap.build",
-        "kvsnap.cli",
+        "kvsnap.commands",
         "kvsnap.tools",
         "kvsnap.integrations",
     ),
     "kvsnap.runtime": (
         "kvsnap.build",
-        "kvsnap.cli",
+        "kvsnap.commands",
         "kvsnap.http",
         "kvsnap.tools",
         "kvsnap.integrations",
     ),
-    "kvsnap.http": ("kvsnap.build", "kvsnap.cli", "kvsnap.tools", "kvsnap.integrations"),
-    "kvsnap.integrations": (
-        "kvsnap.store.oci",
-        "kvsnap.build",
-        "kvsnap.cli",
-        "kvsnap.tools",
-    ),  # remote stores through the scheme seam
-    "kvsnap.tools": ("kvsnap.cli",),
-    "kvsnap.build": ("kvsnap.http", "kvsnap.cli", "kvsnap.tools", "kvsnap.integrations"),
+    "kvsnap.http": ("kvsnap.build", "kvsnap.commands", "kvsnap.tools", "kvsnap.integrations"),
+    # remote stores go through the scheme seam (store/remote.py)
+    "kvsnap.integrations": ("kvsnap.store.oci", "kvsnap.build", "kvsnap.commands", "kvsnap.tools"),
+    "kvsnap.tools": ("kvsnap.commands",),
+    "kvsnap.build": ("kvsnap.http", "kvsnap.commands", "kvsnap.tools", "kvsnap.integrations"),
 }
-BASE_FORBIDDEN = tuple(f"kvsnap.{layer}" for layer in LAYERS) + ("kvsnap.build", "kvsnap.cli")
+BASE_FORBIDDEN = tuple(f"kvsnap.{layer}" for layer in LAYERS)
 
 
 def module_name(path: Path) -> str:
@@ -107,7 +102,7 @@ def layer_of(name: str) -> str:
     if name in BASE or name in APPS:
         return name
     if any(reaches(name, p) for p in CLI):
-        return "kvsnap.cli"
+        return "kvsnap.commands"
     for layer in LAYERS:
         if reaches(name, f"kvsnap.{layer}"):
             return f"kvsnap.{layer}"
@@ -124,7 +119,7 @@ def violations() -> list[str]:
             elif (
                 any(reaches(imported, p) for p in CLI)
                 and name != "kvsnap.__main__"
-                and layer_of(name) != "kvsnap.cli"
+                and layer_of(name) != "kvsnap.commands"
             ):
                 found.append(f"{name} -> {imported} (only kvsnap.__main__ may import the CLI)")
     return sorted(set(found))
@@ -146,24 +141,24 @@ def test_no_forbidden_arrow():
     "source, importer, arrow",
     [
         (
-            "from kvsnap.build import build_snapshots\n",
-            "kvsnap/runtime/engine.py",
-            "kvsnap.runtime.engine -> kvsnap.build",
+            "from kvsnap.build.pipeline import build_snapshots\n",
+            "kvsnap/runtime/engine/engine.py",
+            "kvsnap.runtime.engine.engine -> kvsnap.build.pipeline",
         ),
         (
-            "def f():\n    from kvsnap.cli import main\n",
+            "def f():\n    from kvsnap.commands.cli import main\n",
             "kvsnap/tools/quickstart.py",
-            "kvsnap.tools.quickstart -> kvsnap.cli",
+            "kvsnap.tools.quickstart -> kvsnap.commands.cli",
         ),
         (
             "from kvsnap.store import oci\n",
-            "kvsnap/integrations/vllm_mlx.py",
-            "kvsnap.integrations.vllm_mlx -> kvsnap.store.oci",
+            "kvsnap/integrations/vllm_mlx/launcher.py",
+            "kvsnap.integrations.vllm_mlx.launcher -> kvsnap.store.oci",
         ),
         (
-            "from ..runtime.prefix import PrefixCache\n",
+            "from ..runtime.cache.prefix import PrefixCache\n",
             "kvsnap/store/local.py",
-            "kvsnap.store.local -> kvsnap.runtime.prefix",
+            "kvsnap.store.local -> kvsnap.runtime.cache.prefix",
         ),
     ],
 )
@@ -247,21 +242,21 @@ def test_the_cycle_check_names_each_cycle(graph, expected):
 def test_the_cycle_check_sees_a_lazy_import_that_closes_a_cycle(monkeypatch):
     """prefill is imported by warmup; a lazy import of warmup inside prefill closes a cycle."""
     real = Path.read_text
-    target = PACKAGE / "runtime" / "prefill.py"
-    lazy = "\ndef _breakage():\n    from kvsnap.runtime.warmup import run_warmup\n"
+    target = PACKAGE / "runtime" / "prefill" / "chunked.py"
+    lazy = "\ndef _breakage():\n    from kvsnap.runtime.warmup.run import run_warmup\n"
 
     def patched(self, *a, **k):
         return real(self, *a, **k) + (lazy if self == target else "")
 
     monkeypatch.setattr(Path, "read_text", patched)
     cycles = import_cycles(import_graph())
-    pair = {"kvsnap.runtime.prefill", "kvsnap.runtime.warmup"}
+    pair = {"kvsnap.runtime.prefill.chunked", "kvsnap.runtime.warmup.run"}
     assert any(pair <= set(cycle) for cycle in cycles), cycles
 
 
 # warm prompt -> prefix tokens (warm_prefix) and prompt digest (prompt_identity): composed in one
 # place, so build writes exactly the key each server's warm-up looks up.
-WARM_KEY_OWNER = "kvsnap.runtime.warm_recipe"
+WARM_KEY_OWNER = "kvsnap.runtime.warmup.recipe"
 WARM_KEY_STEPS = ("prompt_identity", "warm_prefix")
 
 
@@ -284,14 +279,14 @@ def test_only_warm_key_turns_a_warm_prompt_into_tokens_digest_and_key():
 
 def test_the_owner_check_sees_a_second_composer(monkeypatch):
     real = Path.read_text
-    target = PACKAGE / "build.py"
+    target = PACKAGE / "build" / "pipeline.py"
     extra = "\ndef _breakage(tok, p):\n    return kvsnap.prompts.warm_prefix(tok, p)\n"
 
     def patched(self, *a, **k):
         return real(self, *a, **k) + (extra if self == target else "")
 
     monkeypatch.setattr(Path, "read_text", patched)
-    assert warm_key_step_callers() == ["kvsnap.build calls warm_prefix"]
+    assert warm_key_step_callers() == ["kvsnap.build.pipeline calls warm_prefix"]
 
 
 def declared_dependencies() -> dict[str, str]:

@@ -36,7 +36,7 @@ AGENTS = [
 
 def build_store(lm, root: Path, agents: list, agents_file: Path | None = None) -> Path:
     """What `kvsnap build AGENTS --model M --out ROOT` does, in-process (the model stays loaded)."""
-    from kvsnap.build import build_snapshots
+    from kvsnap.build.pipeline import build_snapshots
     from kvsnap.prompts import load_warm_prompts
 
     agents_file = agents_file or root.parent / f"{root.name}-agents.json"
@@ -348,8 +348,9 @@ def test_shipping_modules_do_not_import_mlx():
     import sys
 
     code = (
-        "import sys, kvsnap.store.archive, kvsnap.store.oci, kvsnap.cli; heavy = [m for m in "
-        "sys.modules if m.split('.')[0] in ('mlx', 'mlx_lm', 'transformers')]; assert not heavy, "
+        "import sys, kvsnap.store.archive, kvsnap.store.oci, kvsnap.commands.cli; "
+        "heavy = [m for m in sys.modules if m.split('.')[0] in ('mlx', 'mlx_lm', 'transformers')]; "
+        "assert not heavy, "
         "heavy"
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

@@ -11,8 +11,8 @@ from kvsnap.blas import find_openblas
 
 MODULES = [
     "kvsnap.snapshot.codec",
-    "kvsnap.runtime.warmup",
-    "kvsnap.runtime.sampling",
+    "kvsnap.runtime.warmup.run",
+    "kvsnap.runtime.engine.sampling",
 ]  # the modules that import mlx at load time
 
 
@@ -41,7 +41,7 @@ def test_regression_snapshot_prefetch_imported_mlx_before_openblas(demo_models, 
     server started with --kv-snapshots decoded on reference BLAS (TPOT 0.8 s against 0.3 s)."""
     (tmp_path / "snaps" / "snapshots").mkdir(parents=True)
     code = (
-        "from kvsnap.runtime.engine import Engine, EngineConfig; "
+        "from kvsnap.runtime.engine.engine import Engine, EngineConfig; "
         f"e = Engine(EngineConfig(model={str(demo_models.path('dense'))!r}, "
         f"snapshots={str(tmp_path / 'snaps')!r})); "
         "e.start(); e.wait_warm(120); print('libopenblas' in open('/proc/self/maps').read()); "

@@ -24,7 +24,7 @@ from conftest import run_kvsnap
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvsnap.build import build_snapshots
+from kvsnap.build.pipeline import build_snapshots
 from kvsnap.prompts import load_warm_prompts
 from kvsnap.snapshot.blocks import BlockSettings, _lcp, plan_cuts
 from kvsnap.snapshot.file import read_header

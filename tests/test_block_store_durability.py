@@ -12,7 +12,7 @@ import json
 import os
 from pathlib import Path
 
-from kvsnap.build import build_snapshots
+from kvsnap.build.pipeline import build_snapshots
 from kvsnap.prompts import load_warm_prompts
 from kvsnap.snapshot.blocks import BlockSettings
 from kvsnap.store.local import Store

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from kvsnap.build import build_snapshots
+from kvsnap.build.pipeline import build_snapshots
 from kvsnap.errors import SnapshotError
 from kvsnap.prompts import load_warm_prompts
 from kvsnap.snapshot.blocks import BlockSettings

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvsnap.build import build_snapshots
+from kvsnap.build.pipeline import build_snapshots
 from kvsnap.errors import SnapshotError
 from kvsnap.prompts import load_warm_prompts
 from kvsnap.snapshot.blocks import BlockSettings, _lcp, branch_points, plan_cuts

@@ -240,7 +240,7 @@ def _info(path: Path, layers: list) -> SnapshotInfo:
 
 
 def test_the_warm_up_refuses_an_unknown_class_as_a_rejected_snapshot(tmp_path):
-    from kvsnap.runtime.warmup_entries import make_entry
+    from kvsnap.runtime.warmup.entries import make_entry
 
     store = Store.open(tmp_path / "s", create=True)
     path = tmp_path / "s" / "snapshots" / "x.safetensors"
@@ -259,7 +259,7 @@ def test_the_warm_up_refuses_an_unknown_class_as_a_rejected_snapshot(tmp_path):
 
 
 def test_the_warm_up_indexes_a_rotating_snapshot_past_its_window_as_untrimmable(tmp_path):
-    from kvsnap.runtime.warmup_entries import make_entry
+    from kvsnap.runtime.warmup.entries import make_entry
 
     store = Store.open(tmp_path / "s", create=True)
     _, past = encode_cache(_fed([RotatingKVCache(max_size=8), KVCache()], n=N), list(range(N)))
@@ -278,7 +278,7 @@ def test_a_model_whose_cache_holds_an_unknown_class_is_refused_at_load(
     nested, demo_models, monkeypatch
 ):
     from kvsnap.errors import ModelError
-    from kvsnap.runtime.modeling import load_model
+    from kvsnap.runtime.model.loading import load_model
 
     def make_prompt_cache(model, max_kv_size=None):
         layer = CacheList(KVCache(), PagedKVCache()) if nested else PagedKVCache()
@@ -296,6 +296,6 @@ def test_a_model_whose_cache_holds_an_unknown_class_is_refused_at_load(
 
 
 def test_a_model_with_known_cache_classes_loads(demo_models):
-    from kvsnap.runtime.modeling import load_model
+    from kvsnap.runtime.model.loading import load_model
 
     assert load_model(demo_models.path("hybrid")).layout

@@ -161,7 +161,7 @@ def test_a_checkpoint_inside_a_warm_prompt_is_not_a_whole_warm_prompt():
     """Only whole warm prompts lift the rounded count: a checkpoint inside one (a hybrid model's
     restart point, or where two warm prompts diverge) is a partial match of it, and its exact
     length would tell how far the request agrees with the operator's prompt. No model."""
-    from kvsnap.runtime.prefix import Entry, PrefixCache
+    from kvsnap.runtime.cache.prefix import Entry, PrefixCache
 
     cache = PrefixCache(max_bytes=1000, copy_state=list, trim_state=lambda s, n: s[: len(s) - n])
     for tokens, inner in ((range(1, 6), False), (range(1, 11), True), (range(1, 21), False)):

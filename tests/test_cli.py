@@ -31,7 +31,7 @@ def _check():
         os._exit(99)
 atexit.register(_check)
 sys.argv = ['kvsnap'] + sys.argv[1:]
-from kvsnap.cli import main
+from kvsnap.commands.cli import main
 sys.exit(main())
 """
 
@@ -121,9 +121,9 @@ def test_help_ls_verify_inspect_gc_do_not_import_mlx(light, base):
 
 
 def test_cli_docstring_documents_exit_code_1_for_invalid_or_failed_entries():
-    import kvsnap.cli
+    import kvsnap.commands.cli
 
-    doc = " ".join(kvsnap.cli.__doc__.split())
+    doc = " ".join(kvsnap.commands.cli.__doc__.split())
     assert re.search(
         r"1 a check found bad files \(verify\), or some warm-prompt entries were invalid or failed "
         r"to build",
@@ -316,7 +316,7 @@ def test_verify_names_every_bad_file_with_its_reason_and_passes_the_good_ones(li
 def test_verify_with_model_rejects_a_snapshot_of_another_seed(
     light, dense, demo_models, store_copy, model_dir, env, tmp_path
 ):
-    from kvsnap.runtime.modeling import load_model
+    from kvsnap.runtime.model.loading import load_model
     from kvsnap.tools.demo import DemoSpec, make_demo_model
 
     other = load_model(make_demo_model(demo_models.root / "dense-seed1", DemoSpec(seed=1)))

@@ -156,7 +156,7 @@ def test_a_pipe_closed_before_any_output_ends_every_command_quietly(
 def test_a_broken_pipe_that_is_not_stdout_is_not_hidden(monkeypatch, tmp_path):
     """Only a reader of stdout can close it early: a BrokenPipeError from anything else (a
     socket, a child's stdin) while stdout is a file is a real failure, raised as it is."""
-    from kvsnap import cli
+    from kvsnap.commands import cli
     from kvsnap.commands import store
 
     def cmd_ls(args):
@@ -222,7 +222,7 @@ def test_columns_still_sets_the_width_of_piped_output(long_store, tmp_path):
 
 
 def test_serve_takes_the_model_as_a_flag_or_as_the_positional():
-    from kvsnap.cli import build_parser
+    from kvsnap.commands.cli import build_parser
     from kvsnap.commands.serve import served_model
 
     parser = build_parser()

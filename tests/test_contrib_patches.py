@@ -31,8 +31,11 @@ MLX_LM_PATCH = ROOT / "contrib" / "mlx-lm" / "0001-server-kv-snapshots.patch"
 VLLM_MLX_PATCH = ROOT / "contrib" / "vllm-mlx" / "0001-serve-kv-snapshots.patch"
 # The kvsnap names each patch may use: one function (and, for vllm-mlx, the error it raises).
 PATCH_CALLS = {
-    MLX_LM_PATCH: {"kvsnap.integrations.mlx_lm_warm.warm_prompt_cache"},
-    VLLM_MLX_PATCH: {"kvsnap.integrations.vllm_mlx.use_kv_snapshots", "kvsnap.errors.KvsnapError"},
+    MLX_LM_PATCH: {"kvsnap.integrations.mlx_lm.warm.warm_prompt_cache"},
+    VLLM_MLX_PATCH: {
+        "kvsnap.integrations.vllm_mlx.launcher.use_kv_snapshots",
+        "kvsnap.errors.KvsnapError",
+    },
 }
 
 

@@ -115,9 +115,9 @@ def test_family_generates_with_mlx_lm_and_its_snapshot_answers_like_a_cold_prefi
     from mlx_lm import generate, load
     from mlx_lm.models.cache import make_prompt_cache
 
-    from kvsnap.build import build_snapshots
+    from kvsnap.build.pipeline import build_snapshots
     from kvsnap.prompts import parse_warm_prompts
-    from kvsnap.runtime.modeling import load_model
+    from kvsnap.runtime.model.loading import load_model
     from kvsnap.snapshot.codec import decode_cache
     from kvsnap.store.local import Store
 
@@ -190,7 +190,7 @@ def test_family_configs_are_what_the_hub_ships(family_models):
 
 
 def test_family_cache_layouts(family_models):
-    from kvsnap.runtime.modeling import load_model
+    from kvsnap.runtime.model.loading import load_model
 
     assert load_model(family_models["moe-q4"]).layout == (
         "ArraysCache",
@@ -248,7 +248,7 @@ def test_text_outputs_models_never_pick_a_special_or_partial_utf8_token(tmp_path
 
     from mlx_lm.models.cache import make_prompt_cache
 
-    from kvsnap.runtime.modeling import load_model
+    from kvsnap.runtime.model.loading import load_model
 
     path = make_demo_model(
         tmp_path / "m", DemoSpec(arch="llama", quantize_bits=4, text_outputs=True)

@@ -92,7 +92,7 @@ def test_mlx_lm_docs_never_run_the_server_the_way_mlx_lm_calls_deprecated():
 
 
 def test_vllm_mlx_md_says_how_kv_snapshots_sits_beside_its_ssd_cache_and_metrics():
-    from kvsnap.integrations.vllm_mlx_session import STATUS_PATH
+    from kvsnap.integrations.vllm_mlx.session import STATUS_PATH
 
     said = section("vllm-mlx.md", "Beside vllm-mlx's own `--ssd-cache-dir`")
     for words in ("--ssd-cache-dir", "--enable-metrics", "Both can be on at once", STATUS_PATH):

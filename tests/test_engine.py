@@ -44,12 +44,12 @@ def warm_entry(engine, tokens):
     )
 
 
-# --- worlds: a model, its agents file and a store built by kvsnap.build ---------------
+# --- worlds: a model, its agents file and a store built by kvsnap.build.pipeline ---------------
 
 
 class World:
     def __init__(self, demo_models, root: Path, name: str, agents=AGENTS, **settings):
-        from kvsnap.build import build_snapshots
+        from kvsnap.build.pipeline import build_snapshots
         from kvsnap.prompts import parse_warm_prompts
         from kvsnap.store.local import Store
 
@@ -95,7 +95,7 @@ class Engines:
     def start(
         self, world: World, warm: bool = True, snapshots: Path | str | None = "store", **config
     ):
-        from kvsnap.runtime.engine import Engine, EngineConfig
+        from kvsnap.runtime.engine.engine import Engine, EngineConfig
 
         if snapshots == "store":
             snapshots = world.store
@@ -184,7 +184,7 @@ def oracle(worlds, module_engines):
 
 
 def submit(engine, tokens, max_tokens: int = MAX_TOKENS, on_event=None):
-    from kvsnap.runtime.engine import GenerationRequest
+    from kvsnap.runtime.engine.engine import GenerationRequest
 
     return engine.submit(
         GenerationRequest(tokens=list(tokens), max_tokens=max_tokens),
@@ -230,7 +230,7 @@ def assert_served_from_the_exact_snapshot_state(engine, warm, tokens) -> None:
     """
     import mlx.core as mx
 
-    from kvsnap.runtime.prefill import prefill_in_blocks
+    from kvsnap.runtime.prefill.chunked import prefill_in_blocks
     from kvsnap.snapshot.codec import encode_cache
 
     warm = tuple(warm)
@@ -249,7 +249,7 @@ def assert_served_from_the_exact_snapshot_state(engine, warm, tokens) -> None:
         )
         ends = [end for _, _, end in info.chain.blocks] if info is not None else [len(warm)]
         fresh, _ = encode_cache(prefill_in_blocks(lm, warm, ends), warm)
-        from kvsnap.runtime.composed import ComposedState
+        from kvsnap.runtime.cache.composed import ComposedState
 
         entry = warm_entry(engine, warm)
         copy = engine.prefix.copy_state(entry.state)
@@ -397,9 +397,9 @@ def _flip_data_byte(path: Path) -> None:
 @pytest.fixture(scope="module")
 def foreign_store(demo_models, tmp_path_factory, digest_dir):
     """Snapshots of the same warm prompts for another dense demo model (other seed, same arch)."""
-    from kvsnap.build import build_snapshots
+    from kvsnap.build.pipeline import build_snapshots
     from kvsnap.prompts import parse_warm_prompts
-    from kvsnap.runtime.modeling import load_model
+    from kvsnap.runtime.model.loading import load_model
     from kvsnap.store.local import Store
     from kvsnap.tools.demo import DemoSpec, make_demo_model
 
@@ -493,7 +493,7 @@ def test_a_corrupt_snapshot_loaded_lazily_is_rejected_on_first_hit(
 
 def test_computed_tokens_come_from_mlx_lm_counter(worlds, engines):
     """The engine-wide counter moves by exactly the suffix the model ran, padding excluded."""
-    from kvsnap.runtime.accounting import prompt_counter
+    from kvsnap.runtime.engine.accounting import prompt_counter
 
     world = worlds("dense")
     engine = engines.start(world)
@@ -709,7 +709,7 @@ def test_warm_prompts_without_snapshots_are_prefilled_written_back_and_loaded_ne
 def test_a_read_only_store_serves_and_says_it_cannot_write_back(
     how, worlds, engines, oracle, tmp_path
 ):
-    from kvsnap.runtime.engine import Engine, EngineConfig
+    from kvsnap.runtime.engine.engine import Engine, EngineConfig
     from kvsnap.store.local import Store
 
     world = worlds("dense")

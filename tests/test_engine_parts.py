@@ -10,11 +10,17 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from kvsnap.runtime.accounting import COUNTED, MEASURED, TokenAccounts, cache_stats, prompt_counter
-from kvsnap.runtime.engine_types import GenerationRequest, RequestState
-from kvsnap.runtime.request_output import deliver_token, finish_request
-from kvsnap.runtime.scheduler import Scheduler, uses_batching
-from kvsnap.runtime.stop_strings import scan_stop_strings
+from kvsnap.runtime.engine.accounting import (
+    COUNTED,
+    MEASURED,
+    TokenAccounts,
+    cache_stats,
+    prompt_counter,
+)
+from kvsnap.runtime.engine.request_output import deliver_token, finish_request
+from kvsnap.runtime.engine.scheduler import Scheduler, uses_batching
+from kvsnap.runtime.engine.stop_strings import scan_stop_strings
+from kvsnap.runtime.engine.types import GenerationRequest, RequestState
 
 # --- stop strings --------------------------------------------------------------------
 
@@ -206,7 +212,7 @@ def test_cache_stats_before_and_after_the_prefix_cache_exists():
         cache_stats(None, 64.0)["entry_count"] == 0
         and cache_stats(None, 64.0)["max_memory_mb"] == 64.0
     )
-    from kvsnap.runtime.prefix import Entry, PrefixCache
+    from kvsnap.runtime.cache.prefix import Entry, PrefixCache
 
     prefix = PrefixCache(max_bytes=10**9, copy_state=list, trim_state=lambda s, n: s)
     assert cache_stats(prefix, 1.0)["hit_rate"] == 0.0  # empty (and falsy), yet a real cache
@@ -308,8 +314,8 @@ def test_quantized_kv_or_batching_off_runs_one_at_a_time(continuous, kv_bits, ba
 
 
 def test_a_clear_during_a_rewarm_is_coalesced_and_the_warm_set_comes_back_one_read_per_step():
-    from kvsnap.runtime.prefix import Entry, PrefixCache
-    from kvsnap.runtime.rewarm import Rewarmer
+    from kvsnap.runtime.cache.prefix import Entry, PrefixCache
+    from kvsnap.runtime.warmup.rewarm import Rewarmer
 
     reads = []
 
@@ -376,8 +382,8 @@ def test_a_rewarm_drops_a_tenants_persisted_conversation_and_never_shares_it_iss
     """A persisted conversation is backed by a file like a snapshot, but it is a request
     prefix of one namespace: a clear drops it (the DELETE removes its file too), and the
     re-warm must never put it back as a warm entry (namespace None: shared by everyone)."""
-    from kvsnap.runtime.prefix import Entry, PrefixCache
-    from kvsnap.runtime.rewarm import Rewarmer
+    from kvsnap.runtime.cache.prefix import Entry, PrefixCache
+    from kvsnap.runtime.warmup.rewarm import Rewarmer
 
     prefix = PrefixCache(max_bytes=10**6, copy_state=list, trim_state=lambda s, n: s)
     prefix.add(

@@ -31,7 +31,7 @@ from test_vllm_mlx import _ask as vllm_ask
 from test_vllm_mlx import _launch as vllm_launch
 from test_vllm_mlx import _plan as warm_plan
 
-from kvsnap.runtime.prefetch import context_tokens
+from kvsnap.runtime.warmup.prefetch import context_tokens
 from kvsnap.store.local import Store
 
 SHAPE_WHY = "this model's cache holds float32[1, 2, T, 64]"
@@ -124,7 +124,7 @@ def forged_store(demo_models, tmp_path_factory) -> dict:
 def test_regression_vllm_mlx_insert_skips_a_forged_snapshot_and_inserts_the_good_one(
     forged_store, demo_models
 ):
-    from kvsnap.integrations.vllm_mlx_insert import insert_snapshots
+    from kvsnap.integrations.vllm_mlx.insert import insert_snapshots
 
     lm = demo_models.load("dense")
     cache = FakePrefixCache(min_prefix_tokens=1)
@@ -164,8 +164,8 @@ def test_regression_vllm_mlx_warm_plan_prefills_an_agent_whose_snapshot_is_forge
 
 
 def test_regression_mlx_lm_pin_store_skips_a_forged_snapshot(forged_store, demo_models):
-    from kvsnap.integrations.mlx_lm_cache import PinnedPromptCache
-    from kvsnap.integrations.mlx_lm_warm import pin_store
+    from kvsnap.integrations.mlx_lm.cache import PinnedPromptCache
+    from kvsnap.integrations.mlx_lm.warm import pin_store
     from kvsnap.key import DigestCache
 
     lm = demo_models.load("dense")
@@ -197,7 +197,7 @@ def _over_context(too_long: dict) -> str:
 
 
 def test_regression_vllm_mlx_insert_refuses_a_record_longer_than_the_context(too_long, demo_models):
-    from kvsnap.integrations.vllm_mlx_insert import insert_snapshots
+    from kvsnap.integrations.vllm_mlx.insert import insert_snapshots
 
     lm = demo_models.load("dense")
     report = insert_snapshots(
@@ -215,8 +215,8 @@ def test_regression_vllm_mlx_insert_refuses_a_record_longer_than_the_context(too
 def test_regression_mlx_lm_pin_store_refuses_a_record_longer_than_the_context(
     too_long, demo_models
 ):
-    from kvsnap.integrations.mlx_lm_cache import PinnedPromptCache
-    from kvsnap.integrations.mlx_lm_warm import pin_store
+    from kvsnap.integrations.mlx_lm.cache import PinnedPromptCache
+    from kvsnap.integrations.mlx_lm.warm import pin_store
     from kvsnap.key import DigestCache
 
     lm = demo_models.load("dense")
@@ -234,8 +234,8 @@ def test_regression_warm_plans_never_take_a_record_longer_than_the_context_for_t
     """With the agent's own record gone, the too-long record named like it used to be read as a
     candidate (and named in a 'built for another rendering' warning); the bounded scan never
     returns it, so the agent is simply prefilled."""
-    from kvsnap.integrations.mlx_lm_profile import mlx_lm_tokenization
-    from kvsnap.integrations.mlx_lm_warm import MlxLmWarmPlan
+    from kvsnap.integrations.mlx_lm.profile import mlx_lm_tokenization
+    from kvsnap.integrations.mlx_lm.warm import MlxLmWarmPlan
 
     root = tmp_path / "store"
     shutil.copytree(too_long["root"], root)
@@ -257,7 +257,7 @@ def test_regression_warm_plans_never_take_a_record_longer_than_the_context_for_t
 
 
 def _pins():
-    from kvsnap.integrations.mlx_lm_cache import PinnedPromptCache
+    from kvsnap.integrations.mlx_lm.cache import PinnedPromptCache
 
     return PinnedPromptCache(4)
 

@@ -17,7 +17,7 @@ from test_archive import build_store
 from test_store_safety import no_traceback, run_kvsnap_in_1gib
 
 from kvsnap.key import KVSettings, ModelIdentity
-from kvsnap.runtime.prefetch import context_tokens, prefetch
+from kvsnap.runtime.warmup.prefetch import context_tokens, prefetch
 from kvsnap.snapshot.file import CHECKSUM_KEY, OutTensor, read_header, write_snapshot
 from kvsnap.snapshot.format import snapshot_filename
 from kvsnap.snapshot.header import MAX_TOKENS, key_of, tokens_digest_of_bytes

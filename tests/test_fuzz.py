@@ -111,7 +111,7 @@ def app_client(demo_models, tmp_path_factory):
     from fastapi.testclient import TestClient
 
     from kvsnap.http.server import ServerConfig, create_app
-    from kvsnap.runtime.engine import Engine, EngineConfig
+    from kvsnap.runtime.engine.engine import Engine, EngineConfig
 
     engine = Engine(EngineConfig(model=str(demo_models.path("dense")), continuous_batching=True))
     app = create_app(

@@ -379,7 +379,7 @@ def test_warm_up_of_many_prompts_respects_concurrency_and_memory_budget(
 ):
     from kvsnap.chat import request_tokens
     from kvsnap.prompts import parse_warm_prompts
-    from kvsnap.runtime.engine import Engine, EngineConfig, GenerationRequest
+    from kvsnap.runtime.engine.engine import Engine, EngineConfig, GenerationRequest
 
     monkeypatch.setenv("KVSNAP_CACHE_DIR", str(tmp_path / "cache"))
     systems = [f"Agent {i}. " + SYSTEMS[i % 4] * 2 for i in range(8)]

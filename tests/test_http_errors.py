@@ -18,9 +18,9 @@ SECRET = "/home/alice/agents/secret-prompt.txt"
 def failing_app(demo_models, tmp_path, monkeypatch):
     from fastapi.testclient import TestClient
 
-    import kvsnap.runtime.request_cache as request_cache
+    import kvsnap.runtime.engine.request_cache as request_cache
     from kvsnap.http.server import ServerConfig, create_app
-    from kvsnap.runtime.engine import Engine, EngineConfig
+    from kvsnap.runtime.engine.engine import Engine, EngineConfig
 
     def fail(*args, **kwargs):
         raise RuntimeError(f"cannot read {SECRET}")

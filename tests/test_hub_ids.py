@@ -22,7 +22,7 @@ from conftest import LONG_SYSTEM, run_kvsnap
 
 from kvsnap.errors import ModelError, UsageError
 from kvsnap.key import DigestCache, KVSettings, hash_file, hub_blob_sha256, model_identity
-from kvsnap.runtime.model_source import HUB_ALLOW_PATTERNS, ResolvedModel, resolve_model
+from kvsnap.runtime.model.source import HUB_ALLOW_PATTERNS, ResolvedModel, resolve_model
 from kvsnap.tools.serverproc import free_port, start_server
 
 REPO = "org/tiny-chat"
@@ -284,7 +284,7 @@ def guard(event, args):
     if event in ("socket.connect", "socket.getaddrinfo"):
         raise RuntimeError(f"network use: {{event}} {{args[:2]}}")
 sys.addaudithook(guard)
-from kvsnap.runtime.model_source import resolve_model
+from kvsnap.runtime.model.source import resolve_model
 print(resolve_model({REPO!r}, "v2").commit)
 """
     env = {
@@ -306,7 +306,7 @@ def guard(event, args):
     if event in ("socket.connect", "socket.getaddrinfo"):
         raise RuntimeError(f"network use: {{event}} {{args[:2]}}")
 sys.addaudithook(guard)
-from kvsnap.runtime.modeling import load_model
+from kvsnap.runtime.model.loading import load_model
 lm = load_model({str(models["a"])!r})
 offline = [k for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE") if k in os.environ]
 assert not offline, offline

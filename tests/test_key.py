@@ -102,7 +102,7 @@ def test_flipping_a_tokenizer_byte_changes_the_key(model_copy):
 def test_editing_the_template_changes_the_key_through_the_tokens_and_the_template_digest(
     model_copy,
 ):
-    from kvsnap.runtime.modeling import load_model
+    from kvsnap.runtime.model.loading import load_model
 
     def key_of(path):
         lm = load_model(path)

@@ -47,7 +47,7 @@ def _kv(n_tokens: int, seed: int = 0):
 def test_pinned_warm_entries_survive_size_bytes_and_prefix_eviction_and_are_private_copies():
     import mlx.core as mx
 
-    from kvsnap.integrations.mlx_lm_cache import PinnedPromptCache
+    from kvsnap.integrations.mlx_lm.cache import PinnedPromptCache
 
     cache = PinnedPromptCache(max_size=1)
     warm = list(range(100, 140))
@@ -116,9 +116,9 @@ def _llama_demo(root: Path) -> Path:
 def test_mlx_lm_profile_prefix_is_a_strict_prefix_of_mlx_lm_servers_own_tokens(
     name, demo_models, tmp_path_factory
 ):
-    from kvsnap.integrations.mlx_lm_profile import mlx_lm_tokenization
+    from kvsnap.integrations.mlx_lm.profile import mlx_lm_tokenization
     from kvsnap.prompts import parse_warm_prompts, warm_prefix
-    from kvsnap.runtime.modeling import load_model
+    from kvsnap.runtime.model.loading import load_model
 
     lm = (
         load_model(_llama_demo(tmp_path_factory.mktemp("llama") / "m"))
@@ -158,7 +158,7 @@ def test_real_llama3_tokenizer_mlx_lm_requests_start_with_one_bos_and_hit(tmp_pa
     from mlx_lm.tokenizer_utils import load as load_tokenizer
     from test_vllm_mlx import llama3_tokenizer_files
 
-    from kvsnap.integrations.mlx_lm_profile import mlx_lm_tokenization
+    from kvsnap.integrations.mlx_lm.profile import mlx_lm_tokenization
     from kvsnap.prompts import parse_warm_prompts, warm_prefix
 
     tok = load_tokenizer(llama3_tokenizer_files(tmp_path / "llama3"))

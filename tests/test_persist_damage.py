@@ -343,8 +343,8 @@ def test_a_torn_newest_record_falls_back_to_the_next_longest_and_is_replaced(thr
 def test_an_unreadable_record_is_warned_about_once_and_passed_over_by_every_lookup(
     three_turns, tmp_path, caplog, isolated_cache
 ):
-    from kvsnap.runtime.modeling import default_digest_cache, load_model
-    from kvsnap.runtime.persist import Persister, PersistOptions
+    from kvsnap.runtime.model.loading import default_digest_cache, load_model
+    from kvsnap.runtime.persist.requests import Persister, PersistOptions
 
     root, talk = copy_of(three_turns, tmp_path)
     *_, shorter, newest = records(root)
@@ -478,8 +478,8 @@ def test_a_record_whose_header_holds_other_tokens_than_its_name_is_refused(
     a fast hash, so two token lists of one digest can be made). The lookup compares the
     header's tokens with the request's and passes it over for the next-longest."""
     from kvsnap.key import tokens_digest
-    from kvsnap.runtime.modeling import default_digest_cache, load_model
-    from kvsnap.runtime.persist import Persister, PersistOptions
+    from kvsnap.runtime.model.loading import default_digest_cache, load_model
+    from kvsnap.runtime.persist.requests import Persister, PersistOptions
     from kvsnap.snapshot.format import snapshot_filename
     from kvsnap.store.conversations import (
         conversation_digest,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvsnap.runtime.prefix import Entry, PrefixCache
+from kvsnap.runtime.cache.prefix import Entry, PrefixCache
 
 
 def list_cache(max_bytes: int = 1000, **kwargs) -> PrefixCache:
@@ -230,7 +230,7 @@ def test_clear_empties_everything():
 
 
 def _prefill(lm, tokens):
-    from kvsnap.runtime.prefill import prefill
+    from kvsnap.runtime.prefill.chunked import prefill
 
     return prefill(lm, tokens)
 

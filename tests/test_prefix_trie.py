@@ -11,8 +11,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvsnap.prompts import common_prefix_length
-from kvsnap.runtime.prefix import Entry, PrefixCache
-from kvsnap.runtime.prefix_trie import TokenTrie
+from kvsnap.runtime.cache.prefix import Entry, PrefixCache
+from kvsnap.runtime.cache.trie import TokenTrie
 
 NAMESPACES = (None, "", "tenant-a/")
 

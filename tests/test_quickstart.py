@@ -50,7 +50,7 @@ def test_regression_quickstart_sizes_name_state_and_written_bytes_the_same_way_e
     from conftest import LONG_SYSTEM
     from test_archive import build_store
 
-    from kvsnap.build import build_snapshots
+    from kvsnap.build.pipeline import build_snapshots
     from kvsnap.prompts import load_warm_prompts
     from kvsnap.store.local import Store
     from kvsnap.tools.quickstart import size_words

@@ -675,7 +675,7 @@ def test_a_warm_up_that_fails_in_the_engine_ends_the_server_non_zero(demo_models
 
 
 def test_a_slow_lazy_load_does_not_block_status_readers():
-    from kvsnap.runtime.prefix import Entry, PrefixCache
+    from kvsnap.runtime.cache.prefix import Entry, PrefixCache
 
     release = threading.Event()
 
@@ -709,7 +709,7 @@ def test_a_slow_lazy_load_does_not_block_status_readers():
 
 
 def test_prefixes_of_two_namespaces_never_match_each_other():
-    from kvsnap.runtime.prefix import Entry, PrefixCache
+    from kvsnap.runtime.cache.prefix import Entry, PrefixCache
 
     cache = PrefixCache(max_bytes=10**6, copy_state=lambda s: s, trim_state=lambda s, n: s)
     cache.add(
@@ -738,7 +738,7 @@ def test_no_request_prefix_cache_keeps_no_request_prompt(demo_models, tmp_path, 
     from fastapi.testclient import TestClient
 
     from kvsnap.http.server import ServerConfig, create_app
-    from kvsnap.runtime.engine import Engine, EngineConfig
+    from kvsnap.runtime.engine.engine import Engine, EngineConfig
 
     monkeypatch.setenv("KVSNAP_CACHE_DIR", str(tmp_path / "cache"))
     text = "A conversation that would normally be kept for its next turn, long enough to matter."

@@ -111,7 +111,7 @@ def test_startup_report_says_where_warmth_came_from(servers):
 def test_the_warm_up_log_line_tells_people_where_warmth_came_from_and_what_was_refused():
     """The one check of the line's wording (for people; code reads /v1/status): built from the
     report object."""
-    from kvsnap.runtime.warmup_report import SnapshotCounts, WarmupReport
+    from kvsnap.runtime.warmup.report import SnapshotCounts, WarmupReport
 
     report = WarmupReport(
         completed=2,
@@ -299,7 +299,7 @@ def test_health_is_503_until_warm_then_200(demo_models, tmp_path, monkeypatch):
 
     from kvsnap.http.server import ServerConfig, create_app
     from kvsnap.prompts import parse_warm_prompts
-    from kvsnap.runtime.engine import Engine, EngineConfig
+    from kvsnap.runtime.engine.engine import Engine, EngineConfig
 
     monkeypatch.setenv("KVSNAP_CACHE_DIR", str(tmp_path / "cache"))
     prompts = parse_warm_prompts(AGENTS)
@@ -342,7 +342,7 @@ def test_answers_over_http_come_from_the_exact_snapshot_state(
     from kvsnap.chat import request_tokens
     from kvsnap.http.server import ServerConfig, create_app
     from kvsnap.prompts import parse_warm_prompts, warm_prefix
-    from kvsnap.runtime.engine import Engine, EngineConfig
+    from kvsnap.runtime.engine.engine import Engine, EngineConfig
 
     monkeypatch.setenv("KVSNAP_CACHE_DIR", str(tmp_path / "cache"))
     model = demo_models.path(name)

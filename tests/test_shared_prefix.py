@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from conftest import LONG_SYSTEM
 
-from kvsnap.runtime.shared_prefix import shared_groups
+from kvsnap.runtime.cache.shared_prefix import shared_groups
 
 QUESTIONS = [
     "Check the parser.",
@@ -26,7 +26,7 @@ def test_groups_need_one_namespace_and_enough_shared_tokens():
 
 
 def _engine(model, **config):
-    from kvsnap.runtime.engine import Engine, EngineConfig
+    from kvsnap.runtime.engine.engine import Engine, EngineConfig
 
     engine = Engine(EngineConfig(model=str(model), max_batch_size=8, **config))
     engine.start()
@@ -35,7 +35,7 @@ def _engine(model, **config):
 
 
 def _submit_together(engine, token_lists, namespace=""):
-    from kvsnap.runtime.engine import GenerationRequest
+    from kvsnap.runtime.engine.engine import GenerationRequest
 
     states = []
 
@@ -113,7 +113,7 @@ def test_requests_of_two_namespaces_never_share_a_computed_prefix(
     ]
     engine = _engine(demo_models.path("dense"), continuous_batching=True)
     try:
-        from kvsnap.runtime.engine import GenerationRequest
+        from kvsnap.runtime.engine.engine import GenerationRequest
 
         states = []
 

@@ -10,7 +10,7 @@ from mlx_lm.generate import maybe_quantize_kv_cache
 from kvsnap.chat import request_tokens, resolve_chat_template
 from kvsnap.key import prompt_identity
 from kvsnap.prompts import parse_entry, warm_prefix
-from kvsnap.runtime.prefill import prefill, prefill_in_blocks
+from kvsnap.runtime.prefill.chunked import prefill, prefill_in_blocks
 from kvsnap.snapshot.blocks import BlockSettings, plan_cuts
 from kvsnap.snapshot.codec import decode_cache, encode_cache, to_out_tensors
 from kvsnap.store.local import Store
@@ -53,12 +53,12 @@ def _request(lm, system=LONG_SYSTEM, user="Please check the server function and 
 
 def _snapshot_roundtrip(lm, entry, tokens, tmp_path, blocks=BLOCKS):
     """Capture, write through the store, read back with mlx: the real path."""
-    from kvsnap.build import capture_snapshot
+    from kvsnap.build.pipeline import capture_snapshot
 
     store = Store.open(tmp_path / "store", create=True)
     identity = lm.identity()
     digest = prompt_identity(resolve_chat_template(lm.tokenizer), None, None)
-    from kvsnap.runtime.writeback import ChainPlan
+    from kvsnap.runtime.persist.writeback import ChainPlan
 
     path = capture_snapshot(lm, store, identity, entry, digest, tokens, plan=ChainPlan(blocks))
     assert blocks != BLOCKS or len(store.inspect(path).chain.blocks) > 2

@@ -46,7 +46,7 @@ def world(demo_models, tmp_path, monkeypatch):
 
 def _start(world):
     from kvsnap.prompts import load_warm_prompts
-    from kvsnap.runtime.engine import Engine, EngineConfig
+    from kvsnap.runtime.engine.engine import Engine, EngineConfig
 
     engine = Engine(
         EngineConfig(
@@ -110,12 +110,14 @@ def test_each_pinned_snapshot_is_opened_and_parsed_once_to_index_and_once_to_res
 
 
 def test_unchanged_warm_prompts_reuse_their_recorded_tokens(world, monkeypatch):
-    import kvsnap.runtime.warm_recipe
+    import kvsnap.runtime.warmup.recipe
 
     calls = []
-    real = kvsnap.runtime.warm_recipe.warm_prefix
+    real = kvsnap.runtime.warmup.recipe.warm_prefix
     monkeypatch.setattr(
-        kvsnap.runtime.warm_recipe, "warm_prefix", lambda *a, **k: calls.append(a) or real(*a, **k)
+        kvsnap.runtime.warmup.recipe,
+        "warm_prefix",
+        lambda *a, **k: calls.append(a) or real(*a, **k),
     )
     engine = _start(world)
     try:
@@ -127,16 +129,18 @@ def test_unchanged_warm_prompts_reuse_their_recorded_tokens(world, monkeypatch):
 
 
 def test_a_template_edit_falls_back_to_the_full_computation(world, monkeypatch):
-    import kvsnap.runtime.warm_recipe
+    import kvsnap.runtime.warmup.recipe
 
     config = world["model"] / "tokenizer_config.json"
     data = json.loads(config.read_text())
     data["chat_template"] = "{{ '<|edited|>' }}" + data["chat_template"]
     config.write_text(json.dumps(data))
     calls = []
-    real = kvsnap.runtime.warm_recipe.warm_prefix
+    real = kvsnap.runtime.warmup.recipe.warm_prefix
     monkeypatch.setattr(
-        kvsnap.runtime.warm_recipe, "warm_prefix", lambda *a, **k: calls.append(a) or real(*a, **k)
+        kvsnap.runtime.warmup.recipe,
+        "warm_prefix",
+        lambda *a, **k: calls.append(a) or real(*a, **k),
     )
     engine = _start(world)
     try:
@@ -150,9 +154,9 @@ def test_a_template_edit_falls_back_to_the_full_computation(world, monkeypatch):
 
 
 def test_a_recipe_whose_tokens_do_not_give_the_key_is_not_trusted(world, monkeypatch):
-    import kvsnap.runtime.warm_recipe
-    from kvsnap.runtime.modeling import load_model
-    from kvsnap.runtime.warm_recipe import recorded_prefix
+    import kvsnap.runtime.warmup.recipe
+    from kvsnap.runtime.model.loading import load_model
+    from kvsnap.runtime.warmup.recipe import recorded_prefix
     from kvsnap.store.local import Store
 
     identity = load_model(world["model"]).identity()
@@ -160,7 +164,7 @@ def test_a_recipe_whose_tokens_do_not_give_the_key_is_not_trusted(world, monkeyp
     forged = dataclasses.replace(
         info, tokens=info.tokens[:-1]
     )  # a header whose tokens do not give its key
-    monkeypatch.setattr(kvsnap.runtime.warm_recipe, "warm_recipe", lambda *a: "same-recipe")
+    monkeypatch.setattr(kvsnap.runtime.warmup.recipe, "warm_recipe", lambda *a: "same-recipe")
     assert (
         recorded_prefix({"same-recipe": info}, None, info.prompt_digest, identity, "")
         == info.tokens
@@ -191,12 +195,12 @@ def _slow_load_and_count_reads(engine_holder, monkeypatch):
     """The model load takes a second; every snapshot read says whether the model was loaded yet."""
     import time
 
-    import kvsnap.runtime.modeling
+    import kvsnap.runtime.model.loading
     import kvsnap.store.fileio
     import kvsnap.store.local
 
     reads = []
-    real_load, real_read = kvsnap.runtime.modeling.load_model, kvsnap.store.parts.read_part
+    real_load, real_read = kvsnap.runtime.model.loading.load_model, kvsnap.store.parts.read_part
 
     def slow_load(*a, **k):
         time.sleep(1.0)
@@ -206,13 +210,13 @@ def _slow_load_and_count_reads(engine_holder, monkeypatch):
         reads.append(engine_holder[0].loaded.is_set())
         return real_read(*a, **k)
 
-    monkeypatch.setattr(kvsnap.runtime.modeling, "load_model", slow_load)
+    monkeypatch.setattr(kvsnap.runtime.model.loading, "load_model", slow_load)
     monkeypatch.setattr(kvsnap.store.parts, "read_part", read)
     return reads
 
 
 def _answer(engine, tokens):
-    from kvsnap.runtime.engine import GenerationRequest
+    from kvsnap.runtime.engine.engine import GenerationRequest
 
     st = engine.submit(GenerationRequest(tokens=tokens, max_tokens=16), lambda *a: None)
     assert st.done.wait(120)
@@ -222,7 +226,7 @@ def _answer(engine, tokens):
 def test_snapshots_restored_during_the_model_load_answer_like_a_cold_start(arch_world, monkeypatch):
     from kvsnap.chat import request_tokens
     from kvsnap.prompts import load_warm_prompts
-    from kvsnap.runtime.engine import Engine, EngineConfig
+    from kvsnap.runtime.engine.engine import Engine, EngineConfig
 
     holder: list = []
     reads = _slow_load_and_count_reads(holder, monkeypatch)
@@ -277,7 +281,7 @@ def test_a_corrupt_snapshot_found_during_the_overlapped_read_is_rejected_and_pre
     holder: list = []
     reads = _slow_load_and_count_reads(holder, monkeypatch)
     from kvsnap.prompts import load_warm_prompts
-    from kvsnap.runtime.engine import Engine, EngineConfig
+    from kvsnap.runtime.engine.engine import Engine, EngineConfig
 
     engine = Engine(
         EngineConfig(
@@ -338,7 +342,7 @@ def _start_and_record(world, with_prompts: bool) -> dict:
     import kvsnap.store.local
     import kvsnap.store.parts
     from kvsnap.prompts import load_warm_prompts
-    from kvsnap.runtime.engine import Engine, EngineConfig
+    from kvsnap.runtime.engine.engine import Engine, EngineConfig
 
     seen: dict = {"parses": [], "reads": [], "evals": []}
     holder: list = []

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from kvsnap.build import build_snapshots
+from kvsnap.build.pipeline import build_snapshots
 from kvsnap.errors import SnapshotError, StoreError
 from kvsnap.snapshot.file import OutTensor
 from kvsnap.snapshot.format import (
@@ -264,7 +264,7 @@ def dense(demo_models):
 @pytest.fixture(scope="module")
 def dense_seed1(demo_models):
     """Same architecture and shapes as ``dense``, other weights and tokenizer."""
-    from kvsnap.runtime.modeling import load_model
+    from kvsnap.runtime.model.loading import load_model
     from kvsnap.tools.demo import DemoSpec, make_demo_model
 
     return load_model(make_demo_model(demo_models.root / "dense-seed1", DemoSpec(seed=1)))
@@ -534,15 +534,15 @@ def fresh(dense, tmp_path):
 
 
 def test_an_unchanged_rebuild_prefills_nothing_and_rewrites_no_snapshot(dense, fresh, monkeypatch):
-    import kvsnap.build
+    import kvsnap.build.pipeline
 
     agents_file, store, first = fresh
     before = stamps(store)
     manifest_before = (store.root / MANIFEST).read_bytes()
     prefills = []
-    real_prefill = kvsnap.build.prefill_in_blocks
+    real_prefill = kvsnap.build.pipeline.prefill_in_blocks
     monkeypatch.setattr(
-        kvsnap.build,
+        kvsnap.build.pipeline,
         "prefill_in_blocks",
         lambda lm, tokens, *a, **k: (
             prefills.append(len(tokens)) or real_prefill(lm, tokens, *a, **k)

@@ -28,13 +28,13 @@ import pytest
 from conftest import LONG_SYSTEM, run_kvsnap
 
 from kvsnap.errors import UsageError
-from kvsnap.integrations.vllm_mlx import (
+from kvsnap.integrations.vllm_mlx.insert import insert_snapshots, prepended_special_tokens
+from kvsnap.integrations.vllm_mlx.launcher import (
     WARM_OPTION,
     check_serve_args,
     load_warm_prompt_file,
     split_argv,
 )
-from kvsnap.integrations.vllm_mlx_insert import insert_snapshots, prepended_special_tokens
 from kvsnap.key import mlx_lm_minor
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -180,7 +180,7 @@ class FakePrefixCache:
 
 @pytest.fixture(scope="module")
 def dense_store(tmp_path_factory, demo_models):
-    from kvsnap.build import build_snapshots
+    from kvsnap.build.pipeline import build_snapshots
     from kvsnap.key import DigestCache
     from kvsnap.prompts import parse_warm_prompts
     from kvsnap.store.local import Store
@@ -206,7 +206,7 @@ def test_insert_puts_exactly_the_snapshot_state_into_the_cache_and_skips_foreign
 ):
     import mlx.core as mx
 
-    from kvsnap.runtime.prefill import prefill_in_blocks
+    from kvsnap.runtime.prefill.chunked import prefill_in_blocks
 
     lm = demo_models.load("dense")
     cache = FakePrefixCache()
@@ -291,16 +291,16 @@ def test_a_tokenizer_that_prepends_bos_on_encode_makes_every_snapshot_unmatchabl
 
 
 def test_snapshots_built_for_vllm_mlx_go_in_with_their_bos(demo_models, tmp_path):
-    from kvsnap.build import build_snapshots
-    from kvsnap.integrations.vllm_mlx_profile import vllm_mlx_tokenization
+    from kvsnap.build.pipeline import build_snapshots
     from kvsnap.key import DigestCache
+    from kvsnap.profiles import vllm_mlx_tokenization
     from kvsnap.prompts import parse_warm_prompts, warm_prefix
     from kvsnap.store.local import Store
 
     lm = demo_models.load("dense")
     bos = BosTokenizer(lm.tokenizer)
     store = Store.open(tmp_path / "snaps", create=True)
-    from kvsnap.runtime.modeling import LoadedModel
+    from kvsnap.runtime.model.loading import LoadedModel
 
     as_vllm = LoadedModel(
         path=lm.path, model=lm.model, tokenizer=bos, config=lm.config, settings=lm.settings
@@ -392,8 +392,8 @@ def make_llama3_model(out: Path) -> Path:
 
 def test_kvsnap_profile_keeps_todays_prompt_digest_and_vllm_mlx_profile_changes_it():
     from kvsnap.chat import KVSNAP_TOKENIZATION
-    from kvsnap.integrations.vllm_mlx_profile import vllm_mlx_tokenization
     from kvsnap.key import prompt_identity
+    from kvsnap.profiles import vllm_mlx_tokenization
 
     assert KVSNAP_TOKENIZATION.descriptor() is None
     assert prompt_identity(
@@ -423,7 +423,7 @@ def test_kvsnap_profile_keeps_todays_prompt_digest_and_vllm_mlx_profile_changes_
 def test_vllm_mlx_profile_warm_prefix_is_a_prefix_of_its_requests_with_the_bos_encode_adds(
     demo_models,
 ):
-    from kvsnap.integrations.vllm_mlx_profile import vllm_mlx_tokenization
+    from kvsnap.profiles import vllm_mlx_tokenization
     from kvsnap.prompts import parse_warm_prompts, warm_prefix
 
     tok = BosTokenizer(demo_models.load("dense").tokenizer)
@@ -490,7 +490,7 @@ def test_a_llama3_tokenizer_hits_in_both_servers_with_their_own_profile(tmp_path
     from transformers import AutoTokenizer
 
     from kvsnap.chat import request_tokens
-    from kvsnap.integrations.vllm_mlx_profile import vllm_mlx_tokenization
+    from kvsnap.profiles import vllm_mlx_tokenization
     from kvsnap.prompts import parse_warm_prompts, warm_prefix
 
     tok = AutoTokenizer.from_pretrained(llama3_tokenizer_files(tmp_path / "llama3"))
@@ -509,7 +509,7 @@ def test_a_llama3_tokenizer_hits_in_both_servers_with_their_own_profile(tmp_path
 
 
 def test_build_for_vllm_mlx_refuses_settings_vllm_mlx_cannot_use(tmp_path, capsys):
-    from kvsnap.cli import main as kvsnap_main
+    from kvsnap.commands.cli import main as kvsnap_main
 
     agents = tmp_path / "agents.json"
     agents.write_text(json.dumps(AGENTS))
@@ -541,7 +541,7 @@ def test_build_for_vllm_mlx_refuses_settings_vllm_mlx_cannot_use(tmp_path, capsy
 
 def _vllm_mlx_lm(demo_models, name="dense"):
     """The demo model as vllm-mlx sees it: a tokenizer whose encode adds a BOS."""
-    from kvsnap.runtime.modeling import LoadedModel
+    from kvsnap.runtime.model.loading import LoadedModel
 
     lm = demo_models.load(name)
     return LoadedModel(
@@ -554,9 +554,9 @@ def _vllm_mlx_lm(demo_models, name="dense"):
 
 
 def _plan(lm, store, writable, cache, prompts, agents_file):
-    from kvsnap.integrations.vllm_mlx_profile import vllm_mlx_tokenization
-    from kvsnap.integrations.vllm_mlx_warm import WarmPlan
+    from kvsnap.integrations.vllm_mlx.warm import WarmPlan
     from kvsnap.key import DigestCache
+    from kvsnap.profiles import vllm_mlx_tokenization
 
     return WarmPlan(
         prefix_cache=cache,
@@ -576,11 +576,11 @@ def test_warm_plan_takes_what_the_store_has_prefills_the_rest_once_and_writes_it
 ):
     import mlx.core as mx
 
-    from kvsnap.build import build_snapshots
-    from kvsnap.integrations.vllm_mlx_profile import vllm_mlx_tokenization
+    from kvsnap.build.pipeline import build_snapshots
     from kvsnap.key import DigestCache
+    from kvsnap.profiles import vllm_mlx_tokenization
     from kvsnap.prompts import parse_warm_prompts
-    from kvsnap.runtime.prefill import prefill_in_blocks
+    from kvsnap.runtime.prefill.chunked import prefill_in_blocks
     from kvsnap.store.local import Store
 
     lm = _vllm_mlx_lm(demo_models)
@@ -639,7 +639,7 @@ def test_warm_plan_takes_what_the_store_has_prefills_the_rest_once_and_writes_it
 def test_warm_plan_on_a_read_only_store_prefills_without_writing_and_names_foreign_renderings(
     demo_models, tmp_path
 ):
-    from kvsnap.build import build_snapshots
+    from kvsnap.build.pipeline import build_snapshots
     from kvsnap.key import DigestCache
     from kvsnap.prompts import parse_warm_prompts
     from kvsnap.store.local import Store
@@ -703,8 +703,8 @@ def test_warm_plan_skips_prefixes_vllm_mlx_would_never_reuse(demo_models, tmp_pa
 def test_deletes_during_a_running_rewarm_coalesce_into_one_more_pass(tmp_path):
     import asyncio
 
-    from kvsnap.integrations.vllm_mlx_session import Session
-    from kvsnap.integrations.vllm_mlx_warm import WarmReport
+    from kvsnap.integrations.vllm_mlx.session import Session
+    from kvsnap.integrations.vllm_mlx.warm import WarmReport
 
     running, most, passes = [0], [0], []
     release = threading.Event()
@@ -1102,7 +1102,7 @@ import json
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 from vllm_mlx.memory_cache import MemoryAwarePrefixCache, MemoryCacheConfig
-from kvsnap.integrations.vllm_mlx_pin import pin
+from kvsnap.integrations.vllm_mlx.pin import pin
 
 
 def layers(n):  # one KV layer of n tokens: 1 KiB per token

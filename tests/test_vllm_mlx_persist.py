@@ -31,8 +31,8 @@ from test_vllm_mlx import (
 )
 
 from kvsnap.errors import UsageError
-from kvsnap.integrations.vllm_mlx import persist_options, split_persist_argv
-from kvsnap.integrations.vllm_mlx_persist import PersistHooks
+from kvsnap.integrations.vllm_mlx.launcher import persist_options, split_persist_argv
+from kvsnap.integrations.vllm_mlx.persist import PersistHooks
 
 __all__ = ["vllm_mlx_python", "world"]  # fixtures, used by name
 
@@ -177,7 +177,7 @@ def test_hooks_persist_the_entry_and_its_prompt_only_cut_superseding_the_turn_th
     hooks.paused += 1
     cache.store(list(range(900, 950)), _kv(50))
     hooks.paused -= 1
-    from kvsnap.integrations.vllm_mlx_pin import MARK
+    from kvsnap.integrations.vllm_mlx.pin import MARK
 
     setattr(cache, MARK, SimpleNamespace(keys={tuple(range(800, 850))}))
     cache.store(list(range(800, 850)), _kv(50))

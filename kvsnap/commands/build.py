@@ -120,7 +120,7 @@ def build_tokenization(args):
             f"or bounded, so it could not use these snapshots; drop "
             f"{', '.join(f.split()[0] for f in given)}"
         )
-    from kvsnap.integrations.vllm_mlx_profile import vllm_mlx_tokenization
+    from kvsnap.profiles import vllm_mlx_tokenization
 
     return vllm_mlx_tokenization(args.served_model_name or args.model)
 
@@ -128,7 +128,7 @@ def build_tokenization(args):
 def mlx_lm_build_tokenization(args):
     """`build --for mlx-lm`: mlx_lm.server's batched KV is never quantized or bounded."""
     from kvsnap.errors import UsageError
-    from kvsnap.integrations.mlx_lm_profile import mlx_lm_tokenization, parse_chat_template_args
+    from kvsnap.integrations.mlx_lm.profile import mlx_lm_tokenization, parse_chat_template_args
 
     if args.served_model_name is not None:
         raise UsageError(
@@ -178,10 +178,10 @@ def unread_template_kwargs(entries, tokenizer) -> list[str]:
 def cmd_build(args) -> int:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from kvsnap.build import build_snapshots
+    from kvsnap.build.pipeline import build_snapshots
     from kvsnap.faults import FaultHook
     from kvsnap.prompts import load_warm_prompts
-    from kvsnap.runtime.modeling import default_digest_cache, load_model, resolve_model
+    from kvsnap.runtime.model.loading import default_digest_cache, load_model, resolve_model
     from kvsnap.store.local import Store
 
     tokenization = build_tokenization(args)

@@ -208,7 +208,11 @@ def served_model(args) -> str:
 def persist_options(args):
     """``--persist-requests`` and its settings as ``PersistOptions``, None when off; a
     KvsnapError for flags that contradict each other."""
-    from kvsnap.runtime.persist import DEFAULT_FLUSH_TIMEOUT_S, DEFAULT_MAX_GB, PersistOptions
+    from kvsnap.runtime.persist.requests import (
+        DEFAULT_FLUSH_TIMEOUT_S,
+        DEFAULT_MAX_GB,
+        PersistOptions,
+    )
 
     if not args.persist_requests:
         for flag, value in (
@@ -254,8 +258,8 @@ def cmd_serve(args) -> int:
     from kvsnap.http.server import create_app
     from kvsnap.http.watch import exit_when_warm_up_fails, is_loopback
     from kvsnap.prompts import load_warm_prompts
-    from kvsnap.runtime.engine import Engine
-    from kvsnap.runtime.modeling import resolve_model
+    from kvsnap.runtime.engine.engine import Engine
+    from kvsnap.runtime.model.loading import resolve_model
     from kvsnap.store.remote import check_kv_snapshots, resolve_kv_snapshots
 
     args.model = served_model(args)
@@ -317,8 +321,8 @@ def cmd_serve(args) -> int:
 
 def engine_config(args, model_dir: Path, prompts):
     """The engine's settings from the serve flags (``args.kv_snapshots`` already a local folder)."""
-    from kvsnap.runtime.engine import EngineConfig
-    from kvsnap.runtime.modeling import default_digest_cache
+    from kvsnap.runtime.engine.engine import EngineConfig
+    from kvsnap.runtime.model.loading import default_digest_cache
 
     return EngineConfig(
         model=str(model_dir),
@@ -383,7 +387,7 @@ def add_vllm_mlx(sub) -> None:
 
 
 def cmd_vllm_mlx(args) -> int:
-    from kvsnap.integrations.vllm_mlx import main as vllm_mlx_main
+    from kvsnap.integrations.vllm_mlx.launcher import main as vllm_mlx_main
 
     # vllm-mlx logs through the root logger: give its lines a time, level and source, like `serve`.
     logging.basicConfig(
@@ -422,7 +426,7 @@ def add_mlx_lm(sub) -> None:
 
 
 def cmd_mlx_lm(args) -> int:
-    from kvsnap.integrations.mlx_lm import main as mlx_lm_main
+    from kvsnap.integrations.mlx_lm.launcher import main as mlx_lm_main
 
     rc = mlx_lm_main(args.mlx_lm_args)
     if args.mlx_lm_args[:1] == ["serve"]:

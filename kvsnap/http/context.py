@@ -19,8 +19,8 @@ from kvsnap.http.limits import (
     vocab_bound,
 )
 from kvsnap.http.schemas import usage
-from kvsnap.runtime.accounting import reported_cached_tokens
-from kvsnap.runtime.engine import Engine, RequestState
+from kvsnap.runtime.engine.accounting import reported_cached_tokens
+from kvsnap.runtime.engine.engine import Engine, RequestState
 
 
 @dataclass

@@ -27,7 +27,7 @@ from kvsnap.http.schemas import (
     error_body,
     new_id,
 )
-from kvsnap.runtime.engine import GenerationRequest, RequestState
+from kvsnap.runtime.engine.engine import GenerationRequest, RequestState
 
 DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks that its client is still there
 ERROR_TYPE = re.compile(r"([A-Z][A-Za-z0-9_]{0,60}): ")  # "TypeName: text", as the engine reports

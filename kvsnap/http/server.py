@@ -21,7 +21,7 @@ from kvsnap.http.guard import GuardMiddleware
 from kvsnap.http.routes_cache import cache_router
 from kvsnap.http.routes_generation import generation_router
 from kvsnap.http.routes_status import status_router
-from kvsnap.runtime.engine import Engine
+from kvsnap.runtime.engine.engine import Engine
 
 __all__ = ["ServerConfig", "create_app"]
 

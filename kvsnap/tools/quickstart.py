@@ -94,10 +94,10 @@ def run_quickstart(workdir: Path, print_fn=print) -> int:
 def build_and_verify(workdir: Path, print_fn):
     """Steps 1-2: the demo model and agents file (kept if present), the snapshots built and
     verified."""
-    from kvsnap.build import build_snapshots
+    from kvsnap.build.pipeline import build_snapshots
     from kvsnap.key import DigestCache
     from kvsnap.prompts import load_warm_prompts
-    from kvsnap.runtime.modeling import load_model
+    from kvsnap.runtime.model.loading import load_model
     from kvsnap.store.local import Store
     from kvsnap.tools.demo import DemoSpec, make_demo_model
 
@@ -125,7 +125,7 @@ def serve_and_ask(workdir: Path, model_dir: Path, agents: Path, store, print_fn)
     warm request."""
     import httpx
 
-    from kvsnap.runtime.warmup_report import WarmupReport, warmup_line
+    from kvsnap.runtime.warmup.report import WarmupReport, warmup_line
     from kvsnap.tools.client import stream_chat
     from kvsnap.tools.serverproc import start_server
 

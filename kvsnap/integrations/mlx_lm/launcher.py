@@ -1,0 +1,144 @@
+"""mlx-lm's own server, warm from a kvsnap store.
+
+    kvsnap mlx-lm serve --model MODEL [mlx_lm.server's flags] --kv-snapshots DIR
+                        [--warm-prompts FILE]
+
+mlx_lm.server builds its parser inside ``main`` and has no hook, so kvsnap takes
+``--kv-snapshots`` and ``--warm-prompts`` out of the arguments, replaces the module's
+``run`` (which ``main`` calls with mlx-lm's own ``ModelProvider``) with ``warm_run``, and
+runs mlx-lm's ``main`` with every other argument unchanged. ``warm_run`` is what the
+upstream patch (contrib/mlx-lm/) makes ``run`` itself: the prompt cache comes from
+``mlx_lm_warm.warm_prompt_cache`` instead of ``LRUPromptCache(...)``, so the model is
+loaded and the warm entries are in the cache before the generation thread starts and
+before the port opens. Without ``--kv-snapshots`` mlx_lm.server runs with its own prompt
+cache. Either way a request that names another model, adapter or draft model than the
+served one is refused (mlx_lm_models), unless ``--allow-request-models`` is given.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Sequence
+
+from kvsnap.errors import UsageError
+from kvsnap.integrations.common.argv import run_main
+from kvsnap.integrations.mlx_lm.models import ALLOW_OPTION, guard_request_models
+
+log = logging.getLogger("kvsnap.mlx_lm")
+
+OPTION = "--kv-snapshots"
+WARM_OPTION = "--warm-prompts"
+TESTED_MLX_LM = ("0.32",)
+
+USAGE = f"""\
+usage: kvsnap mlx-lm serve --model MODEL [mlx_lm.server options] {OPTION} DIR [{WARM_OPTION} FILE]
+                           [{ALLOW_OPTION}]
+
+Runs mlx-lm's own OpenAI-compatible server (mlx_lm.server) with the kvsnap snapshots of
+MODEL in its prompt cache before the port opens (no warm-up prefill). They are protected
+'system' entries: no --prompt-cache-size / --prompt-cache-bytes eviction removes them, and
+their memory comes on top of those limits. Snapshots of another model, KV setting or
+mlx-lm minor are skipped.
+
+kvsnap's options:
+  {OPTION} DIR   a store made by `kvsnap build --for mlx-lm`, or oci://HOST/REPO:TAG
+  {WARM_OPTION} FILE  with {OPTION}: warm exactly these entries, each from its snapshot, or
+                      prefilled once on the loaded model and written back to the store
+                      when it is writable (the next start prefills nothing)
+  {ALLOW_OPTION}  let a request's `model`, `adapters` and `draft_model` load other
+                      models from the server's disk, as mlx_lm.server does; by default a
+                      request naming another than the served one is refused with a 400
+
+Every other argument goes to mlx_lm.server unchanged. See docs/mlx-lm.md.
+"""
+
+
+def import_mlx_lm_server() -> Any:
+    from importlib import metadata
+
+    import mlx_lm.server as server
+
+    version = metadata.version("mlx-lm")
+    missing = [
+        n
+        for n in ("main", "run", "ResponseGenerator", "_run_http_server")
+        if not hasattr(server, n)
+    ]
+    if missing:
+        raise UsageError(
+            f"mlx-lm {version}'s server lacks {', '.join(missing)}, which "
+            f"kvsnap mlx-lm hooks; it is tested with mlx-lm {TESTED_MLX_LM[0]}.x"
+        )
+    if ".".join(version.split(".")[:2]) not in TESTED_MLX_LM:
+        log.warning("[kvsnap] mlx-lm %s is untested (tested: %s.x)", version, TESTED_MLX_LM[0])
+    return server
+
+
+def make_warm_run(server: Any, store_dir: str, warm_file: str | None):
+    """mlx_lm.server's ``run`` with the prompt cache from the store: the upstream patch's
+    ``run``."""
+
+    def warm_run(host, port, model_provider, server_class=None, handler_class=None):
+        from kvsnap.integrations.mlx_lm.warm import warm_prompt_cache
+
+        prompt_cache = warm_prompt_cache(model_provider, store_dir, warm_file)
+        response_generator = server.ResponseGenerator(model_provider, prompt_cache)
+        extra = {
+            k: v
+            for k, v in (("server_class", server_class), ("handler_class", handler_class))
+            if v is not None
+        }
+        server._run_http_server(host, port, response_generator, **extra)
+
+    return warm_run
+
+
+def take_flag(argv: list[str], flag: str) -> tuple[bool, list[str]]:
+    """Whether ``flag`` (no value) is in ``argv`` before any ``--``, and the other arguments."""
+    end = argv.index("--") if "--" in argv else len(argv)
+    head = [a for a in argv[:end] if a != flag]
+    return len(head) < end, head + argv[end:]
+
+
+def run_mlx_lm(server: Any, args: list[str]) -> int:
+    """mlx-lm's own ``main``, as if run as ``mlx_lm.server ARGS``; its exit status is returned."""
+    return run_main(server.main, ["mlx_lm.server", *args])
+
+
+def main(argv: Sequence[str]) -> int:
+    from kvsnap.integrations.vllm_mlx.launcher import split_argv
+
+    argv = list(argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE, end="")
+        return 0 if argv else 2
+    if argv[0] != "serve":
+        raise UsageError(
+            f"`kvsnap mlx-lm {argv[0]}` is not supported: only `serve` takes "
+            f"{OPTION}; run `mlx_lm.{argv[0]} ...` directly"
+        )
+    store_dir, rest = split_argv(argv[1:], OPTION, "a directory, e.g. --kv-snapshots ./snaps")
+    warm_file, rest = split_argv(rest, WARM_OPTION, "a file, e.g. --warm-prompts agents.json")
+    allow_request_models, rest = take_flag(rest, ALLOW_OPTION)
+    from kvsnap.store.remote import check_kv_snapshots
+
+    check_kv_snapshots(store_dir)  # an unknown scheme fails before mlx-lm is imported
+    if warm_file and not store_dir:
+        raise UsageError(
+            f"{WARM_OPTION} {warm_file} needs {OPTION} DIR (the store its entries "
+            "are read from and written back to)"
+        )
+    from kvsnap.blas import preload_openblas
+
+    preload_openblas()  # before mlx-lm imports mlx: the same BLAS kvsnap build uses
+    server = import_mlx_lm_server()
+    if any(a in ("-h", "--help") for a in rest):
+        print(USAGE)
+        return run_mlx_lm(server, ["--help"])
+    if store_dir is None:
+        log.info("[kvsnap] no %s: running mlx_lm.server's own prompt cache", OPTION)
+    else:
+        server.run = make_warm_run(server, store_dir, warm_file)
+    if not allow_request_models:
+        guard_request_models(server)
+    return run_mlx_lm(server, rest)

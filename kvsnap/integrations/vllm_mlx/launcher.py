@@ -1,0 +1,432 @@
+"""vllm-mlx's own server, warm from a kvsnap store.
+
+    kvsnap vllm-mlx serve MODEL [vllm-mlx's flags] --kv-snapshots DIR [--warm-prompts FILE]
+
+vllm-mlx 0.6 has no plugin hook in its command line, so kvsnap launches it instead of
+adding a flag to it: it takes ``--kv-snapshots DIR`` out of the arguments, parses the rest
+with vllm-mlx's own parser and calls ``use_kv_snapshots`` (the one function the upstream
+patch in contrib/vllm-mlx/ calls too), which checks them and replaces the two functions
+vllm-mlx's lifespan calls to load and save its disk prefix cache
+(``vllm_mlx.server._load_prefix_cache_from_disk`` and ``_save_prefix_cache_to_disk``);
+then it runs vllm-mlx's own ``main`` with the rest.
+
+The replacement loader runs where vllm-mlx would read its disk cache: after the model is
+loaded, before its warm-up and before the port opens. On the thread that owns the model
+it checks every snapshot against the running model's identity, decodes the matching ones
+and hands them to vllm-mlx's memory-aware prefix cache through the cache's own ``store``.
+Nothing is prefilled. vllm-mlx's disk cache (``~/.cache/vllm-mlx/prefix_cache``) is
+neither read nor written in such a run: the kvsnap store is the warm state.
+
+With ``--kv-snapshots``, kvsnap also takes ``--warm-prompts FILE`` out of the arguments:
+vllm-mlx's own warm-up never runs; ``vllm_mlx_warm`` serves each entry from the store and
+prefills (and writes back) only what the store lacks. ``vllm_mlx_session`` glues this to
+vllm-mlx's lifespan and its ``DELETE /v1/cache/prefix``; ``vllm_mlx_pin`` keeps the warm
+entries from eviction; ``vllm_mlx_profile`` says how vllm-mlx tokenizes.
+
+``--persist-requests`` (with ``--persist-max-gb GB`` and ``--persist-flush-timeout S``) is
+kvsnap's too: the prefix entries vllm-mlx keeps are written behind into the store and read
+back after a restart (``vllm_mlx_persist``), in place of vllm-mlx's shutdown save.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from types import SimpleNamespace
+from typing import Any, Sequence
+
+from kvsnap.errors import StoreError, UsageError
+from kvsnap.integrations.common.argv import run_main
+
+log = logging.getLogger("kvsnap.vllm_mlx")
+
+OPTION = "--kv-snapshots"
+WARM_OPTION = "--warm-prompts"
+PERSIST_OPTION = "--persist-requests"
+PERSIST_VALUES = ("--persist-max-gb", "--persist-flush-timeout")
+TESTED_VLLM_MLX = ("0.6.0",)
+HOOKS = ("_load_prefix_cache_from_disk", "_save_prefix_cache_to_disk", "_engine")
+
+USAGE = f"""\
+usage: kvsnap vllm-mlx serve MODEL [vllm-mlx serve options] {OPTION} DIR [{WARM_OPTION} FILE]
+           [{PERSIST_OPTION} [--persist-max-gb GB] [--persist-flush-timeout S]]
+
+Runs vllm-mlx's own OpenAI-compatible server with the kvsnap snapshots of MODEL in its
+prefix cache before it accepts requests (no warm-up prefill). Snapshots built for another
+model, KV setting or mlx-lm minor are skipped with a warning. vllm-mlx's own disk prefix
+cache (~/.cache/vllm-mlx/prefix_cache) is neither read nor written in such a run. The
+snapshots are kept from eviction, and DELETE /v1/cache/prefix puts them back.
+
+kvsnap's options:
+  {OPTION} DIR   a store made by `kvsnap build --for vllm-mlx` run under the same mlx-lm
+                      minor as vllm-mlx (0.31.x for vllm-mlx 0.6), or oci://HOST/REPO:TAG
+                      to pull one first (see docs/deploy.md); needs --continuous-batching
+  {WARM_OPTION} FILE  with {OPTION}: warm exactly these entries (vllm-mlx's file shape or
+                      kvsnap's), each from its snapshot, or prefilled once and written back
+                      to the store when it is writable; vllm-mlx's own warm-up does not run
+  {PERSIST_OPTION}  with {OPTION}: write the prefix entries vllm-mlx keeps behind into
+                      DIR, so the next turn of a conversation hits after a restart or a
+                      crash (off by default: it writes clients' prompt state to disk)
+  --persist-max-gb GB  disk budget for those conversations, least recently used go first
+                      (default: 20)
+  --persist-flush-timeout S
+                      at shutdown, write what is queued for at most S seconds (default: 5)
+
+Every other argument goes to `vllm-mlx serve` unchanged. See docs/vllm-mlx.md.
+"""
+
+
+# --- arguments -----------------------------------------------------------------------
+
+
+def split_argv(
+    argv: Sequence[str],
+    option: str = OPTION,
+    what: str = "a directory, e.g. --kv-snapshots ./snaps",
+) -> tuple[str | None, list[str]]:
+    """Take ``OPTION VALUE`` (or ``OPTION=VALUE``) out; the rest go to vllm-mlx in order."""
+    found: str | None = None
+    rest: list[str] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--":
+            rest.extend(argv[i:])
+            break
+        if arg == option:
+            if i + 1 >= len(argv) or argv[i + 1].startswith("-"):
+                raise UsageError(f"{option} needs {what}")
+            value, i = argv[i + 1], i + 2
+        elif arg.startswith(option + "="):
+            value, i = arg[len(option) + 1 :], i + 1
+        else:
+            rest.append(arg)
+            i += 1
+            continue
+        if not value:
+            raise UsageError(f"{option} needs {what}")
+        if found is not None:
+            raise UsageError(f"{option} given twice ({found!r} and {value!r}); give it once")
+        found = value
+    return found, rest
+
+
+def split_persist_argv(argv: Sequence[str]) -> tuple[dict, list[str]]:
+    """Take ``--persist-requests`` and its two settings out: ``{"persist_requests": bool,
+    "persist_max_gb": float | None, "persist_flush_timeout": float | None}`` and the rest."""
+    rest = list(argv)
+    cut = rest.index("--") if "--" in rest else len(rest)
+    found = {"persist_requests": PERSIST_OPTION in rest[:cut]}
+    rest = [a for i, a in enumerate(rest) if i >= cut or a != PERSIST_OPTION]
+    for option in PERSIST_VALUES:
+        text, rest = split_argv(rest, option, "a positive number, e.g. " + option + " 5")
+        value = None
+        if text is not None:
+            try:
+                value = float(text)
+            except ValueError:
+                value = -1.0
+            if not value > 0:
+                raise UsageError(f"{option} {text!r} is not a positive number; e.g. {option} 5")
+        found[option[2:].replace("-", "_")] = value
+    return found, rest
+
+
+def persist_options(args: Any) -> Any:
+    """``--persist-requests`` and its settings as ``PersistOptions``, None when off; a
+    UsageError for flags that contradict each other (as ``kvsnap serve``'s)."""
+    from kvsnap.runtime.persist.requests import (
+        DEFAULT_FLUSH_TIMEOUT_S,
+        DEFAULT_MAX_GB,
+        PersistOptions,
+    )
+
+    max_gb = getattr(args, "persist_max_gb", None)
+    flush = getattr(args, "persist_flush_timeout", None)
+    if not getattr(args, "persist_requests", False):
+        for flag, value in zip(PERSIST_VALUES, (max_gb, flush)):
+            if value is not None:
+                raise UsageError(f"{flag} {value:g} needs {PERSIST_OPTION}; add it or drop {flag}")
+        return None
+    if not getattr(args, "kv_snapshots", None):
+        raise UsageError(f"{PERSIST_OPTION} needs a store to write into; add {OPTION} DIR")
+    if getattr(args, "kv_cache_quantization", False):
+        raise UsageError(
+            f"{PERSIST_OPTION} cannot write the entries --kv-cache-quantization makes (vllm-mlx's "
+            f"own quantized wrapper, not an mlx-lm cache); drop one of the two"
+        )
+    return PersistOptions(
+        max_bytes=int((max_gb or DEFAULT_MAX_GB) * 2**30),
+        flush_timeout_s=flush or DEFAULT_FLUSH_TIMEOUT_S,
+    )
+
+
+def check_serve_args(ns: Any) -> None:
+    """The vllm-mlx settings under which snapshots can go into its prefix cache; else a
+    UsageError."""
+    problems = []
+    if getattr(ns, "models_config", None):
+        problems.append("--models-config is not supported (serve one MODEL)")
+    if not getattr(ns, "continuous_batching", False):
+        problems.append(
+            "add --continuous-batching (vllm-mlx's prefix cache lives in its batched engine)"
+        )
+    if getattr(ns, "disable_prefix_cache", False):
+        problems.append("drop --disable-prefix-cache (the snapshots go into that cache)")
+    if getattr(ns, "no_memory_aware_cache", False):
+        problems.append("drop --no-memory-aware-cache (kvsnap fills the memory-aware cache)")
+    if getattr(ns, "use_paged_cache", False):
+        problems.append(
+            "drop --use-paged-cache (kvsnap fills the memory-aware cache, not the paged one)"
+        )
+    if getattr(ns, "mllm", False):
+        problems.append("drop --mllm (multimodal models keep their prefix cache elsewhere)")
+    if (getattr(ns, "max_kv_size", None) or 0) > 0:
+        problems.append(
+            "drop --max-kv-size (vllm-mlx bounds KV layers as RotatingKVCache(keep=0), kvsnap's "
+            "build as mlx-lm's keep=4, so vllm-mlx would discard every snapshot)"
+        )
+    if problems:
+        raise UsageError(
+            f"{OPTION} cannot work with these vllm-mlx options: " + "; ".join(problems)
+        )
+
+
+# --- inserting snapshots ----------------------------------------------------------------
+
+
+def install(server: Any, session: Any) -> None:
+    """Replace vllm-mlx's disk-cache load and save with the session's warm start and a no-op;
+    extend its routes."""
+    from kvsnap.integrations.vllm_mlx.session import install_routes
+
+    async def skip_disk_cache_save(engine: Any = None) -> None:
+        # Called at shutdown and before an idle unload: the engine's model is about to go.
+        await session.flush_persisted()  # --persist-requests: the queued writes, within a bound
+        session.release()
+        log.info(
+            "[kvsnap] vllm-mlx's prefix cache is not saved to ~/.cache/vllm-mlx/prefix_cache in a "
+            "--kv-snapshots run (the kvsnap store is the warm state)"
+        )
+
+    server._load_prefix_cache_from_disk = session.load
+    server._save_prefix_cache_to_disk = skip_disk_cache_save
+    install_routes(server, session)
+
+
+# --- the launcher -----------------------------------------------------------------------
+
+
+def import_vllm_mlx() -> tuple[Any, Any, str]:
+    from importlib import metadata
+
+    try:
+        import vllm_mlx.cli as cli
+        import vllm_mlx.server as server
+    except ImportError as exc:
+        raise UsageError(
+            f"vllm-mlx is not installed in this environment ({sys.executable}: {exc}); "
+            "install it beside kvsnap (pip install vllm-mlx==0.6.0; see docs/vllm-mlx.md)"
+        ) from None
+    try:
+        version = metadata.version("vllm-mlx")
+    except metadata.PackageNotFoundError:
+        version = "unknown"
+    missing = [name for name in HOOKS if not hasattr(server, name)] + [
+        name for name in ("create_parser", "main") if not hasattr(cli, name)
+    ]
+    if missing:
+        raise UsageError(
+            f"vllm-mlx {version} lacks {', '.join(missing)}, which kvsnap's integration hooks; it "
+            f"is tested with vllm-mlx {', '.join(TESTED_VLLM_MLX)}"
+        )
+    if version not in TESTED_VLLM_MLX:
+        log.warning(
+            "[kvsnap] vllm-mlx %s is untested (tested: %s); the hook points are present",
+            version,
+            ", ".join(TESTED_VLLM_MLX),
+        )
+    return cli, server, version
+
+
+def open_store(path: str, want_write: bool = False) -> tuple[Any, bool]:
+    """The store, and whether warm prompts prefilled here can be written back to it.
+
+    Writable is decided by really creating a file (root passes every access check; a
+    read-only mount shows only when writing). A missing folder is created only when
+    there is something to write back (``want_write``).
+    """
+    import os
+    import tempfile
+    from pathlib import Path
+
+    from kvsnap.store.local import Store
+
+    folder = Path(path).expanduser()
+    if want_write and not folder.exists():
+        try:
+            return Store.open(folder, create=True), True
+        except (OSError, StoreError) as exc:
+            raise StoreError(
+                f"{folder} does not exist and cannot be created ({exc}); give the folder passed to "
+                f"`kvsnap build --out`"
+            ) from None
+    store = Store.open(folder, readonly=True).require_store()
+    if not want_write:
+        return store, False
+    probe_dir = store.snapshots_dir if store.snapshots_dir.is_dir() else store.root
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=".tmp-probe-", dir=probe_dir)
+        os.close(fd)
+        os.unlink(tmp)
+    except OSError as exc:
+        log.warning(
+            "[kvsnap] %s is not writable here (%s): warm prompts without a snapshot are prefilled "
+            "at every start and not written back",
+            store.root,
+            exc.strerror or exc,
+        )
+        return store, False
+    return Store.open(folder, create=True), True
+
+
+def load_warm_prompt_file(path: str) -> Any:
+    """A warm-prompt file in vllm-mlx's shape (lists of messages) or kvsnap's (objects).
+
+    vllm-mlx lets a list entry end with a user message and warms the text before that
+    user's content; kvsnap's probes start a user turn after the entry, which is the same
+    prefix, so that trailing user message is dropped here (and said so).
+    """
+    import json
+    from pathlib import Path
+
+    from kvsnap.errors import WarmPromptError
+    from kvsnap.prompts import load_warm_prompts, parse_warm_prompts
+
+    file = Path(path).expanduser()
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return load_warm_prompts(file)  # its named errors: missing, unreadable, bad JSON
+    if isinstance(data, list):
+        for i, entry in enumerate(data):
+            if (
+                isinstance(entry, list)
+                and len(entry) > 1
+                and isinstance(entry[-1], dict)
+                and entry[-1].get("role") == "user"
+            ):
+                log.info(
+                    "[kvsnap] %s entry %d ends with a user message: warming the text before it, as "
+                    "vllm-mlx does",
+                    file,
+                    i,
+                )
+                data[i] = entry[:-1]
+    result = parse_warm_prompts(data, str(file))
+    if not result.entries:
+        detail = "; ".join(str(p) for p in result.problems[:3]) or "the list is empty"
+        raise WarmPromptError(f"{file}: no valid warm-prompt entry ({detail})")
+    for problem in result.problems:
+        log.warning("[kvsnap] %s: skipped warm prompt %s", file, problem)
+    return result
+
+
+def parse_serve_args(cli: Any, rest: list[str]) -> Any:
+    """vllm-mlx's own parser on the arguments; its usage errors exit 2 here, named as vllm-mlx's."""
+    saved = sys.argv
+    sys.argv = ["vllm-mlx", "serve", *rest]
+    try:
+        return cli.create_parser().parse_args(["serve", *rest])
+    finally:
+        sys.argv = saved
+
+
+def run_vllm_mlx(cli: Any, args: list[str]) -> int:
+    """vllm-mlx's own ``main``, as if run as ``vllm-mlx ARGS``; its exit status is returned."""
+    return run_main(cli.main, ["vllm-mlx", *args])
+
+
+def main(argv: Sequence[str]) -> int:
+    argv = list(argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE, end="")
+        return 0 if argv else 2
+    if argv[0] != "serve":
+        raise UsageError(
+            f"`kvsnap vllm-mlx {argv[0]}` is not supported: only `serve` takes {OPTION}; run "
+            f"`vllm-mlx {argv[0]} ...` directly"
+        )
+    store_dir, rest = split_argv(argv[1:])
+    persist, rest = split_persist_argv(rest)
+    from kvsnap.store.remote import check_kv_snapshots
+
+    check_kv_snapshots(store_dir)
+    persist_options(
+        SimpleNamespace(kv_snapshots=store_dir, **persist)
+    )  # before any import  # an unknown scheme is a usage error before vllm-mlx is imported
+    from kvsnap.blas import preload_openblas
+
+    preload_openblas()  # before vllm-mlx imports mlx: the same BLAS kvsnap build uses
+    if any(a in ("-h", "--help") for a in rest):
+        print(USAGE)
+        cli, _, _ = import_vllm_mlx()
+        return run_vllm_mlx(cli, ["serve", "--help"])
+    cli, server, version = import_vllm_mlx()
+    if store_dir is None:
+        log.info("[kvsnap] no %s: running vllm-mlx %s unchanged", OPTION, version)
+        return run_vllm_mlx(cli, ["serve", *rest])
+    # --warm-prompts is kvsnap's in such a run: vllm-mlx never sees it, so its own warm-up never
+    # runs.
+    warm_file, rest = split_argv(rest, WARM_OPTION, "a file, e.g. --warm-prompts agents.json")
+    ns = parse_serve_args(cli, rest)
+    ns.kv_snapshots, ns.warm_prompts = store_dir, warm_file
+    vars(ns).update(persist)
+    use_kv_snapshots(server, ns)  # what the patched `vllm-mlx serve --kv-snapshots` calls
+    return run_vllm_mlx(cli, ["serve", *rest])
+
+
+def use_kv_snapshots(server: Any, args: Any) -> Any:
+    """Warm ``vllm-mlx serve`` from the kvsnap store ``args.kv_snapshots``: the one public entry.
+
+    ``server`` is the ``vllm_mlx.server`` module, ``args`` vllm-mlx's parsed ``serve``
+    arguments; call it before ``load_model``. It checks the options, reads
+    ``args.warm_prompts`` (then set to None: the entries are served from the store, so
+    vllm-mlx's own warm-up never runs), opens the store (an oci:// one is pulled first) and
+    hooks the prefix-cache load, save and routes. ``kvsnap vllm-mlx serve`` and the patched
+    ``vllm-mlx serve --kv-snapshots`` (contrib/vllm-mlx/) both run it. Returns the session;
+    raises a KvsnapError naming the option, its value and the fix.
+    """
+    from kvsnap.integrations.vllm_mlx.session import Session
+    from kvsnap.runtime.model.loading import default_digest_cache
+    from kvsnap.store.remote import check_kv_snapshots, resolve_kv_snapshots
+
+    store_dir, warm_file = args.kv_snapshots, getattr(args, "warm_prompts", None)
+    check_kv_snapshots(store_dir)
+    check_serve_args(args)
+    persist = persist_options(args)
+    prompts = load_warm_prompt_file(warm_file) if warm_file else None
+    # A remote URL is pulled into kvsnap's cache folder first, as `kvsnap serve` does.
+    store, writable = open_store(
+        resolve_kv_snapshots(store_dir), want_write=prompts is not None or persist is not None
+    )
+    session = Session(
+        server=server,
+        store=store,
+        writable=writable and prompts is not None,
+        prompts=prompts,
+        agents_file=str(warm_file or ""),
+        digests=default_digest_cache(),
+        persist=persist,
+    )
+    install(server, session)
+    args.warm_prompts = None
+    what = f"warm prompts of {warm_file} from" if prompts is not None else "snapshots from"
+    log.info(
+        "[kvsnap] vllm-mlx: %s %s go into its prefix cache at start-up%s%s",
+        what,
+        store.root,
+        " (write-back on)" if session.writable else "",
+        "; the entries it keeps are persisted there" if persist is not None else "",
+    )
+    return session

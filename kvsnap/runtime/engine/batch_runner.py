@@ -1,0 +1,160 @@
+"""Continuous batching through mlx-lm's BatchGenerator: admit waiting requests, run one step,
+free finished slots. Runs on the engine thread.
+
+Per request: its private cache copy goes in with only the suffix; at the end of the prompt's
+first segment (all but the last token) its cache is captured into the prefix cache; its
+tokens go out through ``request_output``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+from kvsnap.runtime.cache.prefix import PrefixCache
+from kvsnap.runtime.engine.accounting import TokenAccounts
+from kvsnap.runtime.engine.request_cache import capture_request_prefix, prefill_shared_prefixes
+from kvsnap.runtime.engine.request_output import deliver_token, finish_request
+from kvsnap.runtime.engine.scheduler import Scheduler
+from kvsnap.runtime.engine.types import RequestState, check_request
+
+log = logging.getLogger("kvsnap.runtime.engine.engine")
+
+PrepareFn = Callable[[RequestState], tuple[list, list[int]]]
+
+
+class BatchRunner:
+    def __init__(
+        self,
+        lm: Any,
+        prefix: PrefixCache,
+        sched: Scheduler,
+        accounts: TokenAccounts,
+        stop_tokens: list[list[int]],
+        stream: Callable[[], Any],
+        prefill_batch_size: int,
+    ):
+        self.lm, self.prefix, self.sched, self.accounts = lm, prefix, sched, accounts
+        self.stop_tokens = stop_tokens
+        self.stream = stream  # gives the engine's own mlx stream
+        self.prefill_batch_size = prefill_batch_size
+        self.gen = None  # the live BatchGenerator, made on first use
+        self.shared_prefills = 0  # shared prefixes of requests admitted together, computed once
+        # captured prefix copies, evaluated after the next decode step
+        self._deferred_evals: list = []
+
+    def new_generator(self, batch_size: int, prefill_batch_size: int):
+        from mlx_lm.generate import BatchGenerator
+
+        return BatchGenerator(
+            self.lm.model,
+            stop_tokens=self.stop_tokens,
+            completion_batch_size=batch_size,
+            prefill_batch_size=min(prefill_batch_size, batch_size),
+            prefill_step_size=self.lm.settings.prefill_step_size,
+            max_kv_size=self.lm.settings.max_kv_size,
+            stream=self.stream(),
+        )
+
+    def drop(self) -> None:
+        """Forget the generator, keeping the prompt tokens it counted."""
+        if self.gen is not None:
+            self.accounts.detach(self.gen)
+            self.gen = None
+
+    def remove(self, uid: int) -> None:
+        """Free a cancelled request's slot."""
+        if self.gen is not None:
+            self.gen.remove([uid])
+
+    def admit(self, prepare: PrepareFn) -> None:
+        """Start waiting requests while slots are free; a request that cannot start fails alone."""
+        from kvsnap.runtime.engine.sampling import make_request_sampler
+
+        if not self.sched.pending:
+            return
+        if self.gen is None:
+            self.gen = self.new_generator(self.sched.max_batch_size, self.prefill_batch_size)
+            self.accounts.attach(self.gen)
+        gen = self.gen
+        computed, discard = prefill_shared_prefixes(
+            self.lm, self.prefix, self.accounts, self.sched.next_batch()
+        )
+        self.shared_prefills += computed
+        while (state := self.sched.next_to_admit()) is not None:
+            r = state.request
+            try:
+                check_request(r)
+                cache, suffix = prepare(state)
+                uid = gen.insert(
+                    [list(suffix)],
+                    max_tokens=[r.max_tokens],
+                    caches=[cache],
+                    samplers=[make_request_sampler(r.temperature, r.top_p, r.seed)],
+                )[0]
+            except Exception as exc:  # this request fails; the batch goes on
+                log.warning("[kvsnap] request %d failed to start: %s", state.id, exc)
+                finish_request(state, "error", f"{type(exc).__name__}: {exc}")
+                continue
+            state.uid = uid
+            state.capture = len(suffix) > 1
+            self.accounts.expect_batched(
+                len(suffix)
+            )  # mlx-lm runs the last token in the first decode step
+            self.sched.activate(uid, state)
+        for entry in discard:
+            self.prefix.discard(entry)
+
+    def step(self) -> None:
+        """One BatchGenerator step: prompt chunks (capturing finished prompt prefixes), then
+        tokens."""
+        gen = self.gen
+        prompt_responses, generation_responses = gen.next()
+        for r in prompt_responses:
+            state = self.sched.active.get(r.uid)
+            if state is not None and state.capture and r.end_of_segment and not r.end_of_prompt:
+                capture_request_prefix(
+                    self.prefix, state, gen.extract_cache([r.uid])[r.uid][0], self._deferred_evals
+                )
+        for r in generation_responses:
+            state = self.sched.active.get(r.uid)
+            if state is None:
+                continue
+            self.accounts.first_decode(
+                state
+            )  # the decode step that produced this token ran the last prompt token
+            deliver_token(state, r.token, r.finish_reason)
+            if state.finish_reason is not None:
+                self.sched.release(r.uid)
+                if r.finish_reason is None:  # stopped by a stop string: free the slot now
+                    gen.remove([r.uid])
+        if generation_responses:
+            self._flush_deferred()
+
+    def _flush_deferred(self) -> None:
+        if self._deferred_evals:
+            import mlx.core as mx
+
+            pending, self._deferred_evals = self._deferred_evals, []
+            mx.eval(pending)
+
+    def prime_kernels(self) -> None:
+        """A throwaway 3-token request on its own generator (the token counters stay exact).
+
+        mlx's CPU backend compiles ``mx.compile``'d kernels (mlx-lm's swiglu, ...) on first
+        use; a server restored from snapshots has run no model pass yet and would pay 1-3 s
+        of that in its first TTFT (a warm-prompts server pays it in its start-up prefill).
+        """
+        from kvsnap.runtime.engine.sampling import make_request_sampler
+
+        tokens = list(self.lm.tokenizer.encode("hello world"))[:3] or [0]
+        gen = self.new_generator(1, 1)
+        gen.insert(
+            [tokens],
+            max_tokens=[1],
+            caches=[self.lm.make_cache()],
+            samplers=[make_request_sampler(0.0, 1.0, None)],
+        )
+        for _ in range(8):  # one prefill step and one decode step finish it; bounded regardless
+            if any(r.finish_reason for r in gen.next()[1]):
+                break

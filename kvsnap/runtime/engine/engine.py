@@ -1,0 +1,447 @@
+"""The engine: model + prefix cache + continuous batching (mlx-lm's BatchGenerator) on one thread.
+
+Every mlx call happens on the engine thread. Callers submit requests from any thread
+and receive events through the callback they pass; the callback runs on the engine
+thread and must only hand the event over (e.g. ``loop.call_soon_threadsafe``).
+
+Per request: tokens -> longest cached strict prefix (a private copy) -> only the suffix
+is inserted into the batch -> tokens stream back. The prompt minus its last token is
+captured before any decode step and kept in an LRU for multi-turn reuse.
+
+This module owns the thread, its command queue and the start-up; the parts
+live beside it: ``scheduler`` (queue and slots), ``accounting`` (token counts),
+``batch_runner`` and ``sequential`` (the two ways requests run), ``request_cache`` (a
+request's prefix copy and capture), ``request_output`` and ``stop_strings`` (text out),
+``rewarm`` (after ``DELETE /v1/cache/prefix``), ``engine_startup``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+from typing import Any, Callable
+
+from kvsnap.runtime.cache.composed import BlockPool
+from kvsnap.runtime.engine.accounting import TokenAccounts, cache_stats
+from kvsnap.runtime.engine.request_output import finish_request
+from kvsnap.runtime.engine.scheduler import Scheduler, uses_batching
+from kvsnap.runtime.engine.startup import run_then_park
+from kvsnap.runtime.engine.types import (
+    EngineConfig,
+    EventFn,
+    GenerationRequest,
+    RequestState,
+    check_request,
+)
+from kvsnap.runtime.warmup.rewarm import Rewarmer
+
+__all__ = ["Engine", "EngineConfig", "EventFn", "GenerationRequest", "RequestState"]
+
+log = logging.getLogger("kvsnap.runtime.engine.engine")
+
+
+class Engine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.lm = None
+        self.identity = None
+        self.prefix = None
+        self.counts = None
+        self.store = None
+        self.pool = (
+            BlockPool()
+        )  # blocks of v3 records, each held once however many warm entries share it
+        self.warmup_report = None
+        self.warm = threading.Event()
+        self.loaded = threading.Event()
+        self.stopped = threading.Event()  # set when the engine loop has ended
+        self.failed: BaseException | None = None
+        self.sched = Scheduler(config.max_batch_size)
+        self.accounts = TokenAccounts()
+        self._batch = None  # a BatchRunner, made once the model is loaded
+        self._commands: queue.Queue = queue.Queue()
+        self._ids = itertools.count(1)
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._stream = None
+        self._stop_tokens: list[list[int]] = []
+        self.rewarmer = Rewarmer()  # re-warms after DELETE /v1/cache/prefix
+        self._prefetched = None  # prefetch.Prefetched: snapshots read while the model loaded
+        self.persister = None  # persist.Persister with --persist-requests and a writable store
+        self.persist_note = ""  # why persisting is off although asked for
+
+    # --- lifecycle ------------------------------------------------------------
+
+    def start(self) -> None:
+        """Load the model here, then warm up and serve on the engine thread (returns at once).
+
+        Loading happens on the caller's thread: mlx-lm's tokenizer loader, run on another
+        thread, leaves a native thread that aborts the process at exit. The engine thread
+        itself never ends (see ``engine_startup.run_then_park``).
+        """
+        from kvsnap.blas import preload_openblas
+
+        # before either thread imports mlx: the prefetch would otherwise get reference BLAS
+        preload_openblas()
+        # The engine thread starts first: it reads the snapshots to pin while the model loads here.
+        self.start_serving()
+        try:
+            self._load()
+        except BaseException as exc:
+            self.failed = exc
+            raise
+        finally:
+            self.loaded.set()
+
+    def start_serving(self) -> None:
+        """Start the engine thread: prefetch snapshots, wait for the model, warm up, serve."""
+        self._thread = threading.Thread(
+            target=run_then_park, args=([self._main],), name="kvsnap-engine", daemon=True
+        )
+        self._thread.start()
+
+    def wait_warm(self, timeout: float | None = None) -> bool:
+        ok = self.warm.wait(timeout)
+        if self.failed:
+            raise self.failed
+        return ok
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the engine loop; requests still running end with finish_reason "cancelled"."""
+        self._stopping = True
+        self._commands.put(("stop",))
+        if self.config.persist is not None:  # the queued conversation writes get their time
+            timeout += self.config.persist.flush_timeout_s
+        if self._thread is not None:
+            self.stopped.wait(timeout)  # the thread itself stays parked, see run_then_park
+
+    # --- public API (any thread) ---------------------------------------------
+
+    def submit(self, request: GenerationRequest, on_event: EventFn) -> RequestState:
+        state = RequestState(id=next(self._ids), request=request, on_event=on_event)
+        if self._stopping or self.stopped.is_set():
+            finish_request(state, "error", "the engine is shut down")
+            return state
+        self._commands.put(("submit", state))
+        return state
+
+    def cancel(self, state: RequestState) -> None:
+        self._commands.put(("cancel", state))
+
+    def clear_prefix_cache(self, rewarm: bool = True, timeout: float = 60.0) -> int:
+        """Drop the request prefixes, persisted ones too; returns once the engine thread has
+        (the entries it held). Waiting makes the answer true when it is sent."""
+        prefix = self.prefix
+
+        def clear() -> int:
+            held = len(prefix) if prefix is not None else 0
+            self.rewarmer.clear(prefix, self.lm, rewarm=rewarm)
+            if self.persister is not None:
+                self.persister.pending.clear()
+            return held
+
+        return self.call(clear, timeout=timeout)
+
+    def purge_persisted(self, timeout: float = 60.0) -> int | None:
+        """Remove every persisted conversation from the store (any thread; waits for the
+        writer); None when persisting is off or the writer did not finish in time."""
+        persister = self.persister
+        return persister.purge(timeout) if persister is not None else None
+
+    def call(self, fn: Callable[[], Any], timeout: float = 300.0) -> Any:
+        """Run ``fn`` on the engine thread (for tests and admin) and return its result."""
+        if self.stopped.is_set():
+            raise RuntimeError("the engine is shut down")
+        box: dict = {}
+        done = threading.Event()
+        self._commands.put(("call", fn, box, done))
+        if not done.wait(timeout):
+            raise TimeoutError("engine call timed out")
+        if "error" in box:
+            raise box["error"]
+        return box["value"]
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.sched.active)
+
+    def status(self, tenant: str | None = None) -> dict:
+        """Engine state; with ``tenant``, only that tenant's requests are listed."""
+        batch = self._batch
+        return {
+            "warm": self.warm.is_set(),
+            "model": str(self.config.model),
+            "batch_size": self.batch_size,
+            "max_batch_size_seen": self.sched.max_batch_seen,
+            "waiting": len(self.sched.pending),
+            "requests": self.sched.rows(tenant),
+            "cache": cache_stats(self.prefix, self.config.cache_memory_mb),
+            "snapshots": self.counts.as_dict() if self.counts else {},
+            "tokens": self.accounts.as_dict(batch.gen if batch is not None else None),
+            "requests_started": self.accounts.started_requests,
+            "shared_prefills": batch.shared_prefills if batch is not None else 0,
+            **self.rewarmer.as_dict(),
+            "persist": (
+                self.persister.as_dict()
+                if self.persister is not None
+                else {"enabled": False, "note": self.persist_note}
+            ),
+            "warmup": self.warmup_report.__dict__ if self.warmup_report else None,
+        }
+
+    # --- engine thread ---------------------------------------------------------
+
+    def _main(self) -> None:
+        try:
+            self._prefetch()
+            self.loaded.wait()
+            if self.failed is None:
+                self._serve()
+            else:
+                self.warm.set()
+        finally:
+            self.stopped.set()
+
+    def _prefetch(self) -> None:
+        from kvsnap.runtime.engine.startup import prefetch_snapshots
+
+        self._prefetched = prefetch_snapshots(self.config, self._mx_stream, self.pool)
+
+    def _serve(self) -> None:
+        try:
+            self._warm_up()
+            self._start_persisting()
+            self.warm.set()
+        except BaseException as exc:  # reported to the server, which exits non-zero
+            self.failed = exc
+            log.error("[kvsnap] engine failed to warm up: %s", exc)
+            self.warm.set()
+            return
+        report = self.warmup_report
+        if report is not None and report.from_snapshots and not report.prefilled:
+            # after "warm": it costs start-up nothing, and a first request rarely comes this fast
+            self._batch.prime_kernels()
+        while not self._stopping:
+            busy = self.sched.busy or self.rewarmer.running
+            try:
+                self._drain(block=not busy)
+                if self._stopping:
+                    break
+                self._step()
+            except Exception as exc:  # a failed step fails its requests, never the server
+                log.exception("[kvsnap] generation step failed")
+                self._finish_all("error", f"{type(exc).__name__}: {exc}")
+                self._batch.drop()
+        self._finish_all("cancelled")
+        self._batch.drop()
+        self._refuse_queued()
+        if self.persister is not None:  # SIGTERM: the queued writes, within a bound
+            self.persister.close()
+
+    def _refuse_queued(self) -> None:
+        """Commands that raced with the stop: requests end cancelled, calls get an error."""
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if cmd[0] == "submit" and cmd[1].finish_reason is None:
+                self.sched.submit(cmd[1])
+                self._finish_all("cancelled")
+            elif cmd[0] == "call":
+                cmd[2]["error"] = RuntimeError("the engine is shut down")
+                cmd[3].set()
+
+    def _finish_all(self, reason: str, error: str | None = None) -> None:
+        for state in self.sched.take_all():
+            if state.finish_reason is not None and reason != "error":
+                continue
+            try:
+                finish_request(state, reason, error)
+            except Exception:  # a broken callback must not keep the others waiting
+                log.exception("[kvsnap] request %d: event callback failed", state.id)
+
+    def _load(self) -> None:
+        from kvsnap.errors import SnapshotError
+        from kvsnap.runtime.cache.composed import copy_state
+        from kvsnap.runtime.cache.prefix import PrefixCache
+        from kvsnap.runtime.engine.batch_runner import BatchRunner
+        from kvsnap.runtime.model.loading import load_model
+        from kvsnap.runtime.warmup.report import SnapshotCounts
+        from kvsnap.snapshot.codec import trim_cache
+
+        cfg = self.config
+        self.lm = load_model(cfg.model, cfg.settings)
+        self.identity = self.lm.identity(cfg.digest_cache)
+        self.counts = SnapshotCounts()
+        self.prefix = PrefixCache(
+            max_bytes=int(cfg.cache_memory_mb * 2**20),
+            copy_state=copy_state,
+            trim_state=trim_cache,
+            load_errors=(SnapshotError, OSError),
+            on_load_error=self._on_load_error,
+        )
+        eos = getattr(self.lm.tokenizer, "eos_token_ids", None) or {self.lm.tokenizer.eos_token_id}
+        self._stop_tokens = [[int(t)] for t in eos if t is not None]
+        self._batch = BatchRunner(
+            self.lm,
+            self.prefix,
+            self.sched,
+            self.accounts,
+            self._stop_tokens,
+            self._mx_stream,
+            cfg.prefill_batch_size,
+        )
+
+    def _on_load_error(self, entry, exc: BaseException) -> None:
+        """A snapshot indexed at start failed to load on first hit: report it, serve without it."""
+        path = getattr(exc, "path", "") or entry.name or entry.key
+        if entry.source == "persisted" and self.persister is not None:
+            self.persister.load_error(str(path), exc)  # users' data, not a snapshot of the build
+            return
+        if self.persister is not None:  # a bad block of an agent's: conversations rewrite it too
+            self.persister.part_failed(exc)
+        self.counts.reject(str(path), getattr(exc, "reason", None) or str(exc))
+
+    def _warm_up(self, allow_prefill: bool = True) -> None:
+        from kvsnap.runtime.engine.startup import prefill_concurrency, prefill_many
+        from kvsnap.runtime.warmup.run import run_warmup
+        from kvsnap.runtime.warmup.store import open_store
+
+        cfg = self.config
+        if self.store is None and cfg.snapshots:
+            from kvsnap.faults import FaultHook
+
+            self.store = open_store(
+                cfg.snapshots, cfg.write_back, self.counts, fault=FaultHook.from_env()
+            )
+        report = run_warmup(
+            self.lm,
+            self.prefix,
+            self.identity,
+            self.counts,
+            self.store,
+            cfg.warm_prompts,
+            cfg.warm_prompts_file,
+            budget_bytes=int(cfg.cache_memory_mb * 2**20),
+            allow_prefill=allow_prefill,
+            prefill_many=lambda token_lists: prefill_many(
+                self.lm, self._batch.new_generator, token_lists
+            ),
+            concurrency=prefill_concurrency(cfg, self.lm.settings.kv_bits),
+            prefetched=self._prefetched,
+            pool=self.pool,
+        )
+        if self._prefetched is not None:
+            report.prefetch_seconds = round(self._prefetched.seconds, 3)
+        self._prefetched = None  # what the warm-up did not take (foreign, over budget) is dropped
+        self.warmup_report = report
+        log.info(report.summary(self.counts))
+
+    def _drain(self, block: bool) -> None:
+        try:
+            cmd = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._handle(cmd)
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _handle(self, cmd: tuple) -> None:
+        kind = cmd[0]
+        if kind == "submit":
+            self.sched.submit(cmd[1])
+        elif kind == "cancel":
+            self._cancel(cmd[1])
+        elif kind == "call":
+            _, fn, box, done = cmd
+            try:
+                box["value"] = fn()
+            except BaseException as exc:
+                box["error"] = exc
+            done.set()
+        elif kind == "stop":
+            self._stopping = True
+
+    # --- scheduling ------------------------------------------------------------
+
+    def _poll(self) -> bool:
+        """Serve the commands waiting now (a cancel, a disconnect); True once stopping."""
+        self._drain(block=False)
+        return self._stopping
+
+    def _step(self) -> None:
+        if uses_batching(self.config.continuous_batching, self.lm.settings.kv_bits):
+            self._batch.admit(self._prepare)
+            if self.sched.active:
+                self._batch.step()
+        else:
+            state = self.sched.next_sequential()
+            if state is not None:
+                self._run_sequential(state)
+        if self.persister is not None:  # after the step that evaluated the captured copies
+            self.persister.pump()
+        if self.rewarmer.running:
+            self.rewarmer.step(
+                self.prefix, self.counts
+            )  # one snapshot read or prefill chunk, between decode steps
+
+    def _prepare(self, state: RequestState) -> tuple[list, list[int]]:
+        from kvsnap.runtime.engine.request_cache import prepare_request
+
+        return prepare_request(self.lm, self.prefix, self.accounts, state, self.persister)
+
+    def _start_persisting(self) -> None:
+        from kvsnap.runtime.persist.requests import start_persister
+
+        if self.config.persist is None:
+            return
+        self.persister, self.persist_note = start_persister(
+            self.config.persist, self.store, self.lm, self.identity
+        )
+        if self.persister is not None:
+            persister = self.persister
+            persister.prefix = self.prefix
+            self.prefix.on_request_prefix = lambda e, st: persister.captured(e, st.extends)
+
+    def _cancel(self, state: RequestState) -> None:
+        uid = self.sched.withdraw(state)
+        if uid is not None and self._batch is not None:
+            self._batch.remove(uid)
+        if state.finish_reason is None:
+            finish_request(state, "cancelled")
+
+    def _run_sequential(self, state: RequestState) -> None:
+        """One request alone (quantized KV, or --continuous-batching off); it fails alone."""
+        from kvsnap.runtime.engine.request_cache import capture_request_prefix
+        from kvsnap.runtime.engine.sequential import SequentialRun
+
+        self.sched.activate(-state.id, state)
+        try:
+            check_request(state.request)
+            cache, suffix = self._prepare(state)
+            eos = {t[0] for t in self._stop_tokens}
+            capture = lambda c: capture_request_prefix(self.prefix, state, c)  # noqa: E731
+            SequentialRun(self.lm, state, cache, self.accounts, eos, self._poll, capture).run(
+                suffix
+            )
+        except Exception as exc:  # this request fails; the engine goes on
+            log.exception("[kvsnap] request %d failed", state.id)
+            if state.finish_reason is None:
+                finish_request(state, "error", f"{type(exc).__name__}: {exc}")
+        finally:
+            self.sched.release(-state.id)
+
+    def _mx_stream(self):
+        """The engine's own mlx stream: mlx-lm's default thread-local one aborts the
+        process at exit when it was used from a non-main thread."""
+        if self._stream is None:
+            import mlx.core as mx
+
+            self._stream = mx.new_stream(mx.default_device())
+        return self._stream

@@ -1,0 +1,78 @@
+"""One request at a time, for a quantized KV (mlx-lm's batch caches cannot hold one) or with
+continuous batching off: the same chunked prefill and quantization schedule as ``build``,
+then a plain decode loop. Runs on the engine thread.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from kvsnap.runtime.engine.accounting import TokenAccounts
+from kvsnap.runtime.engine.request_output import deliver_token, finish_request
+from kvsnap.runtime.engine.types import RequestState
+
+
+@dataclass
+class SequentialRun:
+    lm: Any
+    state: RequestState
+    cache: list
+    accounts: TokenAccounts
+    eos: set[int]
+    poll: Callable[[], bool]  # serve the engine's commands; True once the engine is stopping
+    capture: Callable[[list], None]  # keep the prompt's prefix (all but its last token)
+
+    def run(self, suffix: list[int]) -> None:
+        body, last = list(suffix[:-1]), suffix[-1]
+        if not self._prefill(body):
+            return
+        if body:
+            self.state.capture = True
+            self.capture(self.cache)
+        self._decode(last)
+
+    def _ended(self) -> bool:
+        """Let a cancel (or a disconnect, or a stop) end this request between two model calls."""
+        if self.poll() and self.state.finish_reason is None:
+            finish_request(self.state, "cancelled")
+        return self.state.finish_reason is not None
+
+    def _prefill(self, body: list[int]) -> bool:
+        """Run all but the last prompt token in chunks; False if the request ended meanwhile."""
+        import mlx.core as mx
+        from mlx_lm.generate import maybe_quantize_kv_cache
+
+        s = self.lm.settings
+        for start in range(0, len(body), s.prefill_step_size):
+            chunk = body[start : start + s.prefill_step_size]
+            self.lm.model(mx.array(chunk, dtype=mx.int32)[None], cache=self.cache)
+            maybe_quantize_kv_cache(self.cache, s.quantized_kv_start, s.kv_group_size, s.kv_bits)
+            mx.eval([c.state for c in self.cache])
+            self.accounts.ran(len(chunk))
+            if self._ended():
+                return False
+        return True
+
+    def _decode(self, last: int) -> None:
+        import mlx.core as mx
+        from mlx_lm.generate import maybe_quantize_kv_cache
+
+        from kvsnap.runtime.engine.sampling import make_request_sampler
+
+        s, r = self.lm.settings, self.state.request
+        sampler = make_request_sampler(r.temperature, r.top_p, r.seed)
+        token = mx.array([[last]], dtype=mx.int32)
+        for i in range(r.max_tokens):
+            logits = self.lm.model(token, cache=self.cache)[:, -1, :]
+            if i == 0:
+                self.accounts.ran(1)  # the last prompt token
+            maybe_quantize_kv_cache(self.cache, s.quantized_kv_start, s.kv_group_size, s.kv_bits)
+            logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+            nxt = sampler(logprobs)
+            tok = int(nxt.item())
+            reason = "stop" if tok in self.eos else ("length" if i + 1 >= r.max_tokens else None)
+            deliver_token(self.state, tok, reason)
+            if self.state.finish_reason is not None or self._ended():
+                break
+            token = nxt.reshape(1, 1)

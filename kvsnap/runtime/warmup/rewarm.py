@@ -1,0 +1,138 @@
+"""The background re-warm after ``DELETE /v1/cache/prefix``, in steps small enough to serve between.
+
+Clearing drops every request prefix at once and puts the warm set straight back as an
+index (no I/O). Then, one step per engine loop turn: load one snapshot that was resident,
+or run one prefill chunk of a warm prompt that has no file. A request arriving meanwhile
+still hits: an indexed snapshot loads on first hit.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvsnap.runtime.cache.prefix import Entry, PrefixCache
+from kvsnap.runtime.prefill.chunked import PrefillCursor
+
+log = logging.getLogger("kvsnap.runtime.engine.engine")
+
+
+@dataclass
+class RewarmJob:
+    loads: deque = field(default_factory=deque)  # indexed warm entries to make resident again
+    prefills: deque = field(default_factory=deque)  # (old entry, PrefillCursor)
+
+    @property
+    def finished(self) -> bool:
+        return not self.loads and not self.prefills
+
+
+def start_rewarm(prefix: PrefixCache, lm: Any) -> RewarmJob:
+    """Clear ``prefix`` and re-index its warm set; returns the steps left to make it resident."""
+    old = prefix.entries
+    prefix.clear()
+    job = RewarmJob()
+    for e in old:
+        if e.source == "persisted":
+            continue  # a request prefix of one namespace, file-backed: cleared like the others
+        if e.loader is not None:
+            fresh = Entry(
+                tokens=e.tokens,
+                state=None,
+                nbytes=e.nbytes,
+                trimmable=e.trimmable,
+                pinned=e.pinned,
+                source="snapshot",
+                name=e.name,
+                key=e.key,
+                loader=e.loader,
+            )
+            prefix.add(fresh)
+            if e.resident:
+                job.loads.append(fresh)
+        elif e.pinned:
+            job.prefills.append((e, PrefillCursor(lm, e.tokens)))
+    return job
+
+
+def rewarm_step(job: RewarmJob, prefix: PrefixCache, counts: Any) -> None:
+    """One snapshot read or one prefill chunk."""
+    from kvsnap.snapshot.codec import cache_nbytes_of
+
+    if job.loads:
+        entry = job.loads.popleft()
+        if prefix.load(entry, resident=True):
+            counts.loaded += 1
+        return
+    if job.prefills:
+        old, cursor = job.prefills[0]
+        cursor.step()
+        if cursor.finished:
+            job.prefills.popleft()
+            cache = cursor.cache
+            prefix.add(
+                Entry(
+                    tokens=old.tokens,
+                    state=cache,
+                    nbytes=cache_nbytes_of(cache),
+                    trimmable=old.trimmable,
+                    pinned=True,
+                    source="prefill",
+                    name=old.name,
+                    resident=True,
+                )
+            )
+            counts.prefilled += 1
+
+
+@dataclass
+class Rewarmer:
+    """The engine's re-warms: at most one runs; a clear during one only drops request
+    prefixes again (coalesced, never queued). A failed step ends the re-warm, not the server."""
+
+    rewarms: int = 0
+    coalesced: int = 0
+    error: str = ""  # why the last re-warm stopped early ("" if it did not)
+    job: RewarmJob | None = None
+
+    @property
+    def running(self) -> bool:
+        return self.job is not None
+
+    def clear(self, prefix: PrefixCache, lm: Any, rewarm: bool) -> None:
+        """Drop request prefixes; with ``rewarm``, start making the warm set resident again."""
+        if self.job is not None:
+            self.coalesced += 1
+            prefix.drop_request_prefixes()
+            return
+        if not rewarm:
+            prefix.clear()
+            return
+        self.rewarms += 1
+        self.error = ""
+        self.job = start_rewarm(prefix, lm)
+        if self.job.finished:
+            self.job = None
+
+    def step(self, prefix: PrefixCache, counts: Any) -> None:
+        try:
+            rewarm_step(self.job, prefix, counts)
+        except (
+            Exception
+        ) as exc:  # serve on (cold for what is left) rather than die; status says why
+            self.error = f"{type(exc).__name__}: {exc}"
+            log.exception("[kvsnap] re-warm failed")
+            self.job = None
+            return
+        if self.job.finished:
+            self.job = None
+
+    def as_dict(self) -> dict:
+        return {
+            "rewarms": self.rewarms,
+            "rewarms_coalesced": self.coalesced,
+            "rewarm_in_progress": self.running,
+            "rewarm_error": self.error,
+        }
