@@ -53,13 +53,11 @@ def make_queries(entries: list[Entry], rng: random.Random) -> list[tuple[tuple[i
         ns = e.namespace or ""
         queries.append((e.tokens + tuple(rng.randrange(VOCAB) for _ in range(30)), ns))  # next turn
         half = len(e.tokens) // 2
-        queries.append(
-            (e.tokens[:half] + tuple(rng.randrange(VOCAB) for _ in range(40)), ns)
-        )  # leaves it half-way
+        # leaves it half-way
+        queries.append((e.tokens[:half] + tuple(rng.randrange(VOCAB) for _ in range(40)), ns))
         queries.append((e.tokens, ns))  # the entry itself
-        queries.append(
-            (HEADER + tuple(rng.randrange(VOCAB) for _ in range(len(e.tokens))), ns)
-        )  # a miss after the header
+        # a miss after the header
+        queries.append((HEADER + tuple(rng.randrange(VOCAB) for _ in range(len(e.tokens))), ns))
     return queries
 
 

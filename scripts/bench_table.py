@@ -129,9 +129,8 @@ def text_of(count: TokenCounter, head: str, target: int, seed: int) -> str:
     """``head`` then seeded words until ``target`` tokens (within a few)."""
     rng = random.Random(seed)
     words = [head]
-    while (
-        count(" ".join(words)) < target
-    ):  # enough words, then the shortest prefix that reaches target
+    # enough words, then the shortest prefix that reaches target
+    while count(" ".join(words)) < target:
         words += [rng.choice(_WORDS) for _ in range(max(1, target - count(" ".join(words))))]
     lo, hi = 1, len(words)
     while lo < hi:
@@ -213,9 +212,8 @@ class Prepared:
 
 def launch(env: Env, prep: Prepared, mode: str, log: Path, limit_s: int) -> ServerProcess:
     home = log.parent / (log.stem + "-home")
-    home.mkdir(
-        parents=True, exist_ok=True
-    )  # a fresh HOME: vllm-mlx reloads ~/.cache/vllm-mlx/prefix_cache otherwise
+    # a fresh HOME: vllm-mlx reloads ~/.cache/vllm-mlx/prefix_cache otherwise
+    home.mkdir(parents=True, exist_ok=True)
     if mode.startswith("kvsnap-"):
         args = ["--continuous-batching"]
         if mode in ("kvsnap-warm", "kvsnap-snap"):
@@ -252,9 +250,8 @@ def launch(env: Env, prep: Prepared, mode: str, log: Path, limit_s: int) -> Serv
         if mode == "vllm-warm":
             cmd += ["--warm-prompts", str(prep.agents)]
         blas = find_openblas()
-        if (
-            blas
-        ):  # kvsnap's own launchers load it in process; plain vllm-mlx gets the same BLAS this way
+        # kvsnap's own launchers load it in process; plain vllm-mlx gets the same BLAS this way
+        if blas:
             extra["LD_PRELOAD"] = blas
     port = free_port()
     full = under_hard_limit([*cmd, "--host", "127.0.0.1", "--port", str(port)], limit_s)
@@ -413,9 +410,8 @@ def run_restart(env: Env, prep: Prepared, mode: str, rep: int, out: Path, limit_
     try:
         row["ready_s"] = server.wait_ready(limit_s)
         model_id = httpx.get(f"{server.url}/v1/models", timeout=30).json()["data"][0]["id"]
-        row.update(
-            computed_at_start(server, mode)
-        )  # before the request: vllm-mlx's counter would include it (a few ms)
+        # before the request: vllm-mlx's counter would include it (a few ms)
+        row.update(computed_at_start(server, mode))
         user = "Please review the server's request handler."
         row["user_tokens"] = prep.counter(user)
         sent = time.perf_counter()
@@ -475,9 +471,8 @@ def prepare(
         else text_of(counter, SYSTEM_HEAD, system_tokens, seed=0)
     )
     agents = folder / "agents.json"
-    agents.write_text(
-        json.dumps([[{"role": "system", "content": system}]])
-    )  # vllm-mlx's file shape; kvsnap reads it too
+    # vllm-mlx's file shape; kvsnap reads it too
+    agents.write_text(json.dumps([[{"role": "system", "content": system}]]))
     store = folder / "snaps-kvsnap"
     t0 = time.perf_counter()
     run(
@@ -1061,13 +1056,11 @@ def main(argv=None) -> int:
         for family in plan.families:
             prep = prepared[family]
             users = UserPrompts(prep.counter, args.user_tokens)
-            users.n = 10_000 * (rep + 1) + 1_000 * plan.families.index(
-                family
-            )  # unique across the run
+            # unique across the run
+            users.n = 10_000 * (rep + 1) + 1_000 * plan.families.index(family)
             for conc in plan.concurrency:
-                order = (
-                    plan.modes[rep % len(plan.modes) :] + plan.modes[: rep % len(plan.modes)]
-                )  # rotate: modes interleave across reps
+                # rotate: modes interleave across reps
+                order = plan.modes[rep % len(plan.modes) :] + plan.modes[: rep % len(plan.modes)]
                 for mode in order:
                     if deadline and time.perf_counter() > deadline:
                         plan.trimmed.append(
@@ -1110,9 +1103,8 @@ def main(argv=None) -> int:
                 )
                 restarts.append(row)
 
-    for rep in range(
-        plan.reps, plan.restart_reps if restart_prep is not None else 0
-    ):  # restart reps beyond --reps
+    # restart reps beyond --reps
+    for rep in range(plan.reps, plan.restart_reps if restart_prep is not None else 0):
         for mode in (
             restart_modes[rep % len(restart_modes) :] + restart_modes[: rep % len(restart_modes)]
         ):

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Duplicate-code check (issue 16): pylint's similarity checker over the package, blocks of 6+ lines.
+# Duplicate-code check: pylint's similarity checker over the package, blocks of 6+ lines.
 # Prints each duplicated block with the files and lines it appears at; exit 0 only when there is none.
 #   scripts/check_duplicates.sh            # pylint from PATH (pip install pylint)
 #   PYLINT=/path/to/pylint scripts/check_duplicates.sh

@@ -202,9 +202,8 @@ def main() -> None:
     unknown = [m for m in modes if m not in MODES]
     if unknown:
         ap.error(f"unknown mode(s) {', '.join(unknown)}; choose from {', '.join(MODES)}")
-    with (
-        tempfile.TemporaryDirectory() as tmp
-    ):  # one folder: kvsnap-warm-second reuses what -first wrote
+    # one folder: kvsnap-warm-second reuses what -first wrote
+    with tempfile.TemporaryDirectory() as tmp:
         for mode in modes:
             print(
                 json.dumps(
