@@ -1489,7 +1489,7 @@ BREAKAGES = (
         (
             Patch(
                 "kvsnap/runtime/engine/engine.py",
-                "            persister.prefix = self.prefix\n",
+                "            persister.prefix = parts.prefix\n",
                 "",
             ),
         ),

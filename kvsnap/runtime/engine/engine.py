@@ -21,13 +21,36 @@ import itertools
 import logging
 import queue
 import threading
-from typing import Any, Callable
+from dataclasses import dataclass
+from typing import Any, Callable, TypeVar
 
-from kvsnap.runtime.cache.composed import BlockPool
+from kvsnap.blas import preload_openblas
+
+# before the first mlx import (here or on the engine thread): mlx keeps its slow reference BLAS
+preload_openblas()
+
+import mlx.core as mx
+
+from kvsnap.errors import SnapshotError
+from kvsnap.faults import FaultHook
+from kvsnap.key import ModelIdentity
+from kvsnap.runtime.cache.composed import BlockPool, copy_state
+from kvsnap.runtime.cache.prefix import Entry, PrefixCache
 from kvsnap.runtime.engine.accounting import TokenAccounts, cache_stats
+from kvsnap.runtime.engine.batch_runner import BatchRunner
+from kvsnap.runtime.engine.request_cache import (
+    capture_request_prefix,
+    prepare_request,
+)
 from kvsnap.runtime.engine.request_output import finish_request
 from kvsnap.runtime.engine.scheduler import Scheduler, uses_batching
-from kvsnap.runtime.engine.startup import run_then_park
+from kvsnap.runtime.engine.sequential import SequentialRun
+from kvsnap.runtime.engine.startup import (
+    prefetch_snapshots,
+    prefill_concurrency,
+    prefill_many,
+    run_then_park,
+)
 from kvsnap.runtime.engine.types import (
     EngineConfig,
     EventFn,
@@ -35,42 +58,82 @@ from kvsnap.runtime.engine.types import (
     RequestState,
     check_request,
 )
+from kvsnap.runtime.model.loading import LoadedModel, load_model
+from kvsnap.runtime.persist.requests import Persister, start_persister
+from kvsnap.runtime.warmup.prefetch import Prefetched
+from kvsnap.runtime.warmup.report import SnapshotCounts, WarmupReport
 from kvsnap.runtime.warmup.rewarm import Rewarmer
+from kvsnap.runtime.warmup.run import run_warmup
+from kvsnap.runtime.warmup.store import open_store
+from kvsnap.snapshot.codec import trim_cache
+from kvsnap.store.local import Store
 
-__all__ = ["Engine", "EngineConfig", "EventFn", "GenerationRequest", "RequestState"]
+__all__ = ["Engine", "EngineConfig", "EventFn", "GenerationRequest", "LoadedEngine", "RequestState"]
 
 log = logging.getLogger("kvsnap.runtime.engine.engine")
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedEngine:
+    """What loading the model makes, built in one piece once it has all loaded."""
+
+    lm: LoadedModel
+    identity: ModelIdentity
+    counts: SnapshotCounts
+    prefix: PrefixCache
+    batch: BatchRunner
+    # one list per stop token, as mlx-lm's BatchGenerator takes them
+    stop_tokens: list[list[int]]
 
 
 class Engine:
     def __init__(self, config: EngineConfig):
         self.config = config
-        self.lm = None
-        self.identity = None
-        self.prefix = None
-        self.counts = None
-        self.store = None
-        self.pool = (
-            BlockPool()
-        )  # blocks of v3 records, each held once however many warm entries share it
-        self.warmup_report = None
+        self._loaded: LoadedEngine | None = None
+        # opened by the warm-up when None (a caller may set one before ``start``)
+        self.store: Store | None = None
+        # blocks of v3 records, each held once however many warm entries share it
+        self.pool = BlockPool()
+        self.warmup_report: WarmupReport | None = None
         self.warm = threading.Event()
         self.loaded = threading.Event()
         self.stopped = threading.Event()  # set when the engine loop has ended
         self.failed: BaseException | None = None
         self.sched = Scheduler(config.max_batch_size)
         self.accounts = TokenAccounts()
-        self._batch = None  # a BatchRunner, made once the model is loaded
-        self._commands: queue.Queue = queue.Queue()
+        self._commands: queue.Queue[tuple[Any, ...]] = queue.Queue()
         self._ids = itertools.count(1)
         self._thread: threading.Thread | None = None
         self._stopping = False
-        self._stream = None
-        self._stop_tokens: list[list[int]] = []
+        self._stream: mx.Stream | None = None
         self.rewarmer = Rewarmer()  # re-warms after DELETE /v1/cache/prefix
-        self._prefetched = None  # prefetch.Prefetched: snapshots read while the model loaded
-        self.persister = None  # persist.Persister with --persist-requests and a writable store
+        # snapshots read while the model loaded, until the warm-up takes them
+        self._prefetched: Prefetched | None = None
+        # with --persist-requests and a writable store
+        self.persister: Persister | None = None
         self.persist_note = ""  # why persisting is off although asked for
+
+    # --- what loading made -----------------------------------------------------
+
+    def ready(self) -> LoadedEngine:
+        """The loaded model and the parts built on it; a RuntimeError before it has loaded."""
+        if self._loaded is None:
+            raise RuntimeError("the engine has not loaded its model yet; call start() first")
+        return self._loaded
+
+    @property
+    def lm(self) -> LoadedModel:
+        return self.ready().lm
+
+    @property
+    def prefix(self) -> PrefixCache:
+        return self.ready().prefix
+
+    @property
+    def _batch(self) -> BatchRunner:
+        return self.ready().batch
 
     # --- lifecycle ------------------------------------------------------------
 
@@ -81,10 +144,6 @@ class Engine:
         thread, leaves a native thread that aborts the process at exit. The engine thread
         itself never ends (see ``engine_startup.run_then_park``).
         """
-        from kvsnap.blas import preload_openblas
-
-        # before either thread imports mlx: the prefetch would otherwise get reference BLAS
-        preload_openblas()
         # The engine thread starts first: it reads the snapshots to pin while the model loads here.
         self.start_serving()
         try:
@@ -133,11 +192,11 @@ class Engine:
     def clear_prefix_cache(self, rewarm: bool = True, timeout: float = 60.0) -> int:
         """Drop the request prefixes, persisted ones too; returns once the engine thread has
         (the entries it held). Waiting makes the answer true when it is sent."""
-        prefix = self.prefix
 
         def clear() -> int:
-            held = len(prefix) if prefix is not None else 0
-            self.rewarmer.clear(prefix, self.lm, rewarm=rewarm)
+            parts = self.ready()
+            held = len(parts.prefix)
+            self.rewarmer.clear(parts.prefix, parts.lm, rewarm=rewarm)
             if self.persister is not None:
                 self.persister.pending.clear()
             return held
@@ -150,11 +209,11 @@ class Engine:
         persister = self.persister
         return persister.purge(timeout) if persister is not None else None
 
-    def call(self, fn: Callable[[], Any], timeout: float = 300.0) -> Any:
+    def call(self, fn: Callable[[], T], timeout: float = 300.0) -> T:
         """Run ``fn`` on the engine thread (for tests and admin) and return its result."""
         if self.stopped.is_set():
             raise RuntimeError("the engine is shut down")
-        box: dict = {}
+        box: dict[str, Any] = {}
         done = threading.Event()
         self._commands.put(("call", fn, box, done))
         if not done.wait(timeout):
@@ -169,7 +228,8 @@ class Engine:
 
     def status(self, tenant: str | None = None) -> dict:
         """Engine state; with ``tenant``, only that tenant's requests are listed."""
-        batch = self._batch
+        parts = self._loaded
+        batch = parts.batch if parts is not None else None
         return {
             "warm": self.warm.is_set(),
             "model": str(self.config.model),
@@ -177,8 +237,8 @@ class Engine:
             "max_batch_size_seen": self.sched.max_batch_seen,
             "waiting": len(self.sched.pending),
             "requests": self.sched.rows(tenant),
-            "cache": cache_stats(self.prefix, self.config.cache_memory_mb),
-            "snapshots": self.counts.as_dict() if self.counts else {},
+            "cache": cache_stats(parts.prefix if parts else None, self.config.cache_memory_mb),
+            "snapshots": parts.counts.as_dict() if parts else {},
             "tokens": self.accounts.as_dict(batch.gen if batch is not None else None),
             "requests_started": self.accounts.started_requests,
             "shared_prefills": batch.shared_prefills if batch is not None else 0,
@@ -205,8 +265,6 @@ class Engine:
             self.stopped.set()
 
     def _prefetch(self) -> None:
-        from kvsnap.runtime.engine.startup import prefetch_snapshots
-
         self._prefetched = prefetch_snapshots(self.config, self._mx_stream, self.pool)
 
     def _serve(self) -> None:
@@ -219,10 +277,11 @@ class Engine:
             log.error("[kvsnap] engine failed to warm up: %s", exc)
             self.warm.set()
             return
+        batch = self.ready().batch
         report = self.warmup_report
         if report is not None and report.from_snapshots and not report.prefilled:
             # after "warm": it costs start-up nothing, and a first request rarely comes this fast
-            self._batch.prime_kernels()
+            batch.prime_kernels()
         while not self._stopping:
             busy = self.sched.busy or self.rewarmer.running
             try:
@@ -233,9 +292,9 @@ class Engine:
             except Exception as exc:  # a failed step fails its requests, never the server
                 log.exception("[kvsnap] generation step failed")
                 self._finish_all("error", f"{type(exc).__name__}: {exc}")
-                self._batch.drop()
+                batch.drop()
         self._finish_all("cancelled")
-        self._batch.drop()
+        batch.drop()
         self._refuse_queued()
         if self.persister is not None:  # SIGTERM: the queued writes, within a bound
             self.persister.close()
@@ -264,38 +323,30 @@ class Engine:
                 log.exception("[kvsnap] request %d: event callback failed", state.id)
 
     def _load(self) -> None:
-        from kvsnap.errors import SnapshotError
-        from kvsnap.runtime.cache.composed import copy_state
-        from kvsnap.runtime.cache.prefix import PrefixCache
-        from kvsnap.runtime.engine.batch_runner import BatchRunner
-        from kvsnap.runtime.model.loading import load_model
-        from kvsnap.runtime.warmup.report import SnapshotCounts
-        from kvsnap.snapshot.codec import trim_cache
-
         cfg = self.config
-        self.lm = load_model(cfg.model, cfg.settings)
-        self.identity = self.lm.identity(cfg.digest_cache)
-        self.counts = SnapshotCounts()
-        self.prefix = PrefixCache(
+        lm = load_model(cfg.model, cfg.settings)
+        identity = lm.identity(cfg.digest_cache)
+        prefix = PrefixCache(
             max_bytes=int(cfg.cache_memory_mb * 2**20),
             copy_state=copy_state,
             trim_state=trim_cache,
             load_errors=(SnapshotError, OSError),
             on_load_error=self._on_load_error,
         )
-        eos = getattr(self.lm.tokenizer, "eos_token_ids", None) or {self.lm.tokenizer.eos_token_id}
-        self._stop_tokens = [[int(t)] for t in eos if t is not None]
-        self._batch = BatchRunner(
-            self.lm,
-            self.prefix,
+        eos = getattr(lm.tokenizer, "eos_token_ids", None) or {lm.tokenizer.eos_token_id}
+        stop_tokens = [[int(t)] for t in eos if t is not None]
+        batch = BatchRunner(
+            lm,
+            prefix,
             self.sched,
             self.accounts,
-            self._stop_tokens,
+            stop_tokens,
             self._mx_stream,
             cfg.prefill_batch_size,
         )
+        self._loaded = LoadedEngine(lm, identity, SnapshotCounts(), prefix, batch, stop_tokens)
 
-    def _on_load_error(self, entry, exc: BaseException) -> None:
+    def _on_load_error(self, entry: Entry, exc: BaseException) -> None:
         """A snapshot indexed at start failed to load on first hit: report it, serve without it."""
         path = getattr(exc, "path", "") or entry.name or entry.key
         if entry.source == "persisted" and self.persister is not None:
@@ -303,34 +354,29 @@ class Engine:
             return
         if self.persister is not None:  # a bad block of an agent's: conversations rewrite it too
             self.persister.part_failed(exc)
-        self.counts.reject(str(path), getattr(exc, "reason", None) or str(exc))
+        self.ready().counts.reject(str(path), getattr(exc, "reason", None) or str(exc))
 
     def _warm_up(self, allow_prefill: bool = True) -> None:
-        from kvsnap.runtime.engine.startup import prefill_concurrency, prefill_many
-        from kvsnap.runtime.warmup.run import run_warmup
-        from kvsnap.runtime.warmup.store import open_store
-
         cfg = self.config
+        parts = self.ready()
         if self.store is None and cfg.snapshots:
-            from kvsnap.faults import FaultHook
-
             self.store = open_store(
-                cfg.snapshots, cfg.write_back, self.counts, fault=FaultHook.from_env()
+                cfg.snapshots, cfg.write_back, parts.counts, fault=FaultHook.from_env()
             )
         report = run_warmup(
-            self.lm,
-            self.prefix,
-            self.identity,
-            self.counts,
+            parts.lm,
+            parts.prefix,
+            parts.identity,
+            parts.counts,
             self.store,
             cfg.warm_prompts,
             cfg.warm_prompts_file,
             budget_bytes=int(cfg.cache_memory_mb * 2**20),
             allow_prefill=allow_prefill,
             prefill_many=lambda token_lists: prefill_many(
-                self.lm, self._batch.new_generator, token_lists
+                parts.lm, parts.batch.new_generator, token_lists
             ),
-            concurrency=prefill_concurrency(cfg, self.lm.settings.kv_bits),
+            concurrency=prefill_concurrency(cfg, parts.lm.settings.kv_bits),
             prefetched=self._prefetched,
             pool=self.pool,
         )
@@ -338,7 +384,7 @@ class Engine:
             report.prefetch_seconds = round(self._prefetched.seconds, 3)
         self._prefetched = None  # what the warm-up did not take (foreign, over budget) is dropped
         self.warmup_report = report
-        log.info(report.summary(self.counts))
+        log.info(report.summary(parts.counts))
 
     def _drain(self, block: bool) -> None:
         try:
@@ -352,7 +398,7 @@ class Engine:
             except queue.Empty:
                 return
 
-    def _handle(self, cmd: tuple) -> None:
+    def _handle(self, cmd: tuple[Any, ...]) -> None:
         kind = cmd[0]
         if kind == "submit":
             self.sched.submit(cmd[1])
@@ -376,10 +422,11 @@ class Engine:
         return self._stopping
 
     def _step(self) -> None:
-        if uses_batching(self.config.continuous_batching, self.lm.settings.kv_bits):
-            self._batch.admit(self._prepare)
+        parts = self.ready()
+        if uses_batching(self.config.continuous_batching, parts.lm.settings.kv_bits):
+            parts.batch.admit(self._prepare)
             if self.sched.active:
-                self._batch.step()
+                parts.batch.step()
         else:
             state = self.sched.next_sequential()
             if state is not None:
@@ -387,47 +434,45 @@ class Engine:
         if self.persister is not None:  # after the step that evaluated the captured copies
             self.persister.pump()
         if self.rewarmer.running:
-            self.rewarmer.step(
-                self.prefix, self.counts
-            )  # one snapshot read or prefill chunk, between decode steps
+            # one snapshot read or prefill chunk, between decode steps
+            self.rewarmer.step(parts.prefix, parts.counts)
 
     def _prepare(self, state: RequestState) -> tuple[list, list[int]]:
-        from kvsnap.runtime.engine.request_cache import prepare_request
-
-        return prepare_request(self.lm, self.prefix, self.accounts, state, self.persister)
+        parts = self.ready()
+        return prepare_request(parts.lm, parts.prefix, self.accounts, state, self.persister)
 
     def _start_persisting(self) -> None:
-        from kvsnap.runtime.persist.requests import start_persister
-
         if self.config.persist is None:
             return
+        parts = self.ready()
         self.persister, self.persist_note = start_persister(
-            self.config.persist, self.store, self.lm, self.identity
+            self.config.persist, self.store, parts.lm, parts.identity
         )
         if self.persister is not None:
             persister = self.persister
-            persister.prefix = self.prefix
-            self.prefix.on_request_prefix = lambda e, st: persister.captured(e, st.extends)
+            persister.prefix = parts.prefix
+            parts.prefix.on_request_prefix = lambda e, st: persister.captured(e, st.extends)
 
     def _cancel(self, state: RequestState) -> None:
         uid = self.sched.withdraw(state)
-        if uid is not None and self._batch is not None:
-            self._batch.remove(uid)
+        if uid is not None and self._loaded is not None:
+            self._loaded.batch.remove(uid)
         if state.finish_reason is None:
             finish_request(state, "cancelled")
 
     def _run_sequential(self, state: RequestState) -> None:
         """One request alone (quantized KV, or --continuous-batching off); it fails alone."""
-        from kvsnap.runtime.engine.request_cache import capture_request_prefix
-        from kvsnap.runtime.engine.sequential import SequentialRun
-
+        parts = self.ready()
         self.sched.activate(-state.id, state)
+
+        def capture(cache: list) -> None:
+            capture_request_prefix(parts.prefix, state, cache)
+
         try:
             check_request(state.request)
             cache, suffix = self._prepare(state)
-            eos = {t[0] for t in self._stop_tokens}
-            capture = lambda c: capture_request_prefix(self.prefix, state, c)  # noqa: E731
-            SequentialRun(self.lm, state, cache, self.accounts, eos, self._poll, capture).run(
+            eos = {t[0] for t in parts.stop_tokens}
+            SequentialRun(parts.lm, state, cache, self.accounts, eos, self._poll, capture).run(
                 suffix
             )
         except Exception as exc:  # this request fails; the engine goes on
@@ -437,11 +482,9 @@ class Engine:
         finally:
             self.sched.release(-state.id)
 
-    def _mx_stream(self):
+    def _mx_stream(self) -> mx.Stream:
         """The engine's own mlx stream: mlx-lm's default thread-local one aborts the
         process at exit when it was used from a non-main thread."""
         if self._stream is None:
-            import mlx.core as mx
-
             self._stream = mx.new_stream(mx.default_device())
         return self._stream

@@ -9,14 +9,37 @@ from typing import Callable, Sequence
 
 from kvsnap import __version__
 from kvsnap.chat import resolve_chat_template
-from kvsnap.key import KVSettings, ModelIdentity, package_version, snapshot_key, tokens_digest
+from kvsnap.key import (
+    KVSettings,
+    ModelIdentity,
+    canonical_json,
+    package_version,
+    snapshot_key,
+    tokens_digest,
+)
 from kvsnap.prompts import WarmPrompt
 from kvsnap.runtime.model.loading import LoadedModel
-from kvsnap.snapshot.blocks import BlockSettings
-from kvsnap.snapshot.format import TOKENS, header_metadata, snapshot_relpath
+from kvsnap.runtime.warmup.recipe import warm_recipe
+from kvsnap.snapshot.blocks import (
+    QUANTIZED_FORM,
+    BlockSettings,
+    chain_field,
+    chain_of,
+    checkpoint_key,
+    kv_form,
+    kv_form_at,
+    plan_cuts,
+    prefix_digests,
+    without_checkpoint,
+)
+from kvsnap.snapshot.cache_classes import needs_checkpoints
+from kvsnap.snapshot.format import CHECKPOINT_KIND, TOKENS, header_metadata, snapshot_relpath
 from kvsnap.store.local import Store
 from kvsnap.store.manifest import record_id, utc_now
-from kvsnap.store.parts import Written
+from kvsnap.store.parts import Written, bad_present_parts, has_part, write_chain
+
+# mlx (here and through ``snapshot.codec``) is imported where it is used: ``kvsnap build``
+# imports this module before its arguments are checked, and its usage errors need no mlx.
 
 
 def recorded_fields(settings: KVSettings, tokenization: dict | None = None) -> dict:
@@ -24,8 +47,6 @@ def recorded_fields(settings: KVSettings, tokenization: dict | None = None) -> d
     JSON text:
     recorded values are scalars)."""
     import mlx.core as mx
-
-    from kvsnap.key import canonical_json
 
     extra = {"tokenization": canonical_json(tokenization)} if tokenization is not None else {}
     return {
@@ -44,8 +65,6 @@ def recipe_fields(
 ) -> dict:
     """The warm recipe a later start can match to reuse these tokens without re-tokenizing
     (recorded, not keyed)."""
-    from kvsnap.runtime.warmup.recipe import warm_recipe
-
     recipe = warm_recipe(
         prompt, prompt_digest, identity.tokenizer, resolve_chat_template(lm.tokenizer, prompt.tools)
     )
@@ -104,10 +123,6 @@ class ChainPlan:
 
     def keep_stored(self, store: Store, identity: ModelIdentity, tokens: Sequence[int]) -> None:
         """Forget stored checkpoints that are no longer in the store (the caller holds the lock)."""
-        from kvsnap.snapshot.blocks import checkpoint_key, kv_form_at, prefix_digests
-        from kvsnap.snapshot.format import CHECKPOINT_KIND
-        from kvsnap.store.parts import has_part
-
         ends = sorted(self.stored)
         digests = prefix_digests(tokens, ends)
         form = kv_form_at(len(tokens), identity)
@@ -128,14 +143,6 @@ class ChainPlan:
         """The chain. ``captured_only``: a planned checkpoint whose state was not captured is left
         out (the server's write-back captures only the end). ``form``: the captured state's KV
         form; None, before the prefill, the one a prefill of ``tokens`` ends in."""
-        from kvsnap.snapshot.blocks import (
-            QUANTIZED_FORM,
-            chain_of,
-            kv_form_at,
-            plan_cuts,
-            without_checkpoint,
-        )
-
         form = kv_form_at(len(tokens), identity) if form is None else form
         links = chain_of(
             identity.digest,
@@ -172,12 +179,9 @@ def snapshot_payload(
     plan: ChainPlan,
 ) -> tuple:
     """(key, arrays, layers, links, record tensors, record header) of a captured warm state."""
-    from kvsnap.snapshot.blocks import chain_field, kv_form
     from kvsnap.snapshot.codec import encode_cache, to_out_tensors
 
     key = snapshot_key(identity, prompt_digest, tokens)
-    from kvsnap.snapshot.cache_classes import needs_checkpoints
-
     arrays, layers = encode_cache(cache, tokens)
     links = plan.links(identity, tokens, needs_checkpoints(layers), form=kv_form(layers, identity))
     recorded = (
@@ -269,9 +273,6 @@ def put_snapshot(
     Under the store lock: the record lands after every part it names, and ``on_commit(path)``
     runs right after it, so a manifest record written there is in place before a concurrent
     ``gc`` can look. ``plan.written`` counts what was new."""
-    from kvsnap.snapshot.cache_classes import needs_checkpoints
-    from kvsnap.store.parts import bad_present_parts, write_chain
-
     plan = plan or ChainPlan()
     with store.lock():
         # What a restore found may be gone (a gc between it and this lock): the chain names
