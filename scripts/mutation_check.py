@@ -586,7 +586,7 @@ BREAKAGES = (
         "with the model's own cache",
         (
             Patch(
-                "kvsnap/integrations/vllm_mlx/warm.py",
+                "kvsnap/integrations/common/warm_plan.py",
                 "    if why:\n        raise SnapshotError(str(info.path), why, SHAPE_FIX)\n",
                 "    if False:\n        raise SnapshotError(str(info.path), why, SHAPE_FIX)\n",
             ),
@@ -642,7 +642,7 @@ BREAKAGES = (
         "model's context",
         (
             Patch(
-                "kvsnap/integrations/vllm_mlx/warm.py",
+                "kvsnap/integrations/common/warm_plan.py",
                 "self.store.scan(self.identity, max_tokens=context_tokens(self.lm.path))",
                 "self.store.scan(self.identity)",
             ),
@@ -713,9 +713,9 @@ BREAKAGES = (
         "Llama 3)",
         (
             Patch(
-                "kvsnap/integrations/mlx_lm/profile.py",
-                "server=SERVER, add_special_tokens=False,",
-                "server=SERVER, add_special_tokens=True,",
+                "kvsnap/profiles.py",
+                "server=MLX_LM, add_special_tokens=False,",
+                "server=MLX_LM, add_special_tokens=True,",
             ),
         ),
         (

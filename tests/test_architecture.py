@@ -65,6 +65,13 @@ FORBIDDEN = {
     "kvsnap.build": ("kvsnap.http", "kvsnap.commands", "kvsnap.tools", "kvsnap.integrations"),
 }
 BASE_FORBIDDEN = tuple(f"kvsnap.{layer}" for layer in LAYERS)
+# Inside integrations: each upstream route imports only the shared base (integrations.common) and
+# its own upstream, never the other route; the base imports no route.
+ROUTES = ("kvsnap.integrations.vllm_mlx", "kvsnap.integrations.mlx_lm")
+SIDEWAYS = {
+    "kvsnap.integrations.common": ROUTES,
+    **{route: tuple(other for other in ROUTES if other != route) for route in ROUTES},
+}
 
 
 def module_name(path: Path) -> str:
@@ -113,6 +120,7 @@ def violations() -> list[str]:
     found = []
     for name, path in modules().items():
         rules = BASE_FORBIDDEN if name in BASE else FORBIDDEN.get(layer_of(name), ())
+        rules += next((r for p, r in SIDEWAYS.items() if reaches(name, p)), ())
         for imported in sorted(imports_of(name, path)):
             if imported not in BASE and any(reaches(imported, p) for p in rules):
                 found.append(f"{name} -> {imported}")
@@ -154,6 +162,21 @@ def test_no_forbidden_arrow():
             "from kvsnap.store import oci\n",
             "kvsnap/integrations/vllm_mlx/launcher.py",
             "kvsnap.integrations.vllm_mlx.launcher -> kvsnap.store.oci",
+        ),
+        (
+            "def f():\n    from kvsnap.integrations.vllm_mlx.launcher import split_persist_argv\n",
+            "kvsnap/integrations/mlx_lm/launcher.py",
+            "kvsnap.integrations.mlx_lm.launcher -> kvsnap.integrations.vllm_mlx.launcher",
+        ),
+        (
+            "from kvsnap.integrations.mlx_lm import cache\n",
+            "kvsnap/integrations/vllm_mlx/session.py",
+            "kvsnap.integrations.vllm_mlx.session -> kvsnap.integrations.mlx_lm.cache",
+        ),
+        (
+            "from kvsnap.integrations.vllm_mlx.pin import Pins\n",
+            "kvsnap/integrations/common/warm_plan.py",
+            "kvsnap.integrations.common.warm_plan -> kvsnap.integrations.vllm_mlx.pin",
         ),
         (
             "from ..runtime.cache.prefix import PrefixCache\n",

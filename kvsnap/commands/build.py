@@ -128,7 +128,7 @@ def build_tokenization(args):
 def mlx_lm_build_tokenization(args):
     """`build --for mlx-lm`: mlx_lm.server's batched KV is never quantized or bounded."""
     from kvsnap.errors import UsageError
-    from kvsnap.integrations.mlx_lm.profile import mlx_lm_tokenization, parse_chat_template_args
+    from kvsnap.profiles import mlx_lm_tokenization, parse_chat_template_args
 
     if args.served_model_name is not None:
         raise UsageError(

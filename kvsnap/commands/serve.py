@@ -207,33 +207,21 @@ def served_model(args) -> str:
 
 def persist_options(args):
     """``--persist-requests`` and its settings as ``PersistOptions``, None when off; a
-    KvsnapError for flags that contradict each other."""
-    from kvsnap.runtime.persist.requests import (
-        DEFAULT_FLUSH_TIMEOUT_S,
-        DEFAULT_MAX_GB,
-        PersistOptions,
-    )
+    UsageError for flags that contradict each other."""
+    from kvsnap.runtime.persist import requests
 
-    if not args.persist_requests:
-        for flag, value in (
-            ("--persist-max-gb", args.persist_max_gb),
-            ("--persist-flush-timeout", args.persist_flush_timeout),
-        ):
-            if value is not None:
-                raise KvsnapError(
-                    f"{flag} {value:g} needs --persist-requests; add it or drop {flag}"
-                )
-        return None
-    if not args.kv_snapshots:
-        raise KvsnapError("--persist-requests needs a store to write into; add --kv-snapshots DIR")
+    conflicts = []
     if args.no_request_prefix_cache:
-        raise KvsnapError(
-            "--persist-requests persists the request prefixes the cache keeps, and "
-            "--no-request-prefix-cache keeps none; drop one of the two"
+        conflicts.append(
+            "persists the request prefixes the cache keeps, and --no-request-prefix-cache keeps "
+            "none"
         )
-    return PersistOptions(
-        max_bytes=int((args.persist_max_gb or DEFAULT_MAX_GB) * 2**30),
-        flush_timeout_s=args.persist_flush_timeout or DEFAULT_FLUSH_TIMEOUT_S,
+    return requests.persist_options(
+        args.persist_requests,
+        args.persist_max_gb,
+        args.persist_flush_timeout,
+        has_store=bool(args.kv_snapshots),
+        conflicts=conflicts,
     )
 
 

@@ -131,6 +131,23 @@ def check_store_folders(root: Path) -> None:
         store_folder(root, name)
 
 
+def probe_writable(folder: Path, fault: Callable[[str], None] | None = None) -> str | None:
+    """None if a file can really be created in ``folder``, else why not.
+
+    A real create-and-delete, not ``os.access``: root passes every access check, and a
+    read-only mount or a full disk only shows up when writing.
+    """
+    try:
+        if fault is not None:
+            fault("write-probe")
+        fd, tmp = tempfile.mkstemp(prefix=".tmp-probe-", dir=folder)
+        os.close(fd)
+        os.unlink(tmp)
+        return None
+    except OSError as exc:
+        return exc.strerror or str(exc)
+
+
 def store_files(root: Path, name: str, suffix: str) -> list[Path]:
     """The entries of the store's folder ``root/name`` whose names end in ``suffix``, temp files
     excluded, sorted ([] when the folder is missing; see ``store_folder`` for a link)."""

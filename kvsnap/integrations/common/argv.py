@@ -1,9 +1,47 @@
-"""Run another tool's ``main`` in this process as if from its own command line."""
+"""The command line both routes share: kvsnap's own options taken out of an upstream server's
+arguments, and the upstream ``main`` run in this process as if from its own command line."""
 
 from __future__ import annotations
 
 import sys
-from typing import Callable
+from typing import Callable, Sequence
+
+from kvsnap.errors import UsageError
+
+OPTION = "--kv-snapshots"
+WARM_OPTION = "--warm-prompts"
+
+
+def split_argv(
+    argv: Sequence[str],
+    option: str = OPTION,
+    what: str = "a directory, e.g. --kv-snapshots ./snaps",
+) -> tuple[str | None, list[str]]:
+    """Take ``OPTION VALUE`` (or ``OPTION=VALUE``) out; the rest go upstream in order."""
+    found: str | None = None
+    rest: list[str] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--":
+            rest.extend(argv[i:])
+            break
+        if arg == option:
+            if i + 1 >= len(argv) or argv[i + 1].startswith("-"):
+                raise UsageError(f"{option} needs {what}")
+            value, i = argv[i + 1], i + 2
+        elif arg.startswith(option + "="):
+            value, i = arg[len(option) + 1 :], i + 1
+        else:
+            rest.append(arg)
+            i += 1
+            continue
+        if not value:
+            raise UsageError(f"{option} needs {what}")
+        if found is not None:
+            raise UsageError(f"{option} given twice ({found!r} and {value!r}); give it once")
+        found = value
+    return found, rest
 
 
 def run_main(main: Callable[[], object], argv: list[str]) -> int:

@@ -21,6 +21,8 @@ from typing import Any, List
 
 from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache
 
+from kvsnap.integrations.common.warm_plan import WarmReport
+
 
 def match_length(cache: LRUPromptCache, model: Any, tokens: List[int]) -> int:
     """How many of ``tokens`` ``cache.fetch_nearest_cache`` would serve from memory (no copy
@@ -44,6 +46,8 @@ class PinnedPromptCache(LRUPromptCache):
         # Never trimmed: the server calls trim_to and insert_cache on this object, not on it.
         self.pinned = LRUPromptCache(max_size=1 << 62)
         self.pinned_keys: set[tuple] = set()
+        # What the warm-up that filled it did (``warm_prompt_cache``).
+        self.report: WarmReport | None = None
 
     def pin(self, model: Any, tokens: List[int], prompt_cache: List[Any]) -> None:
         """Hold ``prompt_cache`` (the state after exactly ``tokens``) for the life of the server."""

@@ -8,11 +8,11 @@ mlx_lm.server builds its parser inside ``main`` and has no hook, so kvsnap takes
 ``run`` (which ``main`` calls with mlx-lm's own ``ModelProvider``) with ``warm_run``, and
 runs mlx-lm's ``main`` with every other argument unchanged. ``warm_run`` is what the
 upstream patch (contrib/mlx-lm/) makes ``run`` itself: the prompt cache comes from
-``mlx_lm_warm.warm_prompt_cache`` instead of ``LRUPromptCache(...)``, so the model is
+``mlx_lm.warm.warm_prompt_cache`` instead of ``LRUPromptCache(...)``, so the model is
 loaded and the warm entries are in the cache before the generation thread starts and
 before the port opens. Without ``--kv-snapshots`` mlx_lm.server runs with its own prompt
 cache. Either way a request that names another model, adapter or draft model than the
-served one is refused (mlx_lm_models), unless ``--allow-request-models`` is given.
+served one is refused (``mlx_lm.models``), unless ``--allow-request-models`` is given.
 """
 
 from __future__ import annotations
@@ -21,13 +21,11 @@ import logging
 from typing import Any, Sequence
 
 from kvsnap.errors import UsageError
-from kvsnap.integrations.common.argv import run_main
+from kvsnap.integrations.common.argv import OPTION, WARM_OPTION, run_main, split_argv
 from kvsnap.integrations.mlx_lm.models import ALLOW_OPTION, guard_request_models
 
 log = logging.getLogger("kvsnap.mlx_lm")
 
-OPTION = "--kv-snapshots"
-WARM_OPTION = "--warm-prompts"
 TESTED_MLX_LM = ("0.32",)
 
 USAGE = f"""\
@@ -106,8 +104,6 @@ def run_mlx_lm(server: Any, args: list[str]) -> int:
 
 
 def main(argv: Sequence[str]) -> int:
-    from kvsnap.integrations.vllm_mlx.launcher import split_argv
-
     argv = list(argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE, end="")

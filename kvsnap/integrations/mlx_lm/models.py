@@ -16,7 +16,7 @@ import json
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from kvsnap.errors import UsageError
 
@@ -97,6 +97,9 @@ def refusing_handler(api_handler: type[BaseHTTPRequestHandler], served: ServedMo
     from kvsnap.http.schemas import error_body
 
     class RequestModelGuard(api_handler):  # type: ignore[valid-type, misc]
+        # Set by socketserver's setup(); declared here, where the Any base cannot say it.
+        rfile: BinaryIO
+
         def do_POST(self) -> None:
             length = self._content_length()
             if length is None:
@@ -110,8 +113,7 @@ def refusing_handler(api_handler: type[BaseHTTPRequestHandler], served: ServedMo
             if refused is not None:
                 return self._refuse(*refused)
             # mlx-lm reads the body itself: give it the bytes read here, then the socket again.
-            # mypy cannot see the attribute socketserver sets in setup() through the Any base
-            socket_file = self.rfile  # type: ignore[has-type]
+            socket_file = self.rfile
             self.rfile = io.BytesIO(raw)
             try:
                 return super().do_POST()

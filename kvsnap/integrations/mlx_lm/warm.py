@@ -17,10 +17,22 @@ import logging
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvsnap.errors import KvsnapError, SnapshotError, UsageError
-from kvsnap.integrations.vllm_mlx.warm import WarmPlan, WarmReport
+from kvsnap.integrations.common.store import open_store
+from kvsnap.integrations.common.warm_plan import (
+    WarmPlan,
+    WarmReport,
+    checked_state,
+    load_warm_prompt_file,
+    upstream_model,
+)
+from kvsnap.profiles import describe, mlx_lm_tokenization, recorded_tokenization
+from kvsnap.prompts import WarmPrompt
+
+if TYPE_CHECKING:
+    from kvsnap.store.local import SnapshotInfo
 
 log = logging.getLogger("kvsnap.mlx_lm")
 
@@ -63,7 +75,7 @@ class InsertReport(WarmReport):
 
 
 class MlxLmWarmPlan(WarmPlan):
-    """vllm-mlx's warm plan, pinning into mlx_lm.server's prompt cache instead."""
+    """The shared warm plan, pinning into mlx_lm.server's prompt cache instead of vllm-mlx's."""
 
     model_key: Any = None
 
@@ -71,9 +83,14 @@ class MlxLmWarmPlan(WarmPlan):
         self.prefix_cache.pin(self.model_key, list(tokens), state)
         return True
 
-    def _warn_other_renderings(self, prompt, infos, key, info, report) -> None:
-        from kvsnap.profiles import recorded_tokenization
-
+    def _warn_other_renderings(
+        self,
+        prompt: WarmPrompt,
+        infos: list[SnapshotInfo],
+        key: str,
+        info: SnapshotInfo | None,
+        report: WarmReport,
+    ) -> None:
         server = self.tokenization.descriptor()
         for other in infos:
             if other.name == prompt.name and other.key != key and other is not info:
@@ -92,8 +109,6 @@ def _rendering(descriptor: dict | None) -> tuple:
 
 def other_profile(recorded: dict | None, server: dict | None) -> str:
     """Why a snapshot built for ``recorded`` may not match this server, and how to rebuild."""
-    from kvsnap.profiles import describe
-
     args = (server or {}).get("template_defaults") or {}
     fix = "--for mlx-lm" + (f" --chat-template-args '{json.dumps(args)}'" if args else "")
     return (
@@ -108,9 +123,6 @@ def pin_store(
     """Pin every snapshot of this model (its own tokens); foreign and broken files, records longer
     than ``lm``'s context and states that are not its cache's shapes are skipped. A snapshot built
     for another profile than ``tokenization`` (the server's) is pinned with a warning."""
-    from kvsnap.integrations.mlx_lm.profile import mlx_lm_tokenization
-    from kvsnap.integrations.vllm_mlx.warm import checked_state
-    from kvsnap.profiles import recorded_tokenization
     from kvsnap.runtime.model.shapes import ModelShapes
     from kvsnap.runtime.warmup.prefetch import context_tokens
     from kvsnap.snapshot.codec import cache_nbytes_of
@@ -177,17 +189,12 @@ def _warm_prompt_cache(
     model_provider: Any, kv_snapshots: str | None, warm_prompts: str | None
 ) -> Any:
     from kvsnap.integrations.mlx_lm.cache import PinnedPromptCache
-    from kvsnap.integrations.mlx_lm.profile import mlx_lm_tokenization
-    from kvsnap.integrations.vllm_mlx.launcher import load_warm_prompt_file, open_store
-    from kvsnap.integrations.vllm_mlx.warm import upstream_model
     from kvsnap.runtime.model.loading import default_digest_cache
-    from kvsnap.store.remote import resolve_kv_snapshots
 
     args = model_provider.cli_args
     kv_snapshots = kv_snapshots or getattr(args, "kv_snapshots", None)
     warm_prompts = warm_prompts or getattr(args, "warm_prompts", None)
     cache = PinnedPromptCache(args.prompt_cache_size)
-    cache.report = None
     if not kv_snapshots:
         if warm_prompts:
             raise UsageError(
@@ -204,12 +211,13 @@ def _warm_prompt_cache(
             "run it without --kv-snapshots"
         )
     prompts = load_warm_prompt_file(warm_prompts) if warm_prompts else None
-    store, writable = open_store(resolve_kv_snapshots(kv_snapshots), want_write=prompts is not None)
+    store, writable = open_store(kv_snapshots, want_write=prompts is not None)
     model_provider.load_default()  # here, not on the generation thread: the port opens warm
     model_key = model_provider.model_key
     lm = upstream_model(model_key[0], model_provider.model, model_provider.tokenizer)
     identity = lm.identity(default_digest_cache())
     tokenization = mlx_lm_tokenization(getattr(args, "chat_template_args", None))
+    report: WarmReport
     if prompts is None:
         report = pin_store(cache, model_key, store, identity, lm, tokenization)
     else:

@@ -88,30 +88,23 @@ def insert_snapshots(
 ) -> InsertReport:
     """Put every snapshot of this model into vllm-mlx's ``MemoryAwarePrefixCache``; never prefills.
 
-    ``pins``: where inserted keys are pinned against eviction (``vllm_mlx_pin``).
+    ``pins``: where inserted keys are pinned against eviction (``vllm_mlx.pin``).
     ``enable_thinking``: what this vllm-mlx renders with, for the warning on snapshots
     built for kvsnap serve's rendering. Runs on the thread that owns the model (mlx
     arrays belong to a thread's stream).
     """
-    from kvsnap.key import KVSettings, read_config
-    from kvsnap.runtime.model.loading import LoadedModel
+    from kvsnap.integrations.common.warm_plan import upstream_model
     from kvsnap.runtime.model.shapes import ModelShapes
-    from kvsnap.runtime.model.source import resolve_model
     from kvsnap.runtime.warmup.prefetch import context_tokens
 
     t0 = time.perf_counter()
     report = InsertReport(store=str(store.root))
-    model_dir = resolve_model(model_path).path  # a hub id: the same cached files vllm-mlx loaded
-    # vllm-mlx's live KV is mlx-lm's default cache: no KV quantization, no bound.
-    lm = LoadedModel(
-        path=model_dir,
-        model=model,
-        tokenizer=tokenizer,
-        config=read_config(model_dir),
-        settings=KVSettings(),
-    )
+    # A hub id: the same cached files vllm-mlx loaded.
+    lm = upstream_model(model_path, model, tokenizer)
+    model_dir = lm.path
     identity = lm.identity(digests)
-    shapes = ModelShapes(lm)  # every state is checked against it before vllm-mlx sees it
+    # Every state is checked against it before vllm-mlx sees it.
+    shapes = ModelShapes(lm)
     good, bad = store.scan(identity, max_tokens=context_tokens(model_dir))
     for problem in bad:
         report.skip(problem.path, problem.reason)
@@ -195,7 +188,7 @@ def insert_one(
 ) -> None:
     """Read, check (``shapes``: the model's ``ModelShapes``) and decode one snapshot and hand it
     to vllm-mlx's cache, within its budget."""
-    from kvsnap.integrations.vllm_mlx.warm import checked_state
+    from kvsnap.integrations.common.warm_plan import checked_state
     from kvsnap.snapshot.codec import cache_nbytes_of
 
     limit = float(getattr(prefix_cache, "memory_limit_mb", float("inf"))) * 2**20

@@ -18,14 +18,14 @@ Nothing is prefilled. vllm-mlx's disk cache (``~/.cache/vllm-mlx/prefix_cache``)
 neither read nor written in such a run: the kvsnap store is the warm state.
 
 With ``--kv-snapshots``, kvsnap also takes ``--warm-prompts FILE`` out of the arguments:
-vllm-mlx's own warm-up never runs; ``vllm_mlx_warm`` serves each entry from the store and
-prefills (and writes back) only what the store lacks. ``vllm_mlx_session`` glues this to
-vllm-mlx's lifespan and its ``DELETE /v1/cache/prefix``; ``vllm_mlx_pin`` keeps the warm
-entries from eviction; ``vllm_mlx_profile`` says how vllm-mlx tokenizes.
+vllm-mlx's own warm-up never runs; the shared ``WarmPlan`` (``integrations.common.warm_plan``)
+serves each entry from the store and prefills (and writes back) only what the store lacks.
+``session`` glues this to vllm-mlx's lifespan and its ``DELETE /v1/cache/prefix``; ``pin``
+keeps the warm entries from eviction; ``kvsnap.profiles`` says how vllm-mlx tokenizes.
 
 ``--persist-requests`` (with ``--persist-max-gb GB`` and ``--persist-flush-timeout S``) is
 kvsnap's too: the prefix entries vllm-mlx keeps are written behind into the store and read
-back after a restart (``vllm_mlx_persist``), in place of vllm-mlx's shutdown save.
+back after a restart (``persist``), in place of vllm-mlx's shutdown save.
 """
 
 from __future__ import annotations
@@ -33,15 +33,19 @@ from __future__ import annotations
 import logging
 import sys
 from types import SimpleNamespace
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
-from kvsnap.errors import StoreError, UsageError
-from kvsnap.integrations.common.argv import run_main
+from kvsnap.errors import UsageError
+from kvsnap.integrations.common.argv import OPTION, WARM_OPTION, run_main, split_argv
+from kvsnap.integrations.common.store import open_store
+from kvsnap.integrations.common.warm_plan import load_warm_prompt_file
+
+if TYPE_CHECKING:
+    from kvsnap.integrations.vllm_mlx.session import Session
+    from kvsnap.runtime.persist.requests import PersistOptions
 
 log = logging.getLogger("kvsnap.vllm_mlx")
 
-OPTION = "--kv-snapshots"
-WARM_OPTION = "--warm-prompts"
 PERSIST_OPTION = "--persist-requests"
 PERSIST_VALUES = ("--persist-max-gb", "--persist-flush-timeout")
 TESTED_VLLM_MLX = ("0.6.0",)
@@ -79,44 +83,12 @@ Every other argument goes to `vllm-mlx serve` unchanged. See docs/vllm-mlx.md.
 # --- arguments -----------------------------------------------------------------------
 
 
-def split_argv(
-    argv: Sequence[str],
-    option: str = OPTION,
-    what: str = "a directory, e.g. --kv-snapshots ./snaps",
-) -> tuple[str | None, list[str]]:
-    """Take ``OPTION VALUE`` (or ``OPTION=VALUE``) out; the rest go to vllm-mlx in order."""
-    found: str | None = None
-    rest: list[str] = []
-    i = 0
-    while i < len(argv):
-        arg = argv[i]
-        if arg == "--":
-            rest.extend(argv[i:])
-            break
-        if arg == option:
-            if i + 1 >= len(argv) or argv[i + 1].startswith("-"):
-                raise UsageError(f"{option} needs {what}")
-            value, i = argv[i + 1], i + 2
-        elif arg.startswith(option + "="):
-            value, i = arg[len(option) + 1 :], i + 1
-        else:
-            rest.append(arg)
-            i += 1
-            continue
-        if not value:
-            raise UsageError(f"{option} needs {what}")
-        if found is not None:
-            raise UsageError(f"{option} given twice ({found!r} and {value!r}); give it once")
-        found = value
-    return found, rest
-
-
 def split_persist_argv(argv: Sequence[str]) -> tuple[dict, list[str]]:
     """Take ``--persist-requests`` and its two settings out: ``{"persist_requests": bool,
     "persist_max_gb": float | None, "persist_flush_timeout": float | None}`` and the rest."""
     rest = list(argv)
     cut = rest.index("--") if "--" in rest else len(rest)
-    found = {"persist_requests": PERSIST_OPTION in rest[:cut]}
+    found: dict[str, bool | float | None] = {"persist_requests": PERSIST_OPTION in rest[:cut]}
     rest = [a for i, a in enumerate(rest) if i >= cut or a != PERSIST_OPTION]
     for option in PERSIST_VALUES:
         text, rest = split_argv(rest, option, "a positive number, e.g. " + option + " 5")
@@ -132,32 +104,23 @@ def split_persist_argv(argv: Sequence[str]) -> tuple[dict, list[str]]:
     return found, rest
 
 
-def persist_options(args: Any) -> Any:
+def persist_options(args: Any) -> PersistOptions | None:
     """``--persist-requests`` and its settings as ``PersistOptions``, None when off; a
     UsageError for flags that contradict each other (as ``kvsnap serve``'s)."""
-    from kvsnap.runtime.persist.requests import (
-        DEFAULT_FLUSH_TIMEOUT_S,
-        DEFAULT_MAX_GB,
-        PersistOptions,
-    )
+    from kvsnap.runtime.persist import requests
 
-    max_gb = getattr(args, "persist_max_gb", None)
-    flush = getattr(args, "persist_flush_timeout", None)
-    if not getattr(args, "persist_requests", False):
-        for flag, value in zip(PERSIST_VALUES, (max_gb, flush)):
-            if value is not None:
-                raise UsageError(f"{flag} {value:g} needs {PERSIST_OPTION}; add it or drop {flag}")
-        return None
-    if not getattr(args, "kv_snapshots", None):
-        raise UsageError(f"{PERSIST_OPTION} needs a store to write into; add {OPTION} DIR")
+    conflicts = []
     if getattr(args, "kv_cache_quantization", False):
-        raise UsageError(
-            f"{PERSIST_OPTION} cannot write the entries --kv-cache-quantization makes (vllm-mlx's "
-            f"own quantized wrapper, not an mlx-lm cache); drop one of the two"
+        conflicts.append(
+            "cannot write the entries --kv-cache-quantization makes (vllm-mlx's own quantized "
+            "wrapper, not an mlx-lm cache)"
         )
-    return PersistOptions(
-        max_bytes=int((max_gb or DEFAULT_MAX_GB) * 2**30),
-        flush_timeout_s=flush or DEFAULT_FLUSH_TIMEOUT_S,
+    return requests.persist_options(
+        getattr(args, "persist_requests", False),
+        getattr(args, "persist_max_gb", None),
+        getattr(args, "persist_flush_timeout", None),
+        has_store=bool(getattr(args, "kv_snapshots", None)),
+        conflicts=conflicts,
     )
 
 
@@ -249,89 +212,6 @@ def import_vllm_mlx() -> tuple[Any, Any, str]:
     return cli, server, version
 
 
-def open_store(path: str, want_write: bool = False) -> tuple[Any, bool]:
-    """The store, and whether warm prompts prefilled here can be written back to it.
-
-    Writable is decided by really creating a file (root passes every access check; a
-    read-only mount shows only when writing). A missing folder is created only when
-    there is something to write back (``want_write``).
-    """
-    import os
-    import tempfile
-    from pathlib import Path
-
-    from kvsnap.store.local import Store
-
-    folder = Path(path).expanduser()
-    if want_write and not folder.exists():
-        try:
-            return Store.open(folder, create=True), True
-        except (OSError, StoreError) as exc:
-            raise StoreError(
-                f"{folder} does not exist and cannot be created ({exc}); give the folder passed to "
-                f"`kvsnap build --out`"
-            ) from None
-    store = Store.open(folder, readonly=True).require_store()
-    if not want_write:
-        return store, False
-    probe_dir = store.snapshots_dir if store.snapshots_dir.is_dir() else store.root
-    try:
-        fd, tmp = tempfile.mkstemp(prefix=".tmp-probe-", dir=probe_dir)
-        os.close(fd)
-        os.unlink(tmp)
-    except OSError as exc:
-        log.warning(
-            "[kvsnap] %s is not writable here (%s): warm prompts without a snapshot are prefilled "
-            "at every start and not written back",
-            store.root,
-            exc.strerror or exc,
-        )
-        return store, False
-    return Store.open(folder, create=True), True
-
-
-def load_warm_prompt_file(path: str) -> Any:
-    """A warm-prompt file in vllm-mlx's shape (lists of messages) or kvsnap's (objects).
-
-    vllm-mlx lets a list entry end with a user message and warms the text before that
-    user's content; kvsnap's probes start a user turn after the entry, which is the same
-    prefix, so that trailing user message is dropped here (and said so).
-    """
-    import json
-    from pathlib import Path
-
-    from kvsnap.errors import WarmPromptError
-    from kvsnap.prompts import load_warm_prompts, parse_warm_prompts
-
-    file = Path(path).expanduser()
-    try:
-        data = json.loads(file.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError):
-        return load_warm_prompts(file)  # its named errors: missing, unreadable, bad JSON
-    if isinstance(data, list):
-        for i, entry in enumerate(data):
-            if (
-                isinstance(entry, list)
-                and len(entry) > 1
-                and isinstance(entry[-1], dict)
-                and entry[-1].get("role") == "user"
-            ):
-                log.info(
-                    "[kvsnap] %s entry %d ends with a user message: warming the text before it, as "
-                    "vllm-mlx does",
-                    file,
-                    i,
-                )
-                data[i] = entry[:-1]
-    result = parse_warm_prompts(data, str(file))
-    if not result.entries:
-        detail = "; ".join(str(p) for p in result.problems[:3]) or "the list is empty"
-        raise WarmPromptError(f"{file}: no valid warm-prompt entry ({detail})")
-    for problem in result.problems:
-        log.warning("[kvsnap] %s: skipped warm prompt %s", file, problem)
-    return result
-
-
 def parse_serve_args(cli: Any, rest: list[str]) -> Any:
     """vllm-mlx's own parser on the arguments; its usage errors exit 2 here, named as vllm-mlx's."""
     saved = sys.argv
@@ -361,10 +241,10 @@ def main(argv: Sequence[str]) -> int:
     persist, rest = split_persist_argv(rest)
     from kvsnap.store.remote import check_kv_snapshots
 
+    # An unknown scheme and contradicting persist flags are usage errors before vllm-mlx is
+    # imported.
     check_kv_snapshots(store_dir)
-    persist_options(
-        SimpleNamespace(kv_snapshots=store_dir, **persist)
-    )  # before any import  # an unknown scheme is a usage error before vllm-mlx is imported
+    persist_options(SimpleNamespace(kv_snapshots=store_dir, **persist))
     from kvsnap.blas import preload_openblas
 
     preload_openblas()  # before vllm-mlx imports mlx: the same BLAS kvsnap build uses
@@ -386,7 +266,7 @@ def main(argv: Sequence[str]) -> int:
     return run_vllm_mlx(cli, ["serve", *rest])
 
 
-def use_kv_snapshots(server: Any, args: Any) -> Any:
+def use_kv_snapshots(server: Any, args: Any) -> Session:
     """Warm ``vllm-mlx serve`` from the kvsnap store ``args.kv_snapshots``: the one public entry.
 
     ``server`` is the ``vllm_mlx.server`` module, ``args`` vllm-mlx's parsed ``serve``
@@ -399,17 +279,14 @@ def use_kv_snapshots(server: Any, args: Any) -> Any:
     """
     from kvsnap.integrations.vllm_mlx.session import Session
     from kvsnap.runtime.model.loading import default_digest_cache
-    from kvsnap.store.remote import check_kv_snapshots, resolve_kv_snapshots
+    from kvsnap.store.remote import check_kv_snapshots
 
     store_dir, warm_file = args.kv_snapshots, getattr(args, "warm_prompts", None)
     check_kv_snapshots(store_dir)
     check_serve_args(args)
     persist = persist_options(args)
     prompts = load_warm_prompt_file(warm_file) if warm_file else None
-    # A remote URL is pulled into kvsnap's cache folder first, as `kvsnap serve` does.
-    store, writable = open_store(
-        resolve_kv_snapshots(store_dir), want_write=prompts is not None or persist is not None
-    )
+    store, writable = open_store(store_dir, want_write=prompts is not None or persist is not None)
     session = Session(
         server=server,
         store=store,

@@ -2,7 +2,7 @@
 keeps, written behind into the kvsnap store and read back on a hit after a restart or a crash
 (docs/conversations.md#the-vllm-mlx-route). Runs on the thread that owns the model.
 
-``PersistHooks`` wraps, over ``vllm_mlx_pin``'s, three methods of vllm-mlx's one
+``PersistHooks`` wraps, over ``vllm_mlx.pin``'s, three methods of vllm-mlx's one
 ``MemoryAwarePrefixCache`` instance:
 
 * ``commit_prepared`` (``store`` publishes through it): a published entry (vllm-mlx's detached,
@@ -197,7 +197,7 @@ class PersistHooks:
 
     def _restore(self, info: Any) -> bool:
         """Put a persisted record into vllm-mlx's cache (checked against the model's shapes)."""
-        from kvsnap.integrations.vllm_mlx.warm import checked_state
+        from kvsnap.integrations.common.warm_plan import checked_state
 
         try:  # ValueError/RuntimeError: mlx on blocks that do not fit together (forged)
             state = checked_state(self.persister.store, info, self.identity, self.shapes)

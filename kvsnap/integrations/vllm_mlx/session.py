@@ -4,7 +4,7 @@
 engine starts, before the port opens, and after each model reload). With
 ``--warm-prompts`` it runs a ``WarmPlan`` (snapshots from the store, the rest prefilled and
 written back); without, it inserts every snapshot of the model. Either way the entries
-are pinned in vllm-mlx's prefix cache (``vllm_mlx_pin``).
+are pinned in vllm-mlx's prefix cache (``vllm_mlx.pin``).
 
 ``DELETE /v1/cache/prefix`` keeps vllm-mlx's own clearing and answers
 ``{"status": "cleared", "rewarm_scheduled": true}``; the same warm pass then runs in the
@@ -13,7 +13,7 @@ arrives while one runs is coalesced into a single further pass (the clear it mad
 removed entries the running pass had already put back).
 
 ``GET /v1/kvsnap/status`` returns the last warm-up's report and the re-warm count as JSON,
-and with ``--persist-requests`` a ``persist`` object (``vllm_mlx_persist``): the entries
+and with ``--persist-requests`` a ``persist`` object (``vllm_mlx.persist``): the entries
 vllm-mlx keeps are written behind into the store, read back on a hit after a restart, and
 removed by ``DELETE /v1/cache/prefix`` (its answer's ``persisted_removed``).
 """
@@ -23,10 +23,23 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 from kvsnap.errors import KvsnapError
+from kvsnap.integrations.common.warm_plan import WarmPlan, WarmReport, upstream_model
+from kvsnap.profiles import VLLM_MLX, EngineTokenization, vllm_mlx_enable_thinking
 from kvsnap.prompts import WarmPromptSet
+
+if TYPE_CHECKING:
+    from kvsnap.integrations.vllm_mlx.insert import InsertReport
+    from kvsnap.integrations.vllm_mlx.persist import PersistHooks
+    from kvsnap.integrations.vllm_mlx.pin import Pins
+    from kvsnap.key import DigestCache
+    from kvsnap.runtime.persist.requests import PersistOptions
+    from kvsnap.store.local import Store
+
+# A warm pass (model thread): a WarmPlan's report, or insert_snapshots'.
+WarmPass = Callable[[], "WarmReport | InsertReport"]
 
 log = logging.getLogger("kvsnap.vllm_mlx")
 
@@ -40,15 +53,9 @@ def scheduler_of(engine: Any) -> Any:
     return getattr(core, "scheduler", None)
 
 
-def engine_tokenization(server: Any, engine: Any, scheduler: Any):
+def engine_tokenization(server: Any, engine: Any, scheduler: Any) -> EngineTokenization:
     """vllm-mlx's request path up to the token ids, through its own functions."""
     from vllm_mlx.api.tool_calling import convert_tools_for_template
-
-    from kvsnap.profiles import (
-        SERVER,
-        EngineTokenization,
-        vllm_mlx_enable_thinking,
-    )
 
     defaults = {
         "enable_thinking": vllm_mlx_enable_thinking(getattr(engine, "_model_name", "") or ""),
@@ -65,7 +72,7 @@ def engine_tokenization(server: Any, engine: Any, scheduler: Any):
         return engine._apply_chat_template(prepared, template_tools, chat_template_kwargs=ctk)
 
     return EngineTokenization(
-        server=SERVER,
+        server=VLLM_MLX,
         add_special_tokens=True,
         template_defaults=tuple(sorted(defaults.items())),
         render_chat=render_chat,
@@ -75,23 +82,28 @@ def engine_tokenization(server: Any, engine: Any, scheduler: Any):
 
 @dataclass
 class Session:
-    server: Any  # the vllm_mlx.server module
-    store: Any
+    # The vllm_mlx.server module.
+    server: Any
+    store: Store
     writable: bool
     prompts: WarmPromptSet | None = None
     agents_file: str = ""
-    digests: Any = None
-    last_report: Any = None
+    digests: DigestCache | None = None
+    last_report: WarmReport | InsertReport | None = None
     warmups: int = 0
     rewarms: int = 0
-    _work: Any = None  # the warm pass of the current engine, run on its model thread
-    _run: Any = None  # the engine's "run on the model thread"
-    _task: Any = None
+    # The warm pass of the current engine, run on its model thread.
+    _work: WarmPass | None = None
+    # The engine's "run on the model thread".
+    _run: Callable[[Callable[[], Any]], Awaitable[Any]] | None = None
+    _task: asyncio.Task[None] | None = None
     _again: bool = False
-    pins: Any = field(default=None, repr=False)
-    persist: Any = None  # runtime.persist.PersistOptions with --persist-requests, else None
-    persist_hooks: Any = field(default=None, repr=False)  # vllm_mlx_persist.PersistHooks
-    persist_note: str = ""  # why nothing is persisted although it was asked for
+    pins: Pins | None = field(default=None, repr=False)
+    # With --persist-requests, else None.
+    persist: PersistOptions | None = None
+    persist_hooks: PersistHooks | None = field(default=None, repr=False)
+    # Why nothing is persisted although it was asked for.
+    persist_note: str = ""
 
     # --- start-up --------------------------------------------------------------------
 
@@ -124,7 +136,7 @@ class Session:
                 exc_info=True,
             )
 
-    def _make_work(self, engine: Any, scheduler: Any, prefix_cache: Any):
+    def _make_work(self, engine: Any, scheduler: Any, prefix_cache: Any) -> WarmPass:
         from kvsnap.integrations.vllm_mlx.insert import insert_snapshots
         from kvsnap.integrations.vllm_mlx.pin import pin
 
@@ -136,9 +148,13 @@ class Session:
         model_path = getattr(engine, "_model_path", None) or getattr(
             self.server, "_model_path", None
         )
-        if self.prompts is None:
-            from kvsnap.profiles import vllm_mlx_enable_thinking
-
+        if not model_path:
+            raise KvsnapError(
+                f"this vllm-mlx engine ({type(engine).__name__}) names no model path, so its "
+                f"snapshots cannot be matched"
+            )
+        prompts = self.prompts
+        if prompts is None:
             thinking = vllm_mlx_enable_thinking(getattr(engine, "_model_name", "") or "")
             return self._persisting(
                 prefix_cache,
@@ -156,18 +172,21 @@ class Session:
                 ),
             )
         tokenization = engine_tokenization(self.server, engine, scheduler)
-        plan_box: dict = {}
+        plan_box: dict[str, WarmPlan] = {}
 
-        def work():
-            if "plan" not in plan_box:  # identity hashing runs on the model thread, once per engine
+        def work() -> WarmReport:
+            # Identity hashing runs on the model thread, once per engine.
+            if "plan" not in plan_box:
                 plan_box["plan"] = self._make_plan(
-                    prefix_cache, scheduler, model_path, tokenization
+                    prefix_cache, scheduler, model_path, tokenization, prompts
                 )
             return plan_box["plan"].run()
 
         return self._persisting(prefix_cache, scheduler, model_path, work)
 
-    def _persisting(self, prefix_cache: Any, scheduler: Any, model_path: str, warm: Any):
+    def _persisting(
+        self, prefix_cache: Any, scheduler: Any, model_path: str, warm: WarmPass
+    ) -> WarmPass:
         """``warm`` (a warm pass, model thread), after the persist hooks are installed (first
         pass of an engine); what it inserts is the store's own, never persisted again."""
 
@@ -187,7 +206,6 @@ class Session:
 
     def _start_persisting(self, prefix_cache: Any, scheduler: Any, model_path: str) -> None:
         from kvsnap.integrations.vllm_mlx.persist import start_hooks
-        from kvsnap.integrations.vllm_mlx.warm import upstream_model
 
         try:
             lm = upstream_model(model_path, scheduler.model, scheduler.tokenizer)
@@ -200,9 +218,14 @@ class Session:
             prefix_cache, lm, identity, self.store, self.persist
         )
 
-    def _make_plan(self, prefix_cache: Any, scheduler: Any, model_path: str, tokenization: Any):
-        from kvsnap.integrations.vllm_mlx.warm import WarmPlan, upstream_model
-
+    def _make_plan(
+        self,
+        prefix_cache: Any,
+        scheduler: Any,
+        model_path: str,
+        tokenization: EngineTokenization,
+        prompts: WarmPromptSet,
+    ) -> WarmPlan:
         lm = upstream_model(model_path, scheduler.model, scheduler.tokenizer)
         return WarmPlan(
             prefix_cache=prefix_cache,
@@ -211,13 +234,15 @@ class Session:
             identity=lm.identity(self.digests),
             store=self.store,
             writable=self.writable,
-            prompts=self.prompts,
+            prompts=prompts,
             agents_file=self.agents_file,
             tokenization=tokenization,
         )
 
-    async def _warm(self, why: str) -> Any:
+    async def _warm(self, why: str) -> WarmReport | InsertReport:
         work = self._work
+        if work is None:
+            raise KvsnapError("no vllm-mlx engine to warm (it was stopped or unloaded)")
         report = await self._run(work) if self._run is not None else work()
         self.last_report = report
         if why == "start":
@@ -348,7 +373,7 @@ def install_routes(server: Any, session: Session) -> None:
     original = routes[index]
     clear = original.endpoint
 
-    async def clear_prefix_cache_and_rewarm():
+    async def clear_prefix_cache_and_rewarm() -> Any:
         """vllm-mlx's clear, then a re-warm from the kvsnap store in the background."""
         result = await clear()
         if isinstance(result, dict) and result.get("status") == "cleared":
@@ -359,7 +384,7 @@ def install_routes(server: Any, session: Session) -> None:
             return answer
         return result
 
-    async def kvsnap_status():
+    async def kvsnap_status() -> dict:
         return session.status()
 
     routes[index] = APIRoute(

@@ -20,7 +20,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from kvsnap.errors import SnapshotError, StoreError
+from kvsnap.errors import SnapshotError, StoreError, UsageError
 from kvsnap.key import ModelIdentity, tokens_digest
 from kvsnap.runtime.cache.prefix import Entry, PrefixCache
 from kvsnap.snapshot.blocks import (
@@ -43,7 +43,7 @@ from kvsnap.store.conversations import (
     record_path,
     store_secret,
 )
-from kvsnap.store.fileio import check_store_folders
+from kvsnap.store.fileio import check_store_folders, probe_writable
 from kvsnap.store.local import Store
 
 log = logging.getLogger("kvsnap.persist")
@@ -60,6 +60,37 @@ class PersistOptions:
     max_bytes: int = int(DEFAULT_MAX_GB * 2**30)
     flush_timeout_s: float = DEFAULT_FLUSH_TIMEOUT_S
     max_queued: int = 32
+
+
+def persist_options(
+    on: bool,
+    max_gb: float | None,
+    flush_timeout_s: float | None,
+    has_store: bool,
+    conflicts: Sequence[str] = (),
+) -> PersistOptions | None:
+    """``--persist-requests`` and its settings (``--persist-max-gb``, ``--persist-flush-timeout``)
+    as ``PersistOptions``, None when off. ``conflicts``: why persisting cannot work with each
+    route option that is given (naming the option). Flags that contradict each other are a
+    UsageError, the same for ``kvsnap serve`` and every upstream route."""
+    if not on:
+        for flag, value in (
+            ("--persist-max-gb", max_gb),
+            ("--persist-flush-timeout", flush_timeout_s),
+        ):
+            if value is not None:
+                raise UsageError(
+                    f"{flag} {value:g} needs --persist-requests; add it or drop {flag}"
+                )
+        return None
+    if not has_store:
+        raise UsageError("--persist-requests needs a store to write into; add --kv-snapshots DIR")
+    if conflicts:
+        raise UsageError(f"--persist-requests {conflicts[0]}; drop one of the two")
+    return PersistOptions(
+        max_bytes=int((max_gb or DEFAULT_MAX_GB) * 2**30),
+        flush_timeout_s=flush_timeout_s or DEFAULT_FLUSH_TIMEOUT_S,
+    )
 
 
 @dataclass
@@ -436,8 +467,6 @@ def start_persister(
     options: PersistOptions, store: Store | None, lm: Any, identity: ModelIdentity
 ) -> tuple[Persister | None, str]:
     """The persister, or None and why not (the server serves on, persisting nothing)."""
-    from kvsnap.runtime.warmup.store import probe_writable
-
     if store is None:
         return None, "no store (--kv-snapshots DIR) to persist into"
     try:

@@ -4,32 +4,14 @@ writable (``SnapshotCounts.write_back_note``). No mlx."""
 from __future__ import annotations
 
 import logging
-import os
-import tempfile
 from pathlib import Path
 
 from kvsnap.errors import StoreError
 from kvsnap.runtime.warmup.report import SnapshotCounts
+from kvsnap.store.fileio import probe_writable
 from kvsnap.store.local import Store
 
 log = logging.getLogger("kvsnap.runtime.warmup.run")
-
-
-def probe_writable(folder: Path, fault=None) -> str | None:
-    """None if a file can really be created in ``folder``, else why not.
-
-    A real create-and-delete, not ``os.access``: root passes every access check, and a
-    read-only mount or a full disk only shows up when writing.
-    """
-    try:
-        if fault is not None:
-            fault("write-probe")
-        fd, tmp = tempfile.mkstemp(prefix=".tmp-probe-", dir=folder)
-        os.close(fd)
-        os.unlink(tmp)
-        return None
-    except OSError as exc:
-        return exc.strerror or str(exc)
 
 
 def open_store(path: str, write_back: bool, counts: SnapshotCounts, fault=None) -> Store | None:

@@ -1,40 +1,49 @@
-"""``--warm-prompts`` under ``kvsnap vllm-mlx serve --kv-snapshots``: warm prefixes from the store.
+"""A ``--warm-prompts`` warm-up on an upstream server's model, shared by both routes.
 
-For each warm-prompt entry: the warm prefix as vllm-mlx tokenizes that agent's requests
-(``EngineTokenization``), its key, the store's snapshot when it has one, else one prefill
-with kvsnap's ``prefill`` on the model vllm-mlx loaded, captured exactly at the prefix
-boundary and written back when the store is writable. Every warm entry goes into
-vllm-mlx's prefix cache through its own ``store`` and is pinned there. The same pass runs
-at start and for each re-warm after ``DELETE /v1/cache/prefix``.
+For each warm-prompt entry: the warm prefix as the server tokenizes that agent's requests
+(its profile, ``kvsnap.profiles``), its key, the store's snapshot when it has one, else one
+prefill with kvsnap's ``prefill`` on the model the server loaded, captured exactly at the
+prefix boundary and written back when the store is writable. Every warm entry goes into the
+server's prefix cache (``WarmPlan._insert``: vllm-mlx's ``store``; mlx-lm's route overrides it)
+and is pinned there. The same pass runs at start and for each re-warm.
 
 Runs on the thread that owns the model (mlx arrays belong to a thread's stream).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
 
 from kvsnap.chat import Tokenization
-from kvsnap.errors import KvsnapError, SnapshotError, StoreError
-from kvsnap.prompts import WarmPromptSet
+from kvsnap.errors import KvsnapError, SnapshotError, StoreError, WarmPromptError
+from kvsnap.prompts import WarmPrompt, WarmPromptSet, load_warm_prompts, parse_warm_prompts
 
-log = logging.getLogger("kvsnap.vllm_mlx")
+if TYPE_CHECKING:
+    from kvsnap.key import ModelIdentity
+    from kvsnap.runtime.model.loading import LoadedModel
+    from kvsnap.runtime.model.shapes import ModelShapes
+    from kvsnap.store.local import SnapshotInfo, Store
+
+log = logging.getLogger("kvsnap.integrations")
 
 
 @dataclass
 class AgentResult:
     name: str
-    source: str  # snapshot | prefilled | skipped
+    # snapshot | prefilled | skipped
+    source: str
     tokens: int = 0
     key: str = ""
     written: bool = False
     reason: str = ""
 
 
-def upstream_model(model_name: str, model: Any, tokenizer: Any) -> Any:
+def upstream_model(model_name: str, model: Any, tokenizer: Any) -> LoadedModel:
     """The model an upstream server (vllm-mlx, mlx_lm.server) loaded, as kvsnap's LoadedModel:
     its folder (a hub id: the cached files it loaded) and config beside the live objects. Its
     live KV is mlx-lm's default cache: no KV quantization, no bound."""
@@ -85,33 +94,50 @@ class WarmReport:
         return asdict(self)
 
 
-def checked_state(store: Any, info: Any, identity: Any, shapes: Any) -> list:
+def checked_state(
+    store: Store, info: SnapshotInfo, identity: ModelIdentity, shapes: ModelShapes
+) -> list:
     """One snapshot read and decoded; a SnapshotError (naming file and tensor) when its tensors
     are not this model's cache: a forged block would otherwise fail mlx-lm's generation step."""
     from kvsnap.runtime.warmup.entries import SHAPE_FIX
     from kvsnap.snapshot.codec import decode_cache
 
     arrays = store.load_arrays(info, identity)
-    why = shapes.problem(arrays)  # before decoding: the arrays are what a forger wrote
+    # Before decoding: the arrays are what a forger wrote.
+    why = shapes.problem(arrays)
     if why:
         raise SnapshotError(str(info.path), why, SHAPE_FIX)
     return decode_cache(arrays, info.layers)
 
 
+class Pins(Protocol):
+    """Where warm entries are kept from eviction (vllm-mlx's route: ``vllm_mlx.pin.Pins``)."""
+
+    def add(self, tokens: tuple) -> None: ...
+
+
 @dataclass
 class WarmPlan:
-    """Everything a warm-up needs, fixed at start; ``run`` may be called again for each re-warm."""
+    """Everything a warm-up needs, fixed at start; ``run`` may be called again for each re-warm.
 
-    prefix_cache: Any  # vllm-mlx's MemoryAwarePrefixCache
-    pins: Any  # vllm_mlx_pin.Pins, or None where the cache cannot be pinned
-    lm: Any  # kvsnap LoadedModel around the model vllm-mlx loaded
-    identity: Any  # its ModelIdentity
-    store: Any  # kvsnap Store
+    As is, it fills vllm-mlx's prefix cache (its words name vllm-mlx); mlx-lm's route
+    subclasses it and overrides ``_insert`` and ``_warn_other_renderings``.
+    """
+
+    # The server's prefix cache: vllm-mlx's MemoryAwarePrefixCache, mlx-lm's PinnedPromptCache.
+    prefix_cache: Any
+    # None where the cache cannot be pinned.
+    pins: Pins | None
+    # kvsnap's LoadedModel around the model the server loaded.
+    lm: LoadedModel
+    identity: ModelIdentity
+    store: Store
     writable: bool
     prompts: WarmPromptSet
     agents_file: str
     tokenization: Tokenization
-    shapes: Any = None  # runtime.state_shapes.ModelShapes of ``lm``, learned on first use
+    # The shapes of ``lm``'s cache, learned on first use.
+    shapes: ModelShapes | None = None
 
     def run(self) -> WarmReport:
         from kvsnap.runtime.warmup.prefetch import context_tokens
@@ -162,7 +188,7 @@ class WarmPlan:
         report.seconds = time.perf_counter() - t0
         return report
 
-    def _warm_prefix(self, prompt, report: WarmReport) -> tuple[tuple, str, str] | None:
+    def _warm_prefix(self, prompt: WarmPrompt, report: WarmReport) -> tuple[tuple, str, str] | None:
         """(tokens, prompt digest, key) as vllm-mlx tokenizes this agent; None (and a skip) when it
         cannot be warmed."""
         from kvsnap.runtime.warmup.recipe import warm_key
@@ -190,7 +216,7 @@ class WarmPlan:
             return None
         return tokens, warm.prompt_digest, warm.key
 
-    def _restore(self, prompt, info, report: WarmReport) -> list | None:
+    def _restore(self, prompt: WarmPrompt, info: SnapshotInfo, report: WarmReport) -> list | None:
         from kvsnap.runtime.model.shapes import ModelShapes
 
         if self.shapes is None:
@@ -205,7 +231,12 @@ class WarmPlan:
             return None
 
     def _warn_other_renderings(
-        self, prompt, infos: list, key: str, info, report: WarmReport
+        self,
+        prompt: WarmPrompt,
+        infos: list[SnapshotInfo],
+        key: str,
+        info: SnapshotInfo | None,
+        report: WarmReport,
     ) -> None:
         """Say so when this agent's snapshot exists but was keyed for another server's rendering."""
         from kvsnap.profiles import describe, recorded_tokenization
@@ -229,7 +260,7 @@ class WarmPlan:
         return state
 
     def _write_back(
-        self, prompt, digest: str, tokens: tuple, state: list, report: WarmReport
+        self, prompt: WarmPrompt, digest: str, tokens: tuple, state: list, report: WarmReport
     ) -> bool:
         from kvsnap.runtime.persist.writeback import commit_snapshot
 
@@ -272,7 +303,7 @@ class WarmPlan:
             self.pins.add(tokens)
         return True
 
-    def _same_tokens(self, infos: list, tokens: tuple) -> Any:
+    def _same_tokens(self, infos: list[SnapshotInfo], tokens: tuple) -> SnapshotInfo | None:
         """A snapshot of this model holding exactly these tokens, whatever rendering it was keyed
         for.
 
@@ -288,3 +319,40 @@ class WarmPlan:
             except SnapshotError as exc:
                 log.debug("[kvsnap] %s: %s", exc.path, exc.reason)
         return None
+
+
+def load_warm_prompt_file(path: str) -> WarmPromptSet:
+    """A warm-prompt file in vllm-mlx's shape (lists of messages) or kvsnap's (objects).
+
+    vllm-mlx lets a list entry end with a user message and warms the text before that
+    user's content; kvsnap's probes start a user turn after the entry, which is the same
+    prefix, so that trailing user message is dropped here (and said so).
+    """
+    file = Path(path).expanduser()
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        # Its named errors: missing, unreadable, bad JSON.
+        return load_warm_prompts(file)
+    if isinstance(data, list):
+        for i, entry in enumerate(data):
+            if (
+                isinstance(entry, list)
+                and len(entry) > 1
+                and isinstance(entry[-1], dict)
+                and entry[-1].get("role") == "user"
+            ):
+                log.info(
+                    "[kvsnap] %s entry %d ends with a user message: warming the text before it, as "
+                    "vllm-mlx does",
+                    file,
+                    i,
+                )
+                data[i] = entry[:-1]
+    result = parse_warm_prompts(data, str(file))
+    if not result.entries:
+        detail = "; ".join(str(p) for p in result.problems[:3]) or "the list is empty"
+        raise WarmPromptError(f"{file}: no valid warm-prompt entry ({detail})")
+    for problem in result.problems:
+        log.warning("[kvsnap] %s: skipped warm prompt %s", file, problem)
+    return result
