@@ -234,7 +234,7 @@ def test_regression_warm_plans_never_take_a_record_longer_than_the_context_for_t
     """With the agent's own record gone, the too-long record named like it used to be read as a
     candidate (and named in a 'built for another rendering' warning); the bounded scan never
     returns it, so the agent is simply prefilled."""
-    from kvsnap.integrations.mlx_lm.profile import mlx_lm_tokenization
+    from kvsnap.profiles import mlx_lm_tokenization
     from kvsnap.integrations.mlx_lm.warm import MlxLmWarmPlan
 
     root = tmp_path / "store"

@@ -116,7 +116,7 @@ def _llama_demo(root: Path) -> Path:
 def test_mlx_lm_profile_prefix_is_a_strict_prefix_of_mlx_lm_servers_own_tokens(
     name, demo_models, tmp_path_factory
 ):
-    from kvsnap.integrations.mlx_lm.profile import mlx_lm_tokenization
+    from kvsnap.profiles import mlx_lm_tokenization
     from kvsnap.prompts import parse_warm_prompts, warm_prefix
     from kvsnap.runtime.model.loading import load_model
 
@@ -158,7 +158,7 @@ def test_real_llama3_tokenizer_mlx_lm_requests_start_with_one_bos_and_hit(tmp_pa
     from mlx_lm.tokenizer_utils import load as load_tokenizer
     from test_vllm_mlx import llama3_tokenizer_files
 
-    from kvsnap.integrations.mlx_lm.profile import mlx_lm_tokenization
+    from kvsnap.profiles import mlx_lm_tokenization
     from kvsnap.prompts import parse_warm_prompts, warm_prefix
 
     tok = load_tokenizer(llama3_tokenizer_files(tmp_path / "llama3"))

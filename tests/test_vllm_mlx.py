@@ -554,7 +554,7 @@ def _vllm_mlx_lm(demo_models, name="dense"):
 
 
 def _plan(lm, store, writable, cache, prompts, agents_file):
-    from kvsnap.integrations.vllm_mlx.warm import WarmPlan
+    from kvsnap.integrations.common.warm_plan import WarmPlan
     from kvsnap.key import DigestCache
     from kvsnap.profiles import vllm_mlx_tokenization
 
@@ -704,7 +704,7 @@ def test_deletes_during_a_running_rewarm_coalesce_into_one_more_pass(tmp_path):
     import asyncio
 
     from kvsnap.integrations.vllm_mlx.session import Session
-    from kvsnap.integrations.vllm_mlx.warm import WarmReport
+    from kvsnap.integrations.common.warm_plan import WarmReport
 
     running, most, passes = [0], [0], []
     release = threading.Event()
