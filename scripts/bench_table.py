@@ -170,7 +170,8 @@ class Env:
     kvsnap_cache: Path
 
     def venv_env(self, home: Path) -> dict:
-        """vllm-mlx's venv with this checkout on PYTHONPATH (as tests/test_vllm_mlx.py runs it)."""
+        """vllm-mlx's venv with this checkout on PYTHONPATH (as
+        tests/integrations/vllm_mlx/test_route.py runs it)."""
         env = {
             k: v
             for k, v in os.environ.items()
@@ -533,8 +534,8 @@ def run(cmd: list[str], env: dict) -> None:
 
 
 def find_vllm_python(arg: str | None) -> Path | None:
-    """--vllm-python, else the venv tests/test_vllm_mlx.py caches (KVSNAP_TEST_CACHE or
-    ~/.cache/kvsnap-tests)."""
+    """--vllm-python, else the venv tests/integrations/vllm_mlx/test_route.py caches
+    (KVSNAP_TEST_CACHE or ~/.cache/kvsnap-tests)."""
     if arg:
         path = Path(arg)
         if not path.is_file():
@@ -561,7 +562,7 @@ def build_vllm_venv() -> Path:
             "pytest",
             "-q",
             "-x",
-            str(ROOT / "tests" / "test_vllm_mlx.py"),
+            str(ROOT / "tests" / "integrations" / "vllm_mlx" / "test_route.py"),
             "-k",
             "pinned_snapshots_survive",
         ],
@@ -571,7 +572,8 @@ def build_vllm_venv() -> Path:
     found = find_vllm_python(None)
     if r.returncode != 0 or found is None:
         raise SystemExit(
-            "could not make vllm-mlx's venv through tests/test_vllm_mlx.py; see its output above, "
+            "could not make vllm-mlx's venv through tests/integrations/vllm_mlx/test_route.py; "
+            "see its output above, "
             "or pass --no-vllm"
         )
     return found
@@ -886,12 +888,12 @@ def parse_args(argv=None):
     ap.add_argument(
         "--vllm-python",
         help="python of a venv with vllm-mlx 0.6.0 "
-        "(default: the one tests/test_vllm_mlx.py caches)",
+        "(default: the one tests/integrations/vllm_mlx/test_route.py caches)",
     )
     ap.add_argument(
         "--build-vllm-venv",
         action="store_true",
-        help="make that venv through tests/test_vllm_mlx.py when it is missing",
+        help="make that venv through tests/integrations/vllm_mlx/test_route.py when it is missing",
     )
     ap.add_argument("--no-vllm", action="store_true", help="kvsnap modes only")
     ap.add_argument(

@@ -7,7 +7,7 @@ server's scan and ``kvsnap ls`` run) several times, printing the median time, th
 ``tracemalloc`` peak and the outcome; normal files also get a full ``verify_file`` (the
 whole-file checksum). Hostile files are valid down to their checksum (anyone can compute
 it), so every check up to the hostile field runs. Timings are measured here, not asserted
-in tests (tests/test_fuzz_files.py asserts the memory bound).
+in tests (tests/snapshot/test_fuzz_files.py asserts the memory bound).
 """
 
 from __future__ import annotations

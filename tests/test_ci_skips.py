@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import ALLOWED_SKIPS, read_allowed_skips, skip_allowed
+from helpers.skips import ALLOWED_SKIPS, read_allowed_skips, skip_allowed
 
 TESTS = Path(__file__).resolve().parent
 SAMPLE = """

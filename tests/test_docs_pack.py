@@ -11,7 +11,8 @@ import sys
 import tarfile
 from pathlib import Path
 
-from conftest import LONG_SYSTEM, run_kvsnap
+from helpers.cli import run_kvsnap
+from helpers.models import LONG_SYSTEM
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"

