@@ -52,10 +52,13 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))  # helpers: the vllm-mlx venv's cache and environment
 
 from kvsnap.blas import find_openblas, preload_openblas  # noqa: E402
 
 preload_openblas()  # before mlx loads (the demo models and the rate probe use it here)
+from helpers.vllm_mlx_route import _cache_root, _venv_env  # noqa: E402
+
 from kvsnap.tools.client import stream_chat  # noqa: E402
 from kvsnap.tools.demo import DemoSpec, make_demo_model  # noqa: E402
 from kvsnap.tools.serverproc import ServerProcess, free_port, start_server, under_hard_limit
@@ -171,21 +174,8 @@ class Env:
 
     def venv_env(self, home: Path) -> dict:
         """vllm-mlx's venv with this checkout on PYTHONPATH (as
-        tests/integrations/vllm_mlx/test_route.py runs it)."""
-        env = {
-            k: v
-            for k, v in os.environ.items()
-            if k not in ("PYTHONPATH", "VIRTUAL_ENV", "LD_PRELOAD")
-        }
-        env.update(
-            HOME=str(home),
-            KVSNAP_CACHE_DIR=str(self.kvsnap_cache),
-            HF_HUB_OFFLINE="1",
-            TRANSFORMERS_OFFLINE="1",
-            PYTHONPATH=str(ROOT),
-            PYTHONUNBUFFERED="1",
-        )
-        return env
+        tests/integrations/vllm_mlx/test_route.py runs it), this run's kvsnap cache."""
+        return {**_venv_env(home), "KVSNAP_CACHE_DIR": str(self.kvsnap_cache)}
 
     def own_env(self, home: Path) -> dict:
         return {
@@ -544,12 +534,7 @@ def find_vllm_python(arg: str | None) -> Path | None:
                 f"0.6.0"
             )
         return path
-    cached = (
-        Path(os.environ.get("KVSNAP_TEST_CACHE") or Path.home() / ".cache" / "kvsnap-tests")
-        / "vllm-mlx-venv"
-        / "bin"
-        / "python"
-    )
+    cached = _cache_root() / "vllm-mlx-venv" / "bin" / "python"
     return cached if cached.is_file() else None
 
 
