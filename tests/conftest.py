@@ -19,7 +19,8 @@ from helpers.skips import ALLOWED_SKIPS, in_ci, read_allowed_skips, skip_allowed
 from helpers.stores import build_store  # noqa: E402
 
 if os.environ.get("KVSNAP_EXPECT_MLX_LM"):
-    # Set by test_mlx_lm_minors.py: prove the subprocess really runs the other mlx-lm.
+    # Set by tests/integrations/mlx_lm/test_minors.py: prove the subprocess really runs the
+    # other mlx-lm.
     from importlib.metadata import version as _version
 
     assert _version("mlx-lm") == os.environ["KVSNAP_EXPECT_MLX_LM"], _version("mlx-lm")

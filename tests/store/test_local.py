@@ -43,7 +43,7 @@ KEY = "0123456789abcdef0123456789abcdef"
 OTHER_KEY = "fedcba9876543210fedcba9876543210"
 
 
-# --- helpers (test_cli.py uses them too) ------------------------------------------
+# --- helpers (the ones tests/commands/test_cli.py shares: tests/helpers/local_store.py) ------
 
 
 def statuses(report) -> dict[str, str]:
