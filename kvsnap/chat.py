@@ -160,9 +160,8 @@ def render_messages(
             add_generation_prompt=add_generation_prompt,
             **kwargs,
         )
-    except (
-        Exception
-    ) as exc:  # jinja raises many types; all mean the template refused these messages
+    # jinja raises many types; all mean the template refused these messages
+    except Exception as exc:
         raise TemplateError(
             f"the chat template failed to render the messages ({type(exc).__name__}: {exc}); check "
             f"the roles and order of the messages"

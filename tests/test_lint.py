@@ -1,4 +1,4 @@
-"""Code health in CI (issue 24): ruff's lint and format, mypy on the format and the store,
+"""Code health in CI: ruff's lint and format, mypy on the whole package,
 and a size limit per module that only structure can meet (the formatter packs no lines)."""
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def test_the_tree_is_formatted():
 
 # A minute or more on 2 cores: out of the quick loop.
 @pytest.mark.slow
-def test_mypy_passes_on_the_snapshot_format_and_the_store():
+def test_mypy_passes_on_the_whole_package():
     r = run_tool("mypy", "--no-incremental")  # files and settings: pyproject.toml [tool.mypy]
     assert r.returncode == 0, r.stdout + r.stderr
 

@@ -219,12 +219,14 @@ class _Build:
         reports them)."""
         warm = warm_key(self.lm.tokenizer, self.identity, prompt, self.tokenization)
         tokens, prefix = warm.tokens, warm.prefix
-        result.n_tokens, result.entry_tokens, result.coverage, result.warnings = (
-            len(tokens),
-            prefix.entry_tokens,
-            prefix.coverage,
-            prefix.warnings,
-        )
+        result.n_tokens = len(tokens)
+        # a build reuses no recipe, so the prefix is always rendered here
+        if prefix is not None:
+            result.entry_tokens, result.coverage, result.warnings = (
+                prefix.entry_tokens,
+                prefix.coverage,
+                prefix.warnings,
+            )
         if not tokens:
             raise TemplateError(
                 f"{prompt.name}: the chat template leaves no token shared by every continuation; "
@@ -248,7 +250,8 @@ class _Build:
             result.tokens_reused = len(tokens)
             return
         plan = ChainPlan(self.blocks, branches, splits=splits)
-        start, replace = (0, None), set()
+        start: tuple[int, list | None] = (0, None)
+        replace: set[str] = set()
         if not self.force:
             start, replace, warnings = restore_longest(
                 self.lm, store, self.identity, tokens, plan, self.hybrid
@@ -343,9 +346,8 @@ class _Build:
             ),
         )
         current = self.store.read_manifest()["records"].get(self.rid, {})
-        if _without_time(update(current)) != _without_time(
-            current
-        ):  # an unchanged rebuild writes nothing
+        # an unchanged rebuild writes nothing
+        if _without_time(update(current)) != _without_time(current):
             self.store.update_record(self.rid, update)
 
     def drop_departed(self, current: set[str]) -> None:

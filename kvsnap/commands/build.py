@@ -187,9 +187,8 @@ def cmd_build(args) -> int:
     tokenization = build_tokenization(args)
     blocks = block_settings(args)
     prompts = load_warm_prompts(args.agents)
-    source = resolve_model(
-        args.model, args.revision
-    )  # a bad id or folder fails before the store is created
+    # a bad id or folder fails before the store is created
+    source = resolve_model(args.model, args.revision)
     store = Store.open(args.out, create=True, fault=FaultHook.from_env())
     out = console(stderr=args.json)
     for problem in prompts.problems:

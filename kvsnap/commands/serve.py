@@ -276,9 +276,8 @@ def cmd_serve(args) -> int:
     prompts = load_warm_prompts(args.warm_prompts) if args.warm_prompts else None
     for problem in prompts.problems if prompts else []:
         log.warning("[kvsnap] skipped warm prompt %s", problem)
-    args.kv_snapshots = resolve_kv_snapshots(
-        args.kv_snapshots
-    )  # a remote URL (oci://…) is pulled into a local cache folder first
+    # a remote URL (oci://…) is pulled into a local cache folder first
+    args.kv_snapshots = resolve_kv_snapshots(args.kv_snapshots)
     engine = Engine(engine_config(args, source.path, prompts))
     server_config = serve_config(args, source, auth)
     engine.start()  # load the model on the main thread, before the port opens

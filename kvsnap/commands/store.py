@@ -192,9 +192,8 @@ def cmd_verify(args) -> int:
     for path in store.snapshot_files():
         try:
             info = store.verify_file(path)
-            name = (
-                info.name if info.name.isprintable() else repr(info.name)
-            )  # a name from a file must not forge output lines
+            # a name from a file must not forge output lines
+            name = info.name if info.name.isprintable() else repr(info.name)
             foreign = foreign_reason(expected, info)
             if foreign:  # sound, for another model: a shared store may hold several
                 other += 1

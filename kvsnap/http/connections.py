@@ -179,7 +179,7 @@ def guarded_protocol(base: type, guard: ConnectionGuard) -> type:
                     self._await("body")  # its body has a deadline of its own, from now
                 else:
                     self._wait_done()
-            elif self._waits_for == "body" and not cycle.more_body:
+            elif self._waits_for == "body" and cycle is not None and not cycle.more_body:
                 self._wait_done()  # the whole body is in
 
         def _await(self, what: str) -> None:

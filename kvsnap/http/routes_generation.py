@@ -208,9 +208,8 @@ async def wait_for_answer(
                 event, payload = await asyncio.wait_for(bridge.queue.get(), DISCONNECT_POLL_S)
             except asyncio.TimeoutError:
                 event = None
-            if (
-                loop.time() >= next_check
-            ):  # tokens may arrive faster than the poll: check by the clock
+            # tokens may arrive faster than the poll: check by the clock
+            if loop.time() >= next_check:
                 next_check = loop.time() + DISCONNECT_POLL_S
                 if await request.is_disconnected():
                     break

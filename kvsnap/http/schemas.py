@@ -38,13 +38,11 @@ class _Sampling(BaseModel):
     stream: StrictBool = False
     stream_options: Optional[StreamOptions] = None
     stop: Optional[Union[StrictStr, list[StrictStr]]] = None
-    seed: Optional[StrictInt] = Field(
-        default=None, ge=-(2**63), le=2**64 - 1
-    )  # OpenAI's int64, and uint64
+    # OpenAI's int64, and uint64
+    seed: Optional[StrictInt] = Field(default=None, ge=-(2**63), le=2**64 - 1)
     n: StrictInt = Field(default=1, ge=1, le=1)
-    cache_salt: Optional[StrictStr] = Field(
-        default=None, min_length=1, max_length=256
-    )  # vLLM's name: scopes cached prefixes
+    # vLLM's name: scopes cached prefixes
+    cache_salt: Optional[StrictStr] = Field(default=None, min_length=1, max_length=256)
 
     @field_validator("stop")
     @classmethod

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from contextlib import asynccontextmanager
+from typing import Any
 
 from fastapi import FastAPI
 from starlette.concurrency import run_in_threadpool
@@ -40,7 +41,7 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
             await run_in_threadpool(engine.shutdown)
 
     # With keys, the schema pages are off: they would be the one unauthenticated surface left.
-    docs = (
+    docs: dict[str, Any] = (
         {}
         if not config.auth.enabled
         else {"docs_url": None, "redoc_url": None, "openapi_url": None}

@@ -116,9 +116,8 @@ def plan_cuts(
 def prefix_digests(tokens: Sequence[int], ends: Sequence[int]) -> list[str]:
     """The digest of ``tokens[:end]`` for every end, in one pass over the tokens."""
     h = xxhash.xxh3_128()
-    h.update(
-        b"tokens:int32le:"
-    )  # the same bytes key.tokens_digest hashes: a whole prefix's digest is its tokens digest
+    # the same bytes key.tokens_digest hashes: a whole prefix's digest is its tokens digest
+    h.update(b"tokens:int32le:")
     out, done = [], 0
     for end in ends:
         h.update(pack_tokens(tokens[done:end]))

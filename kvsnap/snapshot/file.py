@@ -262,9 +262,8 @@ def file_checksum(path: str | os.PathLike, header: Header) -> str:
     h = _header_hash(header)
     with open(path, "rb") as f:
         f.seek(header.data_start)
-        while chunk := f.read(
-            min(READ_CHUNK, max(header.data_len, 1))
-        ):  # never a buffer bigger than the file
+        # never a buffer bigger than the file
+        while chunk := f.read(min(READ_CHUNK, max(header.data_len, 1))):
             h.update(chunk)
     return h.hexdigest()
 

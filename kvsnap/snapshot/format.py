@@ -49,9 +49,8 @@ PART_FOLDERS = (BLOCKS, CHECKPOINTS)
 CONVERSATIONS = "conversations"
 SECRET_NAME = ".secret"
 PART_REL_RE = re.compile(rf"(?:{BLOCKS}|{CHECKPOINTS})/[0-9a-f]{{32}}{re.escape(SUFFIX)}")
-STORE_FILE_RE = re.compile(
-    rf"{SNAPSHOT_REL_RE.pattern}|{PART_REL_RE.pattern}"
-)  # every file a store ships besides the manifest
+# every file a store ships besides the manifest
+STORE_FILE_RE = re.compile(rf"{SNAPSHOT_REL_RE.pattern}|{PART_REL_RE.pattern}")
 
 
 def snapshot_filename(key: str) -> str:

@@ -124,9 +124,8 @@ def _recorded(meta: dict) -> dict:
 
 def check_token_count(header: Header, max_tokens: int = MAX_TOKENS) -> int:
     """The header's token count, refused over ``max_tokens`` before a token is read."""
-    if (
-        "kvsnap.n_tokens" not in header.metadata
-    ):  # a file that is not ours says so, not "n_tokens is ''"
+    # a file that is not ours says so, not "n_tokens is ''"
+    if "kvsnap.n_tokens" not in header.metadata:
         raise FormatError("not a kvsnap snapshot: metadata lacks kvsnap.n_tokens")
     raw = header.metadata["kvsnap.n_tokens"]
     if not DIGITS_RE.fullmatch(raw):

@@ -8,9 +8,8 @@ import re
 
 from kvsnap.snapshot.file import FormatError
 
-DIGITS_RE = re.compile(
-    r"[0-9]{1,12}"
-)  # ASCII only: int() would also take " 7", "7_0" and other scripts' digits
+# ASCII only: int() would also take " 7", "7_0" and other scripts' digits
+DIGITS_RE = re.compile(r"[0-9]{1,12}")
 MAX_COUNT = 2**53
 
 

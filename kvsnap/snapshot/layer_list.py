@@ -20,9 +20,8 @@ MAX_LAYER_OBJECTS = 65536  # in all, CacheList members included
 MAX_CACHE_NESTING = 4  # a CacheList inside a CacheList inside ...
 MAX_PARTS = 8  # QuantizedKVCache: packed data, scales, biases
 MAX_ARRAYS = 256  # ArraysCache slots (SSM conv + recurrent state: 2)
-RECORD_NAME_BUDGET = (
-    2 * MAX_PARTS * MAX_LAYERS
-)  # a v3 record holds no layer tensors; its layer list may still name this many
+# a v3 record holds no layer tensors; its layer list may still name this many
+RECORD_NAME_BUDGET = 2 * MAX_PARTS * MAX_LAYERS
 
 
 class _LayerWalk:

@@ -45,9 +45,8 @@ class UnpackReport:
     dest: Path
     files: list[str]
     nbytes: int
-    kept: list[str] = field(
-        default_factory=list
-    )  # differed from the store's good file of that name: not installed
+    # differed from the store's good file of that name: not installed
+    kept: list[str] = field(default_factory=list)
 
 
 def _tar_mode(name: str, write: bool) -> str:
@@ -150,9 +149,8 @@ def unpack(
     total = 0
     with tar, StagedInstall(Path(dest)) as staging:
         try:
-            for (
-                member
-            ) in tar:  # streaming: one entry at a time, nothing extracted by tarfile itself
+            # streaming: one entry at a time, nothing extracted by tarfile itself
+            for member in tar:
                 name = _member_name(member)
                 label = f"{where}: entry {member.name!r}"
                 if member.issym() or member.islnk():

@@ -108,9 +108,8 @@ class StagedInstall:
     staged: list[str] = field(default_factory=list)
     manifest: dict | None = None  # the shipped manifest, once verified
     reached: set[str] = field(default_factory=set)  # blocks and checkpoints the staged records need
-    kept: list[str] = field(
-        default_factory=list
-    )  # shipped files that differ from the store's good one: not installed
+    # shipped files that differ from the store's good one: not installed
+    kept: list[str] = field(default_factory=list)
     # take over a killed install's stage for this dest (pull: its files are digest-checked)
     resume: bool = False
     leftover: set[str] = field(default_factory=set)  # files of an adopted stage not yet reused

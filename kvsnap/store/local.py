@@ -308,9 +308,8 @@ class Store:
             raise SnapshotError(
                 str(path), f"cannot be read ({exc.strerror or exc})", "check the file's permissions"
             ) from None
-        if (
-            info.chain is not None
-        ):  # a record's size is its state's: its blocks and checkpoints (a stat each)
+        # a record's size is its state's: its blocks and checkpoints (a stat each)
+        if info.chain is not None:
             info = replace(
                 info,
                 nbytes=info.nbytes + sum(_size(self.root / rel) for rel in chain_relpaths(info)),
@@ -403,9 +402,8 @@ class Store:
             raise SnapshotError(
                 str(path), f"cannot be read ({exc.strerror or exc})", "check the file's permissions"
             ) from None
-        if (
-            current.chain is not None
-        ):  # a v3 record (just read and checked): its state is in blocks and checkpoints
+        # a v3 record (just read and checked): its state is in blocks and checkpoints
+        if current.chain is not None:
             return assemble(self, current)[0]
         arrays = {}
         for name, entry in header.tensors.items():

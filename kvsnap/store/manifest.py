@@ -229,9 +229,8 @@ def parse_manifest(data: bytes, where: str, fix: str = STORE_FIX) -> dict:
 def read_manifest_file(path: Path, fix: str = STORE_FIX) -> dict:
     """The manifest at ``path`` (an empty one if there is none), size-checked before it is read."""
     try:
-        fd = os.open(
-            path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0)
-        )  # a FIFO planted here must not hang gc
+        # a FIFO planted here must not hang gc
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
         with os.fdopen(fd, "rb") as f:
             st = os.fstat(f.fileno())
             if not stat.S_ISREG(st.st_mode):
@@ -248,9 +247,8 @@ def read_manifest_file(path: Path, fix: str = STORE_FIX) -> dict:
                     f"manifest",
                     fix,
                 )
-            data = f.read(
-                st.st_size + 1
-            )  # not MAX_MANIFEST_BYTES: read() allocates what it is asked for
+            # not MAX_MANIFEST_BYTES: read() allocates what it is asked for
+            data = f.read(st.st_size + 1)
     except FileNotFoundError:
         return empty_manifest()
     except OSError as exc:

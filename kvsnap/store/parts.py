@@ -251,9 +251,8 @@ def write_chain(
             or link.checkpoint_key in replace
             or not has_part(store, CHECKPOINT_KIND, link.checkpoint_key)
         ):
-            if (
-                link.end != n and link.end not in checkpoint_arrays
-            ):  # a chain names only what it has
+            # a chain names only what it has
+            if link.end != n and link.end not in checkpoint_arrays:
                 raise StoreError(
                     f"the checkpoint at {link.end} tokens ({link.checkpoint_key}) is neither in "
                     f"the store nor captured; the store is unchanged; run the build again"
@@ -379,9 +378,8 @@ def read_part(
         name: buf[e.start : e.end].view(getattr(mx, DTYPES[e.dtype][0])).reshape(e.shape)
         for name, e in header.tensors.items()
     }
-    mx.eval(
-        list(arrays.values())
-    )  # views, evaluated here: the reading thread's stream may not outlive it
+    # views, evaluated here: the reading thread's stream may not outlive it
+    mx.eval(list(arrays.values()))
     return info, arrays
 
 

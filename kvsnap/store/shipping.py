@@ -79,9 +79,8 @@ def collect_store(root: str | os.PathLike) -> list[StoreFile]:
     reached: set[str] = set()
     for path in store.snapshot_files():
         try:
-            reached.update(
-                chain_relpaths(store.verify_file(path))
-            )  # a record's blocks and checkpoints too
+            # a record's blocks and checkpoints too
+            reached.update(chain_relpaths(store.verify_file(path)))
         except SnapshotError as exc:
             raise ShipError(
                 f"{exc.path}: {exc.reason}; refusing to ship a store with a bad snapshot "

@@ -95,9 +95,8 @@ def adopt_stage(dest: Path) -> tuple[Path, int] | None:
     """The newest stage for ``dest`` that no live process holds (a killed pull's), locked; or
     None."""
     candidates = []
-    own = re.compile(
-        re.escape(stage_prefix(dest)) + r"[a-z0-9_]{8}"
-    )  # mkdtemp's suffix: not "snaps-b"'s stages
+    # mkdtemp's suffix: not "snaps-b"'s stages
+    own = re.compile(re.escape(stage_prefix(dest)) + r"[a-z0-9_]{8}")
     for folder in (f for f in _stages(dest.parent, stage_prefix(dest)) if own.fullmatch(f.name)):
         try:
             candidates.append((_last_write(folder), folder))

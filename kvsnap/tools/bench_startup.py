@@ -17,7 +17,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 MODES = ("cold", "warm-prompts", "kv-snapshots")
 FILLER = (
@@ -118,9 +118,8 @@ def launch_once(
         warmup = server.status()["warmup"]  # the report the warm-up log line is written from
         row.warmup_s = float(warmup["seconds"]) if warmup else 0.0
         row.rss_mb = child_rss_mb(server.proc.pid)
-        if (
-            not request
-        ):  # ready time only: a cold server's first request would prefill the whole prompt
+        # ready time only: a cold server's first request would prefill the whole prompt
+        if not request:
             return row
         with httpx.Client(timeout=3000) as client:
             res = stream_chat(client, server.url, model.name, first_messages, max_tokens=max_tokens)
@@ -153,7 +152,7 @@ def prepare_point(point: SweepPoint, workdir: Path, env: dict) -> tuple[Path, Pa
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(point.model))
-    agents = [
+    agents: list[dict[str, Any]] = [
         {
             "name": f"agent-{i}",
             "messages": [

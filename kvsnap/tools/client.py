@@ -13,7 +13,7 @@ import httpx
 @dataclass
 class ChatResult:
     text: str = ""
-    ttft_s: float | None = None
+    ttft_s: float = 0.0  # to the first content token; the whole request's time when none came
     total_s: float = 0.0
     usage: dict = field(default_factory=dict)
     finish_reason: str | None = None
@@ -43,6 +43,7 @@ def stream_chat(
     """POST a streaming chat completion; time to the first content token and usage."""
     body = chat_body(model, messages, max_tokens, **extra)
     result = ChatResult()
+    first: float | None = None
     t0 = time.perf_counter()
     with client.stream("POST", f"{url}/v1/chat/completions", json=body) as resp:
         if resp.status_code != 200:
@@ -59,13 +60,12 @@ def stream_chat(
             for choice in chunk.get("choices", []):
                 content = (choice.get("delta") or {}).get("content")
                 if content:
-                    if result.ttft_s is None:
-                        result.ttft_s = time.perf_counter() - t0
+                    if first is None:
+                        first = time.perf_counter() - t0
                     result.text += content
                     result.chunks += 1
                 if choice.get("finish_reason"):
                     result.finish_reason = choice["finish_reason"]
     result.total_s = time.perf_counter() - t0
-    if result.ttft_s is None:
-        result.ttft_s = result.total_s
+    result.ttft_s = first if first is not None else result.total_s
     return result

@@ -12,21 +12,28 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any, cast
 
 from kvsnap.errors import UsageError
 from kvsnap.tools.demo_families import QWEN3_06B_VOCAB, DemoSpec, model_config
 from kvsnap.tools.demo_tokenizer import non_text_ids, train_tokenizer
 
 
+def _parameters(model: Any) -> list[tuple[str, Any]]:
+    """The model's parameters as (dotted name, array), in order."""
+    from mlx.utils import tree_flatten
+
+    # typed as a list or a dict: without ``destination`` it is a list of (name, array)
+    return cast(list[tuple[str, Any]], tree_flatten(model.parameters()))
+
+
 def _mask_output_rows(model, ids: list[int], used_vocab: int) -> None:
     """Zero lm_head rows (``ids``, and those past the tokenizer's vocabulary): a zero logit never
     beats the largest of hundreds of random ones."""
     import mlx.core as mx
-    from mlx.utils import tree_flatten, tree_unflatten
+    from mlx.utils import tree_unflatten
 
-    ((name, weight),) = [
-        (n, w) for n, w in tree_flatten(model.parameters()) if n.endswith("lm_head.weight")
-    ]
+    ((name, weight),) = [(n, w) for n, w in _parameters(model) if n.endswith("lm_head.weight")]
     keep = mx.ones((weight.shape[0], 1))
     keep[mx.array(ids)] = 0.0
     keep[used_vocab:] = 0.0
@@ -37,10 +44,10 @@ def _mask_output_rows(model, ids: list[int], used_vocab: int) -> None:
 def _randomize(model, seed: int, used_vocab: int) -> None:
     """Seeded Gaussian weights, scaled so outputs depend strongly on the context."""
     import mlx.core as mx
-    from mlx.utils import tree_flatten, tree_unflatten
+    from mlx.utils import tree_unflatten
 
     new = []
-    for i, (name, value) in enumerate(tree_flatten(model.parameters())):
+    for i, (name, value) in enumerate(_parameters(model)):
         key = mx.random.key(seed * 100_003 + i)
         if value.ndim < 2 or "conv1d" in name:
             if "conv1d" in name:
@@ -68,7 +75,6 @@ def make_demo_model(out_dir: str | Path, spec: DemoSpec = DemoSpec(), force: boo
     An existing directory is kept unless ``force``: the weights are deterministic anyway.
     """
     import mlx.core as mx
-    from mlx.utils import tree_flatten
     from mlx_lm.utils import _get_classes, quantize_model
 
     spec.check()
@@ -96,7 +102,7 @@ def make_demo_model(out_dir: str | Path, spec: DemoSpec = DemoSpec(), force: boo
             # (a MoE router stays at 8 bits), per-layer overrides in config["quantization"].
             model, config = quantize_model(model, config, group_size=64, bits=spec.quantize_bits)
             config["quantization_config"] = config["quantization"]
-        weights = dict(tree_flatten(model.parameters()))
+        weights = dict(_parameters(model))
         mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})
         config["kvsnap_demo"] = {
             "arch": spec.arch,

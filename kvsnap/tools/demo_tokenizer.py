@@ -130,8 +130,8 @@ def train_tokenizer(
             json.dumps(config, indent=2, ensure_ascii=False)
         )
         return tok.get_vocab_size(), [
-            tok.token_to_id("<|end_of_text|>"),
-            tok.token_to_id("<|eot_id|>"),
+            _token_id(tok, "<|end_of_text|>"),
+            _token_id(tok, "<|eot_id|>"),
         ]
     eos = "</s>" if template == "mistral" else "<|im_end|>"
     config = {
@@ -145,7 +145,15 @@ def train_tokenizer(
         "chat_template": TEMPLATES[template],
     }
     (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False))
-    return tok.get_vocab_size(), [tok.token_to_id(eos)]
+    return tok.get_vocab_size(), [_token_id(tok, eos)]
+
+
+def _token_id(tok, text: str) -> int:
+    """The id of a special token the trained vocabulary holds (every one it was given)."""
+    found = tok.token_to_id(text)
+    if found is None:
+        raise ValueError(f"the demo tokenizer has no token {text!r}")
+    return found
 
 
 def non_text_ids(tokenizer_json: Path) -> list[int]:

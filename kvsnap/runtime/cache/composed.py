@@ -15,6 +15,18 @@ import weakref
 from dataclasses import dataclass
 from typing import Any
 
+from kvsnap.blas import preload_openblas
+
+preload_openblas()  # must precede the first mlx import, or mlx keeps its slow reference BLAS
+
+import mlx.core as mx
+
+from kvsnap.snapshot.cache_classes import split_tensor_names
+from kvsnap.snapshot.codec import copy_cache, decode_cache
+from kvsnap.store import parts as store_parts
+from kvsnap.store.local import SnapshotInfo, Store
+from kvsnap.store.parts import end_checkpoint, read_state_parts
+
 
 class Block:
     """One block's (or checkpoint's) arrays, shared by every state that passes through it."""
@@ -70,11 +82,6 @@ class ComposedState:
     def materialize(self, spare: int = 256) -> list:
         """A private cache: the slices concatenated along the token axis, plus ``spare`` empty
         positions, so the request's first tokens are written in place, not by another copy."""
-        import mlx.core as mx
-
-        from kvsnap.snapshot.cache_classes import split_tensor_names
-        from kvsnap.snapshot.codec import decode_cache
-
         sliced, whole = split_tensor_names(self.layers)
         arrays: dict[str, Any] = {}
         for name in sliced:
@@ -86,26 +93,31 @@ class ComposedState:
                 else None
             )
             arrays[name] = mx.concatenate(pieces + ([pad] if pad is not None else []), axis=-2)
+        # the layers kept whole come from the checkpoint (attention-only models have none)
+        kept = self.checkpoint.arrays if self.checkpoint is not None else {}
         for name in whole:
-            arrays[name] = self.checkpoint.arrays[name][...]  # a view: copied on its first write
-        cache = decode_cache(
-            arrays, self.layers
-        )  # sliceable layers: offset n in a buffer of n + spare
+            arrays[name] = kept[name][...]  # a view: copied on its first write
+        # sliceable layers: offset n in a buffer of n + spare
+        cache = decode_cache(arrays, self.layers)
         mx.eval([c.state for c in cache])
         return cache
 
 
 def load_composed(
-    store, info, pool: BlockPool, end: int | None = None, checkpoint_key: str | None = None
+    store: Store,
+    info: SnapshotInfo,
+    pool: BlockPool,
+    end: int | None = None,
+    checkpoint_key: str | None = None,
 ) -> tuple[ComposedState, int]:
     """A v3 record's state at ``end`` (default: all of it) as pooled blocks; blocks already in
     the pool are not read again. Returns the state and the bytes this load added to the pool.
     Reading and checking are ``store.parts.read_state_parts``'s; SnapshotError names a bad part."""
-    from kvsnap.store.parts import end_checkpoint, read_part, read_state_parts
-
     n = info.n_tokens if end is None else end
     if checkpoint_key is None and n == info.n_tokens:
         checkpoint_key = end_checkpoint(info)
+    if info.chain is None:
+        raise ValueError(f"{info.path} is no block record: it has no blocks to load")
     spans = info.chain.spans(n)
     held: dict[str, Block] = {}
     added = 0
@@ -114,7 +126,10 @@ def load_composed(
         nonlocal added
         block = pool.get(key)
         if block is None:
-            part, arrays = read_part(store, kind, key, info.model_digest, start, stop, digest)
+            # looked up on its module when called, so a test can count the reads
+            part, arrays = store_parts.read_part(
+                store, kind, key, info.model_digest, start, stop, digest
+            )
             block, new = pool.add(key, arrays, part.layers)
             added += block.nbytes if new else 0
         held[key] = block
@@ -137,8 +152,6 @@ def load_composed(
 
 def copy_state(state: Any) -> Any:
     """The prefix cache's copy: a private cache from a composed state, else ``codec.copy_cache``."""
-    from kvsnap.snapshot.codec import copy_cache
-
     if isinstance(state, ComposedState):
         return state.materialize()
     return copy_cache(state)

@@ -76,6 +76,12 @@ class Entry:
     def loaded(self) -> bool:
         return self.state is not None
 
+    def read(self) -> tuple[Any, int]:
+        """The state and size its ``loader`` reads (an entry only indexed always has one)."""
+        if self.loader is None:
+            raise ValueError(f"prefix entry {self.name or self.key!r} has no file to load from")
+        return self.loader()
+
 
 @dataclass(frozen=True)
 class Match:
@@ -110,9 +116,8 @@ class PrefixCache:
     on_request_prefix: Callable[[Entry, Any], None] | None = None
     stats: PrefixStats = field(default_factory=PrefixStats)
     _entries: dict[tuple, Entry] = field(default_factory=dict)  # (namespace, tokens) -> entry
-    _tries: dict[str | None, TokenTrie] = field(
-        default_factory=dict
-    )  # namespace -> its entries' trie
+    # namespace -> its entries' trie
+    _tries: dict[str | None, TokenTrie] = field(default_factory=dict)
     _clock: Any = field(default_factory=itertools.count)
     _lock: threading.RLock = field(default_factory=threading.RLock)
 
@@ -306,7 +311,7 @@ class PrefixCache:
         if entry.loaded:
             return True
         try:
-            state, nbytes = entry.loader()
+            state, nbytes = entry.read()
         except self.load_errors as exc:
             with self._lock:
                 if self._entries.get(entry.slot) is entry:

@@ -112,6 +112,8 @@ class TokenTrie:
     def _split(child: _Node, at: int) -> _Node:
         """Put a node ``at`` tokens into ``child``'s edge; returns it."""
         parent = child.parent
+        if parent is None:
+            raise ValueError("the trie's root has no edge to split")
         middle = _Node(child.edge[:at], parent)
         middle.counts = dict(child.counts)
         parent.children[child.edge[0]] = middle

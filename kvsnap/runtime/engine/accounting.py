@@ -115,9 +115,8 @@ def reported_cached_tokens(state: RequestState, granularity: int) -> int:
 
 def cache_stats(prefix: Any, max_memory_mb: float) -> dict:
     """The ``cache`` object of ``/v1/status`` (zeros before the prefix cache exists)."""
-    st = (
-        prefix.stats if prefix is not None else None
-    )  # an empty PrefixCache is falsy: test for None
+    # an empty PrefixCache is falsy: test for None
+    st = prefix.stats if prefix is not None else None
     if st is None:
         return {
             "entry_count": 0,

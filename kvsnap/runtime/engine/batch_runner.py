@@ -9,14 +9,23 @@ tokens go out through ``request_output``.
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable
+from typing import Callable
+
+from kvsnap.blas import preload_openblas
+
+preload_openblas()  # must precede the first mlx import, or mlx keeps its slow reference BLAS
+
+import mlx.core as mx
+from mlx_lm.generate import BatchGenerator
 
 from kvsnap.runtime.cache.prefix import PrefixCache
 from kvsnap.runtime.engine.accounting import TokenAccounts
 from kvsnap.runtime.engine.request_cache import capture_request_prefix, prefill_shared_prefixes
 from kvsnap.runtime.engine.request_output import deliver_token, finish_request
+from kvsnap.runtime.engine.sampling import make_request_sampler
 from kvsnap.runtime.engine.scheduler import Scheduler
 from kvsnap.runtime.engine.types import RequestState, check_request
+from kvsnap.runtime.model.loading import LoadedModel
 
 log = logging.getLogger("kvsnap.runtime.engine.engine")
 
@@ -26,26 +35,25 @@ PrepareFn = Callable[[RequestState], tuple[list, list[int]]]
 class BatchRunner:
     def __init__(
         self,
-        lm: Any,
+        lm: LoadedModel,
         prefix: PrefixCache,
         sched: Scheduler,
         accounts: TokenAccounts,
         stop_tokens: list[list[int]],
-        stream: Callable[[], Any],
+        stream: Callable[[], mx.Stream],
         prefill_batch_size: int,
     ):
         self.lm, self.prefix, self.sched, self.accounts = lm, prefix, sched, accounts
         self.stop_tokens = stop_tokens
         self.stream = stream  # gives the engine's own mlx stream
         self.prefill_batch_size = prefill_batch_size
-        self.gen = None  # the live BatchGenerator, made on first use
+        # the live generator, made on first use
+        self.gen: BatchGenerator | None = None
         self.shared_prefills = 0  # shared prefixes of requests admitted together, computed once
         # captured prefix copies, evaluated after the next decode step
-        self._deferred_evals: list = []
+        self._deferred_evals: list[mx.array] = []
 
-    def new_generator(self, batch_size: int, prefill_batch_size: int):
-        from mlx_lm.generate import BatchGenerator
-
+    def new_generator(self, batch_size: int, prefill_batch_size: int) -> BatchGenerator:
         return BatchGenerator(
             self.lm.model,
             stop_tokens=self.stop_tokens,
@@ -69,8 +77,6 @@ class BatchRunner:
 
     def admit(self, prepare: PrepareFn) -> None:
         """Start waiting requests while slots are free; a request that cannot start fails alone."""
-        from kvsnap.runtime.engine.sampling import make_request_sampler
-
         if not self.sched.pending:
             return
         if self.gen is None:
@@ -98,9 +104,8 @@ class BatchRunner:
                 continue
             state.uid = uid
             state.capture = len(suffix) > 1
-            self.accounts.expect_batched(
-                len(suffix)
-            )  # mlx-lm runs the last token in the first decode step
+            # mlx-lm runs the last token in the first decode step
+            self.accounts.expect_batched(len(suffix))
             self.sched.activate(uid, state)
         for entry in discard:
             self.prefix.discard(entry)
@@ -109,6 +114,8 @@ class BatchRunner:
         """One BatchGenerator step: prompt chunks (capturing finished prompt prefixes), then
         tokens."""
         gen = self.gen
+        if gen is None:  # nothing admitted yet
+            return
         prompt_responses, generation_responses = gen.next()
         for r in prompt_responses:
             state = self.sched.active.get(r.uid)
@@ -120,9 +127,8 @@ class BatchRunner:
             state = self.sched.active.get(r.uid)
             if state is None:
                 continue
-            self.accounts.first_decode(
-                state
-            )  # the decode step that produced this token ran the last prompt token
+            # the decode step that produced this token ran the last prompt token
+            self.accounts.first_decode(state)
             deliver_token(state, r.token, r.finish_reason)
             if state.finish_reason is not None:
                 self.sched.release(r.uid)
@@ -133,8 +139,6 @@ class BatchRunner:
 
     def _flush_deferred(self) -> None:
         if self._deferred_evals:
-            import mlx.core as mx
-
             pending, self._deferred_evals = self._deferred_evals, []
             mx.eval(pending)
 
@@ -145,8 +149,6 @@ class BatchRunner:
         use; a server restored from snapshots has run no model pass yet and would pay 1-3 s
         of that in its first TTFT (a warm-prompts server pays it in its start-up prefill).
         """
-        from kvsnap.runtime.engine.sampling import make_request_sampler
-
         tokens = list(self.lm.tokenizer.encode("hello world"))[:3] or [0]
         gen = self.new_generator(1, 1)
         gen.insert(

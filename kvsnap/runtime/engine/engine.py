@@ -36,12 +36,10 @@ from kvsnap.faults import FaultHook
 from kvsnap.key import ModelIdentity
 from kvsnap.runtime.cache.composed import BlockPool, copy_state
 from kvsnap.runtime.cache.prefix import Entry, PrefixCache
+from kvsnap.runtime.engine import request_cache
 from kvsnap.runtime.engine.accounting import TokenAccounts, cache_stats
 from kvsnap.runtime.engine.batch_runner import BatchRunner
-from kvsnap.runtime.engine.request_cache import (
-    capture_request_prefix,
-    prepare_request,
-)
+from kvsnap.runtime.engine.request_cache import capture_request_prefix
 from kvsnap.runtime.engine.request_output import finish_request
 from kvsnap.runtime.engine.scheduler import Scheduler, uses_batching
 from kvsnap.runtime.engine.sequential import SequentialRun
@@ -58,7 +56,8 @@ from kvsnap.runtime.engine.types import (
     RequestState,
     check_request,
 )
-from kvsnap.runtime.model.loading import LoadedModel, load_model
+from kvsnap.runtime.model import loading
+from kvsnap.runtime.model.loading import LoadedModel
 from kvsnap.runtime.persist.requests import Persister, start_persister
 from kvsnap.runtime.warmup.prefetch import Prefetched
 from kvsnap.runtime.warmup.report import SnapshotCounts, WarmupReport
@@ -324,7 +323,8 @@ class Engine:
 
     def _load(self) -> None:
         cfg = self.config
-        lm = load_model(cfg.model, cfg.settings)
+        # looked up on its module when called, so a test can stand in for it
+        lm = loading.load_model(cfg.model, cfg.settings)
         identity = lm.identity(cfg.digest_cache)
         prefix = PrefixCache(
             max_bytes=int(cfg.cache_memory_mb * 2**20),
@@ -439,7 +439,9 @@ class Engine:
 
     def _prepare(self, state: RequestState) -> tuple[list, list[int]]:
         parts = self.ready()
-        return prepare_request(parts.lm, parts.prefix, self.accounts, state, self.persister)
+        return request_cache.prepare_request(
+            parts.lm, parts.prefix, self.accounts, state, self.persister
+        )
 
     def _start_persisting(self) -> None:
         if self.config.persist is None:

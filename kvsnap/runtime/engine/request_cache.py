@@ -6,11 +6,28 @@ admitted together, computed once. Runs on the engine thread.
 from __future__ import annotations
 
 import logging
-from typing import Any
+
+from kvsnap.blas import preload_openblas
+
+preload_openblas()  # must precede the first mlx import, or mlx keeps its slow reference BLAS
+
+import mlx.core as mx
 
 from kvsnap.runtime.cache.prefix import Entry, PrefixCache
+from kvsnap.runtime.cache.shared_prefix import shared_groups
 from kvsnap.runtime.engine.accounting import TokenAccounts
 from kvsnap.runtime.engine.types import RequestState
+from kvsnap.runtime.model.loading import LoadedModel
+from kvsnap.runtime.persist.requests import Persister
+from kvsnap.runtime.prefill.chunked import PrefillCursor
+from kvsnap.snapshot.codec import (
+    CaptureError,
+    cache_arrays,
+    cache_nbytes_of,
+    check_captured_at,
+    copy_cache,
+    is_trimmable,
+)
 
 log = logging.getLogger("kvsnap.runtime.engine.engine")
 
@@ -18,7 +35,11 @@ MIN_SHARED_TOKENS_TO_COMPUTE = 32  # a shared prefix mostly cached already is no
 
 
 def prepare_request(
-    lm: Any, prefix: PrefixCache, accounts: TokenAccounts, state: RequestState, persister=None
+    lm: LoadedModel,
+    prefix: PrefixCache,
+    accounts: TokenAccounts,
+    state: RequestState,
+    persister: Persister | None = None,
 ) -> tuple[list, list[int]]:
     """Fetch the longest cached prefix (a private copy), account for it; returns the cache
     and the suffix still to run. ``persister``: persisted conversations are looked up too."""
@@ -29,17 +50,17 @@ def prepare_request(
     if cache is None:
         cache = lm.make_cache()
     if (
-        match
+        match is not None
         and match.entry.namespace == state.request.namespace
         and match.entry.source in ("request", "persisted")
         and n_cached == len(match.entry.tokens)
     ):
         state.extends = match.entry.tokens
     accounts.start_request(state, n_cached)
-    state.cache_source = match.entry.source if match else ""
+    state.cache_source = match.entry.source if match is not None else ""
     # A partial match on an entry shared with others tells how far the prompts agree.
     state.cache_shared_partial = (
-        bool(match)
+        match is not None
         and (n_cached < len(match.entry.tokens) or match.entry.inner)
         and (match.entry.namespace is None or match.entry.namespace == "")
     )
@@ -73,17 +94,6 @@ def capture_request_prefix(
     ``deferred``: collect the copy's arrays there to evaluate after the next decode step
     (off this request's first-token path) instead of now.
     """
-    import mlx.core as mx
-
-    from kvsnap.snapshot.codec import (
-        CaptureError,
-        cache_arrays,
-        cache_nbytes_of,
-        check_captured_at,
-        copy_cache,
-        is_trimmable,
-    )
-
     state.capture = False
     if not state.request.capture:
         return
@@ -114,7 +124,7 @@ def capture_request_prefix(
 
 
 def prefill_shared_prefixes(
-    lm: Any, prefix: PrefixCache, accounts: TokenAccounts, batch: list[RequestState]
+    lm: LoadedModel, prefix: PrefixCache, accounts: TokenAccounts, batch: list[RequestState]
 ) -> tuple[int, list[Entry]]:
     """Requests admitted together that share an uncached prefix: compute it once, as a
     prefix entry of their namespace that each of them then hits.
@@ -122,11 +132,8 @@ def prefill_shared_prefixes(
     Returns how many were computed, and the entries to discard once the batch is admitted
     (those of requests that keep no prefixes).
     """
-    from kvsnap.runtime.cache.shared_prefix import shared_groups
-    from kvsnap.runtime.prefill.chunked import PrefillCursor
-    from kvsnap.snapshot.codec import CaptureError, cache_nbytes_of, check_captured_at, is_trimmable
-
-    computed, discard = 0, []
+    computed = 0
+    discard: list[Entry] = []
     if len(batch) < 2:
         return computed, discard
     for group in shared_groups(
@@ -146,11 +153,8 @@ def prefill_shared_prefixes(
             while cursor.step():
                 pass
             check_captured_at(cursor.cache, group.length)
-        except (
-            CaptureError,
-            ValueError,
-            RuntimeError,
-        ) as exc:  # the members then prefill on their own
+        # the members then prefill on their own
+        except (CaptureError, ValueError, RuntimeError) as exc:
             log.warning(
                 "[kvsnap] shared prefix of %d requests not computed: %s", len(group.members), exc
             )

@@ -14,6 +14,7 @@ from kvsnap.blas import preload_openblas
 preload_openblas()  # must precede the first mlx import, or mlx keeps its slow reference BLAS
 
 import mlx.core as mx  # noqa: E402
+from mlx_lm.sample_utils import apply_top_p  # noqa: E402
 
 Sampler = Callable[[mx.array], mx.array]
 
@@ -27,8 +28,6 @@ def make_request_sampler(
 ) -> Sampler:
     if temperature <= 0:
         return greedy
-    from mlx_lm.sample_utils import apply_top_p
-
     # mlx takes a uint64 seed; a negative int64 seed maps onto it one to one.
     key = mx.random.key(seed % 2**64 if seed is not None else random.getrandbits(31))
 

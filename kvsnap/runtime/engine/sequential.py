@@ -6,16 +6,25 @@ then a plain decode loop. Runs on the engine thread.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Callable
+
+from kvsnap.blas import preload_openblas
+
+preload_openblas()  # must precede the first mlx import, or mlx keeps its slow reference BLAS
+
+import mlx.core as mx
+from mlx_lm.generate import maybe_quantize_kv_cache
 
 from kvsnap.runtime.engine.accounting import TokenAccounts
 from kvsnap.runtime.engine.request_output import deliver_token, finish_request
+from kvsnap.runtime.engine.sampling import make_request_sampler
 from kvsnap.runtime.engine.types import RequestState
+from kvsnap.runtime.model.loading import LoadedModel
 
 
 @dataclass
 class SequentialRun:
-    lm: Any
+    lm: LoadedModel
     state: RequestState
     cache: list
     accounts: TokenAccounts
@@ -40,9 +49,6 @@ class SequentialRun:
 
     def _prefill(self, body: list[int]) -> bool:
         """Run all but the last prompt token in chunks; False if the request ended meanwhile."""
-        import mlx.core as mx
-        from mlx_lm.generate import maybe_quantize_kv_cache
-
         s = self.lm.settings
         for start in range(0, len(body), s.prefill_step_size):
             chunk = body[start : start + s.prefill_step_size]
@@ -55,11 +61,6 @@ class SequentialRun:
         return True
 
     def _decode(self, last: int) -> None:
-        import mlx.core as mx
-        from mlx_lm.generate import maybe_quantize_kv_cache
-
-        from kvsnap.runtime.engine.sampling import make_request_sampler
-
         s, r = self.lm.settings, self.state.request
         sampler = make_request_sampler(r.temperature, r.top_p, r.seed)
         token = mx.array([[last]], dtype=mx.int32)
@@ -70,7 +71,8 @@ class SequentialRun:
             maybe_quantize_kv_cache(self.cache, s.quantized_kv_start, s.kv_group_size, s.kv_bits)
             logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
             nxt = sampler(logprobs)
-            tok = int(nxt.item())
+            # mlx's stub types item() as any Python scalar, complex included; a token is an int
+            tok = int(nxt.item())  # type: ignore[arg-type]
             reason = "stop" if tok in self.eos else ("length" if i + 1 >= r.max_tokens else None)
             deliver_token(self.state, tok, reason)
             if self.state.finish_reason is not None or self._ended():

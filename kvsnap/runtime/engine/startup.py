@@ -8,22 +8,30 @@ import logging
 import threading
 from typing import Any, Callable, Sequence
 
+from kvsnap.blas import preload_openblas
+
+preload_openblas()  # must precede the first mlx import, or mlx keeps its slow reference BLAS
+
+import mlx.core as mx
+
+from kvsnap.runtime.cache.composed import BlockPool
 from kvsnap.runtime.engine.types import EngineConfig
+from kvsnap.runtime.model.loading import LoadedModel
+from kvsnap.runtime.model.source import resolve_model
+from kvsnap.runtime.prefill.batched import prefill_batched
+from kvsnap.runtime.prefill.chunked import prefill
+from kvsnap.runtime.warmup.prefetch import Prefetched, prefetch
 
 log = logging.getLogger("kvsnap.runtime.engine.engine")
 
 
-def prefetch_snapshots(cfg: EngineConfig, stream: Callable[[], Any], pool=None) -> Any:
+def prefetch_snapshots(
+    cfg: EngineConfig, stream: Callable[[], mx.Stream], pool: BlockPool | None = None
+) -> Prefetched | None:
     """Read and checksum the snapshots to pin, on the engine's own stream, while the model
-    loads; a ``prefetch.Prefetched``, or None (no local store, or the prefetch failed)."""
+    loads; None when there is no local store or the prefetch failed."""
     if not cfg.snapshots or "://" in cfg.snapshots:
         return None
-    # OpenBLAS is already loaded: ``Engine.start`` (or ``load_model``) preloaded it
-    import mlx.core as mx
-
-    from kvsnap.runtime.model.source import resolve_model
-    from kvsnap.runtime.warmup.prefetch import prefetch
-
     try:
         model_dir = resolve_model(cfg.model).path
         names = [p.name for p in cfg.warm_prompts.entries] if cfg.warm_prompts else []
@@ -51,19 +59,17 @@ def prefill_concurrency(cfg: EngineConfig, kv_bits: int | None) -> int:
 
 
 def prefill_many(
-    lm: Any, new_generator: Callable[[int, int], Any], token_lists: Sequence[Sequence[int]]
+    lm: LoadedModel,
+    new_generator: Callable[[int, int], Any],
+    token_lists: Sequence[Sequence[int]],
 ) -> list:
     """Prefill warm prefixes: one alone exactly as ``kvsnap build`` does, several as one batch."""
-    from kvsnap.runtime.prefill.chunked import prefill
-
     if len(token_lists) <= 1 or lm.settings.kv_bits is not None:
         return [prefill(lm, tokens) for tokens in token_lists]
-    from kvsnap.runtime.prefill.batched import prefill_batched
-
     return prefill_batched(new_generator(len(token_lists), len(token_lists)), token_lists)
 
 
-def run_then_park(box: list) -> None:
+def run_then_park(box: list[Callable[[], None]]) -> None:
     """Run the engine loop, then park this daemon thread for good instead of ending it.
 
     mlx keeps a compile cache per thread; its destructor runs when the thread ends and

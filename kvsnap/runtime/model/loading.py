@@ -7,7 +7,7 @@ import os
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from kvsnap.blas import preload_openblas
 from kvsnap.errors import ModelError
@@ -52,8 +52,10 @@ class LoadedModel:
         import mlx.core as mx
         from mlx.utils import tree_flatten
 
-        counts: Counter = Counter()
-        for _, v in tree_flatten(self.model.parameters()):
+        counts: Counter[str] = Counter()
+        # typed as a list or a dict: without ``destination`` it is a list of (name, array)
+        params = cast(list[tuple[str, Any]], tree_flatten(self.model.parameters()))
+        for _, v in params:
             if mx.issubdtype(v.dtype, mx.floating):
                 counts[str(v.dtype).replace("mlx.core.", "")] += v.size
         return counts.most_common(1)[0][0] if counts else "float32"
@@ -102,7 +104,7 @@ def load_model(
 
     try:
         # A folder that exists: mlx-lm loads it as is and never asks the hub.
-        model, tokenizer = load(str(model_dir))
+        model, tokenizer = load(str(model_dir))[:2]
     except (ValueError, FileNotFoundError, KeyError) as exc:
         raise ModelError(
             f"{model_dir}: mlx-lm cannot load this model ({exc}); check that it is a complete "

@@ -202,6 +202,12 @@ def _hub_snapshot(repo_id: str, revision: str | None, cache_dir: str | os.PathLi
             f"model {repo_id!r} is not a local folder, and {where}; HF_HUB_OFFLINE is set, so "
             f"nothing is downloaded; {fix}"
         )
+    # LocalEntryNotFoundError is an OSError
+    download_errors: tuple[type[BaseException], ...] = (
+        HfHubHTTPError,
+        OSError,
+        *_transport_errors(),
+    )
     try:
         folder = Path(
             snapshot_download(repo_id, revision=revision, allow_patterns=patterns, cache_dir=cache)
@@ -212,11 +218,7 @@ def _hub_snapshot(repo_id: str, revision: str | None, cache_dir: str | os.PathLi
             f"({_first_line(exc)}); {where}; check the id (`hf auth login` for a private or gated "
             f"repo), or {fix}"
         ) from None
-    except (
-        HfHubHTTPError,
-        OSError,
-        *_transport_errors(),
-    ) as exc:  # LocalEntryNotFoundError is an OSError
+    except download_errors as exc:
         raise ModelError(
             f"model {repo_id!r} is not a local folder, {where}, and the download failed "
             f"({_first_line(exc)}); {fix}"

@@ -102,21 +102,17 @@ class ChainPlan:
     ``put_snapshot``)."""
 
     settings: BlockSettings = field(default_factory=BlockSettings)
-    branches: frozenset = (
-        frozenset()
-    )  # depths where another warm prefix of this model leaves this one
+    # depths where another warm prefix of this model leaves this one
+    branches: frozenset = frozenset()
     # branch points cut at too (the build's choice: siblings share the block head they leave)
     splits: frozenset = frozenset()
-    checkpoints: dict = field(
-        default_factory=dict
-    )  # end -> (arrays, layers) captured there (hybrids)
+    # end -> (arrays, layers) captured there (hybrids)
+    checkpoints: dict = field(default_factory=dict)
     written: Written = field(default_factory=Written)
-    replace: set | None = field(
-        default_factory=set
-    )  # keys of parts to rewrite though present (bad ones); None: all (--force)
-    stored: set = field(
-        default_factory=set
-    )  # ends whose checkpoint the store already has (a build restored past them)
+    # keys of parts to rewrite though present (bad ones); None: all (--force)
+    replace: set | None = field(default_factory=set)
+    # ends whose checkpoint the store already has (a build restored past them)
+    stored: set = field(default_factory=set)
     # check the stored parts the chain names before naming them (the server's write-back: no
     # restore read them, and a bad one is rewritten rather than named again)
     check_stored: bool = False

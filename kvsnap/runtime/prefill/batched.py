@@ -4,6 +4,12 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+from kvsnap.blas import preload_openblas
+
+preload_openblas()  # must precede the first mlx import, or mlx keeps its slow reference BLAS
+
+import mlx.core as mx
+
 from kvsnap.snapshot.codec import cache_arrays, check_captured_at, copy_cache
 
 
@@ -13,8 +19,6 @@ def prefill_batched(gen: Any, token_lists: Sequence[Sequence[int]]) -> list:
 
     ``gen`` is a fresh mlx-lm BatchGenerator sized for ``len(token_lists)``; it is closed here.
     """
-    import mlx.core as mx
-
     n = len(token_lists)
     uids = gen.insert_segments([[list(t), [0]] for t in token_lists], max_tokens=[1] * n)
     index = {uid: i for i, uid in enumerate(uids)}

@@ -11,8 +11,10 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from kvsnap.errors import SnapshotError
+from kvsnap.runtime.cache.composed import BlockPool, load_composed
 from kvsnap.runtime.cache.prefix import CheckFn, Entry
 from kvsnap.runtime.model.loading import LoadedModel
+from kvsnap.runtime.warmup.prefetch import Prefetched
 from kvsnap.snapshot.cache_classes import layers_trimmable
 from kvsnap.snapshot.codec import cache_nbytes_of, decode_cache
 from kvsnap.store.local import SnapshotInfo, Store
@@ -27,8 +29,8 @@ def make_entry(
     store: Store,
     info: SnapshotInfo,
     pinned: bool,
-    prefetched=None,
-    pool=None,
+    prefetched: Prefetched | None = None,
+    pool: BlockPool | None = None,
     check: CheckFn | None = None,
 ) -> Entry:
     """A prefix entry for a snapshot, only indexed: it loads when pinned within budget, else on
@@ -53,7 +55,11 @@ def make_entry(
 
 
 def snapshot_loader(
-    store: Store, info: SnapshotInfo, prefetched=None, pool=None, check: CheckFn | None = None
+    store: Store,
+    info: SnapshotInfo,
+    prefetched: Prefetched | None = None,
+    pool: BlockPool | None = None,
+    check: CheckFn | None = None,
 ) -> Callable[[], tuple]:
     """Loads one snapshot's cache state: from ``prefetched`` when it was read already, else from
     the file. A record with a ``pool`` stays as its shared blocks (a ``ComposedState``); its
@@ -62,8 +68,6 @@ def snapshot_loader(
     def load():
         arrays = prefetched.take(info) if prefetched is not None else None
         if info.chain is not None and pool is not None:
-            from kvsnap.runtime.cache.composed import load_composed
-
             loaded = arrays if isinstance(arrays, tuple) else load_composed(store, info, pool)
             return _checked(loaded, info, check)
         if arrays is None:
@@ -89,18 +93,16 @@ def checkpoint_loader(
     info: SnapshotInfo,
     end: int,
     checkpoint_key: str,
-    pool,
+    pool: BlockPool,
     check: CheckFn | None = None,
 ) -> Callable[[], tuple]:
     """Loads a record's state at one of its checkpoints: its blocks up to ``end`` and the
     checkpoint there."""
-    from kvsnap.runtime.cache.composed import load_composed
-
     return lambda: _checked(load_composed(store, info, pool, end, checkpoint_key), info, check)
 
 
 def checkpoint_entries(
-    store: Store, good: dict[str, SnapshotInfo], pool, check: CheckFn | None = None
+    store: Store, good: dict[str, SnapshotInfo], pool: BlockPool, check: CheckFn | None = None
 ) -> list[Entry]:
     """Hybrid models restore only at checkpoints: one entry (indexed, loaded on first hit) per
     checkpoint inside a record -- a branch point or every C tokens -- so a request that shares an

@@ -24,13 +24,11 @@ from kvsnap.store.local import SnapshotInfo, Store
 @dataclass
 class Prefetched:
     root: Path
-    infos: list[SnapshotInfo] = field(
-        default_factory=list
-    )  # the one header pass, reused by the warm-up
+    # the one header pass, reused by the warm-up
+    infos: list[SnapshotInfo] = field(default_factory=list)
     problems: list[Problem] = field(default_factory=list)
-    arrays: dict[Path, object] = field(
-        default_factory=dict
-    )  # read and checksummed: arrays, or (ComposedState, bytes added) for a record
+    # read and checksummed: arrays, or (ComposedState, bytes added) for a record
+    arrays: dict[Path, object] = field(default_factory=dict)
     errors: dict[Path, SnapshotError] = field(default_factory=dict)
     seconds: float = 0.0
 
@@ -66,7 +64,9 @@ def context_tokens(model_dir: Path) -> int:
     except ModelError:
         return MAX_TOKENS
     for part in (config, *(config.get(k) for k in NESTED_CONFIGS)):
-        for key in CONTEXT_KEYS if isinstance(part, dict) else ():
+        if not isinstance(part, dict):
+            continue
+        for key in CONTEXT_KEYS:
             value = part.get(key)
             if type(value) is int and value > 0:
                 return min(value, MAX_TOKENS)
@@ -116,9 +116,8 @@ def prefetch(
         ):
             continue
         try:
-            if (
-                info.chain is not None and pool is not None
-            ):  # a record: its blocks, each read once however many records share it
+            # a record: its blocks, each read once however many records share it
+            if info.chain is not None and pool is not None:
                 from kvsnap.runtime.cache.composed import load_composed
 
                 out.arrays[info.path] = composed = load_composed(store, info, pool)

@@ -11,25 +11,29 @@ from __future__ import annotations
 import logging
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
 
 from kvsnap.runtime.cache.prefix import Entry, PrefixCache
+from kvsnap.runtime.model.loading import LoadedModel
 from kvsnap.runtime.prefill.chunked import PrefillCursor
+from kvsnap.runtime.warmup.report import SnapshotCounts
+from kvsnap.snapshot.codec import cache_nbytes_of
 
 log = logging.getLogger("kvsnap.runtime.engine.engine")
 
 
 @dataclass
 class RewarmJob:
-    loads: deque = field(default_factory=deque)  # indexed warm entries to make resident again
-    prefills: deque = field(default_factory=deque)  # (old entry, PrefillCursor)
+    # indexed warm entries to make resident again
+    loads: deque[Entry] = field(default_factory=deque)
+    # warm entries without a file: the old entry, and the prefill that makes it again
+    prefills: deque[tuple[Entry, PrefillCursor]] = field(default_factory=deque)
 
     @property
     def finished(self) -> bool:
         return not self.loads and not self.prefills
 
 
-def start_rewarm(prefix: PrefixCache, lm: Any) -> RewarmJob:
+def start_rewarm(prefix: PrefixCache, lm: LoadedModel) -> RewarmJob:
     """Clear ``prefix`` and re-index its warm set; returns the steps left to make it resident."""
     old = prefix.entries
     prefix.clear()
@@ -57,10 +61,8 @@ def start_rewarm(prefix: PrefixCache, lm: Any) -> RewarmJob:
     return job
 
 
-def rewarm_step(job: RewarmJob, prefix: PrefixCache, counts: Any) -> None:
+def rewarm_step(job: RewarmJob, prefix: PrefixCache, counts: SnapshotCounts) -> None:
     """One snapshot read or one prefill chunk."""
-    from kvsnap.snapshot.codec import cache_nbytes_of
-
     if job.loads:
         entry = job.loads.popleft()
         if prefix.load(entry, resident=True):
@@ -101,7 +103,7 @@ class Rewarmer:
     def running(self) -> bool:
         return self.job is not None
 
-    def clear(self, prefix: PrefixCache, lm: Any, rewarm: bool) -> None:
+    def clear(self, prefix: PrefixCache, lm: LoadedModel, rewarm: bool) -> None:
         """Drop request prefixes; with ``rewarm``, start making the warm set resident again."""
         if self.job is not None:
             self.coalesced += 1
@@ -116,17 +118,19 @@ class Rewarmer:
         if self.job.finished:
             self.job = None
 
-    def step(self, prefix: PrefixCache, counts: Any) -> None:
+    def step(self, prefix: PrefixCache, counts: SnapshotCounts) -> None:
+        job = self.job
+        if job is None:
+            return
         try:
-            rewarm_step(self.job, prefix, counts)
-        except (
-            Exception
-        ) as exc:  # serve on (cold for what is left) rather than die; status says why
+            rewarm_step(job, prefix, counts)
+        # serve on (cold for what is left) rather than die; status says why
+        except Exception as exc:
             self.error = f"{type(exc).__name__}: {exc}"
             log.exception("[kvsnap] re-warm failed")
             self.job = None
             return
-        if self.job.finished:
+        if job.finished:
             self.job = None
 
     def as_dict(self) -> dict:

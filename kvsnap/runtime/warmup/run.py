@@ -12,14 +12,17 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from kvsnap.errors import KvsnapError, SnapshotError, StoreError
 from kvsnap.key import ModelIdentity
-from kvsnap.prompts import WarmPromptSet
+from kvsnap.prompts import WarmPrompt, WarmPromptSet
+from kvsnap.runtime.cache.composed import BlockPool
 from kvsnap.runtime.cache.prefix import Entry, PrefixCache
 from kvsnap.runtime.model.loading import LoadedModel
+from kvsnap.runtime.model.shapes import ModelShapes
 from kvsnap.runtime.persist.writeback import commit_snapshot
 from kvsnap.runtime.prefill.chunked import prefill
 from kvsnap.runtime.warmup.entries import (
@@ -27,6 +30,7 @@ from kvsnap.runtime.warmup.entries import (
     make_entry,
     snapshot_loader,
 )
+from kvsnap.runtime.warmup.prefetch import Prefetched, context_tokens
 from kvsnap.runtime.warmup.recipe import warm_key
 from kvsnap.runtime.warmup.report import (
     SnapshotCounts,
@@ -50,7 +54,23 @@ class WarmTarget:
     tokens: tuple[int, ...] | None  # None: read from the snapshot
     info: SnapshotInfo | None
     prompt_digest: str = ""
-    prompt: object = None
+    prompt: WarmPrompt | None = None  # None: a snapshot no warm prompt names
+
+    def to_prefill(self) -> ToPrefill | None:
+        """This target as a prefill job; None when it has no prompt to prefill."""
+        if self.tokens is None or self.prompt is None:
+            return None
+        return ToPrefill(self.name, self.tokens, self.prompt, self.prompt_digest)
+
+
+@dataclass(frozen=True)
+class ToPrefill:
+    """A warm prompt without a usable snapshot: prefilled, and written back where it can be."""
+
+    name: str
+    tokens: tuple[int, ...]
+    prompt: WarmPrompt
+    prompt_digest: str
 
 
 def run_warmup(
@@ -65,8 +85,8 @@ def run_warmup(
     allow_prefill: bool = True,
     prefill_many: PrefillFn | None = None,
     concurrency: int = 1,
-    prefetched=None,
-    pool=None,
+    prefetched: Prefetched | None = None,
+    pool: BlockPool | None = None,
 ) -> WarmupReport:
     """Index the store, pin the warm entries, prefill (at most ``concurrency`` at once) what
     has no snapshot.
@@ -80,11 +100,7 @@ def run_warmup(
     concurrency = max(1, int(concurrency))
     problems = [str(p) for p in (prompts.problems if prompts else [])]
     report = WarmupReport(problems=problems, prefill_concurrency=concurrency)
-    from kvsnap.runtime.cache.composed import BlockPool
-
     if prefix.check_state is None:  # every state served is checked against the model's own cache
-        from kvsnap.runtime.model.shapes import ModelShapes
-
         prefix.check_state = ModelShapes(lm).problem
     pool = pool if pool is not None else BlockPool()
     run = _Warmup(lm, prefix, identity, counts, store, report, budget_bytes, pool=pool)
@@ -95,8 +111,10 @@ def run_warmup(
         targets, stale_keys = [WarmTarget(i.name, None, i) for i in good.values()], set()
     to_prefill, pinned_keys = run.pin(targets)
     run.index_unnamed(good, pinned_keys | stale_keys)
-    writable = store is not None and not store.readonly and bool(agents_file)
-    if store is not None and not store.readonly and not agents_file and to_prefill:
+    writable = store if store is not None and not store.readonly else None
+    # where prefilled warm prompts are written back: a writable store, and the file they came from
+    sink = (writable, agents_file) if writable is not None and agents_file else None
+    if writable is not None and not agents_file and to_prefill:
         counts.write_back_note = NO_AGENTS_FILE
     if not allow_prefill:
         report.skipped += len(to_prefill)
@@ -106,10 +124,10 @@ def run_warmup(
         group = to_prefill[start : start + concurrency]
         report.max_inflight_prefills = max(report.max_inflight_prefills, len(group))
         for t, cache in zip(group, prefill_many([t.tokens for t in group])):
-            written = run.write_back(t, cache, agents_file) if writable else None
+            written = run.write_back(t, cache, *sink) if sink is not None else None
             run.keep_prefilled(t, cache, written)
             del cache
-    counts.write_back = writable
+    counts.write_back = sink is not None
     report.seconds = time.perf_counter() - t0
     return report
 
@@ -125,10 +143,10 @@ class _Warmup:
     store: Store | None
     report: WarmupReport
     budget_bytes: int
-    prefetched: object = None
-    pool: object = None  # runtime.composed.BlockPool: a record's blocks, held once
+    prefetched: Prefetched | None = None
+    pool: BlockPool = field(default_factory=BlockPool)  # a record's blocks, held once
 
-    def scan(self, prefetched) -> dict[str, SnapshotInfo]:
+    def scan(self, prefetched: Prefetched | None) -> dict[str, SnapshotInfo]:
         """The store's snapshots of this model by key; the others are reported as rejected."""
         store, counts = self.store, self.counts
         if store is None:
@@ -138,8 +156,6 @@ class _Warmup:
             # the headers were read while the model loaded
             infos, bad = prefetched.scan(self.identity)
         else:
-            from kvsnap.runtime.warmup.prefetch import context_tokens
-
             infos, bad = store.scan(self.identity, max_tokens=context_tokens(self.lm.path))
         for problem in bad:
             counts.reject(str(problem.path), problem.reason)
@@ -157,7 +173,8 @@ class _Warmup:
         report, lm = self.report, self.lm
         recorded = ((i.recorded.get("warm_recipe"), i) for i in good.values())
         by_recipe = {recipe: i for recipe, i in recorded if recipe}
-        targets, stale_keys = [], set()
+        targets: list[WarmTarget] = []
+        stale_keys: set[str] = set()
         for p in prompts.entries:
             try:
                 warm = warm_key(lm.tokenizer, self.identity, p, by_recipe=by_recipe)
@@ -184,20 +201,23 @@ class _Warmup:
             self.counts.reject(str(i.path), why + "rebuild with `kvsnap build`")
         return set(stale)
 
-    def pin(self, targets: list[WarmTarget]) -> tuple[list[WarmTarget], set[str]]:
+    def pin(self, targets: list[WarmTarget]) -> tuple[list[ToPrefill], set[str]]:
         """Pin every target that has a snapshot (resident within the budget); returns what is
         left to prefill."""
-        report, counts = self.report, self.counts
+        report, counts, store = self.report, self.counts, self.store
         used = self.prefix.current_bytes
-        to_prefill, pinned_keys = [], set()
+        to_prefill: list[ToPrefill] = []
+        pinned_keys: set[str] = set()
         for t in targets:
-            if t.info is None:
-                to_prefill.append(t)
+            job = t.to_prefill()
+            if t.info is None or store is None:
+                if job is not None:
+                    to_prefill.append(job)
                 continue
             try:
                 entry = make_entry(
                     self.lm,
-                    self.store,
+                    store,
                     t.info,
                     pinned=True,
                     prefetched=self.prefetched,
@@ -205,7 +225,7 @@ class _Warmup:
                     check=self.prefix.check_state,
                 )
                 if used + t.info.nbytes <= self.budget_bytes:
-                    entry.state, entry.nbytes = entry.loader()
+                    entry.state, entry.nbytes = entry.read()
                     entry.resident = True
                     used += entry.nbytes
                     counts.loaded += 1
@@ -216,35 +236,36 @@ class _Warmup:
                 report.prompt_tokens += len(entry.tokens)
             except SnapshotError as exc:
                 counts.reject(exc.path, exc.reason)
-                if t.tokens is not None:
-                    to_prefill.append(t)
+                if job is not None:
+                    to_prefill.append(job)
                 else:
                     report.skipped += 1
         return to_prefill, pinned_keys
 
     def index_unnamed(self, good: dict[str, SnapshotInfo], skip_keys: set[str]) -> None:
         """Snapshots of this model that no warm prompt names: indexed, loaded on first hit."""
-        check = self.prefix.check_state
-        for info in good.values():
-            if info.key in skip_keys:
-                continue
-            try:
-                entry = make_entry(
-                    self.lm, self.store, info, pinned=False, pool=self.pool, check=check
-                )
-                self.prefix.add(entry)
-            except SnapshotError as exc:
-                self.counts.reject(exc.path, exc.reason)
-        if self.store is not None:
-            for entry in checkpoint_entries(self.store, good, self.pool, check):
+        check, store = self.prefix.check_state, self.store
+        # without a store there is no snapshot (``good`` is empty)
+        if store is not None:
+            for info in good.values():
+                if info.key in skip_keys:
+                    continue
+                try:
+                    entry = make_entry(
+                        self.lm, store, info, pinned=False, pool=self.pool, check=check
+                    )
+                    self.prefix.add(entry)
+                except SnapshotError as exc:
+                    self.counts.reject(exc.path, exc.reason)
+            for entry in checkpoint_entries(store, good, self.pool, check):
                 self.prefix.add(entry)
         self.counts.indexed = sum(1 for e in self.prefix.entries if e.loader is not None)
 
-    def write_back(self, t: WarmTarget, cache: list, agents_file: str) -> Path | None:
+    def write_back(self, t: ToPrefill, cache: list, store: Store, agents_file: str) -> Path | None:
         try:
             written = commit_snapshot(
                 self.lm,
-                self.store,
+                store,
                 self.identity,
                 t.prompt,
                 t.prompt_digest,
@@ -259,7 +280,7 @@ class _Warmup:
         self.counts.written += 1
         return written
 
-    def keep_prefilled(self, t: WarmTarget, cache: list, written: Path | None) -> None:
+    def keep_prefilled(self, t: ToPrefill, cache: list, written: Path | None) -> None:
         """A prefilled warm prompt: pinned in memory within the budget, else indexed from the
         file just written."""
         store, report, check = self.store, self.report, self.prefix.check_state
@@ -279,17 +300,19 @@ class _Warmup:
                 name=t.name,
                 resident=True,
             )
-            if written is not None:
+            if written is not None and store is not None:
                 # A re-warm reads it back instead of prefilling again; its header is read only then.
-                entry.loader = lambda path=written: snapshot_loader(
-                    store, store.inspect(path), pool=self.pool, check=check
-                )()
+                def reload(store: Store = store, path: Path = written) -> tuple[Any, int]:
+                    info = store.inspect(path)
+                    return snapshot_loader(store, info, pool=self.pool, check=check)()
+
+                entry.loader = reload
             self.prefix.add(entry)
             return
         # Over the memory budget: keep it indexed from the file just written (loads on
         # first hit), or, with nowhere to reload it from, let it go.
         report.over_budget += 1
-        if written is not None:
+        if written is not None and store is not None:
             try:
                 info = store.inspect(written)
                 entry = make_entry(self.lm, store, info, pinned=True, pool=self.pool, check=check)

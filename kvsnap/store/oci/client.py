@@ -96,9 +96,8 @@ class RegistryClient:
         self._auth: str | None = None
         idle = self.deadlines.idle_s
         timeout = httpx.Timeout(idle, connect=min(idle, CONNECT_TIMEOUT))
-        transport = transport or deadline_transport(
-            self.clock
-        )  # every read also bounded by the request's deadline
+        # every read also bounded by the request's deadline
+        transport = transport or deadline_transport(self.clock)
         self.client = httpx.Client(
             timeout=timeout, follow_redirects=False, transport=transport, trust_env=False
         )

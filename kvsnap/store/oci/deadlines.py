@@ -163,9 +163,8 @@ def deadline_transport(clock: RequestClock):
     import httpx
 
     transport = httpx.HTTPTransport()
-    pool = (
-        transport._pool
-    )  # httpx keeps its httpcore pool here (httpx 0.27-0.28); checked, not assumed
+    # httpx keeps its httpcore pool here (httpx 0.27-0.28); checked, not assumed
+    pool = transport._pool
     if not isinstance(getattr(pool, "_network_backend", None), httpcore.NetworkBackend):
         raise RuntimeError(
             "this httpx/httpcore version hides its network backend; kvsnap cannot bound registry "

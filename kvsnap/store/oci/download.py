@@ -47,12 +47,10 @@ class PullReport:
     downloaded: list[str] = field(default_factory=list)
     present: list[str] = field(default_factory=list)
     downloaded_bytes: int = 0
-    kept: list[str] = field(
-        default_factory=list
-    )  # differ from the store's good file of that name: not installed
-    resumed: list[str] = field(
-        default_factory=list
-    )  # staged by a killed pull, digest-checked, not downloaded again
+    # differ from the store's good file of that name: not installed
+    kept: list[str] = field(default_factory=list)
+    # staged by a killed pull, digest-checked, not downloaded again
+    resumed: list[str] = field(default_factory=list)
 
 
 def _kept_existing(dest: Path, layers: list[Layer], have: list[Layer]) -> list[str]:
@@ -84,9 +82,8 @@ def _download_missing(
             continue
         if layer.relpath in report.kept:
             continue
-        if staging.reuse(
-            layer.relpath, layer.size, layer.digest
-        ):  # staged by a killed pull: sha256 checked
+        # staged by a killed pull: sha256 checked
+        if staging.reuse(layer.relpath, layer.size, layer.digest):
             report.resumed.append(layer.relpath)
             continue
         with staging.open(layer.relpath) as out:
@@ -150,9 +147,8 @@ def _verify_present(root: Path, relpaths: list[str], ref: Reference) -> None:
                     path=store.root / relpath,
                 )
             else:
-                store.verify_file(
-                    store.root / relpath, parts=False
-                )  # its parts: staged or present, each checked
+                # its parts: staged or present, each checked
+                store.verify_file(store.root / relpath, parts=False)
         except ManifestError as exc:
             raise ShipError(f"{ref}: {exc}") from None
         except SnapshotError as exc:

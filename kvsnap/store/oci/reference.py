@@ -88,9 +88,8 @@ class Reference:
     repo: str
     tag: str | None = None
     digest: str | None = None
-    credentials: Credentials | None = field(
-        default=None, compare=False, repr=False
-    )  # from oci://USER:PASSWORD@HOST/…
+    # from oci://USER:PASSWORD@HOST/…
+    credentials: Credentials | None = field(default=None, compare=False, repr=False)
 
     @classmethod
     def parse(cls, text: str) -> "Reference":
@@ -98,9 +97,8 @@ class Reference:
             shown = redact(text) if isinstance(text, str) else text
             raise UsageError(f"{shown!r} is not an OCI reference; {USAGE}")
         userinfo, rest = _split_userinfo(text[len(SCHEME) :])
-        shown = (
-            SCHEME + ("***@" if userinfo is not None else "") + rest
-        )  # from here on only this redacted form is quoted
+        # from here on only this redacted form is quoted
+        shown = SCHEME + ("***@" if userinfo is not None else "") + rest
         host, _, path = rest.partition("/")
         credentials = _userinfo_credentials(userinfo, shown) if userinfo is not None else None
         if not host or not HOST_RE.fullmatch(host):

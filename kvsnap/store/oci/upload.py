@@ -77,9 +77,8 @@ def push(
             for layer in layers
         ]
         seen: set[str] = set()
-        present = client.blobs_exist(
-            [digest for _, digest, _, _ in blobs]
-        )  # in parallel: only what is missing goes up
+        # in parallel: only what is missing goes up
+        present = client.blobs_exist([digest for _, digest, _, _ in blobs])
         for name, digest, size, opener in blobs:
             if digest in seen or present[digest]:
                 report.skipped.append(name)
