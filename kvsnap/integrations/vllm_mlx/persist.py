@@ -21,9 +21,16 @@ from __future__ import annotations
 import logging
 from collections import deque
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvsnap.errors import KvsnapError
+
+if TYPE_CHECKING:
+    from kvsnap.key import ModelIdentity
+    from kvsnap.runtime.model.loading import LoadedModel
+    from kvsnap.runtime.model.shapes import ModelShapes
+    from kvsnap.runtime.persist.requests import PersistOptions
+    from kvsnap.store.local import Store
 
 log = logging.getLogger("kvsnap.vllm_mlx")
 
@@ -65,7 +72,9 @@ class PersistHooks:
 
     NEEDS = ("fetch", "remove", "commit_prepared", "store", "_entries", "_stats")
 
-    def __init__(self, cache: Any, persister: Any, identity: Any, shapes: Any):
+    # ``persister`` is the runtime's Persister; it takes ``Captured`` entries in place of the
+    # runtime's own prefix-cache entries (the same fields), hence not typed as one here.
+    def __init__(self, cache: Any, persister: Any, identity: ModelIdentity, shapes: ModelShapes):
         missing = [name for name in self.NEEDS if not hasattr(cache, name)]
         if missing:
             raise KvsnapError(
@@ -75,10 +84,14 @@ class PersistHooks:
         self.cache, self.persister = cache, persister
         self.identity, self.shapes = identity, shapes
         self._fetch, self._remove, self._commit = cache.fetch, cache.remove, cache.commit_prepared
-        self.paused = 0  # > 0 while kvsnap itself inserts (snapshots, restored records)
-        self.recent: deque = deque(maxlen=RECENT_PROMPTS)  # prompts vllm-mlx looked up
-        self.cuts: dict = {}  # vllm-mlx key -> (prompt-only record length or 0, entry record's)
-        self.removed: deque = deque(maxlen=4)  # (key, cuts) of entries vllm-mlx just removed
+        # > 0 while kvsnap itself inserts (snapshots, restored records).
+        self.paused = 0
+        # The prompts vllm-mlx looked up.
+        self.recent: deque[tuple] = deque(maxlen=RECENT_PROMPTS)
+        # vllm-mlx key -> (prompt-only record length or 0, entry record's).
+        self.cuts: dict[tuple, tuple[int, int]] = {}
+        # (key, cuts) of entries vllm-mlx just removed.
+        self.removed: deque[tuple[tuple, tuple[int, int]]] = deque(maxlen=4)
         self.restored = 0
         self.capture_errors = 0
 
@@ -232,7 +245,11 @@ class PersistHooks:
 
 
 def start_hooks(
-    prefix_cache: Any, lm: Any, identity: Any, store: Any, options: Any
+    prefix_cache: Any,
+    lm: LoadedModel,
+    identity: ModelIdentity,
+    store: Store,
+    options: PersistOptions,
 ) -> tuple[PersistHooks | None, str]:
     """Open the persister on ``store`` and install the hooks, or None and why not (vllm-mlx
     serves on, persisting nothing)."""

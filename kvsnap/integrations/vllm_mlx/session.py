@@ -190,9 +190,9 @@ class Session:
         """``warm`` (a warm pass, model thread), after the persist hooks are installed (first
         pass of an engine); what it inserts is the store's own, never persisted again."""
 
-        def work():
+        def work() -> WarmReport | InsertReport:
             if self.persist is not None and self.persist_hooks is None and not self.persist_note:
-                self._start_persisting(prefix_cache, scheduler, model_path)
+                self._start_persisting(prefix_cache, scheduler, model_path, self.persist)
             hooks = self.persist_hooks
             if hooks is not None:
                 hooks.paused += 1
@@ -204,7 +204,9 @@ class Session:
 
         return work
 
-    def _start_persisting(self, prefix_cache: Any, scheduler: Any, model_path: str) -> None:
+    def _start_persisting(
+        self, prefix_cache: Any, scheduler: Any, model_path: str, options: PersistOptions
+    ) -> None:
         from kvsnap.integrations.vllm_mlx.persist import start_hooks
 
         try:
@@ -215,7 +217,7 @@ class Session:
             log.warning("[kvsnap] %s", self.persist_note)
             return
         self.persist_hooks, self.persist_note = start_hooks(
-            prefix_cache, lm, identity, self.store, self.persist
+            prefix_cache, lm, identity, self.store, options
         )
 
     def _make_plan(
