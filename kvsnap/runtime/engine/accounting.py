@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from kvsnap.runtime.cache.prefix import PrefixCache
 from kvsnap.runtime.engine.types import RequestState
 
 MEASURED = (
@@ -113,11 +114,10 @@ def reported_cached_tokens(state: RequestState, granularity: int) -> int:
     return max(min(told_exactly, cached), cached - cached % granularity)
 
 
-def cache_stats(prefix: Any, max_memory_mb: float) -> dict:
+def cache_stats(prefix: PrefixCache | None, max_memory_mb: float) -> dict:
     """The ``cache`` object of ``/v1/status`` (zeros before the prefix cache exists)."""
     # an empty PrefixCache is falsy: test for None
-    st = prefix.stats if prefix is not None else None
-    if st is None:
+    if prefix is None:
         return {
             "entry_count": 0,
             "hits": 0,
@@ -131,6 +131,7 @@ def cache_stats(prefix: Any, max_memory_mb: float) -> dict:
             "unloads": 0,
             "load_errors": 0,
         }
+    st = prefix.stats
     lookups = st.hits + st.misses
     return {
         "entry_count": len(prefix),

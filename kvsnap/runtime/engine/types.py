@@ -9,6 +9,7 @@ from typing import Any, Callable
 
 from kvsnap.key import DigestCache, KVSettings
 from kvsnap.prompts import WarmPromptSet
+from kvsnap.runtime.persist.requests import PersistOptions
 
 EventFn = Callable[["RequestState", str, Any], None]  # (state, "token"|"done"|"error", payload)
 
@@ -27,7 +28,7 @@ class EngineConfig:
     max_batch_size: int = 8
     prefill_batch_size: int = 4
     digest_cache: DigestCache | None = None
-    persist: Any = None  # persist.PersistOptions: --persist-requests (None: off)
+    persist: PersistOptions | None = None  # --persist-requests (None: off)
 
 
 @dataclass
@@ -68,7 +69,7 @@ class RequestState:
     capture: bool = False
     # the tokens of its own namespace's request prefix it extends in full (persisted
     # conversations: the record for those tokens is superseded by this request's)
-    extends: tuple | None = None
+    extends: tuple[int, ...] | None = None
     last_token_counted: bool = False
     held_text: str = ""
     done: threading.Event = field(default_factory=threading.Event)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvsnap.runtime.model.loading import LoadedModel
 from kvsnap.snapshot.cache_classes import cache_class, encode_layer, member_path
 from kvsnap.snapshot.format import DTYPES, TOKENS
 
@@ -60,7 +61,7 @@ class ModelShapes:
     """This model's cache tensors, learned once from a one-token forward pass that is built but
     never evaluated (on the engine thread)."""
 
-    def __init__(self, lm: Any):
+    def __init__(self, lm: LoadedModel):
         self._lm = lm
         self._expected: dict[str, Spec] | None = None
         self._per_token: set[str] = set()

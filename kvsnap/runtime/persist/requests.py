@@ -18,11 +18,12 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Sequence
 
 from kvsnap.errors import SnapshotError, StoreError, UsageError
 from kvsnap.key import ModelIdentity, tokens_digest
 from kvsnap.runtime.cache.prefix import Entry, PrefixCache
+from kvsnap.runtime.model.loading import LoadedModel
 from kvsnap.snapshot.blocks import (
     BlockSettings,
     ChainLink,
@@ -112,7 +113,9 @@ class Persister:
     failed_loads: dict = field(default_factory=dict)  # the same, of records a load failed on
 
     @classmethod
-    def open(cls, store: Store, lm: Any, identity: ModelIdentity, options: PersistOptions):
+    def open(
+        cls, store: Store, lm: LoadedModel, identity: ModelIdentity, options: PersistOptions
+    ) -> Persister:
         """Start persisting into ``store`` (writable); StoreError if its secret is unusable."""
         from kvsnap.faults import FaultHook
         from kvsnap.runtime.persist.writeback import recorded_fields
@@ -464,7 +467,7 @@ def _record_header(
 
 
 def start_persister(
-    options: PersistOptions, store: Store | None, lm: Any, identity: ModelIdentity
+    options: PersistOptions, store: Store | None, lm: LoadedModel, identity: ModelIdentity
 ) -> tuple[Persister | None, str]:
     """The persister, or None and why not (the server serves on, persisting nothing)."""
     if store is None:

@@ -8,12 +8,14 @@ re-warm never holds up serving for longer than one chunk.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Sequence
+
+from kvsnap.runtime.model.loading import LoadedModel
 
 
 @dataclass
 class PrefillCursor:
-    lm: Any  # a LoadedModel
+    lm: LoadedModel
     tokens: tuple[int, ...]
     done_tokens: int = 0
     cache: list = field(default_factory=list)
@@ -43,7 +45,7 @@ class PrefillCursor:
         return len(chunk)
 
 
-def prefill(lm: Any, tokens: Sequence[int]) -> list:
+def prefill(lm: LoadedModel, tokens: Sequence[int]) -> list:
     """Run the model over exactly ``tokens`` in the shared step size, as the server's prefill
     does."""
     cursor = PrefillCursor(lm, tuple(tokens))
@@ -53,7 +55,7 @@ def prefill(lm: Any, tokens: Sequence[int]) -> list:
 
 
 def prefill_in_blocks(
-    lm: Any,
+    lm: LoadedModel,
     tokens: Sequence[int],
     ends: Sequence[int],
     cache: list | None = None,
