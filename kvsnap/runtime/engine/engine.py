@@ -12,7 +12,8 @@ This module owns the thread, its command queue and the start-up; the parts
 live beside it: ``scheduler`` (queue and slots), ``accounting`` (token counts),
 ``batch_runner`` and ``sequential`` (the two ways requests run), ``request_cache`` (a
 request's prefix copy and capture), ``request_output`` and ``stop_strings`` (text out),
-``rewarm`` (after ``DELETE /v1/cache/prefix``), ``engine_startup``.
+``warmup.rewarm`` (after ``DELETE /v1/cache/prefix``), ``startup``. What loading makes is
+one ``LoadedEngine``, there whole or not at all (``ready()``).
 """
 
 from __future__ import annotations
@@ -141,7 +142,7 @@ class Engine:
 
         Loading happens on the caller's thread: mlx-lm's tokenizer loader, run on another
         thread, leaves a native thread that aborts the process at exit. The engine thread
-        itself never ends (see ``engine_startup.run_then_park``).
+        itself never ends (see ``startup.run_then_park``).
         """
         # The engine thread starts first: it reads the snapshots to pin while the model loads here.
         self.start_serving()
