@@ -16,7 +16,7 @@ preload_openblas()
 
 from helpers.models import DemoModels  # noqa: E402
 from helpers.skips import ALLOWED_SKIPS, in_ci, read_allowed_skips, skip_allowed  # noqa: E402
-from helpers.stores import build_store  # noqa: E402
+from helpers.stores import AGENTS, build_store  # noqa: E402
 
 if os.environ.get("KVSNAP_EXPECT_MLX_LM"):
     # Set by tests/integrations/mlx_lm/test_minors.py: prove the subprocess really runs the
@@ -96,6 +96,7 @@ def lm(demo_models):
 
 @pytest.fixture(scope="module")
 def built(request, lm, tmp_path_factory) -> Path:
-    """The test module's AGENTS built once per module by the dense demo model: tests read it or
-    work on a copy."""
-    return build_store(lm, tmp_path_factory.mktemp("built") / "snaps", request.module.AGENTS)
+    """A store built once per module by the dense demo model, from the module's AGENTS if it has
+    some, else helpers.stores.AGENTS: tests read it or work on a copy."""
+    agents = getattr(request.module, "AGENTS", AGENTS)
+    return build_store(lm, tmp_path_factory.mktemp("built") / "snaps", agents)
