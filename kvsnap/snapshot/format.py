@@ -4,7 +4,7 @@ types named after those versions.
 
 A new format version is one edit here: the header field the writer puts in, the value the
 reader accepts and the media type ``kvsnap push`` labels a snapshot with all follow
-(tests/test_format_owner.py bumps each constant in a copy of the package and checks).
+(tests/snapshot/test_format.py bumps each constant in a copy of the package and checks).
 This module imports nothing from kvsnap and no mlx, so every layer may import it.
 """
 

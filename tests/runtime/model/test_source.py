@@ -371,7 +371,7 @@ def test_only_sha256_named_blobs_in_a_hub_cache_count(hf_home, models, tmp_path)
 
 
 @pytest.fixture(scope="module")
-def built(env, models, tmp_path_factory) -> dict:
+def stores_by_id_and_path(env, models, tmp_path_factory) -> dict:
     """The same agents built by id and by a plain local copy of the same files."""
     d = tmp_path_factory.mktemp("hub-build")
     agents = d / "agents.json"
@@ -387,69 +387,101 @@ def built(env, models, tmp_path_factory) -> dict:
     return {"agents": agents, "by_id": d / "by-id", "by_path": d / "by-path"}
 
 
-def test_build_by_id_and_by_path_give_the_same_keys(built):
-    keys = store_keys(built["by_id"])
-    assert len(keys) == len(AGENTS) and keys == store_keys(built["by_path"])
+def test_build_by_id_and_by_path_give_the_same_keys(stores_by_id_and_path):
+    keys = store_keys(stores_by_id_and_path["by_id"])
+    assert len(keys) == len(AGENTS) and keys == store_keys(stores_by_id_and_path["by_path"])
 
 
-def test_the_header_records_repo_and_commit_for_people_not_in_the_key(built, env):
+def test_the_header_records_repo_and_commit_for_people_not_in_the_key(stores_by_id_and_path, env):
     def recorded(store: Path) -> dict:
         (snapshot,) = (store / "snapshots").glob("*.safetensors")
         proc = run_kvsnap("inspect", snapshot, env=env)
         assert proc.returncode == 0, proc.stderr
         return json.loads(proc.stdout)
 
-    by_id, by_path = recorded(built["by_id"]), recorded(built["by_path"])
+    by_id, by_path = (
+        recorded(stores_by_id_and_path["by_id"]),
+        recorded(stores_by_id_and_path["by_path"]),
+    )
     assert (by_id["recorded"]["model_repo"], by_id["recorded"]["model_commit"]) == (REPO, COMMIT_A)
     assert "model_repo" not in by_path["recorded"] and "model_commit" not in by_path["recorded"]
     assert by_id["key"] == by_path["key"] and by_id["model"] == by_path["model"]
-    listed = json.loads(run_kvsnap("ls", built["by_id"], "--json", env=env).stdout)["snapshots"]
+    listed = json.loads(run_kvsnap("ls", stores_by_id_and_path["by_id"], "--json", env=env).stdout)[
+        "snapshots"
+    ]
     assert [(s["model_repo"], s["model_commit"]) for s in listed] == [(REPO, COMMIT_A)]
-    table = run_kvsnap("ls", built["by_id"], env=env).stdout
+    table = run_kvsnap("ls", stores_by_id_and_path["by_id"], env=env).stdout
     assert f"{REPO}@{COMMIT_A[:7]}" in table, table
 
 
-def test_verify_by_id_and_revision(built, env):
+def test_verify_by_id_and_revision(stores_by_id_and_path, env):
     """The id names the same model as the folder; --revision v2 is another model, so its snapshots
     are foreign."""
-    same = run_kvsnap("verify", built["by_path"], "--model", REPO, env=env, timeout=180)
+    same = run_kvsnap(
+        "verify", stores_by_id_and_path["by_path"], "--model", REPO, env=env, timeout=180
+    )
     assert same.returncode == 0 and "1 ok, 0 bad" in same.stdout, same.stdout + same.stderr[-2000:]
     other = run_kvsnap(
-        "verify", built["by_id"], "--model", REPO, "--revision", "v2", env=env, timeout=180
+        "verify",
+        stores_by_id_and_path["by_id"],
+        "--model",
+        REPO,
+        "--revision",
+        "v2",
+        env=env,
+        timeout=180,
     )
     assert other.returncode == 0 and "0 ok, 0 bad, 1 for another model" in other.stdout, (
         other.stdout + other.stderr[-2000:]
     )
-    dangling = run_kvsnap("verify", built["by_id"], "--revision", "v2", env=env)
+    dangling = run_kvsnap("verify", stores_by_id_and_path["by_id"], "--revision", "v2", env=env)
     assert "--revision 'v2' needs --model" in one_error_line(dangling)
 
 
-def test_unknown_id_fails_in_one_line_and_creates_nothing(built, env, hf_home, tmp_path):
+def test_unknown_id_fails_in_one_line_and_creates_nothing(
+    stores_by_id_and_path, env, hf_home, tmp_path
+):
     out = tmp_path / "never"
     line = one_error_line(
-        run_kvsnap("build", built["agents"], "--model", "org/unknown", "--out", out, env=env)
+        run_kvsnap(
+            "build",
+            stores_by_id_and_path["agents"],
+            "--model",
+            "org/unknown",
+            "--out",
+            out,
+            env=env,
+        )
     )
     assert line.startswith("kvsnap build: error: model 'org/unknown' is not a local folder"), line
     assert f"{hf_home / 'hub'}" in line and "`hf download org/unknown`" in line, line
     assert not out.exists()
     line = one_error_line(
         run_kvsnap(
-            "build", built["agents"], "--model", REPO, "--revision", "v9", "--out", out, env=env
+            "build",
+            stores_by_id_and_path["agents"],
+            "--model",
+            REPO,
+            "--revision",
+            "v9",
+            "--out",
+            out,
+            env=env,
         )
     )
     assert "`hf download org/tiny-chat --revision v9`" in line, line
 
 
 def test_serve_by_id_answers_as_the_id_and_starts_warm_from_the_id_built_store(
-    built, env, tmp_path
+    stores_by_id_and_path, env, tmp_path
 ):
     server = start_server(
         REPO,
         [
             "--warm-prompts",
-            str(built["agents"]),
+            str(stores_by_id_and_path["agents"]),
             "--kv-snapshots",
-            str(built["by_path"]),
+            str(stores_by_id_and_path["by_path"]),
             "--no-write-back",
         ],
         tmp_path / "serve.log",
