@@ -18,6 +18,7 @@ from kvsnap.http.limits import (
     find_lone_surrogate,
     vocab_bound,
 )
+from kvsnap.http.metrics import Metrics
 from kvsnap.http.schemas import usage
 from kvsnap.runtime.engine.accounting import reported_cached_tokens
 from kvsnap.runtime.engine.engine import Engine, RequestState
@@ -49,6 +50,10 @@ class ServerContext:
     inflight: int = 0  # requests admitted (being prepared, queued or running) and not yet ended
     _limits: dict = field(default_factory=dict)  # filled on first use: the model is loaded by then
     _preparing: Optional[asyncio.Semaphore] = None
+    metrics: Metrics = field(init=False)  # this app's own registry (GET /metrics)
+
+    def __post_init__(self) -> None:
+        self.metrics = Metrics(self.engine, lambda: self.inflight)
 
     def admit(self) -> None:
         """Take an in-flight slot or answer 429: before any costly work on the request."""
@@ -64,8 +69,11 @@ class ServerContext:
             )
         self.inflight += 1
 
-    def release(self) -> None:
+    def release(self, state: Optional[RequestState] = None) -> None:
+        """Give the slot back; with ``state``, the engine has ended that generation."""
         self.inflight -= 1
+        if state is not None:
+            self.metrics.finished(state)
 
     def preparing(self) -> asyncio.Semaphore:
         """At most ``max_preparing`` prompts rendered at once; the rest wait, holding their slot."""

@@ -47,9 +47,10 @@ def failure_message(state: RequestState, detail: Any) -> str:
 
 class _Bridge:
     """Hands engine-thread events to one request's asyncio queue; ``on_end`` runs on the loop
-    once the engine has finished the request, however it ended (even unread)."""
+    once the engine has finished the request, however it ended (even unread), and is given
+    its state."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, on_end: Callable[[], None]):
+    def __init__(self, loop: asyncio.AbstractEventLoop, on_end: Callable[[RequestState], None]):
         self.loop = loop
         self.queue: asyncio.Queue = asyncio.Queue()
         self.on_end = on_end
@@ -57,7 +58,7 @@ class _Bridge:
     def __call__(self, state: RequestState, kind: str, payload: Any) -> None:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, (kind, payload))
         if kind in ("done", "error"):
-            self.loop.call_soon_threadsafe(self.on_end)
+            self.loop.call_soon_threadsafe(self.on_end, state)
 
 
 def generation_router(ctx: ServerContext) -> APIRouter:

@@ -2,8 +2,8 @@
 
 State lives in one ``ServerContext`` per app, not in globals. The routes:
 ``routes_generation`` (chat and text completions), ``routes_status`` (health, models,
-status) and ``routes_cache`` (the prefix-cache admin endpoint); errors in OpenAI's shape
-come from ``api_errors``.
+status), ``routes_cache`` (the prefix-cache admin endpoint) and ``metrics`` (Prometheus,
+with the request counter middleware); errors in OpenAI's shape come from ``api_errors``.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from kvsnap import __version__
 from kvsnap.http.api_errors import install_error_handlers
 from kvsnap.http.context import ServerConfig, ServerContext
 from kvsnap.http.guard import GuardMiddleware
+from kvsnap.http.metrics import RequestCounter, metrics_router
 from kvsnap.http.routes_cache import cache_router
 from kvsnap.http.routes_generation import generation_router
 from kvsnap.http.routes_status import status_router
@@ -47,9 +48,17 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
         else {"docs_url": None, "redoc_url": None, "openapi_url": None}
     )
     app = FastAPI(title="kvsnap", version=__version__, lifespan=lifespan, **docs)
+    routers = [
+        status_router(ctx),
+        cache_router(ctx),
+        generation_router(ctx),
+        metrics_router(ctx.metrics, ctx.require_admin),
+    ]
     app.add_middleware(GuardMiddleware, auth=config.auth, max_body_bytes=config.max_request_bytes)
+    # added last, so outermost: the guard's refusals are counted too
+    routes = [route for router in routers for route in router.routes]
+    app.add_middleware(RequestCounter, metrics=ctx.metrics, routes=routes)
     install_error_handlers(app)
-    app.include_router(status_router(ctx))
-    app.include_router(cache_router(ctx))
-    app.include_router(generation_router(ctx))
+    for router in routers:
+        app.include_router(router)
     return app
