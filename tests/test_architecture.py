@@ -27,7 +27,17 @@ BASE = {
     "kvsnap.faults",
     "kvsnap.snapshot.format",
 }
-LAYERS = ("snapshot", "store", "runtime", "http", "build", "tools", "integrations", "commands")
+LAYERS = (
+    "snapshot",
+    "store",
+    "runtime",
+    "http",
+    "build",
+    "tools",
+    "integrations",
+    "commands",
+    "api",
+)
 APPS = {"kvsnap.__main__"}
 # The command line: its parser and its command implementations; only __main__ imports it.
 CLI = ("kvsnap.commands",)
@@ -63,6 +73,16 @@ FORBIDDEN = {
     "kvsnap.integrations": ("kvsnap.store.oci", "kvsnap.build", "kvsnap.commands", "kvsnap.tools"),
     "kvsnap.tools": ("kvsnap.commands",),
     "kvsnap.build": ("kvsnap.http", "kvsnap.commands", "kvsnap.tools", "kvsnap.integrations"),
+    # the Python API (reached only through kvsnap/__init__.py's lazy names): the library's
+    # layers and the routes' shared base, never a server, the CLI or one upstream's route
+    "kvsnap.api": (
+        "kvsnap.http",
+        "kvsnap.commands",
+        "kvsnap.tools",
+        "kvsnap.build",
+        "kvsnap.integrations.vllm_mlx",
+        "kvsnap.integrations.mlx_lm",
+    ),
 }
 BASE_FORBIDDEN = tuple(f"kvsnap.{layer}" for layer in LAYERS)
 # Inside integrations: each upstream route imports only the shared base (integrations.common) and

@@ -13,7 +13,7 @@ serve a foreign snapshot. Recorded, not keyed, so existing keys stay what they a
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import cache
 from typing import Any
@@ -57,15 +57,35 @@ def warm_key(
     """``prompt``'s warm-prefix tokens, prompt digest and key as ``tokenization``'s server
     (None: kvsnap's own) would see them. ``by_recipe``: snapshots by their recorded recipe,
     whose tokens are reused instead of probing the template when the recipe matches."""
-    template = resolve_chat_template(tokenizer, prompt.tools)
-    profile = tokenization.descriptor() if tokenization is not None else None
-    digest = prompt_identity(template, prompt.chat_template_kwargs, prompt.tools, profile)
+    template, digest = _prompt_digest(tokenizer, prompt, tokenization)
     tokens = recorded_prefix(by_recipe, prompt, digest, identity, template) if by_recipe else None
     prefix = None
     if tokens is None:
         prefix = warm_prefix(tokenizer, prompt, tokenization)
         tokens = prefix.tokens
     return WarmKey(tuple(tokens), digest, snapshot_key(identity, digest, tokens), template, prefix)
+
+
+def given_tokens_key(
+    tokenizer: ChatTokenizer,
+    identity: ModelIdentity,
+    prompt: WarmPrompt,
+    tokens: Sequence[int],
+    tokenization: Tokenization | None = None,
+) -> WarmKey:
+    """``prompt``'s digest and key for tokens made elsewhere (a prompt cache mlx-lm wrote), keyed
+    as ``warm_key`` keys a warm prompt's; the tokens are taken as given, not probed."""
+    template, digest = _prompt_digest(tokenizer, prompt, tokenization)
+    return WarmKey(tuple(tokens), digest, snapshot_key(identity, digest, tokens), template)
+
+
+def _prompt_digest(
+    tokenizer: ChatTokenizer, prompt: WarmPrompt, tokenization: Tokenization | None
+) -> tuple[Any, str]:
+    """The template that renders ``prompt`` and the digest of everything that decides its tokens."""
+    template = resolve_chat_template(tokenizer, prompt.tools)
+    profile = tokenization.descriptor() if tokenization is not None else None
+    return template, prompt_identity(template, prompt.chat_template_kwargs, prompt.tools, profile)
 
 
 def recorded_prefix(
