@@ -81,11 +81,57 @@ def add_serve(sub) -> None:
         "--max-tokens",
         type=positive_int,
         default=256,
-        help="default max_tokens of a request (default: 256)",
+        help="default max_tokens of a request (default: 256; mlx_lm.server's is 512)",
+    )
+    d = p.add_argument_group(
+        "request defaults, for a request that leaves the field out (mlx_lm.server's flags)"
+    )
+    d.add_argument(
+        "--temp",
+        type=bounded_float(0.0, 2.0),
+        default=0.0,
+        help="default temperature; 0 is greedy (default: 0.0)",
+    )
+    d.add_argument(
+        "--top-p",
+        type=bounded_float(0.0, 1.0, low_open=True),
+        default=1.0,
+        help="default nucleus sampling top_p; 1 is off (default: 1.0)",
+    )
+    d.add_argument(
+        "--top-k",
+        type=non_negative_int,
+        default=0,
+        help="default top_k: sample among the K most likely tokens; 0 is off (default: 0)",
+    )
+    d.add_argument(
+        "--min-p",
+        type=bounded_float(0.0, 1.0),
+        default=0.0,
+        help="default min_p (relative to the most likely token); 0 is off (default: 0.0)",
+    )
+    d.add_argument(
+        "--chat-template-args",
+        metavar="JSON",
+        default="{}",
+        help="a JSON object of chat template variables, e.g. '{\"enable_thinking\": false}'; a "
+        "request's chat_template_kwargs override it key by key (default: {})",
     )
     p.add_argument(
         "--served-model-name",
         help="model id clients send (default: the hub id, else the model folder's name)",
+    )
+    lg = p.add_argument_group("logging")
+    lg.add_argument(
+        "--log-level",
+        type=str.lower,
+        choices=LOG_LEVELS,
+        help="least severe lines logged, kvsnap's and uvicorn's (default: info; debug with -v)",
+    )
+    lg.add_argument(
+        "--no-access-log",
+        action="store_true",
+        help="no line per HTTP request (uvicorn's access log)",
     )
     g = p.add_argument_group("security and limits (docs/server.md#security)")
     g.add_argument(
@@ -225,6 +271,63 @@ def persist_options(args):
     )
 
 
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def bounded_float(low: float, high: float, low_open: bool = False):
+    """An argparse type: a number in [low, high] ((low, high] with ``low_open``)."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not (low < value if low_open else low <= value) or not value <= high:
+            bracket = "(" if low_open else "["
+            raise argparse.ArgumentTypeError(f"{text} is outside {bracket}{low}, {high}]")
+        return value
+
+    return parse
+
+
+def non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text} must be 0 or more")
+    return value
+
+
+def chat_template_args(text: str) -> dict:
+    """``--chat-template-args``: a JSON object, or a KvsnapError naming the flag, the value
+    and the fix."""
+    example = "--chat-template-args '{\"enable_thinking\": false}'"
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise KvsnapError(
+            f"--chat-template-args {text!r}: not JSON ({exc.msg} at character {exc.pos}); give "
+            f"a JSON object, e.g. {example}"
+        ) from None
+    if not isinstance(value, dict):
+        raise KvsnapError(
+            f"--chat-template-args {text!r}: a JSON {type(value).__name__}, not an object; give "
+            f"an object of template variables, e.g. {example}"
+        )
+    return value
+
+
+def log_level(args) -> int:
+    """--log-level, else -v's debug, else info; set on the root logger (kvsnap's lines and,
+    through it, uvicorn's)."""
+    name = args.log_level or ("debug" if args.verbose else "info")
+    level = getattr(logging, name.upper())
+    logging.getLogger().setLevel(level)
+    return level
+
+
 def positive_float(text: str) -> float:
     try:
         value = float(text)
@@ -242,7 +345,7 @@ def cmd_serve(args) -> int:
         raise_open_files_limit,
     )
     from kvsnap.http.guard import Auth
-    from kvsnap.http.listen import bind_socket, make_server
+    from kvsnap.http.listen import bind_socket, make_server, uvicorn_log_config
     from kvsnap.http.server import create_app
     from kvsnap.http.watch import exit_when_warm_up_fails, is_loopback
     from kvsnap.prompts import load_warm_prompts
@@ -251,6 +354,8 @@ def cmd_serve(args) -> int:
     from kvsnap.store.remote import check_kv_snapshots, resolve_kv_snapshots
 
     args.model = served_model(args)
+    level = log_level(args)
+    template_args = chat_template_args(args.chat_template_args)
     check_kv_snapshots(args.kv_snapshots)  # an unknown scheme fails before the model is resolved
     auth = Auth.from_flags(args.api_key, args.admin_api_key)
     if args.max_queued_requests < 0:
@@ -279,7 +384,7 @@ def cmd_serve(args) -> int:
     # a remote URL (oci://…) is pulled into a local cache folder first
     args.kv_snapshots = resolve_kv_snapshots(args.kv_snapshots)
     engine = Engine(engine_config(args, source.path, prompts))
-    server_config = serve_config(args, source, auth)
+    server_config = serve_config(args, source, auth, template_args)
     engine.start()  # load the model on the main thread, before the port opens
     # After the load: importing mlx-lm sets the open-files limit itself (2048, hard 4096).
     max_connections = effective_max_connections(args.max_connections, raise_open_files_limit())
@@ -290,7 +395,12 @@ def cmd_serve(args) -> int:
         write_timeout_s=args.write_timeout,
     )
     server = make_server(
-        create_app(engine, server_config), guard, log_level="info", timeout_graceful_shutdown=5
+        create_app(engine, server_config),
+        guard,
+        log_level=level,
+        log_config=uvicorn_log_config(),
+        access_log=not args.no_access_log,
+        timeout_graceful_shutdown=5,
     )
     exit_when_warm_up_fails(engine, server)
     log.info(
@@ -327,8 +437,9 @@ def engine_config(args, model_dir: Path, prompts):
     )
 
 
-def serve_config(args, source, auth):
-    """The HTTP layer's settings: the served name, limits and keys."""
+def serve_config(args, source, auth, template_args: dict | None = None):
+    """The HTTP layer's settings: the served name, limits, keys and request defaults."""
+    from kvsnap.http.context import SamplingDefaults
     from kvsnap.http.limits import context_length
     from kvsnap.http.server import ServerConfig
 
@@ -352,6 +463,8 @@ def serve_config(args, source, auth):
         request_prefix_cache=not args.no_request_prefix_cache,
         cached_tokens_granularity=args.cached_tokens_granularity,
         max_messages=args.max_messages,
+        sampling=SamplingDefaults(args.temp, args.top_p, args.top_k, args.min_p),
+        chat_template_args=template_args or {},
     )
 
 

@@ -18,10 +18,22 @@ from kvsnap.http.limits import (
     find_lone_surrogate,
     vocab_bound,
 )
+from kvsnap.http.logprobs import TokenBytes, token_bytes_of
 from kvsnap.http.metrics import Metrics
 from kvsnap.http.schemas import usage
 from kvsnap.runtime.engine.accounting import reported_cached_tokens
 from kvsnap.runtime.engine.engine import Engine, RequestState
+
+
+@dataclass(frozen=True)
+class SamplingDefaults:
+    """What a request that leaves a sampling field out gets (serve --temp, --top-p, --top-k,
+    --min-p; mlx_lm.server's defaults)."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
 
 
 @dataclass
@@ -40,6 +52,9 @@ class ServerConfig:
     max_messages: int = 2048  # counted before anything is normalised or rendered
     max_tools: int = 256
     max_preparing: int = 2  # prompts checked, rendered and tokenized at once (worker threads)
+    sampling: SamplingDefaults = SamplingDefaults()
+    # serve --chat-template-args: template variables a chat request's own kwargs override
+    chat_template_args: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -112,9 +127,14 @@ class ServerContext:
                     getattr(lm.tokenizer, "chat_template", None)
                 ),
                 "context": self.config.context_length or context_length(lm.config),
+                "token_bytes": token_bytes_of(lm.tokenizer),
             }
             self._limits = limits
         return self._limits
+
+    def token_bytes(self) -> TokenBytes:
+        """A token id's bytes, for log-probabilities' ``token`` and ``bytes``."""
+        return self.model_limits()["token_bytes"]
 
     @staticmethod
     def caller(request: Request) -> tuple[str, bool]:

@@ -43,6 +43,18 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+def uvicorn_log_config() -> dict:
+    """uvicorn's loggers without handlers of their own: their lines go through the root
+    logger's handler, in kvsnap's format, at its level (uvicorn's ``log_level`` and
+    ``access_log`` still apply)."""
+    quiet = {"handlers": [], "propagate": True}
+    return {
+        "version": 1,
+        "disable_existing_loggers": False,
+        "loggers": {name: quiet for name in ("uvicorn", "uvicorn.error", "uvicorn.access")},
+    }
+
+
 def make_server(app: Any, guard: ConnectionGuard, **uvicorn_options: Any):
     """A uvicorn server whose connections go through ``guard``; run it with
     ``server.run(sockets=[bind_socket(...)])``."""

@@ -18,6 +18,7 @@ from kvsnap.errors import MessageError, TemplateError
 from kvsnap.http.api_errors import APIError
 from kvsnap.http.context import ServerContext
 from kvsnap.http.limits import check_template_kwargs, check_token_ids
+from kvsnap.http.logprobs import chat_logprobs, completion_logprobs, text_length
 from kvsnap.http.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -72,9 +73,12 @@ def generation_router(ctx: ServerContext) -> APIRouter:
             messages = normalize_messages(req.messages, "messages")
         except MessageError as exc:
             raise APIError(400, str(exc), exc.where, "invalid_value") from None
-        kwargs = check_template_kwargs(
-            req.chat_template_kwargs, ctx.model_limits()["template_kwargs"]
-        )
+        allowed = ctx.model_limits()["template_kwargs"]
+        # the server's --chat-template-args, each overridden by the request's own
+        kwargs = {
+            **ctx.config.chat_template_args,
+            **check_template_kwargs(req.chat_template_kwargs, allowed),
+        }
         try:
             tokens = request_tokens(engine.lm.tokenizer, messages, req.tools, kwargs)
         except TemplateError as exc:
@@ -160,11 +164,15 @@ async def generate(
         max_tokens = ctx.resolve_max_tokens(req.requested_max_tokens, len(tokens))
         tenant, _ = ctx.caller(request)
         namespace = f"{tenant}/{req.cache_salt or ''}" if (tenant or req.cache_salt) else ""
+        default = config.sampling
         gen = GenerationRequest(
             tokens=tokens,
             max_tokens=max_tokens,
-            temperature=float(req.temperature),
-            top_p=float(req.top_p),
+            temperature=float(_given(req.temperature, default.temperature)),
+            top_p=float(_given(req.top_p, default.top_p)),
+            top_k=max(0, _given(req.top_k, default.top_k)),
+            min_p=float(_given(req.min_p, default.min_p)),
+            top_logprobs=req.wanted_top_logprobs,
             seed=req.seed,
             stop=tuple(req.stop_list),
             namespace=namespace,
@@ -190,9 +198,27 @@ async def generate(
         )
     u = ctx.reported_usage(state)
     finish = "length" if state.finish_reason == "length" else "stop"
+    name = config.served_model_name
+    lp = _logprobs(ctx, state, kind, list(state.logprobs))
     if kind == "chat":
-        return chat_response(rid, config.served_model_name, state.text, finish, u)
-    return completion_response(rid, config.served_model_name, state.text, finish, u)
+        return chat_response(rid, name, state.text, finish, u, lp)
+    return completion_response(rid, name, state.text, finish, u, logprobs=lp)
+
+
+def _given(value: Any, default: Any) -> Any:
+    return default if value is None else value
+
+
+def _logprobs(
+    ctx: ServerContext, state: RequestState, kind: str, entries: list, offset: int = 0
+) -> dict | None:
+    """The answer's ``logprobs`` for ``entries`` (None when the request asked for none)."""
+    if state.request.top_logprobs is None:
+        return None
+    token_bytes = ctx.token_bytes()
+    if kind == "chat":
+        return chat_logprobs(entries, token_bytes)
+    return completion_logprobs(entries, token_bytes, offset)
 
 
 async def wait_for_answer(
@@ -236,6 +262,19 @@ async def stream_events(
     model = ctx.config.served_model_name
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     finished = False
+    sent = 0  # log-probability entries sent so far
+    offset = 0  # the completions' text_offset of the next entry
+
+    def new_logprobs() -> dict | None:
+        """The entries the engine kept since the last chunk (it keeps a token's entry before
+        its text goes out)."""
+        nonlocal sent, offset
+        entries = state.logprobs[sent:]
+        sent += len(entries)
+        lp = _logprobs(ctx, state, kind, entries, offset)
+        if lp is not None and kind == "completion":
+            offset += text_length(entries, ctx.token_bytes())
+        return lp
 
     def sse(obj: dict) -> bytes:
         return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n".encode()
@@ -246,10 +285,11 @@ async def stream_events(
         while True:
             event, payload = await bridge.queue.get()
             if event == "token":
+                lp = new_logprobs()
                 yield sse(
-                    chat_chunk(rid, model, {"content": payload})
+                    chat_chunk(rid, model, {"content": payload}, logprobs=lp)
                     if kind == "chat"
-                    else completion_response(rid, model, payload, None, None)
+                    else completion_response(rid, model, payload, None, None, logprobs=lp)
                 )
             elif event == "error":
                 finished = True
@@ -263,10 +303,11 @@ async def stream_events(
                 finished = True
                 finish = "length" if state.finish_reason == "length" else "stop"
                 u = ctx.reported_usage(state)
+                lp = new_logprobs()
                 if kind == "chat":
-                    yield sse(chat_chunk(rid, model, {}, finish))
+                    yield sse(chat_chunk(rid, model, {}, finish, logprobs=lp))
                 else:
-                    yield sse(completion_response(rid, model, "", finish, None))
+                    yield sse(completion_response(rid, model, "", finish, None, logprobs=lp))
                 if include_usage:
                     last = (
                         chat_chunk(rid, model, {}, None, u)

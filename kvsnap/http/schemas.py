@@ -15,11 +15,13 @@ from pydantic import (
     StrictInt,
     StrictStr,
     field_validator,
+    model_validator,
 )
 
 MAX_STOP_SEQUENCES = 8
 MAX_STOP_LENGTH = 1024
 MAX_TOKENS_LIMIT = 2**31 - 1  # beyond any context; keeps absurd values out of mlx-lm's int fields
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound for chat's top_logprobs
 
 
 class StreamOptions(BaseModel):
@@ -33,8 +35,12 @@ class _Sampling(BaseModel):
 
     model: StrictStr
     max_tokens: Optional[StrictInt] = Field(default=None, ge=1, le=MAX_TOKENS_LIMIT)
-    temperature: Union[StrictFloat, StrictInt] = Field(default=1.0, ge=0, le=2)
-    top_p: Union[StrictFloat, StrictInt] = Field(default=1.0, gt=0, le=1)
+    # None: the server's default (serve --temp, --top-p, --top-k, --min-p)
+    temperature: Optional[Union[StrictFloat, StrictInt]] = Field(default=None, ge=0, le=2)
+    top_p: Optional[Union[StrictFloat, StrictInt]] = Field(default=None, gt=0, le=1)
+    # 0 and vLLM's -1: off
+    top_k: Optional[StrictInt] = Field(default=None, ge=-1, le=MAX_TOKENS_LIMIT)
+    min_p: Optional[Union[StrictFloat, StrictInt]] = Field(default=None, ge=0, le=1)
     stream: StrictBool = False
     stream_options: Optional[StreamOptions] = None
     stop: Optional[Union[StrictStr, list[StrictStr]]] = None
@@ -67,19 +73,50 @@ class ChatCompletionRequest(_Sampling):
     tools: Optional[list[dict]] = None
     tool_choice: Optional[Any] = None
     chat_template_kwargs: Optional[dict] = None
+    logprobs: Optional[StrictBool] = None
+    top_logprobs: Optional[StrictInt] = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self):
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return self
 
     @property
     def requested_max_tokens(self) -> Optional[int]:
         return self.max_completion_tokens or self.max_tokens
 
+    @property
+    def wanted_top_logprobs(self) -> Optional[int]:
+        """None: no log-probabilities; N: each token's and its N most likely."""
+        return (self.top_logprobs or 0) if self.logprobs else None
+
 
 class CompletionRequest(_Sampling):
     prompt: Union[StrictStr, list[StrictInt]]
     max_tokens: Optional[StrictInt] = Field(default=16, ge=1, le=MAX_TOKENS_LIMIT)
+    # OpenAI's legacy N (the N most likely beside each token's own); mlx_lm.server's clients
+    # send true with top_logprobs
+    logprobs: Optional[Union[StrictBool, StrictInt]] = None
+    top_logprobs: Optional[StrictInt] = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    @field_validator("logprobs")
+    @classmethod
+    def _logprobs_range(cls, v):
+        if not isinstance(v, bool) and v is not None and not 0 <= v <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"logprobs must be between 0 and {MAX_TOP_LOGPROBS}")
+        return v
 
     @property
     def requested_max_tokens(self) -> Optional[int]:
         return self.max_tokens
+
+    @property
+    def wanted_top_logprobs(self) -> Optional[int]:
+        """None: no log-probabilities; N: each token's and its N most likely."""
+        if self.logprobs is None or self.logprobs is False:
+            return None
+        return (self.top_logprobs or 0) if self.logprobs is True else self.logprobs
 
 
 def error_body(
@@ -105,7 +142,14 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
 
-def chat_response(rid: str, model: str, text: str, finish_reason: str, usage_: dict) -> dict:
+def chat_response(
+    rid: str,
+    model: str,
+    text: str,
+    finish_reason: str,
+    usage_: dict,
+    logprobs: Optional[dict] = None,
+) -> dict:
     return {
         "id": rid,
         "object": "chat.completion",
@@ -116,7 +160,7 @@ def chat_response(rid: str, model: str, text: str, finish_reason: str, usage_: d
                 "index": 0,
                 "message": {"role": "assistant", "content": text},
                 "finish_reason": finish_reason,
-                "logprobs": None,
+                "logprobs": logprobs,
             }
         ],
         "usage": usage_,
@@ -129,13 +173,15 @@ def chat_chunk(
     delta: dict,
     finish_reason: Optional[str] = None,
     usage_: Optional[dict] = None,
+    logprobs: Optional[dict] = None,
 ) -> dict:
+    choice = {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": logprobs}
     chunk = {
         "id": rid,
         "object": "chat.completion.chunk",
         "created": int(time.time()),
         "model": model,
-        "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}],
+        "choices": [choice],
     }
     if usage_ is not None:
         chunk["usage"] = usage_
@@ -149,13 +195,15 @@ def completion_response(
     finish_reason: Optional[str],
     usage_: Optional[dict],
     obj: Literal["text_completion"] = "text_completion",
+    logprobs: Optional[dict] = None,
 ) -> dict:
+    choice = {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": logprobs}
     body = {
         "id": rid,
         "object": obj,
         "created": int(time.time()),
         "model": model,
-        "choices": [{"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}],
+        "choices": [choice],
     }
     if usage_ is not None:
         body["usage"] = usage_

@@ -22,7 +22,7 @@ from kvsnap.runtime.cache.prefix import PrefixCache
 from kvsnap.runtime.engine.accounting import TokenAccounts
 from kvsnap.runtime.engine.request_cache import capture_request_prefix, prefill_shared_prefixes
 from kvsnap.runtime.engine.request_output import deliver_token, finish_request
-from kvsnap.runtime.engine.sampling import make_request_sampler
+from kvsnap.runtime.engine.sampling import make_request_sampler, token_logprob
 from kvsnap.runtime.engine.scheduler import Scheduler
 from kvsnap.runtime.engine.types import RequestState, check_request
 from kvsnap.runtime.model.loading import LoadedModel
@@ -96,7 +96,9 @@ class BatchRunner:
                     [list(suffix)],
                     max_tokens=[r.max_tokens],
                     caches=[cache],
-                    samplers=[make_request_sampler(r.temperature, r.top_p, r.seed)],
+                    samplers=[
+                        make_request_sampler(r.temperature, r.top_p, r.seed, r.top_k, r.min_p)
+                    ],
                 )[0]
             except Exception as exc:  # this request fails; the batch goes on
                 log.warning("[kvsnap] request %d failed to start: %s", state.id, exc)
@@ -129,7 +131,9 @@ class BatchRunner:
                 continue
             # the decode step that produced this token ran the last prompt token
             self.accounts.first_decode(state)
-            deliver_token(state, r.token, r.finish_reason)
+            n = state.request.top_logprobs
+            lp = None if n is None else token_logprob(r.logprobs, r.token, n)
+            deliver_token(state, r.token, r.finish_reason, lp)
             if state.finish_reason is not None:
                 self.sched.release(r.uid)
                 if r.finish_reason is None:  # stopped by a stop string: free the slot now

@@ -9,15 +9,24 @@ from __future__ import annotations
 import time
 
 from kvsnap.runtime.engine.stop_strings import scan_stop_strings
-from kvsnap.runtime.engine.types import RequestState
+from kvsnap.runtime.engine.types import RequestState, TokenLogprob
 
 
-def deliver_token(state: RequestState, token: int, finish_reason: str | None) -> None:
+def deliver_token(
+    state: RequestState,
+    token: int,
+    finish_reason: str | None,
+    logprob: TokenLogprob | None = None,
+) -> None:
     """One generated token: its text (up to a stop string) goes out; the request ends on
-    ``finish_reason`` ("stop": an end-of-sequence token, whose text is not sent)."""
+    ``finish_reason`` ("stop": an end-of-sequence token, whose text is not sent). Its
+    ``logprob``, when asked for, is kept before the text goes out, so a streamed chunk finds
+    its tokens' entries."""
     if state.t_first_token is None:
         state.t_first_token = time.perf_counter()
     state.completion_tokens += 1
+    if logprob is not None and state.finish_reason is None:
+        state.logprobs.append(logprob)
     if finish_reason == "stop":
         state.detok.finalize()
         emit_text(state, state.detok.last_segment, final=True)

@@ -1,4 +1,5 @@
-"""Per-request samplers: greedy, or temperature/top-p with the request's own seeded RNG key.
+"""Per-request samplers (greedy, or temperature with top-p, min-p and top-k, on the request's
+own seeded RNG key) and the log-probabilities a request may ask for.
 
 Each request owns its key, so a seeded request samples the same tokens whatever else
 shares its batch.
@@ -14,7 +15,9 @@ from kvsnap.blas import preload_openblas
 preload_openblas()  # must precede the first mlx import, or mlx keeps its slow reference BLAS
 
 import mlx.core as mx  # noqa: E402
-from mlx_lm.sample_utils import apply_top_p  # noqa: E402
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p  # noqa: E402
+
+from kvsnap.runtime.engine.types import TokenLogprob  # noqa: E402
 
 Sampler = Callable[[mx.array], mx.array]
 
@@ -24,7 +27,11 @@ def greedy(logprobs: mx.array) -> mx.array:
 
 
 def make_request_sampler(
-    temperature: float, top_p: float = 1.0, seed: int | None = None
+    temperature: float,
+    top_p: float = 1.0,
+    seed: int | None = None,
+    top_k: int = 0,
+    min_p: float = 0.0,
 ) -> Sampler:
     if temperature <= 0:
         return greedy
@@ -34,8 +41,25 @@ def make_request_sampler(
     def sample(logprobs: mx.array) -> mx.array:
         nonlocal key
         key, sub = mx.random.split(key)
+        # mlx_lm.sample_utils.make_sampler's filters, in its order
         if 0 < top_p < 1:
             logprobs = apply_top_p(logprobs, top_p)
+        if min_p > 0:
+            logprobs = apply_min_p(logprobs, min_p)
+        if top_k > 0:
+            logprobs = apply_top_k(logprobs, top_k)
         return mx.random.categorical(logprobs * (1 / temperature), key=sub)
 
     return sample
+
+
+def token_logprob(logprobs: mx.array, token: int, top_n: int) -> TokenLogprob:
+    """``token``'s entry in one position's log-softmax (``logprobs``: the vocabulary's) and the
+    ``top_n`` most likely, by mlx_lm.server's math (its ``_format_top_logprobs``)."""
+    chosen = float(logprobs[token].item())
+    if top_n <= 0:
+        return TokenLogprob(token, chosen)
+    top_n = min(top_n, logprobs.size)
+    ids = mx.argpartition(-logprobs, kth=top_n - 1)[:top_n]
+    top = sorted(zip(ids.tolist(), logprobs[ids].tolist()), key=lambda p: -p[1])
+    return TokenLogprob(token, chosen, tuple((int(i), float(v)) for i, v in top))

@@ -17,7 +17,7 @@ from mlx_lm.generate import maybe_quantize_kv_cache
 
 from kvsnap.runtime.engine.accounting import TokenAccounts
 from kvsnap.runtime.engine.request_output import deliver_token, finish_request
-from kvsnap.runtime.engine.sampling import make_request_sampler
+from kvsnap.runtime.engine.sampling import make_request_sampler, token_logprob
 from kvsnap.runtime.engine.types import RequestState
 from kvsnap.runtime.model.loading import LoadedModel
 
@@ -62,7 +62,7 @@ class SequentialRun:
 
     def _decode(self, last: int) -> None:
         s, r = self.lm.settings, self.state.request
-        sampler = make_request_sampler(r.temperature, r.top_p, r.seed)
+        sampler = make_request_sampler(r.temperature, r.top_p, r.seed, r.top_k, r.min_p)
         token = mx.array([[last]], dtype=mx.int32)
         for i in range(r.max_tokens):
             logits = self.lm.model(token, cache=self.cache)[:, -1, :]
@@ -74,7 +74,9 @@ class SequentialRun:
             # mlx's stub types item() as any Python scalar, complex included; a token is an int
             tok = int(nxt.item())  # type: ignore[arg-type]
             reason = "stop" if tok in self.eos else ("length" if i + 1 >= r.max_tokens else None)
-            deliver_token(self.state, tok, reason)
+            n = r.top_logprobs
+            lp = None if n is None else token_logprob(logprobs[0], tok, n)
+            deliver_token(self.state, tok, reason, lp)
             if self.state.finish_reason is not None or self._ended():
                 break
             token = nxt.reshape(1, 1)

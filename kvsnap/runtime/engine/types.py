@@ -37,11 +37,25 @@ class GenerationRequest:
     max_tokens: int
     temperature: float = 0.0
     top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    min_p: float = 0.0  # 0: off
     seed: int | None = None
     stop: tuple[str, ...] = ()
     namespace: str = ""  # request prefixes are captured and matched only within this scope
     tenant: str = ""  # who sent it, for /v1/status (a key's fingerprint; "" when open)
     capture: bool = True  # keep this prompt's prefix for later requests of the namespace
+    # None: no log-probabilities (nothing computed); N: each token's and its N most likely
+    top_logprobs: int | None = None
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's log-probability and the ``top`` most likely (id, log-probability)
+    pairs at its position, most likely first."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass
@@ -72,6 +86,8 @@ class RequestState:
     extends: tuple[int, ...] | None = None
     last_token_counted: bool = False
     held_text: str = ""
+    # one per generated token, when the request asked for log-probabilities
+    logprobs: list[TokenLogprob] = field(default_factory=list)
     done: threading.Event = field(default_factory=threading.Event)
 
     @property
