@@ -9,6 +9,7 @@ No mlx here: the tokenizer is anything with ``apply_chat_template`` and ``encode
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any, Protocol, Sequence
 
@@ -108,8 +109,24 @@ def normalize_message(message: Any, where: str) -> dict:
             raise MessageError(
                 where + ".tool_calls", "expected a list of objects", "use OpenAI's tool_calls shape"
             )
-        out["tool_calls"] = calls
+        out["tool_calls"] = [_template_call(c) for c in calls]
     return out
+
+
+def _template_call(call: dict) -> dict:
+    """A call as templates read it: OpenAI sends ``function.arguments`` as a JSON string, and
+    templates write it with ``tojson`` (so a string would be quoted twice); mlx_lm.server and
+    vLLM hand templates the object too. Text that is not a JSON object stays as it is."""
+    function = call.get("function")
+    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
+        return call
+    try:
+        arguments = json.loads(function["arguments"])
+    except ValueError:
+        return call
+    if not isinstance(arguments, dict):
+        return call
+    return {**call, "function": {**function, "arguments": arguments}}
 
 
 def normalize_messages(messages: Any, where: str = "messages") -> list[dict]:

@@ -20,6 +20,7 @@ from kvsnap.commands.common import (
     positive_int,
 )
 from kvsnap.errors import KvsnapError
+from kvsnap.http.tool_calls import REASONING_PARSERS
 
 log = logging.getLogger("kvsnap")
 
@@ -116,6 +117,13 @@ def add_serve(sub) -> None:
         default="{}",
         help="a JSON object of chat template variables, e.g. '{\"enable_thinking\": false}'; a "
         "request's chat_template_kwargs override it key by key (default: {})",
+    )
+    p.add_argument(
+        "--reasoning-parser",
+        choices=REASONING_PARSERS,
+        help="split <think>...</think> out of chat answers into reasoning_content: auto (the "
+        "tokenizer's think markers), qwen3, or deepseek_r1 (reasoning from the first token); "
+        "tool calls need no flag (default: off, think blocks stay in content)",
     )
     p.add_argument(
         "--served-model-name",
@@ -465,6 +473,7 @@ def serve_config(args, source, auth, template_args: dict | None = None):
         max_messages=args.max_messages,
         sampling=SamplingDefaults(args.temp, args.top_p, args.top_k, args.min_p),
         chat_template_args=template_args or {},
+        reasoning_parser=args.reasoning_parser,
     )
 
 

@@ -55,6 +55,8 @@ class ServerConfig:
     sampling: SamplingDefaults = SamplingDefaults()
     # serve --chat-template-args: template variables a chat request's own kwargs override
     chat_template_args: dict = field(default_factory=dict)
+    # serve --reasoning-parser: None leaves think blocks in content
+    reasoning_parser: Optional[str] = None
 
 
 @dataclass

@@ -4,10 +4,11 @@ engine generates, the answer goes back whole or as server-sent events."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import re
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable, Optional
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -27,6 +28,12 @@ from kvsnap.http.schemas import (
     completion_response,
     error_body,
     new_id,
+)
+from kvsnap.http.tool_calls import (
+    PROMPT_TAIL_TOKENS,
+    AnswerSplitter,
+    check_tool_choice,
+    output_rules,
 )
 from kvsnap.runtime.engine.engine import GenerationRequest, RequestState
 
@@ -66,9 +73,21 @@ def generation_router(ctx: ServerContext) -> APIRouter:
     router = APIRouter()
     engine = ctx.engine
 
+    @functools.cache
+    def rules():
+        # the tokenizer is loaded by the time a request asks
+        return output_rules(engine.lm.tokenizer, ctx.config.reasoning_parser)
+
+    def splitter(req: ChatCompletionRequest, tokens: list[int]) -> AnswerSplitter:
+        tail = ""
+        if rules().splits_reasoning:
+            tail = engine.lm.tokenizer.decode(tokens[-PROMPT_TAIL_TOKENS:])
+        return AnswerSplitter(rules(), req.tools, req.tool_choice, tail)
+
     def chat_tokens(req: ChatCompletionRequest) -> list[int]:
         """Check, normalise, render and tokenize: a worker thread's job, never the loop's."""
         ctx.check_text(req, ("messages", "tools", "chat_template_kwargs", "stop"))
+        check_tool_choice(req.tool_choice, req.tools)
         try:
             messages = normalize_messages(req.messages, "messages")
         except MessageError as exc:
@@ -79,6 +98,8 @@ def generation_router(ctx: ServerContext) -> APIRouter:
             **ctx.config.chat_template_args,
             **check_template_kwargs(req.chat_template_kwargs, allowed),
         }
+        if req.tool_choice is not None:
+            kwargs["tool_choice"] = req.tool_choice
         try:
             tokens = request_tokens(engine.lm.tokenizer, messages, req.tools, kwargs)
         except TemplateError as exc:
@@ -115,7 +136,13 @@ def generation_router(ctx: ServerContext) -> APIRouter:
         ctx.check_ready()
         ctx.check_sizes(req)
         return await admitted(
-            ctx, req, lambda: chat_tokens(req), new_id("chatcmpl"), "chat", request
+            ctx,
+            req,
+            lambda: chat_tokens(req),
+            new_id("chatcmpl"),
+            "chat",
+            request,
+            lambda tokens: splitter(req, tokens),
         )
 
     @router.post("/v1/completions")
@@ -136,6 +163,7 @@ async def admitted(
     rid: str,
     kind: str,
     request: Request,
+    split: Optional[Callable[[list[int]], AnswerSplitter]] = None,
 ):
     """A request holds an in-flight slot from before its prompt is prepared (so requests
     rejected after the work count toward 429 too), and prepares it in a worker thread, a
@@ -147,11 +175,17 @@ async def admitted(
     except BaseException:
         ctx.release()
         raise
-    return await generate(ctx, req, tokens, rid, kind, request)
+    return await generate(ctx, req, tokens, rid, kind, request, split(tokens) if split else None)
 
 
 async def generate(
-    ctx: ServerContext, req: Any, tokens: list[int], rid: str, kind: str, request: Request
+    ctx: ServerContext,
+    req: Any,
+    tokens: list[int],
+    rid: str,
+    kind: str,
+    request: Request,
+    answer: Optional[AnswerSplitter] = None,
 ):
     """Check the token ids and the length, submit, and answer (streamed or whole); the
     caller holds an in-flight slot, which the engine's end of the request releases."""
@@ -185,7 +219,7 @@ async def generate(
         raise
     if req.stream:
         return StreamingResponse(
-            stream_events(ctx, state, bridge, rid, kind, req),
+            stream_events(ctx, state, bridge, rid, kind, req, answer),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
@@ -201,7 +235,13 @@ async def generate(
     name = config.served_model_name
     lp = _logprobs(ctx, state, kind, list(state.logprobs))
     if kind == "chat":
-        return chat_response(rid, name, state.text, finish, u, lp)
+        body = chat_response(rid, name, state.text, finish, u, lp)
+        if answer is not None and answer.active:
+            answer.feed(state.text)
+            answer.finish()
+            body["choices"][0]["message"].update(answer.message())
+            body["choices"][0]["finish_reason"] = answer.finish_reason(state.finish_reason)
+        return body
     return completion_response(rid, name, state.text, finish, u, logprobs=lp)
 
 
@@ -257,7 +297,13 @@ async def wait_for_answer(
 
 
 async def stream_events(
-    ctx: ServerContext, state: RequestState, bridge: _Bridge, rid: str, kind: str, req: Any
+    ctx: ServerContext,
+    state: RequestState,
+    bridge: _Bridge,
+    rid: str,
+    kind: str,
+    req: Any,
+    answer: Optional[AnswerSplitter] = None,
 ) -> AsyncIterator[bytes]:
     model = ctx.config.served_model_name
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -284,7 +330,12 @@ async def stream_events(
             yield sse(chat_chunk(rid, model, {"role": "assistant", "content": ""}))
         while True:
             event, payload = await bridge.queue.get()
-            if event == "token":
+            if event == "token" and answer is not None and answer.active:
+                # text inside markers is never sent; a chunk per delta field, in order
+                for i, delta in enumerate(answer.feed(payload)):
+                    lp = new_logprobs() if i == 0 else None
+                    yield sse(chat_chunk(rid, model, delta, logprobs=lp))
+            elif event == "token":
                 lp = new_logprobs()
                 yield sse(
                     chat_chunk(rid, model, {"content": payload}, logprobs=lp)
@@ -302,6 +353,10 @@ async def stream_events(
             else:
                 finished = True
                 finish = "length" if state.finish_reason == "length" else "stop"
+                if answer is not None and answer.active:
+                    for delta in answer.finish():
+                        yield sse(chat_chunk(rid, model, delta))
+                    finish = answer.finish_reason(state.finish_reason)
                 u = ctx.reported_usage(state)
                 lp = new_logprobs()
                 if kind == "chat":
