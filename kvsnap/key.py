@@ -91,9 +91,12 @@ def package_version(name: str) -> str:
 
 
 def default_cache_dir() -> Path:
+    """kvsnap's own cache folder: ``$KVSNAP_CACHE_DIR``, else ``$XDG_CACHE_HOME/kvsnap``, else
+    ``~/.cache/kvsnap``. A relative ``XDG_CACHE_HOME`` is ignored, as the XDG spec says."""
     if os.environ.get("KVSNAP_CACHE_DIR"):
         return Path(os.environ["KVSNAP_CACHE_DIR"])
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    base = xdg if os.path.isabs(xdg) else os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "kvsnap"
 
 

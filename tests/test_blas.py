@@ -55,3 +55,39 @@ def test_regression_snapshot_prefetch_imported_mlx_before_openblas(demo_models, 
         env={**__import__("os").environ, "KVSNAP_CACHE_DIR": str(tmp_path / "cache")},
     )
     assert out.stdout.strip().splitlines()[-1] == "True", out.stderr[-2000:]
+
+
+def openblas_warning_in_a_process(env: dict) -> str:
+    """``openblas_warning()`` once mlx is loaded, as serve calls it, in a fresh process."""
+    code = (
+        "import kvsnap.runtime.engine.sampling; from kvsnap.blas import openblas_warning; "
+        "print(openblas_warning())"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**__import__("os").environ, **env},
+    )
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="OpenBLAS is Linux's concern")
+def test_without_openblas_the_warning_names_the_package_and_why():
+    warning = openblas_warning_in_a_process({"KVSNAP_NO_OPENBLAS": "1"})
+    assert "KVSNAP_NO_OPENBLAS is set" in warning and "several times slower" in warning
+    assert "apt-get install libopenblas0-pthread" in warning
+    if find_openblas() is not None:
+        assert openblas_warning_in_a_process({"KVSNAP_NO_OPENBLAS": ""}) == "None"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="OpenBLAS is Linux's concern")
+def test_serve_warns_at_start_when_openblas_is_not_loaded(demo_models, tmp_path):
+    from kvsnap.tools.serverproc import serving
+
+    env = {"KVSNAP_NO_OPENBLAS": "1", "KVSNAP_CACHE_DIR": str(tmp_path / "cache")}
+    with serving(demo_models.path("dense"), [], tmp_path / "serve.log", env=env) as server:
+        lines = [line for line in server.log().splitlines() if "OpenBLAS is not loaded" in line]
+    assert len(lines) == 1 and "apt-get install libopenblas0-pthread" in lines[0], server.log()

@@ -212,3 +212,21 @@ def test_the_key_formula_is_one_function_of_digests():
     assert key_from_digests(identity.digest, "p" * 32, tokens_digest(tokens), 4) != snapshot_key(
         identity, "p" * 32, tokens
     )
+
+
+def test_the_cache_folder_is_kvsnap_cache_dir_then_xdg_cache_home_then_home(monkeypatch, tmp_path):
+    from kvsnap.key import default_cache_dir
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("KVSNAP_CACHE_DIR", str(tmp_path / "mine"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert default_cache_dir() == tmp_path / "mine"
+    monkeypatch.delenv("KVSNAP_CACHE_DIR")
+    assert default_cache_dir() == tmp_path / "xdg" / "kvsnap"
+    # the XDG spec: a relative path in XDG_CACHE_HOME is invalid and ignored
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative/cache")
+    assert default_cache_dir() == tmp_path / "home" / ".cache" / "kvsnap"
+    monkeypatch.setenv("XDG_CACHE_HOME", "")
+    assert default_cache_dir() == tmp_path / "home" / ".cache" / "kvsnap"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert default_cache_dir() == tmp_path / "home" / ".cache" / "kvsnap"

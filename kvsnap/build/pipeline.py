@@ -26,6 +26,8 @@ from kvsnap.store.fileio import check_store_folders
 from kvsnap.store.local import Store
 
 Progress = Callable[[str, str], None]  # (event, entry name)
+# (entry name, tokens done, the prompt's tokens): restored ones first, then after each chunk
+TokenProgress = Callable[[str, int, int], None]
 
 
 @dataclass
@@ -73,6 +75,7 @@ def capture_snapshot(
     tokenization: dict | None = None,
     plan: ChainPlan | None = None,
     start: tuple[int, list | None] = (0, None),
+    on_tokens: Callable[[int], None] | None = None,
 ) -> Path:
     """Prefill ``tokens`` from ``start`` (a restored (token count, cache), default nothing) one
     block at a time, capturing checkpoints where the chain has them, then commit the parts the
@@ -80,7 +83,8 @@ def capture_snapshot(
 
     Prefilling block by block makes every block's bytes the same whichever prefix was reused.
     ``on_commit(path)`` runs under the store lock right after the record lands, so a manifest
-    record written there is in place before a concurrent ``gc`` can look.
+    record written there is in place before a concurrent ``gc`` can look. ``on_tokens(n)``
+    after each prefill chunk of ``n`` tokens.
     """
     from kvsnap.snapshot.codec import encode_cache
 
@@ -101,7 +105,8 @@ def capture_snapshot(
             mx_eval(kept)
             plan.checkpoints[end] = (kept, layers)
 
-    cache = prefill_in_blocks(lm, tokens, [link.end for link in links], cache, done, capture)
+    ends = [link.end for link in links]
+    cache = prefill_in_blocks(lm, tokens, ends, cache, done, capture, on_tokens)
     store.fault("after-prefill")
     return put_snapshot(
         lm, store, identity, prompt, prompt_digest, tokens, cache, tokenization, on_commit, plan
@@ -139,12 +144,14 @@ def build_snapshots(
     digests: DigestCache | None = None,
     tokenization: Tokenization | None = None,
     blocks: BlockSettings | None = None,
+    on_tokens: TokenProgress | None = None,
 ) -> BuildReport:
     """Build (or reuse) one snapshot per valid warm prompt; never raises for one bad entry.
 
     ``tokenization``: the request path of the server the snapshots are for (default:
     kvsnap's own; ``kvsnap build --for vllm-mlx`` passes vllm-mlx's). ``blocks``: block and
-    checkpoint spacing (default 256 / 1,024 tokens).
+    checkpoint spacing (default 256 / 1,024 tokens). ``on_tokens(name, done, total)``: an
+    entry's progress through its prompt's tokens, as it prefills.
     """
     progress = progress or (lambda event, name: None)
     started = time.perf_counter()
@@ -156,7 +163,9 @@ def build_snapshots(
     report = BuildReport(
         store=store.root, model_digest=identity.digest, problems=[str(p) for p in prompts.problems]
     )
-    build = _Build(lm, store, identity, agents_file, tokenization, force, blocks or BlockSettings())
+    build = _Build(
+        lm, store, identity, agents_file, tokenization, force, blocks or BlockSettings(), on_tokens
+    )
     results = {
         prompt.name: EntryResult(name=prompt.name, status="failed") for prompt in prompts.entries
     }
@@ -208,6 +217,7 @@ class _Build:
     tokenization: Tokenization | None
     force: bool
     blocks: BlockSettings
+    on_tokens: TokenProgress | None = None
 
     def __post_init__(self) -> None:
         self.profile = self.tokenization.descriptor() if self.tokenization is not None else None
@@ -269,11 +279,27 @@ class _Build:
             tokenization=self.profile,
             plan=plan,
             start=start,
+            on_tokens=self.count_tokens(prompt.name, start[0], len(tokens)),
         )
         result.tokens_reused, result.tokens_prefilled = start[0], len(tokens) - start[0]
         result.blocks_written = plan.written.blocks + plan.written.checkpoints
         result.bytes_written = plan.written.nbytes + path.stat().st_size
         result.nbytes = result.bytes_written
+
+    def count_tokens(self, name: str, done: int, total: int) -> Callable[[int], None] | None:
+        """The chunk callback that reports ``name``'s tokens done so far (restored ones now)."""
+        report = self.on_tokens
+        if report is None:
+            return None
+        report(name, done, total)
+        so_far = done
+
+        def chunk(n: int) -> None:
+            nonlocal so_far
+            so_far += n
+            report(name, so_far, total)
+
+        return chunk
 
     def split_points(
         self, prefixes: dict[str, list], branches: dict[str, set]

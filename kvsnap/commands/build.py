@@ -176,7 +176,13 @@ def unread_template_kwargs(entries, tokenizer) -> list[str]:
 
 
 def cmd_build(args) -> int:
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.progress import (
+        BarColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
 
     from kvsnap.build.pipeline import build_snapshots
     from kvsnap.faults import FaultHook
@@ -196,21 +202,37 @@ def cmd_build(args) -> int:
     lm = load_model(source, kv_settings(args))
     for warning in unread_template_kwargs(prompts.entries, lm.tokenizer):
         out.print(f"warning: {warning}", markup=False, soft_wrap=True)
+    n_entries = len(prompts.entries)
     with Progress(
         TextColumn("{task.description}"),
         BarColumn(),
-        TextColumn("{task.completed}/{task.total}"),
+        TextColumn("{task.completed}/{task.total} tokens"),
         TimeElapsedColumn(),
+        TimeRemainingColumn(),
         console=out,
         transient=True,
     ) as bar:
-        task = bar.add_task("prefilling", total=len(prompts.entries))
+        # one bar per agent, by tokens: a long prefill moves it and gives it an ETA
+        current = bar.add_task("prefilling", total=None)
+        started, tokens = 0, 0
 
         def progress(event: str, name: str) -> None:
+            nonlocal current, started, tokens
             if event == "start":
-                bar.update(task, description=f"{name}")
+                started, tokens = started + 1, 0
+                bar.update(current, visible=False)
+                current = bar.add_task(f"{name} ({started}/{n_entries})", total=None)
             else:
-                bar.advance(task)
+                bar.update(current, total=tokens or 1, completed=tokens or 1)
+
+        def on_tokens(name: str, done: int, total: int) -> None:
+            nonlocal tokens
+            if not tokens:
+                # restored tokens count as done, not as speed: the ETA is the prefill's
+                tokens = total
+                bar.reset(current, total=total, completed=done)
+            else:
+                bar.update(current, completed=done)
 
         report = build_snapshots(
             lm,
@@ -222,6 +244,7 @@ def cmd_build(args) -> int:
             digests=default_digest_cache(),
             tokenization=tokenization,
             blocks=blocks,
+            on_tokens=on_tokens,
         )
     if args.json:
         print(json.dumps(build_report_json(report, blocks), indent=1))

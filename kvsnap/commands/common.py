@@ -4,7 +4,11 @@ helpers."""
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import os
+import sys
+from typing import Iterator
 
 EXIT_OK, EXIT_BAD, EXIT_USAGE = 0, 1, 2
 # What a shell reports for a program killed by SIGPIPE: the reader (`| head`) closed the pipe.
@@ -92,6 +96,48 @@ def console(stderr: bool = False):
     if not out.is_terminal and not os.environ.get("COLUMNS"):
         out.width = UNWRAPPED_WIDTH
     return out
+
+
+@contextlib.contextmanager
+def byte_progress(description: str, quiet: bool = False) -> Iterator[dict]:
+    """The ``on_bytes`` / ``on_total`` callbacks of a transfer, drawing bytes, rate and time left
+    on stderr; none (an empty dict) with ``quiet`` (``--json``) or when stderr is not a
+    terminal: a pipe or a CI log gets only the summary lines."""
+    if quiet or not sys.stderr.isatty():
+        yield {}
+        return
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+        TransferSpeedColumn,
+    )
+
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        DownloadColumn(binary_units=True),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+        console=console(stderr=True),
+        transient=True,
+    ) as bar:
+        task = bar.add_task(description, total=None)
+
+        def on_total(n: int) -> None:
+            bar.update(task, total=n)
+
+        def on_bytes(n: int) -> None:
+            bar.advance(task, n)
+
+        yield {"on_bytes": on_bytes, "on_total": on_total}
+
+
+def print_json(doc: dict) -> None:
+    """What every ``--json`` prints: one JSON object on stdout."""
+    print(json.dumps(doc, indent=1))
 
 
 def table_title(text: str):

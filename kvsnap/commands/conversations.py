@@ -8,6 +8,7 @@ import argparse
 import datetime as dt
 import os
 import re
+from typing import Callable
 
 from kvsnap.commands.common import human_bytes
 
@@ -26,6 +27,8 @@ BLOCK_REWRITE = (
 )
 DURATION_RE = re.compile(r"(\d+(?:\.\d+)?)([smhdw])")
 UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+# (line, entry): a line of text output and, when it is about one file, its --json entry
+Say = Callable[..., None]
 
 
 def duration(text: str) -> float:
@@ -67,10 +70,17 @@ def summary_line(store) -> str | None:
     )
 
 
-def verify_conversations(store, expected, check_shapes) -> tuple[int, int, int]:
-    """Every conversation record and the parts it reaches, fully checked; prints the bad ones
+def print_line(line: str, entry: dict | None = None) -> None:
+    print(line)
+
+
+def verify_conversations(
+    store, expected, check_shapes, say: Say = print_line
+) -> tuple[int, int, int]:
+    """Every conversation record and the parts it reaches, fully checked; says the bad ones
     (and those for another model) and returns (ok, bad, other). A record gone since the
-    listing was superseded or evicted by a server writing meanwhile: not bad, not counted."""
+    listing was superseded or evicted by a server writing meanwhile: not bad, not counted.
+    ``say(line, entry)``: a line and, for one record, what ``verify --json`` lists."""
     from kvsnap.errors import SnapshotError
     from kvsnap.store.conversations import conversation_files
     from kvsnap.store.foreign import foreign_reason
@@ -83,7 +93,10 @@ def verify_conversations(store, expected, check_shapes) -> tuple[int, int, int]:
             foreign = foreign_reason(expected, info)
             if foreign:
                 other += 1
-                print(f"other conversations/{path.name}: {foreign}")
+                say(
+                    f"other conversations/{path.name}: {foreign}",
+                    {"status": "other", "file": f"conversations/{path.name}", "reason": foreign},
+                )
                 continue
             if check_shapes is not None:
                 check_shapes(info)
@@ -94,9 +107,13 @@ def verify_conversations(store, expected, check_shapes) -> tuple[int, int, int]:
             bad += 1
             if agent_parts is None:
                 agent_parts = _agent_parts(store)
-            print(f"BAD  {exc.path}: {exc.reason}; {_fix(store, exc, path, agent_parts)}")
+            fix = _fix(store, exc, path, agent_parts)
+            say(
+                f"BAD  {exc.path}: {exc.reason}; {fix}",
+                {"status": "bad", "file": str(exc.path), "reason": exc.reason, "fix": fix},
+            )
     if ok:
-        print(f"ok   {ok} persisted conversation(s)")
+        say(f"ok   {ok} persisted conversation(s)")
     return ok, bad, other
 
 
@@ -122,7 +139,9 @@ def _fix(store, exc, record, agent_parts: set[str]) -> str:
     return exc.fix  # an agent's part too: a build rebuilds it
 
 
-def gc_conversations(store, unused_for: float, apply: bool) -> tuple[int, int]:
+def gc_conversations(
+    store, unused_for: float, apply: bool, say: Say = print_line
+) -> tuple[int, int]:
     """Conversations unused for ``unused_for`` seconds: removed (``apply``) or listed; returns
     (records, bytes)."""
     from kvsnap.store.conversation_space import drop_unused
@@ -130,5 +149,5 @@ def gc_conversations(store, unused_for: float, apply: bool) -> tuple[int, int]:
     paths, nbytes = drop_unused(store, unused_for, apply)
     verb = "removed" if apply else "would remove"
     for p in paths:
-        print(f"{verb} {p} (conversation unused for over {unused_for:g}s)")
+        say(f"{verb} {p} (conversation unused for over {unused_for:g}s)", {"file": str(p)})
     return len(paths), nbytes

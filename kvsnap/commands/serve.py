@@ -394,6 +394,7 @@ def cmd_serve(args) -> int:
     engine = Engine(engine_config(args, source.path, prompts))
     server_config = serve_config(args, source, auth, template_args)
     engine.start()  # load the model on the main thread, before the port opens
+    warn_without_openblas()
     # After the load: importing mlx-lm sets the open-files limit itself (2048, hard 4096).
     max_connections = effective_max_connections(args.max_connections, raise_open_files_limit())
     guard = ConnectionGuard(
@@ -422,6 +423,15 @@ def cmd_serve(args) -> int:
         print(f"kvsnap serve: error: warm-up failed: {engine.failed}", file=sys.stderr)
         return EXIT_BAD
     return EXIT_OK
+
+
+def warn_without_openblas() -> None:
+    """Once mlx is loaded: on Linux without OpenBLAS, CPU matmuls are several times slower."""
+    from kvsnap.blas import openblas_warning
+
+    warning = openblas_warning()
+    if warning:
+        log.warning("[kvsnap] %s", warning)
 
 
 def engine_config(args, model_dir: Path, prompts):

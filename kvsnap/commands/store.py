@@ -15,6 +15,7 @@ from kvsnap.commands.common import (
     console,
     human_bytes,
     kv_settings,
+    print_json,
     table_title,
 )
 from kvsnap.errors import KvsnapError
@@ -166,8 +167,39 @@ def add_verify(sub) -> None:
         help="also reject snapshots not built for this model: hub id or local folder (imports mlx)",
     )
     p.add_argument("--revision", metavar="REV", help=REVISION_HELP)
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print the result as one JSON object (counts, then per file status, reason, fix)",
+    )
     add_kv_options(p)
     p.set_defaults(run=cmd_verify)
+
+
+def store_relative(root: Path, path) -> str:
+    """A file's path relative to the store root (as ``--json`` gives every file); as it is when
+    it lies elsewhere."""
+    for base in (root, root.resolve()):
+        try:
+            return str(Path(path).relative_to(base))
+        except ValueError:
+            continue
+    return str(path)
+
+
+class Lines:
+    """What verify and gc say: printed line by line, or with ``--json`` gathered as the entries
+    of one JSON object printed at the end (their files relative to the store)."""
+
+    def __init__(self, as_json: bool, root: Path):
+        self.as_json, self.root = as_json, root
+        self.entries: list[dict] = []
+
+    def __call__(self, line: str, entry: dict | None = None) -> None:
+        if entry is not None:
+            self.entries.append({**entry, "file": store_relative(self.root, entry["file"])})
+        if not self.as_json:
+            print(line)
 
 
 def cmd_verify(args) -> int:
@@ -188,6 +220,7 @@ def cmd_verify(args) -> int:
 
         lm = load_model(args.model, kv_settings(args), args.revision)
         expected, shapes = lm.identity(default_digest_cache()), ModelShapes(lm)
+    say = Lines(args.json, store.root)
     ok = bad = other = 0
     for path in store.snapshot_files():
         try:
@@ -197,25 +230,53 @@ def cmd_verify(args) -> int:
             foreign = foreign_reason(expected, info)
             if foreign:  # sound, for another model: a shared store may hold several
                 other += 1
-                print(f"other {info.relpath}  {name}: {foreign}")
+                say(
+                    f"other {info.relpath}  {name}: {foreign}",
+                    {"status": "other", "file": info.relpath, "name": info.name, "reason": foreign},
+                )
                 continue
             if shapes is not None:
                 _check_shapes(store, info, shapes)
             ok += 1
-            print(f"ok   {info.relpath}  {name}  {info.n_tokens} tokens")
+            say(
+                f"ok   {info.relpath}  {name}  {info.n_tokens} tokens",
+                {
+                    "status": "ok",
+                    "file": info.relpath,
+                    "name": info.name,
+                    "n_tokens": info.n_tokens,
+                },
+            )
         except SnapshotError as exc:
             bad += 1
-            print(f"BAD  {exc.path}: {exc.reason}; {exc.fix}")
+            say(
+                f"BAD  {exc.path}: {exc.reason}; {exc.fix}",
+                {"status": "bad", "file": str(exc.path), "reason": exc.reason, "fix": exc.fix},
+            )
     check = (lambda info: _check_shapes(store, info, shapes)) if shapes is not None else None
-    n_ok, n_bad, n_other = conversations.verify_conversations(store, expected, check)
+    n_ok, n_bad, n_other = conversations.verify_conversations(store, expected, check, say)
     ok, bad, other = ok + n_ok, bad + n_bad, other + n_other
-    bad += _verify_manifest(store)
-    for tmp in store.temp_files():
-        print(
+    bad += _verify_manifest(store, say)
+    temp_files = store.temp_files()
+    for tmp in temp_files:
+        say(
             f"note {tmp}: leftover temp file of an interrupted write (harmless; `kvsnap gc --yes` "
             f"removes it)"
         )
-    print(f"{ok} ok, {bad} bad" + (f", {other} for another model" if other else ""))
+    if args.json:
+        print_json(
+            {
+                "store": str(store.root),
+                "ok": ok,
+                "bad": bad,
+                "other": other,
+                "conversations": {"ok": n_ok, "bad": n_bad, "other": n_other},
+                "files": say.entries,
+                "temp_files": [store_relative(store.root, tmp) for tmp in temp_files],
+            }
+        )
+    else:
+        print(f"{ok} ok, {bad} bad" + (f", {other} for another model" if other else ""))
     return EXIT_BAD if bad else EXIT_OK
 
 
@@ -245,10 +306,11 @@ def _check_shapes(store, info, shapes) -> None:
             )
 
 
-def _verify_manifest(store) -> int:
-    """Print and count what is wrong with the manifest: unreadable, or listing files that are
+def _verify_manifest(store, say: Lines) -> int:
+    """Say and count what is wrong with the manifest: unreadable, or listing files that are
     gone."""
     from kvsnap.errors import StoreError
+    from kvsnap.store.local import MANIFEST
 
     bad = 0
     try:
@@ -256,11 +318,13 @@ def _verify_manifest(store) -> int:
     except StoreError as exc:
         bad += 1
         referenced = set()
-        print(f"BAD  {exc}")
+        say(f"BAD  {exc}", {"status": "bad", "file": MANIFEST, "reason": str(exc)})
     for ref in store.missing_files(referenced):
         bad += 1
-        print(
-            f"BAD  {store.root / ref}: listed in the manifest but missing; run `kvsnap build` again"
+        reason, fix = "listed in the manifest but missing", "run `kvsnap build` again"
+        say(
+            f"BAD  {store.root / ref}: {reason}; {fix}",
+            {"status": "bad", "file": str(ref), "reason": reason, "fix": fix},
         )
     return bad
 
@@ -277,6 +341,11 @@ def add_gc(sub) -> None:
         metavar="AGE",
         help="also remove persisted conversations not used for AGE (90s, 30m, 12h, 7d, 2w)",
     )
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print the result as one JSON object (the files, their count and bytes)",
+    )
     p.set_defaults(run=cmd_gc)
 
 
@@ -284,21 +353,37 @@ def cmd_gc(args) -> int:
     from kvsnap.store.local import MANIFEST, Store
 
     store = Store.open(args.store)
+    say = Lines(args.json, store.root)
     n_conv = conv_bytes = 0
     if args.conversations_unused_for is not None:
         n_conv, conv_bytes = conversations.gc_conversations(
-            store, args.conversations_unused_for, args.yes
+            store, args.conversations_unused_for, args.yes, say
         )
+    conv_entries = list(say.entries)
     doomed, freed = store.gc(apply=args.yes)
     doomed_count, freed = len(doomed) + n_conv, freed + conv_bytes
     verb = "removed" if args.yes else "would remove"
-    if not (store.root / MANIFEST).exists() and store.snapshot_files():
-        print(
+    has_manifest = (store.root / MANIFEST).exists()
+    if not has_manifest and store.snapshot_files():
+        say(
             f"note {store.root} has no manifest.json, so no snapshot is known to be unused; every "
             f"snapshot is kept (temp files and blocks no record reaches go)"
         )
     for p in doomed:
-        print(f"{verb} {p}")
+        say(f"{verb} {p}")
+    if args.json:
+        print_json(
+            {
+                "store": str(store.root),
+                "deleted": args.yes,
+                "manifest": has_manifest,
+                "files": [store_relative(store.root, p) for p in doomed],
+                "conversations": [e["file"] for e in conv_entries],
+                "count": doomed_count,
+                "bytes": freed,
+            }
+        )
+        return EXIT_OK
     print(
         f"{verb} {doomed_count} file(s), {human_bytes(freed)}"
         + ("" if args.yes else "; run again with --yes to delete")

@@ -3,8 +3,9 @@ verified."""
 
 from __future__ import annotations
 
-from kvsnap.commands.common import EXIT_OK, human_bytes
+from kvsnap.commands.common import EXIT_OK, byte_progress, human_bytes, print_json
 
+JSON_HELP = "print the report as one JSON object (no progress bar); docs/cli.md lists its fields"
 PLAIN_HTTP_HELP = (
     "plain HTTP instead of HTTPS (the default for localhost and 127.0.0.1; or set "
     "KVSNAP_REGISTRY_PLAIN_HTTP=1)"
@@ -64,13 +65,33 @@ def add_push(sub) -> None:
     p.add_argument("ref", help="oci://HOST[:PORT]/REPO:TAG")
     p.add_argument("--plain-http", action="store_true", default=None, help=PLAIN_HTTP_HELP)
     add_deadline_flags(p)
+    p.add_argument("--json", action="store_true", help=JSON_HELP)
     p.set_defaults(run=cmd_push)
 
 
 def cmd_push(args) -> int:
     from kvsnap.store.remote import push
 
-    report = push(args.store, args.ref, plain_http=args.plain_http, deadlines=deadlines_of(args))
+    with byte_progress("push", quiet=args.json) as progress:
+        report = push(
+            args.store,
+            args.ref,
+            plain_http=args.plain_http,
+            deadlines=deadlines_of(args),
+            **progress,
+        )
+    if args.json:
+        print_json(
+            {
+                "store": args.store,
+                "ref": str(report.ref),
+                "manifest_digest": report.manifest_digest,
+                "uploaded": report.uploaded,
+                "uploaded_bytes": report.uploaded_bytes,
+                "skipped": report.skipped,
+            }
+        )
+        return EXIT_OK
     print(f"pushed {args.store} to {report.ref} ({report.manifest_digest})")
     print(
         f"{len(report.uploaded)} blob(s) uploaded ({human_bytes(report.uploaded_bytes)}), "
@@ -91,13 +112,35 @@ def add_pull(sub) -> None:
     )
     p.add_argument("--plain-http", action="store_true", default=None, help=PLAIN_HTTP_HELP)
     add_deadline_flags(p)
+    p.add_argument("--json", action="store_true", help=JSON_HELP)
     p.set_defaults(run=cmd_pull)
 
 
 def cmd_pull(args) -> int:
     from kvsnap.store.remote import pull
 
-    report = pull(args.ref, args.store, plain_http=args.plain_http, deadlines=deadlines_of(args))
+    with byte_progress("pull", quiet=args.json) as progress:
+        report = pull(
+            args.ref,
+            args.store,
+            plain_http=args.plain_http,
+            deadlines=deadlines_of(args),
+            **progress,
+        )
+    if args.json:
+        print_json(
+            {
+                "ref": str(report.ref),
+                "store": str(report.dest),
+                "manifest_digest": report.manifest_digest,
+                "downloaded": report.downloaded,
+                "downloaded_bytes": report.downloaded_bytes,
+                "present": report.present,
+                "resumed": list(getattr(report, "resumed", [])),
+                "kept": list(getattr(report, "kept", [])),
+            }
+        )
+        return EXIT_OK
     print(f"pulled {report.ref} ({report.manifest_digest}) into {report.dest}")
     print(
         f"{len(report.downloaded)} file(s) downloaded ({human_bytes(report.downloaded_bytes)}), "
@@ -118,13 +161,25 @@ def add_pack(sub) -> None:
     )
     p.add_argument("store", help="snapshot store directory")
     p.add_argument("-o", "--output", required=True, help="archive file to write")
+    p.add_argument("--json", action="store_true", help=JSON_HELP)
     p.set_defaults(run=cmd_pack)
 
 
 def cmd_pack(args) -> int:
     from kvsnap.store.archive import pack
 
-    report = pack(args.store, args.output)
+    with byte_progress("pack", quiet=args.json) as progress:
+        report = pack(args.store, args.output, **progress)
+    if args.json:
+        print_json(
+            {
+                "store": args.store,
+                "archive": str(report.archive),
+                "files": report.files,
+                "bytes": report.nbytes,
+            }
+        )
+        return EXIT_OK
     print(
         f"packed {len(report.files)} file(s), {human_bytes(report.nbytes)}, from {args.store} into "
         f"{report.archive}"
@@ -138,13 +193,26 @@ def add_unpack(sub) -> None:
     )
     p.add_argument("archive", help="archive file")
     p.add_argument("store", help="snapshot store directory (created if absent)")
+    p.add_argument("--json", action="store_true", help=JSON_HELP)
     p.set_defaults(run=cmd_unpack)
 
 
 def cmd_unpack(args) -> int:
     from kvsnap.store.archive import unpack
 
-    report = unpack(args.archive, args.store)
+    with byte_progress("unpack", quiet=args.json) as progress:
+        report = unpack(args.archive, args.store, **progress)
+    if args.json:
+        print_json(
+            {
+                "archive": args.archive,
+                "store": str(report.dest),
+                "files": report.files,
+                "bytes": report.nbytes,
+                "kept": report.kept,
+            }
+        )
+        return EXIT_OK
     print(
         f"unpacked {len(report.files)} file(s), {human_bytes(report.nbytes)}, from {args.archive} "
         f"into {report.dest}; all verified"

@@ -20,6 +20,7 @@ import tempfile
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, BinaryIO, Callable
 
 from kvsnap.snapshot.format import PART_FOLDERS
 from kvsnap.store.fileio import CHUNK, fsync_dir
@@ -63,9 +64,36 @@ def _tar_mode(name: str, write: bool) -> str:
     return "w"
 
 
-def pack(root: str | os.PathLike, out: str | os.PathLike) -> PackReport:
+class _Counted:
+    """A file read through, calling ``on_bytes(n)`` as the read position first passes bytes
+    (tarfile seeks back while it guesses the compression: those bytes count once)."""
+
+    def __init__(self, raw: BinaryIO, on_bytes: Callable[[int], None] | None):
+        self.raw, self.on_bytes, self.reported = raw, on_bytes, 0
+
+    def read(self, n: int = -1) -> bytes:
+        data = self.raw.read(n)
+        self.advance_to(self.raw.tell())
+        return data
+
+    def advance_to(self, pos: int) -> None:
+        if self.on_bytes is not None and pos > self.reported:
+            self.on_bytes(pos - self.reported)
+            self.reported = pos
+
+    def __getattr__(self, name: str):
+        return getattr(self.raw, name)
+
+
+def pack(
+    root: str | os.PathLike,
+    out: str | os.PathLike,
+    on_bytes: Callable[[int], None] | None = None,
+    on_total: Callable[[int], None] | None = None,
+) -> PackReport:
     """Verify the store, then write its manifest and snapshots to a tarball (atomically,
-    ``0600``)."""
+    ``0600``). ``on_total(n)``: the store bytes to pack, once verified; ``on_bytes(n)`` as they
+    are read: its sum is ``nbytes``."""
     files = collect_store(root)
     out_path = Path(out).expanduser().absolute()
     store_root = Path(root).expanduser().resolve()
@@ -80,6 +108,8 @@ def pack(root: str | os.PathLike, out: str | os.PathLike) -> PackReport:
         raise ArchiveError(f"{out_path.parent}: no such folder; create it first")
     fd, tmp = tempfile.mkstemp(prefix=f".tmp-{out_path.name}.", dir=out_path.parent)
     total = 0
+    if on_total is not None:
+        on_total(sum(f.size for f in files))
     try:
         os.fchmod(fd, FILE_MODE)
         with os.fdopen(fd, "wb") as raw:
@@ -94,7 +124,7 @@ def pack(root: str | os.PathLike, out: str | os.PathLike) -> PackReport:
                         info.mtime = int(os.fstat(fh.fileno()).st_mtime)
                         info.uid = info.gid = 0
                         info.uname = info.gname = ""
-                        tar.addfile(info, fh)
+                        tar.addfile(info, _Counted(fh, on_bytes))
                         total += f.size
             raw.flush()
             os.fsync(raw.fileno())
@@ -124,10 +154,16 @@ def _check_name(name: str, where: str) -> None:
 
 
 def unpack(
-    archive: str | os.PathLike, dest: str | os.PathLike, limits: UnpackLimits | None = None
+    archive: str | os.PathLike,
+    dest: str | os.PathLike,
+    limits: UnpackLimits | None = None,
+    on_bytes: Callable[[int], None] | None = None,
+    on_total: Callable[[int], None] | None = None,
 ) -> UnpackReport:
     """Unpack a tarball made by ``pack`` into ``dest``: checked entry by entry (names, kinds, and
-    sizes against ``limits`` before a byte is written), verified, installed atomically."""
+    sizes against ``limits`` before a byte is written), verified, installed atomically.
+    ``on_total(n)``: the archive's size; ``on_bytes(n)`` as the archive is read (compressed
+    bytes; the sum is the archive's size once it is unpacked)."""
     limits = limits or UnpackLimits.from_env()
     path = Path(archive).expanduser()
     if not path.is_file():
@@ -136,18 +172,27 @@ def unpack(
         )
     where = str(path)
     check_destination(dest)  # before reading anything: a bad destination is a usage error
+    raw = None
     try:
-        mode = _tar_mode(path.name, False)  # chosen at run time: typeshed wants a literal
-        tar = tarfile.open(path, mode, tarinfo=BoundedTarInfo)  # type: ignore[call-overload]
-        guard = ExpansionGuard(limits, path.stat().st_size)
+        raw = open(path, "rb")
+        size = os.fstat(raw.fileno()).st_size
+        counted = _Counted(raw, on_bytes)
+        # the mode is chosen at run time, the file object is duck-typed: typeshed wants literals
+        open_tar: Any = tarfile.open
+        tar = open_tar(fileobj=counted, mode=_tar_mode(path.name, False), tarinfo=BoundedTarInfo)
+        guard = ExpansionGuard(limits, size)
     except (tarfile.TarError, OSError, EOFError, zlib.error, lzma.LZMAError) as exc:
+        if raw is not None:
+            raw.close()
         first = (str(exc).splitlines() or [type(exc).__name__])[0].rstrip(":")
         raise ArchiveError(
             f"{path}: not a readable tar archive (.tar, .tar.gz, .tar.bz2, .tar.xz: {first}); make "
             f"one with `kvsnap pack`"
         ) from None
+    if on_total is not None:
+        on_total(size)
     total = 0
-    with tar, StagedInstall(Path(dest)) as staging:
+    with raw, tar, StagedInstall(Path(dest)) as staging:
         try:
             # streaming: one entry at a time, nothing extracted by tarfile itself
             for member in tar:
@@ -206,6 +251,8 @@ def unpack(
                 f"{where}: cannot unpack ({exc.strerror or exc}); nothing was changed in "
                 f"{staging.dest}"
             ) from None
+        # the end-of-archive blocks tarfile stops before count as read
+        counted.advance_to(size)
         staging.verify(where)
         files = list(staging.staged)
         staging.commit()

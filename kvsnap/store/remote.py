@@ -22,7 +22,7 @@ import os
 import re
 from pathlib import Path
 from types import MappingProxyType
-from typing import Protocol
+from typing import Callable, Protocol
 
 from kvsnap.errors import UsageError
 
@@ -49,13 +49,27 @@ class Backend(Protocol):
 
     def fetch(self, url: str) -> Path: ...
 
+    # report: ref, manifest_digest, uploaded, skipped, uploaded_bytes
     def push(
-        self, root: str | os.PathLike, url: str, plain_http: bool | None = None, deadlines=None
-    ): ...  # report: ref, manifest_digest, uploaded, skipped, uploaded_bytes
+        self,
+        root: str | os.PathLike,
+        url: str,
+        plain_http: bool | None = None,
+        deadlines=None,
+        on_bytes: Callable[[int], None] | None = None,
+        on_total: Callable[[int], None] | None = None,
+    ): ...
 
+    # report: ref, dest, manifest_digest, downloaded, present, downloaded_bytes, kept
     def pull(
-        self, url: str, dest: str | os.PathLike, plain_http: bool | None = None, deadlines=None
-    ): ...  # report: ref, dest, manifest_digest, downloaded, present, downloaded_bytes, kept
+        self,
+        url: str,
+        dest: str | os.PathLike,
+        plain_http: bool | None = None,
+        deadlines=None,
+        on_bytes: Callable[[int], None] | None = None,
+        on_total: Callable[[int], None] | None = None,
+    ): ...
 
 
 def redact(text: str) -> str:
@@ -112,19 +126,40 @@ def resolve_kv_snapshots(value: str | None) -> str | None:
     return str(backend_for(value, "--kv-snapshots").fetch(value))
 
 
-def push(root: str | os.PathLike, url: str, plain_http: bool | None = None, deadlines=None):
+def push(
+    root: str | os.PathLike,
+    url: str,
+    plain_http: bool | None = None,
+    deadlines=None,
+    on_bytes: Callable[[int], None] | None = None,
+    on_total: Callable[[int], None] | None = None,
+):
     """Ship the store at ``root`` to ``url``; the backend's push report. ``deadlines``: the
-    backend's per-request limits (None: its defaults and environment)."""
+    backend's per-request limits (None: its defaults and environment). ``on_total(n)``: the
+    bytes to send, once known; ``on_bytes(n)``: bytes sent so far, as they go."""
     return backend_for(url, "push to").push(
-        root, url, plain_http=plain_http, **_given(deadlines=deadlines)
+        root,
+        url,
+        plain_http=plain_http,
+        **_given(deadlines=deadlines, on_bytes=on_bytes, on_total=on_total),
     )
 
 
-def pull(url: str, dest: str | os.PathLike, plain_http: bool | None = None, deadlines=None):
+def pull(
+    url: str,
+    dest: str | os.PathLike,
+    plain_http: bool | None = None,
+    deadlines=None,
+    on_bytes: Callable[[int], None] | None = None,
+    on_total: Callable[[int], None] | None = None,
+):
     """Install the store at ``url`` into ``dest`` (merged, staged, verified); the backend's pull
-    report."""
+    report. ``on_total`` / ``on_bytes``: the bytes to download, and those downloaded."""
     return backend_for(url, "pull from").pull(
-        url, dest, plain_http=plain_http, **_given(deadlines=deadlines)
+        url,
+        dest,
+        plain_http=plain_http,
+        **_given(deadlines=deadlines, on_bytes=on_bytes, on_total=on_total),
     )
 
 

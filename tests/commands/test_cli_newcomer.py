@@ -255,9 +255,9 @@ def test_serve_without_a_model_or_with_two_says_how_to_name_it(tmp_path, argv, s
 @pytest.mark.parametrize(
     "argv, command, flag",
     [
-        (["verify", "S", "--json"], "verify", "--json"),
+        (["verify", "S", "--yes"], "verify", "--yes"),
         (["serve", "org/m", "--modle", "org/m"], "serve", "--modle"),
-        (["gc", "S", "--json"], "gc", "--json"),
+        (["gc", "S", "--force"], "gc", "--force"),
     ],
     ids=["verify", "serve", "gc"],
 )

@@ -278,3 +278,23 @@ def test_shipping_modules_do_not_import_mlx():
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
+
+
+# --- progress -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["snaps.tar", "snaps.tar.xz"])
+def test_pack_and_unpack_report_every_byte_they_move(built, tmp_path, name):
+    """The CLI's byte bar is fed by these callbacks: a total first, then chunks summing to it."""
+    archive = tmp_path / name
+    totals: list[int] = []
+    chunks: list[int] = []
+    packed = pack(built, archive, on_bytes=chunks.append, on_total=totals.append)
+    assert totals == [packed.nbytes] and sum(chunks) == packed.nbytes
+    assert len(chunks) >= len(packed.files) and min(chunks) > 0
+
+    totals, chunks = [], []
+    unpacked = unpack(archive, tmp_path / "out", on_bytes=chunks.append, on_total=totals.append)
+    size = archive.stat().st_size
+    assert totals == [size] and sum(chunks) == size and min(chunks) > 0
+    assert unpacked.nbytes == packed.nbytes and store_files(tmp_path / "out") == store_files(built)

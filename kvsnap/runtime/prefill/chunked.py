@@ -8,7 +8,7 @@ re-warm never holds up serving for longer than one chunk.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 from kvsnap.runtime.model.loading import LoadedModel
 
@@ -61,18 +61,21 @@ def prefill_in_blocks(
     cache: list | None = None,
     start: int = 0,
     on_end=None,
+    on_tokens: Callable[[int], None] | None = None,
 ) -> list:
     """Prefill ``tokens[start:]`` stopping at every block end (then in step-size chunks inside a
     block), so a block's state is the same whichever earlier block a build restored from;
-    ``on_end(end, cache)`` runs at each end past ``start``."""
+    ``on_end(end, cache)`` runs at each end past ``start``, ``on_tokens(n)`` after each chunk
+    of ``n`` tokens."""
     cache = cache if cache is not None else lm.make_cache()
     done = start
     for end in ends:
         if end <= done:
             continue
         cursor = PrefillCursor(lm, tuple(tokens[done:end]), cache=cache)
-        while cursor.step():
-            pass
+        while n := cursor.step():
+            if on_tokens is not None:
+                on_tokens(n)
         done = end
         if on_end is not None:
             on_end(end, cache)

@@ -339,10 +339,15 @@ class RegistryClient:
         return found
 
     def upload_blob(
-        self, digest: str, size: int, opener: Callable[[], ContextManager[BinaryIO]]
+        self,
+        digest: str,
+        size: int,
+        opener: Callable[[], ContextManager[BinaryIO]],
+        on_bytes: Callable[[int], None] | None = None,
     ) -> None:
         """Monolithic upload: POST for a session, then PUT the bytes with ``?digest=``; the
-        registry checks the digest."""
+        registry checks the digest. ``on_bytes(n)`` after each chunk sent; a body sent again
+        (after an auth challenge) reports only bytes past those already reported."""
         resp = self.request(
             "POST", f"{self.base}/blobs/uploads/", headers={"Content-Length": "0"}, ok=(202,)
         )
@@ -358,12 +363,19 @@ class RegistryClient:
                 f"follow the distribution API"
             )
         url = httpx.URL(self.base).join(location).copy_merge_params({"digest": digest})
+        reported = 0
 
         def body():
             def chunks():
+                nonlocal reported
+                sent = 0
                 with opener() as fh:
                     while chunk := fh.read(CHUNK):
                         yield chunk
+                        sent += len(chunk)
+                        if on_bytes is not None and sent > reported:
+                            on_bytes(sent - reported)
+                            reported = sent
 
             return chunks()
 
@@ -381,8 +393,16 @@ class RegistryClient:
                 f"again"
             )
 
-    def download_blob(self, digest: str, size: int, out: BinaryIO, what: str) -> None:
-        """Stream a blob into ``out``, checking its size and sha256 as it arrives."""
+    def download_blob(
+        self,
+        digest: str,
+        size: int,
+        out: BinaryIO,
+        what: str,
+        on_bytes: Callable[[int], None] | None = None,
+    ) -> None:
+        """Stream a blob into ``out``, checking its size and sha256 as it arrives;
+        ``on_bytes(n)`` after each chunk written."""
         resp = self.request("GET", f"{self.base}/blobs/{digest}", stream=True, nbytes=size)
         try:
             if resp.status_code == 404:
@@ -405,6 +425,8 @@ class RegistryClient:
                         break
                     h.update(chunk)
                     out.write(chunk)
+                    if on_bytes is not None:
+                        on_bytes(len(chunk))
             except httpx.TransportError as exc:
                 raise self._unreachable(exc) from None
         finally:

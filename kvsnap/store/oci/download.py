@@ -12,6 +12,7 @@ import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import httpx
 
@@ -75,7 +76,10 @@ def _download_missing(
     have: list[Layer],
     staging: StagedInstall,
     report: PullReport,
+    on_bytes: Callable[[int], None] | None = None,
+    on_total: Callable[[int], None] | None = None,
 ) -> None:
+    todo = []
     for layer in layers:
         if layer in have:
             report.present.append(layer.relpath)
@@ -86,8 +90,12 @@ def _download_missing(
         if staging.reuse(layer.relpath, layer.size, layer.digest):
             report.resumed.append(layer.relpath)
             continue
+        todo.append(layer)
+    if on_total is not None:
+        on_total(sum(layer.size for layer in todo))
+    for layer in todo:
         with staging.open(layer.relpath) as out:
-            client.download_blob(layer.digest, layer.size, out, layer.relpath)
+            client.download_blob(layer.digest, layer.size, out, layer.relpath, on_bytes)
         report.downloaded.append(layer.relpath)
         report.downloaded_bytes += layer.size
         fault("pull-staged-blob")
@@ -100,9 +108,12 @@ def pull(
     credentials: Credentials | None | bool = True,
     transport: httpx.BaseTransport | None = None,
     deadlines: Deadlines | None = None,
+    on_bytes: Callable[[int], None] | None = None,
+    on_total: Callable[[int], None] | None = None,
 ) -> PullReport:
     """Fetch the manifest, download what ``dest`` lacks into a temp folder, verify all, move it
-    in."""
+    in. ``on_total(n)`` once the bytes to download are known; ``on_bytes(n)`` as they arrive:
+    its sum is ``downloaded_bytes``."""
     ref = as_reference(ref)
     dest_path = check_destination(dest)  # before any network call
     with RegistryClient(
@@ -119,7 +130,7 @@ def pull(
         report.kept = _kept_existing(dest_path, layers, have)
         with StagedInstall(dest_path, resume=True) as staging:
             try:
-                _download_missing(client, layers, have, staging, report)
+                _download_missing(client, layers, have, staging, report, on_bytes, on_total)
             except RegistryError as exc:
                 raise type(exc)(f"{exc}; nothing was changed in {dest_path}") from None
             staging.verify(str(ref))
@@ -162,7 +173,8 @@ def fetch(url: str) -> Path:
     starts from).
 
     The cache folder is ``$KVSNAP_CACHE_DIR/oci/<host>/<repo>/<tag>`` (else
-    ``~/.cache/kvsnap/oci/…``); files already there are reused. If the registry cannot be
+    ``$XDG_CACHE_HOME/kvsnap/oci/…``, else ``~/.cache/kvsnap/oci/…``); files already there are
+    reused. If the registry cannot be
     reached and an earlier pull left a store there, that copy is used (a snapshot is keyed
     by model and prompt, so an older copy can only be colder, never wrong).
     """

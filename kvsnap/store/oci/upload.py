@@ -49,8 +49,13 @@ def push(
     credentials: Credentials | None | bool = True,
     transport: httpx.BaseTransport | None = None,
     deadlines: Deadlines | None = None,
+    on_bytes: Callable[[int], None] | None = None,
+    on_total: Callable[[int], None] | None = None,
 ) -> PushReport:
-    """Verify the store, upload the blobs the registry lacks, then tag the manifest."""
+    """Verify the store, upload the blobs the registry lacks, then tag the manifest.
+
+    ``on_total(n)`` once the registry has said which blobs it lacks (the bytes to upload);
+    ``on_bytes(n)`` as they go: its sum is ``uploaded_bytes``."""
     ref = as_reference(ref)
     if not ref.tag:
         raise UsageError(f"{ref}: push needs a tag (oci://HOST/REPO:TAG), not a digest")
@@ -79,11 +84,14 @@ def push(
         seen: set[str] = set()
         # in parallel: only what is missing goes up
         present = client.blobs_exist([digest for _, digest, _, _ in blobs])
+        missing = {digest: size for _, digest, size, _ in blobs if not present[digest]}
+        if on_total is not None:
+            on_total(sum(missing.values()))
         for name, digest, size, opener in blobs:
             if digest in seen or present[digest]:
                 report.skipped.append(name)
             else:
-                client.upload_blob(digest, size, opener)
+                client.upload_blob(digest, size, opener, on_bytes)
                 report.uploaded.append(name)
                 report.uploaded_bytes += size
             seen.add(digest)

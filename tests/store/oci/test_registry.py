@@ -579,3 +579,67 @@ def test_401_needs_or_refused_credentials_and_docker_config_login(
     r = run_kvsnap("pull", ref, dest, env={"DOCKER_CONFIG": str(docker)})
     assert r.returncode == 0 and "s3cret-pw" not in r.stdout + r.stderr, r.stderr
     assert store_files(dest) == store_files(built)
+
+
+# --- progress and --json ---------------------------------------------------------------------
+
+
+def test_push_and_pull_report_every_byte_they_move(registry, built, tmp_path):
+    """The CLI's byte bar is fed by these callbacks: the bytes to move once the registry has
+    answered, then chunks summing to them; a second push or pull moves and reports nothing."""
+    ref = registry.ref("team/progress")
+    totals: list[int] = []
+    chunks: list[int] = []
+    pushed = push(built, ref, on_bytes=chunks.append, on_total=totals.append)
+    assert pushed.uploaded_bytes > 0 and totals == [pushed.uploaded_bytes]
+    assert sum(chunks) == pushed.uploaded_bytes and min(chunks) > 0
+
+    totals, chunks = [], []
+    pulled = pull(ref, tmp_path / "out", on_bytes=chunks.append, on_total=totals.append)
+    assert pulled.downloaded_bytes == sum(
+        (built / rel).stat().st_size for rel in store_files(built)
+    )
+    assert totals == [pulled.downloaded_bytes] and sum(chunks) == pulled.downloaded_bytes
+
+    totals, chunks = [], []
+    assert pull(ref, tmp_path / "out", on_bytes=chunks.append, on_total=totals.append).present
+    assert push(built, ref, on_bytes=chunks.append, on_total=totals.append).skipped
+    assert totals == [0, 0] and chunks == []
+
+
+def test_push_and_pull_json_print_one_object_with_the_documented_fields(registry, built, tmp_path):
+    ref = registry.ref("team/json")
+    r = run_kvsnap("push", built, ref, "--json")
+    assert r.returncode == 0, r.stdout + r.stderr
+    doc = json.loads(r.stdout)
+    assert set(doc) == {
+        "store",
+        "ref",
+        "manifest_digest",
+        "uploaded",
+        "uploaded_bytes",
+        "skipped",
+    }
+    assert doc["ref"] == ref and doc["store"] == str(built)
+    assert doc["manifest_digest"].startswith("sha256:") and doc["skipped"] == []
+    assert set(doc["uploaded"]) == set(store_files(built)) | {"config"}
+    assert doc["uploaded_bytes"] > 0 and r.stderr == ""
+
+    out = tmp_path / "pulled"
+    r = run_kvsnap("pull", ref, out, "--json")
+    assert r.returncode == 0, r.stdout + r.stderr
+    pulled = json.loads(r.stdout)
+    assert set(pulled) == {
+        "ref",
+        "store",
+        "manifest_digest",
+        "downloaded",
+        "downloaded_bytes",
+        "present",
+        "resumed",
+        "kept",
+    }
+    assert pulled["manifest_digest"] == doc["manifest_digest"]
+    assert pulled["store"] == str(out) and set(pulled["downloaded"]) == set(store_files(built))
+    assert pulled["downloaded_bytes"] == doc["uploaded_bytes"] - len(b"{}")
+    assert pulled["present"] == pulled["resumed"] == pulled["kept"] == []
