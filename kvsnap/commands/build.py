@@ -178,6 +178,7 @@ def unread_template_kwargs(entries, tokenizer) -> list[str]:
 def cmd_build(args) -> int:
     from rich.progress import (
         BarColumn,
+        MofNCompleteColumn,
         Progress,
         TextColumn,
         TimeElapsedColumn,
@@ -206,7 +207,8 @@ def cmd_build(args) -> int:
     with Progress(
         TextColumn("{task.description}"),
         BarColumn(),
-        TextColumn("{task.completed}/{task.total} tokens"),
+        MofNCompleteColumn(),
+        TextColumn("tokens"),
         TimeElapsedColumn(),
         TimeRemainingColumn(),
         console=out,
