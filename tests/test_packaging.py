@@ -9,7 +9,7 @@ from pathlib import Path
 
 import tomllib
 from helpers.cli import run_kvsnap
-from setuptools import find_packages
+from setuptools import find_namespace_packages, find_packages
 
 import kvsnap
 
@@ -27,13 +27,18 @@ def package_files() -> list[Path]:
 
 def test_every_folder_with_python_files_is_a_package_the_wheel_finds():
     find = PYPROJECT["tool"]["setuptools"]["packages"]["find"]
-    found = set(find_packages(where=str(ROOT), include=find["include"]))
+    # As setuptools finds them from pyproject.toml: namespace folders too unless turned off.
+    finder = find_namespace_packages if find.get("namespaces", True) else find_packages
+    found = set(finder(where=str(ROOT), include=find["include"], exclude=find.get("exclude", ())))
     folders = {p.parent.relative_to(ROOT) for p in package_files() if p.suffix == ".py"}
     missing = sorted(".".join(f.parts) for f in folders if ".".join(f.parts) not in found)
     assert not missing, (
-        f"{missing}: folders with Python files that the wheel would leave out (no __init__.py, "
-        "or pyproject.toml's [tool.setuptools.packages.find] does not include them)"
+        f"{missing}: folders with Python files that the wheel would leave out "
+        "(pyproject.toml's [tool.setuptools.packages.find] does not include them)"
     )
+    # A folder without __init__.py would ship as a namespace package, by accident.
+    plain = sorted(f.as_posix() for f in folders if not (ROOT / f / "__init__.py").is_file())
+    assert not plain, f"{plain}: folders with Python files and no __init__.py"
 
 
 def test_the_package_holds_no_data_file_the_wheel_would_leave_out():
@@ -63,3 +68,13 @@ def test_one_version_read_from_the_package_and_printed_by_the_cli():
     r = run_kvsnap("--version")
     assert r.returncode == 0 and r.stdout.strip() == f"kvsnap {kvsnap.__version__}", r
     assert "## [Unreleased]" in (ROOT / "CHANGELOG.md").read_text()
+
+
+def test_ci_runs_the_quickstart_from_the_wheel_then_the_readmes_test_command():
+    ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    readme = (ROOT / "README.md").read_text()
+    after = readme.split("Run the whole test suite", 1)[1]
+    command = after.split("```bash\n", 1)[1].split("\n```", 1)[0]
+    assert ci[-1] == command, "the README's test command and .ci/run's last line differ"
+    quickstart = [n for n, line in enumerate(ci) if 'wheelvenv/bin/kvsnap" quickstart' in line]
+    assert quickstart and quickstart[0] < len(ci) - 1
