@@ -94,9 +94,11 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/runtime/cache/test_prefix.py::test_an_untrimmable_entry_that_differs_only_at_its_last_token_"
+            "tests/runtime/cache/test_prefix.py::"
+            "test_an_untrimmable_entry_that_differs_only_at_its_last_token_"
             "is_not_used",
-            "tests/runtime/engine/test_engine.py::test_a_request_differing_from_an_untrimmable_snapshot_only_at_"
+            "tests/runtime/engine/test_engine.py::"
+            "test_a_request_differing_from_an_untrimmable_snapshot_only_at_"
             "its_last_token_is_prefilled",
             "tests/runtime/cache/test_trie.py::test_the_trie_lookup_equals_a_scan_over_every_entry",
         ),
@@ -118,9 +120,11 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/runtime/cache/test_prefix.py::test_prompt_equal_to_untrimmable_entry_falls_back_to_a_shorter_"
+            "tests/runtime/cache/test_prefix.py::"
+            "test_prompt_equal_to_untrimmable_entry_falls_back_to_a_shorter_"
             "entry_or_cold",
-            "tests/runtime/engine/test_engine.py::test_prompt_equal_to_a_cached_untrimmable_prefix_still_works",
+            "tests/runtime/engine/test_engine.py::"
+            "test_prompt_equal_to_a_cached_untrimmable_prefix_still_works",
             "tests/runtime/cache/test_trie.py::test_the_trie_lookup_equals_a_scan_over_every_entry",
         ),
     ),
@@ -149,7 +153,8 @@ BREAKAGES = (
         (Patch("kvsnap/key.py", "        kv_bits=settings.kv_bits,\n", "        kv_bits=None,\n"),),
         (
             "tests/test_key.py::test_config_kv_settings_layout_and_tokens_are_keyed",
-            "tests/runtime/engine/test_engine.py::test_a_store_built_without_kv_bits_is_not_used_by_a_kv_bits_"
+            "tests/runtime/engine/test_engine.py::"
+            "test_a_store_built_without_kv_bits_is_not_used_by_a_kv_bits_"
             "engine",
         ),
     ),
@@ -181,8 +186,10 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/runtime/engine/test_engine.py::test_rejected_snapshots_are_reported_and_replaced_by_a_prefill",
-            "tests/runtime/engine/test_engine.py::test_a_corrupt_snapshot_loaded_lazily_is_rejected_on_first_hit",
+            "tests/runtime/engine/test_engine.py::"
+            "test_rejected_snapshots_are_reported_and_replaced_by_a_prefill",
+            "tests/runtime/engine/test_engine.py::"
+            "test_a_corrupt_snapshot_loaded_lazily_is_rejected_on_first_hit",
         ),
     ),
     Breakage(
@@ -199,7 +206,8 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/e2e/test_hardening.py::test_build_killed_at_each_fault_point_leaves_a_sound_store_"
+            "tests/e2e/test_hardening.py::"
+            "test_build_killed_at_each_fault_point_leaves_a_sound_store_"
             "that_resumes[mid-write]",
         ),
     ),
@@ -260,7 +268,8 @@ BREAKAGES = (
         ),
         (
             "tests/snapshot/test_codec.py::test_copies_never_share_appends",
-            "tests/runtime/cache/test_prefix.py::test_fetching_a_pinned_entry_three_times_through_a_trim_leaves_"
+            "tests/runtime/cache/test_prefix.py::"
+            "test_fetching_a_pinned_entry_three_times_through_a_trim_leaves_"
             "it_unchanged",
         ),
     ),
@@ -334,7 +343,8 @@ BREAKAGES = (
         ),
         (
             "tests/http/test_security.py::test_prefixes_of_two_namespaces_never_match_each_other",
-            "tests/runtime/cache/test_shared_prefix.py::test_requests_of_two_namespaces_never_share_a_computed_"
+            "tests/runtime/cache/test_shared_prefix.py::"
+            "test_requests_of_two_namespaces_never_share_a_computed_"
             "prefix",
         ),
     ),
@@ -350,7 +360,8 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/runtime/cache/test_prefix.py::test_longest_strict_prefix_wins_and_state_is_a_copy",
+            "tests/runtime/cache/test_prefix.py::"
+            "test_longest_strict_prefix_wins_and_state_is_a_copy",
             f"{ENGINE_FIRST}[dense]",
         ),
     ),
@@ -387,7 +398,8 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/snapshot/test_blocks.py::test_a_record_cannot_name_another_models_or_prefixs_block",
+            "tests/snapshot/test_blocks.py::"
+            "test_a_record_cannot_name_another_models_or_prefixs_block",
         ),
     ),
     Breakage(
@@ -403,9 +415,11 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/runtime/persist/test_quantized_start.py::test_a_conversation_crossing_the_start_verifies_after_"
+            "tests/runtime/persist/test_quantized_start.py::"
+            "test_a_conversation_crossing_the_start_verifies_after_"
             "sigterm_and_resumes_whole",
-            "tests/runtime/persist/test_quantized_start.py::test_a_build_whose_agents_sit_on_both_sides_of_the_"
+            "tests/runtime/persist/test_quantized_start.py::"
+            "test_a_build_whose_agents_sit_on_both_sides_of_the_"
             "start_verifies",
         ),
     ),
@@ -417,7 +431,8 @@ BREAKAGES = (
         "traceback",
         (Patch("kvsnap/runtime/model/loading.py", "    check_kv_quantizable(lm)\n", ""),),
         (
-            "tests/runtime/persist/test_quantized_start.py::test_kv_bits_on_a_sliding_window_model_is_refused_at_"
+            "tests/runtime/persist/test_quantized_start.py::"
+            "test_kv_bits_on_a_sliding_window_model_is_refused_at_"
             "load_naming_the_layer",
         ),
     ),
@@ -434,7 +449,8 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/runtime/persist/test_quantized_start.py::test_a_build_whose_agents_sit_on_both_sides_of_the_"
+            "tests/runtime/persist/test_quantized_start.py::"
+            "test_a_build_whose_agents_sit_on_both_sides_of_the_"
             "start_verifies[hybrid]",
         ),
     ),
@@ -451,7 +467,8 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/runtime/persist/test_quantized_start.py::test_a_prefix_captured_below_the_start_serves_the_"
+            "tests/runtime/persist/test_quantized_start.py::"
+            "test_a_prefix_captured_below_the_start_serves_the_"
             "turns_that_reach_past_it",
         ),
     ),
@@ -469,7 +486,8 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/runtime/persist/test_quantized_start.py::test_a_store_written_before_keys_named_the_form_still_"
+            "tests/runtime/persist/test_quantized_start.py::"
+            "test_a_store_written_before_keys_named_the_form_still_"
             "verifies_and_serves",
         ),
     ),
@@ -486,7 +504,8 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/store/test_local.py::test_gc_removes_a_dropped_entry_but_never_one_another_model_uses",
+            "tests/store/test_local.py::"
+            "test_gc_removes_a_dropped_entry_but_never_one_another_model_uses",
             "tests/snapshot/test_blocks.py::test_gc_keeps_every_block_a_record_reaches",
         ),
     ),
@@ -502,7 +521,8 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/snapshot/test_forged_shapes.py::test_regression_forged_head_dim_blocks_are_dropped_and_"
+            "tests/snapshot/test_forged_shapes.py::"
+            "test_regression_forged_head_dim_blocks_are_dropped_and_"
             "never_fail_a_batch",
         ),
     ),
@@ -524,7 +544,8 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/runtime/engine/test_startup.py::test_regression_kv_snapshots_alone_does_the_work_of_warm_"
+            "tests/runtime/engine/test_startup.py::"
+            "test_regression_kv_snapshots_alone_does_the_work_of_warm_"
             "prompts",
         ),
     ),
@@ -540,7 +561,8 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/snapshot/test_forged_shapes.py::test_verify_with_the_model_names_the_forged_block_shapes",
+            "tests/snapshot/test_forged_shapes.py::"
+            "test_verify_with_the_model_names_the_forged_block_shapes",
         ),
     ),
     Breakage(
@@ -555,7 +577,8 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/snapshot/test_forged_shapes.py::test_verify_with_the_model_reports_another_models_"
+            "tests/snapshot/test_forged_shapes.py::"
+            "test_verify_with_the_model_reports_another_models_"
             "records_and_exits_0",
         ),
     ),
@@ -565,7 +588,8 @@ BREAKAGES = (
         "a record's token count is not bounded before its tokens are read",
         (Patch("kvsnap/snapshot/header.py", "    if n > max_tokens:\n", "    if False:\n"),),
         (
-            "tests/snapshot/test_forged_token_counts.py::test_regression_a_25m_token_record_is_refused_by_"
+            "tests/snapshot/test_forged_token_counts.py::"
+            "test_regression_a_25m_token_record_is_refused_by_"
             "ls_and_scan_before_its_tokens_are_read",
         ),
     ),
@@ -581,7 +605,8 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/snapshot/test_forged_token_counts.py::test_regression_a_record_longer_than_the_models_"
+            "tests/snapshot/test_forged_token_counts.py::"
+            "test_regression_a_record_longer_than_the_models_"
             "context_is_refused_by_the_start_scan",
         ),
     ),
@@ -672,9 +697,11 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/integrations/mlx_lm/test_route.py::test_pinned_warm_entries_survive_size_bytes_and_prefix_"
+            "tests/integrations/mlx_lm/test_route.py::"
+            "test_pinned_warm_entries_survive_size_bytes_and_prefix_"
             "eviction_and_are_private_copies",
-            "tests/integrations/mlx_lm/test_route.py::test_agents_stay_warm_under_prompt_cache_size_and_bytes_"
+            "tests/integrations/mlx_lm/test_route.py::"
+            "test_agents_stay_warm_under_prompt_cache_size_and_bytes_"
             "pressure",
         ),
     ),
@@ -691,7 +718,8 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/integrations/mlx_lm/test_security.py::test_request_fields_that_load_another_model_are_"
+            "tests/integrations/mlx_lm/test_security.py::"
+            "test_request_fields_that_load_another_model_are_"
             "refused_and_nothing_is_loaded",
         ),
     ),
@@ -708,7 +736,8 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/integrations/mlx_lm/test_security.py::test_a_body_of_unknown_length_cannot_carry_another_"
+            "tests/integrations/mlx_lm/test_security.py::"
+            "test_a_body_of_unknown_length_cannot_carry_another_"
             "model_past_the_check",
         ),
     ),
@@ -725,9 +754,11 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/integrations/mlx_lm/test_route.py::test_mlx_lm_profile_prefix_is_a_strict_prefix_of_mlx_lm_"
+            "tests/integrations/mlx_lm/test_route.py::"
+            "test_mlx_lm_profile_prefix_is_a_strict_prefix_of_mlx_lm_"
             "servers_own_tokens[llama]",
-            "tests/integrations/mlx_lm/test_route.py::test_real_llama3_tokenizer_mlx_lm_requests_start_with_"
+            "tests/integrations/mlx_lm/test_route.py::"
+            "test_real_llama3_tokenizer_mlx_lm_requests_start_with_"
             "one_bos_and_hit",
         ),
     ),
@@ -866,7 +897,8 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/http/test_security.py::test_cached_tokens_binary_search_against_own_entries_learns_"
+            "tests/http/test_security.py::"
+            "test_cached_tokens_binary_search_against_own_entries_learns_"
             "only_the_rounded_match",
         ),
     ),
@@ -902,7 +934,8 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/http/test_cached_tokens.py::test_with_keys_a_whole_warm_prompt_is_never_rounded_away",
+            "tests/http/test_cached_tokens.py::"
+            "test_with_keys_a_whole_warm_prompt_is_never_rounded_away",
         ),
     ),
     Breakage(
@@ -919,7 +952,8 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/http/test_cached_tokens.py::test_a_checkpoint_inside_a_warm_prompt_is_not_a_whole_"
+            "tests/http/test_cached_tokens.py::"
+            "test_a_checkpoint_inside_a_warm_prompt_is_not_a_whole_"
             "warm_prompt",
         ),
     ),
@@ -992,9 +1026,11 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/commands/test_cli_newcomer.py::test_a_pipe_closed_after_the_first_line_ends_the_command_"
+            "tests/commands/test_cli_newcomer.py::"
+            "test_a_pipe_closed_after_the_first_line_ends_the_command_"
             "quietly",
-            "tests/commands/test_cli_newcomer.py::test_a_pipe_closed_before_any_output_ends_every_command_"
+            "tests/commands/test_cli_newcomer.py::"
+            "test_a_pipe_closed_before_any_output_ends_every_command_"
             "quietly",
         ),
     ),
@@ -1012,7 +1048,8 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/commands/test_cli_newcomer.py::test_a_broken_pipe_that_is_not_stdout_is_not_hidden",
+            "tests/commands/test_cli_newcomer.py::"
+            "test_a_broken_pipe_that_is_not_stdout_is_not_hidden",
         ),
     ),
     Breakage(
@@ -1040,7 +1077,8 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/commands/test_cli_newcomer.py::test_serve_without_a_model_or_with_two_says_how_to_name_it",
+            "tests/commands/test_cli_newcomer.py::"
+            "test_serve_without_a_model_or_with_two_says_how_to_name_it",
         ),
     ),
     Breakage(
@@ -1057,7 +1095,8 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/commands/test_cli_newcomer.py::test_bench_serve_takes_a_process_substitution_and_a_fifo",
+            "tests/commands/test_cli_newcomer.py::"
+            "test_bench_serve_takes_a_process_substitution_and_a_fifo",
         ),
     ),
     Breakage(
@@ -1072,7 +1111,8 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/commands/test_cli_newcomer.py::test_bench_serve_drops_one_trailing_newline_so_the_warm_"
+            "tests/commands/test_cli_newcomer.py::"
+            "test_bench_serve_drops_one_trailing_newline_so_the_warm_"
             "prefix_hits",
         ),
     ),
@@ -1134,7 +1174,8 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/store/oci/test_hostile_registry.py::test_regression_pull_never_overwrites_a_good_block_"
+            "tests/store/oci/test_hostile_registry.py::"
+            "test_regression_pull_never_overwrites_a_good_block_"
             "with_a_forged_one",
         ),
     ),
@@ -1211,7 +1252,8 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/store/oci/test_hostile_registry.py::test_regression_a_killed_pull_resumes_from_its_stage_"
+            "tests/store/oci/test_hostile_registry.py::"
+            "test_regression_a_killed_pull_resumes_from_its_stage_"
             "and_downloads_only_what_is_missing",
         ),
     ),
@@ -1228,9 +1270,11 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/runtime/engine/test_engine_parts.py::test_a_stop_string_that_completes_first_wins_over_one_"
+            "tests/runtime/engine/test_engine_parts.py::"
+            "test_a_stop_string_that_completes_first_wins_over_one_"
             "that_starts_earlier_issue_24",
-            "tests/runtime/engine/test_engine_parts.py::test_any_chunking_sends_what_one_scan_of_the_whole_text_"
+            "tests/runtime/engine/test_engine_parts.py::"
+            "test_any_chunking_sends_what_one_scan_of_the_whole_text_"
             "sends",
         ),
     ),
@@ -1241,7 +1285,8 @@ BREAKAGES = (
         "(issue 24)",
         (Patch("tests/helpers/golden_summary.py", "RTOL = 1e-4\n", "RTOL = 0.0\n"),),
         (
-            "tests/build/test_golden.py::test_golden_tensor_bytes_changed_on_another_cpu_is_float_noise_"
+            "tests/build/test_golden.py::"
+            "test_golden_tensor_bytes_changed_on_another_cpu_is_float_noise_"
             "not_a_failure[Prescott]",
         ),
     ),
@@ -1251,8 +1296,10 @@ BREAKAGES = (
         "the golden check's tolerance swallows real changes (a zeroed token, a 1e-3 scale)",
         (Patch("tests/helpers/golden_summary.py", "RTOL = 1e-4\n", "RTOL = 0.1\n"),),
         (
-            "tests/build/test_golden.py::test_the_golden_comparison_sees_a_real_change[one-token-zeroed]",
-            "tests/build/test_golden.py::test_the_golden_comparison_sees_a_real_change[one-tensor-scaled-"
+            "tests/build/test_golden.py::"
+            "test_the_golden_comparison_sees_a_real_change[one-token-zeroed]",
+            "tests/build/test_golden.py::"
+            "test_the_golden_comparison_sees_a_real_change[one-tensor-scaled-"
             "1e-3]",
         ),
     ),
@@ -1271,7 +1318,8 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/store/test_block_store_cuts.py::test_adding_an_unrelated_agent_never_moves_another_"
+            "tests/store/test_block_store_cuts.py::"
+            "test_adding_an_unrelated_agent_never_moves_another_"
             "chains_blocks",
         ),
     ),
@@ -1288,7 +1336,8 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/store/test_block_store_cuts.py::test_agents_sharing_a_preamble_store_their_unique_kv_"
+            "tests/store/test_block_store_cuts.py::"
+            "test_agents_sharing_a_preamble_store_their_unique_kv_"
             "and_an_edit_prefills_one_block",
             "tests/snapshot/test_blocks.py::test_agents_sharing_a_preamble_store_it_once",
         ),
@@ -1306,7 +1355,8 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/store/test_block_store_cuts.py::test_a_block_stored_whole_is_never_cut_again_when_a_"
+            "tests/store/test_block_store_cuts.py::"
+            "test_a_block_stored_whole_is_never_cut_again_when_a_"
             "sibling_arrives",
         ),
     ),
@@ -1324,7 +1374,8 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/store/test_block_store_cuts.py::test_a_conversation_on_an_agent_cut_where_it_parts_"
+            "tests/store/test_block_store_cuts.py::"
+            "test_a_conversation_on_an_agent_cut_where_it_parts_"
             "names_that_agents_blocks",
         ),
     ),
@@ -1341,7 +1392,8 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/store/test_block_store_repair.py::test_a_bad_intermediate_checkpoint_of_a_hybrid_is_"
+            "tests/store/test_block_store_repair.py::"
+            "test_a_bad_intermediate_checkpoint_of_a_hybrid_is_"
             "rewritten_by_a_rebuild[flipped]",
         ),
     ),
@@ -1358,7 +1410,8 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/store/test_block_store_repair.py::test_gc_between_a_hybrid_builds_prefill_and_its_"
+            "tests/store/test_block_store_repair.py::"
+            "test_gc_between_a_hybrid_builds_prefill_and_its_"
             "commit_never_breaks_it",
         ),
     ),
@@ -1375,7 +1428,8 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/store/test_block_store_durability.py::test_every_folder_a_store_creates_is_fsynced_in_"
+            "tests/store/test_block_store_durability.py::"
+            "test_every_folder_a_store_creates_is_fsynced_in_"
             "its_parent_before_it_is_used",
         ),
     ),
@@ -1476,7 +1530,8 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/runtime/cache/test_shared_prefix.py::test_concurrent_cold_requests_sharing_a_system_prompt_"
+            "tests/runtime/cache/test_shared_prefix.py::"
+            "test_concurrent_cold_requests_sharing_a_system_prompt_"
             "compute_it_once",
         ),
     ),
@@ -1508,7 +1563,8 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/store/test_conversations.py::test_a_conversation_shares_its_agents_partial_last_block",
+            "tests/store/test_conversations.py::"
+            "test_a_conversation_shares_its_agents_partial_last_block",
         ),
     ),
     Breakage(
@@ -1523,7 +1579,8 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/runtime/engine/test_engine_parts.py::test_a_rewarm_drops_a_tenants_persisted_conversation_"
+            "tests/runtime/engine/test_engine_parts.py::"
+            "test_a_rewarm_drops_a_tenants_persisted_conversation_"
             "and_never_shares_it_issue_23",
         ),
     ),
@@ -1539,7 +1596,8 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/store/test_conversations.py::test_tenants_stay_apart_across_a_restart_and_nothing_"
+            "tests/store/test_conversations.py::"
+            "test_tenants_stay_apart_across_a_restart_and_nothing_"
             "on_disk_names_them",
         ),
     ),
@@ -1556,7 +1614,8 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/store/test_conversations.py::test_the_namespace_tag_is_keyed_by_the_stores_secret",
+            "tests/store/test_conversations.py::"
+            "test_the_namespace_tag_is_keyed_by_the_stores_secret",
         ),
     ),
     Breakage(
@@ -1609,9 +1668,11 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/store/test_conversation_space.py::test_regression_one_tenants_flood_evicts_its_own_"
+            "tests/store/test_conversation_space.py::"
+            "test_regression_one_tenants_flood_evicts_its_own_"
             "conversations_not_anothers",
-            "tests/store/test_conversation_space.py::test_the_namespace_holding_the_most_gives_first_"
+            "tests/store/test_conversation_space.py::"
+            "test_the_namespace_holding_the_most_gives_first_"
             "and_shares_split_shared_blocks",
         ),
     ),
@@ -1717,7 +1778,8 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/store/test_conversation_space.py::test_outside_the_budget_an_unreadable_agent_record_"
+            "tests/store/test_conversation_space.py::"
+            "test_outside_the_budget_an_unreadable_agent_record_"
             "keeps_every_block",
         ),
     ),
@@ -1996,9 +2058,11 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/integrations/vllm_mlx/test_persist.py::test_hooks_persist_the_entry_and_its_prompt_only_"
+            "tests/integrations/vllm_mlx/test_persist.py::"
+            "test_hooks_persist_the_entry_and_its_prompt_only_"
             "cut_superseding_the_turn_they_continue",
-            "tests/integrations/vllm_mlx/test_persist.py::test_a_conversation_survives_kill_9_and_its_next_"
+            "tests/integrations/vllm_mlx/test_persist.py::"
+            "test_a_conversation_survives_kill_9_and_its_next_"
             "turn_answers_as_if_never_restarted[dense]",
         ),
     ),
@@ -2014,7 +2078,8 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/integrations/vllm_mlx/test_persist.py::test_a_conversation_survives_kill_9_and_its_next_"
+            "tests/integrations/vllm_mlx/test_persist.py::"
+            "test_a_conversation_survives_kill_9_and_its_next_"
             "turn_answers_as_if_never_restarted[dense]",
         ),
     ),
@@ -2036,7 +2101,8 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/integrations/vllm_mlx/test_persist.py::test_a_forged_persisted_block_is_refused_and_the_"
+            "tests/integrations/vllm_mlx/test_persist.py::"
+            "test_a_forged_persisted_block_is_refused_and_the_"
             "turn_is_served_cold[all]",
         ),
     ),
@@ -2053,7 +2119,8 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/integrations/vllm_mlx/test_persist.py::test_a_forged_persisted_block_is_refused_and_the_"
+            "tests/integrations/vllm_mlx/test_persist.py::"
+            "test_a_forged_persisted_block_is_refused_and_the_"
             "turn_is_served_cold[own]",
         ),
     ),
