@@ -227,7 +227,7 @@ def add_serve(sub) -> None:
     )
     c.add_argument(
         "--persist-max-gb",
-        type=positive_float,
+        type=positive_number("GB"),
         metavar="GB",
         help="disk budget for persisted conversations; the least recently used go first "
         "(default: 20)",
@@ -336,14 +336,22 @@ def log_level(args) -> int:
     return level
 
 
-def positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"{text} must be a positive number of seconds")
-    return value
+def positive_number(unit: str):
+    """An argparse type: a finite number above 0, the error naming ``unit``."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number of {unit}") from None
+        if not value > 0 or value == float("inf"):
+            raise argparse.ArgumentTypeError(f"{text} must be a positive number of {unit}")
+        return value
+
+    return parse
+
+
+positive_float = positive_number("seconds")
 
 
 def cmd_serve(args) -> int:

@@ -395,3 +395,14 @@ def test_patched_vllm_mlx_serve_refuses_kv_snapshots_without_continuous_batching
         timeout=120,
     )
     assert r.returncode == 2 and "add --continuous-batching" in r.stderr, r.stderr[-2000:]
+
+
+def test_the_path_an_earlier_vllm_mlx_patch_imported_still_gives_use_kv_snapshots():
+    """vllm-mlx servers patched before the route became a package import
+    ``kvsnap.integrations.vllm_mlx.use_kv_snapshots``; it stays that function."""
+    from kvsnap.integrations import vllm_mlx
+    from kvsnap.integrations.vllm_mlx.launcher import use_kv_snapshots
+
+    assert vllm_mlx.use_kv_snapshots is use_kv_snapshots
+    with pytest.raises(AttributeError, match="no attribute 'nothing'"):
+        vllm_mlx.nothing  # noqa: B018

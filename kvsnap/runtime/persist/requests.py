@@ -52,6 +52,9 @@ log = logging.getLogger("kvsnap.persist")
 PERSISTED = "persisted"  # an Entry's source: a conversation record from the store
 DEFAULT_MAX_GB = 20.0
 DEFAULT_FLUSH_TIMEOUT_S = 5.0
+# Bounds that keep byte counts integral and a shutdown finite (inf would overflow or never end).
+MAX_PERSIST_GB = 2.0**20
+MAX_FLUSH_TIMEOUT_S = 24 * 3600.0
 MAX_UNREADABLE = 64  # records found unreadable, remembered (warned once, skipped by lookups)
 MAX_PASSED_OVER = 8  # unreadable records one lookup passes over before it gives up
 
@@ -84,6 +87,16 @@ def persist_options(
                     f"{flag} {value:g} needs --persist-requests; add it or drop {flag}"
                 )
         return None
+    for flag, value, unit, most in (
+        ("--persist-max-gb", max_gb, "GB", MAX_PERSIST_GB),
+        ("--persist-flush-timeout", flush_timeout_s, "seconds", MAX_FLUSH_TIMEOUT_S),
+    ):
+        # Checked here, not only by a route's parser: every route maps its flags onto this.
+        if value is not None and not 0 < value <= most:
+            raise UsageError(
+                f"{flag} {value:g} must be a number of {unit} above 0 and at most {most:g}; "
+                f"e.g. {flag} 5"
+            )
     if not has_store:
         raise UsageError("--persist-requests needs a store to write into; add --kv-snapshots DIR")
     if conflicts:

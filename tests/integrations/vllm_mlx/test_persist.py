@@ -67,6 +67,32 @@ def test_persist_flags_split_off_and_are_checked_like_kvsnap_serves():
         )
 
 
+@pytest.mark.parametrize(
+    "flag, text, words",
+    [
+        ("--persist-max-gb", "inf", "--persist-max-gb inf must be a number of GB above 0"),
+        ("--persist-max-gb", "1e300", "--persist-max-gb 1e[+]300 must be a number of GB above 0"),
+        (
+            "--persist-flush-timeout",
+            "inf",
+            "--persist-flush-timeout inf must be a number of second",
+        ),
+    ],
+)
+def test_persist_values_out_of_range_are_refused_in_one_line_not_a_traceback(flag, text, words):
+    """The route's parser takes any positive number; the one persist_options bounds it (inf GB
+    overflowed int() into a traceback, an inf flush timeout never ended a shutdown)."""
+    found = split_persist_argv(["--persist-requests", flag, text])[0]
+    with pytest.raises(UsageError, match=words):
+        persist_options(SimpleNamespace(kv_snapshots="s", **found))
+
+
+def test_kvsnap_serve_refuses_an_infinite_persist_budget_naming_its_unit(tmp_path):
+    r = run_kvsnap("serve", tmp_path, "--persist-requests", "--persist-max-gb", "inf")
+    assert r.returncode == 2, r.stderr
+    assert "inf must be a positive number of GB" in r.stderr
+
+
 def test_persist_requests_refuses_vllm_mlx_quantized_entries():
     found = split_persist_argv(["--persist-requests"])[0]
     with pytest.raises(UsageError, match="--kv-cache-quantization.*drop one of the two"):
