@@ -33,12 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-COPIED = (
-    "kvsnap",
-    "tests",
-    "contrib",
-    "pyproject.toml",
-)  # contrib: the upstream patches the tests apply
+# contrib: the upstream patches the tests apply
+COPIED = ("kvsnap", "tests", "contrib", "pyproject.toml")
 TIMEOUT_S = 900
 
 

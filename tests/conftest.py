@@ -66,9 +66,8 @@ def _fail_unallowed_skip(report, config) -> None:
 
 
 def pytest_configure(config):
-    config.stash[_ALLOWED_KEY] = (
-        read_allowed_skips()
-    )  # a malformed list stops the run at once, CI or not
+    # a malformed list stops the run at once, CI or not
+    config.stash[_ALLOWED_KEY] = read_allowed_skips()
 
 
 @pytest.hookimpl(wrapper=True)

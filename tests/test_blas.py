@@ -9,11 +9,8 @@ import pytest
 
 from kvsnap.blas import find_openblas
 
-MODULES = [
-    "kvsnap.snapshot.codec",
-    "kvsnap.runtime.warmup.run",
-    "kvsnap.runtime.engine.sampling",
-]  # the modules that import mlx at load time
+# the modules that import mlx at load time
+MODULES = ["kvsnap.snapshot.codec", "kvsnap.runtime.warmup.run", "kvsnap.runtime.engine.sampling"]
 
 
 @pytest.mark.skipif(

@@ -269,9 +269,8 @@ def test_qwen3_lists_tools_in_the_warm_system_turn(tok):
         assert '"name": "get_weather"' in text and '"name": "search_docs"' in text
         assert text.endswith("</tool_call><|im_end|>\n<|im_start|>user")
         assert warm.coverage >= 0.9
-    assert (
-        _warm(QWEN3, "tools").tokens == _warm(QWEN3, "tools-no-thinking").tokens
-    )  # the kwarg acts after the cut
+    # the kwarg acts after the cut
+    assert _warm(QWEN3, "tools").tokens == _warm(QWEN3, "tools-no-thinking").tokens
 
 
 # --- (c) dates ----------------------------------------------------------------------

@@ -56,13 +56,11 @@ class CacheClass:
     fields: tuple[str, ...]  # header fields every layer of the class has
     filled_fields: tuple[str, ...]  # header fields only a non-empty layer has
     can_be_empty: bool
-    encode: Callable[
-        [Any, str, dict], dict
-    ]  # (cache, path, out arrays) -> header fields but "class"
+    # (cache, path, out arrays) -> header fields but "class"
+    encode: Callable[[Any, str, dict], dict]
     decode: Callable[[dict, str, dict], Any]  # (header fields, path, arrays) -> a new cache object
-    own_tensor_names: Callable[
-        [dict, str], list[str]
-    ]  # the layer's own; a CacheList's members name theirs
+    # the layer's own; a CacheList's members name theirs
+    own_tensor_names: Callable[[dict, str], list[str]]
     trimmable: Callable[[dict], bool]  # can it drop any number of its last tokens
     members_field: str | None = None  # the field holding member layers (CacheList)
     # its tensors are per-token along axis -2: a block stores a run of them (else: checkpoints only)

@@ -45,9 +45,8 @@ class Chain:
     checkpoint_every: int
     blocks: tuple[tuple[str, int, int], ...]
     checkpoints: tuple[tuple[str, int], ...]
-    digests: tuple[
-        str, ...
-    ]  # the prefix digest at each block's end (proving the keys computed them)
+    # the prefix digest at each block's end (proving the keys computed them)
+    digests: tuple[str, ...]
 
     def digest_at(self, end: int) -> str:
         return self.digests[[b[2] for b in self.blocks].index(end)]

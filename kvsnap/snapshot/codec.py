@@ -27,9 +27,8 @@ from kvsnap.snapshot.cache_classes import (  # noqa: F401  (CaptureError re-expo
 from kvsnap.snapshot.file import OutTensor
 from kvsnap.snapshot.format import DTYPES, TOKENS
 
-_MX_TO_ST = {
-    getattr(mx, mlx_name): st_name for st_name, (mlx_name, _) in DTYPES.items()
-}  # format.py's one dtype table
+# format.py's one dtype table
+_MX_TO_ST = {getattr(mx, mlx_name): st_name for st_name, (mlx_name, _) in DTYPES.items()}
 
 
 def _offsets(meta: dict) -> list[int]:

@@ -54,9 +54,8 @@ class SnapshotInfo:
     layers: list
     recorded: dict
     nbytes: int
-    tokens: tuple[
-        int, ...
-    ] = ()  # read in the same pass as the header: nothing re-reads the file for them
+    # read in the same pass as the header: nothing re-reads the file for them
+    tokens: tuple[int, ...] = ()
     # v3: the blocks and checkpoints holding the state; None: a v2 file holds it itself
     chain: Chain | None = None
 

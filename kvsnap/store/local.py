@@ -90,12 +90,8 @@ from kvsnap.store.parts import (
 )
 
 LOCK = ".lock"
-__all__ = [
-    "DIR_MODE",
-    "FILE_MODE",
-    "TMP_PREFIX",
-    "Store",
-]  # the modes and prefix others import from here
+# the modes and prefix others import from here
+__all__ = ["DIR_MODE", "FILE_MODE", "TMP_PREFIX", "Store"]
 
 
 def _no_fault(point: str) -> None:

@@ -384,9 +384,8 @@ def read_part(
 
 
 Span = tuple[str, int, int, str]  # a block: (key, start, end, prefix digest at end)
-Fetch = Callable[
-    [str, str, int, int, str], tuple[dict, "list | None"]
-]  # (kind, key, start, end, digest) -> (arrays, layers)
+# (kind, key, start, end, digest) -> (arrays, layers)
+Fetch = Callable[[str, str, int, int, str], tuple[dict, "list | None"]]
 
 
 def read_state_parts(

@@ -262,9 +262,8 @@ def _moe_config(shape: dict, common: dict) -> dict:
         },
         **{k: v for k, v in common.items() if k not in ("eos_token_id", "torch_dtype")},
     )
-    text["intermediate_size"] = shape[
-        "moe_intermediate_size"
-    ]  # unused with experts; the dataclass wants one
+    # unused with experts; the dataclass wants one
+    text["intermediate_size"] = shape["moe_intermediate_size"]
     text["tie_word_embeddings"] = False  # Qwen3.5/3.6 MoE keep a separate lm_head
     return dict(
         model_type="qwen3_5_moe",

@@ -304,11 +304,8 @@ def test_verify_names_every_bad_file_with_its_reason_and_passes_the_good_ones(li
         assert any(ln.startswith(f"ok   snapshots/{path.name}") for ln in out)
     assert out[-1] == f"2 ok, {len(FAULTS)} bad"
     assert tree(root) == before and all(p.read_bytes() == b for p, b in good.items())
-    for args in (
-        ["ls", root],
-        ["ls", root, "--json"],
-        ["gc", root],
-    ):  # the rest survive a damaged store
+    # the rest survive a damaged store
+    for args in (["ls", root], ["ls", root, "--json"], ["gc", root]):
         assert light(*args).returncode == 0
     assert tree(root) == before
 
@@ -373,9 +370,8 @@ def test_gc_dry_run_lists_then_yes_removes_a_dropped_entry_and_temp_files(light,
         if p != gamma
         for rel in chain_relpaths(store.inspect(p))
     }
-    own = [
-        store.root / rel for rel in chain_relpaths(store.inspect(gamma)) if rel not in shared
-    ]  # its tail's blocks
+    # its tail's blocks
+    own = [store.root / rel for rel in chain_relpaths(store.inspect(gamma)) if rel not in shared]
     tmp = store.snapshots_dir / f"{TMP_PREFIX}{gamma.name}.abc"
     tmp.write_bytes(b"interrupted")
     before = tree(store.root)

@@ -15,9 +15,8 @@ def test_quickstart_builds_serves_and_shows_a_warm_hit(tmp_path):
         "quickstart", "--dir", demo, env={"KVSNAP_CACHE_DIR": str(tmp_path / "cache")}, timeout=600
     )
     assert r.returncode == 0, r.stdout + r.stderr
-    record = json.loads(
-        (demo / "quickstart.json").read_text()
-    )  # the run's numbers as data, not parsed from its output
+    # the run's numbers as data, not parsed from its output
+    record = json.loads((demo / "quickstart.json").read_text())
     warmup = record["warmup"]  # the server's own report, from /v1/status
     assert (
         warmup["completed"],
@@ -82,9 +81,7 @@ def test_regression_quickstart_sizes_name_state_and_written_bytes_the_same_way_e
         return tuple(map(int, said.groups()))
 
     built_b, reused_b = words(Store.open(fresh), built.entries[1]), words(store, first.entries[1])
-    assert (
-        built_b[0] == reused_b[0] and reused_b[1] == 0
-    )  # one quantity, the same on a build and a reuse
-    assert 0 < built_b[1] < built_b[0], (
-        built.entries
-    )  # b shares a's preamble blocks: it wrote less than its state
+    # one quantity, the same on a build and a reuse
+    assert built_b[0] == reused_b[0] and reused_b[1] == 0
+    # b shares a's preamble blocks: it wrote less than its state
+    assert 0 < built_b[1] < built_b[0], built.entries

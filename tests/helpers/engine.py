@@ -73,9 +73,8 @@ def assert_served_from_the_exact_snapshot_state(engine, warm, tokens) -> None:
         assert len(captured) == 1, "the request's prompt prefix was not captured"
         checked = 0
         for i, layer in enumerate(captured[0].state):
-            if (
-                type(layer).__name__ == "KVCache"
-            ):  # window and SSM layers no longer hold the warm part as such
+            # window and SSM layers no longer hold the warm part as such
+            if type(layer).__name__ == "KVCache":
                 n = len(warm)
                 for part in ("keys", "values"):
                     assert mx.array_equal(

@@ -263,9 +263,8 @@ def _launch(cmd: list[str], home: Path, log: Path, extra_env: dict | None = None
     from kvsnap.tools.serverproc import ServerProcess, free_port, under_hard_limit
 
     port = free_port()
-    full = under_hard_limit(
-        [*cmd, "--host", "127.0.0.1", "--port", str(port)], 300
-    )  # a hung server never outlives the test
+    # a hung server never outlives the test
+    full = under_hard_limit([*cmd, "--host", "127.0.0.1", "--port", str(port)], 300)
     env = {**_venv_env(home), **(extra_env or {})}
     with open(log, "wb") as out:
         proc = subprocess.Popen(full, stdout=out, stderr=subprocess.STDOUT, env=env)

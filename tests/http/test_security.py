@@ -123,9 +123,8 @@ def test_every_endpoint_but_health_needs_a_key(keyed, client):
             r = client.request(method, f"{url}{path}", headers=headers, json=chat_body("hi"))
             assert_openai_error(r, 401, "invalid_api_key")
     assert client.get(f"{url}/v1/models", headers=auth(USER_A)).status_code == 200
-    assert (
-        client.get(f"{url}/docs", headers=auth(USER_A)).status_code == 404
-    )  # the schema pages are off with keys
+    # the schema pages are off with keys
+    assert client.get(f"{url}/docs", headers=auth(USER_A)).status_code == 404
     assert USER_A not in keyed.log() and ADMIN not in keyed.log()
 
 
@@ -245,9 +244,8 @@ def test_warm_snapshots_stay_shared_and_partial_matches_are_coarse(keyed, client
         },
         headers=auth(USER_B),
     ).json()
-    assert (
-        full["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
-    )  # every key hits the operator's warm prompt
+    # every key hits the operator's warm prompt
+    assert full["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
     # A probe that shares only part of the warm prompt learns at most a multiple of 128 tokens.
     probe = [
         {"role": "system", "content": LONG_SYSTEM[:200] + " something else entirely"},
@@ -569,9 +567,8 @@ def test_deletes_during_a_rewarm_are_coalesced_and_answer_the_same(keyed, client
         st["rewarms"] - before["rewarms"] + st["rewarms_coalesced"] - before["rewarms_coalesced"]
         == 5
     )
-    assert (
-        st["snapshots"]["prefilled"] == before["snapshots"]["prefilled"]
-    )  # from the snapshot, no prefill
+    # from the snapshot, no prefill
+    assert st["snapshots"]["prefilled"] == before["snapshots"]["prefilled"]
     full = client.post(
         f"{url}/v1/chat/completions",
         json={
@@ -601,9 +598,8 @@ def sequential(demo_models, tmp_path_factory):
 def test_an_abandoned_non_streaming_request_stops_within_two_seconds(which, request, client):
     server = request.getfixturevalue(which)
     headers = auth(ADMIN) if which == "keyed" else {}
-    body = chat_body(
-        "Write an endless story about the sea.", max_tokens=30_000
-    )  # minutes of decoding on this model
+    # minutes of decoding on this model
+    body = chat_body("Write an endless story about the sea.", max_tokens=30_000)
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{server.url}/v1/chat/completions", json=body, headers=headers, timeout=1.0)
     gone_by = time.monotonic() + 2.5

@@ -65,9 +65,8 @@ def world(vllm_mlx_python, tmp_path_factory):
         _venv_kvsnap(
             vllm_mlx_python, home, "build", agents, "--model", models[name], "--out", root / "snaps"
         )
-    models["llama3"] = make_llama3_model(
-        root / "llama3"
-    )  # weights and tokenizer files only: no store entry here
+    # weights and tokenizer files only: no store entry here
+    models["llama3"] = make_llama3_model(root / "llama3")
     # One more, built under this suite's mlx-lm: foreign to vllm-mlx when the minors differ.
     r = run_kvsnap(
         "build",

@@ -118,9 +118,8 @@ def test_agents_sharing_a_preamble_store_it_once(dense, tmp_path):
     assert report.ok
     n = [e.n_tokens for e in report.entries]
     common = min(n) - 60  # well inside the preamble
-    per_token = _bytes(tmp_path / "shared" / "blocks") / (
-        max(n) + sum(x - common for x in n)
-    )  # a rough unique-token count
+    # a rough unique-token count
+    per_token = _bytes(tmp_path / "shared" / "blocks") / (max(n) + sum(x - common for x in n))
     # One store per agent, the way a v2 store held them: what sharing saves.
     whole = sum(
         _bytes(tmp_path / f"solo{i}" / "blocks")
@@ -232,9 +231,8 @@ def test_a_record_cannot_name_another_models_or_prefixs_block(dense, tmp_path):
     a, b = (store.path_for(e.key) for e in report.entries)
     header_a = read_header(a)
     chain = json.loads(header_a.metadata["kvsnap.chain"])
-    other = json.loads(read_header(b).metadata["kvsnap.chain"])["blocks"][-1][
-        0
-    ]  # agent b's own last block
+    # agent b's own last block
+    other = json.loads(read_header(b).metadata["kvsnap.chain"])["blocks"][-1][0]
     chain["blocks"][-1][0] = other  # same span, another prompt's key: only the key proof can tell
     meta = dict(header_a.metadata)
     meta["kvsnap.chain"] = json.dumps(chain, sort_keys=True, separators=(",", ":"))
@@ -296,9 +294,8 @@ def test_migrate_turns_a_v2_store_into_records_and_blocks_with_the_same_state(tm
     report = migrate_store(tmp_path / "s", BlockSettings(32, 256))
     assert len(report.migrated) == len(before) and not report.problems
     infos = store.scan()[0]
-    assert {i.key for i in infos} == set(
-        before
-    )  # same keys, same file names: the manifest still lists them
+    # same keys, same file names: the manifest still lists them
+    assert {i.key for i in infos} == set(before)
     assert (tmp_path / "s" / "manifest.json").read_bytes() == manifest
     for info in infos:
         assert info.chain is not None and len(info.chain.blocks) > 1
@@ -347,9 +344,8 @@ def test_a_server_pins_a_shared_preamble_once_and_answers_from_it(demo_models, t
     )
     report = _build(lm, agents_file, tmp_path / "s")
     store = Store.open(tmp_path / "s")
-    unique = sum(
-        p.stat().st_size for p in part_files(store)
-    )  # headers included: an upper bound on the tensors
+    # headers included: an upper bound on the tensors
+    unique = sum(p.stat().st_size for p in part_files(store))
     whole = sum(store.inspect(store.path_for(e.key)).nbytes for e in report.entries)
     # Six whole states against the shared grid blocks plus six tails (cuts sit on a fixed 256-token
     # grid, so each tail starts at the last grid cut inside the preamble): well over twice.

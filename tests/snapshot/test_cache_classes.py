@@ -253,9 +253,8 @@ def test_the_warm_up_refuses_an_unknown_class_as_a_rejected_snapshot(tmp_path):
             ),
             pinned=False,
         )
-    assert (
-        err.value.path == str(path) and "layer 1 class is 'MysteryCache'" in err.value.reason
-    )  # warm-up reports (path, reason)
+    # warm-up reports (path, reason)
+    assert err.value.path == str(path) and "layer 1 class is 'MysteryCache'" in err.value.reason
 
 
 def test_the_warm_up_indexes_a_rotating_snapshot_past_its_window_as_untrimmable(tmp_path):

@@ -23,9 +23,8 @@ CASES = [
     pytest.param("dense-q4", {}, id="4bit-weights"),
 ]
 N_GEN = 32
-BLOCKS = BlockSettings(
-    64, 128
-)  # small, so every case composes several blocks (and, on hybrids, checkpoints)
+# small, so every case composes several blocks (and, on hybrids, checkpoints)
+BLOCKS = BlockSettings(64, 128)
 
 
 def _continue(lm, cache, suffix, n=N_GEN):
@@ -190,15 +189,12 @@ def test_snapshot_size_is_exact_kv_bytes(demo_models, isolated_cache, tmp_path, 
     entry, warm, _ = _request(lm)
     from kvsnap.store.parts import chain_relpaths
 
-    _, path = _snapshot_roundtrip(
-        lm, entry, warm, tmp_path, BlockSettings()
-    )  # the defaults: one checkpoint, at the end
+    # the defaults: one checkpoint, at the end
+    _, path = _snapshot_roundtrip(lm, entry, warm, tmp_path, BlockSettings())
     info = Store(root=(tmp_path / "store").resolve()).inspect(path)
     data = 0
-    for file in [
-        path,
-        *(tmp_path / "store" / rel for rel in chain_relpaths(info)),
-    ]:  # the record, its blocks and checkpoint
+    # the record, its blocks and checkpoint
+    for file in [path, *(tmp_path / "store" / rel for rel in chain_relpaths(info))]:
         raw = file.read_bytes()
         (header_len,) = struct.unpack("<Q", raw[:8])
         tensors = {

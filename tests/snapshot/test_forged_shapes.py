@@ -39,9 +39,8 @@ def forged(demo_models, tmp_path_factory) -> dict:
     lm = demo_models.load("dense")
     tmp = tmp_path_factory.mktemp("forged")
     root = build_store(lm, tmp / "store", _agents(SYSTEMS))
-    warm = (
-        tmp / "warm.json"
-    )  # alpha is pinned at warm-up; gamma, named by no warm prompt, loads on first hit
+    # alpha is pinned at warm-up; gamma, named by no warm prompt, loads on first hit
+    warm = tmp / "warm.json"
     warm.write_text(json.dumps(_agents(["alpha", "beta"])))
     return {
         "root": root,
@@ -132,9 +131,8 @@ def test_regression_forged_head_dim_blocks_are_dropped_and_never_fail_a_batch(fo
     by_name = {store.inspect(p).name: p.name for p in store.snapshot_files()}
     assert {by_name["alpha"], by_name["gamma"]} <= names, rejected
     assert all("this model's cache holds" in r["reason"] for r in rejected), rejected
-    assert (
-        status["warmup"]["prefilled"] == 1 and status["warmup"]["from_snapshots"] == 1
-    )  # alpha prefilled, beta restored
+    # alpha prefilled, beta restored
+    assert status["warmup"]["prefilled"] == 1 and status["warmup"]["from_snapshots"] == 1
     assert status["cache"]["load_errors"] >= 1  # gamma, dropped on its first hit
 
 

@@ -149,10 +149,8 @@ def test_every_header_field_the_package_names_is_in_the_schema():
 
 # A string that builds a snapshot's name or path: the folder, key or suffix interpolated.
 BUILT_PATH = re.compile(r"snapshots/\{|\{SNAPSHOTS\}/\{|\}\.safetensors|\{SUFFIX\}")
-PATH_PARTS = {
-    "snapshots",
-    ".safetensors",
-}  # ... or joined as a bare literal: root / "snapshots", key + ".safetensors"
+# ... or joined as a bare literal: root / "snapshots", key + ".safetensors"
+PATH_PARTS = {"snapshots", ".safetensors"}
 
 
 def _path_spellings(source: str) -> list[tuple[int, str]]:
@@ -405,9 +403,8 @@ def test_bumping_the_format_version_moves_writer_reader_and_media_type_together(
         [],
     )
     bumped = _run_bumped(tmp_path / "bumped", {"FORMAT_VERSION": 4})
-    assert (
-        bumped["format_field"] == "4" and bumped["verified"] == bumped["key"]
-    )  # it writes v4 and reads it back
+    # it writes v4 and reads it back
+    assert bumped["format_field"] == "4" and bumped["verified"] == bumped["key"]
     assert bumped["snapshot_media"] == "application/vnd.kvsnap.snapshot.v4+safetensors"
     # The whole-file format stays readable (kvsnap migrate's input); the record format it replaced
     # does not.
@@ -415,9 +412,8 @@ def test_bumping_the_format_version_moves_writer_reader_and_media_type_together(
         "snapshot format version '3' is not one this kvsnap reads (2 or 4); rebuild it with this "
         "kvsnap"
     ]
-    assert (
-        bumped["key"] == now["key"]
-    )  # the file format is not keyed: an old record is refused by version, not missed
+    # the file format is not keyed: an old record is refused by version, not missed
+    assert bumped["key"] == now["key"]
 
 
 def test_bumping_the_codec_version_changes_every_key_and_identity(tmp_path):

@@ -36,16 +36,14 @@ def test_pack_unpack_round_trip_verifies_and_keeps_modes(built, tmp_path, name):
     archive = tmp_path / name
     r = run_kvsnap("pack", built, "-o", archive)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert (
-        f"packed {len(store_files(built))} file(s)" in r.stdout and len(store_files(built)) > 3
-    )  # the manifest, 2 records, their blocks
+    # the manifest, 2 records, their blocks
+    assert f"packed {len(store_files(built))} file(s)" in r.stdout and len(store_files(built)) > 3
     assert stat.S_IMODE(archive.stat().st_mode) == 0o600
     with tarfile.open(archive) as tar:
         members = tar.getmembers()
     names = sorted(m.name for m in members)
-    assert names == sorted(
-        store_files(built)
-    )  # manifest, records and their blocks only: no .lock, no temp files
+    # manifest, records and their blocks only: no .lock, no temp files
+    assert names == sorted(store_files(built))
     assert all(m.isreg() and m.mode == 0o600 and m.uid == 0 and m.uname == "" for m in members)
 
     r = run_kvsnap("unpack", archive, tmp_path / "out")
@@ -85,9 +83,8 @@ def test_unpack_into_an_existing_store_adds_and_keeps_other_files(built, lm, tmp
     def records(root):
         return set(json.loads((root / MANIFEST).read_text())["records"])
 
-    assert records(other) == records(built) | {
-        r for r in json.loads(before[MANIFEST])["records"]
-    }  # merged: both stores' records
+    # merged: both stores' records
+    assert records(other) == records(built) | {r for r in json.loads(before[MANIFEST])["records"]}
     assert {k for k in before if k != MANIFEST} <= set(after)  # nothing removed
     assert set(after) == set(before) | set(store_files(built))
     assert sorted(report.files) == sorted(store_files(built))

@@ -60,9 +60,8 @@ def _blocks_stored_twice(store: Store, keys: list[str]) -> list[tuple[str, str]]
     """(block, other) pairs where ``other`` holds every token of ``block``, after the same prefix:
     the same state stored twice. Two chains that leave each other inside a block each hold
     the shared head of that block; that is the grid's price, not a second copy of a block."""
-    covering: dict[
-        tuple, list[tuple[str, int]]
-    ] = {}  # prefix -> (block, start) holding its last token
+    # prefix -> (block, start) holding its last token
+    covering: dict[tuple, list[tuple[str, int]]] = {}
     spans = []
     for key in keys:
         info = store.inspect(store.path_for(key))

@@ -88,9 +88,8 @@ def test_a_bad_intermediate_checkpoint_of_a_hybrid_is_rewritten_by_a_rebuild(hyb
     report = _build(hybrid, agents_file, store)
     entry = report.entries[0]
     assert report.ok and entry.status == "built", entry
-    assert (
-        entry.tokens_reused < ends[0]
-    )  # prefilled through the bad checkpoint's point, to recapture it
+    # prefilled through the bad checkpoint's point, to recapture it
+    assert entry.tokens_reused < ends[0]
     store.verify_file(store.path_for(entry.key))
     assert pack(store.root, tmp_path / "s.tar").files  # pack refuses a store that fails verify
     again = _build(hybrid, agents_file, store)
@@ -103,9 +102,8 @@ def test_a_bad_block_after_the_last_checkpoint_restored_is_rewritten(hybrid, tmp
     store = Store.open(tmp_path / "s", create=True)
     first = _build(hybrid, agents_file, store)
     info = store.inspect(store.path_for(first.entries[0].key))
-    (
-        store.root / "checkpoints" / f"{info.chain.checkpoints[-1][0]}.safetensors"
-    ).unlink()  # the end's
+    # the end's
+    (store.root / "checkpoints" / f"{info.chain.checkpoints[-1][0]}.safetensors").unlink()
     rels = chain_relpaths(info)
     last_block = store.root / rels[len(info.chain.blocks) - 1]
     _damage(last_block, "flipped", last_block)
@@ -129,9 +127,8 @@ def test_gc_between_a_hybrid_builds_prefill_and_its_commit_never_breaks_it(hybri
         if point == "after-prefill" and not collected:
             collected.append(Store.open(store_root).gc(apply=True)[0])
 
-    _agents(
-        agents_file, {"z": _text(5, 20), "b": f"{shared} {_text(6, 10)}"}
-    )  # shares a's preamble
+    # shares a's preamble
+    _agents(agents_file, {"z": _text(5, 20), "b": f"{shared} {_text(6, 10)}"})
     report = _build(hybrid, agents_file, Store.open(store_root, fault=gc_after_prefill))
     entry = {e.name: e for e in report.entries}["b"]
     assert collected and any(p.parent.name == "checkpoints" for p in collected[0])  # gc really ran

@@ -96,9 +96,8 @@ def test_regression_unpack_never_overwrites_a_good_block_with_a_forged_one(store
     planted = tmp_path / "planted" / "blocks" / block.name
     planted.parent.mkdir(parents=True)
     planted.write_bytes(forged)
-    check_part(
-        Store.open(store), "block", block.stem, path=planted
-    )  # the forgery passes its own checks
+    # the forgery passes its own checks
+    check_part(Store.open(store), "block", block.stem, path=planted)
     before = store_files(store)
     archive = tarball(tmp_path / "forged.tar.gz", {f"blocks/{block.name}": forged})
     report = unpack(archive, store)
@@ -183,9 +182,8 @@ def test_a_huge_pax_header_is_refused_before_tarfile_reads_it(store, tmp_path):
     from kvsnap.store.archive import ArchiveError
 
     archive = tmp_path / "pax.tar"
-    with open(
-        archive, "wb"
-    ) as f:  # a pax header entry declaring 2 GiB: tarfile would read it whole
+    # a pax header entry declaring 2 GiB: tarfile would read it whole
+    with open(archive, "wb") as f:
         first = tarfile.TarInfo(MANIFEST)
         first.size = len((store / MANIFEST).read_bytes())
         data = (store / MANIFEST).read_bytes()

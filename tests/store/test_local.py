@@ -360,9 +360,8 @@ def test_an_unchanged_rebuild_prefills_nothing_and_rewrites_no_snapshot(dense, f
         statuses(report) == {"alpha": "reused", "beta": "reused", "gamma": "reused"} and report.ok
     )
     assert keys(report) == keys(first)
-    assert prefills == [] and rec.points == [
-        "model-loaded"
-    ]  # a marker only: no prefill, no snapshot write, no manifest write
+    # a marker only: no prefill, no snapshot write, no manifest write
+    assert prefills == [] and rec.points == ["model-loaded"]
     assert stamps(store) == before
     assert (store.root / MANIFEST).read_bytes() == manifest_before
 
@@ -439,15 +438,13 @@ def test_a_build_refuses_a_damaged_manifest_before_prefilling(dense, fresh):
 def test_gc_removes_a_dropped_entry_but_never_one_another_model_uses(dense, dense_seed1, tmp_path):
     from kvsnap.snapshot.blocks import BlockSettings
 
-    small = BlockSettings(
-        4, 1024
-    )  # blocks on a fixed grid: short prompts share whole 4-token blocks
+    # blocks on a fixed grid: short prompts share whole 4-token blocks
+    small = BlockSettings(4, 1024)
     agents_file = write_agents(tmp_path / "agents.json", agents(["alpha", "beta", "gamma"]))
     first = build(dense, agents_file, tmp_path / "store", blocks=small)
     store = Store.open(tmp_path / "store")
-    other = build(
-        dense_seed1, agents_file, store.root, blocks=small
-    )  # a second record in the same store
+    # a second record in the same store
+    other = build(dense_seed1, agents_file, store.root, blocks=small)
     write_agents(agents_file, agents(["alpha", "beta"]))  # gamma leaves the agents file
     report = build(dense, agents_file, store.root, blocks=small)
     assert statuses(report) == {"alpha": "reused", "beta": "reused"}
@@ -459,9 +456,8 @@ def test_gc_removes_a_dropped_entry_but_never_one_another_model_uses(dense, dens
     ]
     shared = {rel for info in staying for rel in chain_relpaths(info)}
     own = [store.root / rel for rel in chain_relpaths(store.inspect(gone)) if rel not in shared]
-    assert (
-        own and set(chain_relpaths(store.inspect(gone))) & shared
-    )  # gamma has blocks of its own and shares its preamble's
+    # gamma has blocks of its own and shares its preamble's
+    assert own and set(chain_relpaths(store.inspect(gone))) & shared
     before = tree(store.root)
 
     doomed, freed = store.gc(apply=False)
@@ -471,9 +467,8 @@ def test_gc_removes_a_dropped_entry_but_never_one_another_model_uses(dense, dens
     doomed, _ = store.gc(apply=True)
     assert sorted(doomed) == sorted([gone, *own]) and not gone.exists()
     kept = store.path_for(keys(other)["gamma"])  # the other model's record still lists it
-    assert kept.exists() and all(
-        (store.root / rel).exists() for rel in shared
-    )  # never a shared block
+    # never a shared block
+    assert kept.exists() and all((store.root / rel).exists() for rel in shared)
     for p in store.snapshot_files():
         store.verify_file(p)
     assert store.gc(apply=True) == ([], 0)
@@ -528,9 +523,8 @@ def test_regression_gc_during_a_build_cannot_delete_a_snapshot_before_its_record
     neither."""
     agents_file = write_agents(tmp_path / "agents.json", agents(["alpha", "beta"]))
     root = tmp_path / "store"
-    Store.open(root, create=True).update_record(
-        "unrelated", lambda r: {"entries": []}
-    )  # a manifest exists
+    # a manifest exists
+    Store.open(root, create=True).update_record("unrelated", lambda r: {"entries": []})
     results, threads = [], []
 
     def gc_as_soon_as_a_file_lands(point: str) -> None:

@@ -147,9 +147,8 @@ def test_a_new_scheme_is_one_module_and_one_table_row(tmp_path, monkeypatch):
     )  # the one new row
     root = tmp_path / "snaps"
     root.mkdir()
-    (root / MANIFEST).write_text(
-        "{}"
-    )  # the backend ships bytes; what a store holds is not its business
+    # the backend ships bytes; what a store holds is not its business
+    (root / MANIFEST).write_text("{}")
 
     shared = tmp_path / "shared" / "snaps"
     pushed = remote.push(root, f"copy://{shared}")

@@ -228,9 +228,8 @@ def test_a_shipped_manifest_listing_a_snapshot_it_does_not_ship_is_refused(
     files = store_files(built_b)
     with tarfile.open(archive, "w") as tar:
         for rel, data in files.items():
-            if (
-                rel == MANIFEST or rel == sorted(files)[0]
-            ):  # the manifest and only one of B's two snapshots
+            # the manifest and only one of B's two snapshots
+            if rel == MANIFEST or rel == sorted(files)[0]:
                 info = tarfile.TarInfo(rel)
                 info.size = len(data)
                 tar.addfile(info, io.BytesIO(data))
@@ -323,9 +322,8 @@ def test_a_build_refuses_a_malformed_manifest_before_prefilling(lm, store_a):
 def test_manifests_too_big_too_deep_or_not_utf8_are_refused_before_parsing(store_a):
     path = store_a / MANIFEST
     with open(path, "wb") as f:
-        f.truncate(
-            MAX_MANIFEST_BYTES + 1
-        )  # sparse: the reader must refuse it by its size, not read it
+        # sparse: the reader must refuse it by its size, not read it
+        f.truncate(MAX_MANIFEST_BYTES + 1)
     with pytest.raises(
         ManifestError,
         match=rf"is {MAX_MANIFEST_BYTES + 1} bytes, over the {MAX_MANIFEST_BYTES}-byte limit",
@@ -628,9 +626,8 @@ def test_references_never_show_their_password():
             and "alice" not in shown
             and "oci://***@reg.example.com:5000/team/snaps:v1" in shown
         )
-    assert ref == Reference.parse(
-        "oci://reg.example.com:5000/team/snaps:v1"
-    )  # same artifact, same cache folder
+    # same artifact, same cache folder
+    assert ref == Reference.parse("oci://reg.example.com:5000/team/snaps:v1")
     for bad in (
         f"oci://alice:{PASSWORD}@bad host/team/snaps:v1",
         f"oci://alice:{PASSWORD}@reg.example.com/Team:v1",

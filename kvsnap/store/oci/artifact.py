@@ -85,9 +85,8 @@ def artifact_manifest(layers: list[Layer]) -> bytes:
             }
             for layer in layers
         ],
-        "annotations": {
-            "io.kvsnap.version": __version__
-        },  # no timestamp: an unchanged store pushes the same manifest digest
+        # no timestamp: an unchanged store pushes the same manifest digest
+        "annotations": {"io.kvsnap.version": __version__},
     }
     body = json.dumps(doc, separators=(",", ":")).encode()
     if len(body) > MAX_MANIFEST_BYTES:

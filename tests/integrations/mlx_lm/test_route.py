@@ -131,18 +131,14 @@ def test_mlx_lm_profile_prefix_is_a_strict_prefix_of_mlx_lm_servers_own_tokens(
                     user,
                     cli_args,
                 )
-                assert (
-                    types[0] == "system"
-                )  # mlx-lm's own cut, which kvsnap's prefix need not equal
+                # mlx-lm's own cut, which kvsnap's prefix need not equal
+                assert types[0] == "system"
     if name == "llama":
         bos = tok.convert_tokens_to_ids("<|begin_of_text|>")
-        assert list(tok.encode("hi"))[:1] == [
-            bos
-        ]  # the tokenizer adds BOS on encode, as Meta's does
-        assert prefix[:2] == (
-            bos,
-            tok.encode("<|start_header_id|>", add_special_tokens=False)[0],
-        )  # one BOS only
+        # the tokenizer adds BOS on encode, as Meta's does
+        assert list(tok.encode("hi"))[:1] == [bos]
+        # one BOS only
+        assert prefix[:2] == (bos, tok.encode("<|start_header_id|>", add_special_tokens=False)[0])
 
 
 def test_real_llama3_tokenizer_mlx_lm_requests_start_with_one_bos_and_hit(tmp_path):

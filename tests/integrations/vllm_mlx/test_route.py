@@ -224,9 +224,8 @@ def test_insert_resolves_a_hub_id_to_the_files_vllm_mlx_loaded(
     add_snapshot(tmp_path / "hf" / "hub", "kvsnap-test/dense", lm.path, "c" * 40)
     import huggingface_hub.constants
 
-    monkeypatch.setattr(
-        huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hf" / "hub")
-    )  # read at import, so set it here
+    # read at import, so set it here
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hf" / "hub"))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     report = insert_snapshots(
         FakePrefixCache(), lm.model, lm.tokenizer, "kvsnap-test/dense", dense_store
@@ -305,10 +304,8 @@ def test_snapshots_built_for_vllm_mlx_go_in_with_their_bos(demo_models, tmp_path
     report = insert_snapshots(cache, lm.model, bos, str(lm.path), store)
     assert report.inserted == 1 and report.skipped == []
     (tokens,) = cache.entries
-    assert tokens == (
-        1,
-        *warm_prefix(lm.tokenizer, parse_warm_prompts(AGENTS).entries[0]).tokens,
-    )  # encode's BOS, then the template's tokens
+    # encode's BOS, then the template's tokens
+    assert tokens == (1, *warm_prefix(lm.tokenizer, parse_warm_prompts(AGENTS).entries[0]).tokens)
 
 
 # --- tokenization profiles ----------------------------------------------------------------
@@ -594,11 +591,8 @@ def test_deletes_during_a_running_rewarm_coalesce_into_one_more_pass(tmp_path):
         session._work, session._run = work, asyncio.to_thread
         assert session.schedule_rewarm() is True
         await asyncio.sleep(0.05)
-        assert [session.schedule_rewarm() for _ in range(3)] == [
-            True,
-            True,
-            True,
-        ]  # three DELETEs while it runs
+        # three DELETEs while it runs
+        assert [session.schedule_rewarm() for _ in range(3)] == [True, True, True]
         assert session.status()["rewarm_running"] is True
         release.set()
         while session.status()["rewarm_running"]:
@@ -835,9 +829,8 @@ def test_warm_prompts_come_from_the_store_and_survive_restart_eviction_and_delet
     home = tmp_path / "home"
     home.mkdir()
     agents = tmp_path / "agents.json"
-    agents.write_text(
-        json.dumps([[*AGENTS[0]["messages"]], [*PLANNER["messages"]]])
-    )  # vllm-mlx's own file shape
+    # vllm-mlx's own file shape
+    agents.write_text(json.dumps([[*AGENTS[0]["messages"]], [*PLANNER["messages"]]]))
     only_first = tmp_path / "first.json"
     only_first.write_text(json.dumps([[*AGENTS[0]["messages"]]]))
     store = tmp_path / "snaps"

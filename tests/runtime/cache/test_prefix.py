@@ -106,10 +106,8 @@ def test_an_untrimmable_entry_that_differs_only_at_its_last_token_is_not_used():
     assert cache.fetch([1, 2, 4, 5]) == (None, 0, None)
     cache.add(entry([1, 2], trimmable=False))
     assert cache.fetch([1, 2, 4, 5])[:2] == ([1, 2], 2)  # the shorter strict prefix serves instead
-    assert cache.fetch([1, 2, 3, 5])[:2] == (
-        [1, 2, 3],
-        3,
-    )  # and the full entry where it is a strict prefix
+    # and the full entry where it is a strict prefix
+    assert cache.fetch([1, 2, 3, 5])[:2] == ([1, 2, 3], 3)
 
 
 def test_a_trimmable_entry_that_differs_only_at_its_last_token_is_trimmed_before_it():

@@ -147,13 +147,11 @@ def test_the_trie_stays_equal_to_the_scan_through_discards_loads_unloads_and_evi
         if op == "discard" and entries:
             cache.discard(entries[i % len(entries)])
         elif op == "fetch":
-            cache.fetch(
-                tokens, "tenant-a/"
-            )  # may load a lazy entry and unload others for the budget
+            # may load a lazy entry and unload others for the budget
+            cache.fetch(tokens, "tenant-a/")
         elif op == "add-small-budget":
-            cache.add(
-                make_entry((tokens, True, False, True, False, "tenant-a/", 30))
-            )  # evicts by LRU
+            # evicts by LRU
+            cache.add(make_entry((tokens, True, False, True, False, "tenant-a/", 30)))
         elif op == "drop-requests":
             cache.drop_request_prefixes()
         for q, ns in queries:

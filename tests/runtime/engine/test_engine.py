@@ -400,9 +400,8 @@ def test_a_corrupt_snapshot_loaded_lazily_is_rejected_on_first_hit(
     status = engine.status()
     # Two entries failed to load; a bad block they share is one rejected file, named once.
     assert status["cache"]["load_errors"] == 2 and 1 <= status["snapshots"]["rejected"] <= 2
-    assert (
-        status["cache"]["entry_count"] == 0
-    )  # the bad snapshots are gone (and request prefixes do not fit this budget)
+    # the bad snapshots are gone (and request prefixes do not fit this budget)
+    assert status["cache"]["entry_count"] == 0
 
 
 # --- 5. honest accounting ------------------------------------------------------------------
@@ -495,9 +494,8 @@ def test_a_request_differing_from_an_untrimmable_snapshot_only_at_its_last_token
     engine = engines.start(world)
     warm = world.warm_tokens(0)
     tokens = world.request(0, QUESTIONS[0])
-    tokens[len(warm) - 1] = (
-        100 if warm[-1] != 100 else 101
-    )  # same prompt, other token at the snapshot's last position
+    # same prompt, other token at the snapshot's last position
+    tokens[len(warm) - 1] = 100 if warm[-1] != 100 else 101
     st = serve(engine, tokens)
     # Never the whole snapshot (its last token differs): at most the checkpoint before it.
     below = checkpoint_below(engine, tokens[: len(warm) - 1] + [None])

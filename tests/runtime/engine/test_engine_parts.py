@@ -46,13 +46,10 @@ def test_the_tail_that_could_start_a_stop_string_is_held_then_released():
     scan = scan_stop_strings("", "answer: EN", ("END",), final=False)
     assert (scan.send, scan.held, scan.stopped) == ("answer: ", "EN", False)
     scan = scan_stop_strings(scan.held, "ough", ("END",), final=False)
-    assert (scan.send, scan.held) == (
-        "ENou",
-        "gh",
-    )  # no stop: all but the last len("END") - 1 characters go
-    assert (
-        scan_stop_strings("gh", "", ("END",), final=True).send == "gh"
-    )  # nothing is held at the end
+    # no stop: all but the last len("END") - 1 characters go
+    assert (scan.send, scan.held) == ("ENou", "gh")
+    # nothing is held at the end
+    assert scan_stop_strings("gh", "", ("END",), final=True).send == "gh"
 
 
 def test_the_earliest_stop_string_wins_and_empty_ones_are_ignored():
@@ -363,9 +360,8 @@ def test_a_clear_during_a_rewarm_is_coalesced_and_the_warm_set_comes_back_one_re
             namespace="",
         )
     )
-    rewarmer.clear(
-        prefix, lm=None, rewarm=True
-    )  # coalesced: drops request prefixes again, no second job
+    # coalesced: drops request prefixes again, no second job
+    rewarmer.clear(prefix, lm=None, rewarm=True)
     assert (rewarmer.rewarms, rewarmer.coalesced, len(prefix)) == (1, 1, 2)
     rewarmer.step(prefix, counts)
     assert reads == [(1, 2)] and rewarmer.running  # one snapshot read per step

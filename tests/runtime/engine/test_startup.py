@@ -94,9 +94,8 @@ def test_each_pinned_snapshot_is_opened_and_parsed_once_to_index_and_once_to_res
         }
     )
     monkeypatch.setattr(kvsnap.store.local, "parse_header", counting_parse)
-    monkeypatch.setattr(
-        kvsnap.store.fileio, "parse_header", counting_parse
-    )  # restores read whole files there
+    # restores read whole files there
+    monkeypatch.setattr(kvsnap.store.fileio, "parse_header", counting_parse)
     monkeypatch.setattr(kvsnap.store.local, "read_header", no_reread)
     monkeypatch.setattr(kvsnap.snapshot.header, "tensor_bytes", no_reread)
     engine = _start(world)
@@ -147,9 +146,8 @@ def test_a_template_edit_falls_back_to_the_full_computation(world, monkeypatch):
     try:
         status = engine.status()
         assert len(calls) == 2 and status["warmup"]["recipes_reused"] == 0
-        assert (
-            status["snapshots"]["prefilled"] == 2
-        )  # the old snapshots no longer match: prefilled afresh
+        # the old snapshots no longer match: prefilled afresh
+        assert status["snapshots"]["prefilled"] == 2
     finally:
         engine.shutdown()
 
@@ -162,9 +160,8 @@ def test_a_recipe_whose_tokens_do_not_give_the_key_is_not_trusted(world, monkeyp
 
     identity = load_model(world["model"]).identity()
     info = Store.open(world["store"], readonly=True).scan(identity)[0][0]
-    forged = dataclasses.replace(
-        info, tokens=info.tokens[:-1]
-    )  # a header whose tokens do not give its key
+    # a header whose tokens do not give its key
+    forged = dataclasses.replace(info, tokens=info.tokens[:-1])
     monkeypatch.setattr(kvsnap.runtime.warmup.recipe, "warm_recipe", lambda *a: "same-recipe")
     assert (
         recorded_prefix({"same-recipe": info}, None, info.prompt_digest, identity, "")
@@ -246,9 +243,8 @@ def test_snapshots_restored_during_the_model_load_answer_like_a_cold_start(arch_
     cold.start()
     try:
         assert warm.wait_warm(120) and cold.wait_warm(120)
-        assert reads and not any(
-            reads
-        )  # every block and checkpoint of both pinned snapshots was read while the model loaded
+        # every block and checkpoint of both pinned snapshots was read while the model loaded
+        assert reads and not any(reads)
         status = warm.status()
         assert status["snapshots"]["loaded"] == 2 and status["warmup"]["prefetch_seconds"] > 0
         tokens = request_tokens(
@@ -271,9 +267,8 @@ def test_a_corrupt_snapshot_found_during_the_overlapped_read_is_rejected_and_pre
     from kvsnap.store.parts import chain_relpaths
 
     record = sorted((world["store"] / "snapshots").iterdir())[0]
-    victim = (
-        world["store"] / chain_relpaths(Store.open(world["store"]).inspect(record))[-1]
-    )  # its own last block (or checkpoint)
+    # its own last block (or checkpoint)
+    victim = world["store"] / chain_relpaths(Store.open(world["store"]).inspect(record))[-1]
     header = read_header(victim)
     layer = next(iter(header.tensors.values()))
     data = bytearray(victim.read_bytes())
@@ -320,9 +315,8 @@ def test_the_two_thread_read_gives_the_same_bytes_and_names_a_truncation(
     store = Store.open(world["store"], readonly=True)
     info = store.scan()[0][0]
     one = store.load_arrays(info)
-    monkeypatch.setattr(
-        kvsnap.snapshot.file, "PARALLEL_READ_MIN", 1024
-    )  # the tiny files take the two-thread path too
+    # the tiny files take the two-thread path too
+    monkeypatch.setattr(kvsnap.snapshot.file, "PARALLEL_READ_MIN", 1024)
     two = store.load_arrays(info)
     assert one.keys() == two.keys() and all(mx.array_equal(one[k], two[k]) for k in one)
     # A file cut short after it was indexed: named, never served.

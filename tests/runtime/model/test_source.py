@@ -357,9 +357,8 @@ def test_only_sha256_named_blobs_in_a_hub_cache_count(hf_home, models, tmp_path)
     snap = hf_home / "hub" / "models--org--tiny-chat" / "snapshots" / COMMIT_A
     assert hub_blob_sha256(snap / "config.json") is None  # a 40-hex git blob sha1
     assert hub_blob_sha256(models["a"] / "model.safetensors") is None
-    elsewhere = (
-        tmp_path / "blobs" / hashlib.sha256(b"x").hexdigest()
-    )  # a blobs/ folder outside models--*/
+    # a blobs/ folder outside models--*/
+    elsewhere = tmp_path / "blobs" / hashlib.sha256(b"x").hexdigest()
     elsewhere.parent.mkdir()
     elsewhere.write_bytes(b"x")
     link = tmp_path / "model.safetensors"

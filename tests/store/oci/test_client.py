@@ -127,9 +127,8 @@ def test_regression_registry_credentials_never_reach_a_redirect_target(
             DIGEST, len(BLOB), (tmp_path / "out").open("wb"), "blocks/x.safetensors"
         )
     assert storage.host in str(err.value) and "answered HTTP 401" in str(err.value)
-    assert [auth for _, _, auth in storage.seen] == [
-        None
-    ]  # one GET, no credentials, no token request
+    # one GET, no credentials, no token request
+    assert [auth for _, _, auth in storage.seen] == [None]
     assert any(auth == BASIC for _, _, auth in registry.seen)  # the registry itself did get them
 
 

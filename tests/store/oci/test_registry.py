@@ -155,9 +155,8 @@ def test_bearer_token_flow_against_a_real_registry(token_registry, built, tmp_pa
     creds = Credentials("ci", "tok-pw", "test")
     first_call = len(tokens.calls)
     report = push(built, ref, credentials=creds)
-    assert len(report.uploaded) == 1 + len(
-        store_files(built)
-    )  # the empty config + 2 records, their blocks, manifest.json
+    # the empty config + 2 records, their blocks, manifest.json
+    assert len(report.uploaded) == 1 + len(store_files(built))
     user, query = tokens.calls[first_call]
     assert (
         user == "ci"
@@ -190,20 +189,17 @@ def test_bearer_token_flow_against_a_real_registry(token_registry, built, tmp_pa
     pull_claims = claims_for("ci", ["repository:team/snaps:pull"])
     for token, status in (
         (tokens.signer.jwt(pull_claims), 200),
-        (
-            SigningKey.make("a forger").jwt(pull_claims),
-            401,
-        ),  # signed by a key outside the rootcertbundle
-        (
-            tokens.signer.jwt(claims_for("ci", ["repository:other/repo:pull"])),
-            401,
-        ),  # granted another repository
+        # signed by a key outside the rootcertbundle
+        (SigningKey.make("a forger").jwt(pull_claims), 401),
+        # granted another repository
+        (tokens.signer.jwt(claims_for("ci", ["repository:other/repo:pull"])), 401),
+        # wrong audience
         (
             tokens.signer.jwt(
                 claims_for("ci", ["repository:team/snaps:pull"], service="another-registry")
             ),
             401,
-        ),  # wrong audience
+        ),
     ):
         assert (
             httpx.get(
@@ -248,12 +244,8 @@ def test_push_pull_verify_round_trip(registry, built, tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     assert f"{n} file(s) downloaded" in r.stdout and "0 already there" in r.stdout
     assert store_files(out) == store_files(built)
-    assert sorted(os.listdir(out)) == [
-        "blocks",
-        "checkpoints",
-        MANIFEST,
-        "snapshots",
-    ]  # a new store appears whole: no .lock, no temp files
+    # a new store appears whole: no .lock, no temp files
+    assert sorted(os.listdir(out)) == ["blocks", "checkpoints", MANIFEST, "snapshots"]
     assert {oct((out / d).stat().st_mode & 0o777) for d in ("", "snapshots", "blocks")} == {"0o700"}
     assert {
         oct(p.stat().st_mode & 0o777)
@@ -281,9 +273,8 @@ def test_push_pull_verify_round_trip(registry, built, tmp_path):
     )
     assert registry.uploads(since) == []
     digest = re.compile(r"\((sha256:[0-9a-f]{64})\)")
-    assert digest.search(r2.stdout).group(1) == digest.search(pushed.stdout).group(
-        1
-    )  # same manifest digest
+    # same manifest digest
+    assert digest.search(r2.stdout).group(1) == digest.search(pushed.stdout).group(1)
 
 
 def test_repush_after_changing_one_agent_uploads_one_new_snapshot_blob(registry, lm, tmp_path):
@@ -312,9 +303,8 @@ def test_repush_after_changing_one_agent_uploads_one_new_snapshot_blob(registry,
     )
     since = registry.log_size()
     report = push(store, ref)
-    assert sorted(report.uploaded) == sorted(
-        [*new_files, MANIFEST]
-    )  # the new record, its new blocks and the changed manifest.json only
+    # the new record, its new blocks and the changed manifest.json only
+    assert sorted(report.uploaded) == sorted([*new_files, MANIFEST])
     unchanged = [f for f in store_files(store) if f not in new_files and f != MANIFEST]
     assert (
         sorted(report.skipped) == sorted(["config", *unchanged])
