@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""The block store's goals (issue 17), measured: store and pinned bytes of agents sharing a
+"""The block store's goals, measured: store and pinned bytes of agents sharing a
 preamble against the KV of their distinct tokens and what editing one of them re-prefills
 (dense and hybrid), what an edit of a long prompt re-prefills, composed vs single-file restore,
 a new agent's first hit, and the registry manifest for 1,000 agents.

@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """Launch -> warm-ready for cold, ``--kv-snapshots`` alone and ``--kv-snapshots --warm-prompts``
-on the same store, launches interleaved, medians (issue 24 item 11; docs/benchmarks.md).
+on the same store, launches interleaved, medians (docs/benchmarks.md).
 
     python scripts/bench_kv_alone.py --size qwen3-0.6b --tokens 2176 --reps 5
     python scripts/bench_kv_alone.py ... --trees /path/after,/path/before   # each on PYTHONPATH

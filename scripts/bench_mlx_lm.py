@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""docs/mlx-lm.md's side-by-side table (issue 25): three servers on one model, from a restart.
+"""docs/mlx-lm.md's side-by-side table: three servers on one model, from a restart.
 
     python scripts/bench_mlx_lm.py                          # Qwen3-0.6B-shaped fp32, 3 reps
     python scripts/bench_mlx_lm.py --size tiny --reps 1     # a smoke run, seconds

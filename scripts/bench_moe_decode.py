@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Why a MoE decodes slower per sequence in a batch (issue 14): one decode step of B sequences
+"""Why a MoE decodes slower per sequence in a batch: one decode step of B sequences
 at once against B single-sequence steps, for the whole model and for its MoE blocks alone.
 
     python scripts/bench_moe_decode.py --model /tmp/table/run2/models/qwen3.6-35b-a3b-4bit

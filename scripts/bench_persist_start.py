@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Start-up with 10,000 persisted conversations vs none (issue 23; docs/benchmarks.md
+"""Start-up with 10,000 persisted conversations vs none (docs/benchmarks.md
 "Start-up with persisted conversations"): launch -> ready of `kvsnap serve --persist-requests`
 on the same store with and without N conversation records, launches interleaved, medians.
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Conversations across a restart (issue 23; docs/benchmarks.md "Conversations across a
+"""Conversations across a restart (docs/benchmarks.md "Conversations across a
 restart"): N conversations x T turns, a restart after turn R done three ways (none, SIGTERM,
 kill -9), for each server:
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""The original warm-prompts table, side by side (issue 14): kvsnap and vllm-mlx, cold / warm /
+"""The original warm-prompts table, side by side: kvsnap and vllm-mlx, cold / warm /
 snapshots.
 
 For every repetition × family × concurrency × mode (in that nesting, the mode order rotated

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Issue 23: how much of a conversation's previous turn a kept request prefix reuses.
+"""How much of a conversation's previous turn a kept request prefix reuses.
 
 For each chat template, multi-turn conversations are rendered exactly as kvsnap's server
 renders a chat request (kvsnap.chat: normalize_messages, then request_tokens with the

@@ -1,4 +1,4 @@
-"""Issue 23: what a kept request prefix gives the next turn of a conversation, on real chat
+"""What a kept request prefix gives the next turn of a conversation, on real chat
 templates (docs/conversations.md, "What is kept"; scripts/measure_turn_reuse.py measures it
 at full size).
 

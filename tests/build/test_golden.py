@@ -8,7 +8,7 @@ hits and answers like a cold server.
 The baseline (tests/fixtures/golden/summary.json) is rewritten, after a deliberate format
 change only, with ``python tests/helpers/golden_summary.py --write [COMMIT]`` (about 20 s).
 
-Issue 24: the baseline held tensor sha256s, and OpenBLAS picks its GEMM kernels by CPU, so a
+The baseline held tensor sha256s, and OpenBLAS picks its GEMM kernels by CPU, so a
 fresh machine failed with "tensor bytes changed". The other kernels are exercised here by
 ``OPENBLAS_CORETYPE`` (Debian's libopenblas0-pthread honours it; ``OPENBLAS_VERBOSE=2`` prints
 the core picked). By hand, every case under every kernel:
@@ -75,7 +75,7 @@ def test_a_rebuild_writes_the_golden_keys_headers_and_tensors(
 def test_golden_tensor_bytes_changed_on_another_cpu_is_float_noise_not_a_failure(
     core, demo_models, tmp_path, isolated_cache
 ):
-    """Issue 24: other OpenBLAS kernels (another CPU) round fp32 GEMMs differently; the quantized
+    """Other OpenBLAS kernels (another CPU) round fp32 GEMMs differently; the quantized
     case is the most sensitive (a value on a rounding edge moves a level)."""
     if platform.machine() != "x86_64" or find_openblas() is None:
         pytest.skip("OPENBLAS_CORETYPE names x86_64 kernels of Linux's OpenBLAS")

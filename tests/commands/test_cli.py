@@ -321,7 +321,7 @@ def test_verify_with_model_rejects_a_snapshot_of_another_seed(
     foreign = Store.open(store_copy).path_for(report.entries[0].key)
     assert light("verify", store_copy).stdout.splitlines()[-1] == "4 ok, 0 bad"  # fine on its own
     proc = run_kvsnap("verify", store_copy, "--model", model_dir, env=env, timeout=120)
-    # Sound but another model's (issue 24 item 11): named as such, not a failure.
+    # Sound but another model's: named as such, not a failure.
     assert proc.returncode == 0, proc.stdout + proc.stderr
     [line] = [ln for ln in proc.stdout.splitlines() if ln.startswith("other")]
     assert (

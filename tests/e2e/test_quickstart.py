@@ -42,7 +42,7 @@ def test_quickstart_builds_serves_and_shows_a_warm_hit(tmp_path):
 def test_regression_quickstart_sizes_name_state_and_written_bytes_the_same_way_every_run(
     demo_models, tmp_path
 ):
-    """Issue 24 item 11: quickstart's "bytes" was the written bytes on a build and the total size
+    """Quickstart's "bytes" was the written bytes on a build and the total size
     on a reuse."""
     import re
 

@@ -22,8 +22,8 @@ What is kept, and how it is compared (``differences``):
   to FLIP_SHARE of the bytes.
 
 The baseline (fixtures/golden/summary.json) moves only with a deliberate format change; it
-was written at the start of issue 16 (format 2), again for issue 17 (format 3: records and
-blocks) and for issue 24 (fingerprints instead of tensor bytes) with
+was written for format 2, again for format 3 (records and blocks) and again when it took
+fingerprints instead of tensor bytes, each time with
 ``python tests/helpers/golden_summary.py --write [COMMIT]``.
 """
 

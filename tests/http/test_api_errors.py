@@ -1,4 +1,4 @@
-"""What a failed generation tells the client (issue 24, item 9): the error type only.
+"""What a failed generation tells the client: the error type only.
 
 In process: the real app and engine on the tiny dense demo model, through HTTP; the
 request's cache preparation is made to fail with a message holding a private detail.

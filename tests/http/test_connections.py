@@ -1,4 +1,4 @@
-"""`kvsnap serve` against floods of connections (issue 24, item 2; item 11's busy port).
+"""`kvsnap serve` against floods of connections (and a port already in use).
 
 Real `kvsnap serve` processes on 127.0.0.1 with the tiny dense demo model. The slow
 clients are bounded (a few hundred sockets, a few seconds) and the caps lowered by flag.

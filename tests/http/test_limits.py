@@ -1,4 +1,4 @@
-"""Limits come before the expensive work (issue 24, item 6): oversized chat requests are
+"""Limits come before the expensive work: oversized chat requests are
 counted and refused before normalising or rendering, the work runs off the event loop a few
 at a time, and requests being prepared count toward 429. A real `kvsnap serve` on 127.0.0.1.
 """

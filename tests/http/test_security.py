@@ -1,6 +1,6 @@
 """`kvsnap serve` in front of hostile clients: keys, tenant isolation, bounded input, cancel, admin.
 
-Each test is named after the finding of issue 12 it pins. Real uvicorn servers on
+Each test is named after the attack it pins. Real uvicorn servers on
 127.0.0.1 with the tiny dense demo model; keys come from the environment, as the docs say.
 """
 
@@ -261,7 +261,7 @@ def test_warm_snapshots_stay_shared_and_partial_matches_are_coarse(keyed, client
 
 
 def test_tenant_status_shows_nothing_that_moves_with_other_tenants_traffic(keyed, client):
-    """Issue 24: cache counters, memory and queue lengths moved with others' requests and
+    """Cache counters, memory and queue lengths moved with others' requests and
     spelled out match lengths (``tokens_saved`` deltas); in-flight rows gave exact counts."""
     url = keyed.url
     before = client.get(f"{url}/v1/status", headers=auth(USER_A)).json()
@@ -283,7 +283,7 @@ def _warm_tokens(demo_models) -> list[int]:
 
 
 def _attack_transcript(client, url, warm: list[int], m: int, run: str) -> list[int]:
-    """The binary search of issue 24 on a probe sharing ``m`` tokens with the warm prompt:
+    """A tenant's binary search on a probe sharing ``m`` tokens with the warm prompt:
     for each length L, an own entry of L probe tokens (a fresh salt per step), then the probe.
     Returns every ``cached_tokens`` it was told."""
     free = [t for t in range(5, 700) if t not in warm[: len(warm)]]
@@ -318,7 +318,7 @@ def _attack_transcript(client, url, warm: list[int], m: int, run: str) -> list[i
 def test_cached_tokens_binary_search_against_own_entries_learns_only_the_rounded_match(
     keyed, client, demo_models
 ):
-    """Issue 24: with entries of its own of chosen lengths, a tenant binary-searched the exact
+    """With entries of its own of chosen lengths, a tenant binary-searched the exact
     length a probe shares with the operator's warm prompt. Two probes sharing 150 and 220
     tokens (both 128 once rounded) must give the attacker the very same answers."""
     warm = _warm_tokens(demo_models)

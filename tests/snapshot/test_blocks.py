@@ -1,4 +1,4 @@
-"""The block store (issue 17): where prefixes are cut, shared blocks stored once, edits that
+"""The block store: where prefixes are cut, shared blocks stored once, edits that
 re-prefill only from the edit, bad blocks rejected and re-prefilled from the last good one.
 
 Real tiny demo models, the real build pipeline, real files.

@@ -1,4 +1,4 @@
-"""Issue 24 item 3a: a store whose blocks were rewritten with another head dim never breaks
+"""A store whose blocks were rewritten with another head dim never breaks
 serving. A block's key does not hash its data, so an attacker rewrites the tensors and a fresh
 checksum and the store still passes ``verify``, ``pack`` and ``unpack``. Served, the bad state
 used to fail the whole batch step: every request in it got 500 and the entry was never dropped.
@@ -137,7 +137,7 @@ def test_regression_forged_head_dim_blocks_are_dropped_and_never_fail_a_batch(fo
 
 
 def test_verify_with_the_model_reports_another_models_records_and_exits_0(demo_models, tmp_path):
-    """Issue 24 item 11: a sound store that also holds another model's records made `verify
+    """A sound store that also holds another model's records made `verify
     --model` exit 1."""
     root = build_store(
         demo_models.load("dense"), tmp_path / "store", _agents(["alpha"]), tmp_path / "a.json"

@@ -1,4 +1,4 @@
-"""Issue 24 item 9a: a valid record claiming 25M tokens made `kvsnap ls` peak at 1.3 GB and the
+"""A valid record claiming 25M tokens made `kvsnap ls` peak at 1.3 GB and the
 server's start scan read all of it. Token counts are bounded before any token is read: by
 kvsnap's MAX_TOKENS everywhere, and by the model's context where the model is known.
 

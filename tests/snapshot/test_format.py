@@ -1,4 +1,4 @@
-"""One owner for every file fact (issue 16): kvsnap/snapshot/format.py.
+"""One owner for every file fact: kvsnap/snapshot/format.py.
 
 Bumping a version there changes, together, what the writer puts in a header, what the reader
 accepts, the key and the OCI media types; the store path ``snapshots/<key>.safetensors`` is

@@ -1,12 +1,12 @@
 """Where a chain is cut: the block grid, and where siblings leave each other.
 
-Issue 24, item 10: every branch point with any other warm prefix was a block end, so an
+Every branch point with any other warm prefix was a block end, so an
 unrelated agent that shares only the chat template's first tokens cut every chain there: an
 edited agent found none of its old blocks (re-prefilled everything) and stored its first block
 twice. Since, a chain is the grid plus, only inside a block not stored whole, the points where
 it leaves a sibling: a stored block is never cut again.
 
-Issue 29, item 11: on the grid alone, siblings that leave each other inside a block each stored
+On the grid alone, siblings that leave each other inside a block each stored
 that block's shared head (10 agents, a shared preamble: 1.7x their unique KV), and a hybrid
 restored an edited agent from the grid point before its branch point (387 tokens re-prefilled
 for a one-sentence edit).

@@ -1,4 +1,4 @@
-"""Issue 24, item 10: every folder created in a store is fsynced in its parent.
+"""Every folder created in a store is fsynced in its parent.
 
 A new folder's entry is only durable once its parent is fsynced; before, ``blocks/``,
 ``checkpoints/``, ``snapshots/`` and a new store root were made with ``mkdir`` alone, so a

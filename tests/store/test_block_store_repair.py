@@ -1,4 +1,4 @@
-"""Issue 24, item 10: a rebuild repairs every bad part of a chain, and gc during a build is safe.
+"""A rebuild repairs every bad part of a chain, and gc during a build is safe.
 
 - A bad intermediate checkpoint of a hybrid record was never repaired: the rebuild saw the
   record fail, "replaced a bad snapshot", restored from the end checkpoint (which never reads

@@ -1,4 +1,4 @@
-"""Issue 23: persisted conversations in the block store, with real `kvsnap serve` processes.
+"""Persisted conversations in the block store, with real `kvsnap serve` processes.
 
 Tenants stay apart on disk and across a restart, the flags that contradict each other are
 refused, DELETE /v1/cache/prefix purges, the disk budget evicts the least recently used

@@ -1,4 +1,4 @@
-"""Issue 24: shipped content is hostile -- installs merge and never shrink, never overwrite a good
+"""Shipped content is hostile -- installs merge and never shrink, never overwrite a good
 file.
 
 Real stores built with the tiny demo model, real tarballs, the real `gc` and `verify`.

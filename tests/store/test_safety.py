@@ -1,4 +1,4 @@
-"""Store and file safety (issue 12, findings 6, 7, 10 and 11), through real files and the real CLI.
+"""Store and file safety, through real files and the real CLI.
 
 6  installs (unpack, pull) merge manifest records; ``gc`` then keeps every live snapshot.
 7  crafted headers (a billion ``parts``, layers nested 5000 deep, ...) are named errors, fast,
@@ -137,7 +137,7 @@ def manifest_records(root: Path) -> dict:
 def test_regression_unpack_into_a_store_keeps_its_records_and_gc_keeps_its_snapshots(
     store_a, built_b, model_dir, tmp_path
 ):
-    """Issue 12 #6: pack B, unpack into A, gc A --yes used to delete A's own snapshots (0 ok, 2
+    """Pack B, unpack into A, gc A --yes used to delete A's own snapshots (0 ok, 2
     bad)."""
     own = store_files(store_a)
     archive = pack(built_b, tmp_path / "b.tar").archive
@@ -165,7 +165,7 @@ def test_regression_unpack_into_a_store_keeps_its_records_and_gc_keeps_its_snaps
 def test_an_install_of_a_newer_build_of_a_record_only_adds_and_gc_drops_nothing(
     store_a, lm, tmp_path
 ):
-    """The same (model, agents file) record shipped again only adds (issue 24: merges never
+    """The same (model, agents file) record shipped again only adds (merges never
     shrink)."""
     agents_file = tmp_path / "b-agents.json"
     b = build_store(lm, tmp_path / "B", AGENTS_B, agents_file)
@@ -287,7 +287,7 @@ BAD_MANIFESTS = {
 def test_regression_a_malformed_manifest_is_one_clear_error_from_gc_verify_pack(
     store_a, tmp_path, case
 ):
-    """Issue 12 #10: these were AttributeError / TypeError tracebacks."""
+    """These were AttributeError / TypeError tracebacks."""
     doc, says = BAD_MANIFESTS[case]
     (store_a / MANIFEST).write_text(json.dumps(doc))
     before = tree(store_a)
@@ -412,7 +412,7 @@ def layers_of(path: Path) -> list:
 
 
 def test_regression_a_billion_parts_is_refused_at_once_in_bounded_memory(store_a):
-    """Issue 12 #7: range(10**9) of tensor names was built before the checksum was read
+    """range(10**9) of tensor names was built before the checksum was read
     (MemoryError after 30 s)."""
     victim = Store.open(store_a).snapshot_files()[0]
     layers = layers_of(victim)
@@ -447,7 +447,7 @@ def test_regression_a_billion_parts_is_refused_at_once_in_bounded_memory(store_a
 def test_regression_layers_nested_5000_deep_are_a_named_problem_for_ls_verify_and_unpack(
     store_a, tmp_path
 ):
-    """Issue 12 #7: an uncaught RecursionError traceback from `ls` and `unpack`."""
+    """An uncaught RecursionError traceback from `ls` and `unpack`."""
     victim = Store.open(store_a).snapshot_files()[0]
     reforge(victim, **{"kvsnap.layers": "[" * 5000 + "]" * 5000})
     r = run_kvsnap("ls", store_a)
@@ -651,7 +651,7 @@ def test_references_never_show_their_password():
 def test_regression_pull_and_push_with_a_password_in_the_reference_never_print_it(
     auth_registry, built_b, tmp_path
 ):  # noqa: F811
-    """Issue 12 #11: `kvsnap pull oci://user:secret@host/…` printed the password."""
+    """`kvsnap pull oci://user:secret@host/…` printed the password."""
     ref = f"oci://alice:{PASSWORD}@{auth_registry.host}/private/redacted:v1"
     r = run_kvsnap("push", built_b, ref)
     assert r.returncode == 0 and PASSWORD not in r.stdout + r.stderr, r.stdout + r.stderr
@@ -726,7 +726,7 @@ def docker_config(folder: Path, config: dict | str) -> Path:
 def test_a_failing_credential_helper_is_named_with_its_redacted_stderr(
     auth_registry, built_b, tmp_path
 ):  # noqa: F811
-    """Issue 12 #11: a helper that failed was silently 'no credentials'."""
+    """A helper that failed was silently 'no credentials'."""
     bin_dir = tmp_path / "bin"
     fake_helper(
         bin_dir,

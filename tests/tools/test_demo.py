@@ -75,7 +75,7 @@ def test_bad_spec_is_a_clear_error(tmp_path):
         make_demo_model(tmp_path / "file", DemoSpec())
 
 
-# --- the benchmark table's families (issue 14) -----------------------------------------
+# --- the benchmark table's families ----------------------------------------------------
 
 # name -> spec: the original table's families at test size.
 FAMILIES = {

@@ -8,7 +8,7 @@ string is complete, and the output ends right before it; when several complete a
 character (one is a suffix of another), the longest is cut. On the whole text: among the
 stop strings it contains, the one whose first occurrence ends first (ties: starts first).
 That point does not depend on where the text was cut into segments, so streaming sends
-exactly what a non-streaming request returns. (Issue 24: the earliest *start* in the
+exactly what a non-streaming request returns. (The earliest *start* in the
 segment at hand is not that: 'DcD' as 'Dc' + 'D' with stops 'c' and 'DcD' stopped at 'c'
 while one segment 'DcD' cut at 'DcD'.)
 """

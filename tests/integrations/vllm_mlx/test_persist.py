@@ -1,4 +1,4 @@
-"""`kvsnap vllm-mlx serve --kv-snapshots DIR --persist-requests` (issue 23, the vllm-mlx route):
+"""`kvsnap vllm-mlx serve --kv-snapshots DIR --persist-requests` (the vllm-mlx route):
 the prefix entries vllm-mlx keeps are written behind into the kvsnap store and read back after
 a restart or a crash.
 

@@ -1,4 +1,4 @@
-"""Cold requests admitted together that share a system prompt compute it once (issue 14)."""
+"""Cold requests admitted together that share a system prompt compute it once."""
 
 from __future__ import annotations
 
@@ -84,7 +84,7 @@ def test_concurrent_cold_requests_sharing_a_system_prompt_compute_it_once(
         # mlx-lm's own counter plus the shared prefill: the system prompt ran once, not four times.
         assert status["tokens"]["computed"] == shared + sum(len(t) - shared for t in token_lists)
         assert all(s.cached_tokens == shared for s in states)
-        # One lookup per request (issue 24 item 11): the shared prefill's own lookup is no
+        # One lookup per request: the shared prefill's own lookup is no
         # request, and every member reused the shared prefix, so four hits and no miss.
         cache = status["cache"]
         assert (cache["hits"], cache["misses"], cache["tokens_saved"]) == (4, 0, 4 * shared), cache

@@ -76,14 +76,14 @@ def test_a_stop_string_that_completes_first_wins_over_one_that_starts_earlier_is
     assert feed(["aDcD"], ("cD", "DcD")) == ("a", True)
 
 
-# KVSNAP_STOP_EXAMPLES=20000 runs it harder (issue 24: checked with seeds 1, 2, 3)
+# KVSNAP_STOP_EXAMPLES=20000 runs it harder (checked with seeds 1, 2, 3)
 @settings(max_examples=int(os.environ.get("KVSNAP_STOP_EXAMPLES", "300")), deadline=None)
 @given(
     text=st.text(alphabet="abcE ND", max_size=40),
     cuts=st.lists(st.integers(0, 40), max_size=6),
     stops=st.lists(st.text(alphabet="abcEND", min_size=1, max_size=4), max_size=3),
 )
-@example(text="DcD", cuts=[2], stops=["c", "DcD"])  # issue 24: failed at random before
+@example(text="DcD", cuts=[2], stops=["c", "DcD"])  # failed at random before
 @example(text="DcD", cuts=[], stops=["c", "DcD"])
 def test_any_chunking_sends_what_one_scan_of_the_whole_text_sends(text, cuts, stops):
     """Where the detokenizer cuts the text never changes what the client receives: exactly the

@@ -1,4 +1,4 @@
-"""Start-up reads each snapshot once and re-tokenizes no unchanged warm prompt (issue 15)."""
+"""Start-up reads each snapshot once and re-tokenizes no unchanged warm prompt."""
 
 from __future__ import annotations
 
@@ -383,7 +383,7 @@ def _start_and_record(world, with_prompts: bool) -> dict:
 
 
 def test_regression_kv_snapshots_alone_does_the_work_of_warm_prompts(arch_world):
-    """Issue 24 item 11: ``--kv-snapshots`` alone was slower to warm than with ``--warm-prompts``
+    """``--kv-snapshots`` alone was slower to warm than with ``--warm-prompts``
     on the same store. Both starts parse, read and evaluate the same things, and before warm
     nothing is evaluated but the model load and the store's reads: the shape check learned from
     an evaluated one-token pass put the model's first pass (its kernel compiles, ~1 s at 0.6B)

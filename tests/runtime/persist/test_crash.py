@@ -1,4 +1,4 @@
-"""Persisted conversations survive SIGTERM, kill -9 and a full disk (issue 23), end to end:
+"""Persisted conversations survive SIGTERM, kill -9 and a full disk, end to end:
 real `kvsnap serve --persist-requests` processes on loopback, real store files, demo models.
 
 Every answer is compared with a server that never restarted (greedy decoding), and after

@@ -1,4 +1,4 @@
-"""Damage in a store never spreads and never hides what is sound (issue 29 items 2, 3, 4, 12):
+"""Damage in a store never spreads and never hides what is sound:
 a bad block is rewritten by the next write behind that reaches it and no record names it
 before; a torn newest record falls back to the next-longest one; a damaged record is
 rewritten, and never kept young; a record whose header is not what its name promises is

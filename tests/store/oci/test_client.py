@@ -1,4 +1,4 @@
-"""Issue 24: a registry's redirects and slow answers are hostile -- tiny HTTP servers on 127.0.0.1.
+"""A registry's redirects and slow answers are hostile -- tiny HTTP servers on 127.0.0.1.
 
 Two servers on two ports are two origins: the registry, and a host it redirects blobs to.
 Credentials (Basic, or a Bearer token) go only to the registry's own scheme, host and port.

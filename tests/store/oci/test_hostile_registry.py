@@ -1,4 +1,4 @@
-"""Issue 24: content pulled from a registry is hostile -- a real docker-registry on 127.0.0.1.
+"""Content pulled from a registry is hostile -- a real docker-registry on 127.0.0.1.
 
 A forged block under an existing name is reported and never installed; a killed pull resumes
 from what it staged; stale stage folders are cleaned.

@@ -320,7 +320,7 @@ def test_repush_after_changing_one_agent_uploads_one_new_snapshot_blob(registry,
     ) == sorted(f for f in unchanged if f in again.present)
     have, want = store_files(replica), store_files(store)
     assert all(have.get(name) == data for name, data in want.items() if name != MANIFEST)
-    # Installs never shrink a record (issue 24): the replica's keeps the old planner entry too.
+    # Installs never shrink a record: the replica's keeps the old planner entry too.
     ((rid, record),) = json.loads(want[MANIFEST])["records"].items()
     kept = json.loads(have[MANIFEST])["records"][rid]["entries"]
     assert all(e in kept for e in record["entries"]) and len(kept) == len(record["entries"]) + 1
