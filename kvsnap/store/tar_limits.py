@@ -105,4 +105,5 @@ class BoundedTarInfo(tarfile.TarInfo):
             raise tarfile.ReadError(
                 f"a tar metadata entry of {self.size} bytes, over the {MAX_META_BYTES}-byte limit"
             )
-        return super()._proc_member(tarfile_obj)
+        # A private TarInfo hook (typeshed omits it): the one place a member's metadata is read.
+        return super()._proc_member(tarfile_obj)  # type: ignore[misc]

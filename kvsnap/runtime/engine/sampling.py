@@ -8,7 +8,7 @@ shares its batch.
 from __future__ import annotations
 
 import random
-from typing import Callable
+from typing import Callable, cast
 
 from kvsnap.blas import preload_openblas
 
@@ -56,10 +56,12 @@ def make_request_sampler(
 def token_logprob(logprobs: mx.array, token: int, top_n: int) -> TokenLogprob:
     """``token``'s entry in one position's log-softmax (``logprobs``: the vocabulary's) and the
     ``top_n`` most likely, by mlx_lm.server's math (its ``_format_top_logprobs``)."""
-    chosen = float(logprobs[token].item())
+    # mlx's stubs type item() and tolist() as any scalar or nested list; these are flat floats.
+    chosen = cast(float, logprobs[token].item())
     if top_n <= 0:
         return TokenLogprob(token, chosen)
     top_n = min(top_n, logprobs.size)
     ids = mx.argpartition(-logprobs, kth=top_n - 1)[:top_n]
-    top = sorted(zip(ids.tolist(), logprobs[ids].tolist()), key=lambda p: -p[1])
+    pairs = zip(cast(list[int], ids.tolist()), cast(list[float], logprobs[ids].tolist()))
+    top = sorted(pairs, key=lambda p: -p[1])
     return TokenLogprob(token, chosen, tuple((int(i), float(v)) for i, v in top))

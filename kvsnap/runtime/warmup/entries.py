@@ -9,6 +9,7 @@ state the model's shape check refuses is a SnapshotError, a load error the calle
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import cast
 
 from kvsnap.errors import SnapshotError
 from kvsnap.runtime.cache.composed import BlockPool, load_composed
@@ -72,8 +73,10 @@ def snapshot_loader(
             return _checked(loaded, info, check)
         if arrays is None:
             arrays = store.load_arrays(info)
-        _checked((arrays, 0), info, check)  # before decoding: the arrays are what a forger wrote
-        state = decode_cache(arrays, info.layers)
+        # Checked before decoding: the arrays are what a forger wrote.
+        _checked((arrays, 0), info, check)
+        # A whole record is prefetched as its name -> array dict (a chained one as a tuple).
+        state = decode_cache(cast(dict, arrays), info.layers)
         return state, cache_nbytes_of(state)
 
     return load
