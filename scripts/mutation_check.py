@@ -777,7 +777,7 @@ BREAKAGES = (
     Breakage(
         "lazy-import-cycle",
         "shape of the code",
-        "a lazy import inside a function closes an import cycle (warm_recipe <-> warmup)",
+        "a lazy import inside a function closes an import cycle (warmup.recipe <-> warmup.run)",
         (
             Patch(
                 "kvsnap/runtime/warmup/recipe.py",

@@ -17,7 +17,7 @@ Namespaces: warm entries (``namespace=None``) are the operator's and every reque
 them; a request prefix belongs to the namespace of the request that made it (its API key
 and ``cache_salt``) and only requests of that namespace ever match it.
 
-Lookups walk one token trie per namespace (``prefix_trie``), so their cost does not grow with
+Lookups walk one token trie per namespace (``cache.trie``), so their cost does not grow with
 the number of entries; ``_entries`` and the tries change together, only in ``_index`` and
 ``_unindex``, and an indexed entry's state changes only in ``_set_state``.
 

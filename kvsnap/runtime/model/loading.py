@@ -92,7 +92,7 @@ def load_model(
     revision: str | None = None,
 ) -> LoadedModel:
     """Load model and tokenizer from a local folder or a hub id (resolved first; see
-    model_source)."""
+    ``runtime.model.source``)."""
     source = (
         model_ref if isinstance(model_ref, ResolvedModel) else resolve_model(model_ref, revision)
     )

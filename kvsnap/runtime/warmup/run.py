@@ -3,8 +3,8 @@
 Runs on the engine thread (it touches mlx). Snapshots matching the model are indexed from
 their headers; pinned ones load into memory up to the cache budget, the rest load on first
 hit; warm prompts without a valid snapshot are prefilled and written back when the store
-is writable. The entries come from ``warmup_entries``, the store from ``warmup_store``, the
-report and counts from ``warmup_report``.
+is writable. The entries come from ``warmup.entries``, the store from ``warmup.store``, the
+report and counts from ``warmup.report``.
 """
 
 from __future__ import annotations
