@@ -62,10 +62,13 @@ class _Bridge:
         self.loop = loop
         self.queue: asyncio.Queue = asyncio.Queue()
         self.on_end = on_end
+        self.ended = False
 
     def __call__(self, state: RequestState, kind: str, payload: Any) -> None:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, (kind, payload))
-        if kind in ("done", "error"):
+        # An error may follow a finish: the slot is released and the request timed only once.
+        if kind in ("done", "error") and not self.ended:
+            self.ended = True
             self.loop.call_soon_threadsafe(self.on_end, state)
 
 
