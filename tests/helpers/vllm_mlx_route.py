@@ -143,11 +143,11 @@ def llama3_tokenizer_files(out: Path) -> Path:
 
 
 def _plan(lm, store, writable, cache, prompts, agents_file):
-    from kvsnap.integrations.common.warm_plan import WarmPlan
+    from kvsnap.integrations.vllm_mlx.warm_plan import VllmMlxWarmPlan
     from kvsnap.key import DigestCache
     from kvsnap.profiles import vllm_mlx_tokenization
 
-    return WarmPlan(
+    return VllmMlxWarmPlan(
         prefix_cache=cache,
         pins=None,
         lm=lm,

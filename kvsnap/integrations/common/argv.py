@@ -44,6 +44,26 @@ def split_argv(
     return found, rest
 
 
+def serve_args(argv: Sequence[str], usage: str, route: str, directly: str) -> list[str] | int:
+    """The arguments of ``kvsnap ROUTE serve ARGS``, or an exit status when ``argv`` only asks
+    for the usage (printed here: 0 for ``-h``/``--help``, 2 for nothing). Another subcommand is
+    a UsageError naming how to run it upstream: ``directly`` with ``{}`` for the subcommand."""
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage, end="")
+        return 0 if argv else 2
+    if argv[0] != "serve":
+        raise UsageError(
+            f"`kvsnap {route} {argv[0]}` is not supported: only `serve` takes {OPTION}; run "
+            f"`{directly.format(argv[0])} ...` directly"
+        )
+    return list(argv[1:])
+
+
+def asks_help(args: Sequence[str]) -> bool:
+    """Whether the upstream server's arguments ask for its help."""
+    return any(a in ("-h", "--help") for a in args)
+
+
 def run_main(main: Callable[[], object], argv: list[str]) -> int:
     """``main()`` with ``sys.argv`` set to ``argv`` (restored after); its exit status is
     returned."""

@@ -4,8 +4,9 @@ For each warm-prompt entry: the warm prefix as the server tokenizes that agent's
 (its profile, ``kvsnap.profiles``), its key, the store's snapshot when it has one, else one
 prefill with kvsnap's ``prefill`` on the model the server loaded, captured exactly at the
 prefix boundary and written back when the store is writable. Every warm entry goes into the
-server's prefix cache (``WarmPlan._insert``: vllm-mlx's ``store``; mlx-lm's route overrides it)
-and is pinned there. The same pass runs at start and for each re-warm.
+server's prefix cache and is pinned there (``WarmPlan._insert``, each route's own: vllm-mlx's
+in ``integrations.vllm_mlx.warm_plan``, mlx_lm.server's in ``integrations.mlx_lm.warm``). The
+same pass runs at start and for each re-warm.
 
 Runs on the thread that owns the model (mlx arrays belong to a thread's stream).
 """
@@ -15,9 +16,10 @@ from __future__ import annotations
 import json
 import logging
 import time
+from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from kvsnap.chat import Tokenization
 from kvsnap.errors import KvsnapError, SnapshotError, StoreError, WarmPromptError
@@ -110,24 +112,22 @@ def checked_state(
     return decode_cache(arrays, info.layers)
 
 
-class Pins(Protocol):
-    """Where warm entries are kept from eviction (vllm-mlx's route: ``vllm_mlx.pin.Pins``)."""
-
-    def add(self, tokens: tuple) -> None: ...
-
-
 @dataclass
-class WarmPlan:
+class WarmPlan(ABC):
     """Everything a warm-up needs, fixed at start; ``run`` may be called again for each re-warm.
 
-    As is, it fills vllm-mlx's prefix cache (its words name vllm-mlx); mlx-lm's route
-    subclasses it and overrides ``_insert`` and ``_warn_other_renderings``.
+    Each route subclasses it: ``_insert`` puts an entry into its server's prefix cache,
+    ``_min_prefix_tokens`` is the shortest prefix that cache reuses, and ``route_name`` and
+    ``build_for`` name the server and its ``kvsnap build --for`` value in messages.
     """
+
+    # The server, as messages name it.
+    route_name: ClassVar[str]
+    # ``kvsnap build --for`` this server's rendering.
+    build_for: ClassVar[str]
 
     # The server's prefix cache: vllm-mlx's MemoryAwarePrefixCache, mlx-lm's PinnedPromptCache.
     prefix_cache: Any
-    # None where the cache cannot be pinned.
-    pins: Pins | None
     # kvsnap's LoadedModel around the model the server loaded.
     lm: LoadedModel
     identity: ModelIdentity
@@ -189,8 +189,8 @@ class WarmPlan:
         return report
 
     def _warm_prefix(self, prompt: WarmPrompt, report: WarmReport) -> tuple[tuple, str, str] | None:
-        """(tokens, prompt digest, key) as vllm-mlx tokenizes this agent; None (and a skip) when it
-        cannot be warmed."""
+        """(tokens, prompt digest, key) as the server tokenizes this agent; None (and a skip) when
+        it cannot be warmed."""
         from kvsnap.runtime.warmup.recipe import warm_key
 
         try:
@@ -198,19 +198,20 @@ class WarmPlan:
         except KvsnapError as exc:
             report.skip(prompt.name, str(exc))
             return None
-        # vllm-mlx's own rendering raises jinja's and its own types: one entry must not
+        # The server's own rendering raises jinja's and its own types: one entry must not
         # stop the rest
         except Exception as exc:
-            report.skip(prompt.name, f"vllm-mlx cannot render it ({type(exc).__name__}: {exc})")
+            report.skip(
+                prompt.name, f"{self.route_name} cannot render it ({type(exc).__name__}: {exc})"
+            )
             return None
         tokens = warm.tokens
-        config = getattr(self.prefix_cache, "_config", None)
-        min_tokens = int(getattr(config, "min_prefix_tokens", 1) or 1)
+        min_tokens = self._min_prefix_tokens()
         if len(tokens) < min_tokens:
             report.skip(
                 prompt.name,
-                f"its warm prefix holds {len(tokens)} tokens, under vllm-mlx's minimum reusable "
-                f"prefix of {min_tokens} tokens",
+                f"its warm prefix holds {len(tokens)} tokens, under {self.route_name}'s minimum "
+                f"reusable prefix of {min_tokens} tokens",
                 len(tokens),
             )
             return None
@@ -244,11 +245,11 @@ class WarmPlan:
         for other in infos:
             if other.name == prompt.name and other.key != key and other is not info:
                 report.warn(
-                    f"{prompt.name}: snapshot {other.path.name} was built for a rendering vllm-mlx "
-                    f"will not use "
+                    f"{prompt.name}: snapshot {other.path.name} was built for a rendering "
+                    f"{self.route_name} will not use "
                     f"({describe(recorded_tokenization(other.recorded))}; this server tokenizes as "
                     f"{describe(self.tokenization.descriptor())}); "
-                    "prefilling instead; build for it with `kvsnap build … --for vllm-mlx`"
+                    f"prefilling instead; build for it with `kvsnap build … --for {self.build_for}`"
                 )
 
     def _prefill(self, tokens: tuple) -> list:
@@ -287,28 +288,21 @@ class WarmPlan:
         report.written += 1
         return True
 
+    @abstractmethod
     def _insert(self, name: str, tokens: tuple, state: list, report: WarmReport) -> bool:
-        # vllm-mlx's own insert copies the arrays; evict_prefixes=False: never evict another warm
-        # entry.
-        if not self.prefix_cache.store(list(tokens), state, evict_prefixes=False):
-            report.skip(
-                name,
-                f"vllm-mlx's prefix cache refused it ({len(tokens)} tokens; "
-                f"{self.prefix_cache.memory_usage_mb:.1f} of "
-                f"{self.prefix_cache.memory_limit_mb:.1f} MiB used): raise --cache-memory-mb",
-                len(tokens),
-            )
-            return False
-        if self.pins is not None:
-            self.pins.add(tokens)
-        return True
+        """Put one warm entry into the server's prefix cache, pinned; False (and a skip) when the
+        cache refuses it."""
+
+    @abstractmethod
+    def _min_prefix_tokens(self) -> int:
+        """The shortest prefix the server's cache reuses: a shorter warm prefix is skipped."""
 
     def _same_tokens(self, infos: list[SnapshotInfo], tokens: tuple) -> SnapshotInfo | None:
         """A snapshot of this model holding exactly these tokens, whatever rendering it was keyed
         for.
 
         The KV state depends only on the model identity (already matched) and the tokens, so
-        a snapshot built for kvsnap serve whose tokens equal vllm-mlx's is exactly right here.
+        a snapshot built for kvsnap serve whose tokens equal the server's is exactly right here.
         """
         for info in infos:
             if info.n_tokens != len(tokens):

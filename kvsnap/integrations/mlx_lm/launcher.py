@@ -21,7 +21,14 @@ import logging
 from typing import Any, Sequence
 
 from kvsnap.errors import UsageError
-from kvsnap.integrations.common.argv import OPTION, WARM_OPTION, run_main, split_argv
+from kvsnap.integrations.common.argv import (
+    OPTION,
+    WARM_OPTION,
+    asks_help,
+    run_main,
+    serve_args,
+    split_argv,
+)
 from kvsnap.integrations.mlx_lm.models import ALLOW_OPTION, guard_request_models
 
 log = logging.getLogger("kvsnap.mlx_lm")
@@ -104,16 +111,10 @@ def run_mlx_lm(server: Any, args: list[str]) -> int:
 
 
 def main(argv: Sequence[str]) -> int:
-    argv = list(argv)
-    if not argv or argv[0] in ("-h", "--help"):
-        print(USAGE, end="")
-        return 0 if argv else 2
-    if argv[0] != "serve":
-        raise UsageError(
-            f"`kvsnap mlx-lm {argv[0]}` is not supported: only `serve` takes "
-            f"{OPTION}; run `mlx_lm.{argv[0]} ...` directly"
-        )
-    store_dir, rest = split_argv(argv[1:], OPTION, "a directory, e.g. --kv-snapshots ./snaps")
+    args = serve_args(argv, USAGE, "mlx-lm", "mlx_lm.{}")
+    if isinstance(args, int):
+        return args
+    store_dir, rest = split_argv(args, OPTION, "a directory, e.g. --kv-snapshots ./snaps")
     warm_file, rest = split_argv(rest, WARM_OPTION, "a file, e.g. --warm-prompts agents.json")
     allow_request_models, rest = take_flag(rest, ALLOW_OPTION)
     from kvsnap.store.remote import check_kv_snapshots
@@ -128,7 +129,7 @@ def main(argv: Sequence[str]) -> int:
 
     preload_openblas()  # before mlx-lm imports mlx: the same BLAS kvsnap build uses
     server = import_mlx_lm_server()
-    if any(a in ("-h", "--help") for a in rest):
+    if asks_help(rest):
         print(USAGE)
         return run_mlx_lm(server, ["--help"])
     if store_dir is None:

@@ -74,10 +74,19 @@ class InsertReport(WarmReport):
     rejected: list[str] = field(default_factory=list)
 
 
+@dataclass
 class MlxLmWarmPlan(WarmPlan):
-    """The shared warm plan, pinning into mlx_lm.server's prompt cache instead of vllm-mlx's."""
+    """The shared warm plan, pinning into mlx_lm.server's prompt cache (``PinnedPromptCache``)
+    under ``model_key``, mlx-lm's key of the loaded model."""
+
+    route_name = "mlx_lm.server"
+    build_for = "mlx-lm"
 
     model_key: Any = None
+
+    def _min_prefix_tokens(self) -> int:
+        # mlx-lm reuses any cached prefix of a prompt.
+        return 1
 
     def _insert(self, name: str, tokens: tuple, state: list, report: WarmReport) -> bool:
         self.prefix_cache.pin(self.model_key, list(tokens), state)
@@ -223,7 +232,6 @@ def _warm_prompt_cache(
     else:
         plan = MlxLmWarmPlan(
             prefix_cache=cache,
-            pins=None,
             lm=lm,
             identity=identity,
             store=store,
@@ -231,8 +239,8 @@ def _warm_prompt_cache(
             prompts=prompts,
             agents_file=str(warm_prompts),
             tokenization=tokenization,
+            model_key=model_key,
         )
-        plan.model_key = model_key
         report = plan.run()
     cache.report = report
     log.info("%s", report.summary())

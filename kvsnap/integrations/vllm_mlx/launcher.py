@@ -36,7 +36,14 @@ from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, Sequence
 
 from kvsnap.errors import UsageError
-from kvsnap.integrations.common.argv import OPTION, WARM_OPTION, run_main, split_argv
+from kvsnap.integrations.common.argv import (
+    OPTION,
+    WARM_OPTION,
+    asks_help,
+    run_main,
+    serve_args,
+    split_argv,
+)
 from kvsnap.integrations.common.store import open_store
 from kvsnap.integrations.common.warm_plan import load_warm_prompt_file
 
@@ -228,16 +235,10 @@ def run_vllm_mlx(cli: Any, args: list[str]) -> int:
 
 
 def main(argv: Sequence[str]) -> int:
-    argv = list(argv)
-    if not argv or argv[0] in ("-h", "--help"):
-        print(USAGE, end="")
-        return 0 if argv else 2
-    if argv[0] != "serve":
-        raise UsageError(
-            f"`kvsnap vllm-mlx {argv[0]}` is not supported: only `serve` takes {OPTION}; run "
-            f"`vllm-mlx {argv[0]} ...` directly"
-        )
-    store_dir, rest = split_argv(argv[1:])
+    args = serve_args(argv, USAGE, "vllm-mlx", "vllm-mlx {}")
+    if isinstance(args, int):
+        return args
+    store_dir, rest = split_argv(args)
     persist, rest = split_persist_argv(rest)
     from kvsnap.store.remote import check_kv_snapshots
 
@@ -248,7 +249,7 @@ def main(argv: Sequence[str]) -> int:
     from kvsnap.blas import preload_openblas
 
     preload_openblas()  # before vllm-mlx imports mlx: the same BLAS kvsnap build uses
-    if any(a in ("-h", "--help") for a in rest):
+    if asks_help(rest):
         print(USAGE)
         cli, _, _ = import_vllm_mlx()
         return run_vllm_mlx(cli, ["serve", "--help"])

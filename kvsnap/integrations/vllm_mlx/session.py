@@ -2,7 +2,7 @@
 
 ``Session.load`` replaces vllm-mlx's ``_load_prefix_cache_from_disk`` (called after the
 engine starts, before the port opens, and after each model reload). With
-``--warm-prompts`` it runs a ``WarmPlan`` (snapshots from the store, the rest prefilled and
+``--warm-prompts`` it runs a ``VllmMlxWarmPlan`` (snapshots from the store, the rest prefilled and
 written back); without, it inserts every snapshot of the model. Either way the entries
 are pinned in vllm-mlx's prefix cache (``vllm_mlx.pin``).
 
@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 from kvsnap.errors import KvsnapError
-from kvsnap.integrations.common.warm_plan import WarmPlan, WarmReport, upstream_model
+from kvsnap.integrations.common.warm_plan import WarmReport, upstream_model
+from kvsnap.integrations.vllm_mlx.warm_plan import VllmMlxWarmPlan
 from kvsnap.profiles import VLLM_MLX, EngineTokenization, vllm_mlx_enable_thinking
 from kvsnap.prompts import WarmPromptSet
 
@@ -172,7 +173,7 @@ class Session:
                 ),
             )
         tokenization = engine_tokenization(self.server, engine, scheduler)
-        plan_box: dict[str, WarmPlan] = {}
+        plan_box: dict[str, VllmMlxWarmPlan] = {}
 
         def work() -> WarmReport:
             # Identity hashing runs on the model thread, once per engine.
@@ -227,9 +228,9 @@ class Session:
         model_path: str,
         tokenization: EngineTokenization,
         prompts: WarmPromptSet,
-    ) -> WarmPlan:
+    ) -> VllmMlxWarmPlan:
         lm = upstream_model(model_path, scheduler.model, scheduler.tokenizer)
-        return WarmPlan(
+        return VllmMlxWarmPlan(
             prefix_cache=prefix_cache,
             pins=self.pins,
             lm=lm,
