@@ -94,7 +94,7 @@ def persist_options(
         # Checked here, not only by a route's parser: every route maps its flags onto this.
         if value is not None and not 0 < value <= most:
             raise UsageError(
-                f"{flag} {value:g} must be a number of {unit} above 0 and at most {most:g}; "
+                f"{flag} {value:g} must be a number of {unit} above 0 and at most {most:.0f}; "
                 f"e.g. {flag} 5"
             )
     if not has_store:
