@@ -17,9 +17,13 @@ import random
 import statistics
 import sys
 import time
+from pathlib import Path
 
-from kvsnap.prompts import common_prefix_length
-from kvsnap.runtime.cache.prefix import Entry, PrefixCache
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+from helpers.prefix_scan import scan_lookup  # noqa: E402
+
+from kvsnap.runtime.cache.prefix import Entry, PrefixCache  # noqa: E402
 
 SIZES = (10, 100, 1000)
 HEADER = tuple(range(1, 13))  # every agent's prompt starts with the same chat-template tokens
@@ -59,24 +63,6 @@ def make_queries(entries: list[Entry], rng: random.Random) -> list[tuple[tuple[i
         # a miss after the header
         queries.append((HEADER + tuple(rng.randrange(VOCAB) for _ in range(len(e.tokens))), ns))
     return queries
-
-
-def scan_lookup(entries: list[Entry], tokens: tuple[int, ...], namespace: str):
-    """The lookup before the trie: every entry compared with the request."""
-    best = None
-    for e in entries:
-        if e.namespace is not None and e.namespace != namespace:
-            continue
-        n = len(e.tokens)
-        if n < len(tokens) and tokens[:n] == e.tokens:
-            usable = n
-        elif e.trimmable:
-            usable = min(common_prefix_length((e.tokens, tokens)), len(tokens) - 1)
-        else:
-            continue
-        if usable > 0 and (best is None or (usable, e.pinned, e.loaded) > best[:3]):
-            best = (usable, e.pinned, e.loaded, e)
-    return best
 
 
 def time_per_lookup(lookups: dict, queries, rounds: int) -> dict:

@@ -7,6 +7,7 @@ reference, also after entries are discarded, unloaded, loaded again and evicted.
 
 from __future__ import annotations
 
+from helpers.prefix_scan import scan_lookup
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -20,22 +21,8 @@ NAMESPACES = (None, "", "tenant-a/")
 def reference_lookup(entries: list[Entry], tokens, namespace: str):
     """The linear scan kvsnap used before the trie: (tokens saved, (pinned, loaded)) of the best
     entry, or None."""
-    tokens = tuple(tokens)
-    best = None
-    for e in entries:
-        if e.namespace is not None and e.namespace != namespace:
-            continue
-        n = len(e.tokens)
-        if n < len(tokens) and tokens[:n] == e.tokens:
-            usable = n
-        elif e.trimmable:
-            usable = min(common_prefix_length((e.tokens, tokens)), len(tokens) - 1)
-        else:
-            continue
-        if usable > 0:
-            key = (usable, (e.pinned, e.loaded))
-            best = key if best is None or key > best else best
-    return best
+    best = scan_lookup(entries, tuple(tokens), namespace)
+    return None if best is None else (best[0], best[1:3])
 
 
 def usable_by(entry: Entry, tokens) -> int:
