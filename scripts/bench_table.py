@@ -57,6 +57,7 @@ sys.path.insert(0, str(ROOT / "tests"))  # helpers: the vllm-mlx venv's cache an
 from kvsnap.blas import find_openblas, preload_openblas  # noqa: E402
 
 preload_openblas()  # before mlx loads (the demo models and the rate probe use it here)
+from helpers.cli import build_args, kvsnap_argv  # noqa: E402
 from helpers.vllm_mlx_route import _cache_root, _venv_env  # noqa: E402
 
 from kvsnap.tools.client import stream_chat  # noqa: E402
@@ -466,20 +467,7 @@ def prepare(
     agents.write_text(json.dumps([[{"role": "system", "content": system}]]))
     store = folder / "snaps-kvsnap"
     t0 = time.perf_counter()
-    run(
-        [
-            sys.executable,
-            "-m",
-            "kvsnap",
-            "build",
-            str(agents),
-            "--model",
-            str(model),
-            "--out",
-            str(store),
-        ],
-        env.own_env(folder),
-    )
+    run(kvsnap_argv(*build_args(agents, model, store)), env.own_env(folder))
     build_s = time.perf_counter() - t0
     tokens = json.loads((store / "manifest.json").read_text())
     n_tokens = max(e["n_tokens"] for rec in tokens["records"].values() for e in rec["entries"])

@@ -8,13 +8,12 @@ import random
 import re
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import httpx
 import pytest
-from helpers.cli import run_kvsnap
+from helpers.cli import build_args, kvsnap_argv, run_kvsnap
 
 from kvsnap.faults import KILL_POINTS
 from kvsnap.tools.serverproc import start_server
@@ -93,12 +92,7 @@ def test_build_killed_at_each_fault_point_leaves_a_sound_store_that_resumes(
 ):
     agents, store, log = _agents(tmp_path), tmp_path / "snaps", tmp_path / "faults.log"
     r = run_kvsnap(
-        "build",
-        agents,
-        "--model",
-        model,
-        "--out",
-        store,
+        *build_args(agents, model, store),
         env={**env, "KVSNAP_FAULT": f"{point}=kill", "KVSNAP_FAULT_LOG": str(log)},
     )
     assert r.returncode == -signal.SIGKILL, r.stdout + r.stderr
@@ -165,19 +159,8 @@ def test_build_killed_at_random_times_always_resumes_and_at_least_five_kills_int
         if interrupted >= 5 and kills >= 8:
             break
         store, log = tmp_path / f"snaps-{i}", tmp_path / f"faults-{i}.log"
-        cmd = [
-            sys.executable,
-            "-m",
-            "kvsnap",
-            "build",
-            str(agents),
-            "--model",
-            str(model),
-            "--out",
-            str(store),
-        ]
         proc = subprocess.Popen(
-            cmd,
+            kvsnap_argv(*build_args(agents, model, store)),
             env={**os.environ, **env, "KVSNAP_FAULT_LOG": str(log)},
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
@@ -237,17 +220,7 @@ def test_two_builds_on_one_store_at_once_end_valid(model, tmp_path, env):
     b = _agents(tmp_path, SYSTEMS[2:], "b.json")
     procs = [
         subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "kvsnap",
-                "build",
-                str(f),
-                "--model",
-                str(model),
-                "--out",
-                str(store),
-            ],
+            kvsnap_argv(*build_args(f, model, store)),
             env={**os.environ, **env},
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -285,18 +258,7 @@ def test_a_build_while_a_server_reads_the_store_does_not_disturb_it(model, tmp_p
             first = client.post(f"{server.url}/v1/chat/completions", json=body).json()
             assert first["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
             builder = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "kvsnap",
-                    "build",
-                    str(agents),
-                    "--model",
-                    str(model),
-                    "--out",
-                    str(store),
-                    "--force",
-                ],
+                kvsnap_argv(*build_args(agents, model, store, "--force")),
                 env={**os.environ, **env},
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.STDOUT,

@@ -8,11 +8,21 @@ import subprocess
 import sys
 
 
+def kvsnap_argv(*args) -> list[str]:
+    """The command line that runs kvsnap with ``args`` in this interpreter."""
+    return [sys.executable, "-m", "kvsnap", *map(str, args)]
+
+
+def build_args(agents, model, out, *extra) -> list:
+    """``kvsnap build``'s arguments: ``agents`` on ``model`` into the store ``out``."""
+    return ["build", agents, "--model", model, "--out", out, *extra]
+
+
 def run_kvsnap(*args, env=None, cwd=None, timeout=300):
     full_env = dict(os.environ)
     full_env.update(env or {})
     return subprocess.run(
-        [sys.executable, "-m", "kvsnap", *map(str, args)],
+        kvsnap_argv(*args),
         capture_output=True,
         text=True,
         env=full_env,
@@ -35,7 +45,7 @@ def run_kvsnap_in_1gib(*args, timeout: float = 60) -> subprocess.CompletedProces
         resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))
 
     return subprocess.run(
-        [sys.executable, "-m", "kvsnap", *map(str, args)],
+        kvsnap_argv(*args),
         capture_output=True,
         text=True,
         timeout=timeout,

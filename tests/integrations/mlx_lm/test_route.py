@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import httpx
 import pytest
-from helpers.cli import run_kvsnap
+from helpers.cli import build_args, run_kvsnap
 from helpers.mlx_lm_route import (
     AGENTS,
     USERS,
@@ -169,12 +169,7 @@ def test_build_for_mlx_lm_records_its_profile_and_refuses_what_mlx_lm_cannot_use
     agents.write_text(json.dumps(AGENTS[:1]))
     model = demo_models.path("dense")
     r = run_kvsnap(
-        "build",
-        agents,
-        "--model",
-        model,
-        "--out",
-        tmp_path / "s",
+        *build_args(agents, model, tmp_path / "s"),
         "--for",
         "mlx-lm",
         "--chat-template-args",

@@ -8,7 +8,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from helpers.cli import run_kvsnap
+from helpers.cli import build_args, run_kvsnap
 from helpers.models import LONG_SYSTEM
 
 AGENTS = [
@@ -25,39 +25,45 @@ AGENTS = [
 ]
 
 
-@pytest.fixture()
-def world(demo_models, tmp_path, monkeypatch):
+def _built_world(tmp_path, model, monkeypatch) -> dict:
+    """AGENTS built on ``model`` into ``tmp_path``'s store, with the cache dir in ``tmp_path``."""
     monkeypatch.setenv("KVSNAP_CACHE_DIR", str(tmp_path / "cache"))
-    model = tmp_path / "model"
-    shutil.copytree(demo_models.path("dense"), model)
     agents = tmp_path / "agents.json"
     agents.write_text(json.dumps(AGENTS))
     r = run_kvsnap(
-        "build",
-        agents,
-        "--model",
-        model,
-        "--out",
-        tmp_path / "snaps",
+        *build_args(agents, model, tmp_path / "snaps"),
         env={"KVSNAP_CACHE_DIR": str(tmp_path / "cache")},
     )
     assert r.returncode == 0, r.stdout + r.stderr
     return {"model": model, "agents": agents, "store": tmp_path / "snaps"}
 
 
-def _start(world):
-    from kvsnap.prompts import load_warm_prompts
-    from kvsnap.runtime.engine.engine import Engine, EngineConfig
+@pytest.fixture()
+def world(demo_models, tmp_path, monkeypatch):
+    model = tmp_path / "model"
+    shutil.copytree(demo_models.path("dense"), model)
+    return _built_world(tmp_path, model, monkeypatch)
 
-    engine = Engine(
-        EngineConfig(
-            model=str(world["model"]),
-            warm_prompts=load_warm_prompts(world["agents"]),
-            warm_prompts_file=str(world["agents"]),
-            snapshots=str(world["store"]),
-            write_back=False,
-        )
+
+def _config(world, with_prompts: bool = True):
+    """The engine's config for a start on ``world``'s store, without write-back."""
+    from kvsnap.prompts import load_warm_prompts
+    from kvsnap.runtime.engine.engine import EngineConfig
+
+    agents = world["agents"]
+    prompts = {"warm_prompts": load_warm_prompts(agents), "warm_prompts_file": str(agents)}
+    return EngineConfig(
+        model=str(world["model"]),
+        snapshots=str(world["store"]),
+        write_back=False,
+        **(prompts if with_prompts else {}),
     )
+
+
+def _start(world):
+    from kvsnap.runtime.engine.engine import Engine
+
+    engine = Engine(_config(world))
     engine.start()
     assert engine.wait_warm(120)
     return engine
@@ -172,21 +178,7 @@ def test_a_recipe_whose_tokens_do_not_give_the_key_is_not_trusted(world, monkeyp
 
 @pytest.fixture(params=["dense", "hybrid"])
 def arch_world(request, demo_models, tmp_path, monkeypatch):
-    monkeypatch.setenv("KVSNAP_CACHE_DIR", str(tmp_path / "cache"))
-    agents = tmp_path / "agents.json"
-    agents.write_text(json.dumps(AGENTS))
-    model = demo_models.path(request.param)
-    r = run_kvsnap(
-        "build",
-        agents,
-        "--model",
-        model,
-        "--out",
-        tmp_path / "snaps",
-        env={"KVSNAP_CACHE_DIR": str(tmp_path / "cache")},
-    )
-    assert r.returncode == 0, r.stdout + r.stderr
-    return {"model": model, "agents": agents, "store": tmp_path / "snaps"}
+    return _built_world(tmp_path, demo_models.path(request.param), monkeypatch)
 
 
 def _slow_load_and_count_reads(engine_holder, monkeypatch):
@@ -223,20 +215,11 @@ def _answer(engine, tokens):
 
 def test_snapshots_restored_during_the_model_load_answer_like_a_cold_start(arch_world, monkeypatch):
     from kvsnap.chat import request_tokens
-    from kvsnap.prompts import load_warm_prompts
     from kvsnap.runtime.engine.engine import Engine, EngineConfig
 
     holder: list = []
     reads = _slow_load_and_count_reads(holder, monkeypatch)
-    warm = Engine(
-        EngineConfig(
-            model=str(arch_world["model"]),
-            warm_prompts=load_warm_prompts(arch_world["agents"]),
-            warm_prompts_file=str(arch_world["agents"]),
-            snapshots=str(arch_world["store"]),
-            write_back=False,
-        )
-    )
+    warm = Engine(_config(arch_world))
     holder.append(warm)
     warm.start()
     cold = Engine(EngineConfig(model=str(arch_world["model"])))
@@ -276,18 +259,9 @@ def test_a_corrupt_snapshot_found_during_the_overlapped_read_is_rejected_and_pre
     victim.write_bytes(bytes(data))
     holder: list = []
     reads = _slow_load_and_count_reads(holder, monkeypatch)
-    from kvsnap.prompts import load_warm_prompts
-    from kvsnap.runtime.engine.engine import Engine, EngineConfig
+    from kvsnap.runtime.engine.engine import Engine
 
-    engine = Engine(
-        EngineConfig(
-            model=str(world["model"]),
-            warm_prompts=load_warm_prompts(world["agents"]),
-            warm_prompts_file=str(world["agents"]),
-            snapshots=str(world["store"]),
-            write_back=False,
-        )
-    )
+    engine = Engine(_config(world))
     holder.append(engine)
     engine.start()
     try:
@@ -336,8 +310,7 @@ def _start_and_record(world, with_prompts: bool) -> dict:
     import kvsnap.store.fileio
     import kvsnap.store.local
     import kvsnap.store.parts
-    from kvsnap.prompts import load_warm_prompts
-    from kvsnap.runtime.engine.engine import Engine, EngineConfig
+    from kvsnap.runtime.engine.engine import Engine
 
     seen: dict = {"parses": [], "reads": [], "evals": []}
     holder: list = []
@@ -357,14 +330,7 @@ def _start_and_record(world, with_prompts: bool) -> dict:
             seen["evals"].append(sys._getframe(1).f_globals.get("__name__", "?"))
         return real_eval(*a, **k)
 
-    agents = world["agents"]
-    prompts = {"warm_prompts": load_warm_prompts(agents), "warm_prompts_file": str(agents)}
-    config = EngineConfig(
-        model=str(world["model"]),
-        snapshots=str(world["store"]),
-        write_back=False,
-        **(prompts if with_prompts else {}),
-    )
+    config = _config(world, with_prompts)
     with pytest.MonkeyPatch.context() as patch:  # undone before the next start
         patch.setattr(kvsnap.store.local, "parse_header", parse)
         patch.setattr(kvsnap.store.fileio, "parse_header", parse)
