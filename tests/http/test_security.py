@@ -49,7 +49,7 @@ def assert_openai_error(r: httpx.Response, status: int, code: str | None = None)
 @pytest.fixture(scope="module")
 def keyed(demo_models, tmp_path_factory):
     """A batching server with two user keys and one admin key, warm from one agent's snapshot."""
-    from helpers.cli import run_kvsnap
+    from helpers.cli import build_args, run_kvsnap
 
     tmp = tmp_path_factory.mktemp("keyed")
     model = tmp / "m"
@@ -62,12 +62,7 @@ def keyed(demo_models, tmp_path_factory):
         "KVSNAP_ADMIN_API_KEY": ADMIN,
     }
     r = run_kvsnap(
-        "build",
-        agents,
-        "--model",
-        model,
-        "--out",
-        tmp / "snaps",
+        *build_args(agents, model, tmp / "snaps"),
         env={"KVSNAP_CACHE_DIR": str(tmp / "cache")},
     )
     assert r.returncode == 0, r.stderr
