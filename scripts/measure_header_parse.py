@@ -16,13 +16,18 @@ import argparse
 import io
 import json
 import statistics
+import sys
 import tempfile
 import time
 import tracemalloc
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+from helpers.snapshot_meta import fixed_identity, snapshot_metadata  # noqa: E402
+
 from kvsnap.errors import SnapshotError
-from kvsnap.key import ModelIdentity, pack_tokens, snapshot_key, tokens_digest
+from kvsnap.key import pack_tokens
 from kvsnap.snapshot.file import FORMAT_VERSION, OutTensor, write_snapshot
 from kvsnap.store.local import Store
 
@@ -57,34 +62,13 @@ def snapshot_bytes(
     n: int, layers: list, tensors: list, layers_text: str | None = None, **meta_changes: str
 ) -> tuple[str, bytes]:
     tokens = list(range(n))
-    identity = ModelIdentity(
-        "a" * 32,
-        "b" * 32,
-        "c" * 32,
-        "{}",
-        "bfloat16",
-        None,
-        None,
-        None,
-        None,
-        tuple(m.get("class", "?") if isinstance(m, dict) else "?" for m in layers[:4096]),
-        1,
-        "0.32",
+    layout = (m.get("class", "?") if isinstance(m, dict) else "?" for m in layers[:4096])
+    if layers_text is None:
+        layers_text = json.dumps(layers)
+    base = snapshot_metadata(
+        fixed_identity(layout, "bfloat16"), tokens, layers_text, FORMAT_VERSION
     )
-    key = snapshot_key(identity, "d" * 32, tokens)
-    metadata = {
-        "kvsnap.format": str(FORMAT_VERSION),
-        "kvsnap.key": key,
-        "kvsnap.name": "agent",
-        "kvsnap.model": json.dumps(identity.as_dict()),
-        "kvsnap.model_digest": identity.digest,
-        "kvsnap.prompt_digest": "d" * 32,
-        "kvsnap.n_tokens": str(n),
-        "kvsnap.tokens_digest": tokens_digest(tokens),
-        "kvsnap.layers": layers_text if layers_text is not None else json.dumps(layers),
-        "kvsnap.recorded": json.dumps({"created": "2026-11-30T00:00:00Z"}),
-        **meta_changes,
-    }
+    metadata = {**base, **meta_changes}
     out = [OutTensor("tokens", "I32", (n,), memoryview(pack_tokens(tokens)))]
     for name, dtype, shape in tensors:
         size = DTYPE_BYTES[dtype]
@@ -93,7 +77,7 @@ def snapshot_bytes(
         out.append(OutTensor(name, dtype, shape, memoryview(bytes(size))))
     buf = io.BytesIO()
     write_snapshot(buf, out, metadata)
-    return f"{key}.safetensors", buf.getvalue()
+    return f"{base['kvsnap.key']}.safetensors", buf.getvalue()
 
 
 def model(n: int, n_layers: int, heads: int, dim: int, make=kv_layer) -> tuple[list, list]:

@@ -10,6 +10,7 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 from helpers.cli import run_kvsnap
+from helpers.snapshot_meta import fixed_identity, snapshot_metadata
 from mlx_lm.models.cache import (
     ArraysCache,
     CacheList,
@@ -20,7 +21,6 @@ from mlx_lm.models.cache import (
 )
 
 from kvsnap.errors import SnapshotError
-from kvsnap.key import ModelIdentity, snapshot_key, tokens_digest
 from kvsnap.snapshot.cache_classes import (
     CACHE_CLASSES,
     UnknownCacheClass,
@@ -30,7 +30,6 @@ from kvsnap.snapshot.cache_classes import (
 )
 from kvsnap.snapshot.codec import decode_cache, encode_cache, is_trimmable, to_out_tensors
 from kvsnap.snapshot.file import FormatError
-from kvsnap.snapshot.format import WHOLE_FILE_FORMAT
 from kvsnap.snapshot.header import SnapshotInfo
 from kvsnap.snapshot.layer_list import expected_tensor_names
 from kvsnap.store.local import Store
@@ -182,26 +181,13 @@ def _write_store(root: Path, layers: list, arrays: dict) -> Path:
     digests)."""
     tokens = list(range(N))
     classes = tuple(m["class"] for m in layers)
-    identity = ModelIdentity(
-        "a" * 32, "b" * 32, "c" * 32, "{}", "float32", None, None, None, None, classes, 1, "0.32"
-    )
-    key = snapshot_key(identity, "d" * 32, tokens)
-    metadata = {
-        "kvsnap.format": str(WHOLE_FILE_FORMAT),
-        "kvsnap.key": key,
-        "kvsnap.name": "agent",
-        "kvsnap.model": json.dumps(identity.as_dict()),
-        "kvsnap.model_digest": identity.digest,
-        "kvsnap.prompt_digest": "d" * 32,
-        "kvsnap.n_tokens": str(N),
-        "kvsnap.tokens_digest": tokens_digest(tokens),
-        "kvsnap.layers": json.dumps(layers),
-        "kvsnap.recorded": json.dumps({"created": "2026-11-30T00:00:00Z"}),
-    }
+    metadata = snapshot_metadata(fixed_identity(classes), tokens, json.dumps(layers))
     store = Store.open(root, create=True)
     with store.lock():
         return store.put(
-            key, to_out_tensors({"tokens": mx.array(tokens, dtype=mx.int32), **arrays}), metadata
+            metadata["kvsnap.key"],
+            to_out_tensors({"tokens": mx.array(tokens, dtype=mx.int32), **arrays}),
+            metadata,
         )
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import xxhash
+from helpers.snapshot_meta import fixed_identity
 
 from kvsnap.errors import SnapshotError, StoreError
 from kvsnap.key import ModelIdentity, snapshot_key, tokens_digest
@@ -31,20 +32,7 @@ from kvsnap.store.local import Store
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "kvsnap"
-IDENTITY = ModelIdentity(
-    "a" * 32,
-    "b" * 32,
-    "c" * 32,
-    "{}",
-    "bfloat16",
-    None,
-    None,
-    None,
-    4096,
-    ("KVCache", "ArraysCache"),
-    1,
-    "0.32",
-)
+IDENTITY = fixed_identity(("KVCache", "ArraysCache"), "bfloat16", max_kv_size=4096)
 TOKENS = [1, 2, 3, 70000, -5]
 LAYERS = [{"class": "KVCache", "offset": 5}, {"class": "ArraysCache", "size": 2, "present": [1]}]
 RECORDED = {"created": "2026-11-30T00:00:00Z", "backend": "cpu", "prefill_step_size": 512}
@@ -271,20 +259,7 @@ def test_foreign_reason_names_the_fields_that_differ(tmp_path):
         path = store.put(meta["kvsnap.key"], _tensors(), meta)
     info = store.inspect(path)
     assert foreign_reason(None, info) is None and foreign_reason(IDENTITY, info) is None
-    other = ModelIdentity(
-        "e" * 32,
-        "b" * 32,
-        "c" * 32,
-        "{}",
-        "float32",
-        None,
-        None,
-        None,
-        4096,
-        ("KVCache", "ArraysCache"),
-        1,
-        "0.32",
-    )
+    other = fixed_identity(("KVCache", "ArraysCache"), weights="e" * 32, max_kv_size=4096)
     assert (
         foreign_reason(other, info)
         == "built for another model or KV setting (differs in: kv_dtype, weights)"

@@ -20,13 +20,13 @@ import tracemalloc
 from pathlib import Path
 
 import pytest
+from helpers.snapshot_meta import fixed_identity, snapshot_metadata
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvsnap.errors import ManifestError, SnapshotError
-from kvsnap.key import ModelIdentity, pack_tokens, snapshot_key, tokens_digest
+from kvsnap.key import pack_tokens
 from kvsnap.snapshot.file import FormatError, OutTensor, parse_header, write_snapshot
-from kvsnap.snapshot.format import WHOLE_FILE_FORMAT
 from kvsnap.snapshot.header import inspect_header
 from kvsnap.store.local import Store
 from kvsnap.store.manifest import (
@@ -159,33 +159,8 @@ def snapshots(draw) -> tuple[str, bytes]:
         meta, tensors = _layer(kind, str(i), n)
         layers.append(meta)
         specs.update(tensors)
-    identity = ModelIdentity(
-        "a" * 32,
-        "b" * 32,
-        "c" * 32,
-        "{}",
-        "float32",
-        None,
-        None,
-        None,
-        None,
-        tuple(kinds),
-        1,
-        "0.32",
-    )
-    key = snapshot_key(identity, "d" * 32, tokens)
-    metadata = {
-        "kvsnap.format": str(WHOLE_FILE_FORMAT),
-        "kvsnap.key": key,
-        "kvsnap.name": "agent",
-        "kvsnap.model": json.dumps(identity.as_dict()),
-        "kvsnap.model_digest": identity.digest,
-        "kvsnap.prompt_digest": "d" * 32,
-        "kvsnap.n_tokens": str(n),
-        "kvsnap.tokens_digest": tokens_digest(tokens),
-        "kvsnap.layers": "",
-        "kvsnap.recorded": json.dumps({"created": "2026-11-30T00:00:00Z"}),
-    }
+    metadata = snapshot_metadata(fixed_identity(kinds), tokens, "")
+    key = metadata["kvsnap.key"]
     edits = draw(
         st.lists(
             st.sampled_from(
