@@ -35,4 +35,4 @@ def test_threads_reading_the_model_limits_at_once_never_see_them_half_built(
 
     with ThreadPoolExecutor(2) as pool:
         first, second = pool.map(read, range(2))
-    assert set(first) == set(second) == {"vocab", "template_kwargs", "context"}
+    assert set(first) == set(second) == {"vocab", "template_kwargs", "context", "token_bytes"}
