@@ -147,7 +147,8 @@ def main() -> int:
 def open_times(stores: dict) -> dict:
     """The start step persistence adds, in process (median of 5): the secret and the writer."""
     from kvsnap.key import KVSettings
-    from kvsnap.runtime.persist.requests import Persister, PersistOptions
+    from kvsnap.runtime.persist.options import PersistOptions
+    from kvsnap.runtime.persist.persister import Persister
     from kvsnap.store.local import Store
 
     out = {}

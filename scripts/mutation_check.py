@@ -1586,7 +1586,7 @@ BREAKAGES = (
         "every namespace's conversation records are keyed (and looked up) as the empty one's",
         (
             Patch(
-                "kvsnap/runtime/persist/requests.py",
+                "kvsnap/runtime/persist/persister.py",
                 "        return conversation_digest(namespace_tag(self.secret, namespace))\n",
                 '        return conversation_digest(namespace_tag(self.secret, ""))\n',
             ),
@@ -1803,7 +1803,7 @@ BREAKAGES = (
         "(what the budget and DELETE then cannot remove)",
         (
             Patch(
-                "kvsnap/runtime/persist/requests.py",
+                "kvsnap/runtime/persist/persister.py",
                 "        check_store_folders(store.root)\n",
                 "        pass\n",
             ),
@@ -1918,7 +1918,7 @@ BREAKAGES = (
         "the conversation is never persisted again",
         (
             Patch(
-                "kvsnap/runtime/persist/requests.py",
+                "kvsnap/runtime/persist/persister.py",
                 "        bad = self.writer.health.bad_parts()  # copied again, and rewritten\n",
                 "        bad = frozenset()\n",
             ),
@@ -1966,7 +1966,7 @@ BREAKAGES = (
         "record of the conversation is not tried)",
         (
             Patch(
-                "kvsnap/runtime/persist/requests.py",
+                "kvsnap/runtime/persist/persister.py",
                 "                    self._unreadable(key, n, exc)\n",
                 "                    return None\n",
             ),
@@ -2001,7 +2001,7 @@ BREAKAGES = (
         "hybrid's own bad checkpoint is never rewritten: BAD for good)",
         (
             Patch(
-                "kvsnap/runtime/persist/requests.py",
+                "kvsnap/runtime/persist/persister.py",
                 "                _remember(self.failed_loads, info.key, info.n_tokens)\n",
                 "                pass\n",
             ),
@@ -2018,7 +2018,7 @@ BREAKAGES = (
         "stays young and hides a shorter sound one",
         (
             Patch(
-                "kvsnap/runtime/persist/requests.py",
+                "kvsnap/runtime/persist/persister.py",
                 "            check_data(path, read_header(path))\n",
                 "            read_header(path)\n",
             ),
@@ -2035,7 +2035,7 @@ BREAKAGES = (
         "prefix its file name's key promised",
         (
             Patch(
-                "kvsnap/runtime/persist/requests.py",
+                "kvsnap/runtime/persist/persister.py",
                 "            or tuple(info.tokens) != tuple(tokens[:n])\n",
                 "",
             ),

@@ -262,7 +262,7 @@ def served_model(args) -> str:
 def persist_options(args):
     """``--persist-requests`` and its settings as ``PersistOptions``, None when off; a
     UsageError for flags that contradict each other."""
-    from kvsnap.runtime.persist import requests
+    from kvsnap.runtime.persist import options
 
     conflicts = []
     if args.no_request_prefix_cache:
@@ -270,7 +270,7 @@ def persist_options(args):
             "persists the request prefixes the cache keeps, and --no-request-prefix-cache keeps "
             "none"
         )
-    return requests.persist_options(
+    return options.persist_options(
         args.persist_requests,
         args.persist_max_gb,
         args.persist_flush_timeout,

@@ -49,7 +49,7 @@ from kvsnap.integrations.common.warm_plan import load_warm_prompt_file
 
 if TYPE_CHECKING:
     from kvsnap.integrations.vllm_mlx.session import Session
-    from kvsnap.runtime.persist.requests import PersistOptions
+    from kvsnap.runtime.persist.options import PersistOptions
 
 log = logging.getLogger("kvsnap.vllm_mlx")
 
@@ -114,7 +114,7 @@ def split_persist_argv(argv: Sequence[str]) -> tuple[dict, list[str]]:
 def persist_options(args: Any) -> PersistOptions | None:
     """``--persist-requests`` and its settings as ``PersistOptions``, None when off; a
     UsageError for flags that contradict each other (as ``kvsnap serve``'s)."""
-    from kvsnap.runtime.persist import requests
+    from kvsnap.runtime.persist import options
 
     conflicts = []
     if getattr(args, "kv_cache_quantization", False):
@@ -122,7 +122,7 @@ def persist_options(args: Any) -> PersistOptions | None:
             "cannot write the entries --kv-cache-quantization makes (vllm-mlx's own quantized "
             "wrapper, not an mlx-lm cache)"
         )
-    return requests.persist_options(
+    return options.persist_options(
         getattr(args, "persist_requests", False),
         getattr(args, "persist_max_gb", None),
         getattr(args, "persist_flush_timeout", None),

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from kvsnap.key import ModelIdentity
     from kvsnap.runtime.model.loading import LoadedModel
     from kvsnap.runtime.model.shapes import ModelShapes
-    from kvsnap.runtime.persist.requests import PersistOptions
+    from kvsnap.runtime.persist.options import PersistOptions
     from kvsnap.store.local import Store
 
 log = logging.getLogger("kvsnap.vllm_mlx")
@@ -254,7 +254,7 @@ def start_hooks(
     """Open the persister on ``store`` and install the hooks, or None and why not (vllm-mlx
     serves on, persisting nothing)."""
     from kvsnap.runtime.model.shapes import ModelShapes
-    from kvsnap.runtime.persist.requests import start_persister
+    from kvsnap.runtime.persist.persister import start_persister
 
     persister, note = start_persister(options, store, lm, identity)
     if persister is None:

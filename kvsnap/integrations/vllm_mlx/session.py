@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from kvsnap.integrations.vllm_mlx.persist import PersistHooks
     from kvsnap.integrations.vllm_mlx.pin import Pins
     from kvsnap.key import DigestCache
-    from kvsnap.runtime.persist.requests import PersistOptions
+    from kvsnap.runtime.persist.options import PersistOptions
     from kvsnap.store.local import Store
 
 # A warm pass (model thread): a WarmPlan's report, or insert_snapshots'.

@@ -59,7 +59,7 @@ from kvsnap.runtime.engine.types import (
 )
 from kvsnap.runtime.model import loading
 from kvsnap.runtime.model.loading import LoadedModel
-from kvsnap.runtime.persist.requests import Persister, start_persister
+from kvsnap.runtime.persist.persister import Persister, start_persister
 from kvsnap.runtime.warmup.prefetch import Prefetched
 from kvsnap.runtime.warmup.report import SnapshotCounts, WarmupReport
 from kvsnap.runtime.warmup.rewarm import Rewarmer

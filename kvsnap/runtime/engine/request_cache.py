@@ -18,7 +18,7 @@ from kvsnap.runtime.cache.shared_prefix import shared_groups
 from kvsnap.runtime.engine.accounting import TokenAccounts
 from kvsnap.runtime.engine.types import RequestState
 from kvsnap.runtime.model.loading import LoadedModel
-from kvsnap.runtime.persist.requests import Persister
+from kvsnap.runtime.persist.persister import Persister
 from kvsnap.runtime.prefill.chunked import PrefillCursor
 from kvsnap.snapshot.codec import (
     CaptureError,

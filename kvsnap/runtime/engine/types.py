@@ -9,7 +9,7 @@ from typing import Any, Callable
 
 from kvsnap.key import DigestCache, KVSettings
 from kvsnap.prompts import WarmPromptSet
-from kvsnap.runtime.persist.requests import PersistOptions
+from kvsnap.runtime.persist.options import PersistOptions
 
 EventFn = Callable[["RequestState", str, Any], None]  # (state, "token"|"done"|"error", payload)
 

@@ -344,7 +344,8 @@ def test_an_unreadable_record_is_warned_about_once_and_passed_over_by_every_look
     three_turns, tmp_path, caplog, isolated_cache
 ):
     from kvsnap.runtime.model.loading import default_digest_cache, load_model
-    from kvsnap.runtime.persist.requests import Persister, PersistOptions
+    from kvsnap.runtime.persist.options import PersistOptions
+    from kvsnap.runtime.persist.persister import Persister
 
     root, talk = copy_of(three_turns, tmp_path)
     *_, shorter, newest = records(root)
@@ -479,7 +480,8 @@ def test_a_record_whose_header_holds_other_tokens_than_its_name_is_refused(
     header's tokens with the request's and passes it over for the next-longest."""
     from kvsnap.key import tokens_digest
     from kvsnap.runtime.model.loading import default_digest_cache, load_model
-    from kvsnap.runtime.persist.requests import Persister, PersistOptions
+    from kvsnap.runtime.persist.options import PersistOptions
+    from kvsnap.runtime.persist.persister import Persister
     from kvsnap.snapshot.format import snapshot_filename
     from kvsnap.store.conversations import (
         conversation_digest,

@@ -20,10 +20,11 @@ import os
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from kvsnap.errors import SnapshotError, StoreError, UsageError
+from kvsnap.errors import SnapshotError, StoreError
 from kvsnap.key import ModelIdentity, tokens_digest
 from kvsnap.runtime.cache.prefix import Entry, PrefixCache
 from kvsnap.runtime.model.loading import LoadedModel
+from kvsnap.runtime.persist.options import PersistOptions
 from kvsnap.snapshot.blocks import (
     BlockSettings,
     ChainLink,
@@ -50,61 +51,8 @@ from kvsnap.store.local import Store
 log = logging.getLogger("kvsnap.persist")
 
 PERSISTED = "persisted"  # an Entry's source: a conversation record from the store
-DEFAULT_MAX_GB = 20.0
-DEFAULT_FLUSH_TIMEOUT_S = 5.0
-# Bounds that keep byte counts integral and a shutdown finite (inf would overflow or never end).
-MAX_PERSIST_GB = 2.0**20
-MAX_FLUSH_TIMEOUT_S = 24 * 3600.0
 MAX_UNREADABLE = 64  # records found unreadable, remembered (warned once, skipped by lookups)
 MAX_PASSED_OVER = 8  # unreadable records one lookup passes over before it gives up
-
-
-@dataclass
-class PersistOptions:
-    max_bytes: int = int(DEFAULT_MAX_GB * 2**30)
-    flush_timeout_s: float = DEFAULT_FLUSH_TIMEOUT_S
-    max_queued: int = 32
-
-
-def persist_options(
-    on: bool,
-    max_gb: float | None,
-    flush_timeout_s: float | None,
-    has_store: bool,
-    conflicts: Sequence[str] = (),
-) -> PersistOptions | None:
-    """``--persist-requests`` and its settings (``--persist-max-gb``, ``--persist-flush-timeout``)
-    as ``PersistOptions``, None when off. ``conflicts``: why persisting cannot work with each
-    route option that is given (naming the option). Flags that contradict each other are a
-    UsageError, the same for ``kvsnap serve`` and every upstream route."""
-    if not on:
-        for flag, value in (
-            ("--persist-max-gb", max_gb),
-            ("--persist-flush-timeout", flush_timeout_s),
-        ):
-            if value is not None:
-                raise UsageError(
-                    f"{flag} {value:g} needs --persist-requests; add it or drop {flag}"
-                )
-        return None
-    for flag, value, unit, most in (
-        ("--persist-max-gb", max_gb, "GB", MAX_PERSIST_GB),
-        ("--persist-flush-timeout", flush_timeout_s, "seconds", MAX_FLUSH_TIMEOUT_S),
-    ):
-        # Checked here, not only by a route's parser: every route maps its flags onto this.
-        if value is not None and not 0 < value <= most:
-            raise UsageError(
-                f"{flag} {value:g} must be a number of {unit} above 0 and at most {most:.0f}; "
-                f"e.g. {flag} 5"
-            )
-    if not has_store:
-        raise UsageError("--persist-requests needs a store to write into; add --kv-snapshots DIR")
-    if conflicts:
-        raise UsageError(f"--persist-requests {conflicts[0]}; drop one of the two")
-    return PersistOptions(
-        max_bytes=int((max_gb or DEFAULT_MAX_GB) * 2**30),
-        flush_timeout_s=flush_timeout_s or DEFAULT_FLUSH_TIMEOUT_S,
-    )
 
 
 @dataclass
