@@ -104,6 +104,9 @@ def make_demo_model(out_dir: str | Path, spec: DemoSpec = DemoSpec(), force: boo
             config["quantization_config"] = config["quantization"]
         weights = dict(_parameters(model))
         mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})
+        # As mlx_lm.convert writes it: mlx-lm's pipeline-parallel load reads the weight map.
+        index = {"metadata": {}, "weight_map": {name: "model.safetensors" for name in weights}}
+        (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
         config["kvsnap_demo"] = {
             "arch": spec.arch,
             "size": spec.size,

@@ -137,6 +137,8 @@ class DemoSpec:
     # with the first generated token and every request runs to max_tokens. None: on for
     # the benchmark size (small) only, so the tests' models keep their weights.
     text_outputs: bool | None = None
+    # None: the shape's own; another count makes pipeline stages of unequal size (tests).
+    layers: int | None = None
 
     def check(self) -> None:
         if self.arch not in ARCHES:
@@ -165,6 +167,8 @@ class DemoSpec:
                 f"--template {self.chat_template} does not fit --arch {self.arch}: the llama3 "
                 f"template goes with --arch llama and only there; leave --template out or change it"
             )
+        if self.layers is not None and not 1 <= self.layers <= 64:
+            raise UsageError(f"--layers {self.layers} is out of range; use 1 to 64")
         if self.quantize_bits not in (None, 4, 8):
             raise UsageError(
                 f"--quantize {self.quantize_bits} is not supported; use 4 or 8 (or leave it out "
@@ -184,6 +188,8 @@ class DemoSpec:
 
 def model_config(spec: DemoSpec, vocab_size: int, eos_ids: list[int]) -> dict:
     shape = dict(_SHAPES[(spec.arch, spec.size)])
+    if spec.layers is not None:
+        shape["num_hidden_layers"] = spec.layers
     common = dict(
         vocab_size=vocab_size,
         rms_norm_eps=1e-6,

@@ -36,6 +36,9 @@ class LoadedModel:
     tokenizer: Any
     config: dict
     settings: KVSettings
+    # A rank of a sharded model: the whole model's layout, which its own cache only covers a
+    # slice of (``runtime.sharding.topology``); keys never depend on the topology.
+    logical_layout: tuple[str, ...] | None = None
 
     def make_cache(self) -> list:
         from mlx_lm.models.cache import make_prompt_cache
@@ -44,6 +47,8 @@ class LoadedModel:
 
     @property
     def layout(self) -> tuple[str, ...]:
+        if self.logical_layout is not None:
+            return self.logical_layout
         return tuple(type(c).__name__ for c in self.make_cache())
 
     @property
