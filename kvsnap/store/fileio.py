@@ -1,9 +1,10 @@
 """Checked file I/O for a store: the one place that creates folders, lists and removes a
 store's files, writes files atomically, hashes files in chunks and reads a file whole into
-mlx memory.
+mlx memory that nothing wrote before.
 
 ``store/local.py`` (records, manifest, gc) and ``store/parts.py`` (blocks, checkpoints) both
-use it, so neither needs the other for a write or a read. Only ``read_whole`` imports mlx.
+use it, so neither needs the other for a write or a read. Only the readers import mlx
+(``unfilled_buffer``, ``tensor_views``).
 """
 
 from __future__ import annotations
@@ -11,13 +12,15 @@ from __future__ import annotations
 import contextlib
 import os
 import stat
+import struct
 import tempfile
 from pathlib import Path
 from typing import Any, Callable, Protocol, TypeVar
 
 from kvsnap.errors import SnapshotError, StoreError
 from kvsnap.snapshot.file import Header, parse_header, read_into
-from kvsnap.snapshot.format import CONVERSATIONS, PART_FOLDERS, SNAPSHOTS
+from kvsnap.snapshot.format import CONVERSATIONS, DTYPES, PART_FOLDERS, SNAPSHOTS
+from kvsnap.store.part_readers import on_mlx_thread
 
 TMP_PREFIX = ".tmp-"
 FILE_MODE = 0o600
@@ -223,17 +226,69 @@ def check_regular(path: Path, root: Path) -> None:
         raise SnapshotError(str(path), "is not a regular file", "delete it")
 
 
-def read_whole(path: Path) -> tuple[Header, Any, memoryview]:
-    """One open: the header parsed, the data read into a fresh mlx buffer (nothing memory-mapped).
-    Returns (header, buffer, a view of its data bytes); the caller checksums exactly that view.
-    FormatError / OSError propagate for the caller to name."""
+class _UnfilledNpy:
+    """A file object that mlx's ``.npy`` loader reads: a header for ``n`` bytes, then data it
+    never writes. mlx allocates the array and hands its memory to ``readinto``, which leaves it
+    as it is: the one way to an mlx buffer nothing has written (``mx.zeros`` and ``mx.empty``
+    write zeros over every page, a pass the read then repeats)."""
+
+    name = "unfilled.npy"
+    closed = False
+
+    def __init__(self, n: int):
+        text = "{'descr': '|u1', 'fortran_order': False, 'shape': (%d,), }" % n
+        text += " " * (-(len(text) + 11) % 64) + "\n"  # numpy pads the header to 64 bytes
+        self.head = b"\x93NUMPY\x01\x00" + struct.pack("<H", len(text)) + text.encode()
+        self.pos = 0
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        self.pos = offset if whence == 0 else self.pos + offset
+        return self.pos
+
+    def readinto(self, into: Any) -> int:
+        n = len(into) if isinstance(into, memoryview) else memoryview(into).nbytes
+        if self.pos < len(self.head):
+            n = min(n, len(self.head) - self.pos)
+            into[:n] = self.head[self.pos : self.pos + n]
+        self.pos += n
+        return n
+
+
+def unfilled_buffer(n: int) -> tuple[Any, memoryview]:
+    """An evaluated mlx uint8 array of ``max(n, 1)`` bytes whose memory nothing has written
+    (fresh pages stay untouched until the read copies into them), and a writable view of its
+    first ``n`` bytes. Runs on the calling thread's mlx stream."""
     import mlx.core as mx
 
+    buf = mx.load(_UnfilledNpy(max(1, n)), format="npy")  # type: ignore[arg-type]
+    # mlx arrays are buffers; its stubs do not say so
+    return buf, memoryview(buf)[:n]  # type: ignore[arg-type]
+
+
+def tensor_views(buf: Any, header: Header) -> dict:
+    """Every tensor of ``header`` as a view of ``buf`` (its data bytes), evaluated here: a
+    view left lazy would be evaluated on whichever thread touches it first."""
+    import mlx.core as mx
+
+    arrays = {
+        name: buf[e.start : e.end].view(getattr(mx, DTYPES[e.dtype][0])).reshape(e.shape)
+        for name, e in header.tensors.items()
+    }
+    mx.eval(list(arrays.values()))
+    return arrays
+
+
+def read_whole(path: Path) -> tuple[Header, Any, memoryview]:
+    """One open: the header parsed, the data read into a fresh mlx buffer that nothing wrote
+    before (nothing memory-mapped). Returns (header, buffer, a view of its data bytes); the
+    caller checksums exactly that view. On a pool thread of ``store/part_readers.py`` the
+    buffer is made on the thread that owns the read, and only the read happens here.
+    FormatError / OSError propagate for the caller to name."""
     with open(path, "rb") as f:
         header = parse_header(f, os.fstat(f.fileno()).st_size)
-        buf = mx.zeros((max(1, header.data_len),), dtype=mx.uint8)
-        mx.eval(buf)
-        # mlx arrays are buffers; its stubs do not say so
-        view = memoryview(buf)[: header.data_len]  # type: ignore[arg-type]
+        buf, view = on_mlx_thread(unfilled_buffer, header.data_len)
         read_into(f.fileno(), view, header.data_start)
     return header, buf, view

@@ -11,6 +11,7 @@ everything downstream decodes them unchanged. Only the readers import mlx.
 from __future__ import annotations
 
 import errno
+import functools
 import stat
 import threading
 from dataclasses import dataclass, field
@@ -34,7 +35,6 @@ from kvsnap.snapshot.format import (
     BLOCKS,
     CHECKPOINT_KIND,
     CHECKPOINTS,
-    DTYPES,
     KEY_RE,
     SUFFIX,
     TOKENS,
@@ -44,7 +44,15 @@ from kvsnap.snapshot.format import (
     snapshot_filename,
 )
 from kvsnap.snapshot.header import SnapshotInfo
-from kvsnap.store.fileio import StoreFiles, atomic_write, check_regular, read_whole, store_files
+from kvsnap.store.fileio import (
+    StoreFiles,
+    atomic_write,
+    check_regular,
+    read_whole,
+    store_files,
+    tensor_views,
+)
+from kvsnap.store.part_readers import on_mlx_thread, run_concurrently
 
 FOLDER = {BLOCK_KIND: BLOCKS, CHECKPOINT_KIND: CHECKPOINTS}
 FIX = "rebuild it with `kvsnap build` (the chain is prefilled from the last good block)"
@@ -355,10 +363,10 @@ def read_part(
     end: int,
     prefix_digest: str | None = None,
 ) -> tuple[PartInfo, dict]:
-    """One open and one read into mlx memory; the header checked against itself and against what
-    the chain expects (model, span, prefix), the checksum over exactly the bytes returned."""
-    import mlx.core as mx
-
+    """One open and one read into mlx memory nothing wrote before; the header checked against
+    itself and against what the chain expects (model, span, prefix), the checksum over exactly
+    the bytes returned. Safe on a pool thread of ``read_state_parts``: its mlx work (the buffer,
+    the views) runs on the thread that owns the read."""
     path = part_path(store, kind, key)
     check_regular(path, store.root)
     try:
@@ -374,13 +382,7 @@ def read_part(
         raise SnapshotError(
             str(path), f"cannot be read ({exc.strerror or exc})", "check the file's permissions"
         ) from None
-    arrays = {
-        name: buf[e.start : e.end].view(getattr(mx, DTYPES[e.dtype][0])).reshape(e.shape)
-        for name, e in header.tensors.items()
-    }
-    # views, evaluated here: the reading thread's stream may not outlive it
-    mx.eval(list(arrays.values()))
-    return info, arrays
+    return info, on_mlx_thread(tensor_views, buf, header)
 
 
 Span = tuple[str, int, int, str]  # a block: (key, start, end, prefix digest at end)
@@ -400,22 +402,28 @@ def read_state_parts(
     """The arrays of each block of ``spans`` (tiling [0, n)) and of the ``checkpoint`` at n (its
     key, or None), and the layer list at n: ``layers`` when known (a record's end), else the
     checkpoint's, else the last block's (attention-only models). Every part is checked against
-    the chain and that layer list; SnapshotError names the first bad one. ``fetch`` gets a part
-    (default: ``read_part`` from its file; the server's pool passes one that reuses held blocks)."""
+    the chain and that layer list; SnapshotError names the first bad one (in chain order, the
+    checkpoint first). ``fetch`` gets a part (default: ``read_part`` from its file; the server's
+    pool passes one that reuses held blocks). The parts are fetched at once, up to
+    ``MAX_READERS`` on pool threads (``part_readers.run_concurrently``): a fetch must be safe
+    to call from several threads, and does its mlx work through ``on_mlx_thread``."""
 
     def read(kind: str, key: str, start: int, end: int, digest: str) -> tuple[dict, list | None]:
         part, arrays = read_part(store, kind, key, model_digest, start, end, digest)
         return arrays, part.layers
 
-    fetch = fetch or read
+    get = fetch or read
     n = spans[-1][2]
+    wanted = [(BLOCK_KIND, key, start, end, digest) for key, start, end, digest in spans]
+    if checkpoint is not None:
+        wanted.insert(0, (CHECKPOINT_KIND, checkpoint, 0, n, spans[-1][3]))
+    fetched = run_concurrently([functools.partial(get, *part) for part in wanted])
     whole_arrays: dict = {}
     if checkpoint is not None:
-        whole_arrays, part_layers = fetch(CHECKPOINT_KIND, checkpoint, 0, n, spans[-1][3])
+        whole_arrays, part_layers = fetched.pop(0)
         layers = layers if layers is not None else part_layers
     blocks = []
-    for key, start, end, digest in spans:
-        arrays, part_layers = fetch(BLOCK_KIND, key, start, end, digest)
+    for (_, _, end, _), (arrays, part_layers) in zip(spans, fetched):
         if layers is None and end == n:
             layers = part_layers
         blocks.append(arrays)
