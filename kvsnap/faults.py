@@ -64,3 +64,17 @@ class FaultHook:
             raise OSError(errno.EROFS, os.strerror(errno.EROFS))
         elif action == "crash":  # an unexpected error, not an I/O one
             raise RuntimeError(f"injected fault at {point}")
+
+
+DAMAGED_COPY_ENV = "KVSNAP_FAULT_DAMAGED_COPY"
+
+
+def damaged_on_rank(rank: int, relpath: str, environ=os.environ) -> bool:
+    """Whether ``KVSNAP_FAULT_DAMAGED_COPY=RANK:RELPATH[,...]`` says this rank's copy of the store
+    file ``relpath`` is damaged: a sharded test on one host, where every rank reads one folder,
+    gives one rank a bad copy (its reader then flips a byte of what it read)."""
+    for item in filter(None, (environ.get(DAMAGED_COPY_ENV) or "").split(",")):
+        who, _, path = item.partition(":")
+        if who.strip() == str(rank) and path.strip() == relpath:
+            return True
+    return False

@@ -355,6 +355,14 @@ positive_float = positive_number("seconds")
 
 
 def cmd_serve(args) -> int:
+    from kvsnap.commands.launch import refuse_sharded
+
+    # Continuous batching, persistence and re-warm each decide per process; ranks would diverge.
+    refuse_sharded(
+        "kvsnap serve",
+        "serve a sharded model with `mlx.launch ... kvsnap mlx-lm serve --model M "
+        "--kv-snapshots DIR [--pipeline]`, which starts every rank warm (docs/distributed.md)",
+    )
     from kvsnap.http.connections import (
         ConnectionGuard,
         effective_max_connections,
@@ -514,7 +522,14 @@ def add_vllm_mlx(sub) -> None:
 
 
 def cmd_vllm_mlx(args) -> int:
+    from kvsnap.commands.launch import refuse_sharded
     from kvsnap.integrations.vllm_mlx.launcher import main as vllm_mlx_main
+
+    refuse_sharded(
+        "kvsnap vllm-mlx",
+        "vllm-mlx has no sharded mode; serve a sharded model with `mlx.launch ... kvsnap "
+        "mlx-lm serve --model M --kv-snapshots DIR [--pipeline]` (docs/distributed.md)",
+    )
 
     # vllm-mlx logs through the root logger: give its lines a time, level and source, like `serve`.
     logging.basicConfig(

@@ -110,6 +110,8 @@ PART_META = (
 )  # + kvsnap.layers
 # A part's KV form (quantized or unquantized), only where the model's KV has two: its key hashes it.
 KV_FORM = "kvsnap.kv_form"
+# A part's per-row digests (``snapshot/rows.py``): a sharded rank checks only the rows it reads.
+ROW_DIGESTS = "kvsnap.row_digests"
 BLOCK_KIND, CHECKPOINT_KIND = "block", "checkpoint"
 HEADER_FIELDS = (
     REQUIRED_META
@@ -121,6 +123,7 @@ HEADER_FIELDS = (
         "kvsnap.end",
         "kvsnap.prefix_digest",
         KV_FORM,
+        ROW_DIGESTS,
         CHECKSUM_KEY,
     )
 )

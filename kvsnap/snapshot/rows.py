@@ -18,9 +18,9 @@ from typing import Iterable
 import xxhash
 
 from kvsnap.snapshot.file import FormatError, Header, OutTensor, TensorEntry
+from kvsnap.snapshot.format import ROW_DIGESTS
 from kvsnap.snapshot.header_fields import json_field
 
-ROW_DIGESTS = "kvsnap.row_digests"
 DIGEST_CHARS = 16
 # A real part has a few hundred tensors of at most a few hundred heads each.
 MAX_ROW_DIGESTS_CHARS = 8 << 20

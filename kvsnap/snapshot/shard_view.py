@@ -14,14 +14,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from kvsnap.errors import UsageError
 from kvsnap.snapshot.cache_classes import cache_class, member_path
 from kvsnap.snapshot.rows import row_count
 
-TENSOR, PIPELINE = "tensor", "pipeline"
+TENSOR: Literal["tensor"] = "tensor"
+PIPELINE: Literal["pipeline"] = "pipeline"
 
 
-class ShardError(ValueError):
-    """A snapshot this rank's slice of the model cannot take; the message names both sides."""
+class ShardError(UsageError):
+    """A snapshot this rank's slice of the model cannot take (the topology, not the file, is at
+    fault: every snapshot of this model would fail alike); the message names both sides."""
 
 
 @dataclass(frozen=True)

@@ -77,6 +77,8 @@ class WarmReport:
     seconds: float = 0.0
     agents: list[AgentResult] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    # A rank of a sharded server other than 0: recorded, not logged (rank 0 says it once).
+    quiet: bool = False
 
     def summary(self) -> str:
         from kvsnap.runtime.warmup.report import warmup_line
@@ -85,31 +87,84 @@ class WarmReport:
 
     def warn(self, text: str) -> None:
         self.warnings.append(text)
-        log.warning("[kvsnap] %s", text)
+        if not self.quiet:
+            log.warning("[kvsnap] %s", text)
 
     def skip(self, name: str, reason: str, tokens: int = 0) -> None:
         self.skipped += 1
         self.agents.append(AgentResult(name=name, source="skipped", tokens=tokens, reason=reason))
-        log.warning("[kvsnap] warm prompt %s skipped: %s", name, reason)
+        if not self.quiet:
+            log.warning("[kvsnap] warm prompt %s skipped: %s", name, reason)
 
     def as_dict(self) -> dict:
         return asdict(self)
 
 
+def checked_arrays(
+    store: Store, info: SnapshotInfo, identity: ModelIdentity, shapes: ModelShapes
+) -> dict:
+    """One snapshot read, its arrays checked against this model's cache: a SnapshotError (naming
+    file and tensor) when they are not, for a forged block would otherwise fail mlx-lm's
+    generation step."""
+    return check_shapes(store.load_arrays(info, identity), shapes, str(info.path))
+
+
+def check_shapes(arrays: dict, shapes: ModelShapes, where: str) -> dict:
+    """``arrays`` when they fit this model's cache (before decoding: they are what a forger
+    wrote); else a SnapshotError naming ``where`` and the tensor."""
+    from kvsnap.runtime.warmup.entries import SHAPE_FIX
+
+    why = shapes.problem(arrays)
+    if why:
+        raise SnapshotError(where, why, SHAPE_FIX)
+    return arrays
+
+
 def checked_state(
     store: Store, info: SnapshotInfo, identity: ModelIdentity, shapes: ModelShapes
 ) -> list:
-    """One snapshot read and decoded; a SnapshotError (naming file and tensor) when its tensors
-    are not this model's cache: a forged block would otherwise fail mlx-lm's generation step."""
-    from kvsnap.runtime.warmup.entries import SHAPE_FIX
-    from kvsnap.snapshot.codec import decode_cache
+    """One snapshot read, checked (``checked_arrays``) and decoded into cache objects."""
+    return StateSource().load(store, info, identity, shapes)
 
-    arrays = store.load_arrays(info, identity)
-    # Before decoding: the arrays are what a forger wrote.
-    why = shapes.problem(arrays)
-    if why:
-        raise SnapshotError(str(info.path), why, SHAPE_FIX)
-    return decode_cache(arrays, info.layers)
+
+class StateSource:
+    """How a warm-up reads, agrees on and writes back states: one process reads each snapshot
+    whole and writes what it prefilled. A sharded server's ranks each read their slice, agree
+    on every entry, and write the logical state gathered from all of them
+    (``integrations.mlx_lm.sharded``)."""
+
+    # Whether this process writes prefilled entries back to its store.
+    writes = True
+    @property
+    def quiet(self) -> bool:
+        """Whether its reports stay out of the log (a sharded server's ranks but 0 say nothing
+        rank 0 says once)."""
+        return False
+
+    def begin(self, keys: list[str]) -> None:
+        """Called once per warm-up with the keys it will warm, in order, before any is read."""
+
+    def candidates(self, keys: list[str]) -> list[str]:
+        """The snapshots to pin, in order, from this process's own store's ``keys``."""
+        return keys
+
+    def load(
+        self, store: Store, info: SnapshotInfo, identity: ModelIdentity, shapes: ModelShapes
+    ) -> list:
+        """One snapshot's state as this process's cache holds it; SnapshotError if unusable."""
+        from kvsnap.snapshot.codec import decode_cache
+
+        arrays = checked_arrays(store, info, identity, shapes)
+        return decode_cache(arrays, info.layers)
+
+    def agree(self, loaded: list[SnapshotInfo | None], reasons: list[str | None]) -> list[bool]:
+        """For each entry (its snapshot, or None where this process has none or could not use
+        it): whether to use it. One process uses what it loaded."""
+        return [reason is None and info is not None for info, reason in zip(loaded, reasons)]
+
+    def logical(self, state: list, tokens: tuple) -> list:
+        """The whole-model cache a prefilled ``state`` is written back as."""
+        return state
 
 
 @dataclass
@@ -138,6 +193,7 @@ class WarmPlan(ABC):
     tokenization: Tokenization
     # The shapes of ``lm``'s cache, learned on first use.
     shapes: ModelShapes | None = None
+    source: StateSource = field(default_factory=StateSource)
 
     def run(self) -> WarmReport:
         from kvsnap.runtime.warmup.prefetch import context_tokens
@@ -150,13 +206,15 @@ class WarmPlan(ABC):
         # per entry.
         infos, _bad = self.store.scan(self.identity, max_tokens=context_tokens(self.lm.path))
         by_key = {info.key: info for info in infos}
-        for prompt in self.prompts.entries:
-            found = self._warm_prefix(prompt, report)
-            if found is None:
-                continue
-            tokens, digest, key = found
+        warmed = [
+            (prompt, found)
+            for prompt in self.prompts.entries
+            if (found := self._warm_prefix(prompt, report)) is not None
+        ]
+        self.source.begin([key for _, (_, _, key) in warmed])
+        for prompt, (tokens, digest, key) in warmed:
             info = by_key.get(key) or self._same_tokens(infos, tokens)
-            state = self._restore(prompt, info, report) if info is not None else None
+            state = self._restore(prompt, info, report)
             source, written = "snapshot", False
             if state is None:
                 self._warn_other_renderings(prompt, infos, key, info, report)
@@ -217,19 +275,25 @@ class WarmPlan(ABC):
             return None
         return tokens, warm.prompt_digest, warm.key
 
-    def _restore(self, prompt: WarmPrompt, info: SnapshotInfo, report: WarmReport) -> list | None:
+    def _restore(
+        self, prompt: WarmPrompt, info: SnapshotInfo | None, report: WarmReport
+    ) -> list | None:
+        """The entry's state from its snapshot ``info``, or None (then it is prefilled): when it
+        has none, or it cannot be used here (or, sharded, on another rank)."""
         from kvsnap.runtime.model.shapes import ModelShapes
 
         if self.shapes is None:
             self.shapes = ModelShapes(self.lm)
-        try:
-            return checked_state(self.store, info, self.identity, self.shapes)
-        except SnapshotError as exc:
-            report.warn(
-                f"{prompt.name}: snapshot {exc.path} cannot be used ({exc.reason}); prefilling "
-                f"instead"
-            )
+        state, reason = None, None
+        if info is not None:
+            try:
+                state = self.source.load(self.store, info, self.identity, self.shapes)
+            except SnapshotError as exc:
+                reason = f"snapshot {exc.path} cannot be used ({exc.reason})"
+                report.warn(f"{prompt.name}: {reason}; prefilling instead")
+        if not self.source.agree([info], [reason])[0]:
             return None
+        return state
 
     def _warn_other_renderings(
         self,
@@ -266,6 +330,10 @@ class WarmPlan(ABC):
         from kvsnap.runtime.persist.writeback import commit_snapshot
 
         if not self.writable:
+            return False
+        # Sharded: every rank takes part in gathering the logical state; one per folder writes it.
+        state = self.source.logical(state, tokens)
+        if not self.source.writes:
             return False
         try:
             commit_snapshot(

@@ -22,6 +22,7 @@ from typing import Any, List
 from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache
 
 from kvsnap.integrations.common.warm_plan import WarmReport
+from kvsnap.runtime.sharding.ranks import RankGroup
 
 
 def match_length(cache: LRUPromptCache, model: Any, tokens: List[int]) -> int:
@@ -91,3 +92,54 @@ class PinnedPromptCache(LRUPromptCache):
         system["n_sequences"] += self.pinned_count
         system["n_bytes"] += self.pinned_nbytes
         return stats
+
+
+class AgreedPromptCache(PinnedPromptCache):
+    """The prompt cache of one rank of a sharded server: every eviction decided by rank 0.
+
+    mlx_lm.server trims its cache to ``--prompt-cache-bytes`` by each rank's own bytes, and the
+    ranks' bytes differ (unequal pipeline stages, or heads that do not divide evenly). Ranks
+    that drop different entries then hit on one rank and miss on another: a collective that
+    never completes, or a wrong answer. Here rank 0 trims by its bytes and the others drop
+    exactly the entries it dropped. The generation loop calls ``trim_to`` at the same point on
+    every rank (each request is shared before it runs), so the exchange is in step.
+    """
+
+    def __init__(self, ranks: RankGroup, max_size: int = 10, max_bytes: int = 1 << 63):
+        super().__init__(max_size, max_bytes)
+        self.ranks = ranks
+        # what rank 0 evicted, as every rank applied it (tests read it)
+        self.agreed_evictions = 0
+
+    def trim_to(self, *, n_sequences: int | None = None, n_bytes: int | None = None) -> None:
+        evicted: list = []
+        if self.ranks.rank == 0:
+            pop = self._lru.pop
+
+            def recording_pop():
+                model, tokens = pop()
+                evicted.append([list(model), list(tokens)])
+                return model, tokens
+
+            self._lru.pop = recording_pop  # type: ignore[method-assign]
+            try:
+                super().trim_to(n_sequences=n_sequences, n_bytes=n_bytes)
+            finally:
+                del self._lru.pop
+        evicted = self.ranks.from_rank0(evicted)
+        self.agreed_evictions += len(evicted)
+        if self.ranks.rank != 0:
+            for model, tokens in evicted:
+                self._drop(tuple(model), tokens)
+
+    def _drop(self, model: Any, tokens: List[int]) -> None:
+        """Remove the entry rank 0 evicted (absent here too: nothing to do)."""
+        try:
+            entry = self._trie.pop(model, tokens)
+        except (KeyError, IndexError):
+            return
+        if entry is None:
+            return
+        self._lru.remove(model, tokens)
+        self._n_bytes -= entry.nbytes
+        self._n_bytes_by_type[entry.cache_type] -= entry.nbytes

@@ -84,10 +84,16 @@ def make_warm_run(server: Any, store_dir: str, warm_file: str | None):
     ``run``."""
 
     def warm_run(host, port, model_provider, server_class=None, handler_class=None):
+        import mlx.core as mx
+
         from kvsnap.integrations.mlx_lm.warm import warm_prompt_cache
 
         prompt_cache = warm_prompt_cache(model_provider, store_dir, warm_file)
         response_generator = server.ResponseGenerator(model_provider, prompt_cache)
+        if mx.distributed.init().rank() != 0:
+            # As mlx-lm's own run: only rank 0 serves HTTP; the others follow its requests.
+            response_generator.join()
+            return
         extra = {
             k: v
             for k, v in (("server_class", server_class), ("handler_class", handler_class))

@@ -16,15 +16,15 @@ import json
 import logging
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from kvsnap.errors import KvsnapError, SnapshotError, UsageError
 from kvsnap.integrations.common.store import open_store
 from kvsnap.integrations.common.warm_plan import (
+    StateSource,
     WarmPlan,
     WarmReport,
-    checked_state,
     load_warm_prompt_file,
     upstream_model,
 )
@@ -127,17 +127,25 @@ def other_profile(recorded: dict | None, server: dict | None) -> str:
 
 
 def pin_store(
-    cache: Any, model_key: Any, store: Any, identity: Any, lm: Any, tokenization: Any = None
+    cache: Any,
+    model_key: Any,
+    store: Any,
+    identity: Any,
+    lm: Any,
+    tokenization: Any = None,
+    source: StateSource | None = None,
 ) -> InsertReport:
     """Pin every snapshot of this model (its own tokens); foreign and broken files, records longer
     than ``lm``'s context and states that are not its cache's shapes are skipped. A snapshot built
-    for another profile than ``tokenization`` (the server's) is pinned with a warning."""
+    for another profile than ``tokenization`` (the server's) is pinned with a warning. ``source``
+    reads each (a sharded rank: its slice, the entries agreed by every rank, rank 0's order)."""
     from kvsnap.runtime.model.shapes import ModelShapes
     from kvsnap.runtime.warmup.prefetch import context_tokens
     from kvsnap.snapshot.codec import cache_nbytes_of
 
+    source = source or StateSource()
     t0 = time.perf_counter()
-    report = InsertReport()
+    report = InsertReport(quiet=source.quiet)
     shapes = ModelShapes(lm)
     good, bad = store.scan(identity, max_tokens=context_tokens(lm.path))
     report.rejected = [f"{p.path}: {p.reason}" for p in bad]
@@ -148,24 +156,40 @@ def pin_store(
 
     # This server's profile first: a record of the same tokens built for another is then skipped.
     good.sort(key=lambda i: (other(i), i.name, i.key))
-    pinned: set[tuple] = set()
+    order, seen = [], set()
     for info in good:
         try:
             tokens = tuple(store.read_tokens(info))
-            if tokens in pinned:
-                continue
-            if other(info):  # pinned anyway: its tokens may still start some requests
-                report.warn(
-                    f"{info.name or info.path.name}: snapshot {info.path.name} "
-                    f"{other_profile(recorded_tokenization(info.recorded), server)}; its "
-                    "requests may not start with its tokens (then no hit)"
-                )
-            state = checked_state(store, info, identity, shapes)
         except SnapshotError as exc:
             report.skip(info.name or info.path.name, f"{exc.path}: {exc.reason}")
             continue
+        if tokens not in seen:
+            seen.add(tokens)
+            order.append((info, tokens))
+    by_key = {info.key: (info, tokens) for info, tokens in order}
+    keys = source.candidates([info.key for info, _ in order])
+    loaded: list = []
+    for key in keys:
+        info, tokens = by_key.get(key, (None, ()))
+        state, reason = None, None
+        if info is not None:
+            try:
+                state = source.load(store, info, identity, shapes)
+            except SnapshotError as exc:
+                reason = f"{exc.path}: {exc.reason}"
+                report.skip(info.name or info.path.name, reason)
+        loaded.append((info, tokens, state, reason))
+    verdict = source.agree([info for info, *_ in loaded], [reason for *_, reason in loaded])
+    for use, (info, tokens, state, _) in zip(verdict, loaded):
+        if not use or state is None:
+            continue
+        if other(info):  # pinned anyway: its tokens may still start some requests
+            report.warn(
+                f"{info.name or info.path.name}: snapshot {info.path.name} "
+                f"{other_profile(recorded_tokenization(info.recorded), server)}; its "
+                "requests may not start with its tokens (then no hit)"
+            )
         cache.pin(model_key, list(tokens), state)
-        pinned.add(tokens)
         report.completed += 1
         report.from_snapshots += 1
         report.prompt_tokens += len(tokens)
@@ -197,8 +221,12 @@ def warm_prompt_cache(
 def _warm_prompt_cache(
     model_provider: Any, kv_snapshots: str | None, warm_prompts: str | None
 ) -> Any:
-    from kvsnap.integrations.mlx_lm.cache import PinnedPromptCache
+    from kvsnap.integrations.mlx_lm.cache import AgreedPromptCache, PinnedPromptCache
+    from kvsnap.integrations.mlx_lm.sharded import ShardedSource
     from kvsnap.runtime.model.loading import default_digest_cache
+    from kvsnap.runtime.sharding.agreement import agree_identity, elect_writers
+    from kvsnap.runtime.sharding.ranks import RankGroup
+    from kvsnap.runtime.sharding.topology import logical_layout, shard_view_of
 
     args = model_provider.cli_args
     kv_snapshots = kv_snapshots or getattr(args, "kv_snapshots", None)
@@ -212,23 +240,29 @@ def _warm_prompt_cache(
             )
         return cache
     check_cli_args(args)
-    import mlx.core as mx
-
-    if mx.distributed.init().size() > 1:
-        raise UsageError(
-            "--kv-snapshots is not supported for a distributed mlx_lm.server; "
-            "run it without --kv-snapshots"
-        )
+    ranks = RankGroup.world()
+    if ranks.sharded:
+        cache = AgreedPromptCache(ranks, args.prompt_cache_size)
     prompts = load_warm_prompt_file(warm_prompts) if warm_prompts else None
     store, writable = open_store(kv_snapshots, want_write=prompts is not None)
     model_provider.load_default()  # here, not on the generation thread: the port opens warm
     model_key = model_provider.model_key
     lm = upstream_model(model_key[0], model_provider.model, model_provider.tokenizer)
+    source = StateSource()
+    view = shard_view_of(lm.model, ranks)
+    if view is not None:
+        # The whole model's layout, so keys do not depend on the topology.
+        lm = replace(lm, logical_layout=logical_layout(lm.path, lm.settings.max_kv_size))
+        local_root = getattr(store, "root", None) if writable else None
+        source = ShardedSource(ranks, view)
+        source.writes = elect_writers(ranks, local_root, writable and prompts is not None)
     identity = lm.identity(default_digest_cache())
+    if view is not None:
+        agree_identity(ranks, identity, str(model_key[0]))
     tokenization = mlx_lm_tokenization(getattr(args, "chat_template_args", None))
     report: WarmReport
     if prompts is None:
-        report = pin_store(cache, model_key, store, identity, lm, tokenization)
+        report = pin_store(cache, model_key, store, identity, lm, tokenization, source)
     else:
         plan = MlxLmWarmPlan(
             prefix_cache=cache,
@@ -240,9 +274,20 @@ def _warm_prompt_cache(
             agents_file=str(warm_prompts),
             tokenization=tokenization,
             model_key=model_key,
+            source=source,
         )
         report = plan.run()
     cache.report = report
+    if isinstance(source, ShardedSource):
+        log.info(
+            "[kvsnap] %s read %.1f MiB in %d files (%d read whole)",
+            view.describe() if view is not None else "rank",
+            source.meter.nbytes / 2**20,
+            source.meter.files,
+            source.meter.whole_files,
+        )
+    if source.quiet:
+        return cache
     log.info("%s", report.summary())
     log.info(
         "[kvsnap] mlx_lm.server prompt cache: %d warm entries (%.1f MiB) from %s, protected "

@@ -95,9 +95,11 @@ def load_model(
     model_ref: str | os.PathLike | ResolvedModel,
     settings: KVSettings = KVSettings(),
     revision: str | None = None,
+    shard: str | None = None,
 ) -> LoadedModel:
     """Load model and tokenizer from a local folder or a hub id (resolved first; see
-    ``runtime.model.source``)."""
+    ``runtime.model.source``). ``shard`` ("tensor" or "pipeline"), under ``mlx.launch``: this
+    rank's slice, as mlx-lm's ``sharded_load`` makes it (a collective: every rank loads)."""
     source = (
         model_ref if isinstance(model_ref, ResolvedModel) else resolve_model(model_ref, revision)
     )
@@ -107,16 +109,28 @@ def load_model(
     preload_openblas()
     from mlx_lm import load
 
+    logical = None
     try:
-        # A folder that exists: mlx-lm loads it as is and never asks the hub.
-        model, tokenizer = load(str(model_dir))[:2]
+        if shard is None:
+            # A folder that exists: mlx-lm loads it as is and never asks the hub.
+            model, tokenizer = load(str(model_dir))[:2]
+        else:
+            from kvsnap.runtime.sharding.topology import load_shard, logical_layout
+
+            model, tokenizer = load_shard(model_dir, shard)
+            logical = logical_layout(model_dir, settings.max_kv_size)
     except (ValueError, FileNotFoundError, KeyError) as exc:
         raise ModelError(
             f"{model_dir}: mlx-lm cannot load this model ({exc}); check that it is a complete "
             f"mlx-lm model directory"
         ) from exc
     lm = LoadedModel(
-        path=model_dir, model=model, tokenizer=tokenizer, config=config, settings=settings
+        path=model_dir,
+        model=model,
+        tokenizer=tokenizer,
+        config=config,
+        settings=settings,
+        logical_layout=logical,
     )
     check_cache_classes(lm)
     check_kv_quantizable(lm)

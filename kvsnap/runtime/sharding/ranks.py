@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from kvsnap.blas import preload_openblas
 
@@ -47,7 +47,9 @@ class RankGroup:
         """Every rank's ``data``, in rank order."""
         if not self.sharded:
             return [data]
-        lengths = self.all_gather(mx.array([len(data)], dtype=mx.int64)).tolist()
+        lengths = [
+            int(n) for n in self._numbers(self.all_gather(mx.array([len(data)], dtype=mx.int64)))
+        ]
         width = max(1, max(lengths))
         padded = mx.array(list(data) + [0] * (width - len(data)), dtype=mx.uint8)
         rows = memoryview(self.all_gather(padded[None]))  # type: ignore[arg-type]
@@ -67,7 +69,12 @@ class RankGroup:
         if not self.sharded or not flags:
             return list(flags)
         ok = self.all_gather(mx.array([1 if f else 0 for f in flags], dtype=mx.int32)[None])
-        return [bool(v) for v in mx.min(ok, axis=0).tolist()]
+        return [bool(v) for v in self._numbers(mx.min(ok, axis=0))]
+
+    @staticmethod
+    def _numbers(x: mx.array) -> list:
+        """A 1-D array's values (mlx's stubs type ``tolist`` as any nesting)."""
+        return cast(list, x.tolist())
 
     def barrier(self) -> None:
         self.all_gather(mx.array([0], dtype=mx.int32))

@@ -41,3 +41,24 @@ def logical_layout(model_dir: Path, max_kv_size: int | None = None) -> tuple[str
 
     model, _ = load_model(Path(model_dir), lazy=True, strict=False)
     return tuple(type(c).__name__ for c in make_prompt_cache(model, max_kv_size=max_kv_size))
+
+
+def load_shard(model_dir: Path, mode: str) -> tuple[Any, Any]:
+    """This rank's slice of the model and the tokenizer, as mlx-lm's ``sharded_load`` makes them
+    (``mode`` "tensor" or "pipeline"; a pipeline load reads ``model.safetensors.index.json``).
+    A model mlx-lm cannot shard that way raises its ValueError."""
+    import mlx.core as mx
+    from mlx_lm.utils import sharded_load
+
+    group = mx.distributed.init()
+    if mode == PIPELINE and not (Path(model_dir) / "model.safetensors.index.json").is_file():
+        raise ValueError(
+            "a pipeline-parallel load needs model.safetensors.index.json beside the weights "
+            "(mlx_lm.convert writes it)"
+        )
+    model, tokenizer = sharded_load(
+        str(model_dir),
+        pipeline_group=group if mode == PIPELINE else None,
+        tensor_group=group if mode == TENSOR else None,
+    )
+    return model, tokenizer
