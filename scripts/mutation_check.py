@@ -2103,6 +2103,26 @@ BREAKAGES = (
         ),
     ),
     Breakage(
+        "cache-grown-256-at-a-time",
+        "build linear in prompt length",
+        "a prefill lets mlx-lm grow each layer's KV buffer 256 tokens at a time, copying the whole "
+        "cache at every growth",
+        (
+            Patch(
+                "kvsnap/runtime/prefill/reserve.py",
+                "        layer.step = max(type(layer).step, n_tokens)\n",
+                "        pass\n",
+            ),
+        ),
+        (
+            "tests/runtime/prefill/test_reserve.py::"
+            "test_a_build_of_a_prompt_many_blocks_long_allocates_each_layers_buffer_once",
+            "tests/runtime/engine/test_sequential.py::"
+            "test_a_long_prompt_is_prefilled_into_one_buffer_per_layer_then_decode_grows_as_"
+            "mlx_lm",
+        ),
+    ),
+    Breakage(
         "vllm-mlx-restore-error-fails-request",
         "4. nothing lost, nothing half-written (persisted conversations, the vllm-mlx route)",
         "an mlx error reading a persisted record (blocks that do not fit together) escapes into "

@@ -20,6 +20,8 @@ from kvsnap.runtime.engine.request_output import deliver_token, finish_request
 from kvsnap.runtime.engine.sampling import make_request_sampler, token_logprob
 from kvsnap.runtime.engine.types import RequestState
 from kvsnap.runtime.model.loading import LoadedModel
+from kvsnap.runtime.prefill.chunked import run_chunk
+from kvsnap.runtime.prefill.reserve import reserved
 
 
 @dataclass
@@ -48,16 +50,17 @@ class SequentialRun:
         return self.state.finish_reason is not None
 
     def _prefill(self, body: list[int]) -> bool:
-        """Run all but the last prompt token in chunks; False if the request ended meanwhile."""
-        s = self.lm.settings
-        for start in range(0, len(body), s.prefill_step_size):
-            chunk = body[start : start + s.prefill_step_size]
-            self.lm.model(mx.array(chunk, dtype=mx.int32)[None], cache=self.cache)
-            maybe_quantize_kv_cache(self.cache, s.quantized_kv_start, s.kv_group_size, s.kv_bits)
-            mx.eval([c.state for c in self.cache])
-            self.accounts.ran(len(chunk))
-            if self._ended():
-                return False
+        """Run all but the last prompt token in chunks; False if the request ended meanwhile.
+
+        Room for the whole prompt (the last token too) is made at once, as ``build`` does."""
+        step = self.lm.settings.prefill_step_size
+        with reserved(self.cache, len(body) + 1):
+            for start in range(0, len(body), step):
+                chunk = body[start : start + step]
+                run_chunk(self.lm, self.cache, chunk)
+                self.accounts.ran(len(chunk))
+                if self._ended():
+                    return False
         return True
 
     def _decode(self, last: int) -> None:
