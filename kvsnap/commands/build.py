@@ -16,6 +16,7 @@ from kvsnap.commands.common import (
     kv_settings,
     table_title,
 )
+from kvsnap.errors import UsageError
 
 
 def add_build(sub) -> None:
@@ -71,6 +72,12 @@ def add_build(sub) -> None:
         action="store_true",
         help="print the report as JSON (per entry: tokens reused and prefilled, blocks and bytes "
         "written) instead of a table",
+    )
+    p.add_argument(
+        "--pipeline",
+        action="store_true",
+        help="under mlx.launch: split the model's layers across the ranks (pipeline parallel) "
+        "instead of its attention heads (tensor parallel, the default); see docs/distributed.md",
     )
     add_kv_options(p)
     p.set_defaults(run=cmd_build)
@@ -186,6 +193,7 @@ def cmd_build(args) -> int:
     )
 
     from kvsnap.build.pipeline import build_snapshots
+    from kvsnap.commands.launch import launched_ranks
     from kvsnap.faults import FaultHook
     from kvsnap.prompts import load_warm_prompts
     from kvsnap.runtime.model.loading import default_digest_cache, load_model, resolve_model
@@ -196,6 +204,14 @@ def cmd_build(args) -> int:
     prompts = load_warm_prompts(args.agents)
     # a bad id or folder fails before the store is created
     source = resolve_model(args.model, args.revision)
+    shard = ("pipeline" if args.pipeline else "tensor") if launched_ranks() > 1 else None
+    if shard is None and args.pipeline:
+        raise UsageError(
+            "--pipeline splits a model across mlx.launch ranks; this build runs as one process "
+            "(start it with `mlx.launch -n N --backend ring kvsnap build ... --pipeline`)"
+        )
+    if shard is not None:
+        return build_sharded(args, source, shard, prompts, tokenization, blocks)
     store = Store.open(args.out, create=True, fault=FaultHook.from_env())
     out = console(stderr=args.json)
     for problem in prompts.problems:
@@ -248,6 +264,52 @@ def cmd_build(args) -> int:
             blocks=blocks,
             on_tokens=on_tokens,
         )
+    if args.json:
+        print(json.dumps(build_report_json(report, blocks), indent=1))
+    else:
+        print_build_report(out, report)
+    return EXIT_OK if report.ok else EXIT_BAD
+
+
+def build_sharded(args, source, shard: str, prompts, tokenization, blocks) -> int:
+    """``kvsnap build`` as one of several mlx.launch ranks: rank 0 builds and writes the store
+    (its report as a single-process build prints it); the others only prefill their slices."""
+    from kvsnap.build.pipeline import build_snapshots
+    from kvsnap.build.sharded import ShardedPrefill, follow
+    from kvsnap.faults import FaultHook
+    from kvsnap.runtime.model.loading import default_digest_cache, load_model
+    from kvsnap.runtime.sharding.agreement import agree_identity
+    from kvsnap.runtime.sharding.ranks import RankGroup
+    from kvsnap.runtime.sharding.topology import shard_view_of
+    from kvsnap.store.local import Store
+
+    ranks = RankGroup.world()
+    lm = load_model(source, kv_settings(args), shard=shard)
+    view = shard_view_of(lm.model, ranks)
+    if view is None:  # mlx-lm kept the whole model on every rank
+        raise UsageError(f"mlx-lm did not shard {source.path} across {ranks.size} ranks")
+    agree_identity(ranks, lm.identity(default_digest_cache()), str(source.path))
+    if ranks.rank != 0:
+        return follow(lm, view, ranks)
+    prefill = ShardedPrefill(lm, view, ranks)
+    # An error here ends this process, and mlx.launch then stops the ranks waiting on it.
+    store = Store.open(args.out, create=True, fault=FaultHook.from_env())
+    out = console(stderr=args.json)
+    for problem in prompts.problems:
+        out.print(f"[yellow]skipped[/] {problem}", markup=True)
+    out.print(f"{view.describe()}: building; the other ranks prefill their slices", markup=False)
+    report = build_snapshots(
+        lm,
+        prompts,
+        store,
+        args.agents,
+        force=args.force,
+        digests=default_digest_cache(),
+        tokenization=tokenization,
+        blocks=blocks,
+        prefiller=prefill,
+    )
+    prefill.finish()  # the other ranks exit
     if args.json:
         print(json.dumps(build_report_json(report, blocks), indent=1))
     else:

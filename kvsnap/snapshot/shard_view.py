@@ -63,10 +63,18 @@ class ShardView:
             return layers[self.layer_start : self.layer_end]
         return list(layers)
 
-    def cut(self, layers: list, shapes: dict[str, tuple[int, ...]]) -> dict[str, Cut]:
+    def cut(
+        self,
+        layers: list,
+        shapes: dict[str, tuple[int, ...]],
+        local: dict[str, tuple] | None = None,
+    ) -> dict[str, Cut]:
         """For the tensors of one file (``shapes``: name -> logical shape) of a state whose logical
         layer list is ``layers``: what this rank reads of each. Tensors of other layers are left
-        out (pipeline). ShardError when this rank's slice cannot be cut from them."""
+        out (pipeline). ``local``: this rank's own cache shapes by name (token axis None), when
+        known: a tensor parallel rank then takes a tensor whole where its model keeps it whole
+        (a cache mlx-lm replicates, as DeepSeek's latent KV) and its share of the heads where
+        it splits them. ShardError when this rank's slice cannot be cut from them."""
         owner = _owners(layers)
         out: dict[str, Cut] = {}
         for name, shape in shapes.items():
@@ -78,8 +86,31 @@ class ShardView:
                 if self.layer_start <= layer < self.layer_end:
                     out[name] = Cut(_renumber(name, layer, layer - self.layer_start))
                 continue
+            want = (local or {}).get(name)
+            if want is not None:
+                out[name] = self._against_local(name, shape, tuple(want), per_token)
+                continue
             out[name] = Cut(name, self._head_rows(name, shape, layers[layer], per_token))
         return out
+
+    def _against_local(self, name: str, shape: tuple, want: tuple, per_token: bool) -> Cut:
+        """Whole where this rank's model keeps the tensor whole (a replicated cache), its share
+        of the heads where it splits them by ``size``; else ShardError naming both shapes."""
+
+        def same(a: tuple, b: tuple) -> bool:
+            return len(a) == len(b) and all(x is None or x == y for x, y in zip(a, b))
+
+        if same(want, shape):
+            return Cut(name)
+        split = per_token and len(shape) >= 3 and want[1] is not None
+        if split and want[1] * self.size == shape[1] and same(want[2:], shape[2:]):
+            return Cut(name, (self.rank * want[1], (self.rank + 1) * want[1]))
+        show = ", ".join("T" if d is None else str(d) for d in want)
+        raise ShardError(
+            f"tensor {name} is {list(shape)} in the snapshot, but {self.describe()} holds "
+            f"[{show}] of it: neither the whole tensor nor 1/{self.size} of its heads (a "
+            "tensor-parallel rank cannot take this state; serve this model with --pipeline)"
+        )
 
     def _head_rows(self, name: str, shape: tuple, meta: dict, per_token: bool) -> tuple[int, int]:
         if not per_token:

@@ -88,6 +88,7 @@ def read_part_slice(
     view: ShardView,
     layers: list,
     meter: ReadMeter,
+    local: dict | None = None,
 ) -> dict:
     """This rank's tensors of one block or checkpoint (local names), read and checked; the
     header is checked as ``read_part`` checks it. ``layers``: the logical layer list at the
@@ -101,8 +102,8 @@ def read_part_slice(
             _expect(inspect_part(path, header), kind, model_digest, start, end, prefix_digest)
             digests = RowDigests.of(header)
             if digests is None:
-                return _cut_whole(path, view, layers, meter)
-            cuts = view.cut(layers, {n: e.shape for n, e in header.tensors.items()})
+                return _cut_whole(path, view, layers, meter, local)
+            cuts = view.cut(layers, {n: e.shape for n, e in header.tensors.items()}, local)
             ranges = _ranges(header, cuts)
             total = sum(r.nbytes for r in ranges)
             buf, whole = on_mlx_thread(unfilled_buffer, total)
@@ -142,7 +143,9 @@ def _range_views(buf: Any, ranges: list[_Range]) -> dict:
     return arrays
 
 
-def _cut_whole(path: Path, view: ShardView, layers: list, meter: ReadMeter) -> dict:
+def _cut_whole(
+    path: Path, view: ShardView, layers: list, meter: ReadMeter, local: dict | None
+) -> dict:
     """A file without row digests: read and checksummed whole, then this rank's slice taken."""
     from kvsnap.snapshot.file import verify_checksum
 
@@ -151,7 +154,7 @@ def _cut_whole(path: Path, view: ShardView, layers: list, meter: ReadMeter) -> d
         data[0] ^= 0xFF  # a fault test's damaged copy on this rank's host
     verify_checksum(header, data)
     meter.add(header.file_size, whole=True)
-    cuts = view.cut(layers, {n: e.shape for n, e in header.tensors.items()})
+    cuts = view.cut(layers, {n: e.shape for n, e in header.tensors.items()}, local)
     return on_mlx_thread(_cut_views, buf, header, cuts)
 
 
@@ -170,7 +173,12 @@ def _cut_views(buf: Any, header: Header, cuts: dict[str, Cut]) -> dict:
 
 
 def load_shard_state(
-    store: Any, info: Any, expected: Any, view: ShardView, meter: ReadMeter
+    store: Any,
+    info: Any,
+    expected: Any,
+    view: ShardView,
+    meter: ReadMeter,
+    local: dict | None = None,
 ) -> tuple[dict, list]:
     """This rank's arrays (local names, tokens included) and local layer list of a snapshot,
     the record checked as ``Store.load_arrays`` checks it. SnapshotError names the bad file;
@@ -185,7 +193,7 @@ def load_shard_state(
         if info.chain is None:  # a whole-file snapshot (v2): read whole, then cut
             arrays = store.load_arrays(info, expected)
             meter.add(info.path.stat().st_size, whole=True)
-            cuts = view.cut(info.layers, {n: tuple(a.shape) for n, a in arrays.items()})
+            cuts = view.cut(info.layers, {n: tuple(a.shape) for n, a in arrays.items()}, local)
             out = {TOKENS: arrays[TOKENS]}
             for name, cut in cuts.items():
                 a = arrays[name]
@@ -208,7 +216,17 @@ def load_shard_state(
 
         def fetch(kind: str, key: str, start: int, end: int, digest: str):
             arrays = read_part_slice(
-                store, kind, key, info.model_digest, start, end, digest, view, info.layers, meter
+                store,
+                kind,
+                key,
+                info.model_digest,
+                start,
+                end,
+                digest,
+                view,
+                info.layers,
+                meter,
+                local,
             )
             return arrays, local_layers
 

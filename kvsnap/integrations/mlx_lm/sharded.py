@@ -66,7 +66,9 @@ class ShardedSource(StateSource):
     ) -> list:
         from kvsnap.snapshot.codec import decode_cache
 
-        arrays, layers = load_shard_state(store, info, identity, self.view, self.meter)
+        # Under tensor parallelism the rank's own shapes say which tensors it splits or keeps.
+        local = {n: shape for n, (shape, _) in shapes.expected().items()}
+        arrays, layers = load_shard_state(store, info, identity, self.view, self.meter, local)
         check_shapes(arrays, shapes, str(info.path))
         return decode_cache(arrays, layers)
 
