@@ -370,7 +370,7 @@ BREAKAGES = (
                 "kvsnap/runtime/engine/batch_runner.py",
                 "                    [list(suffix)],\n"
                 "                    max_tokens=[r.max_tokens],\n"
-                "                    caches=[cache],\n",
+                "                    caches=[for_batch(cache, len(suffix))],\n",
                 "                    [list(r.tokens)],\n"
                 "                    max_tokens=[r.max_tokens],\n"
                 "                    caches=[self.lm.make_cache()],\n",

@@ -2,10 +2,12 @@
 
 A v3 record's state is its chain of blocks plus a checkpoint. The server keeps it that way:
 a ``ComposedState`` holds references to shared ``Block`` objects from one ``BlockPool``, so
-ten agents with one 2,000-token preamble pin the preamble's KV once. A hit materializes a
-private cache by concatenating the slices (with room for the request's own tokens, so its
-first step writes in place): the one copy a request made anyway when it first wrote to a
-shared buffer.
+ten agents with one 2,000-token preamble pin the preamble's KV once. A hit gets a private
+cache that is not computed yet: the slices and room for the request's own tokens, one
+concatenation that the request's first step evaluates and then writes into in place. mlx-lm's
+attention reads one contiguous buffer per layer, so that one copy of the cached tokens is the
+least a request that writes can make; nothing else is copied (``engine.batch_cache`` keeps
+the batch from copying it again).
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from kvsnap.snapshot.codec import copy_cache, decode_cache
 from kvsnap.store import parts as store_parts
 from kvsnap.store.local import SnapshotInfo, Store
 from kvsnap.store.parts import end_checkpoint, read_state_parts
+
+ROOM_STEP = 256  # mlx-lm's KVCache grows in steps of 256 tokens: room comes in the same steps
 
 
 class Block:
@@ -79,28 +83,24 @@ class ComposedState:
     layers: list
     n_tokens: int
 
-    def materialize(self, spare: int = 256) -> list:
-        """A private cache: the slices concatenated along the token axis, plus ``spare`` empty
-        positions, so the request's first tokens are written in place, not by another copy."""
+    def materialize(self, room: int = 0) -> list:
+        """A private cache, not computed yet: each sliced tensor is the blocks' slices then
+        ``room_for(room)`` empty positions, so the request's ``room`` tokens are written in
+        place and the cached ones are copied once, when the request first runs."""
         sliced, whole = split_tensor_names(self.layers)
+        spare = room_for(room)
         arrays: dict[str, Any] = {}
         for name in sliced:
             pieces = [block.arrays[name] for _, _, block in self.blocks]
-            room = pieces[-1]
-            pad = (
-                mx.zeros((*room.shape[:-2], spare, room.shape[-1]), dtype=room.dtype)
-                if spare
-                else None
-            )
-            arrays[name] = mx.concatenate(pieces + ([pad] if pad is not None else []), axis=-2)
+            last = pieces[-1]
+            pad = mx.zeros((*last.shape[:-2], spare, last.shape[-1]), dtype=last.dtype)
+            arrays[name] = mx.concatenate([*pieces, pad], axis=-2)
         # the layers kept whole come from the checkpoint (attention-only models have none)
         kept = self.checkpoint.arrays if self.checkpoint is not None else {}
         for name in whole:
             arrays[name] = kept[name][...]  # a view: copied on its first write
         # sliceable layers: offset n in a buffer of n + spare
-        cache = decode_cache(arrays, self.layers)
-        mx.eval([c.state for c in cache])
-        return cache
+        return decode_cache(arrays, self.layers)
 
 
 def load_composed(
@@ -150,8 +150,15 @@ def load_composed(
     ), added
 
 
-def copy_state(state: Any) -> Any:
-    """The prefix cache's copy: a private cache from a composed state, else ``codec.copy_cache``."""
+def room_for(tokens: int) -> int:
+    """Positions a copy leaves after its cached ones for ``tokens`` more: whole steps of
+    mlx-lm's 256, at least one position past them (where the first decode step writes)."""
+    return -(-(max(tokens, 0) + 1) // ROOM_STEP) * ROOM_STEP
+
+
+def copy_state(state: Any, room: int = 0) -> Any:
+    """The prefix cache's copy for a request adding ``room`` tokens: a composed state's private
+    cache (not computed yet), else ``codec.copy_cache``'s views (copied on their first write)."""
     if isinstance(state, ComposedState):
-        return state.materialize()
+        return state.materialize(room)
     return copy_cache(state)

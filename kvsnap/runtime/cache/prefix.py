@@ -35,6 +35,7 @@ from typing import Any, Callable, Sequence
 from kvsnap.runtime.cache.trie import TokenTrie
 
 CopyFn = Callable[[Any], Any]
+SizedCopyFn = Callable[[Any, int], Any]  # (state, tokens the request adds) -> private copy
 TrimFn = Callable[[Any, int], Any]
 LoadFn = Callable[[], tuple[Any, int]]
 LoadErrorFn = Callable[["Entry", BaseException], None]
@@ -114,6 +115,9 @@ class PrefixCache:
     check_state: CheckFn | None = None
     # Told of every request prefix captured, with the request's state (``--persist-requests``).
     on_request_prefix: Callable[[Entry, Any], None] | None = None
+    # The engine's copy, told how many tokens the request adds so the copy has room for them
+    # and they are written in place (None: ``copy_state``).
+    copy_with_room: SizedCopyFn | None = None
     stats: PrefixStats = field(default_factory=PrefixStats)
     _entries: dict[tuple, Entry] = field(default_factory=dict)  # (namespace, tokens) -> entry
     # namespace -> its entries' trie
@@ -292,14 +296,14 @@ class PrefixCache:
                     self.stats.misses += 1 if count else 0
                     return None, 0, None
                 if match.entry.loaded:
-                    served = self._serve_checked(match, count)
+                    served = self._serve_checked(match, count, len(tokens))
                     if served is not None:
                         return served
                     continue
             if self.load(match.entry):
                 with self._lock:
                     if match.entry.loaded and self._entries.get(match.entry.slot) is match.entry:
-                        served = self._serve_checked(match, count)
+                        served = self._serve_checked(match, count, len(tokens))
                         if served is not None:
                             return served
             # Failed, unusable, or cleared while it loaded: look again.
@@ -330,12 +334,15 @@ class PrefixCache:
             self._evict_to_budget(keep=entry)
         return True
 
-    def _serve_checked(self, match: Match, count: bool) -> tuple[Any, int, Match] | None:
-        """A private copy of the match, or None when the entry's state cannot be used: it is then
-        dropped from the index and reported like a bad file, and only this lookup moves on."""
+    def _serve_checked(
+        self, match: Match, count: bool, n_request: int
+    ) -> tuple[Any, int, Match] | None:
+        """A private copy of the match for a request of ``n_request`` tokens, or None when the
+        entry's state cannot be used: it is then dropped from the index and reported like a bad
+        file, and only this lookup moves on."""
         entry = match.entry
         try:
-            state = self._copy(match)
+            state = self._copy(match, n_request - match.n_cached)
             why = self.check_state(state) if self.check_state is not None else None
         except (
             ValueError,
@@ -359,9 +366,12 @@ class PrefixCache:
             )
         return None
 
-    def _copy(self, match: Match) -> Any:
+    def _copy(self, match: Match, adds: int) -> Any:
         entry = match.entry
-        state = self.copy_state(entry.state)
+        if self.copy_with_room is not None:
+            state = self.copy_with_room(entry.state, adds)
+        else:
+            state = self.copy_state(entry.state)
         if match.n_cached < len(entry.tokens):
             state = self.trim_state(state, len(entry.tokens) - match.n_cached)
         return state

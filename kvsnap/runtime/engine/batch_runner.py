@@ -1,9 +1,10 @@
 """Continuous batching through mlx-lm's BatchGenerator: admit waiting requests, run one step,
 free finished slots. Runs on the engine thread.
 
-Per request: its private cache copy goes in with only the suffix; at the end of the prompt's
-first segment (all but the last token) its cache is captured into the prefix cache; its
-tokens go out through ``request_output``.
+Per request: its private cache copy goes in with only the suffix (``batch_cache`` keeps the
+batch from copying it again); at the end of the prompt's first segment (all but the last
+token) its cache is captured into the prefix cache; its tokens go out through
+``request_output``.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from mlx_lm.generate import BatchGenerator
 
 from kvsnap.runtime.cache.prefix import PrefixCache
 from kvsnap.runtime.engine.accounting import TokenAccounts
+from kvsnap.runtime.engine.batch_cache import for_batch
 from kvsnap.runtime.engine.request_cache import capture_request_prefix, prefill_shared_prefixes
 from kvsnap.runtime.engine.request_output import deliver_token, finish_request
 from kvsnap.runtime.engine.sampling import make_request_sampler, token_logprob
@@ -50,8 +52,6 @@ class BatchRunner:
         # the live generator, made on first use
         self.gen: BatchGenerator | None = None
         self.shared_prefills = 0  # shared prefixes of requests admitted together, computed once
-        # captured prefix copies, evaluated after the next decode step
-        self._deferred_evals: list[mx.array] = []
 
     def new_generator(self, batch_size: int, prefill_batch_size: int) -> BatchGenerator:
         return BatchGenerator(
@@ -95,7 +95,7 @@ class BatchRunner:
                 uid = gen.insert(
                     [list(suffix)],
                     max_tokens=[r.max_tokens],
-                    caches=[cache],
+                    caches=[for_batch(cache, len(suffix))],
                     samplers=[
                         make_request_sampler(r.temperature, r.top_p, r.seed, r.top_k, r.min_p)
                     ],
@@ -122,9 +122,9 @@ class BatchRunner:
         for r in prompt_responses:
             state = self.sched.active.get(r.uid)
             if state is not None and state.capture and r.end_of_segment and not r.end_of_prompt:
-                capture_request_prefix(
-                    self.prefix, state, gen.extract_cache([r.uid])[r.uid][0], self._deferred_evals
-                )
+                # copied now: a copy still to compute would hold the batch's buffer, and the
+                # next decode step would copy the whole buffer instead of writing in place
+                capture_request_prefix(self.prefix, state, gen.extract_cache([r.uid])[r.uid][0])
         for r in generation_responses:
             state = self.sched.active.get(r.uid)
             if state is None:
@@ -138,13 +138,6 @@ class BatchRunner:
                 self.sched.release(r.uid)
                 if r.finish_reason is None:  # stopped by a stop string: free the slot now
                     gen.remove([r.uid])
-        if generation_responses:
-            self._flush_deferred()
-
-    def _flush_deferred(self) -> None:
-        if self._deferred_evals:
-            pending, self._deferred_evals = self._deferred_evals, []
-            mx.eval(pending)
 
     def prime_kernels(self) -> None:
         """A throwaway 3-token request on its own generator (the token counters stay exact).

@@ -86,13 +86,11 @@ def prepare_request(
     return cache, tokens[n_cached:]
 
 
-def capture_request_prefix(
-    prefix: PrefixCache, state: RequestState, cache: list, deferred: list | None = None
-) -> None:
+def capture_request_prefix(prefix: PrefixCache, state: RequestState, cache: list) -> None:
     """Keep the prompt minus its last token for multi-turn reuse; captured before any decode.
 
-    ``deferred``: collect the copy's arrays there to evaluate after the next decode step
-    (off this request's first-token path) instead of now.
+    Its arrays are evaluated now: arrays left to compute would hold the batch's buffer, and the
+    next decode step would copy that whole buffer instead of writing into it in place.
     """
     state.capture = False
     if not state.request.capture:
@@ -104,11 +102,7 @@ def capture_request_prefix(
         log.debug("[kvsnap] not capturing request %d: %s", state.id, exc)
         return
     own = copy_cache(cache)
-    arrays = [a for c in own for a in cache_arrays(c)]
-    if deferred is not None:
-        deferred.extend(arrays)
-    else:
-        mx.eval(arrays)
+    mx.eval([a for c in own for a in cache_arrays(c)])
     entry = Entry(
         tokens=tokens,
         state=own,

@@ -829,3 +829,91 @@ def test_clear_prefix_cache_rewarms_from_snapshots(worlds, engines, oracle):
     tokens = world.request(1, QUESTIONS[0])
     st = serve(engine, tokens)
     assert st.cache_source == "snapshot" and answer_of(st) == oracle(world, tokens)
+
+
+# --- a hit's copies ----------------------------------------------------------------------
+
+LONG_AGENT = [{"name": "long", "messages": [{"role": "system", "content": LONG_SYSTEM * 8}]}]
+
+
+@pytest.fixture(scope="module")
+def long_world(demo_models, tmp_path_factory, digest_dir):
+    """One agent whose cached tokens outweigh what a tiny model's short step allocates."""
+    return World(demo_models, tmp_path_factory.mktemp("world-long"), "dense", agents=LONG_AGENT)
+
+
+def _cached_bytes(engine, warm) -> int:
+    """The bytes of the warm entry's cached tokens, as a request's copy holds them."""
+    from kvsnap.snapshot.codec import cache_nbytes_of
+
+    entry = warm_entry(engine, warm)
+    return engine.call(lambda: cache_nbytes_of(engine.prefix.copy_state(entry.state)))
+
+
+def test_regression_a_hit_copies_its_cached_tokens_once(long_world, engines):
+    """A hit copied every cached token three times before its first token: a materialized copy,
+    then mlx-lm's growth of a batch buffer sized to the prompt exactly, then the gather that
+    moves a request from prompt processing to decoding. Counted in bytes: at its peak the
+    request held 1.47 times its cached tokens in new memory; one copy with room for 256 more
+    tokens is 1.15 times."""
+    import mlx.core as mx
+
+    from kvsnap.runtime.engine.engine import GenerationRequest
+
+    engine = engines.start(long_world)
+    warm = long_world.warm_tokens(0)
+    tokens = long_world.tokens(LONG_AGENT[0]["messages"] + [{"role": "user", "content": "hi"}])
+    cached = _cached_bytes(engine, warm)
+
+    def reset() -> int:
+        mx.synchronize()
+        mx.reset_peak_memory()
+        return mx.get_active_memory()
+
+    for _ in range(2):  # the first and a second request alike
+        before = engine.call(reset)
+        request = GenerationRequest(tokens=tokens, max_tokens=2, capture=False)
+        st = finish(engine.submit(request, lambda s, k, p: None))
+        assert st.cached_tokens == len(warm) and st.cache_source == "snapshot"
+        grown = engine.call(mx.get_peak_memory) - before
+        assert grown < 1.3 * cached, f"a hit on {cached} bytes allocated {grown} bytes"
+
+
+def test_two_continuations_of_one_warm_prefix_interleaved_stay_independent(worlds, engines, oracle):
+    """No shared mutable cache: a request that hits a warm entry while another hit of it is
+    decoding gets the answer of a fresh prefill, so does the other, and the warm entry's state
+    is bitwise what it was."""
+    import mlx.core as mx
+    import numpy as np
+
+    from kvsnap.snapshot.codec import encode_cache
+
+    world = worlds("dense")
+    engine = engines.start(world)
+    warm = world.warm_tokens(0)
+    entry = warm_entry(engine, warm)
+
+    def stored() -> dict:  # on the engine thread, as numpy arrays the test thread can read
+        arrays, _ = encode_cache(engine.prefix.copy_state(entry.state), warm)
+        mx.eval(arrays)
+        return {k: np.array(v) for k, v in arrays.items()}
+
+    before = engine.call(stored)
+    first, second = world.request(0, QUESTIONS[0]), world.request(0, QUESTIONS[1])
+    later: list = []
+    decoding: list[int] = []
+
+    def on_first(st, kind, payload):  # engine thread: the second starts while the first decodes
+        if kind == "token" and not later:
+            later.append(submit(engine, second))
+        if kind == "token" and later and not later[0].done.is_set():
+            decoding.append(st.completion_tokens)
+
+    st_first = finish(submit(engine, first, on_event=on_first))
+    st_second = finish(later[0])
+    assert len(decoding) >= 2, "the first request did not decode while the second started"
+    for st, tokens in ((st_first, first), (st_second, second)):
+        assert st.cached_tokens == len(warm) and answer_of(st) == oracle(world, tokens)
+    after = engine.call(stored)
+    assert sorted(after) == sorted(before)
+    assert all(np.array_equal(after[k], before[k]) for k in before)

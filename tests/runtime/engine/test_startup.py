@@ -353,7 +353,7 @@ def test_regression_kv_snapshots_alone_does_the_work_of_warm_prompts(arch_world)
     on the same store. Both starts parse, read and evaluate the same things, and before warm
     nothing is evaluated but the model load and the store's reads: the shape check learned from
     an evaluated one-token pass put the model's first pass (its kernel compiles, ~1 s at 0.6B)
-    before warm on both; the kernel priming runs it after warm."""
+    before warm on both. The kernel priming runs one before warm on both, inside mlx-lm."""
     alone = _start_and_record(arch_world, with_prompts=False)
     with_prompts = _start_and_record(arch_world, with_prompts=True)
     assert alone == with_prompts
@@ -361,3 +361,37 @@ def test_regression_kv_snapshots_alone_does_the_work_of_warm_prompts(arch_world)
     computed = [m for m in alone["evals"] if not m.startswith(("kvsnap.store.", "mlx_lm."))]
     where = "outside the model load and the store's reads"
     assert computed == [], f"evaluated before warm {where}: {computed}"
+
+
+def test_the_kernel_priming_runs_before_the_engine_says_warm(world, monkeypatch):
+    """A request sent as soon as /health said ok waited behind the kernel priming (a model
+    pass the engine ran right after warm). It now runs before warm, for a start from snapshots
+    and for a start with nothing to warm alike; a start whose warm-up prefilled needs none."""
+    from kvsnap.runtime.engine import batch_runner
+    from kvsnap.runtime.engine.engine import Engine, EngineConfig
+
+    seen: list[bool] = []
+    real = batch_runner.BatchRunner.prime_kernels
+
+    def prime(self):
+        seen.append(holder[0].warm.is_set())
+        return real(self)
+
+    monkeypatch.setattr(batch_runner.BatchRunner, "prime_kernels", prime)
+    for config in (_config(world), EngineConfig(model=str(world["model"]))):
+        holder = [Engine(config)]
+        holder[0].start()
+        try:
+            assert holder[0].wait_warm(120)
+        finally:
+            holder[0].shutdown()
+    assert seen == [False, False], seen
+    # warm prompts prefilled (no store): the warm-up ran the model, no priming
+    holder = [Engine(dataclasses.replace(_config(world), snapshots=None))]
+    holder[0].start()
+    try:
+        assert holder[0].wait_warm(120)
+        assert holder[0].status()["snapshots"]["prefilled"] == 2
+    finally:
+        holder[0].shutdown()
+    assert seen == [False, False], seen
