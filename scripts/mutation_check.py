@@ -2140,6 +2140,68 @@ BREAKAGES = (
             "turn_is_served_cold[own]",
         ),
     ),
+    Breakage(
+        "sharded-rank-keeps-what-another-refused",
+        "ranks agree (sharded mlx_lm.server)",
+        "each rank pins the snapshots it could load itself, whatever the other ranks could",
+        (
+            Patch(
+                "kvsnap/integrations/mlx_lm/sharded.py",
+                "            verdict.append(not refusals)\n",
+                "            verdict.append(everyone[self.ranks.rank][i] is None)\n",
+            ),
+        ),
+        (
+            "tests/integrations/mlx_lm/test_sharded.py::"
+            "test_a_damaged_copy_on_one_rank_is_skipped_on_every_rank_with_one_warning",
+        ),
+    ),
+    Breakage(
+        "shard-rows-unchecked",
+        "3. never a stale or foreign snapshot (a rank's slice)",
+        "a rank serves the rows it read of a block without checking them against their digests",
+        (
+            Patch(
+                "kvsnap/store/shard_read.py",
+                "                digests.check(r.entry, r.first_row, part)\n",
+                "                pass\n",
+            ),
+        ),
+        (
+            "tests/store/test_shard_read.py::"
+            "test_a_damaged_copy_on_one_rank_is_refused_there_by_name",
+        ),
+    ),
+    Breakage(
+        "sharded-eviction-by-own-bytes",
+        "ranks agree (sharded mlx_lm.server)",
+        "each rank trims its prompt cache to --prompt-cache-bytes by its own bytes",
+        (
+            Patch(
+                "kvsnap/integrations/mlx_lm/cache.py",
+                "        evicted: list = []\n",
+                "        return super().trim_to(n_sequences=n_sequences, n_bytes=n_bytes)\n"
+                "        evicted: list = []\n",
+            ),
+        ),
+        ("tests/integrations/mlx_lm/test_sharded.py::" "test_evictions_stay_in_step_across_unequal_pipeline_stages",),
+    ),
+    Breakage(
+        "sharded-keys-from-the-slice",
+        "one store, any topology",
+        "a pipeline rank keys snapshots by its own slice's cache layout, not the whole model's",
+        (
+            Patch(
+                "kvsnap/integrations/mlx_lm/warm.py",
+                "        lm = replace(lm, logical_layout=logical_layout(lm.path, lm.settings.max_kv_size))\n",
+                "        pass\n",
+            ),
+        ),
+        (
+            "tests/integrations/mlx_lm/test_sharded.py::"
+            "test_a_store_built_by_one_process_starts_both_ranks_warm_answering_as_cold[hybrid-extra1]",
+        ),
+    ),
 )
 
 
