@@ -614,8 +614,8 @@ BREAKAGES = (
         (
             Patch(
                 "kvsnap/integrations/common/warm_plan.py",
-                "    if why:\n        raise SnapshotError(str(info.path), why, SHAPE_FIX)\n",
-                "    if False:\n        raise SnapshotError(str(info.path), why, SHAPE_FIX)\n",
+                "    if why:\n        raise SnapshotError(where, why, SHAPE_FIX)\n",
+                "    if False:\n        raise SnapshotError(where, why, SHAPE_FIX)\n",
             ),
         ),
         (
@@ -2184,7 +2184,10 @@ BREAKAGES = (
                 "        evicted: list = []\n",
             ),
         ),
-        ("tests/integrations/mlx_lm/test_sharded.py::" "test_evictions_stay_in_step_across_unequal_pipeline_stages",),
+        (
+            "tests/integrations/mlx_lm/test_sharded.py::"
+            "test_evictions_stay_in_step_across_unequal_pipeline_stages",
+        ),
     ),
     Breakage(
         "sharded-keys-from-the-slice",
@@ -2193,13 +2196,15 @@ BREAKAGES = (
         (
             Patch(
                 "kvsnap/integrations/mlx_lm/warm.py",
-                "        lm = replace(lm, logical_layout=logical_layout(lm.path, lm.settings.max_kv_size))\n",
+                "        lm = replace(lm, logical_layout=logical_layout(lm.path, "
+                "lm.settings.max_kv_size))\n",
                 "        pass\n",
             ),
         ),
         (
             "tests/integrations/mlx_lm/test_sharded.py::"
-            "test_a_store_built_by_one_process_starts_both_ranks_warm_answering_as_cold[hybrid-extra1]",
+            "test_a_store_built_by_one_process_starts_both_ranks_warm_answering_as_"
+            "cold[hybrid-extra1]",
         ),
     ),
 )
