@@ -2123,6 +2123,40 @@ BREAKAGES = (
         ),
     ),
     Breakage(
+        "manifest-written-per-entry",
+        "build linear in agents",
+        "the build reads, checks and rewrites the whole manifest after every entry",
+        (
+            Patch(
+                "kvsnap/build/pipeline.py",
+                "            if build.batch.due():\n",
+                "            if True:\n",
+            ),
+        ),
+        (
+            "tests/build/test_record_batch.py::"
+            "test_n_agents_write_the_manifest_a_constant_number_of_times[30]",
+        ),
+    ),
+    Breakage(
+        "gc-ignores-running-builds",
+        "4. nothing lost (gc during a build)",
+        "gc does not count the records a running build's pending file lists",
+        (
+            Patch(
+                "kvsnap/store/local.py",
+                "            live |= held\n",
+                "",
+            ),
+        ),
+        (
+            "tests/store/test_pending.py::"
+            "test_gc_keeps_a_running_builds_unlisted_record_and_removes_it_once_the_build_died",
+            "tests/store/test_local.py::"
+            "test_regression_gc_during_a_build_cannot_delete_a_snapshot_before_its_record",
+        ),
+    ),
+    Breakage(
         "vllm-mlx-restore-error-fails-request",
         "4. nothing lost, nothing half-written (persisted conversations, the vllm-mlx route)",
         "an mlx error reading a persisted record (blocks that do not fit together) escapes into "

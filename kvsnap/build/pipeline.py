@@ -7,8 +7,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
+from kvsnap.build.record_batch import RecordBatch
 from kvsnap.chat import Tokenization
-from kvsnap.errors import KvsnapError, SnapshotError, TemplateError
+from kvsnap.errors import KvsnapError, SnapshotError, StoreError, TemplateError
 from kvsnap.key import DigestCache, ModelIdentity
 from kvsnap.prompts import WarmPrompt, WarmPromptSet
 from kvsnap.runtime.model.loading import LoadedModel
@@ -82,9 +83,9 @@ def capture_snapshot(
     store lacks and the record. Returns the record's path.
 
     Prefilling block by block makes every block's bytes the same whichever prefix was reused.
-    ``on_commit(path)`` runs under the store lock right after the record lands, so a manifest
-    record written there is in place before a concurrent ``gc`` can look. ``on_tokens(n)``
-    after each prefill chunk of ``n`` tokens.
+    ``on_commit(path)`` runs under the store lock right after the record lands, so whatever
+    lists the record there (the build's pending file) is in place before a concurrent ``gc``
+    can look. ``on_tokens(n)`` after each prefill chunk of ``n`` tokens.
     """
     from kvsnap.snapshot.codec import encode_cache
 
@@ -130,10 +131,6 @@ def mx_eval(arrays: dict) -> None:
     mx.eval(list(arrays.values()))
 
 
-def _without_time(record: dict) -> dict:
-    return {k: v for k, v in record.items() if k != "updated"}
-
-
 def build_snapshots(
     lm: LoadedModel,
     prompts: WarmPromptSet,
@@ -177,24 +174,31 @@ def build_snapshots(
             results[prompt.name].error = str(exc)
     branches = dict(zip(planned, branch_points([p.tokens for p in planned.values()])))
     splits = build.split_points({name: p.tokens for name, p in planned.items()}, branches)
-    for prompt in prompts.entries:
-        t0 = time.perf_counter()
-        progress("start", prompt.name)
-        result = results[prompt.name]
-        if prompt.name in planned:
-            try:
-                build.entry(
-                    planned[prompt.name],
-                    frozenset(branches[prompt.name]),
-                    splits[prompt.name],
-                    result,
-                )
-            except KvsnapError as exc:
-                result.status, result.error = "failed", str(exc)
-        result.seconds = time.perf_counter() - t0
-        report.entries.append(result)
-        progress(result.status, prompt.name)
-    build.drop_departed({p.name for p in prompts.entries})
+    try:
+        for prompt in prompts.entries:
+            t0 = time.perf_counter()
+            progress("start", prompt.name)
+            result = results[prompt.name]
+            if prompt.name in planned:
+                try:
+                    build.entry(
+                        planned[prompt.name],
+                        frozenset(branches[prompt.name]),
+                        splits[prompt.name],
+                        result,
+                    )
+                except KvsnapError as exc:
+                    result.status, result.error = "failed", str(exc)
+            result.seconds = time.perf_counter() - t0
+            report.entries.append(result)
+            progress(result.status, prompt.name)
+            if build.batch.due():
+                build.flush(results, report)
+        # entries that left the agents file leave the record (their files become gc-able);
+        # entries that merely failed this time stay
+        build.flush(results, report, keep={p.name for p in prompts.entries})
+    finally:
+        build.close(results, report)
     report.seconds = time.perf_counter() - started
     return report
 
@@ -223,6 +227,13 @@ class _Build:
         self.profile = self.tokenization.descriptor() if self.tokenization is not None else None
         self.rid = profile_record_id(self.identity.digest, self.agents_file, self.profile)
         self.hybrid = bool(lm_whole_tensor_classes(self.lm))
+        self.batch = RecordBatch(
+            self.store,
+            self.rid,
+            lambda record, entry: record_upsert(self.lm, self.identity, self.agents_file, entry)(
+                record
+            ),
+        )
 
     def plan(self, prompt: WarmPrompt, result: EntryResult) -> _Planned:
         """A warm prompt's prefix, digest and key (fills ``result`` as it goes, so a failure still
@@ -356,12 +367,9 @@ class _Build:
             return True
 
     def record(self, result: EntryResult, prompt_digest: str) -> None:
-        """Put this entry in the manifest record; under the store lock, so the file and its record
-        appear together for gc."""
-        update = record_upsert(
-            self.lm,
-            self.identity,
-            self.agents_file,
+        """Put this entry in the next manifest write; under the store lock, so the file and its
+        listing (the batch's pending file until then) appear together for gc."""
+        self.batch.add(
             manifest_entry(
                 result.name,
                 result.key,
@@ -369,25 +377,35 @@ class _Build:
                 round(result.coverage, 4),
                 prompt_digest,
                 self.profile,
-            ),
-        )
-        current = self.store.read_manifest()["records"].get(self.rid, {})
-        # an unchanged rebuild writes nothing
-        if _without_time(update(current)) != _without_time(current):
-            self.store.update_record(self.rid, update)
-
-    def drop_departed(self, current: set[str]) -> None:
-        """Drop records of entries that left the agents file (their files become gc-able),
-        but keep entries that merely failed this time; rewrite only when one really left."""
-        record = self.store.read_manifest()["records"].get(self.rid)
-        if record and any(e.get("name") not in current for e in record.get("entries", [])):
-            self.store.update_record(
-                self.rid,
-                lambda r: {
-                    **r,
-                    "entries": [e for e in r.get("entries", []) if e.get("name") in current],
-                },
             )
+        )
+
+    def flush(
+        self, results: dict[str, EntryResult], report: BuildReport, keep: set[str] | None = None
+    ) -> None:
+        """Write the batch into the manifest record (an unchanged record is not rewritten); when
+        that fails, the entries it held fail with the reason (their files are written, unlisted,
+        and the next build reuses them)."""
+        names = list(self.batch.pending)
+        try:
+            self.batch.flush(keep)
+        except StoreError as exc:
+            for name in names:
+                results[name].status = "failed"
+                results[name].error = (
+                    f"{name}: its snapshot was written but the manifest could not list it "
+                    f"({exc}); run the build again: it reuses the snapshot"
+                )
+            if not names:
+                report.problems.append(str(exc))
+
+    def close(self, results: dict[str, EntryResult], report: BuildReport) -> None:
+        """List what is still pending (a build stopped by an error), then remove the pending
+        file."""
+        try:
+            self.flush(results, report)
+        finally:
+            self.batch.close()
 
 
 def restore_longest(

@@ -8,6 +8,8 @@ are ``snapshot/format.py``'s)::
     ROOT/blocks/<key>.safetensors      attention KV of one run of tokens, shared by records
     ROOT/checkpoints/<key>.safetensors non-trimmable layers' state at one token count
     ROOT/.lock                       writers hold an exclusive flock on it
+    ROOT/.pending-<random>           a running build's records not yet in the manifest (gc keeps
+                                     them while the build holds the file; ``store/pending.py``)
 
 Only ``load_arrays`` imports mlx.
 """
@@ -88,6 +90,7 @@ from kvsnap.store.parts import (
     reached_parts,
     verify_chain,
 )
+from kvsnap.store.pending import held_references
 
 LOCK = ".lock"
 # the modes and prefix others import from here
@@ -428,7 +431,9 @@ class Store:
         """Temp files and snapshots no manifest record refers to; removed only when ``apply``.
 
         Without a manifest nothing says which snapshots are in use (a store copied
-        without it, or written only by a server), so every snapshot stays. Blocks and
+        without it, or written only by a server), so every snapshot stays. A record a running
+        build has committed but not yet listed (its pending file, which it holds) stays; a
+        dead build's pending file goes. Blocks and
         checkpoints go when no record reaches them (agents' and persisted conversations').
         Folders are never removed; a symbolic link is removed, never what it points to, and a
         store folder that is a link is refused (``store_folder``): nothing is removed then.
@@ -436,7 +441,9 @@ class Store:
         with self.lock():
             check_store_folders(self.root)  # a link refused before anything goes
             live = self.referenced()
-            candidates = self.temp_files()
+            held, dead = held_references(self.root)  # StoreError (deleting nothing) if unreadable
+            live |= held
+            candidates = self.temp_files() + dead
             kept = self.snapshot_files()
             if (self.root / MANIFEST).exists():
                 candidates += [p for p in kept if relpath_of_file(p.name) not in live]
