@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Protocol, Sequence
 
 from kvsnap.build.record_batch import RecordBatch
 from kvsnap.chat import Tokenization
@@ -77,6 +77,7 @@ def capture_snapshot(
     plan: ChainPlan | None = None,
     start: tuple[int, list | None] = (0, None),
     on_tokens: Callable[[int], None] | None = None,
+    prefiller: Prefiller | None = None,
 ) -> Path:
     """Prefill ``tokens`` from ``start`` (a restored (token count, cache), default nothing) one
     block at a time, capturing checkpoints where the chain has them, then commit the parts the
@@ -107,11 +108,44 @@ def capture_snapshot(
             plan.checkpoints[end] = (kept, layers)
 
     ends = [link.end for link in links]
-    cache = prefill_in_blocks(lm, tokens, ends, cache, done, capture, on_tokens)
+    prefill = prefiller or local_prefill
+    cache = prefill(lm, tokens, ends, cache, done, capture, on_tokens, frozenset(checkpoints))
     store.fault("after-prefill")
     return put_snapshot(
         lm, store, identity, prompt, prompt_digest, tokens, cache, tokenization, on_commit, plan
     )
+
+
+class Prefiller(Protocol):
+    """How a build prefills one entry block by block: ``prefill_in_blocks``'s arguments, plus the
+    block ends whose state ``on_end`` needs (a sharded build gathers only those from its ranks).
+    ``restores``: whether it can continue from a prefix restored from the store."""
+
+    restores: bool
+
+    def __call__(
+        self,
+        lm: LoadedModel,
+        tokens: Sequence[int],
+        ends: Sequence[int],
+        cache: list | None,
+        start: int,
+        on_end: Callable[[int, list], None] | None,
+        on_tokens: Callable[[int], None] | None,
+        gather_at: frozenset = frozenset(),
+    ) -> list: ...
+
+
+class _LocalPrefill:
+    """One process: ``prefill_in_blocks`` itself."""
+
+    restores = True
+
+    def __call__(self, lm, tokens, ends, cache, start, on_end, on_tokens, gather_at=frozenset()):
+        return prefill_in_blocks(lm, tokens, ends, cache, start, on_end, on_tokens)
+
+
+local_prefill = _LocalPrefill()
 
 
 def lm_whole_tensor_classes(lm: LoadedModel) -> list[str]:
@@ -142,13 +176,15 @@ def build_snapshots(
     tokenization: Tokenization | None = None,
     blocks: BlockSettings | None = None,
     on_tokens: TokenProgress | None = None,
+    prefiller: Prefiller | None = None,
 ) -> BuildReport:
     """Build (or reuse) one snapshot per valid warm prompt; never raises for one bad entry.
 
     ``tokenization``: the request path of the server the snapshots are for (default:
     kvsnap's own; ``kvsnap build --for vllm-mlx`` passes vllm-mlx's). ``blocks``: block and
     checkpoint spacing (default 256 / 1,024 tokens). ``on_tokens(name, done, total)``: an
-    entry's progress through its prompt's tokens, as it prefills.
+    entry's progress through its prompt's tokens, as it prefills. ``prefiller``: how an entry
+    is prefilled (default: here; ``kvsnap build`` under mlx.launch: across the ranks).
     """
     progress = progress or (lambda event, name: None)
     started = time.perf_counter()
@@ -161,7 +197,15 @@ def build_snapshots(
         store=store.root, model_digest=identity.digest, problems=[str(p) for p in prompts.problems]
     )
     build = _Build(
-        lm, store, identity, agents_file, tokenization, force, blocks or BlockSettings(), on_tokens
+        lm,
+        store,
+        identity,
+        agents_file,
+        tokenization,
+        force,
+        blocks or BlockSettings(),
+        on_tokens,
+        prefiller or local_prefill,
     )
     results = {
         prompt.name: EntryResult(name=prompt.name, status="failed") for prompt in prompts.entries
@@ -222,6 +266,7 @@ class _Build:
     force: bool
     blocks: BlockSettings
     on_tokens: TokenProgress | None = None
+    prefiller: Prefiller = local_prefill
 
     def __post_init__(self) -> None:
         self.profile = self.tokenization.descriptor() if self.tokenization is not None else None
@@ -273,7 +318,7 @@ class _Build:
         plan = ChainPlan(self.blocks, branches, splits=splits)
         start: tuple[int, list | None] = (0, None)
         replace: set[str] = set()
-        if not self.force:
+        if not self.force and self.prefiller.restores:
             start, replace, warnings = restore_longest(
                 self.lm, store, self.identity, tokens, plan, self.hybrid
             )
@@ -291,6 +336,7 @@ class _Build:
             plan=plan,
             start=start,
             on_tokens=self.count_tokens(prompt.name, start[0], len(tokens)),
+            prefiller=self.prefiller,
         )
         result.tokens_reused, result.tokens_prefilled = start[0], len(tokens) - start[0]
         result.blocks_written = plan.written.blocks + plan.written.checkpoints
