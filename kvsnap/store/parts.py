@@ -36,6 +36,7 @@ from kvsnap.snapshot.format import (
     CHECKPOINT_KIND,
     CHECKPOINTS,
     KEY_RE,
+    ROW_DIGESTS,
     SUFFIX,
     TOKENS,
     block_relpath,
@@ -44,6 +45,7 @@ from kvsnap.snapshot.format import (
     snapshot_filename,
 )
 from kvsnap.snapshot.header import SnapshotInfo
+from kvsnap.snapshot.rows import row_digests_field
 from kvsnap.store.fileio import (
     StoreFiles,
     atomic_write,
@@ -174,8 +176,11 @@ class Written:
 def put_part(
     store: StoreFiles, kind: str, key: str, tensors: list[OutTensor], metadata: dict[str, str]
 ) -> int:
-    """Write one block or checkpoint atomically (the caller holds the lock); returns its size."""
+    """Write one block or checkpoint atomically (the caller holds the lock); returns its size.
+    Its header carries each tensor's row digests, so a rank of a sharded model reads and checks
+    only its own heads or layers (``store.shard_read``)."""
     target = part_path(store, kind, key)
+    metadata = {**metadata, ROW_DIGESTS: row_digests_field(tensors)}
     try:
         atomic_write(
             target,
