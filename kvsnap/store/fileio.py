@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Callable, Protocol, TypeVar
 
 from kvsnap.errors import SnapshotError, StoreError
-from kvsnap.snapshot.file import Header, parse_header, read_into
+from kvsnap.snapshot.file import FormatError, Header, parse_header, read_into, start_checksum
 from kvsnap.snapshot.format import CONVERSATIONS, DTYPES, PART_FOLDERS, SNAPSHOTS
 from kvsnap.store.part_readers import on_mlx_thread
 
@@ -270,25 +270,68 @@ def unfilled_buffer(n: int) -> tuple[Any, memoryview]:
 
 def tensor_views(buf: Any, header: Header) -> dict:
     """Every tensor of ``header`` as a view of ``buf`` (its data bytes), evaluated here: a
-    view left lazy would be evaluated on whichever thread touches it first."""
+    view left lazy would be evaluated on whichever thread touches it first. Tensors of one
+    dtype (every block of a model without quantized KV) are cut by one split of the whole
+    buffer: a quarter of the mlx calls of a slice, a view and a reshape each."""
     import mlx.core as mx
 
-    arrays = {
-        name: buf[e.start : e.end].view(getattr(mx, DTYPES[e.dtype][0])).reshape(e.shape)
-        for name, e in header.tensors.items()
-    }
+    entries = sorted(header.tensors.values(), key=lambda e: e.start)
+    dtypes = {e.dtype for e in entries}
+    if len(dtypes) == 1:
+        name, size = DTYPES[dtypes.pop()]
+        flat = buf[: header.data_len].view(getattr(mx, name))
+        pieces = mx.split(flat, [e.start // size for e in entries[1:]]) if entries[1:] else [flat]
+        arrays = {e.name: piece.reshape(e.shape) for e, piece in zip(entries, pieces)}
+    else:
+        arrays = {
+            e.name: buf[e.start : e.end].view(getattr(mx, DTYPES[e.dtype][0])).reshape(e.shape)
+            for e in entries
+        }
     mx.eval(list(arrays.values()))
-    return arrays
+    return {name: arrays[name] for name in header.tensors}
+
+
+def read_ahead(fd: int, header: Header) -> None:
+    """Ask the kernel for the whole data section now (Linux; a no-op where the data is cached):
+    a file not in the page cache is then fetched in one request, while the buffer is made and
+    the other parts are opened, not in the read's own chunks."""
+    if hasattr(os, "posix_fadvise") and header.data_len:
+        os.posix_fadvise(fd, header.data_start, header.data_len, os.POSIX_FADV_WILLNEED)
+
+
+def unfilled_tensors(header: Header) -> tuple[memoryview, dict]:
+    """A buffer nothing wrote for ``header``'s data (a writable view of it) and its tensors as
+    evaluated views of it, made before a byte is read: views copy nothing, so they show the
+    bytes the read then puts there. One trip to the owning thread for a pool thread's read."""
+    buf, view = unfilled_buffer(header.data_len)
+    return view, tensor_views(buf, header)
 
 
 def read_whole(path: Path) -> tuple[Header, Any, memoryview]:
     """One open: the header parsed, the data read into a fresh mlx buffer that nothing wrote
     before (nothing memory-mapped). Returns (header, buffer, a view of its data bytes); the
-    caller checksums exactly that view. On a pool thread of ``store/part_readers.py`` the
-    buffer is made on the thread that owns the read, and only the read happens here.
-    FormatError / OSError propagate for the caller to name."""
+    caller checksums exactly that view. FormatError / OSError propagate for the caller to
+    name."""
     with open(path, "rb") as f:
         header = parse_header(f, os.fstat(f.fileno()).st_size)
+        read_ahead(f.fileno(), header)
         buf, view = on_mlx_thread(unfilled_buffer, header.data_len)
         read_into(f.fileno(), view, header.data_start)
     return header, buf, view
+
+
+def read_tensors(path: Path) -> tuple[Header, dict, Any]:
+    """One open: the header parsed, its tensors (views of one mlx buffer nothing wrote before)
+    filled by one read, and the checksum's state fed every data byte as it was read (each
+    chunk hashed while still in the cache) for ``finish_checksum`` -- or the FormatError of a
+    header without a usable checksum, which ``finish_checksum`` raises. Safe on a pool thread
+    of ``store/part_readers.py``: the buffer and views are made on the thread that owns the
+    read, only the read and the hash happen here. FormatError / OSError propagate."""
+    with open(path, "rb") as f:
+        header = parse_header(f, os.fstat(f.fileno()).st_size)
+        read_ahead(f.fileno(), header)
+        state = start_checksum(header)
+        view, arrays = on_mlx_thread(unfilled_tensors, header)
+        hasher = None if isinstance(state, FormatError) else state
+        read_into(f.fileno(), view, header.data_start, hasher)
+    return header, arrays, state

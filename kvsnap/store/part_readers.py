@@ -131,14 +131,14 @@ class _Pool:
         return self.results
 
 
-def run_concurrently(calls: Sequence[Callable[[], T]], limit: int = MAX_READERS) -> list[T]:
+def run_concurrently(calls: Sequence[Callable[[], T]], limit: int | None = None) -> list[T]:
     """Each call's result, in the calls' order, up to ``limit`` running at once on pool threads
     (one alone runs here). The first call, in that order, that raised has its exception raised
     once every started call has finished; calls not yet started then never start. A call does
     its mlx work through ``on_mlx_thread``."""
     if len(calls) <= 1:
         return [call() for call in calls]
-    return _Pool(calls, min(limit, len(calls))).run()
+    return _Pool(calls, min(limit or MAX_READERS, len(calls))).run()
 
 
 def on_mlx_thread(fn: Callable[..., T], *args: Any) -> T:

@@ -26,8 +26,8 @@ from kvsnap.snapshot.file import (
     FormatError,
     OutTensor,
     check_data,
+    finish_checksum,
     read_header,
-    verify_checksum,
     write_snapshot,
 )
 from kvsnap.snapshot.format import (
@@ -50,11 +50,10 @@ from kvsnap.store.fileio import (
     StoreFiles,
     atomic_write,
     check_regular,
-    read_whole,
+    read_tensors,
     store_files,
-    tensor_views,
 )
-from kvsnap.store.part_readers import on_mlx_thread, run_concurrently
+from kvsnap.store.part_readers import run_concurrently
 
 FOLDER = {BLOCK_KIND: BLOCKS, CHECKPOINT_KIND: CHECKPOINTS}
 FIX = "rebuild it with `kvsnap build` (the chain is prefilled from the last good block)"
@@ -375,10 +374,10 @@ def read_part(
     path = part_path(store, kind, key)
     check_regular(path, store.root)
     try:
-        header, buf, view = read_whole(path)
+        header, arrays, checksum = read_tensors(path)
         info = inspect_part(path, header)
         _expect(info, kind, model_digest, start, end, prefix_digest)
-        verify_checksum(header, view)
+        finish_checksum(header, checksum)
     except FormatError as exc:
         raise SnapshotError(str(path), str(exc), FIX) from None
     except FileNotFoundError:
@@ -387,7 +386,7 @@ def read_part(
         raise SnapshotError(
             str(path), f"cannot be read ({exc.strerror or exc})", "check the file's permissions"
         ) from None
-    return info, on_mlx_thread(tensor_views, buf, header)
+    return info, arrays
 
 
 Span = tuple[str, int, int, str]  # a block: (key, start, end, prefix digest at end)

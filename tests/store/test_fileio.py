@@ -43,9 +43,9 @@ def test_the_buffer_a_file_is_read_into_was_never_written(tmp_path, monkeypatch)
     seen = []
     real = fileio.read_into
 
-    def read_into(fd, view, offset):
+    def read_into(fd, view, offset, *rest):
         seen.append(resident_fraction(view))
-        real(fd, view, offset)
+        real(fd, view, offset, *rest)
         seen.append(resident_fraction(view))
 
     monkeypatch.setattr(fileio, "read_into", read_into)

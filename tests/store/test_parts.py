@@ -128,6 +128,8 @@ def test_parts_already_in_the_pool_start_no_reading_threads(built, monkeypatch):
         real_start(self)
 
     monkeypatch.setattr(part_readers._Reader, "start", start)
+    # only a real read grows the pool here, not a slow moment of a busy machine
+    monkeypatch.setattr(part_readers, "GROW_AFTER_S", 60.0)
     state, added = load_composed(store, info, pool)
     assert added == 0
     assert len(started) <= 1, started  # one reader took every cached part in turn
