@@ -6,7 +6,8 @@ What is kept, and how it is compared (``differences``):
 - keys (file names) and every header field but ``kvsnap.recorded``: exactly. None of them
   derives from tensor values (keys and digests hash tokens and the model identity).
 - the checksum ``kvsnap.xxh3_128`` covers the tensor bytes (and ``kvsnap.recorded``), so it is
-  not compared with the baseline: it must match the file's own bytes, recomputed here.
+  not compared with the baseline: it must match the file's own bytes, recomputed here. So
+  must a part's per-row digests ``kvsnap.row_digests`` (they hash tensor bytes too).
 - integer tensors (I32/I64: token ids): dtype, shape and sha256, exactly.
 - float tensors (F32/F16/BF16): dtype and shape exactly; values through a fingerprint (L2
   norm, largest magnitude, PROJECTIONS projections on fixed +-1 directions), each within
@@ -43,7 +44,8 @@ CHECKSUM_MARKER = f'"{CHECKSUM_KEY}":"'.encode()
 CHECKSUM_PLACEHOLDER = b"0" * 32
 CHECKSUM_OK = "matches the file's bytes"
 # Provenance (versions, creation time) differs between two builds of the same state.
-VOLATILE = {"kvsnap.recorded", CHECKSUM_KEY}
+ROW_DIGESTS = "kvsnap.row_digests"
+VOLATILE = {"kvsnap.recorded", CHECKSUM_KEY, ROW_DIGESTS}
 RTOL = 1e-4
 PROJECTIONS = 8
 FLIP_SHARE = 1e-3
@@ -128,6 +130,22 @@ def tensor_summary(dtype: str, shape: list, raw: bytes) -> dict:
     }
 
 
+def rows_status(header: dict, body: bytes, recorded: dict) -> str:
+    """CHECKSUM_OK when every tensor's rows (axis 1 of a ``[1, heads, ...]`` tensor, else the
+    whole tensor) hash to the recorded xxh3-64 digests."""
+    for name, t in sorted(header.items()):
+        shape = t["shape"]
+        rows = shape[1] if len(shape) >= 3 and shape[0] == 1 and shape[1] > 0 else 1
+        data = body[slice(*t["data_offsets"])]
+        size = len(data) // rows
+        actual = "".join(
+            xxhash.xxh3_64(data[i * size : (i + 1) * size]).hexdigest() for i in range(rows)
+        )
+        if recorded.get(name) != actual:
+            return f"tensor {name}'s row digests do not match its bytes"
+    return CHECKSUM_OK
+
+
 def file_summary(path: Path) -> dict:
     data = path.read_bytes()
     (n,) = struct.unpack("<Q", data[:8])
@@ -138,9 +156,12 @@ def file_summary(path: Path) -> dict:
         name: tensor_summary(t["dtype"], t["shape"], body[slice(*t["data_offsets"])])
         for name, t in sorted(header.items())
     }
+    status = checksum_status(data, n, meta.get(CHECKSUM_KEY))
+    if ROW_DIGESTS in meta and status == CHECKSUM_OK:
+        status = rows_status(header, body, json.loads(meta[ROW_DIGESTS]))
     return {
         "meta": {k: v for k, v in sorted(meta.items()) if k not in VOLATILE},
-        "checksum": checksum_status(data, n, meta.get(CHECKSUM_KEY)),
+        "checksum": status,
         "tensors": tensors,
     }
 
