@@ -355,7 +355,7 @@ positive_float = positive_number("seconds")
 
 
 def cmd_serve(args) -> int:
-    from kvsnap.commands.launch import refuse_sharded
+    from kvsnap.runtime.sharding.launch import refuse_sharded
 
     # Continuous batching, persistence and re-warm each decide per process; ranks would diverge.
     refuse_sharded(
@@ -522,7 +522,7 @@ def add_vllm_mlx(sub) -> None:
 
 
 def cmd_vllm_mlx(args) -> int:
-    from kvsnap.commands.launch import refuse_sharded
+    from kvsnap.runtime.sharding.launch import refuse_sharded
     from kvsnap.integrations.vllm_mlx.launcher import main as vllm_mlx_main
 
     refuse_sharded(

@@ -79,7 +79,7 @@ def import_mlx_lm_server() -> Any:
     return server
 
 
-def make_warm_run(server: Any, store_dir: str, warm_file: str | None):
+def make_warm_run(server: Any, store_dir: str | None, warm_file: str | None):
     """mlx_lm.server's ``run`` with the prompt cache from the store: the upstream patch's
     ``run``."""
 
@@ -138,10 +138,15 @@ def main(argv: Sequence[str]) -> int:
     if asks_help(rest):
         print(USAGE)
         return run_mlx_lm(server, ["--help"])
-    if store_dir is None:
-        log.info("[kvsnap] no %s: running mlx_lm.server's own prompt cache", OPTION)
-    else:
+    from kvsnap.runtime.sharding.launch import launched_ranks
+
+    if store_dir is not None:
         server.run = make_warm_run(server, store_dir, warm_file)
+    elif launched_ranks() > 1:
+        # No snapshots, but sharded: the prompt cache whose evictions rank 0 decides.
+        server.run = make_warm_run(server, None, None)
+    else:
+        log.info("[kvsnap] no %s: running mlx_lm.server's own prompt cache", OPTION)
     if not allow_request_models:
         guard_request_models(server)
     return run_mlx_lm(server, rest)

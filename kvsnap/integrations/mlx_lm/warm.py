@@ -231,7 +231,13 @@ def _warm_prompt_cache(
     args = model_provider.cli_args
     kv_snapshots = kv_snapshots or getattr(args, "kv_snapshots", None)
     warm_prompts = warm_prompts or getattr(args, "warm_prompts", None)
-    cache = PinnedPromptCache(args.prompt_cache_size)
+    ranks = RankGroup.world()
+    # Sharded, every rank must evict alike, snapshots or not: rank 0 decides.
+    cache = (
+        AgreedPromptCache(ranks, args.prompt_cache_size)
+        if ranks.sharded
+        else PinnedPromptCache(args.prompt_cache_size)
+    )
     if not kv_snapshots:
         if warm_prompts:
             raise UsageError(
@@ -240,9 +246,6 @@ def _warm_prompt_cache(
             )
         return cache
     check_cli_args(args)
-    ranks = RankGroup.world()
-    if ranks.sharded:
-        cache = AgreedPromptCache(ranks, args.prompt_cache_size)
     prompts = load_warm_prompt_file(warm_prompts) if warm_prompts else None
     store, writable = open_store(kv_snapshots, want_write=prompts is not None)
     model_provider.load_default()  # here, not on the generation thread: the port opens warm
