@@ -193,10 +193,10 @@ def cmd_build(args) -> int:
     )
 
     from kvsnap.build.pipeline import build_snapshots
-    from kvsnap.runtime.sharding.launch import launched_ranks
     from kvsnap.faults import FaultHook
     from kvsnap.prompts import load_warm_prompts
     from kvsnap.runtime.model.loading import default_digest_cache, load_model, resolve_model
+    from kvsnap.runtime.sharding.launch import launched_ranks
     from kvsnap.store.local import Store
 
     tokenization = build_tokenization(args)

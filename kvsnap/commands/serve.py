@@ -522,8 +522,8 @@ def add_vllm_mlx(sub) -> None:
 
 
 def cmd_vllm_mlx(args) -> int:
-    from kvsnap.runtime.sharding.launch import refuse_sharded
     from kvsnap.integrations.vllm_mlx.launcher import main as vllm_mlx_main
+    from kvsnap.runtime.sharding.launch import refuse_sharded
 
     refuse_sharded(
         "kvsnap vllm-mlx",
