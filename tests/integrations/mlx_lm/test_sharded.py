@@ -156,8 +156,10 @@ def test_a_damaged_copy_on_one_rank_is_skipped_on_every_rank_with_one_warning(wo
         tmp_path / "damaged.log",
         env={"KVSNAP_FAULT_DAMAGED_COPY": f"1:{block}"},
     )
-    # the reviewer is cold on both ranks (a hit on one and a miss on the other would hang)
-    assert [a["cached"] for a in warm] == [0, _prefix_tokens(store)[1]]
+    # the reviewer is cold on both ranks (a hit on one and a miss on the other would hang):
+    # only the few template tokens it shares with the planner's warm entry are cached
+    prefixes = _prefix_tokens(store)
+    assert warm[0]["cached"] < 16 < prefixes[0] and warm[1]["cached"] == prefixes[1]
     warnings = re.findall(r"rank 1 cannot use snapshot (\S+) \((.*)\): skipped on every rank", log)
     assert len(warnings) == 1 and warnings[0][0].endswith(reviewer["file"]), log[-3000:]
     assert block.split("/")[1] in warnings[0][1]
