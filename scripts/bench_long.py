@@ -65,7 +65,19 @@ from kvsnap.tools.demo import DemoSpec, make_demo_model  # noqa: E402
 from kvsnap.tools.serverproc import ServerProcess, start_server, under_hard_limit  # noqa: E402
 
 PARTS = ("tokens", "agents", "restore", "first-request", "start", "prefill")
-MODELS = ("tiny", "l4", "qwen3-0.6b")
+# kv-stub, kv-stub-28: the KV bytes per token of L4 and of the whole Qwen3-0.6B shape (4 or 28
+# layers x 8 KV heads x 128) with projections 64 wide and attention replaced by its queries:
+# the build's own work with the model's compute stubbed out
+STUB_LAYERS = {"kv-stub": 4, "kv-stub-28": 28}
+MODELS = ("tiny", "l4", "qwen3-0.6b", *STUB_LAYERS)
+STUB_MAIN = """import sys
+from kvsnap.blas import preload_openblas
+preload_openblas()
+import mlx_lm.models.qwen3 as qwen3
+qwen3.scaled_dot_product_attention = lambda q, k, v, **kw: q + k[:, :1, :1] * 0
+from kvsnap.commands.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
 KVSNAP = (sys.executable, "-m", "kvsnap")
 # two user turns, padded to one token count so the second request has the first's shape
 USERS = (
@@ -78,6 +90,8 @@ USERS = (
 class Sizes:
     tokens_model: str = "l4"
     tokens: tuple[int, ...] = (512, 1024, 2048, 4096, 8192, 16384, 32768)
+    stub_tokens: tuple[int, ...] = (512, 1024, 2048, 4096, 8192, 16384, 32768)
+    stub28_tokens: tuple[int, ...] = (512, 1024, 2048, 4096, 8192)
     agents: tuple[int, ...] = (10, 30, 100, 300, 1000)
     agent_tokens: int = 100
     agents_reps: int = 2
@@ -98,6 +112,8 @@ class Sizes:
 QUICK = Sizes(
     tokens_model="tiny",
     tokens=(256, 512, 1024),
+    stub_tokens=(256, 512, 1024, 2048),
+    stub28_tokens=(256, 1024),
     agents=(10, 30),
     agent_tokens=50,
     agents_reps=1,
@@ -183,7 +199,41 @@ def model_dir(name: str, workdir: Path) -> Path:
         return full
     if name == "l4":
         return cut_layers(full, models / "demo-qwen3-0.6b-l4", 4)
+    if name in STUB_LAYERS:
+        tiny = make_demo_model(models / "demo-tiny", DemoSpec(size="tiny"))
+        return kv_stub(tiny, models / name, STUB_LAYERS[name])
     raise SystemExit(f"model {name!r} is not one of {', '.join(MODELS)}")
+
+
+def kv_stub(tiny: Path, out: Path, layers: int) -> Path:
+    """The tiny model's tokenizer, ``layers`` layers of the 0.6B shape's KV (8 heads x 128) and
+    projections 64 wide (mlx's own init)."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import _get_classes
+
+    if (out / "config.json").exists():
+        return out
+    tmp = out.with_name(f".{out.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(tiny, tmp)
+    config = json.loads((tiny / "config.json").read_text())
+    config.update(
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        head_dim=128,
+    )
+    config["kvsnap_demo"] = {**config.get("kvsnap_demo", {}), "kv_stub": True}
+    model_cls, args_cls = _get_classes(config)
+    mx.random.seed(0)
+    weights = dict(tree_flatten(model_cls(args_cls.from_dict(config)).parameters()))
+    mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    os.replace(tmp, out)
+    return out
 
 
 def write_agents(model: Path, path: Path, count: int, tokens: int) -> Path:
@@ -203,11 +253,14 @@ def write_agents(model: Path, path: Path, count: int, tokens: int) -> Path:
     return path
 
 
-def kvsnap_build(model: Path, agents: Path, store: Path, env: dict, *extra: str) -> dict:
-    """`kvsnap build` into a fresh store, in its own process; the build's own seconds (model
-    load left out) and the wall time."""
+def kvsnap_build(
+    model: Path, agents: Path, store: Path, env: dict, *extra: str, stub: bool = False
+) -> dict:
+    """`kvsnap build` into a fresh store, in its own process (``stub``: attention stubbed out);
+    the build's own seconds (model load left out) and the wall time."""
     shutil.rmtree(store, ignore_errors=True)
-    cmd = [*KVSNAP, "build", str(agents), "--model", str(model), "--out", str(store), "--json"]
+    cli = [sys.executable, "-c", STUB_MAIN] if stub else list(KVSNAP)
+    cmd = [*cli, "build", str(agents), "--model", str(model), "--out", str(store), "--json"]
     load = load_now()
     t0 = time.perf_counter()
     r = subprocess.run(
@@ -231,17 +284,32 @@ def kvsnap_build(model: Path, agents: Path, store: Path, env: dict, *extra: str)
 
 
 def part_tokens(run: Run) -> dict:
+    """Per model (the stub first: it is fast), each length's build against its compute alone."""
+    out = {}
+    for name, lengths in (
+        ("kv-stub", run.sizes.stub_tokens),
+        ("kv-stub-28", run.sizes.stub28_tokens),
+        (run.sizes.tokens_model, run.sizes.tokens),
+    ):
+        if lengths:
+            out[name] = tokens_rows(run, name, lengths)
+    return {"models": out}
+
+
+def tokens_rows(run: Run, name: str, lengths: tuple[int, ...]) -> dict:
     from kvsnap.key import DEFAULT_PREFILL_STEP
 
-    model = model_dir(run.sizes.tokens_model, run.workdir)
+    model = model_dir(name, run.workdir)
+    stub = name in STUB_LAYERS
     lm = load_mlx(model)
     rows = []
-    for n in run.sizes.tokens:
-        agents = write_agents(model, run.lab / f"tokens-{n}.json", 1, n)
-        built = kvsnap_build(model, agents, run.lab / f"tokens-{n}", run.env)
+    for n in lengths:
+        agents = write_agents(model, run.lab / f"tokens-{name}-{n}.json", 1, n)
+        built = kvsnap_build(model, agents, run.lab / f"tokens-{name}-{n}", run.env, stub=stub)
         ids = token_ids(lm, built["n_tokens"])
         run.note_load("tokens")
-        compute = profile_prefill.prefill_time(lm, ids, DEFAULT_PREFILL_STEP, True)
+        with profile_prefill.ablated(lm, "attention" if stub else "none"):
+            compute = profile_prefill.prefill_time(lm, ids, DEFAULT_PREFILL_STEP, True)
         row = {
             "tokens": built["n_tokens"],
             "build_s": built["seconds"],
@@ -252,8 +320,8 @@ def part_tokens(run: Run) -> dict:
             "load": [*built["load"], load_now()],
         }
         rows.append(row)
-        print(f"[tokens] {json.dumps(row)}", flush=True)
-    return {"model": run.sizes.tokens_model, "step": DEFAULT_PREFILL_STEP, "rows": rows}
+        print(f"[tokens] {name} {json.dumps(row)}", flush=True)
+    return {"stubbed": stub, "step": DEFAULT_PREFILL_STEP, "rows": rows}
 
 
 def load_mlx(model: Path) -> Any:
@@ -392,40 +460,45 @@ def restore_round(store: Path) -> dict[str, float]:
 
 
 def part_restore(run: Run) -> dict:
-    stores = sorted(
-        (int(p.name.split("-")[1]), p)
-        for p in run.lab.glob("tokens-*")
-        if p.is_dir() and int(p.name.split("-")[1]) >= run.sizes.restore_min_tokens
-    )
+    # the stubs' stores: the bytes per token of L4 and of the 0.6B shape, built in minutes
+    stores = [
+        p
+        for p in run.lab.glob("tokens-kv-stub*")
+        if p.is_dir() and int(p.name.rsplit("-", 1)[1]) >= run.sizes.restore_min_tokens
+    ]
     if not stores:
         raise SystemExit(
-            f"no stores of the tokens part under {run.lab} (tokens-N, N >= "
+            f"no stores of the tokens part under {run.lab} (tokens-kv-stub-N, N >= "
             f"{run.sizes.restore_min_tokens}); run --only tokens,restore"
         )
-    runs: dict[int, dict[str, list[float]]] = {n: {} for n, _ in stores}
+    stores.sort(key=lambda p: sum(f.stat().st_size for f in store_files(p)))
+    runs: dict[str, dict[str, list[float]]] = {p.name: {} for p in stores}
     for rep in range(run.sizes.restore_reps):  # interleaved over sizes and readers
-        for n, store in stores:
+        for store in stores:
             run.note_load("restore")
+            got = runs[store.name]
             for name, took in restore_round(store).items():
-                runs[n].setdefault(name, []).append(took)
-            last = {k: round(v[-1], 3) for k, v in runs[n].items()}
-            print(f"[restore] rep {rep} {n} tokens: {last}", flush=True)
+                got.setdefault(name, []).append(took)
+            last = {k: round(v[-1], 3) for k, v in got.items()}
+            print(f"[restore] rep {rep} {store.name}: {last}", flush=True)
     rows = []
-    for n, store in stores:
-        med = {k: statistics.median(v) for k, v in runs[n].items()}
-        size = sum(p.stat().st_size for p in store_files(store))
+    for store in stores:
+        got = runs[store.name]
+        med = {k: statistics.median(v) for k, v in got.items()}
+        files = store_files(store)
         rows.append(
             {
-                "tokens": n,
-                "bytes": size,
-                "files": len(store_files(store)),
+                "store": store.name.removeprefix("tokens-"),
+                "tokens": int(store.name.rsplit("-", 1)[1]),
+                "bytes": sum(f.stat().st_size for f in files),
+                "files": len(files),
                 **{k: round(v, 4) for k, v in med.items()},
                 "cold_vs_direct": round(med["direct_cold_s"] / med["restore_cold_s"], 3),
                 "warm_vs_plain": round(med["plain_warm_s"] / med["restore_warm_s"], 3),
-                "runs": runs[n],
+                "runs": got,
             }
         )
-    return {"model": run.sizes.tokens_model, "rows": rows}
+    return {"rows": rows}
 
 
 # --- first request: a restored server's first and second request vs compute alone -----------
@@ -685,16 +758,18 @@ def plot_all(results: list[dict], out: Path, stem: str) -> list[Path]:
 
 
 def draw_tokens(axes: Any, r: dict, style: str, label: str) -> None:
-    rows = r["parts"]["tokens"]["rows"]
-    x = [row["tokens"] for row in rows]
     a, b = axes
-    a.plot(x, [row["build_s"] for row in rows], style, label=f"{label}: kvsnap build")
-    a.plot(x, [row["compute_s"] for row in rows], style, alpha=0.5, label=f"{label}: compute alone")
+    for name, got in r["parts"]["tokens"]["models"].items():
+        rows = got["rows"]
+        x = [row["tokens"] for row in rows]
+        what = f"{label}, {name}" + (" (compute stubbed)" if got["stubbed"] else "")
+        a.plot(x, [row["build_s"] for row in rows], style, label=f"{what}: kvsnap build")
+        a.plot(x, [row["compute_s"] for row in rows], style, alpha=0.4, label=f"{what}: compute")
+        b.plot(x, [row["build_over_compute"] for row in rows], style, label=what)
     a.set(xscale="log", yscale="log", xlabel="prompt tokens", ylabel="seconds")
-    a.set_title(f"build vs prompt length ({r['parts']['tokens']['model']})", fontsize=9)
-    b.plot(x, [row["build_over_compute"] for row in rows], style, label=label)
+    a.set_title("build vs prompt length (compute: cache allocated once)", fontsize=9)
     b.axhline(1.0, color="gray", lw=0.8)
-    b.set(xscale="log", xlabel="prompt tokens", ylabel="build / compute alone")
+    b.set(xscale="log", yscale="log", xlabel="prompt tokens", ylabel="build / compute alone")
     b.set_title("ratio to compute (1 = the limit)", fontsize=9)
 
 
@@ -820,18 +895,21 @@ PLOTS: dict[str, Callable[[Any, dict, str, str], None]] = {
 def summary(result: dict) -> dict:
     """The ratios the issue's goals are stated in, where their parts ran."""
     parts, out = result["parts"], cast(dict[str, Any], {})
-    if "tokens" in parts and len(parts["tokens"]["rows"]) > 1:
-        rows = parts["tokens"]["rows"]
-        big = 8192 if max(r["tokens"] for r in rows) >= 8192 else rows[-1]["tokens"]
-        small = big // 4
-        out["tokens"] = scaling(rows, "tokens", big, small, ("build_s", "compute_s"))
+    for name, got in parts.get("tokens", {}).get("models", {}).items():
+        rows = got["rows"]
+        if len(rows) > 1:
+            big = 8192 if max(r["tokens"] for r in rows) >= 8192 else rows[-1]["tokens"]
+            out[f"tokens {name}"] = {
+                **scaling(rows, "tokens", big, big // 4, ("build_s", "compute_s")),
+                "build_over_compute": {r["tokens"]: r["build_over_compute"] for r in rows},
+            }
     if "agents" in parts and len(parts["agents"]["rows"]) > 1:
         rows = parts["agents"]["rows"]
         big = rows[-1]["agents"]
         out["agents"] = scaling(rows, "agents", big, big // 10, ("build_s",))
     if "restore" in parts:
         out["restore"] = [
-            {k: r[k] for k in ("tokens", "bytes", "cold_vs_direct", "warm_vs_plain")}
+            {k: r.get(k) for k in ("store", "bytes", "cold_vs_direct", "warm_vs_plain")}
             for r in parts["restore"]["rows"]
         ]
     if "first-request" in parts:
@@ -844,6 +922,18 @@ def summary(result: dict) -> dict:
             for s, v in parts["prefill"]["steps"].items()
         }
     return out
+
+
+def counts(flag: str, value: str) -> tuple[int, ...]:
+    """A comma-separated list of whole numbers; ``none``: the empty list (skip that model)."""
+    if value == "none":
+        return ()
+    try:
+        return tuple(int(v) for v in value.split(","))
+    except ValueError:
+        raise SystemExit(
+            f"{flag} {value!r}: give whole numbers separated by commas (e.g. 512,2048) or none"
+        ) from None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -860,7 +950,9 @@ def main(argv: list[str] | None = None) -> int:
         default=Path(".kvsnap-bench/long"),
         help="models (shared by runs), stores and logs (per label)",
     )
-    ap.add_argument("--tokens", help="the tokens part's prompt lengths, comma-separated")
+    ap.add_argument("--tokens", help="the tokens part's lengths on its real model, comma-separated")
+    ap.add_argument("--stub-tokens", help="the same for the compute-stubbed L4 (none: skip it)")
+    ap.add_argument("--stub28-tokens", help="the same for the stubbed 28-layer shape (none: skip)")
     ap.add_argument("--agents", help="the agents part's agent counts, comma-separated")
     ap.add_argument("--model", choices=MODELS, help="the tokens, restore and request parts' model")
     ap.add_argument(
@@ -879,16 +971,14 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         raise SystemExit(f"--only: unknown {', '.join(unknown)}; choose from {', '.join(PARTS)}")
     sizes = QUICK if args.quick else Sizes()
-    try:
-        if args.tokens:
-            sizes = replace(sizes, tokens=tuple(int(t) for t in args.tokens.split(",")))
-        if args.agents:
-            sizes = replace(sizes, agents=tuple(int(a) for a in args.agents.split(",")))
-    except ValueError:
-        raise SystemExit(
-            f"--tokens {args.tokens!r} / --agents {args.agents!r}: give whole numbers, e.g. "
-            f"512,2048"
-        ) from None
+    if args.tokens:
+        sizes = replace(sizes, tokens=counts("--tokens", args.tokens))
+    if args.stub_tokens:
+        sizes = replace(sizes, stub_tokens=counts("--stub-tokens", args.stub_tokens))
+    if args.stub28_tokens:
+        sizes = replace(sizes, stub28_tokens=counts("--stub28-tokens", args.stub28_tokens))
+    if args.agents:
+        sizes = replace(sizes, agents=counts("--agents", args.agents))
     if args.model:
         sizes = replace(sizes, tokens_model=args.model, request_model=args.model)
     workdir = args.workdir.resolve()
