@@ -79,10 +79,15 @@ class _Pool:
         finally:
             self.inbox.put(None)
 
+    def can_grow(self) -> bool:
+        """Whether another reader would have a call to take. Once False it stays False (the
+        counts only grow), so the owner may ask without the lock."""
+        return not self.stopped and self.started < self.limit and self.claimed < len(self.calls)
+
     def grow(self) -> int:
         """Start one more reader while calls wait unclaimed (1 if it did)."""
         with self.lock:
-            if self.stopped or self.started >= self.limit or self.claimed >= len(self.calls):
+            if not self.can_grow():
                 return 0
             self.started += 1
             reader = _Reader(self, self.started)
@@ -102,7 +107,8 @@ class _Pool:
         try:
             while running:
                 try:
-                    job = self.inbox.get(timeout=GROW_AFTER_S)
+                    # no timeout once growing cannot help: a long cold read wakes nobody
+                    job = self.inbox.get(timeout=GROW_AFTER_S if self.can_grow() else None)
                 except queue.Empty:  # a slow call: another reader beside it
                     running += self.grow()
                     continue
