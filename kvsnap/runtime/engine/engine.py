@@ -300,9 +300,10 @@ class Engine:
         """Run the model once before warm when the warm-up did not (snapshots only, or nothing
         to warm): a request sent as soon as /health says ok would otherwise wait for it.
 
-        Before warm, not after: it is 0.1 s of start-up on a populated mlx kernel cache, cold
-        launches pay it too (launch -> ready over a cold launch is unchanged), and a load
-        balancer sends traffic the moment /health turns 200.
+        Before warm, not after: a load balancer sends traffic the moment /health turns 200,
+        and a request sent then waited for the whole priming. Before 200 it is the same work
+        (two model passes), so a request sent at once gets its first token no later; cold
+        launches pay it too, so launch -> ready over a cold launch is unchanged.
         """
         report = self.warmup_report
         if report is None or not report.prefilled:
