@@ -135,6 +135,7 @@ class StateSource:
 
     # Whether this process writes prefilled entries back to its store.
     writes = True
+
     @property
     def quiet(self) -> bool:
         """Whether its reports stay out of the log (a sharded server's ranks but 0 say nothing
