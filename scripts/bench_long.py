@@ -38,6 +38,7 @@ import argparse
 import json
 import mmap
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -253,6 +254,12 @@ def write_agents(model: Path, path: Path, count: int, tokens: int) -> Path:
     return path
 
 
+def children_cpu() -> float:
+    """CPU seconds of this process's finished children (and theirs)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 def kvsnap_build(
     model: Path, agents: Path, store: Path, env: dict, *extra: str, stub: bool = False
 ) -> dict:
@@ -262,17 +269,22 @@ def kvsnap_build(
     cli = [sys.executable, "-c", STUB_MAIN] if stub else list(KVSNAP)
     cmd = [*cli, "build", str(agents), "--model", str(model), "--out", str(store), "--json"]
     load = load_now()
+    cpu0 = children_cpu()
     t0 = time.perf_counter()
     r = subprocess.run(
         under_hard_limit([*cmd, *extra], 14400), capture_output=True, text=True, env=env
     )
     wall = time.perf_counter() - t0
+    cpu = children_cpu() - cpu0
     if r.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed ({r.returncode}):\n{r.stderr[-3000:]}")
     report = json.loads(r.stdout)
     return {
         "seconds": report["seconds"],
         "wall_s": round(wall, 3),
+        # the whole process's CPU time (imports and model load too): on a busy machine it
+        # still counts the work done
+        "cpu_s": round(cpu, 3),
         "agents": len(report["entries"]),
         "n_tokens": sum(e["n_tokens"] for e in report["entries"]),
         "bytes_written": report["bytes_written"],
@@ -309,13 +321,17 @@ def tokens_rows(run: Run, name: str, lengths: tuple[int, ...]) -> dict:
         ids = token_ids(lm, built["n_tokens"])
         run.note_load("tokens")
         with profile_prefill.ablated(lm, "attention" if stub else "none"):
+            cpu0 = time.process_time()
             compute = profile_prefill.prefill_time(lm, ids, DEFAULT_PREFILL_STEP, True)
+            compute_cpu = time.process_time() - cpu0
         row = {
             "tokens": built["n_tokens"],
             "build_s": built["seconds"],
             "build_wall_s": built["wall_s"],
             "compute_s": round(compute, 3),
             "build_over_compute": round(built["seconds"] / compute, 3),
+            "build_cpu_s": built["cpu_s"],
+            "compute_cpu_s": round(compute_cpu, 3),
             "store_bytes": built["bytes_written"],
             "load": [*built["load"], load_now()],
         }
@@ -370,6 +386,7 @@ def part_agents(run: Run) -> dict:
             "agents": n,
             "build_s": statistics.median(b["seconds"] for b in got),
             "build_wall_s": statistics.median(b["wall_s"] for b in got),
+            "build_cpu_s": statistics.median(b["cpu_s"] for b in got),
             "runs": got,
         }
         for n, got in runs.items()
@@ -762,12 +779,13 @@ def draw_tokens(axes: Any, r: dict, style: str, label: str) -> None:
     for name, got in r["parts"]["tokens"]["models"].items():
         rows = got["rows"]
         x = [row["tokens"] for row in rows]
+        c = f"C{MODELS.index(name)}"  # one colour per model in every run
         what = f"{label}, {name}" + (" (compute stubbed)" if got["stubbed"] else "")
-        a.plot(x, [row["build_s"] for row in rows], style, label=f"{what}: kvsnap build")
-        a.plot(x, [row["compute_s"] for row in rows], style, alpha=0.4, label=f"{what}: compute")
-        b.plot(x, [row["build_over_compute"] for row in rows], style, label=what)
+        a.plot(x, [row["build_s"] for row in rows], style, color=c, label=f"{what}: build")
+        a.plot(x, [row["compute_s"] for row in rows], style, color=c, alpha=0.35)
+        b.plot(x, [row["build_over_compute"] for row in rows], style, color=c, label=what)
     a.set(xscale="log", yscale="log", xlabel="prompt tokens", ylabel="seconds")
-    a.set_title("build vs prompt length (compute: cache allocated once)", fontsize=9)
+    a.set_title("build vs prompt length (faint: compute alone, cache allocated once)", fontsize=9)
     b.axhline(1.0, color="gray", lw=0.8)
     b.set(xscale="log", yscale="log", xlabel="prompt tokens", ylabel="build / compute alone")
     b.set_title("ratio to compute (1 = the limit)", fontsize=9)
@@ -777,13 +795,13 @@ def draw_agents(axes: Any, r: dict, style: str, label: str) -> None:
     rows = r["parts"]["agents"]["rows"]
     x = [row["agents"] for row in rows]
     a, b = axes
-    a.plot(x, [row["build_s"] for row in rows], style, label=f"{label}: kvsnap build")
+    a.plot(x, [row["build_s"] for row in rows], style, color="C0", label=f"{label}: kvsnap build")
     base = rows[0]
     linear = [base["build_s"] * n / base["agents"] for n in x]
     a.plot(x, linear, ":", color="gray", label=f"{label}: linear from {base['agents']}")
     a.set(xscale="log", yscale="log", xlabel="agents", ylabel="seconds")
     a.set_title("build vs agent count (tiny model)", fontsize=9)
-    b.plot(x, [row["over_linear"] for row in rows], style, label=label)
+    b.plot(x, [row["over_linear"] for row in rows], style, color="C0", label=label)
     b.axhline(1.0, color="gray", lw=0.8)
     b.set(xscale="log", xlabel="agents", ylabel="build / linear")
     b.set_title("ratio to linear (1 = the limit)", fontsize=9)
@@ -793,17 +811,21 @@ def draw_restore(axes: Any, r: dict, style: str, label: str) -> None:
     rows = r["parts"]["restore"]["rows"]
     x = [row["bytes"] / 1e6 for row in rows]
     a, b = axes
-    for key, name in (
-        ("restore_cold_s", "restore, cold"),
-        ("direct_cold_s", "O_DIRECT read, cold"),
-        ("restore_warm_s", "restore, warm"),
-        ("plain_warm_s", "plain read, warm"),
+    for i, (key, name) in enumerate(
+        (
+            ("restore_cold_s", "restore, cold"),
+            ("direct_cold_s", "O_DIRECT read, cold"),
+            ("restore_warm_s", "restore, warm"),
+            ("plain_warm_s", "plain read, warm"),
+        )
     ):
-        a.plot(x, [row[key] for row in rows], style, label=f"{label}: {name}")
+        a.plot(x, [row[key] for row in rows], style, color=f"C{i}", label=f"{label}: {name}")
     a.set(xscale="log", yscale="log", xlabel="store MB", ylabel="seconds")
     a.set_title("restore vs store size", fontsize=9)
-    b.plot(x, [row["cold_vs_direct"] for row in rows], style, label=f"{label}: cold / O_DIRECT")
-    b.plot(x, [row["warm_vs_plain"] for row in rows], style, label=f"{label}: warm / plain read")
+    cold = [row["cold_vs_direct"] for row in rows]
+    b.plot(x, cold, style, color="C0", label=f"{label}: cold / O_DIRECT")
+    warm = [row["warm_vs_plain"] for row in rows]
+    b.plot(x, warm, style, color="C2", label=f"{label}: warm / plain read")
     b.axhline(0.8, color="gray", lw=0.8, ls=":")
     b.set(xscale="log", xlabel="store MB", ylabel="speed / the read's speed")
     b.set_title("ratio to the read (goal ≥ 0.8)", fontsize=9)
@@ -820,13 +842,13 @@ def draw_first_request(axes: Any, r: dict, style: str, label: str) -> None:
         s["compute_s"],
     ]
     a, b = axes
-    a.plot(names, values, style, label=label)
+    a.plot(names, values, style, color="C0", label=label)
     a.set(ylabel="seconds")
     a.tick_params(axis="x", labelsize=7)
     part = r["parts"]["first-request"]
     a.set_title(f"warm requests, {part['cached']} cached + {part['new']} new tokens", fontsize=9)
     ratios = [v / s["compute_s"] for v in values]
-    b.plot(names, ratios, style, label=label)
+    b.plot(names, ratios, style, color="C0", label=label)
     b.axhline(1.0, color="gray", lw=0.8)
     b.set(ylabel="/ compute alone")
     b.tick_params(axis="x", labelsize=7)
@@ -837,11 +859,15 @@ def draw_start(axes: Any, r: dict, style: str, label: str) -> None:
     s = r["parts"]["start"]
     a, b = axes
     a.plot(
-        ["cold", f"{s['agents']} agents"], [s["cold_ready_s"], s["kv_ready_s"]], style, label=label
+        ["cold", f"{s['agents']} agents"],
+        [s["cold_ready_s"], s["kv_ready_s"]],
+        style,
+        color="C0",
+        label=label,
     )
     a.set(ylabel="launch → ready, s (median)")
     a.set_title("start-up", fontsize=9)
-    b.plot([label], [s["ms_per_agent"]], style, label=label)
+    b.plot([label], [s["ms_per_agent"]], style, color="C0", label=label)
     b.axhline(2.0, color="gray", lw=0.8, ls=":")
     b.set(ylabel="ms per agent over cold (goal ≤ 2)")
     b.set_title("per agent", fontsize=9)
@@ -851,19 +877,14 @@ def draw_prefill(axes: Any, r: dict, style: str, label: str) -> None:
     p = r["parts"]["prefill"]
     steps = sorted(p["steps"], key=int)
     a, b = axes
-    a.plot(
-        [int(s) for s in steps],
-        [p["steps"][s]["rate_ratio"] for s in steps],
-        style,
-        label=f"{label}: mlx-lm cache",
-    )
-    a.plot(
-        [int(s) for s in steps],
-        [p["steps"][s]["rate_ratio_allocated_once"] for s in steps],
-        style,
-        alpha=0.5,
-        label=f"{label}: cache allocated once",
-    )
+    x = [int(s) for s in steps]
+    for i, (key, name) in enumerate(
+        (("rate_ratio", "mlx-lm's cache"), ("rate_ratio_allocated_once", "cache allocated once"))
+    ):
+        wall = [p["steps"][s][key] for s in steps]
+        a.plot(x, wall, style, color=f"C{i}", label=f"{label}: {name}")
+        cpu = [p["steps"][s]["cpu"][key] for s in steps]
+        a.plot(x, cpu, style, color=f"C{i}", alpha=0.35, label=f"{label}: {name}, CPU time")
     a.axhline(0.7, color="gray", lw=0.8, ls=":")
     a.set(xscale="log", xlabel="prefill step size", ylabel="matmul time / prefill time")
     a.set_title(f"prefill of {p['tokens']} tokens vs the matmul rate", fontsize=9)
@@ -876,7 +897,7 @@ def draw_prefill(axes: Any, r: dict, style: str, label: str) -> None:
         {},
     )
     names = list(shares)
-    b.plot(names, [shares[n] for n in names], style, label=label)
+    b.plot(names, [shares[n] for n in names], style, color="C0", label=label)
     b.set(ylabel="share of the prefill")
     b.tick_params(axis="x", labelsize=7)
     b.set_title("where the time goes (ablations, one step size)", fontsize=9)
@@ -924,6 +945,25 @@ def summary(result: dict) -> dict:
     return out
 
 
+def merged(paths: list[str]) -> dict:
+    """One result from several runs of one checkout (``a.json+b.json``): the tokens part's
+    models and the restore part's stores added up, any other part from the last run having it."""
+    results = [json.loads(Path(p).read_text()) for p in paths]
+    out = results[0]
+    for more in results[1:]:
+        for part, got in more["parts"].items():
+            have = out["parts"].get(part)
+            if have is not None and part == "tokens":
+                have["models"].update(got["models"])
+            elif have is not None and part == "restore":
+                have["rows"] = sorted(have["rows"] + got["rows"], key=lambda r: r["bytes"])
+            else:
+                out["parts"][part] = got
+        for part, loads in more["loads"].items():
+            out["loads"].setdefault(part, []).extend(loads)
+    return out
+
+
 def counts(flag: str, value: str) -> tuple[int, ...]:
     """A comma-separated list of whole numbers; ``none``: the empty list (skip that model)."""
     if value == "none":
@@ -957,14 +997,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", choices=MODELS, help="the tokens, restore and request parts' model")
     ap.add_argument(
         "--plot",
-        help="only draw: comma-separated result JSONs (e.g. before,after) into OUT/long-*.png",
+        help="only draw: comma-separated result JSONs (e.g. before,after; a+b: one checkout's "
+        "runs merged) into OUT/long-*.png and OUT/long-summary.json",
     )
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     if args.plot:
-        results = [json.loads(Path(p).read_text()) for p in args.plot.split(",") if p]
+        results = [merged(group.split("+")) for group in args.plot.split(",") if group]
         for path in plot_all(results, args.out, "long"):
             print(path)
+        (args.out / "long-summary.json").write_text(
+            json.dumps({r["label"]: summary(r) for r in results}, indent=1)
+        )
         return 0
     only = [p for p in args.only.split(",") if p]
     unknown = sorted(set(only) - set(PARTS))
