@@ -2247,6 +2247,39 @@ BREAKAGES = (
             "cold[hybrid-extra1]",
         ),
     ),
+    Breakage(
+        "hit-copied-by-the-batch",
+        "the first warm request at its compute (issue 32)",
+        "a hit's copy goes into mlx-lm's BatchGenerator as it is: merged into a buffer sized to "
+        "the prompt, grown by the first prompt step, gathered on the way to decoding",
+        (
+            Patch(
+                "kvsnap/runtime/engine/batch_runner.py",
+                "caches=[for_batch(cache, len(suffix))],",
+                "caches=[cache],",
+            ),
+        ),
+        (
+            "tests/runtime/engine/test_engine.py::"
+            "test_regression_a_hit_copies_its_cached_tokens_once",
+        ),
+    ),
+    Breakage(
+        "priming-after-warm",
+        "the first warm request at its compute (issue 32)",
+        "the kernel priming runs after the engine says warm, so a request sent at once waits",
+        (
+            Patch(
+                "kvsnap/runtime/engine/engine.py",
+                "            self._prime_kernels()\n            self.warm.set()\n",
+                "            self.warm.set()\n            self._prime_kernels()\n",
+            ),
+        ),
+        (
+            "tests/runtime/engine/test_startup.py::"
+            "test_the_kernel_priming_runs_before_the_engine_says_warm",
+        ),
+    ),
 )
 
 
