@@ -2265,6 +2265,22 @@ BREAKAGES = (
         ),
     ),
     Breakage(
+        "kept-prefix-copied-whole",
+        "the first warm request at its compute (issue 32)",
+        "the prompt prefix a hit keeps copies the warm tokens instead of sharing their blocks",
+        (
+            Patch(
+                "kvsnap/runtime/engine/batch_runner.py",
+                "                    self._heads.pop(r.uid, None),\n",
+                "                    None,\n",
+            ),
+        ),
+        (
+            "tests/runtime/engine/test_engine.py::"
+            "test_regression_a_hit_copies_its_cached_tokens_once",
+        ),
+    ),
+    Breakage(
         "priming-after-warm",
         "the first warm request at its compute (issue 32)",
         "the kernel priming runs after the engine says warm, so a request sent at once waits",

@@ -102,6 +102,19 @@ class ComposedState:
         # sliceable layers: offset n in a buffer of n + spare
         return decode_cache(arrays, self.layers)
 
+    def head(self, n: int) -> dict[str, list]:
+        """Each sliced tensor's first ``n`` tokens as the blocks hold them, not copied: what a
+        longer state that starts with these tokens can share (a request's kept prefix)."""
+        sliced, _ = split_tensor_names(self.layers)
+        return {
+            name: [
+                block.arrays[name] if end <= n else block.arrays[name][..., : n - start, :]
+                for start, end, block in self.blocks
+                if start < n
+            ]
+            for name in sliced
+        }
+
 
 def load_composed(
     store: Store,

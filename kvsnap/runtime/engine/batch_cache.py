@@ -13,7 +13,7 @@ else holds, so a view of a shared entry is never written through.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 from kvsnap.blas import preload_openblas
 
@@ -63,6 +63,18 @@ class RoomyBatchKVCache(BatchKVCache):
         cache.keys, cache.values = keys, values
         cache.offset += n
         cache._idx = n
+        return cache
+
+    def extract(self, idx: int) -> KVCache:
+        """Row ``idx``'s tokens as views of the batch's buffer (mlx-lm's copies them): a caller
+        copies what it keeps, before the next step writes the buffer."""
+        keys: Any = self.keys
+        values: Any = self.values
+        padding = cast(list, self.left_padding.tolist())[idx]
+        cache = KVCache()
+        cache.keys = keys[idx : idx + 1, :, padding : self._idx]
+        cache.values = values[idx : idx + 1, :, padding : self._idx]
+        cache.offset = self._idx - padding
         return cache
 
     def filter(self, batch_indices: Any) -> None:

@@ -19,10 +19,15 @@ preload_openblas()  # must precede the first mlx import, or mlx keeps its slow r
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
 
+from kvsnap.runtime.cache.composed import ComposedState
 from kvsnap.runtime.cache.prefix import PrefixCache
 from kvsnap.runtime.engine.accounting import TokenAccounts
 from kvsnap.runtime.engine.batch_cache import for_batch
-from kvsnap.runtime.engine.request_cache import capture_request_prefix, prefill_shared_prefixes
+from kvsnap.runtime.engine.request_cache import (
+    SharedHead,
+    capture_request_prefix,
+    prefill_shared_prefixes,
+)
 from kvsnap.runtime.engine.request_output import deliver_token, finish_request
 from kvsnap.runtime.engine.sampling import make_request_sampler, token_logprob
 from kvsnap.runtime.engine.scheduler import Scheduler
@@ -52,6 +57,8 @@ class BatchRunner:
         # the live generator, made on first use
         self.gen: BatchGenerator | None = None
         self.shared_prefills = 0  # shared prefixes of requests admitted together, computed once
+        # by uid: the warm blocks a running request's cache was copied from, until its capture
+        self._heads: dict[int, SharedHead] = {}
 
     def new_generator(self, batch_size: int, prefill_batch_size: int) -> BatchGenerator:
         return BatchGenerator(
@@ -69,9 +76,11 @@ class BatchRunner:
         if self.gen is not None:
             self.accounts.detach(self.gen)
             self.gen = None
+        self._heads.clear()
 
     def remove(self, uid: int) -> None:
         """Free a cancelled request's slot."""
+        self._heads.pop(uid, None)
         if self.gen is not None:
             self.gen.remove([uid])
 
@@ -106,11 +115,25 @@ class BatchRunner:
                 continue
             state.uid = uid
             state.capture = len(suffix) > 1
+            head = self._shared_head(state, len(r.tokens) - len(suffix))
+            if state.capture and head is not None:
+                self._heads[uid] = head
             # mlx-lm runs the last token in the first decode step
             self.accounts.expect_batched(len(suffix))
             self.sched.activate(uid, state)
         for entry in discard:
             self.prefix.discard(entry)
+
+    def _shared_head(self, state: RequestState, n_cached: int) -> SharedHead | None:
+        """The warm blocks the request's cache was copied from, when its match was a composed
+        state (the lookup fetch made, made again: nothing changed on this thread since)."""
+        if n_cached == 0:
+            return None
+        match = self.prefix.lookup(state.request.tokens, state.request.namespace)
+        if match is None or match.n_cached != n_cached:
+            return None
+        found = match.entry.state
+        return SharedHead(found, n_cached) if isinstance(found, ComposedState) else None
 
     def step(self) -> None:
         """One BatchGenerator step: prompt chunks (capturing finished prompt prefixes), then
@@ -124,7 +147,13 @@ class BatchRunner:
             if state is not None and state.capture and r.end_of_segment and not r.end_of_prompt:
                 # copied now: a copy still to compute would hold the batch's buffer, and the
                 # next decode step would copy the whole buffer instead of writing in place
-                capture_request_prefix(self.prefix, state, gen.extract_cache([r.uid])[r.uid][0])
+                capture_request_prefix(
+                    self.prefix,
+                    state,
+                    gen.extract_cache([r.uid])[r.uid][0],
+                    self._heads.pop(r.uid, None),
+                    views=True,
+                )
         for r in generation_responses:
             state = self.sched.active.get(r.uid)
             if state is None:
@@ -136,6 +165,7 @@ class BatchRunner:
             deliver_token(state, r.token, r.finish_reason, lp)
             if state.finish_reason is not None:
                 self.sched.release(r.uid)
+                self._heads.pop(r.uid, None)
                 if r.finish_reason is None:  # stopped by a stop string: free the slot now
                     gen.remove([r.uid])
 

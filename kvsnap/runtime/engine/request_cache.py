@@ -6,6 +6,7 @@ admitted together, computed once. Runs on the engine thread.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 from kvsnap.blas import preload_openblas
 
@@ -13,6 +14,7 @@ preload_openblas()  # must precede the first mlx import, or mlx keeps its slow r
 
 import mlx.core as mx
 
+from kvsnap.runtime.cache.composed import ComposedState
 from kvsnap.runtime.cache.prefix import Entry, PrefixCache
 from kvsnap.runtime.cache.shared_prefix import shared_groups
 from kvsnap.runtime.engine.accounting import TokenAccounts
@@ -26,8 +28,11 @@ from kvsnap.snapshot.codec import (
     cache_nbytes_of,
     check_captured_at,
     copy_cache,
+    decode_cache,
+    encode_cache,
     is_trimmable,
 )
+from kvsnap.snapshot.format import TOKENS
 
 log = logging.getLogger("kvsnap.runtime.engine.engine")
 
@@ -86,11 +91,26 @@ def prepare_request(
     return cache, tokens[n_cached:]
 
 
-def capture_request_prefix(prefix: PrefixCache, state: RequestState, cache: list) -> None:
+@dataclass(frozen=True)
+class SharedHead:
+    """The warm blocks a request's cache was copied from: its kept prefix shares them."""
+
+    state: ComposedState
+    n_tokens: int
+
+
+def capture_request_prefix(
+    prefix: PrefixCache,
+    state: RequestState,
+    cache: list,
+    head: SharedHead | None = None,
+    views: bool = False,
+) -> None:
     """Keep the prompt minus its last token for multi-turn reuse; captured before any decode.
 
-    Its arrays are evaluated now: arrays left to compute would hold the batch's buffer, and the
-    next decode step would copy that whole buffer instead of writing into it in place.
+    ``views``: ``cache`` holds views of the batch's buffer (``batch_cache``). What is kept is
+    then copied now (views left would hold the buffer, and the next decode step would copy it
+    whole), and of a ``head``'s tokens nothing is copied: the kept prefix shares its blocks.
     """
     state.capture = False
     if not state.request.capture:
@@ -101,8 +121,12 @@ def capture_request_prefix(prefix: PrefixCache, state: RequestState, cache: list
     except CaptureError as exc:
         log.debug("[kvsnap] not capturing request %d: %s", state.id, exc)
         return
-    own = copy_cache(cache)
-    mx.eval([a for c in own for a in cache_arrays(c)])
+    if views:
+        own, computed = _kept_from_views(cache, tokens, head)
+    else:
+        own = copy_cache(cache)
+        computed = [a for c in own for a in cache_arrays(c)]
+    mx.eval(computed)
     entry = Entry(
         tokens=tokens,
         state=own,
@@ -115,6 +139,38 @@ def capture_request_prefix(prefix: PrefixCache, state: RequestState, cache: list
     prefix.add(entry)
     if prefix.on_request_prefix is not None:
         prefix.on_request_prefix(entry, state)
+
+
+def _kept_from_views(
+    cache: list, tokens: tuple[int, ...], head: SharedHead | None
+) -> tuple[list, list]:
+    """The kept prefix from views of a batch's buffer, and the arrays to compute now: the
+    request's own tokens copied, a shared head's tokens as its blocks (their concatenation is
+    computed by the first request that reads the prefix, or by persisting it)."""
+    arrays, layers = encode_cache(cache, tokens)
+    del arrays[TOKENS]
+    n = head.n_tokens if head is not None else 0
+    shared = head.state.head(n) if head is not None and head.state.checkpoint is None else {}
+    kept: dict = {}
+    computed: list = []
+    for name, a in arrays.items():
+        pieces = shared.get(name)
+        if pieces and 0 < n < a.shape[-2] and _same_form(pieces, a, n):
+            tail = mx.contiguous(a[..., n:, :])
+            kept[name] = mx.concatenate([*pieces, tail], axis=-2)
+            computed.append(tail)
+        else:
+            kept[name] = mx.contiguous(a)
+            computed.append(kept[name])
+    return decode_cache(kept, layers), computed
+
+
+def _same_form(pieces: list, a: mx.array, n: int) -> bool:
+    """Whether ``pieces`` are ``a``'s first ``n`` tokens in its form (dtype, heads, width)."""
+    return sum(p.shape[-2] for p in pieces) == n and all(
+        p.dtype == a.dtype and p.shape[:-2] == a.shape[:-2] and p.shape[-1] == a.shape[-1]
+        for p in pieces
+    )
 
 
 def prefill_shared_prefixes(

@@ -850,12 +850,13 @@ def _cached_bytes(engine, warm) -> int:
     return engine.call(lambda: cache_nbytes_of(engine.prefix.copy_state(entry.state)))
 
 
-def test_regression_a_hit_copies_its_cached_tokens_once(long_world, engines):
+def test_regression_a_hit_copies_its_cached_tokens_once(long_world, engines, oracle):
     """A hit copied every cached token three times before its first token: a materialized copy,
     then mlx-lm's growth of a batch buffer sized to the prompt exactly, then the gather that
-    moves a request from prompt processing to decoding. Counted in bytes: at its peak the
-    request held 1.47 times its cached tokens in new memory; one copy with room for 256 more
-    tokens is 1.15 times."""
+    moves a request from prompt processing to decoding; the prompt prefix it kept was one more
+    copy. Counted in bytes: at its peak the request held 1.47 times its cached tokens in new
+    memory (2.2 keeping its prefix); one copy with room for 256 more tokens is 1.15 times, and
+    the prefix it keeps shares the warm blocks, copying only its own tokens."""
     import mlx.core as mx
 
     from kvsnap.runtime.engine.engine import GenerationRequest
@@ -870,13 +871,20 @@ def test_regression_a_hit_copies_its_cached_tokens_once(long_world, engines):
         mx.reset_peak_memory()
         return mx.get_active_memory()
 
-    for _ in range(2):  # the first and a second request alike
+    for capture in (False, False, True):  # the first and a second request alike
         before = engine.call(reset)
-        request = GenerationRequest(tokens=tokens, max_tokens=2, capture=False)
+        request = GenerationRequest(tokens=tokens, max_tokens=2, capture=capture)
         st = finish(engine.submit(request, lambda s, k, p: None))
         assert st.cached_tokens == len(warm) and st.cache_source == "snapshot"
         grown = engine.call(mx.get_peak_memory) - before
         assert grown < 1.3 * cached, f"a hit on {cached} bytes allocated {grown} bytes"
+    kept = [e for e in engine.prefix.entries if e.source == "request"]
+    assert [e.tokens for e in kept] == [tuple(tokens[:-1])]
+    # the kept prefix (the warm blocks and its own tokens) serves the next turn
+    longer = tokens + [tokens[-1]] * 3
+    st = serve(engine, longer)
+    assert st.cache_source == "request" and st.cached_tokens == len(tokens) - 1
+    assert answer_of(st) == oracle(long_world, longer)
 
 
 def test_two_continuations_of_one_warm_prefix_interleaved_stay_independent(worlds, engines, oracle):
