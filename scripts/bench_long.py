@@ -314,6 +314,9 @@ def tokens_rows(run: Run, name: str, lengths: tuple[int, ...]) -> dict:
     model = model_dir(name, run.workdir)
     stub = name in STUB_LAYERS
     lm = load_mlx(model)
+    with profile_prefill.ablated(lm, "attention" if stub else "none"):
+        # mlx's first call sets up its kernels: not part of any length's compute
+        profile_prefill.prefill_time(lm, token_ids(lm, 64), 64, True)
     rows = []
     for n in lengths:
         agents = write_agents(model, run.lab / f"tokens-{name}-{n}.json", 1, n)
