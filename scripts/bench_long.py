@@ -61,7 +61,12 @@ import httpx  # noqa: E402
 import profile_prefill  # noqa: E402
 
 import kvsnap  # noqa: E402
-from kvsnap.tools.bench_startup import SweepPoint, medians, run_point, system_prompt_of  # noqa: E402
+from kvsnap.tools.bench_startup import (  # noqa: E402
+    SweepPoint,
+    medians,
+    run_point,
+    system_prompt_of,
+)
 from kvsnap.tools.demo import DemoSpec, make_demo_model  # noqa: E402
 from kvsnap.tools.serverproc import ServerProcess, start_server, under_hard_limit  # noqa: E402
 

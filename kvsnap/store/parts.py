@@ -10,13 +10,14 @@ everything downstream decodes them unchanged. Only the readers import mlx.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import stat
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 from kvsnap.errors import SnapshotError, StoreError
 from kvsnap.snapshot.blocks import ChainLink
@@ -373,11 +374,20 @@ def read_part(
     the views) runs on the thread that owns the read."""
     path = part_path(store, kind, key)
     check_regular(path, store.root)
-    try:
+    with part_read_errors(path, kind):
         header, arrays, checksum = read_tensors(path)
         info = inspect_part(path, header)
         _expect(info, kind, model_digest, start, end, prefix_digest)
         finish_checksum(header, checksum)
+    return info, arrays
+
+
+@contextlib.contextmanager
+def part_read_errors(path: Path, kind: str) -> Iterator[None]:
+    """A part's read failures as the SnapshotError that names the file and the fix (every
+    reader of a chain's parts, whole or a rank's slice, reports them alike)."""
+    try:
+        yield
     except FormatError as exc:
         raise SnapshotError(str(path), str(exc), FIX) from None
     except FileNotFoundError:
@@ -386,7 +396,6 @@ def read_part(
         raise SnapshotError(
             str(path), f"cannot be read ({exc.strerror or exc})", "check the file's permissions"
         ) from None
-    return info, arrays
 
 
 Span = tuple[str, int, int, str]  # a block: (key, start, end, prefix digest at end)

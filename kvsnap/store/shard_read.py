@@ -19,13 +19,19 @@ from typing import Any
 from kvsnap.errors import SnapshotError
 from kvsnap.faults import damaged_on_rank
 from kvsnap.snapshot.chain import inspect_part
-from kvsnap.snapshot.file import FormatError, Header, parse_header, read_into
+from kvsnap.snapshot.file import Header, parse_header, read_into
 from kvsnap.snapshot.format import DTYPES
 from kvsnap.snapshot.rows import RowDigests, row_count
 from kvsnap.snapshot.shard_view import Cut, ShardError, ShardView
 from kvsnap.store.fileio import StoreFiles, check_regular, read_whole, unfilled_buffer
 from kvsnap.store.part_readers import on_mlx_thread
-from kvsnap.store.parts import FIX, _expect, part_path, part_relpath, part_relpath_of_file
+from kvsnap.store.parts import (
+    _expect,
+    part_path,
+    part_read_errors,
+    part_relpath,
+    part_relpath_of_file,
+)
 
 
 @dataclass
@@ -96,35 +102,26 @@ def read_part_slice(
     a pool thread of ``read_state_parts``: its mlx work runs on the thread that owns the read."""
     path = part_path(store, kind, key)
     check_regular(path, store.root)
-    try:
-        with open(path, "rb") as f:
-            header = parse_header(f, os.fstat(f.fileno()).st_size)
-            _expect(inspect_part(path, header), kind, model_digest, start, end, prefix_digest)
-            digests = RowDigests.of(header)
-            if digests is None:
-                return _cut_whole(path, view, layers, meter, local)
-            cuts = view.cut(layers, {n: e.shape for n, e in header.tensors.items()}, local)
-            ranges = _ranges(header, cuts)
-            total = sum(r.nbytes for r in ranges)
-            buf, whole = on_mlx_thread(unfilled_buffer, total)
-            at = 0
-            damaged = damaged_on_rank(view.rank, part_relpath(kind, key))
-            for r in ranges:
-                part = whole[at : at + r.nbytes]
-                read_into(f.fileno(), part, r.file_offset)
-                if damaged and r.nbytes:
-                    part[0] ^= 0xFF  # a fault test's damaged copy on this rank's host
-                digests.check(r.entry, r.first_row, part)
-                at += r.nbytes
+    with part_read_errors(path, kind), open(path, "rb") as f:
+        header = parse_header(f, os.fstat(f.fileno()).st_size)
+        _expect(inspect_part(path, header), kind, model_digest, start, end, prefix_digest)
+        digests = RowDigests.of(header)
+        if digests is None:
+            return _cut_whole(path, view, layers, meter, local)
+        cuts = view.cut(layers, {n: e.shape for n, e in header.tensors.items()}, local)
+        ranges = _ranges(header, cuts)
+        total = sum(r.nbytes for r in ranges)
+        buf, whole = on_mlx_thread(unfilled_buffer, total)
+        at = 0
+        damaged = damaged_on_rank(view.rank, part_relpath(kind, key))
+        for r in ranges:
+            part = whole[at : at + r.nbytes]
+            read_into(f.fileno(), part, r.file_offset)
+            if damaged and r.nbytes:
+                part[0] ^= 0xFF  # a fault test's damaged copy on this rank's host
+            digests.check(r.entry, r.first_row, part)
+            at += r.nbytes
         meter.add(header.data_start + total)
-    except FormatError as exc:
-        raise SnapshotError(str(path), str(exc), FIX) from None
-    except FileNotFoundError:
-        raise SnapshotError(str(path), f"is missing (the chain names this {kind})", FIX) from None
-    except OSError as exc:
-        raise SnapshotError(
-            str(path), f"cannot be read ({exc.strerror or exc})", "check the file's permissions"
-        ) from None
     return on_mlx_thread(_range_views, buf, ranges)
 
 
