@@ -31,10 +31,15 @@ from kvsnap.tools.serverproc import ServerProcess, free_port, under_hard_limit  
 
 READ = re.compile(r"rank (\d+) of (\d+) \(([^)]*)\) read ([\d.]+) MiB in (\d+) files")
 MODES = ("one process, cold", "one process, snapshots", "2 ranks, cold", "2 ranks, snapshots")
+SHORT = dict(zip(("cold1", "warm1", "cold2", "warm2"), MODES))
 
 
 def launch(mode: str, model: Path, store: Path, log: Path, env: dict) -> ServerProcess:
     port = free_port()
+    if mode.startswith("2 ranks"):
+        # each rank stands for a host of its own: this host's cores split between the ranks
+        # (two ranks of 2 OpenBLAS threads each on 2 cores spin against each other)
+        env = {**env, "OPENBLAS_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // 2))}
     serve = ["mlx-lm", "serve", "--model", str(model)]
     if "snapshots" in mode:
         serve += ["--kv-snapshots", str(store)]
@@ -81,6 +86,8 @@ def one(mode: str, ctx: dict) -> dict:
         "mode": mode,
         "ready_s": round(ready, 2),
         "first_token_s": [a["first_token_from_launch_s"] for a in answers],
+        # each request alone (they are sent one after the other, after ready)
+        "request_s": [a["ttft_s"] for a in answers],
         "cached_tokens": [a["cached_tokens"] for a in answers],
         "prompt_tokens": [a["prompt_tokens"] for a in answers],
         "reads": sorted(reads, key=lambda r: r["rank"]),
@@ -117,6 +124,12 @@ def main() -> int:
     p.add_argument("--tokens", default="2048,8192", help="one agent per size, comma-separated")
     p.add_argument("--out", type=Path, default=Path("/tmp/kvsnap-sharded"))
     p.add_argument("--size", default="qwen3-0.6b", help="demo model size (tiny for a smoke run)")
+    p.add_argument(
+        "--only",
+        default=",".join(SHORT),
+        help="modes, comma-separated: cold1, warm1 (one process), cold2, warm2 (2 ranks); a mode "
+        "left out keeps its result from OUT/sharded.json",
+    )
     args = p.parse_args()
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -128,13 +141,19 @@ def main() -> int:
     store = out / "store"
     built = build(model, agents_file, store, ["--for", "mlx-lm"], env)
     ctx = {"out": out, "model": model, "store": store, "agents": agents, "env": env}
+    modes = [SHORT[m] for m in args.only.split(",") if m]
+    kept = {}
+    if (out / "sharded.json").exists():
+        kept = {r["mode"]: r for r in json.loads((out / "sharded.json").read_text())["runs"]}
+    load_before = os.getloadavg()
+    runs = {mode: one(mode, ctx) for mode in modes}
     result = {
         "command": " ".join(sys.argv),
         "tokens": tokens,
         "build": built,
         "store_bytes": sum(f.stat().st_size for f in store.rglob("*.safetensors")),
-        "load_before": os.getloadavg(),
-        "runs": [one(mode, ctx) for mode in MODES],
+        "load_before": load_before,
+        "runs": [runs.get(mode) or kept[mode] for mode in MODES],
         "load_after": os.getloadavg(),
     }
     by = {r["mode"]: r for r in result["runs"]}

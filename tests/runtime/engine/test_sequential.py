@@ -7,31 +7,12 @@ from __future__ import annotations
 import dataclasses
 
 import mlx.core as mx
+from helpers.counting_cache import KVCache
 from helpers.models import LONG_SYSTEM
-from mlx_lm.models import cache as mlx_cache
 
 from kvsnap.runtime.engine.accounting import TokenAccounts
 from kvsnap.runtime.engine.sequential import SequentialRun
 from kvsnap.runtime.engine.types import GenerationRequest, RequestState
-
-
-class KVCache(mlx_cache.KVCache):
-    """mlx-lm's KVCache counting how often its keys buffer is replaced by one of another size."""
-
-    def __init__(self) -> None:
-        self.replaced = 0
-        super().__init__()
-
-    @property  # type: ignore[override]
-    def keys(self):
-        return self._keys
-
-    @keys.setter
-    def keys(self, value) -> None:
-        old = getattr(self, "_keys", None)
-        if value is not None and (old is None or old.shape[2] != value.shape[2]):
-            self.replaced += 1
-        self._keys = value
 
 
 def _run(lm, tokens: list[int], max_tokens: int, cache: list) -> RequestState:

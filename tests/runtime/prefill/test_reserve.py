@@ -12,6 +12,7 @@ import json
 
 import mlx.core as mx
 import pytest
+from helpers.counting_cache import KVCache
 from helpers.models import LONG_SYSTEM
 from mlx_lm.generate import maybe_quantize_kv_cache
 from mlx_lm.models import cache as mlx_cache
@@ -25,26 +26,6 @@ from kvsnap.snapshot.codec import decode_cache, encode_cache
 from kvsnap.store.local import Store
 
 BLOCKS = BlockSettings(64, 128)
-
-
-class KVCache(mlx_cache.KVCache):
-    """mlx-lm's KVCache counting how often its keys buffer is replaced by one of another size
-    (named as mlx-lm's, so the codec stores it as one)."""
-
-    def __init__(self) -> None:
-        self.replaced = 0
-        super().__init__()
-
-    @property  # type: ignore[override]
-    def keys(self):
-        return self._keys
-
-    @keys.setter
-    def keys(self, value) -> None:
-        old = getattr(self, "_keys", None)
-        if value is not None and (old is None or old.shape[2] != value.shape[2]):
-            self.replaced += 1
-        self._keys = value
 
 
 def _counting(lm):
