@@ -95,6 +95,8 @@ def one(mode: str, ctx: dict) -> dict:
 
 
 def plot(result: dict, path: Path) -> None:
+    """Launch -> first token per agent and mode (log scale), and each parallelism's cold / warm
+    speed-up beside the bytes each rank read against the store."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -102,21 +104,36 @@ def plot(result: dict, path: Path) -> None:
 
     runs = result["runs"]
     labels = [f"agent {n:,} tok" for n in result["tokens"]]
-    fig, ax = plt.subplots(figsize=(8, 4.2))
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
     width = 0.2
     for i, run in enumerate(runs):
         xs = [j + (i - 1.5) * width for j in range(len(labels))]
-        ax.bar(xs, run["first_token_s"], width, label=run["mode"])
-    ax.set_xticks(range(len(labels)), labels)
-    ax.set_ylabel("launch → first token (s)")
-    ax.set_title(
-        "Qwen3-0.6B shape, fp32, mlx.launch --backend ring on one host (2 CPU cores), "
-        f"load {result['load_before'][0]:.1f}",
+        a.bar(xs, run["first_token_s"], width, label=run["mode"], color=f"C{i}")
+    a.set_xticks(range(len(labels)), labels)
+    a.set_yscale("log")
+    a.set_ylabel("launch → first token (s, log)")
+    a.legend(fontsize=8)
+    a.set_title("launch → first token of each agent", fontsize=9)
+    for i, who in enumerate(("one process", "2 ranks")):
+        xs = [j + (i - 0.5) * 0.35 for j in range(len(labels))]
+        got = result[f"speedup, {who}"]
+        bars = b.bar(xs, got, 0.35, label=f"{who}: cold / snapshots", color=f"C{2 * i + 1}")
+        b.bar_label(bars, [f"{v:.1f}×" for v in got], fontsize=8)
+    b.set_xticks(range(len(labels)), labels)
+    b.set_ylabel("cold / --kv-snapshots, launch → first token")
+    reads = next((r["reads"] for r in runs if r["reads"]), [])
+    share = ", ".join(f"rank {r['rank']} {r['bytes'] / result['store_bytes']:.4f}" for r in reads)
+    b.set_title(f"speed-up; of the store each rank read: {share}", fontsize=9)
+    b.legend(fontsize=8)
+    fig.suptitle(
+        "Qwen3-0.6B shape, fp32, mlx.launch -n 2 --backend ring on one host (2 CPU cores, one "
+        f"OpenBLAS thread per rank), load {result['load_before'][0]:.1f}–"
+        f"{result['load_after'][0]:.1f}",
         fontsize=9,
     )
-    ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def main() -> int:
@@ -130,9 +147,13 @@ def main() -> int:
         help="modes, comma-separated: cold1, warm1 (one process), cold2, warm2 (2 ranks); a mode "
         "left out keeps its result from OUT/sharded.json",
     )
+    p.add_argument("--plot", type=Path, help="only draw: a sharded.json into OUT/sharded.png")
     args = p.parse_args()
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
+    if args.plot:
+        plot(json.loads(args.plot.read_text()), out / "sharded.png")
+        return 0
     tokens = [int(t) for t in args.tokens.split(",")]
     model = make_demo_model(out / f"model-{args.size}", DemoSpec(arch="dense", size=args.size))
     env = server_env(out)
