@@ -1044,6 +1044,9 @@ def main(argv: list[str] | None = None) -> int:
     workdir = args.workdir.resolve()
     # this environment (PYTHONPATH too) plus OpenBLAS and a digest cache per label
     env = bench_mlx_lm.server_env(workdir / args.label)
+    # python -m and -c put the working folder first on sys.path: without this, a build or
+    # server started from a checkout measures that checkout, not PYTHONPATH's
+    env["PYTHONSAFEPATH"] = "1"
     run = Run(workdir=workdir, label=args.label, sizes=sizes, env=env)
     result: dict[str, Any] = {
         "label": args.label,
