@@ -19,14 +19,15 @@ def open_store(kv_snapshots: str, want_write: bool = False) -> tuple[Store, bool
     """The store, and whether warm prompts prefilled here can be written back to it.
 
     A remote URL is pulled into kvsnap's cache folder first, as ``kvsnap serve`` does.
-    Writable is decided by really creating a file (``probe_writable``). A missing folder is
-    created only when there is something to write back (``want_write``).
+    Writable is decided by really creating a file (``probe_writable``). A missing or empty
+    folder becomes a store only when there is something to write back (``want_write``): an
+    empty one is also what another rank sees while the first one is creating the store.
     """
     path = resolve_kv_snapshots(kv_snapshots)
     if path is None:
         raise UsageError(f"{OPTION} needs a directory, e.g. {OPTION} ./snaps")
     folder = Path(path).expanduser()
-    if want_write and not folder.exists():
+    if want_write and (not folder.exists() or _holds_nothing(folder)):
         try:
             return Store.open(folder, create=True), True
         except (OSError, StoreError) as exc:
@@ -48,3 +49,11 @@ def open_store(kv_snapshots: str, want_write: bool = False) -> tuple[Store, bool
         )
         return store, False
     return Store.open(folder, create=True), True
+
+
+def _holds_nothing(folder: Path) -> bool:
+    """A folder with no entries but hidden ones (a store's lock or a rank's probe file)."""
+    try:
+        return folder.is_dir() and all(e.name.startswith(".") for e in folder.iterdir())
+    except OSError:
+        return False
