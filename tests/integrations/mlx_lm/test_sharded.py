@@ -227,3 +227,30 @@ def test_a_rank_that_cannot_take_a_tensor_parallel_topology_ends_the_launch(worl
     assert "does not support tensor parallelism" in out, out[-2000:]
     assert "Traceback" not in out
     assert not list(store.rglob("*.safetensors"))
+
+
+@pytest.mark.parametrize("name,extra", [("dense", []), ("hybrid", ["--pipeline"])])
+def test_a_store_built_by_two_ranks_serves_two_ranks_warm_answering_as_cold(
+    world, cold, name, extra, tmp_path
+):
+    """Built sharded (heads or layers gathered to rank 0), the store has the single build's
+    names and tensors within float tolerance, and starts a sharded server warm."""
+    import mlx.core as mx
+
+    store = tmp_path / "sharded-store"
+    rc, out = run_sharded(
+        [*build_args(world["agents"], world["models"][name], store, "--for", "mlx-lm"), *extra]
+    )
+    assert rc == 0 and "2 built" in out, out[-3000:]
+    single = world["stores"][name]
+    names = sorted(p.relative_to(store).as_posix() for p in store.rglob("*.safetensors"))
+    assert names == sorted(p.relative_to(single).as_posix() for p in single.rglob("*.safetensors"))
+    for rel in (n for n in names if not n.startswith("snapshots/")):
+        a, b = mx.load(str(store / rel)), mx.load(str(single / rel))
+        assert sorted(a) == sorted(b)
+        assert all(mx.allclose(a[k], b[k], atol=1e-4).item() for k in a), rel
+    warm, _ = _served(
+        world["models"][name], [*extra, "--kv-snapshots", str(store)], tmp_path / "warm.log"
+    )
+    assert [a["cached"] for a in warm] == _prefix_tokens(store)
+    _same_answers(warm, cold[name])
