@@ -155,6 +155,16 @@ def main() -> int:
         plot(json.loads(args.plot.read_text()), out / "sharded.png")
         return 0
     tokens = [int(t) for t in args.tokens.split(",")]
+    unknown = [m for m in args.only.split(",") if m and m not in SHORT]
+    if unknown:
+        raise SystemExit(f"--only: unknown {unknown}; choose from {', '.join(SHORT)}")
+    modes = [SHORT[m] for m in args.only.split(",") if m]
+    kept = {}
+    if (out / "sharded.json").exists():
+        kept = {r["mode"]: r for r in json.loads((out / "sharded.json").read_text())["runs"]}
+    missing = [m for m in MODES if m not in modes and m not in kept]
+    if missing:
+        raise SystemExit(f"--only leaves out {missing} and {out}/sharded.json has no result for it")
     model = make_demo_model(out / f"model-{args.size}", DemoSpec(arch="dense", size=args.size))
     env = server_env(out)
     agents_file = out / "agents.json"
@@ -162,10 +172,6 @@ def main() -> int:
     store = out / "store"
     built = build(model, agents_file, store, ["--for", "mlx-lm"], env)
     ctx = {"out": out, "model": model, "store": store, "agents": agents, "env": env}
-    modes = [SHORT[m] for m in args.only.split(",") if m]
-    kept = {}
-    if (out / "sharded.json").exists():
-        kept = {r["mode"]: r for r in json.loads((out / "sharded.json").read_text())["runs"]}
     load_before = os.getloadavg()
     runs = {mode: one(mode, ctx) for mode in modes}
     result = {

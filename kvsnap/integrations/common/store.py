@@ -32,7 +32,7 @@ def open_store(kv_snapshots: str, want_write: bool = False) -> tuple[Store, bool
             return Store.open(folder, create=True), True
         except (OSError, StoreError) as exc:
             raise StoreError(
-                f"{folder} does not exist and cannot be created ({exc}); give the folder passed to "
+                f"{folder} cannot be made a store ({exc}); give the folder passed to "
                 f"`kvsnap build --out`"
             ) from None
     store = Store.open(folder, readonly=True).require_store()
