@@ -171,14 +171,20 @@ async def admitted(
     """A request holds an in-flight slot from before its prompt is prepared (so requests
     rejected after the work count toward 429 too), and prepares it in a worker thread, a
     bounded number at a time (``/health`` stays responsive)."""
+    tokens = await prepared(ctx, tokens_of)
+    return await generate(ctx, req, tokens, rid, kind, request, split(tokens) if split else None)
+
+
+async def prepared(ctx: ServerContext, tokens_of: Callable[[], list[int]]) -> list[int]:
+    """Take an in-flight slot and prepare the prompt in a worker thread; the slot is given
+    back here if preparing fails, else by the engine's end of the request (``submit``)."""
     ctx.admit()
     try:
         async with ctx.preparing():
-            tokens = await run_in_threadpool(tokens_of)
+            return await run_in_threadpool(tokens_of)
     except BaseException:
         ctx.release()
         raise
-    return await generate(ctx, req, tokens, rid, kind, request, split(tokens) if split else None)
 
 
 async def generate(
@@ -193,33 +199,8 @@ async def generate(
     """Check the token ids and the length, submit, and answer (streamed or whole); the
     caller holds an in-flight slot, which the engine's end of the request releases."""
     config = ctx.config
-    bridge = _Bridge(asyncio.get_running_loop(), ctx.release)
-    try:
-        check_token_ids(
-            tokens, ctx.model_limits()["vocab"], "prompt" if kind == "completion" else "messages"
-        )
-        max_tokens = ctx.resolve_max_tokens(req.requested_max_tokens, len(tokens))
-        tenant, _ = ctx.caller(request)
-        namespace = f"{tenant}/{req.cache_salt or ''}" if (tenant or req.cache_salt) else ""
-        default = config.sampling
-        gen = GenerationRequest(
-            tokens=tokens,
-            max_tokens=max_tokens,
-            temperature=float(_given(req.temperature, default.temperature)),
-            top_p=float(_given(req.top_p, default.top_p)),
-            top_k=max(0, _given(req.top_k, default.top_k)),
-            min_p=float(_given(req.min_p, default.min_p)),
-            top_logprobs=req.wanted_top_logprobs,
-            seed=req.seed,
-            stop=tuple(req.stop_list),
-            namespace=namespace,
-            tenant=tenant,
-            capture=config.request_prefix_cache,
-        )
-        state = ctx.engine.submit(gen, bridge)
-    except BaseException:
-        ctx.release()  # not submitted: the engine will not end it, so release the slot here
-        raise
+    where = "prompt" if kind == "completion" else "messages"
+    state, bridge = submit(ctx, req, tokens, request, where)
     if req.stream:
         return StreamingResponse(
             stream_events(ctx, state, bridge, rid, kind, req, answer),
@@ -246,6 +227,42 @@ async def generate(
             body["choices"][0]["finish_reason"] = answer.finish_reason(state.finish_reason)
         return body
     return completion_response(rid, name, state.text, finish, u, logprobs=lp)
+
+
+def submit(
+    ctx: ServerContext, req: Any, tokens: list[int], request: Request, where: str
+) -> tuple[RequestState, _Bridge]:
+    """Check the token ids and the length and hand the request to the engine. ``req`` has
+    the sampling fields every generation API shares (``requested_max_tokens``,
+    ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``wanted_top_logprobs``, ``seed``,
+    ``stop_list``, ``cache_salt``); ``where`` names the prompt's field in errors."""
+    config = ctx.config
+    bridge = _Bridge(asyncio.get_running_loop(), ctx.release)
+    try:
+        check_token_ids(tokens, ctx.model_limits()["vocab"], where)
+        max_tokens = ctx.resolve_max_tokens(req.requested_max_tokens, len(tokens))
+        tenant, _ = ctx.caller(request)
+        namespace = f"{tenant}/{req.cache_salt or ''}" if (tenant or req.cache_salt) else ""
+        default = config.sampling
+        gen = GenerationRequest(
+            tokens=tokens,
+            max_tokens=max_tokens,
+            temperature=float(_given(req.temperature, default.temperature)),
+            top_p=float(_given(req.top_p, default.top_p)),
+            top_k=max(0, _given(req.top_k, default.top_k)),
+            min_p=float(_given(req.min_p, default.min_p)),
+            top_logprobs=req.wanted_top_logprobs,
+            seed=req.seed,
+            stop=tuple(req.stop_list),
+            namespace=namespace,
+            tenant=tenant,
+            capture=config.request_prefix_cache,
+        )
+        state = ctx.engine.submit(gen, bridge)
+    except BaseException:
+        ctx.release()  # not submitted: the engine will not end it, so release the slot here
+        raise
+    return state, bridge
 
 
 def _given(value: Any, default: Any) -> Any:

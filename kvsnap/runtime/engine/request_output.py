@@ -48,6 +48,7 @@ def emit_text(state: RequestState, segment: str, final: bool) -> None:
     state.held_text = scan.held
     _send(state, scan.send)
     if scan.stopped:
+        state.stop_sequence = scan.matched
         finish_request(state, "stop")
 
 

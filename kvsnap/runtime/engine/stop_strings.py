@@ -24,6 +24,7 @@ class StopScan:
     send: str  # text that may go to the client now
     held: str  # the tail held back: it could still become a stop string
     stopped: bool  # a stop string was found; ``send`` ends right before it
+    matched: str | None = None  # which one (Anthropic's ``stop_sequence`` names it)
 
 
 def scan_stop_strings(held: str, segment: str, stops: Sequence[str], final: bool) -> StopScan:
@@ -36,8 +37,9 @@ def scan_stop_strings(held: str, segment: str, stops: Sequence[str], final: bool
     if not stops:
         return StopScan(text, "", False)
     # (end, start) of each stop string's first occurrence: the first to complete wins
-    hits = [(text.find(s) + len(s), text.find(s)) for s in stops if s in text]
+    hits = [(text.find(s) + len(s), text.find(s), s) for s in stops if s in text]
     if hits:
-        return StopScan(text[: min(hits)[1]], "", True)
+        _, start, matched = min(hits)
+        return StopScan(text[:start], "", True, matched)
     keep = 0 if final else min(max(len(s) - 1 for s in stops), len(text))
     return StopScan(text[: len(text) - keep], text[len(text) - keep :], False)

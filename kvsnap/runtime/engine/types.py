@@ -67,6 +67,7 @@ class RequestState:
     computed_tokens: int = 0
     completion_tokens: int = 0
     finish_reason: str | None = None
+    stop_sequence: str | None = None  # the stop string that ended it, if one did
     text: str = ""
     t_submit: float = field(default_factory=time.perf_counter)
     t_first_token: float | None = None
