@@ -134,7 +134,12 @@ class AnswerSplitter:
         if rules.splits_reasoning:
             assert rules.think_start and rules.think_end
             transitions["normal"] = [(rules.think_start, "reasoning")]
-            transitions["reasoning"] = [(rules.think_end, "normal")]
+            # an answer that opens the block its prompt (or deepseek_r1) already opened: the
+            # marker is dropped, as vLLM's deepseek_r1 parser drops it
+            transitions["reasoning"] = [
+                (rules.think_end, "normal"),
+                (rules.think_start, "reasoning"),
+            ]
         if self.parse_tools:
             assert rules.tool_start
             transitions.setdefault("normal", []).append((rules.tool_start, "tool"))
@@ -162,11 +167,13 @@ class AnswerSplitter:
         return self._collect(segments)
 
     def finish(self) -> list[dict]:
-        """The rest at the end of the answer: held text, an unclosed call."""
+        """The rest at the end of the answer: held text, and a call cut before its end marker
+        (``max_tokens``): a call when what was written parses, else content as written, the
+        end marker never made up."""
         self._state, held, current = self._machine.flush(self._state)
         deltas = self._collect([(current, held)])
         if self._prev == "tool":
-            deltas += self._end_call()
+            deltas += self._end_call(closed=False)
         if self._pending_space and not self.tool_calls:
             deltas.append(self._content(self._pending_space))
         self._pending_space = ""
@@ -215,32 +222,49 @@ class AnswerSplitter:
         self.content += text
         return {"content": text}
 
-    def _end_call(self) -> list[dict]:
+    def _end_call(self, closed: bool = True) -> list[dict]:
+        """The call just read: ``closed`` when its end marker was, else cut at the answer's
+        end (its text may then end in part of the end marker, held back until the end)."""
         text, self._tool_text = self._tool_text, ""
-        calls = self._parse(text)
+        calls, error = self._parse(text)
+        if calls is None and not closed:
+            cut = self._without_partial_end(text)
+            if cut != text:
+                calls, _ = self._parse(cut)
         if calls is None:
-            # not a call mlx-lm's parser can read: the client sees the text, markers and all
-            return [self._content(f"{self.rules.tool_start}{text}{self.rules.tool_end or ''}")]
+            log.warning(
+                "[kvsnap] a tool call the %s parser cannot read%s is sent as content (%s)",
+                self.rules.parser_name or "tool",
+                "" if closed else ", cut before its end marker,",
+                error,
+            )
+            # the client sees the text as it was written, markers and all: a cut call has
+            # no end marker
+            end = (self.rules.tool_end or "") if closed else ""
+            return [self._content(f"{self.rules.tool_start}{text}{end}")]
         self._pending_space = ""
         for call in calls:
             call["index"] = len(self.tool_calls)
             self.tool_calls.append(call)
         return [{"tool_calls": calls}] if calls else []
 
-    def _parse(self, text: str) -> Optional[list[dict]]:
+    def _without_partial_end(self, text: str) -> str:
+        """``text`` less a tail that begins the end marker (a call cut inside its marker)."""
+        end = self.rules.tool_end or ""
+        for n in range(len(end) - 1, 0, -1):
+            if text.endswith(end[:n]):
+                return text[:-n]
+        return text
+
+    def _parse(self, text: str) -> tuple[Optional[list[dict]], str]:
+        """The calls mlx-lm's parser reads in ``text``, or None and why not."""
         assert self.rules.tool_parser is not None
         try:
             parsed = self.rules.tool_parser(text, self.tools)
             found = parsed if isinstance(parsed, list) else [parsed]
-            return [_openai_call(item) for item in found]
+            return [_openai_call(item) for item in found], ""
         except PARSE_ERRORS as exc:
-            log.warning(
-                "[kvsnap] a tool call the %s parser cannot read is sent as content (%s: %s)",
-                self.rules.parser_name or "tool",
-                type(exc).__name__,
-                exc,
-            )
-            return None
+            return None, f"{type(exc).__name__}: {exc}"
 
 
 def _openai_call(parsed: Any) -> dict:

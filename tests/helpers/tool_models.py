@@ -113,6 +113,79 @@ LLAMA3_MODEL = ToolModel(
     ("<tool_", "call>", "</tool_c", "all>", CALL_JSON),
 )
 
+# Two calls in one answer, as Qwen3 writes parallel calls: the first written in pieces (so
+# max_tokens can cut it inside its JSON or right after it), the second with two-token markers
+# (the chain cannot repeat a token). The Lisbon weather call, then the time there.
+PAIR_HEAD = '{"name": "get_weather", "arguments": {"city": "'
+PAIR_CITY = "Lisbon"
+PAIR_TAIL = '"}}'
+PAIR_CALLS = (
+    {"name": "get_weather", "arguments": {"city": "Lisbon"}},
+    {"name": "get_time", "arguments": {"city": "Lisbon"}},
+)
+PAIR_TIME_JSON = json.dumps(PAIR_CALLS[1])
+PAIR_TOOLS = TOOLS + [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_time",
+            "description": "the local time in a city",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}},
+                "required": ["city"],
+            },
+        },
+    }
+]
+PAIR_MODEL = ToolModel(
+    "dense",
+    QWEN3,
+    (
+        "<tool_call>",
+        PAIR_HEAD,
+        PAIR_CITY,
+        PAIR_TAIL,
+        "</tool_call>",
+        "<tool_",
+        "call>",
+        PAIR_TIME_JSON,
+        "</tool_c",
+        "all>",
+        "<|im_end|>",
+    ),
+    (
+        "<tool_call>",
+        "</tool_call>",
+        "<tool_",
+        "call>",
+        "</tool_c",
+        "all>",
+        PAIR_HEAD,
+        PAIR_CITY,
+        PAIR_TAIL,
+        PAIR_TIME_JSON,
+    ),
+)
+# DeepSeek-R1-style on a Llama-3 template: the answer reasons from its first token (no
+# <think>) until </think>, then calls with "parameters", as Llama-3.1 writes its calls.
+PARAMETERS_CALL_JSON = json.dumps({"name": CALL["name"], "parameters": CALL["arguments"]})
+R1_MODEL = ToolModel(
+    "llama",
+    LLAMA3,
+    (
+        THOUGHT,
+        "</think>",
+        "<tool_",
+        "call>",
+        PARAMETERS_CALL_JSON,
+        "</tool_c",
+        "all>",
+        "<|eot_id|>",
+    ),
+    (THOUGHT, "</think>", "<tool_", "call>", "</tool_c", "all>", PARAMETERS_CALL_JSON),
+)
+
 
 def make_tool_model(root: Path, name: str, spec: ToolModel) -> Path:
     """The demo model of ``spec.arch`` rewritten to answer ``spec.chain`` (made once)."""
