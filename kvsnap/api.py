@@ -12,6 +12,7 @@ refused, never served.
 from __future__ import annotations
 
 import json
+import numbers
 import os
 from pathlib import Path
 from typing import Any, NamedTuple, Sequence
@@ -35,7 +36,7 @@ from kvsnap.runtime.model.loading import (  # noqa: E402
     load_model,
     resolve_model,
 )
-from kvsnap.runtime.model.shapes import ModelShapes  # noqa: E402
+from kvsnap.runtime.model.shapes import ModelShapes, named_arrays, token_bound  # noqa: E402
 from kvsnap.runtime.persist.writeback import commit_snapshot  # noqa: E402
 from kvsnap.runtime.warmup.prefetch import context_tokens  # noqa: E402
 from kvsnap.runtime.warmup.recipe import given_tokens_key, warm_key  # noqa: E402
@@ -47,6 +48,11 @@ from kvsnap.store.local import SnapshotInfo, Store  # noqa: E402
 # mlx-lm's metadata keys (cache_prompt writes model and tokenizer_config; older ones the
 # template too); the token ids are kvsnap's addition, so an export imports back by itself.
 TOKENS_FIELD = "kvsnap_tokens"
+# A snapshot's tokens tensor is int32: no id reaches this, whatever the vocabulary.
+INT32_IDS = 2**31
+# How far an imported state may differ from the one a store holds under its key and still be
+# the same state: the float noise of another prefill chunking, never another state.
+SAME_STATE_TOLERANCE = 1e-2
 
 
 class PromptCache(NamedTuple):
@@ -131,7 +137,8 @@ def import_prompt_cache(
     lm = _model(model, loaded)
     _require_same_model(file, metadata.get("model"), model, lm)
     ids = _imported_tokens(file, metadata, lm, prompt, tokens)
-    why = ModelShapes(lm).problem(cache)
+    shapes = ModelShapes(lm)
+    why = shapes.problem(cache) or _non_finite(cache)
     if why:
         raise SnapshotError(str(file), why, f"import it with the model it was made by, not {model}")
     try:
@@ -150,8 +157,59 @@ def import_prompt_cache(
     )
     keyed = given_tokens_key(lm.tokenizer, identity, entry, ids)
     target = Store.open(store, create=True)
-    commit_snapshot(lm, target, identity, entry, keyed.prompt_digest, ids, cache, str(file))
+    if not _already_held(target, keyed.key, identity, shapes, cache, file):
+        commit_snapshot(lm, target, identity, entry, keyed.prompt_digest, ids, cache, str(file))
     return keyed.key
+
+
+def _non_finite(cache: list) -> str | None:
+    """The first floating tensor holding NaN or infinity: mlx-lm would attend over it."""
+    import mlx.core as mx
+
+    for name, a in named_arrays(cache)[1].items():
+        if mx.issubdtype(a.dtype, mx.floating) and not mx.all(mx.isfinite(a)).item():
+            return f"tensor {name} holds NaN or infinite values"
+    return None
+
+
+def _already_held(
+    store: Store, key: str, identity: ModelIdentity, shapes: ModelShapes, cache: list, file: Path
+) -> bool:
+    """Whether ``store`` already holds ``cache`` under ``key``. An import never replaces a record
+    that verifies: other content under its key is a SnapshotError; a damaged one is replaced."""
+    path = store.path_for(key)
+    if not path.is_file():
+        return False
+    try:
+        held = checked_state(store, store.inspect(path), identity, shapes)
+    except SnapshotError:
+        return False
+    if _same_state(named_arrays(held)[1], named_arrays(cache)[1]):
+        return True
+    raise SnapshotError(
+        str(file),
+        f"the store already holds key {key} ({path}), which verifies, with other content than "
+        "this file's; the store's is kept",
+        "delete that record and run `kvsnap gc --yes` first if this file is the one to keep",
+    )
+
+
+def _same_state(held: dict, given: dict) -> bool:
+    import mlx.core as mx
+
+    if held.keys() != given.keys():
+        return False
+    for name, a in held.items():
+        b = given[name]
+        if a.shape != b.shape or a.dtype != b.dtype:
+            return False
+        if mx.issubdtype(a.dtype, mx.floating):
+            a, b, tol = a.astype(mx.float32), b.astype(mx.float32), SAME_STATE_TOLERANCE
+            if not mx.allclose(a, b, rtol=tol, atol=tol).item():
+                return False
+        elif not mx.array_equal(a, b).item():
+            return False
+    return True
 
 
 def _open(store: str | os.PathLike) -> Store:
@@ -277,8 +335,9 @@ def _imported_tokens(
     prompt: str | None,
     tokens: Sequence[int] | None,
 ) -> list[int]:
+    bound = min(token_bound(lm) or INT32_IDS, INT32_IDS)
     if tokens is not None:
-        return [int(t) for t in tokens]
+        return _checked_ids(file, "tokens", tokens, bound)
     if prompt is not None:
         # What mlx_lm.cache_prompt does with its --prompt.
         tokenizer = lm.tokenizer
@@ -292,10 +351,29 @@ def _imported_tokens(
         return list(tokenizer.encode(prompt))
     if TOKENS_FIELD in metadata:
         try:
-            return [int(t) for t in json.loads(metadata[TOKENS_FIELD])]
-        except (TypeError, ValueError):
-            raise SnapshotError(str(file), f"its {TOKENS_FIELD} is not a list of ids") from None
+            recorded = json.loads(metadata[TOKENS_FIELD])
+        except ValueError:
+            recorded = None
+        return _checked_ids(file, TOKENS_FIELD, recorded, bound)
     raise UsageError(
         f"{file} does not record its tokens; pass prompt= (the --prompt given to "
         "mlx_lm.cache_prompt) or tokens="
     )
+
+
+def _checked_ids(file: Path, field: str, ids: Any, bound: int) -> list[int]:
+    """``ids`` when each is a token id of this model; else a SnapshotError naming the field and
+    the first bad value (a bool or a float is no id; an id past the embedding reads garbage)."""
+    fix = f"give the token ids the cache was made from, each in [0, {bound})"
+    if isinstance(ids, (str, bytes, dict)) or not isinstance(ids, Sequence):
+        raise SnapshotError(str(file), f"its {field} is not a list of token ids", fix)
+    for i, t in enumerate(ids):
+        if isinstance(t, bool) or not isinstance(t, numbers.Integral):
+            raise SnapshotError(str(file), f"its {field}[{i}] is {t!r}, not a token id", fix)
+        if not 0 <= t < bound:
+            raise SnapshotError(
+                str(file),
+                f"its {field}[{i}] is {int(t)}, outside this model's vocabulary [0, {bound})",
+                fix,
+            )
+    return [int(t) for t in ids]

@@ -123,6 +123,14 @@ class ModelShapes:
                 )
         return None
 
+    def problem_in_layers(self, layers: list) -> str | None:
+        """Why a state of these layers (cache objects or a record's layer fields) is not this
+        model's: it must hold every layer the model has, not only fit the ones it holds."""
+        want = len(self._lm.layout)
+        if len(layers) != want:
+            return f"holds {len(layers)} layers, this model's cache has {want}"
+        return None
+
     def problem(self, state: Any) -> str | None:
         """Why a restored state (arrays by name, a composed state or a cache list) does not fit, or
         None."""
@@ -139,4 +147,16 @@ class ModelShapes:
                 if why:
                     return why
             return None
-        return self.problem_in_arrays(named_arrays(state)[1])
+        return self.problem_in_layers(state) or self.problem_in_arrays(named_arrays(state)[1])
+
+
+def token_bound(lm: LoadedModel) -> int | None:
+    """Token ids must be below this: the input embedding's rows, or the configured vocab_size
+    where smaller; None where neither is known."""
+    import mlx.nn as nn
+
+    embeddings = (nn.Embedding, nn.QuantizedEmbedding)
+    first = next((m for _, m in lm.model.named_modules() if isinstance(m, embeddings)), None)
+    found = [lm.config.get("vocab_size"), None if first is None else int(first.weight.shape[0])]
+    bounds = [b for b in found if isinstance(b, int) and not isinstance(b, bool) and b > 0]
+    return min(bounds) if bounds else None
