@@ -263,6 +263,13 @@ def cmd_verify(args) -> int:
             f"note {tmp}: leftover temp file of an interrupted write (harmless; `kvsnap gc --yes` "
             f"removes it)"
         )
+    # a store whose every file is for another model or KV setting was not checked at all
+    problem = (
+        f"checked nothing: all {other} snapshot(s) are for another model or KV setting; give "
+        "the --model and KV flags (--kv-bits, --kv-group-size, --max-kv-size) the server runs with"
+        if other and not ok and not bad
+        else None
+    )
     if args.json:
         print_json(
             {
@@ -270,6 +277,7 @@ def cmd_verify(args) -> int:
                 "ok": ok,
                 "bad": bad,
                 "other": other,
+                "problem": problem,
                 "conversations": {"ok": n_ok, "bad": n_bad, "other": n_other},
                 "files": say.entries,
                 "temp_files": [store_relative(store.root, tmp) for tmp in temp_files],
@@ -277,7 +285,9 @@ def cmd_verify(args) -> int:
         )
     else:
         print(f"{ok} ok, {bad} bad" + (f", {other} for another model" if other else ""))
-    return EXIT_BAD if bad else EXIT_OK
+        if problem:
+            print(problem)
+    return EXIT_BAD if bad or problem else EXIT_OK
 
 
 def _check_shapes(store, info, shapes) -> None:

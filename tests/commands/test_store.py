@@ -18,8 +18,18 @@ def test_verify_json_lists_every_file_with_its_status_and_keeps_the_exit_code(bu
     r = run_kvsnap("verify", store, "--json")
     assert r.returncode == 0, r.stdout + r.stderr
     doc = json.loads(r.stdout)
-    assert set(doc) == {"store", "ok", "bad", "other", "conversations", "files", "temp_files"}
+    assert set(doc) == {
+        "store",
+        "ok",
+        "bad",
+        "other",
+        "problem",
+        "conversations",
+        "files",
+        "temp_files",
+    }
     assert (doc["ok"], doc["bad"], doc["other"]) == (2, 0, 0) and doc["temp_files"] == []
+    assert doc["problem"] is None
     assert doc["conversations"] == {"ok": 0, "bad": 0, "other": 0}
     assert {f["status"] for f in doc["files"]} == {"ok"} and len(doc["files"]) == 2
     for f in doc["files"]:
@@ -57,3 +67,21 @@ def test_gc_json_lists_what_it_would_remove_then_removes_it(built, tmp_path):
     assert r.returncode == 0 and json.loads(r.stdout)["deleted"] is True
     assert not (store / "snapshots" / f"{TMP_PREFIX}left-over").exists()
     assert json.loads(run_kvsnap("gc", store, "--json").stdout)["count"] == 0
+
+
+def test_verify_that_checked_nothing_fails_saying_so(built, demo_models, tmp_path):
+    """Every file for another KV setting (a CI step that forgot --kv-bits): nothing was checked,
+    so the store is not known good; exit 1 with a sentence, in text and in --json."""
+    store = tmp_path / "snaps"
+    shutil.copytree(built, store)
+    model = demo_models.path("dense")
+    r = run_kvsnap("verify", store, "--model", model, "--kv-bits", "8")
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "0 ok, 0 bad, 2 for another model" in r.stdout
+    assert "checked nothing" in r.stdout and "--kv-bits" in r.stdout, r.stdout
+    r = run_kvsnap("verify", store, "--model", model, "--kv-bits", "8", "--json")
+    assert r.returncode == 1, r.stdout + r.stderr
+    doc = json.loads(r.stdout)
+    assert (doc["ok"], doc["bad"], doc["other"]) == (0, 0, 2)
+    assert "checked nothing" in doc["problem"]
+    assert run_kvsnap("verify", store, "--model", model).returncode == 0
