@@ -744,6 +744,58 @@ BREAKAGES = (
         ),
     ),
     Breakage(
+        "sampler-top-k-unclamped",
+        "hostile requests: one tenant's sampling fails no other's (server.md#security)",
+        "a top_k of the vocabulary or more reaches mlx-lm's apply_top_k, which raises for the "
+        "whole batch: another key's greedy request gets a 500 too",
+        (
+            Patch(
+                "kvsnap/runtime/engine/sampling.py",
+                "        if top_k_applies(top_k, logprobs.shape[-1]):\n",
+                "        if top_k > 0:\n",
+            ),
+        ),
+        (
+            "tests/runtime/engine/test_sampling.py::"
+            "test_a_top_k_of_the_vocabulary_or_more_is_off_as_zero_is",
+            "tests/http/test_security.py::"
+            "test_one_tenants_sampling_values_do_not_fail_another_tenants_batched_request_issue_39",
+        ),
+    ),
+    Breakage(
+        "sampler-failure-fails-batch",
+        "hostile requests: one tenant's sampling fails no other's (server.md#security)",
+        "a request whose sampler raises fails the whole step: every request in its batch errors",
+        (
+            Patch(
+                "kvsnap/runtime/engine/sampling.py",
+                "    return sampler if sampler is greedy else OwnSampler(sampler)\n",
+                "    return sampler\n",
+            ),
+        ),
+        (
+            "tests/runtime/engine/test_engine.py::"
+            "test_a_request_whose_sampler_raises_errors_alone_and_its_batch_goes_on_issue_39",
+        ),
+    ),
+    Breakage(
+        "tiny-temperature-samples",
+        "hostile requests: sampling values at their edges (server.md)",
+        "a temperature of 1e-39 is sampled: 1/T overflows float32 and the draw is uniform",
+        (
+            Patch(
+                "kvsnap/runtime/engine/sampling.py",
+                "    return not temperature >= TEMPERATURE_FLOOR\n",
+                "    return not temperature > 0\n",
+            ),
+        ),
+        (
+            "tests/runtime/engine/test_sampling.py::test_a_temperature_below_the_floor_is_greedy",
+            "tests/http/test_security.py::"
+            "test_a_temperature_below_the_floor_answers_as_greedy_issue_39",
+        ),
+    ),
+    Breakage(
         "mlx-lm-profile-bos-on-encode",
         "2. strict prefix",
         "the --for mlx-lm profile encodes with the tokenizer's special tokens (a second BOS on "

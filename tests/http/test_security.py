@@ -447,6 +447,69 @@ def test_negative_and_uint64_seeds_are_valid(keyed, client):
         assert r.status_code == 200, r.text
 
 
+def _token_ids(r: httpx.Response) -> list[tuple[int, ...]]:
+    """The answer's tokens, each as its bytes (the chat logprobs' shape carries no id)."""
+    assert r.status_code == 200, r.text
+    return [tuple(t["bytes"]) for t in r.json()["choices"][0]["logprobs"]["content"]]
+
+
+@pytest.mark.parametrize(
+    "sampling",
+    [
+        {"top_k": 2**31 - 1, "temperature": 1.0, "seed": 3},
+        {"top_k": 2**31 - 1, "temperature": 1.0},
+        {"top_p": 1e-50, "temperature": 1.0, "seed": 3},
+        {"min_p": 5e-324, "top_k": 100000, "temperature": 1.0, "seed": 3},
+    ],
+)
+def test_one_tenants_sampling_values_do_not_fail_another_tenants_batched_request_issue_39(
+    keyed, client, sampling
+):
+    """A top_k of the vocabulary or more made mlx-lm's sampler raise for the whole batch: the
+    other key's greedy request got a 500 too."""
+    greedy = chat_body("Tell me about the reviewer's rules.", max_tokens=24, logprobs=True)
+    alone = _token_ids(
+        client.post(f"{keyed.url}/v1/chat/completions", json=greedy, headers=auth(USER_B))
+    )
+    answers: dict[str, httpx.Response] = {}
+
+    def send(name: str, key: str, body: dict) -> None:
+        answers[name] = client.post(
+            f"{keyed.url}/v1/chat/completions", json=body, headers=auth(key)
+        )
+
+    threads = [
+        threading.Thread(target=send, args=("greedy", USER_B, greedy)),
+        threading.Thread(
+            target=send,
+            args=("sampled", USER_A, chat_body("Tell me a story.", max_tokens=16, **sampling)),
+        ),
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert answers["sampled"].status_code == 200, answers["sampled"].text
+    assert _token_ids(answers["greedy"]) == alone
+
+
+@pytest.mark.parametrize("temperature", [1e-39, 1e-300, 5e-6])
+def test_a_temperature_below_the_floor_answers_as_greedy_issue_39(keyed, client, temperature):
+    """1e-39 overflowed 1/temperature in float32: the draw was uniform, not the greedy token."""
+    body = chat_body("Name three rivers.", max_tokens=12, logprobs=True)
+    greedy = _token_ids(
+        client.post(f"{keyed.url}/v1/chat/completions", json=body, headers=auth(USER_A))
+    )
+    for seed in (1, 2, 3):
+        tiny = {**body, "temperature": temperature, "seed": seed}
+        assert (
+            _token_ids(
+                client.post(f"{keyed.url}/v1/chat/completions", json=tiny, headers=auth(USER_A))
+            )
+            == greedy
+        )
+
+
 @pytest.mark.parametrize(
     "path,raw",
     [

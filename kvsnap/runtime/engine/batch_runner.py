@@ -29,7 +29,12 @@ from kvsnap.runtime.engine.request_cache import (
     prefill_shared_prefixes,
 )
 from kvsnap.runtime.engine.request_output import deliver_token, finish_request
-from kvsnap.runtime.engine.sampling import make_request_sampler, token_logprob
+from kvsnap.runtime.engine.sampling import (
+    OwnSampler,
+    batch_sampler,
+    make_request_sampler,
+    token_logprob,
+)
 from kvsnap.runtime.engine.scheduler import Scheduler
 from kvsnap.runtime.engine.types import RequestState, check_request
 from kvsnap.runtime.model.loading import LoadedModel
@@ -59,6 +64,8 @@ class BatchRunner:
         self.shared_prefills = 0  # shared prefixes of requests admitted together, computed once
         # by uid: the warm blocks a running request's cache was copied from, until its capture
         self._heads: dict[int, SharedHead] = {}
+        # by uid: the samplers that may raise (not greedy's), checked after each step
+        self._samplers: dict[int, OwnSampler] = {}
 
     def new_generator(self, batch_size: int, prefill_batch_size: int) -> BatchGenerator:
         return BatchGenerator(
@@ -77,10 +84,12 @@ class BatchRunner:
             self.accounts.detach(self.gen)
             self.gen = None
         self._heads.clear()
+        self._samplers.clear()
 
     def remove(self, uid: int) -> None:
         """Free a cancelled request's slot."""
         self._heads.pop(uid, None)
+        self._samplers.pop(uid, None)
         if self.gen is not None:
             self.gen.remove([uid])
 
@@ -101,19 +110,22 @@ class BatchRunner:
             try:
                 check_request(r)
                 cache, suffix = prepare(state)
+                sampler = batch_sampler(
+                    make_request_sampler(r.temperature, r.top_p, r.seed, r.top_k, r.min_p)
+                )
                 uid = gen.insert(
                     [list(suffix)],
                     max_tokens=[r.max_tokens],
                     caches=[for_batch(cache, len(suffix))],
-                    samplers=[
-                        make_request_sampler(r.temperature, r.top_p, r.seed, r.top_k, r.min_p)
-                    ],
+                    samplers=[sampler],
                 )[0]
             except Exception as exc:  # this request fails; the batch goes on
                 log.warning("[kvsnap] request %d failed to start: %s", state.id, exc)
                 finish_request(state, "error", f"{type(exc).__name__}: {exc}")
                 continue
             state.uid = uid
+            if isinstance(sampler, OwnSampler):
+                self._samplers[uid] = sampler
             state.capture = len(suffix) > 1
             head = self._shared_head(state, len(r.tokens) - len(suffix))
             if state.capture and head is not None:
@@ -142,6 +154,7 @@ class BatchRunner:
         if gen is None:  # nothing admitted yet
             return
         prompt_responses, generation_responses = gen.next()
+        failed = self._fail_sampling(gen)
         for r in prompt_responses:
             state = self.sched.active.get(r.uid)
             if state is not None and state.capture and r.end_of_segment and not r.end_of_prompt:
@@ -156,7 +169,7 @@ class BatchRunner:
                 )
         for r in generation_responses:
             state = self.sched.active.get(r.uid)
-            if state is None:
+            if state is None or r.uid in failed:
                 continue
             # the decode step that produced this token ran the last prompt token
             self.accounts.first_decode(state)
@@ -166,8 +179,26 @@ class BatchRunner:
             if state.finish_reason is not None:
                 self.sched.release(r.uid)
                 self._heads.pop(r.uid, None)
+                self._samplers.pop(r.uid, None)
                 if r.finish_reason is None:  # stopped by a stop string: free the slot now
                     gen.remove([r.uid])
+
+    def _fail_sampling(self, gen: BatchGenerator) -> set[int]:
+        """End each request whose sampler raised in this step, alone: its slot is freed and the
+        others' tokens go on."""
+        failed = {uid for uid, s in self._samplers.items() if s.error is not None}
+        for uid in failed:
+            error = self._samplers.pop(uid).error
+            self._heads.pop(uid, None)
+            state = self.sched.active.get(uid)
+            if state is not None:
+                self.accounts.first_decode(state)  # the step ran its last prompt token
+                log.warning("[kvsnap] request %d: sampling failed: %s", state.id, error)
+                finish_request(state, "error", f"{type(error).__name__}: {error}")
+                self.sched.release(uid)
+        if failed:
+            gen.remove(list(failed))
+        return failed
 
     def prime_kernels(self) -> None:
         """A throwaway 3-token request on its own generator (the token counters stay exact).

@@ -732,6 +732,45 @@ def test_a_request_that_fails_to_start_errors_alone_and_the_engine_keeps_serving
     assert engine.status()["batch_size"] == 0
 
 
+def test_a_request_whose_sampler_raises_errors_alone_and_its_batch_goes_on_issue_39(
+    worlds, engines, oracle, monkeypatch
+):
+    """A sampler that raises (mlx-lm's top_k check did, for one tenant's top_k) used to fail
+    the whole step: every request in the batch got an error."""
+    from kvsnap.runtime.engine import batch_runner
+    from kvsnap.runtime.engine.engine import GenerationRequest
+
+    real = batch_runner.make_request_sampler
+
+    def make(temperature, top_p=1.0, seed=None, top_k=0, min_p=0.0):
+        if seed != 666:
+            return real(temperature, top_p, seed, top_k, min_p)
+
+        def broken(logprobs):
+            raise ValueError("injected sampler failure")
+
+        return broken
+
+    monkeypatch.setattr(batch_runner, "make_request_sampler", make)
+    world = worlds("dense")
+    engine = engines.start(world)
+    good_tokens = world.request(0, QUESTIONS[0])
+    good = submit(engine, good_tokens)
+    errors = []
+    bad = engine.submit(
+        GenerationRequest(world.request(1, QUESTIONS[1]), MAX_TOKENS, temperature=1.0, seed=666),
+        lambda s, k, p: errors.append(p) if k == "error" else None,
+    )
+    seeded = GenerationRequest(good_tokens, 8, temperature=1.0, seed=5)
+    other = engine.submit(seeded, lambda s, k, p: None)
+    assert bad.done.wait(60) and bad.finish_reason == "error", bad.finish_reason
+    assert errors == ["ValueError: injected sampler failure"]
+    assert answer_of(finish(good)) == oracle(world, good_tokens)
+    finish(other)
+    assert answer_of(finish(serve(engine, good_tokens))) == oracle(world, good_tokens)
+    assert engine.status()["batch_size"] == 0
+
+
 def test_submit_after_shutdown_fails_at_once(worlds, engines):
     engine = engines.start(worlds("dense"), warm=False, snapshots=None)
     engine.shutdown()
