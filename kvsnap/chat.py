@@ -167,28 +167,77 @@ def render_messages(
     chat_template_kwargs: dict | None = None,
     add_generation_prompt: bool = True,
 ) -> str:
-    """Render normalised messages to the prompt string with the tokenizer's own template."""
+    """Render normalised messages to the prompt string with the tokenizer's own template.
+
+    A template that refuses system messages after the first (or more than one) gets them
+    placed where it takes them (``system_placements``): the same rule for every request
+    and every warm prompt, so the leading system prompt and tools stay a shared prefix."""
     kwargs = dict(chat_template_kwargs or {})
-    try:
-        text = tokenizer.apply_chat_template(
-            list(messages),
-            tools=list(tools) if tools else None,
-            tokenize=False,
-            add_generation_prompt=add_generation_prompt,
-            **kwargs,
-        )
-    # jinja raises many types; all mean the template refused these messages
-    except Exception as exc:
+    first: Exception | None = None
+    for placed in system_placements(list(messages)):
+        try:
+            text = tokenizer.apply_chat_template(
+                placed,
+                tools=list(tools) if tools else None,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                **kwargs,
+            )
+            break
+        # jinja raises many types; all mean the template refused these messages
+        except Exception as exc:
+            first = first or exc
+    else:
+        assert first is not None
         raise TemplateError(
-            f"the chat template failed to render the messages ({type(exc).__name__}: {exc}); check "
-            f"the roles and order of the messages"
-        ) from exc
+            f"the chat template failed to render the messages ({type(first).__name__}: "
+            f"{first}); check the roles and order of the messages"
+        ) from first
     if not isinstance(text, str):
         raise TemplateError(
             f"apply_chat_template returned {type(text).__name__}, not a string; this tokenizer is "
             f"not supported"
         )
     return text
+
+
+def system_placements(messages: list[dict]) -> list[list[dict]]:
+    """The messages as given, then (when they hold system messages a template may refuse)
+    the later system messages appended to the user turn before them (the one after, when
+    none comes before: kept after the leading system prompt, and unchanged by later turns),
+    then also the leading run of system messages joined into one."""
+    lead = 0
+    while lead < len(messages) and messages[lead]["role"] == "system":
+        lead += 1
+    tries = [messages]
+    later = [i for i in range(lead, len(messages)) if messages[i]["role"] == "system"]
+    if later:
+        tries.append(_later_system_in_user_turns(messages, lead))
+    if lead > 1:
+        joined = "\n\n".join(m["content"] for m in tries[-1][:lead])
+        tries.append([{"role": "system", "content": joined}, *tries[-1][lead:]])
+    return tries
+
+
+def _later_system_in_user_turns(messages: list[dict], lead: int) -> list[dict]:
+    out = [dict(m) for m in messages[:lead]]
+    pending: list[str] = []  # system texts waiting for a user turn (none before them)
+    for m in messages[lead:]:
+        if m["role"] == "system":
+            before = next((o for o in reversed(out[lead:]) if o["role"] == "user"), None)
+            if before is not None:
+                before["content"] = f"{before['content']}\n\n{m['content']}"
+            else:
+                pending.append(m["content"])
+            continue
+        m = dict(m)
+        if m["role"] == "user" and pending:
+            m["content"] = "\n\n".join([*pending, m["content"]])
+            pending = []
+        out.append(m)
+    if pending:
+        out.append({"role": "user", "content": "\n\n".join(pending)})
+    return out
 
 
 def encode_prompt(tokenizer: ChatTokenizer, text: str) -> list[int]:

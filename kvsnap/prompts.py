@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
+from kvsnap.agent_requests import anthropic_prefix, responses_prefix
 from kvsnap.chat import (
     KVSNAP_TOKENIZATION,
     ChatTokenizer,
@@ -22,6 +23,8 @@ from kvsnap.chat import (
 from kvsnap.errors import MessageError, TemplateError, WarmPromptError
 
 ENTRY_KEYS = ("name", "messages", "tools", "chat_template_kwargs")
+# An agent's request body as its client sends it: the prefix every request shares is warmed
+AGENT_ENTRY_KEYS = ("anthropic", "responses")
 
 # Probe user turns whose first characters differ in every way a BPE merge can
 # care about: letter, space, newlines, tab, digit, CJK, punctuation, markup.
@@ -49,6 +52,8 @@ class WarmPrompt:
     messages: tuple[dict, ...]
     tools: tuple[dict, ...] | None = None
     chat_template_kwargs: dict | None = None
+    # for an agent body: which API and where its shared prefix was cut
+    cut: str | None = None
 
     def as_json(self) -> dict:
         return {
@@ -118,26 +123,58 @@ def _check_kwargs(kwargs: Any, where: str) -> dict | None:
     return dict(kwargs)
 
 
+def _entry_name(raw: dict, where: str, default: str) -> str:
+    if "name" not in raw:
+        return default
+    if not isinstance(raw["name"], str) or not raw["name"].strip():
+        raise MessageError(
+            where + ".name",
+            f"expected a non-empty string, got {raw['name']!r}",
+            'name the agent, e.g. "reviewer"',
+        )
+    return raw["name"].strip()
+
+
+def _agent_entry(raw: dict, index: int, where: str) -> WarmPrompt:
+    """``{"name": ..., "anthropic": BODY}`` or ``{"name": ..., "responses": BODY}``: the
+    prefix every request of that agent shares, cut by ``agent_requests``."""
+    apis = [k for k in AGENT_ENTRY_KEYS if k in raw]
+    unknown = sorted(set(raw) - {"name", *AGENT_ENTRY_KEYS})
+    if len(apis) > 1 or unknown:
+        raise MessageError(
+            where,
+            f"unknown or extra field(s) {', '.join(map(repr, unknown + apis[1:]))}",
+            f"an agent entry has name and one of {', '.join(AGENT_ENTRY_KEYS)}",
+        )
+    api = apis[0]
+    cut_prefix = anthropic_prefix if api == "anthropic" else responses_prefix
+    chat, cut = cut_prefix(raw[api], f"{where}.{api}")
+    return WarmPrompt(
+        index=index,
+        name=_entry_name(raw, where, f"{api}-{index}"),
+        messages=chat.messages,
+        tools=chat.tools,
+        chat_template_kwargs=chat.template_kwargs or None,
+        cut=cut,
+    )
+
+
 def parse_entry(raw: Any, index: int) -> WarmPrompt:
     where = f"entries[{index}]"
     name = f"agent-{index}"
     tools = kwargs = None
+    if isinstance(raw, dict) and any(k in raw for k in AGENT_ENTRY_KEYS):
+        return _agent_entry(raw, index, where)
     if isinstance(raw, dict):
         unknown = sorted(set(raw) - set(ENTRY_KEYS))
         if unknown:
             raise MessageError(
                 where,
                 f"unknown field(s) {', '.join(map(repr, unknown))}",
-                f"an entry object may only have {', '.join(ENTRY_KEYS)}",
+                f"an entry object may only have {', '.join(ENTRY_KEYS)} (or name and one of "
+                f"{', '.join(AGENT_ENTRY_KEYS)})",
             )
-        if "name" in raw:
-            if not isinstance(raw["name"], str) or not raw["name"].strip():
-                raise MessageError(
-                    where + ".name",
-                    f"expected a non-empty string, got {raw['name']!r}",
-                    'name the agent, e.g. "reviewer"',
-                )
-            name = raw["name"].strip()
+        name = _entry_name(raw, where, name)
         if "messages" not in raw:
             raise MessageError(
                 where + ".messages",

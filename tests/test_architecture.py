@@ -21,6 +21,7 @@ BASE = {
     "kvsnap.errors",
     "kvsnap.key",
     "kvsnap.chat",
+    "kvsnap.agent_requests",
     "kvsnap.prompts",
     "kvsnap.profiles",
     "kvsnap.blas",

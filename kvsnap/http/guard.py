@@ -127,10 +127,14 @@ class GuardMiddleware:
         if self.auth.enabled and scope.get("path") not in OPEN_PATHS:
             headers = dict(scope.get("headers") or [])
             who = self.auth.identify(headers.get(b"authorization", b"").decode("latin-1"))
+            api_key = headers.get(b"x-api-key", b"").decode("latin-1").strip()
+            if who is None and api_key:  # Anthropic's header (Claude Code sends its key so)
+                who = self.auth.identify(f"Bearer {api_key}")
             if who is None:
                 start, body = _error_response(
                     401,
-                    "missing or invalid API key; send `Authorization: Bearer <key>`",
+                    "missing or invalid API key; send `Authorization: Bearer <key>` or "
+                    "`x-api-key: <key>`",
                     "invalid_api_key",
                     ((b"www-authenticate", b"Bearer"),),
                 )

@@ -4,7 +4,6 @@ engine generates, the answer goes back whole or as server-sent events."""
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
 import logging
 import re
@@ -14,9 +13,10 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
-from kvsnap.chat import encode_prompt, normalize_messages, request_tokens
-from kvsnap.errors import MessageError, TemplateError
+from kvsnap.chat import encode_prompt, normalize_messages
+from kvsnap.errors import MessageError
 from kvsnap.http.api_errors import APIError
+from kvsnap.http.chat_prompt import answer_splitter, chat_prompt_tokens
 from kvsnap.http.context import ServerContext
 from kvsnap.http.limits import check_template_kwargs, check_token_ids
 from kvsnap.http.logprobs import chat_logprobs, completion_logprobs, text_length
@@ -29,12 +29,7 @@ from kvsnap.http.schemas import (
     error_body,
     new_id,
 )
-from kvsnap.http.tool_calls import (
-    PROMPT_TAIL_TOKENS,
-    AnswerSplitter,
-    check_tool_choice,
-    output_rules,
-)
+from kvsnap.http.tool_calls import AnswerSplitter, check_tool_choice
 from kvsnap.runtime.engine.engine import GenerationRequest, RequestState
 
 DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks that its client is still there
@@ -76,17 +71,6 @@ def generation_router(ctx: ServerContext) -> APIRouter:
     router = APIRouter()
     engine = ctx.engine
 
-    @functools.cache
-    def rules():
-        # the tokenizer is loaded by the time a request asks
-        return output_rules(engine.lm.tokenizer, ctx.config.reasoning_parser)
-
-    def splitter(req: ChatCompletionRequest, tokens: list[int]) -> AnswerSplitter:
-        tail = ""
-        if rules().splits_reasoning:
-            tail = engine.lm.tokenizer.decode(tokens[-PROMPT_TAIL_TOKENS:])
-        return AnswerSplitter(rules(), req.tools, req.tool_choice, tail)
-
     def chat_tokens(req: ChatCompletionRequest) -> list[int]:
         """Check, normalise, render and tokenize: a worker thread's job, never the loop's."""
         ctx.check_text(req, ("messages", "tools", "chat_template_kwargs", "stop"))
@@ -96,22 +80,8 @@ def generation_router(ctx: ServerContext) -> APIRouter:
         except MessageError as exc:
             raise APIError(400, str(exc), exc.where, "invalid_value") from None
         allowed = ctx.model_limits()["template_kwargs"]
-        # the server's --chat-template-args, each overridden by the request's own
-        kwargs = {
-            **ctx.config.chat_template_args,
-            **check_template_kwargs(req.chat_template_kwargs, allowed),
-        }
-        if req.tool_choice is not None:
-            kwargs["tool_choice"] = req.tool_choice
-        try:
-            tokens = request_tokens(engine.lm.tokenizer, messages, req.tools, kwargs)
-        except TemplateError as exc:
-            raise APIError(400, str(exc), "messages", "invalid_value") from None
-        if not tokens:
-            raise APIError(
-                400, "the messages render to an empty prompt", "messages", "invalid_value"
-            )
-        return tokens
+        kwargs = check_template_kwargs(req.chat_template_kwargs, allowed)
+        return chat_prompt_tokens(ctx, messages, req.tools, kwargs, req.tool_choice, "messages")
 
     def completion_tokens(req: CompletionRequest) -> list[int]:
         ctx.check_text(req, ("prompt", "stop"))
@@ -145,7 +115,7 @@ def generation_router(ctx: ServerContext) -> APIRouter:
             new_id("chatcmpl"),
             "chat",
             request,
-            lambda tokens: splitter(req, tokens),
+            lambda tokens: answer_splitter(ctx, req.tools, req.tool_choice, tokens),
         )
 
     @router.post("/v1/completions")
@@ -240,7 +210,8 @@ def submit(
     bridge = _Bridge(asyncio.get_running_loop(), ctx.release)
     try:
         check_token_ids(tokens, ctx.model_limits()["vocab"], where)
-        max_tokens = ctx.resolve_max_tokens(req.requested_max_tokens, len(tokens))
+        cap = getattr(req, "max_tokens_is_a_cap", False)
+        max_tokens = ctx.resolve_max_tokens(req.requested_max_tokens, len(tokens), cap)
         tenant, _ = ctx.caller(request)
         namespace = f"{tenant}/{req.cache_salt or ''}" if (tenant or req.cache_salt) else ""
         default = config.sampling
