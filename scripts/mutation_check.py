@@ -76,6 +76,7 @@ KILLED_AT = (
     CRASH + "test_killed_at_each_writer_fault_point_the_store_verifies_and_the_next_turn_is_served"
 )
 DAMAGE = "tests/runtime/persist/test_damage.py::"
+API_IMPORTS = "tests/test_api_forged_imports.py::"
 
 BREAKAGES = (
     Breakage(
@@ -2347,6 +2348,32 @@ BREAKAGES = (
             "tests/runtime/engine/test_startup.py::"
             "test_the_kernel_priming_runs_before_the_engine_says_warm",
         ),
+    ),
+    Breakage(
+        "import-without-model",
+        "3. never foreign (issue 39)",
+        "a save_prompt_cache file whose metadata names no model is imported unchecked",
+        (
+            Patch(
+                "kvsnap/api.py",
+                "    if recorded is None:\n        raise UsageError(",
+                "    if recorded is None:\n        return\n        raise UsageError(",
+            ),
+        ),
+        (API_IMPORTS + "test_a_file_naming_no_model_is_refused",),
+    ),
+    Breakage(
+        "import-other-tokenizer",
+        "3. never foreign (issue 39)",
+        "a file from a copy of the model with another tokenizer counts as the same model",
+        (
+            Patch(
+                "kvsnap/api.py",
+                "        and tokenizer_digest(a) == tokenizer_digest(b)\n",
+                "",
+            ),
+        ),
+        (API_IMPORTS + "test_a_file_from_a_copy_of_the_model_with_another_tokenizer_is_refused",),
     ),
 )
 
