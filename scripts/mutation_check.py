@@ -77,6 +77,8 @@ KILLED_AT = (
 )
 DAMAGE = "tests/runtime/persist/test_damage.py::"
 API_IMPORTS = "tests/test_api_forged_imports.py::"
+TOOL_CALLS = "tests/http/test_tool_calls.py::"
+LOGPROBS = "tests/http/test_logprobs.py::"
 
 BREAKAGES = (
     Breakage(
@@ -2374,6 +2376,137 @@ BREAKAGES = (
             ),
         ),
         (API_IMPORTS + "test_a_file_from_a_copy_of_the_model_with_another_tokenizer_is_refused",),
+    ),
+    # --- tool calls and logprobs (issue 39): breakages an independent mutation run made
+    Breakage(
+        "cut-call-reported-as-tool-calls",
+        "tool calls (issue 39)",
+        "a call cut at max_tokens is reported with finish_reason tool_calls, not length",
+        (
+            Patch(
+                "kvsnap/http/tool_calls.py",
+                'return "tool_calls" if reason == "stop" and self.tool_calls else reason',
+                'return "tool_calls" if self.tool_calls else reason',
+            ),
+        ),
+        (
+            TOOL_CALLS + "test_a_call_cut_by_max_tokens_is_what_was_generated_with_finish_reason_"
+            "length",
+            TOOL_CALLS + "test_splitter_a_call_cut_after_its_json_is_a_call_with_finish_reason_"
+            "length",
+        ),
+    ),
+    Breakage(
+        "streamed-calls-all-index-0",
+        "tool calls (issue 39)",
+        "every streamed call has index 0: a client merges two parallel calls into one",
+        (
+            Patch(
+                "kvsnap/http/tool_calls.py",
+                'call["index"] = len(self.tool_calls)',
+                'call["index"] = 0',
+            ),
+        ),
+        (
+            TOOL_CALLS + "test_two_calls_in_one_answer_come_back_as_two",
+            TOOL_CALLS + "test_splitter_numbers_parallel_calls",
+        ),
+    ),
+    Breakage(
+        "cut-call-dropped",
+        "tool calls (issue 39)",
+        "a call cut before its end marker (max_tokens) is dropped",
+        (
+            Patch(
+                "kvsnap/http/tool_calls.py",
+                "            deltas += self._end_call(closed=False)\n",
+                '            self._tool_text = ""\n',
+            ),
+        ),
+        (
+            TOOL_CALLS + "test_a_call_cut_by_max_tokens_is_what_was_generated_with_finish_reason_"
+            "length",
+            TOOL_CALLS + "test_splitter_a_call_cut_inside_its_json_is_content_as_written",
+        ),
+    ),
+    Breakage(
+        "parameters-call-empty",
+        "tool calls (issue 39)",
+        'a call written with "parameters" (Llama-3.1\'s key) arrives with arguments {}',
+        (
+            Patch(
+                "kvsnap/http/tool_calls.py",
+                'parsed.get("arguments", parsed.get("parameters", {}))',
+                'parsed.get("arguments", {})',
+            ),
+        ),
+        (
+            TOOL_CALLS + "test_deepseek_r1_reasons_from_the_first_token_and_reads_parameters",
+            TOOL_CALLS + "test_splitter_reads_parameters_as_arguments",
+        ),
+    ),
+    Breakage(
+        "deepseek-r1-waits-for-think",
+        "tool calls (issue 39)",
+        "--reasoning-parser deepseek_r1 starts an answer as content, so one that never opens "
+        "<think> keeps its reasoning and </think> in content",
+        (
+            Patch(
+                "kvsnap/http/tool_calls.py",
+                'reasoning_first=reasoning_parser == "deepseek_r1",',
+                "reasoning_first=False,",
+            ),
+        ),
+        (
+            TOOL_CALLS + "test_deepseek_r1_reasons_from_the_first_token_and_reads_parameters",
+            TOOL_CALLS + "test_splitter_deepseek_r1_answers_start_as_reasoning",
+        ),
+    ),
+    Breakage(
+        "logprob-of-the-top-token",
+        "logprobs (issue 39)",
+        "the sampled token's logprob is the likeliest token's (greedy runs cannot tell)",
+        (
+            Patch(
+                "kvsnap/runtime/engine/sampling.py",
+                "    chosen = cast(float, logprobs[token].item())\n",
+                "    chosen = cast(float, logprobs.max().item())\n",
+            ),
+        ),
+        (
+            LOGPROBS + "test_a_sampled_tokens_logprob_is_its_own",
+            LOGPROBS + "test_token_logprob_is_the_chosen_tokens_value",
+        ),
+    ),
+    Breakage(
+        "top-logprobs-all-the-chosen-token",
+        "logprobs (issue 39)",
+        "every top_logprobs entry carries the chosen token's text and bytes",
+        (
+            Patch(
+                "kvsnap/http/logprobs.py",
+                '"top_logprobs": [one(i, v) for i, v in e.top]',
+                '"top_logprobs": [one(e.token, v) for i, v in e.top]',
+            ),
+        ),
+        (
+            LOGPROBS + "test_chat_logprobs_equal_mlx_lm_servers",
+            LOGPROBS + "test_a_sampled_tokens_logprob_is_its_own",
+            LOGPROBS + "test_chat_top_logprobs_name_their_own_tokens",
+        ),
+    ),
+    Breakage(
+        "alike-texts-keep-the-less-likely",
+        "logprobs (issue 39)",
+        "in a completion's top_logprobs, tokens whose texts are alike keep the less likely value",
+        (
+            Patch(
+                "kvsnap/http/logprobs.py",
+                "            alike.setdefault(_text(token_bytes(i)), v)\n",
+                "            alike[_text(token_bytes(i))] = v\n",
+            ),
+        ),
+        (LOGPROBS + "test_completion_top_logprobs_of_texts_alike_keep_the_likeliest",),
     ),
 )
 

@@ -1,7 +1,10 @@
 """`logprobs` and `top_logprobs` on `kvsnap serve`, in OpenAI's shapes, against a real
 mlx_lm.server on the same demo model and prompt, greedy: the same tokens, the same
 log-probabilities within float tolerance, streamed and not, on both endpoints and on both of
-kvsnap's decode paths (one request at a time, and continuous batching)."""
+kvsnap's decode paths (one request at a time, and continuous batching). A sampled, seeded
+answer (temperature > 0, where the chosen token is not always the likeliest) against the
+demo model's own log-softmax over the tokens it sampled; unit tests of the engine's
+``token_logprob`` and the OpenAI shapes."""
 
 from __future__ import annotations
 
@@ -11,11 +14,14 @@ import httpx
 import pytest
 from helpers.mlx_lm_route import _launch
 
+from kvsnap.http.logprobs import chat_logprobs, completion_logprobs, token_bytes_of
+from kvsnap.runtime.engine.types import TokenLogprob
 from kvsnap.tools.serverproc import serving
 
 PROMPT = [{"role": "user", "content": "Review the server code, then list the steps."}]
 N_GEN = 8
 TOP = 5
+SEED = 20240601
 
 
 @pytest.fixture(scope="module")
@@ -63,6 +69,20 @@ def _check_entry(entry: dict, want: tuple, tokenizer) -> None:
     assert got_top == sorted(got_top, reverse=True)
     assert got_top == pytest.approx(sorted(top.values(), reverse=True), abs=1e-3)
     assert entry["top_logprobs"][0]["logprob"] == pytest.approx(logprob, abs=1e-3)  # greedy
+    _check_top_tokens(entry["top_logprobs"], top, tokenizer)
+
+
+def _check_top_tokens(got: list, want: dict, tokenizer) -> None:
+    """Each top_logprobs entry names its own token (text and bytes): one of ``want``'s ids
+    ({id: logprob}) decodes to it and has its value."""
+    texts = {i: tokenizer.decode([i]) for i in want}
+    for t in got:
+        assert bytes(t["bytes"]).decode("utf-8", "replace") == t["token"]
+        assert any(
+            texts[i] == t["token"] and v == pytest.approx(t["logprob"], abs=1e-3)
+            for i, v in want.items()
+        ), (t, want)
+    assert len({t["token"] for t in got}) > 1  # the entries are not one token's
 
 
 def test_chat_logprobs_equal_mlx_lm_servers(kvsnap_server, reference, demo_models):
@@ -144,3 +164,93 @@ def test_logprobs_are_checked(kvsnap_server):
     assert httpx.post(f"{url}/v1/completions", json=completion, timeout=60).status_code == 400
     r = httpx.post(f"{url}/v1/chat/completions", json=chat, timeout=60).json()
     assert r["choices"][0]["logprobs"] is None
+
+
+def test_a_sampled_tokens_logprob_is_its_own(kvsnap_server, demo_models):
+    """temperature > 0, seeded: each entry's logprob is the model's log-softmax at the token it
+    sampled (the demo model run here over the prompt and those tokens), not the likeliest
+    token's, and its top_logprobs are that position's most likely tokens, each its own; the
+    same seed gives the same answer again."""
+    import mlx.core as mx
+
+    lm = demo_models.load("dense")
+    tokenizer = lm.tokenizer
+    prompt = list(tokenizer.apply_chat_template(PROMPT, add_generation_prompt=True))
+    body = {
+        "model": "dense",
+        "messages": PROMPT,
+        "max_tokens": N_GEN,
+        "temperature": 1.0,
+        "seed": SEED,
+        "logprobs": True,
+        "top_logprobs": TOP,
+    }
+    url = f"{kvsnap_server.url}/v1/chat/completions"
+    answer = httpx.post(url, json=body, timeout=120).json()
+    entries = answer["choices"][0]["logprobs"]["content"]
+    assert len(entries) == answer["usage"]["completion_tokens"] > 0
+
+    # the demo vocabulary's bytes are one id's each (its texts are not: pieces of a character)
+    token_bytes = token_bytes_of(tokenizer)
+    by_bytes = {token_bytes(i): i for i in range(len(tokenizer.vocab))}
+    assert len(by_bytes) == len(tokenizer.vocab)
+    ids = [by_bytes[bytes(e["bytes"])] for e in entries]
+    logits = lm.model(mx.array([prompt + ids]))[0, len(prompt) - 1 :].astype(mx.float32)
+    rows = (logits - mx.logsumexp(logits, axis=-1, keepdims=True)).tolist()
+
+    not_top = 0
+    for e, token, row in zip(entries, ids, rows):
+        assert e["logprob"] == pytest.approx(row[token], abs=1e-3)
+        ranked = sorted(range(len(row)), key=lambda i: -row[i])
+        not_top += ranked[0] != token and row[ranked[0]] - row[token] > 0.01
+        want = {i: row[i] for i in ranked[: 4 * TOP]}  # ties at the cut: any of them may show
+        assert [t["logprob"] for t in e["top_logprobs"]] == pytest.approx(
+            [row[i] for i in ranked[:TOP]], abs=1e-3
+        )
+        _check_top_tokens(e["top_logprobs"], want, tokenizer)
+    assert not_top > 0, "the seed sampled only the likeliest tokens: the test would not bite"
+    again = httpx.post(url, json=body, timeout=120).json()
+    assert again["choices"][0]["logprobs"]["content"] == entries
+
+
+def test_token_logprob_is_the_chosen_tokens_value():
+    """The engine's entry for a token that is not the likeliest: its own value; the top most
+    likely first."""
+    import mlx.core as mx
+
+    from kvsnap.runtime.engine.sampling import token_logprob
+
+    logits = mx.array([0.5, 3.0, 1.0, 2.0, -1.0])
+    logprobs = logits - mx.logsumexp(logits)
+    want = logprobs.tolist()
+    entry = token_logprob(logprobs, 2, 3)
+    assert entry.token == 2
+    assert entry.logprob == pytest.approx(want[2])
+    assert [i for i, _ in entry.top] == [1, 3, 2]
+    assert [v for _, v in entry.top] == pytest.approx([want[1], want[3], want[2]])
+    assert token_logprob(logprobs, 4, 0) == TokenLogprob(4, pytest.approx(want[4]))
+
+
+# token ids of a made-up vocabulary: two whole tokens, and two pieces of one 3-byte character
+PIECES = {1: b" the", 2: b" a", 3: b"\xe2", 4: b"\xe2\x80"}
+
+
+def test_chat_top_logprobs_name_their_own_tokens():
+    entries = [TokenLogprob(2, -1.5, ((1, -0.5), (2, -1.5), (3, -2.0)))]
+    (entry,) = chat_logprobs(entries, PIECES.__getitem__)["content"]
+    assert (entry["token"], entry["logprob"], entry["bytes"]) == (" a", -1.5, list(b" a"))
+    assert [(t["token"], t["logprob"], t["bytes"]) for t in entry["top_logprobs"]] == [
+        (" the", -0.5, list(b" the")),
+        (" a", -1.5, list(b" a")),
+        ("\ufffd", -2.0, [0xE2]),
+    ]
+
+
+def test_completion_top_logprobs_of_texts_alike_keep_the_likeliest():
+    """Two pieces of one character both read U+FFFD: the key holds the likelier one's value,
+    whichever of them was chosen."""
+    for chosen in (3, 4):
+        entries = [TokenLogprob(chosen, -1.0, ((1, -0.2), (3, -1.0), (4, -1.1), (2, -3.0)))]
+        lp = completion_logprobs(entries, PIECES.__getitem__)
+        assert lp["top_logprobs"] == [{" the": -0.2, "\ufffd": -1.0, " a": -3.0}]
+        assert lp["tokens"] == ["\ufffd"] and lp["token_logprobs"] == [-1.0]
