@@ -80,6 +80,8 @@ API_IMPORTS = "tests/test_api_forged_imports.py::"
 TOOL_CALLS = "tests/http/test_tool_calls.py::"
 LOGPROBS = "tests/http/test_logprobs.py::"
 
+METRICS = "tests/http/test_metrics.py::"
+
 BREAKAGES = (
     Breakage(
         "prefix-skips-last-token",
@@ -2507,6 +2509,61 @@ BREAKAGES = (
             ),
         ),
         (LOGPROBS + "test_completion_top_logprobs_of_texts_alike_keep_the_likeliest",),
+    ),
+    # --- issue 39: the metrics, cached_tokens at a whole warm prompt, persistence --------------
+    Breakage(
+        "metrics-tpot-over-all-tokens",
+        "metrics (issue 39)",
+        "the time per output token divides the decode time by every output token, the first "
+        "included: decoding looks faster than it is",
+        (
+            Patch(
+                "kvsnap/http/metrics.py",
+                "self.tpot.observe((done - first) / (state.completion_tokens - 1))",
+                "self.tpot.observe((done - first) / state.completion_tokens)",
+            ),
+        ),
+        (METRICS + "test_time_per_output_token_is_over_the_tokens_after_the_first",),
+    ),
+    Breakage(
+        "metrics-bytes-of-unloaded-entries",
+        "metrics (issue 39)",
+        "kvsnap_cache_bytes adds the size of entries only indexed, not in memory",
+        (
+            Patch(
+                "kvsnap/http/metrics.py",
+                "nbytes[kind] += entry.nbytes if entry.loaded else 0",
+                "nbytes[kind] += entry.nbytes",
+            ),
+        ),
+        (METRICS + "test_cache_bytes_count_only_the_entries_in_memory",),
+    ),
+    Breakage(
+        "metrics-persist-enabled-after-full-disk",
+        "metrics (issue 39)",
+        "kvsnap_persist_enabled stays 1 after a full disk stopped persisting",
+        (
+            Patch(
+                "kvsnap/http/metrics.py",
+                'int(bool(persist.get("enabled")) and not persist.get("disabled"))',
+                'int(bool(persist.get("enabled")))',
+            ),
+        ),
+        (METRICS + "test_a_full_disk_turns_persist_enabled_to_0",),
+    ),
+    Breakage(
+        "metrics-exception-counted-200",
+        "metrics (issue 39)",
+        "a request ended by an unhandled exception (answered 500 outside the counter) is "
+        "counted as status 200",
+        (
+            Patch(
+                "kvsnap/http/metrics.py",
+                "        status = 500  # unless a response starts",
+                "        status = 200  # unless a response starts",
+            ),
+        ),
+        (METRICS + "test_an_unhandled_exception_counts_as_a_500",),
     ),
 )
 

@@ -205,3 +205,118 @@ def test_two_apps_in_one_process_count_apart():
     assert requests_of(first, "/v1/models", "GET", "200") == 1
     assert requests_of(second, "/v1/models", "GET", "200") == 2
     assert total(first, "kvsnap_cache_entries", kind="warm") == 0
+
+
+# --- issue 39: each number means what its help says ------------------------------------------
+
+
+def _unstarted_engine():
+    """An engine that never loads (no lifespan here): a scrape reads it with nothing loaded."""
+    from kvsnap.runtime.engine.engine import Engine, EngineConfig
+
+    return Engine(EngineConfig(model="unused"))
+
+
+def test_time_per_output_token_is_over_the_tokens_after_the_first():
+    """TPOT is the decode time after the first token over the tokens after it: 3 tokens, the
+    last 2 s after the first, is 1 s each (over all 3 tokens it read 0.67 s: the decode
+    looked faster than it was, and more so for short answers). The app's own Metrics, fed
+    the engine's RequestState as the engine ends a generation."""
+    from kvsnap.http.metrics import Metrics
+    from kvsnap.runtime.engine.types import GenerationRequest, RequestState
+
+    metrics = Metrics(_unstarted_engine(), inflight=lambda: 0)
+    for n, (first, done) in enumerate(((10.5, 12.5), (20.25, 20.75)), start=1):
+        request = GenerationRequest(tokens=[1, 2, 3], max_tokens=8)
+        state = RequestState(n, request, on_event=lambda event: None)
+        state.t_submit, state.t_first_token, state.t_done = first - 0.5, first, done
+        state.completion_tokens = 3 if n == 1 else 2
+        metrics.finished(state)
+    samples = scrape(metrics.render().decode())
+    assert total(samples, "kvsnap_time_per_output_token_seconds_count") == 2
+    # 2 s over 2 tokens, then 0.5 s over 1
+    assert total(samples, "kvsnap_time_per_output_token_seconds_sum") == 1.0 + 0.5
+    assert total(samples, "kvsnap_time_to_first_token_seconds_sum") == 0.5 + 0.5
+
+
+def test_an_unhandled_exception_counts_as_a_500():
+    """A route that raises answers 500 (the server's last-resort handler, outside the
+    counter): the counter saw no response start and must count 500, not 200 (a crash
+    counted as a success hides it from every error-rate alert)."""
+    from kvsnap.http.server import ServerConfig, create_app
+
+    engine = _unstarted_engine()
+    app = create_app(engine, ServerConfig("m"))
+
+    def broken():
+        raise RuntimeError("an unexpected failure inside /v1/status")
+
+    async def run() -> tuple[int, dict]:
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://app") as client:
+            engine.status = broken  # this one call; the scrape reads the engine too
+            try:
+                code = (await client.get("/v1/status")).status_code
+            finally:
+                del engine.status
+            return code, scrape((await client.get("/metrics")).text)
+
+    code, samples = asyncio.run(run())
+    assert code == 500
+    assert requests_of(samples, "/v1/status", "GET", "500") == 1
+    assert requests_of(samples, "/v1/status", "GET", "200") == 0
+
+
+def _bytes_and_memory(client: httpx.Client, url: str) -> tuple[float, float, dict]:
+    """(kvsnap_cache_bytes over both kinds, the status's bytes in memory, the status's cache)."""
+    samples = scrape(client.get(f"{url}/metrics").text)
+    cache = client.get(f"{url}/v1/status").json()["cache"]
+    held = sum(total(samples, "kvsnap_cache_bytes", kind=k) for k in ("warm", "request"))
+    return held, cache["current_memory_mb"] * 2**20, cache
+
+
+def test_cache_bytes_count_only_the_entries_in_memory(built, demo_models, tmp_path):
+    """A budget below one snapshot: the store's snapshots stay indexed, not loaded, and each
+    hit loads one that is unloaded again for the budget. `kvsnap_cache_bytes` is what memory
+    holds (the status's current_memory_mb), never the indexed entries' sizes on disk."""
+    store = tmp_path / "snaps"
+    shutil.copytree(built, store)
+    agents = json.loads((built.parent / f"{built.name}-agents.json").read_text())
+    args = ["--kv-snapshots", str(store), "--cache-memory-mb", "0.01"]
+    env = {"KVSNAP_CACHE_DIR": str(tmp_path / "cache")}
+    half_a_kib = 0.0005 * 2**20  # the status rounds MiB to 3 decimals
+    with serving(demo_models.path("dense"), args, tmp_path / "serve.log", env, 600) as server:
+        with httpx.Client(timeout=120) as client:
+            held, memory, cache = _bytes_and_memory(client, server.url)
+            assert cache["entry_count"] >= len(agents), cache  # indexed
+            assert abs(held - memory) <= half_a_kib and memory < 2**20 * 0.01, (held, cache)
+            question = [{"role": "user", "content": "Is this function correct?"}]
+            _chat(client, server.url, agents[0]["messages"] + question, stream=False)
+            held, memory, cache = _bytes_and_memory(client, server.url)
+    assert cache["lazy_loads"] >= 1 and cache["entry_count"] >= len(agents), cache
+    assert abs(held - memory) <= half_a_kib, (held, cache)
+
+
+def test_a_full_disk_turns_persist_enabled_to_0(demo_models, tmp_path):
+    """A full disk stops persisting until restart (the status says why): the gauge that says
+    whether request prefixes are persisted must drop to 0 with it."""
+    env = {
+        "KVSNAP_CACHE_DIR": str(tmp_path / "cache"),
+        "KVSNAP_FAULT": "conversation-before-record=enospc",
+    }
+    args = ["--persist-requests", "--kv-snapshots", str(tmp_path / "store")]
+    messages = [{"role": "user", "content": "Is this function correct?"}]
+    with serving(demo_models.path("dense"), args, tmp_path / "serve.log", env, 600) as server:
+        with httpx.Client(timeout=120) as client:
+            before = scrape(client.get(f"{server.url}/metrics").text)
+            _chat(client, server.url, messages, stream=False)
+            deadline = time.monotonic() + 60
+            while not (persist := client.get(f"{server.url}/v1/status").json()["persist"])[
+                "disabled"
+            ]:
+                assert time.monotonic() < deadline, persist
+                time.sleep(0.05)
+            after = scrape(client.get(f"{server.url}/metrics").text)
+    assert total(before, "kvsnap_persist_enabled") == 1
+    assert "disk full" in persist["disabled"], persist
+    assert total(after, "kvsnap_persist_enabled") == 0
