@@ -181,3 +181,38 @@ def test_a_checkpoint_inside_a_warm_prompt_is_not_a_whole_warm_prompt():
     assert cache.whole_shared_prefix(request) == 5
     assert cache.whole_shared_prefix(list(range(1, 21)) + [99]) == 20
     assert cache.whole_shared_prefix([7, 8, 9]) == 0
+
+
+def test_with_keys_a_prompt_that_is_exactly_a_warm_prompt_reports_what_was_reused(
+    demo_models, tmp_path
+):
+    """A prompt that is exactly a warm prompt reuses all of it but its last token (that one
+    must run to give the first logits): with keys, the whole warm prompt lifts the rounded
+    count, but never above what the engine reused. It used to report the whole warm prompt,
+    one token it computed counted as cached, and the responses above /v1/status."""
+    from kvsnap.prompts import parse_warm_prompts, warm_prefix
+
+    lm = demo_models.load("dense")
+    warm = list(warm_prefix(lm.tokenizer, parse_warm_prompts(AGENTS).entries[0]).tokens)
+    assert len(warm) % 128 > 1  # rounding alone would report less than the reuse
+    agents = tmp_path / "agents.json"
+    agents.write_text(json.dumps(AGENTS))
+    env = {
+        "KVSNAP_CACHE_DIR": str(tmp_path / "cache"),
+        "KVSNAP_API_KEY": KEY,
+        "KVSNAP_ADMIN_API_KEY": ADMIN,
+    }
+    args = ["--warm-prompts", str(agents)]
+    with serving(demo_models.path("dense"), args, tmp_path / "serve.log", env, 300) as server:
+        r = httpx.post(
+            f"{server.url}/v1/completions",
+            json={"model": "dense", "prompt": warm, "max_tokens": 2, "temperature": 0},
+            headers={"Authorization": f"Bearer {KEY}"},
+            timeout=60,
+        )
+        assert r.status_code == 200, r.text
+        usage = r.json()["usage"]
+        tokens = server.status(ADMIN)["tokens"]
+    assert usage["prompt_tokens"] == len(warm)
+    assert tokens["cached"] == len(warm) - 1 and tokens["computed"] == 1, tokens
+    assert _cached(usage) == len(warm) - 1, usage
