@@ -2582,6 +2582,31 @@ BREAKAGES = (
             "test_with_keys_a_prompt_that_is_exactly_a_warm_prompt_reports_what_was_reused",
         ),
     ),
+    Breakage(
+        "rewritten-bad-part-stays-bad",
+        "4. nothing lost, nothing half-written (persisted conversations)",
+        "a bad block the writer rewrote stays marked bad: every later record reaching it "
+        "copies and rewrites it again",
+        (Patch("kvsnap/store/parts.py", "                self._bad.discard(part)\n", ""),),
+        (DAMAGE + "test_a_rewritten_bad_block_is_good_again_and_not_rewritten_by_later_records",),
+    ),
+    Breakage(
+        "persisted-header-namespace-unchecked",
+        "3. never foreign (persisted conversations)",
+        "the lookup takes a persisted record whose header names another namespace than the "
+        "request's, when its key collides with the one looked up",
+        (
+            Patch(
+                "kvsnap/runtime/persist/persister.py",
+                "            info.prompt_digest != conv_digest\n            or ",
+                "            ",
+            ),
+        ),
+        (
+            DAMAGE + "test_a_record_whose_header_holds_another_namespace_is_refused_though_"
+            "its_key_collides",
+        ),
+    ),
 )
 
 
