@@ -82,6 +82,8 @@ LOGPROBS = "tests/http/test_logprobs.py::"
 
 METRICS = "tests/http/test_metrics.py::"
 
+QUANTIZED_START = "tests/runtime/persist/test_quantized_start.py::"
+
 BREAKAGES = (
     Breakage(
         "prefix-skips-last-token",
@@ -2606,6 +2608,37 @@ BREAKAGES = (
             DAMAGE + "test_a_record_whose_header_holds_another_namespace_is_refused_though_"
             "its_key_collides",
         ),
+    ),
+    Breakage(
+        "kv-form-start-exclusive",
+        "4. nothing lost (--quantized-kv-start)",
+        "a prefix of exactly --quantized-kv-start tokens is taken as unquantized (mlx-lm "
+        "quantizes once the offset reaches the start): a build no longer restores there",
+        (
+            Patch(
+                "kvsnap/snapshot/blocks.py",
+                "if n_tokens >= (identity.quantized_kv_start or 0)",
+                "if n_tokens > (identity.quantized_kv_start or 0)",
+            ),
+        ),
+        (
+            QUANTIZED_START + "test_a_start_exactly_at_a_warm_prompts_end_restores_there[dense]",
+            QUANTIZED_START + "test_a_start_exactly_at_a_warm_prompts_end_restores_there[hybrid]",
+        ),
+    ),
+    Breakage(
+        "quantized-checkpoint-at-start-dropped",
+        "4. nothing lost (--quantized-kv-start)",
+        "a hybrid's quantized chain drops its checkpoint exactly at the quantization start (a "
+        "quantized state): a warm prompt ending there has no checkpoint to restore",
+        (
+            Patch(
+                "kvsnap/runtime/persist/writeback.py",
+                "link.checkpoint_key and link.end < start else link",
+                "link.checkpoint_key and link.end <= start else link",
+            ),
+        ),
+        (QUANTIZED_START + "test_a_start_exactly_at_a_warm_prompts_end_restores_there[hybrid]",),
     ),
 )
 

@@ -253,3 +253,47 @@ def test_kv_bits_on_a_sliding_window_model_is_refused_at_load_naming_the_layer(
     assert "Traceback" not in done.stderr, done.stderr
     for said in ("--kv-bits 4", "cache layer 0 is a RotatingKVCache", "drop --kv-bits"):
         assert said in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("family", ["dense", "hybrid"])
+def test_a_start_exactly_at_a_warm_prompts_end_restores_there(family, demo_models, tmp_path):
+    """--quantized-kv-start S exactly at a warm prompt's length, which is also its last block's
+    end: mlx-lm quantizes once the offset reaches S, so the state at S is quantized, and a
+    longer agent built later restores the stored blocks (and, on the hybrid, the checkpoint)
+    up to S and prefills only the rest. Taken as unquantized at S (`>` for `>=`), the point
+    was refused and the whole agent prefilled; the hybrid's checkpoint at S left out of the
+    chain (`<=` for `<`), likewise."""
+    from kvsnap.prompts import parse_warm_prompts, warm_prefix
+
+    model = demo_models.path(family)
+    short = {"name": "short", "messages": [{"role": "system", "content": LONG_SYSTEM}]}
+    longer = {
+        "name": "longer",
+        "messages": short["messages"]
+        + [
+            {"role": "user", "content": "Review the parser module and list every bug you find."},
+            {"role": "assistant", "content": "I will start with the tests."},
+        ],
+    }
+    tokenizer = demo_models.load(family).tokenizer
+    start = len(warm_prefix(tokenizer, parse_warm_prompts([short]).entries[0]).tokens)
+    assert start > 256 and start % 256 != 0, start  # past the first block, not on the grid
+    flags = ("--kv-bits", "8", "--quantized-kv-start", str(start))
+    store = tmp_path / "store"
+    env = {"KVSNAP_CACHE_DIR": str(tmp_path / "cache")}
+    reports = []
+    for agents in ([short], [short, longer]):
+        path = tmp_path / f"agents-{len(agents)}.json"
+        path.write_text(json.dumps(agents))
+        built = run_kvsnap(
+            "build", path, "--model", model, "--out", store, *flags, "--json", env=env
+        )
+        assert built.returncode == 0, built.stdout + built.stderr
+        reports.append({e["name"]: e for e in json.loads(built.stdout)["entries"]})
+    assert reports[0]["short"]["n_tokens"] == start
+    second = reports[1]["longer"]
+    assert second["n_tokens"] > start
+    assert second["tokens_reused"] == start, second
+    assert second["tokens_prefilled"] == second["n_tokens"] - start, second
+    verified = run_kvsnap("verify", store, env=env)
+    assert verified.returncode == 0, verified.stdout + verified.stderr
