@@ -43,6 +43,7 @@ class EntryResult:
     seconds: float = 0.0
     error: str = ""
     warnings: tuple[str, ...] = ()
+    cut: str = ""  # an agent body's entry: where its shared prefix was cut
     tokens_reused: int = 0  # restored from blocks already in the store
     tokens_prefilled: int = 0
     blocks_written: int = 0  # blocks and checkpoints this entry added
@@ -286,6 +287,7 @@ class _Build:
         warm = warm_key(self.lm.tokenizer, self.identity, prompt, self.tokenization)
         tokens, prefix = warm.tokens, warm.prefix
         result.n_tokens = len(tokens)
+        result.cut = prompt.cut or ""
         # a build reuses no recipe, so the prefix is always rendered here
         if prefix is not None:
             result.entry_tokens, result.coverage, result.warnings = (

@@ -333,6 +333,7 @@ def build_report_json(report, blocks) -> dict:
         "seconds",
         "warnings",
         "error",
+        "cut",
     )
     entries = [
         {f: (list(getattr(e, f)) if f == "warnings" else getattr(e, f)) for f in fields}
@@ -382,6 +383,8 @@ def print_build_report(out, report) -> None:
         )
     out.print(table)
     for e in report.entries:
+        if e.cut and e.status != "failed":
+            out.print(f"{e.name}: {e.n_tokens} tokens warmed, cut from the {e.cut}", markup=False)
         for w in e.warnings:
             out.print(f"warning: {w}", markup=False)
         if e.error:

@@ -318,7 +318,11 @@ def messages_router(ctx: ServerContext) -> APIRouter:
 
         def prepare() -> list[int]:
             holder["chat"] = chat = converted(req)
-            return tokens_of(chat)
+            tokens = tokens_of(chat)
+            if ctx.recorder is not None:
+                body = req.model_dump(include={"system", "tools", "thinking"})
+                ctx.recorder.record("anthropic", body, ctx.caller(request)[0])
+            return tokens
 
         tokens = await prepared(ctx, prepare)
         chat: AgentChat = holder["chat"]

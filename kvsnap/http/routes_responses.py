@@ -385,9 +385,13 @@ def responses_router(ctx: ServerContext) -> APIRouter:
 
         def prepare() -> list[int]:
             holder["chat"] = chat = converted(req)
-            return chat_prompt_tokens(
+            tokens = chat_prompt_tokens(
                 ctx, chat.messages, chat.tools, chat.template_kwargs, chat.tool_choice, "input"
             )
+            if ctx.recorder is not None:
+                body = req.model_dump(include={"input", "instructions", "tools", "reasoning"})
+                ctx.recorder.record("responses", body, ctx.caller(request)[0])
+            return tokens
 
         tokens = await prepared(ctx, prepare)
         chat: AgentChat = holder["chat"]
