@@ -19,7 +19,7 @@ from kvsnap.commands.common import (
     kv_settings,
     positive_int,
 )
-from kvsnap.errors import KvsnapError
+from kvsnap.errors import KvsnapError, StoreError
 from kvsnap.http.tool_calls import REASONING_PARSERS
 
 log = logging.getLogger("kvsnap")
@@ -375,6 +375,7 @@ def cmd_serve(args) -> int:
     from kvsnap.prompts import load_warm_prompts
     from kvsnap.runtime.engine.engine import Engine
     from kvsnap.runtime.model.loading import resolve_model
+    from kvsnap.store.opening import check_store_folder
     from kvsnap.store.remote import check_kv_snapshots, resolve_kv_snapshots
 
     args.model = served_model(args)
@@ -392,15 +393,12 @@ def cmd_serve(args) -> int:
             "clear the cache; set KVSNAP_API_KEY",
             args.host,
         )
-    if (
-        args.kv_snapshots
-        and "://" not in args.kv_snapshots
-        and Path(args.kv_snapshots).expanduser().is_file()
-    ):
-        raise KvsnapError(
-            f"--kv-snapshots {args.kv_snapshots}: is a file; give the store folder made by `kvsnap "
-            f"build --out` (or oci://…)"
-        )
+    if args.kv_snapshots and "://" not in args.kv_snapshots:
+        # a file or another folder is refused before the model loads (store.opening's policy)
+        try:
+            check_store_folder(args.kv_snapshots)
+        except StoreError as exc:
+            raise KvsnapError(f"--kv-snapshots {args.kv_snapshots}: {exc} (or oci://…)") from None
     persist_options(args)  # contradicting flags fail before the model loads
     prompts = load_warm_prompts(args.warm_prompts) if args.warm_prompts else None
     for problem in prompts.problems if prompts else []:

@@ -1,15 +1,15 @@
 """The store an upstream route warms from (``--kv-snapshots``, a folder or a remote URL): read-only,
-or writable when something may be written back and the store layer's write probe says it can be."""
+or writable when something may be written back and it can be (``store.opening``'s policy)."""
 
 from __future__ import annotations
 
 import logging
 from pathlib import Path
 
-from kvsnap.errors import StoreError, UsageError
+from kvsnap.errors import UsageError
 from kvsnap.integrations.common.argv import OPTION
-from kvsnap.store.fileio import probe_writable
 from kvsnap.store.local import Store
+from kvsnap.store.opening import open_store_folder
 from kvsnap.store.remote import resolve_kv_snapshots
 
 log = logging.getLogger("kvsnap.integrations")
@@ -18,42 +18,23 @@ log = logging.getLogger("kvsnap.integrations")
 def open_store(kv_snapshots: str, want_write: bool = False) -> tuple[Store, bool]:
     """The store, and whether warm prompts prefilled here can be written back to it.
 
-    A remote URL is pulled into kvsnap's cache folder first, as ``kvsnap serve`` does.
-    Writable is decided by really creating a file (``probe_writable``). A missing or empty
-    folder becomes a store only when there is something to write back (``want_write``): an
-    empty one is also what another rank sees while the first one is creating the store.
+    A remote URL is pulled into kvsnap's cache folder first, as ``kvsnap serve`` does; the
+    folder then means what ``store.opening`` says for every server. Nothing to read and nothing
+    to write is no store (StoreError).
     """
     path = resolve_kv_snapshots(kv_snapshots)
     if path is None:
         raise UsageError(f"{OPTION} needs a directory, e.g. {OPTION} ./snaps")
     folder = Path(path).expanduser()
-    if want_write and (not folder.exists() or _holds_nothing(folder)):
-        try:
-            return Store.open(folder, create=True), True
-        except (OSError, StoreError) as exc:
-            raise StoreError(
-                f"{folder} cannot be made a store ({exc}); give the folder passed to "
-                f"`kvsnap build --out`"
-            ) from None
-    store = Store.open(folder, readonly=True).require_store()
-    if not want_write:
-        return store, False
-    probe_dir = store.snapshots_dir if store.snapshots_dir.is_dir() else store.root
-    why = probe_writable(probe_dir)
-    if why is not None:
+    opened = open_store_folder(folder, want_write)
+    if opened.store is None or not opened.store.is_initialized():
+        # missing or empty with nothing to write back: say what to give instead
+        return Store.open(folder, readonly=True).require_store(), False
+    if opened.why_not is not None:
         log.warning(
             "[kvsnap] %s is not writable here (%s): warm prompts without a snapshot are prefilled "
             "at every start and not written back",
-            store.root,
-            why,
+            opened.store.root,
+            opened.why_not,
         )
-        return store, False
-    return Store.open(folder, create=True), True
-
-
-def _holds_nothing(folder: Path) -> bool:
-    """A folder with no entries but hidden ones (a store's lock or a rank's probe file)."""
-    try:
-        return folder.is_dir() and all(e.name.startswith(".") for e in folder.iterdir())
-    except OSError:
-        return False
+    return opened.store, opened.writable

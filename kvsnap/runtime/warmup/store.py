@@ -8,33 +8,30 @@ from pathlib import Path
 
 from kvsnap.errors import StoreError
 from kvsnap.runtime.warmup.report import SnapshotCounts
-from kvsnap.store.fileio import probe_writable
 from kvsnap.store.local import Store
+from kvsnap.store.opening import open_store_folder
 
 log = logging.getLogger("kvsnap.runtime.warmup.run")
 
 
 def open_store(path: str, write_back: bool, counts: SnapshotCounts, fault=None) -> Store | None:
+    """The store to warm from (``store.opening``'s policy), or None; why write-back is off goes
+    to ``counts``. A folder that is no store is a note and a cold start, never a crash."""
     p = Path(path).expanduser()
-    if not p.exists():
-        if not write_back:
-            counts.write_back_note = f"{p} does not exist and write-back is off"
-            return None
-        try:
-            return Store.open(p, create=True, fault=fault)
-        except (OSError, StoreError) as exc:
-            counts.write_back_note = f"cannot create {p}: {exc}"
-            return None
-    if not write_back:
+    try:
+        opened = open_store_folder(p, write_back, fault)
+    except StoreError as exc:
+        counts.write_back_note = f"no store: {exc}"
+        log.warning("[kvsnap] %s", counts.write_back_note)
+        return None
+    if opened.store is None:
+        counts.write_back_note = f"{p} does not exist and write-back is off"
+    elif not write_back:
         counts.write_back_note = "write-back disabled (--no-write-back)"
-        return Store.open(p, readonly=True)
-    folder = Store(root=p).snapshots_dir if Store(root=p).snapshots_dir.is_dir() else p
-    why = probe_writable(folder, fault)
-    if why is not None:
+    elif opened.why_not is not None:
         counts.write_back_note = (
-            f"{p} is not writable here ({why}): "
+            f"{p} is not writable here ({opened.why_not}): "
             "prefilled warm prompts are served but not written back"
         )
         log.warning("[kvsnap] %s", counts.write_back_note)
-        return Store.open(p, readonly=True)
-    return Store.open(p, create=True, fault=fault)
+    return opened.store
