@@ -722,8 +722,8 @@ BREAKAGES = (
         (
             Patch(
                 "kvsnap/integrations/mlx_lm/models.py",
-                "            refused = _refusal(raw, served)\n",
-                "            refused = None\n",
+                "        refused = served.refusal(body)\n",
+                "        refused = None\n",
             ),
         ),
         (
@@ -731,6 +731,79 @@ BREAKAGES = (
             "test_request_fields_that_load_another_model_are_"
             "refused_and_nothing_is_loaded",
         ),
+    ),
+    Breakage(
+        "mlx-lm-template-kwargs-unchecked",
+        "hostile requests: kvsnap mlx-lm serve renders only the model's template (mlx-lm.md)",
+        "a request's chat_template_kwargs reach mlx-lm's apply_chat_template unchecked: an "
+        "injected chat_template renders, a nested loop hangs the server",
+        (
+            Patch(
+                "kvsnap/integrations/mlx_lm/request_checks.py",
+                "            return sampling_refusal(body) or template_refusal(body, template)\n",
+                "            return sampling_refusal(body)\n",
+            ),
+        ),
+        (
+            "tests/integrations/mlx_lm/test_requests.py::"
+            "test_an_injected_chat_template_is_refused_and_a_nested_loop_never_renders",
+        ),
+    ),
+    Breakage(
+        "mlx-lm-nan-sampling-unchecked",
+        "hostile requests: one request's sampling kills no generation thread (mlx-lm.md)",
+        "a NaN min_p passes mlx-lm's range checks and apply_min_p raises in the batch",
+        (
+            Patch(
+                "kvsnap/integrations/mlx_lm/request_checks.py",
+                "            return sampling_refusal(body) or template_refusal(body, template)\n",
+                "            return template_refusal(body, template)\n",
+            ),
+        ),
+        ("tests/integrations/mlx_lm/test_requests.py::test_a_nan_sampling_value_is_refused",),
+    ),
+    Breakage(
+        "mlx-lm-sampler-unsettled",
+        "hostile requests: one request's sampling kills no generation thread (mlx-lm.md)",
+        "mlx-lm samples with the request's values as sent: a top_k of the vocabulary raises in "
+        "the batch (the generation thread dies), a temperature of 1e-39 draws uniformly",
+        (
+            Patch(
+                "kvsnap/integrations/mlx_lm/request_checks.py",
+                "    server._make_sampler = settled_sampler(server._make_sampler)\n",
+                "",
+            ),
+        ),
+        (
+            "tests/integrations/mlx_lm/test_requests.py::test_one_requests_sampling_values_do_not_kill_the_generation_thread",
+            "tests/integrations/mlx_lm/test_requests.py::test_values_that_overflow_float32_answer_as_greedy",
+        ),
+    ),
+    Breakage(
+        "mlx-lm-models-without-hf-cache",
+        "kvsnap mlx-lm serve answers like kvsnap serve (mlx-lm.md)",
+        "/v1/models on a machine without a Hugging Face cache folder is an empty 200",
+        (
+            Patch(
+                "kvsnap/integrations/mlx_lm/request_checks.py",
+                "    server.scan_cache_dir = models_without_cache(server.scan_cache_dir)\n",
+                "",
+            ),
+        ),
+        ("tests/integrations/mlx_lm/test_requests.py::test_models_lists_the_served_model_without_a_hugging_face_cache_folder",),
+    ),
+    Breakage(
+        "mlx-lm-positional-model",
+        "kvsnap mlx-lm serve answers like kvsnap serve (mlx-lm.md)",
+        "`kvsnap mlx-lm serve MODEL` (no --model) goes to mlx_lm.server, which refuses it",
+        (
+            Patch(
+                "kvsnap/integrations/mlx_lm/launcher.py",
+                "    args = positional_model(args)\n",
+                "",
+            ),
+        ),
+        ("tests/integrations/mlx_lm/test_requests.py::test_the_model_may_come_first_without_model",),
     ),
     Breakage(
         "mlx-lm-negative-length-unchecked",

@@ -35,6 +35,9 @@ RESERVED_TEMPLATE_KWARGS = frozenset(
     }
 )
 MAX_KWARG_STRING = 4096
+# Messages and tools a request may render with: the template's work grows with them.
+MAX_MESSAGES = 2048
+MAX_TOOLS = 256
 CONTEXT_KEYS = (
     "max_position_embeddings",
     "max_sequence_length",
@@ -95,6 +98,18 @@ def check_template_kwargs(kwargs: Optional[dict], allowed: frozenset[str]) -> di
                 where,
             )
     return dict(kwargs)
+
+
+def check_counts(
+    messages: Any, tools: Any, max_messages: int = MAX_MESSAGES, max_tools: int = MAX_TOOLS
+) -> None:
+    """Refuse more messages or tools than a render may take, before any of it runs."""
+    for name, items, most in (("messages", messages, max_messages), ("tools", tools, max_tools)):
+        if isinstance(items, list) and len(items) > most:
+            raise RequestRejected(
+                f"{name}: {len(items)} {name} is more than this server takes ({most}); send fewer",
+                name,
+            )
 
 
 def _plain(value: Any, depth: int = 0) -> bool:

@@ -1,6 +1,6 @@
 """mlx-lm's own server, warm from a kvsnap store.
 
-    kvsnap mlx-lm serve --model MODEL [mlx_lm.server's flags] --kv-snapshots DIR
+    kvsnap mlx-lm serve [--model] MODEL [mlx_lm.server's flags] --kv-snapshots DIR
                         [--warm-prompts FILE]
 
 mlx_lm.server builds its parser inside ``main`` and has no hook, so kvsnap takes
@@ -12,7 +12,9 @@ upstream patch (contrib/mlx-lm/) makes ``run`` itself: the prompt cache comes fr
 loaded and the warm entries are in the cache before the generation thread starts and
 before the port opens. Without ``--kv-snapshots`` mlx_lm.server runs with its own prompt
 cache. Either way a request that names another model, adapter or draft model than the
-served one is refused (``mlx_lm.models``), unless ``--allow-request-models`` is given.
+served one is refused (``mlx_lm.models``), unless ``--allow-request-models`` is given,
+and every request is held to kvsnap serve's rules for template kwargs and sampling values
+(``mlx_lm.request_checks``). MODEL may come first without ``--model``, as ``kvsnap serve`` takes it.
 """
 
 from __future__ import annotations
@@ -30,14 +32,15 @@ from kvsnap.integrations.common.argv import (
     split_argv,
 )
 from kvsnap.integrations.mlx_lm.models import ALLOW_OPTION, guard_request_models
+from kvsnap.integrations.mlx_lm.request_checks import guard_requests
 
 log = logging.getLogger("kvsnap.mlx_lm")
 
 TESTED_MLX_LM = ("0.32",)
 
 USAGE = f"""\
-usage: kvsnap mlx-lm serve --model MODEL [mlx_lm.server options] {OPTION} DIR [{WARM_OPTION} FILE]
-                           [{ALLOW_OPTION}]
+usage: kvsnap mlx-lm serve [--model] MODEL [mlx_lm.server options] {OPTION} DIR
+                           [{WARM_OPTION} FILE] [{ALLOW_OPTION}]
 
 Runs mlx-lm's own OpenAI-compatible server (mlx_lm.server) with the kvsnap snapshots of
 MODEL in its prompt cache before the port opens (no warm-up prefill). They are protected
@@ -111,6 +114,18 @@ def take_flag(argv: list[str], flag: str) -> tuple[bool, list[str]]:
     return len(head) < end, head + argv[end:]
 
 
+def positional_model(args: list[str]) -> list[str]:
+    """``MODEL ...`` as ``--model MODEL ...``: mlx_lm.server takes no positional argument, so
+    a first argument that is not an option can only be the model."""
+    if not args or args[0].startswith("-"):
+        return args
+    if any(a == "--model" or a.startswith("--model=") for a in args[1:]):
+        raise UsageError(
+            f"kvsnap mlx-lm serve got the model twice: {args[0]} and --model; give one"
+        )
+    return ["--model", *args]
+
+
 def run_mlx_lm(server: Any, args: list[str]) -> int:
     """mlx-lm's own ``main``, as if run as ``mlx_lm.server ARGS``; its exit status is returned."""
     return run_main(server.main, ["mlx_lm.server", *args])
@@ -120,6 +135,7 @@ def main(argv: Sequence[str]) -> int:
     args = serve_args(argv, USAGE, "mlx-lm", "mlx_lm.{}")
     if isinstance(args, int):
         return args
+    args = positional_model(args)
     store_dir, rest = split_argv(args, OPTION, "a directory, e.g. --kv-snapshots ./snaps")
     warm_file, rest = split_argv(rest, WARM_OPTION, "a file, e.g. --warm-prompts agents.json")
     allow_request_models, rest = take_flag(rest, ALLOW_OPTION)
@@ -147,6 +163,7 @@ def main(argv: Sequence[str]) -> int:
         server.run = make_warm_run(server, None, None)
     else:
         log.info("[kvsnap] no %s: running mlx_lm.server's own prompt cache", OPTION)
+    guard_requests(server)
     if not allow_request_models:
         guard_request_models(server)
     return run_mlx_lm(server, rest)

@@ -16,7 +16,7 @@ import json
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Callable, Optional
 
 from kvsnap.errors import UsageError
 
@@ -90,9 +90,16 @@ def alias_served_names(model_provider: Any, served: ServedModel) -> None:
             model_provider._draft_model_map[name] = served.draft
 
 
-def refusing_handler(api_handler: type[BaseHTTPRequestHandler], served: ServedModel) -> type:
-    """mlx-lm's ``APIHandler`` that answers 400 (OpenAI's error shape) to a POST whose body
-    names another model, adapter or draft model than ``served``; any other POST is mlx-lm's."""
+# (field, message, code) of a POST body refused with a 400, or None
+Refusal = Optional[tuple[str, str, str]]
+
+
+def refusing_handler(
+    api_handler: type[BaseHTTPRequestHandler], check: Callable[[dict], Refusal]
+) -> type:
+    """mlx-lm's ``APIHandler`` that answers 400 (OpenAI's error shape) to a POST whose JSON
+    body ``check`` refuses; any other POST is mlx-lm's. Handlers wrap one another: each reads
+    the body once and hands the bytes on."""
     # Imported here, at start-up: a refusal then reads no module from disk.
     from kvsnap.http.schemas import error_body
 
@@ -109,7 +116,7 @@ def refusing_handler(api_handler: type[BaseHTTPRequestHandler], served: ServedMo
                 # this check never saw.
                 return self._refuse_length()
             raw = self.rfile.read(length)
-            refused = _refusal(raw, served)
+            refused = _refusal(raw, check)
             if refused is not None:
                 return self._refuse(*refused)
             # mlx-lm reads the body itself: give it the bytes read here, then the socket again.
@@ -138,21 +145,29 @@ def refusing_handler(api_handler: type[BaseHTTPRequestHandler], served: ServedMo
             body = error_body(message, code="invalid_content_length")
             self.wfile.write(json.dumps(body).encode())
 
-        def _refuse(self, field: str, message: str) -> None:
+        def _refuse(self, field: str, message: str, code: str) -> None:
             self._set_completion_headers(400)
             self.end_headers()
-            body = error_body(message, param=field, code="request_model_refused")
+            body = error_body(message, param=field, code=code)
             self.wfile.write(json.dumps(body).encode())
 
     return RequestModelGuard
 
 
-def _refusal(raw: bytes, served: ServedModel) -> tuple[str, str] | None:
+def _refusal(raw: bytes, check: Callable[[dict], Refusal]) -> Refusal:
     try:
         body = json.loads(raw.decode())
     except (UnicodeDecodeError, json.JSONDecodeError):
         return None  # mlx-lm answers its own 400 for a body that is not JSON
-    return served.refusal(body) if isinstance(body, dict) else None
+    return check(body) if isinstance(body, dict) else None
+
+
+def model_refusal(served: ServedModel) -> Callable[[dict], Refusal]:
+    def check(body: dict) -> Refusal:
+        refused = served.refusal(body)
+        return None if refused is None else (*refused, "request_model_refused")
+
+    return check
 
 
 def guard_request_models(server: Any) -> None:
@@ -174,7 +189,7 @@ def guard_request_models(server: Any) -> None:
         model_provider = response_generator.model_provider
         served = ServedModel.of(model_provider.cli_args)
         alias_served_names(model_provider, served)
-        handler = refusing_handler(handler_class or server.APIHandler, served)
+        handler = refusing_handler(handler_class or server.APIHandler, model_refusal(served))
         extra = {"server_class": server_class} if server_class is not None else {}
         return upstream_http(host, port, response_generator, handler_class=handler, **extra)
 
