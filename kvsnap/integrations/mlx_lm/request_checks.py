@@ -117,10 +117,15 @@ def guard_requests(server: Any) -> None:
 
     def run_http_server(host, port, response_generator, server_class=None, handler_class=None):
         def template() -> Any:
-            # The port opens while mlx-lm loads the model: wait for its template, as the
-            # request itself would wait for the model (none if the load failed).
+            # The port opens while mlx-lm loads --model: wait for its template, as the request
+            # would wait for the model. None (every kwarg refused) if the load failed, or when
+            # no model is loaded yet and none is on its way (--allow-request-models, no --model).
             provider = response_generator.model_provider
-            while provider.tokenizer is None and response_generator.generation_available():
+            while (
+                provider.tokenizer is None
+                and provider.cli_args.model is not None
+                and response_generator.generation_available()
+            ):
                 time.sleep(LOAD_POLL_S)
             return getattr(provider.tokenizer, "chat_template", None)
 
