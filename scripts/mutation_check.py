@@ -2713,6 +2713,44 @@ BREAKAGES = (
         ),
         (QUANTIZED_START + "test_a_start_exactly_at_a_warm_prompts_end_restores_there[hybrid]",),
     ),
+    Breakage(
+        "sharded-missing-copy-counted-usable",
+        "ranks agree (sharded mlx_lm.server)",
+        "a rank whose host has no copy of a snapshot (missing, not damaged) counts the entry "
+        "usable: the other ranks pin it, this one does not (a hit on one rank, a miss on another)",
+        (
+            Patch(
+                "kvsnap/integrations/mlx_lm/sharded.py",
+                "None if reason is None and info is not None else",
+                "None if reason is None else",
+            ),
+        ),
+        (
+            "tests/integrations/mlx_lm/test_sharded_agreement.py::"
+            "test_an_entry_one_rank_lacks_or_cannot_read_is_used_by_no_rank[missing]",
+            "tests/integrations/mlx_lm/test_sharded_agreement.py::"
+            "test_a_snapshot_missing_on_one_ranks_host_is_pinned_on_no_rank[record]",
+        ),
+    ),
+    Breakage(
+        "sharded-every-rank-writes-a-shared-folder",
+        "ranks agree (sharded mlx_lm.server)",
+        "every rank that can write its store folder writes back what it prefilled, also where "
+        "the ranks share one folder (one host, a network share): they race on the same paths",
+        (
+            Patch(
+                "kvsnap/runtime/sharding/agreement.py",
+                "    return made and (not seen or seen[0] == ranks.rank)\n",
+                "    return made\n",
+            ),
+        ),
+        (
+            "tests/runtime/sharding/test_agreement.py::"
+            "test_ranks_sharing_one_folder_elect_rank_0_alone_and_leave_no_probe",
+            "tests/runtime/sharding/test_agreement.py::"
+            "test_the_lowest_rank_that_can_write_a_shared_folder_writes_it",
+        ),
+    ),
 )
 
 

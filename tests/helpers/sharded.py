@@ -1,5 +1,6 @@
 """Sharded runs on one host: ``mlx.launch -n N --backend ring`` over 127.0.0.1, each launch on
-its own ring ports, stopped as a process group so no rank outlives a test."""
+its own ring ports, stopped as a process group so no rank outlives a test; and ranks as threads
+of one process (``run_ranks``), for the agreement logic in seconds."""
 
 from __future__ import annotations
 
@@ -7,9 +8,12 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Callable
 
 from kvsnap.tools.serverproc import ServerProcess, free_port
 
@@ -118,3 +122,55 @@ def run_sharded(args: list[str], n: int = 2, env: dict | None = None, timeout: f
         start_new_session=True,
     )
     return proc.returncode, proc.stdout + proc.stderr
+
+
+class _Mailbox:
+    """What ranks run as threads exchange: one slot per rank, filled and read between barriers."""
+
+    def __init__(self, n: int, timeout: float):
+        self.barrier = threading.Barrier(n, timeout=timeout)
+        self.slots = [b""] * n
+
+    def swap(self, rank: int, data: bytes) -> list[bytes]:
+        self.slots[rank] = data
+        self.barrier.wait()  # every rank wrote
+        out = list(self.slots)
+        self.barrier.wait()  # every rank read, before the next collective writes
+        return out
+
+
+def thread_ranks() -> type:
+    """``RankGroup`` over a ``_Mailbox``: kvsnap's collectives of small values (bytes, JSON, rank
+    0's value, barriers) between threads. A rank that skips a collective its peers make breaks
+    the barrier (BrokenBarrierError) where mlx's would hang. Arrays do not cross."""
+    from kvsnap.runtime.sharding.ranks import RankGroup
+
+    class ThreadRanks(RankGroup):
+        def gather_bytes(self, data: bytes) -> list[bytes]:
+            return self.group.swap(self.rank, bytes(data))
+
+        def barrier(self) -> None:
+            self.group.swap(self.rank, b"")
+
+        def all_gather(self, x: Any) -> Any:
+            raise NotImplementedError("ranks run as threads exchange no arrays")
+
+    return ThreadRanks
+
+
+def run_ranks(n: int, body: Callable[[Any], Any], timeout: float = 60.0) -> list:
+    """``body(ranks)`` on ``n`` threads, each one rank of a group; every rank's result, in rank
+    order. A rank that raises breaks the others' next collective, and its error is raised."""
+    mailbox = _Mailbox(n, timeout)
+    group = thread_ranks()
+
+    def one(rank: int) -> Any:
+        try:
+            return body(group(mailbox, rank, n))
+        except BaseException:
+            mailbox.barrier.abort()
+            raise
+
+    with ThreadPoolExecutor(n) as pool:
+        futures = [pool.submit(one, rank) for rank in range(n)]
+        return [f.result() for f in futures]
