@@ -5,12 +5,16 @@
 #
 #   scripts/agents_cli.sh --url http://127.0.0.1:8000 --model NAME [--api-key KEY]
 #                         [--cache DIR] [--timeout S] [--out DIR] [--prompt TEXT]
+#                         [--workdir DIR]
 #
 # Arguments fall back on KVSNAP_URL, KVSNAP_MODEL, KVSNAP_API_KEY, AGENTS_CLI_CACHE,
 # AGENTS_CLI_TIMEOUT. The CLIs come from npm, pinned (CLAUDE_CODE_VERSION, CODEX_VERSION), into
 # the cache folder (default ~/.cache/kvsnap/agents-cli), once. Each runs with a fresh HOME and
 # working folder, so nothing of this machine's own configuration reaches the request;
-# tests/fixtures/agents/README.md shows what each sends. Only 127.0.0.1/localhost is accepted.
+# tests/fixtures/agents/README.md shows what each sends. --workdir DIR keeps that HOME and
+# folder in DIR from one run to the next: an agent's prefix names them (Claude Code's memory
+# path), so a run that records agents (serve --record-agents) and a later run that should
+# start warm from them use the same DIR. Only 127.0.0.1/localhost is accepted.
 #
 # Claude Code: reused = usage.cache_read_input_tokens of `claude -p --output-format json`,
 # with --max-turns 1 so that usage is the first request's alone (a model that calls a tool ends
@@ -30,9 +34,10 @@ CACHE="${AGENTS_CLI_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/kvsnap/agents-cli}"
 TIMEOUT="${AGENTS_CLI_TIMEOUT:-300}"
 OUT=""
 PROMPT="Say hi"
+WORKDIR=""
 
 usage() {
-    sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//'
+    sed -n '2,25p' "$0" | sed 's/^# \{0,1\}//'
     exit "${1:-2}"
 }
 
@@ -45,6 +50,7 @@ while [ $# -gt 0 ]; do
         --timeout) TIMEOUT="$2"; shift 2 ;;
         --out) OUT="$2"; shift 2 ;;
         --prompt) PROMPT="$2"; shift 2 ;;
+        --workdir) WORKDIR="$2"; shift 2 ;;
         -h|--help) usage 0 ;;
         *) echo "agents_cli.sh: unknown argument $1" >&2; usage ;;
     esac
@@ -99,9 +105,15 @@ then
 fi
 
 # --- a fresh HOME and working folder per CLI --------------------------------------------
-WORK="$(mktemp -d "${TMPDIR:-/tmp}/kvsnap-agents.XXXXXX")"
+if [ -n "$WORKDIR" ]; then
+    mkdir -p "$WORKDIR" && WORK="$(cd "$WORKDIR" && pwd)"
+    rm -f "$WORK"/claude.json "$WORK"/claude.err "$WORK"/codex.jsonl "$WORK"/codex.err
+else
+    WORK="$(mktemp -d "${TMPDIR:-/tmp}/kvsnap-agents.XXXXXX")"
+fi
 FAILED=0
 cleanup() {
+    [ -n "$WORKDIR" ] && return  # the caller's folder: kept for the next run
     if [ -n "$OUT" ]; then
         mkdir -p "$OUT" && cp -r "$WORK"/. "$OUT"/ && echo "outputs kept in $OUT" >&2
     elif [ "$FAILED" != 0 ]; then

@@ -296,7 +296,7 @@ def messages_router(ctx: ServerContext) -> APIRouter:
             chat = anthropic_chat(body)
         except MessageError as exc:
             raise APIError(400, str(exc), exc.where, "invalid_value") from None
-        check_tool_choice(chat.tool_choice, chat.tools)
+        check_tool_choice(chat.tool_choice, list(chat.tools or ()))
         if chat.dropped_tools:
             log.info(
                 "[kvsnap] /v1/messages: server tools left out (a local model cannot run them): %s",
@@ -314,18 +314,16 @@ def messages_router(ctx: ServerContext) -> APIRouter:
         ctx.check_model(req.model)
         ctx.check_ready()
         ctx.check_sizes(req)
-        holder: dict = {}
 
-        def prepare() -> list[int]:
-            holder["chat"] = chat = converted(req)
+        def prepare() -> tuple[AgentChat, list[int]]:
+            chat = converted(req)
             tokens = tokens_of(chat)
             if ctx.recorder is not None:
                 body = req.model_dump(include={"system", "tools", "thinking"})
                 ctx.recorder.record("anthropic", body, ctx.caller(request)[0])
-            return tokens
+            return chat, tokens
 
-        tokens = await prepared(ctx, prepare)
-        chat: AgentChat = holder["chat"]
+        chat, tokens = await prepared(ctx, prepare)
         answer = answer_splitter(ctx, chat.tools, chat.tool_choice, tokens)
         state, bridge = submit(ctx, req, tokens, request, "messages")
         rid = new_id("msg").replace("-", "_")

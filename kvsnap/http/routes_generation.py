@@ -7,7 +7,7 @@ import asyncio
 import json
 import logging
 import re
-from typing import Any, AsyncIterator, Callable, Optional
+from typing import Any, AsyncIterator, Callable, Optional, TypeVar
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -36,6 +36,7 @@ DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks that its cli
 ERROR_TYPE = re.compile(r"([A-Z][A-Za-z0-9_]{0,60}): ")  # "TypeName: text", as the engine reports
 
 log = logging.getLogger("kvsnap.http.server")
+T = TypeVar("T")
 
 
 def failure_message(state: RequestState, detail: Any) -> str:
@@ -71,7 +72,7 @@ def generation_router(ctx: ServerContext) -> APIRouter:
     router = APIRouter()
     engine = ctx.engine
 
-    def chat_tokens(req: ChatCompletionRequest) -> list[int]:
+    def chat_tokens(req: ChatCompletionRequest, tenant: str) -> list[int]:
         """Check, normalise, render and tokenize: a worker thread's job, never the loop's."""
         ctx.check_text(req, ("messages", "tools", "chat_template_kwargs", "stop"))
         check_tool_choice(req.tool_choice, req.tools)
@@ -81,7 +82,10 @@ def generation_router(ctx: ServerContext) -> APIRouter:
             raise APIError(400, str(exc), exc.where, "invalid_value") from None
         allowed = ctx.model_limits()["template_kwargs"]
         kwargs = check_template_kwargs(req.chat_template_kwargs, allowed)
-        return chat_prompt_tokens(ctx, messages, req.tools, kwargs, req.tool_choice, "messages")
+        tokens = chat_prompt_tokens(ctx, messages, req.tools, kwargs, req.tool_choice, "messages")
+        if ctx.recorder is not None:
+            ctx.recorder.record("chat", {"messages": req.messages, "tools": req.tools}, tenant)
+        return tokens
 
     def completion_tokens(req: CompletionRequest) -> list[int]:
         ctx.check_text(req, ("prompt", "stop"))
@@ -111,7 +115,7 @@ def generation_router(ctx: ServerContext) -> APIRouter:
         return await admitted(
             ctx,
             req,
-            lambda: chat_tokens(req),
+            lambda: chat_tokens(req, ctx.caller(request)[0]),
             new_id("chatcmpl"),
             "chat",
             request,
@@ -145,13 +149,13 @@ async def admitted(
     return await generate(ctx, req, tokens, rid, kind, request, split(tokens) if split else None)
 
 
-async def prepared(ctx: ServerContext, tokens_of: Callable[[], list[int]]) -> list[int]:
+async def prepared(ctx: ServerContext, prepare: Callable[[], T]) -> T:
     """Take an in-flight slot and prepare the prompt in a worker thread; the slot is given
     back here if preparing fails, else by the engine's end of the request (``submit``)."""
     ctx.admit()
     try:
         async with ctx.preparing():
-            return await run_in_threadpool(tokens_of)
+            return await run_in_threadpool(prepare)
     except BaseException:
         ctx.release()
         raise

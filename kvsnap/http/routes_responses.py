@@ -267,7 +267,7 @@ class _ItemStream:
                 if kind == "message"
                 else "response.reasoning_text.delta"
             )
-            extra = {"logprobs": []} if kind == "message" else {}
+            extra: dict = {"logprobs": []} if kind == "message" else {}
             events.append(
                 self.event(
                     name,
@@ -360,7 +360,7 @@ def responses_router(ctx: ServerContext) -> APIRouter:
             chat = responses_chat(body)
         except MessageError as exc:
             raise APIError(400, str(exc), exc.where, "invalid_value") from None
-        check_tool_choice(chat.tool_choice, chat.tools)
+        check_tool_choice(chat.tool_choice, list(chat.tools or ()))
         if chat.dropped_tools:
             log.info(
                 "[kvsnap] /v1/responses: hosted tools left out (a local model cannot run them): %s",
@@ -381,20 +381,18 @@ def responses_router(ctx: ServerContext) -> APIRouter:
                 "invalid_value",
             )
         ctx.check_sizes(req)
-        holder: dict = {}
 
-        def prepare() -> list[int]:
-            holder["chat"] = chat = converted(req)
+        def prepare() -> tuple[AgentChat, list[int]]:
+            chat = converted(req)
             tokens = chat_prompt_tokens(
                 ctx, chat.messages, chat.tools, chat.template_kwargs, chat.tool_choice, "input"
             )
             if ctx.recorder is not None:
                 body = req.model_dump(include={"input", "instructions", "tools", "reasoning"})
                 ctx.recorder.record("responses", body, ctx.caller(request)[0])
-            return tokens
+            return chat, tokens
 
-        tokens = await prepared(ctx, prepare)
-        chat: AgentChat = holder["chat"]
+        chat, tokens = await prepared(ctx, prepare)
         answer = answer_splitter(ctx, chat.tools, chat.tool_choice, tokens)
         state, bridge = submit(ctx, req, tokens, request, "input")
         rid = new_id("resp").replace("-", "_")

@@ -402,3 +402,28 @@ def test_recorded_agents_are_deduplicated_kept_apart_per_key_and_build(llama3):
         env=env,
     )
     assert build.returncode == 0, build.stderr
+
+
+def test_an_agent_conversation_survives_a_restart_with_persist_requests(demo_models, tmp_path):
+    """Turn one on a server persisting requests; after a restart, turn two (the call and its
+    result) reads turn one's prompt from the store."""
+    model = make_tool_model(demo_models.root, "qwen3-agents", QWEN3_MODEL)
+    store = tmp_path / "store"
+    store.mkdir()
+    env = {"KVSNAP_CACHE_DIR": str(tmp_path / "cache")}
+    argv = ["--served-model-name", "m", "--kv-snapshots", str(store), "--persist-requests"]
+    ask = {"model": "m", "max_tokens": 64, "system": _system("a1"), "tools": ANTHROPIC_TOOLS}
+    with serving(model, argv, tmp_path / "serve1.log", env, 600) as server:
+        first = _anthropic(server).messages.create(**ask, messages=_claude_messages("/p"))
+        prompt = first.usage.input_tokens + first.usage.cache_read_input_tokens
+    call = next(b for b in first.content if b.type == "tool_use")
+    turn = _claude_messages("/p") + [
+        {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in first.content]},
+        {
+            "role": "user",
+            "content": [{"type": "tool_result", "tool_use_id": call.id, "content": "sunny"}],
+        },
+    ]
+    with serving(model, argv, tmp_path / "serve2.log", env, 600) as server:
+        second = _anthropic(server).messages.create(**ask, messages=turn)
+    assert second.usage.cache_read_input_tokens >= prompt - 1  # all but the prompt's last token
