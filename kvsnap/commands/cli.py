@@ -49,9 +49,11 @@ SUBCOMMANDS = (
 
 
 def build_parser() -> argparse.ArgumentParser:
+    # No abbreviations anywhere: `--chat-template x` was taken as `--chat-template-args x`.
     parser = argparse.ArgumentParser(
         prog="kvsnap",
         description="Persistent, shippable warm prefix caches for LLM serving on MLX.",
+        allow_abbrev=False,
     )
     parser.add_argument("--version", action="version", version=f"kvsnap {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log more")
@@ -59,6 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     for add in SUBCOMMANDS:
         add(sub)
     for command_parser in sub.choices.values():
+        command_parser.allow_abbrev = False
         command_parser.set_defaults(command_parser=command_parser)
     return parser
 
@@ -94,6 +97,7 @@ def run(argv: list[str] | None) -> int:
         # The command's own usage and name: the top level's lists none of the command's flags.
         getattr(args, "command_parser", parser).error(
             f"unrecognized arguments: {' '.join(unknown)}"
+            + (serve.foreign_flag_hint(unknown) if args.command == "serve" else "")
         )
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,

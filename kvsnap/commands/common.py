@@ -33,6 +33,16 @@ def positive_int(text: str) -> int:
     return value
 
 
+def port_number(text: str) -> int:
+    """An argparse type: a TCP port, 0 to 65535 (a socket would take 99999 as 34463)."""
+    from kvsnap.integrations.common.argv import port_problem
+
+    problem = port_problem(text)
+    if problem:
+        raise argparse.ArgumentTypeError(problem)
+    return int(text)
+
+
 def add_kv_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("KV cache settings (build and serve must agree)")
     g.add_argument(

@@ -17,6 +17,7 @@ from kvsnap.commands.common import (
     REVISION_HELP,
     add_kv_options,
     kv_settings,
+    port_number,
     positive_int,
 )
 from kvsnap.errors import KvsnapError, StoreError
@@ -36,7 +37,7 @@ def add_serve(sub) -> None:
     )
     p.add_argument("--revision", metavar="REV", help=REVISION_HELP)
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
+    p.add_argument("--port", type=port_number, default=8000, help="port (default: 8000)")
     p.add_argument(
         "--continuous-batching",
         action="store_true",
@@ -119,6 +120,14 @@ def add_serve(sub) -> None:
         "request's chat_template_kwargs override it key by key (default: {})",
     )
     p.add_argument(
+        "--record-agents",
+        metavar="FILE",
+        help="append each new distinct agent prefix this server answers (Anthropic system + "
+        "tools, Responses instructions + developer items + tools, chat's leading system "
+        "messages + tools) to FILE as a warm-prompt entry, for `kvsnap build FILE`; "
+        "deduplicated, one entry per API key, at most 64 (docs/agents.md)",
+    )
+    p.add_argument(
         "--reasoning-parser",
         choices=REASONING_PARSERS,
         help="split <think>...</think> out of chat answers into reasoning_content: auto (the "
@@ -127,7 +136,18 @@ def add_serve(sub) -> None:
     )
     p.add_argument(
         "--served-model-name",
-        help="model id clients send (default: the hub id, else the model folder's name)",
+        nargs="+",
+        metavar="NAME",
+        help="model ids clients send, one or more (vLLM's flag); answers name the first; a "
+        "request without model, or with mlx-lm's default_model, gets it too (default: the hub "
+        "id, else the model folder's name)",
+    )
+    p.add_argument(
+        "--allowed-origins",
+        type=comma_list,
+        metavar="ORIGINS",
+        help="comma-separated browser origins answered with CORS headers (preflights too), e.g. "
+        "https://app.example, or * for any (mlx_lm.server's flag; default: none, no CORS)",
     )
     lg = p.add_argument_group("logging")
     lg.add_argument(
@@ -242,14 +262,52 @@ def add_serve(sub) -> None:
     p.set_defaults(run=cmd_serve)
 
 
+# mlx_lm.server's flags that `kvsnap serve` has not, and what to do instead.
+MLX_LM_ONLY_FLAGS = {
+    "--chat-template": "kvsnap serve renders the model's own chat template, the one its "
+    "snapshots are keyed on; put yours in the model folder's tokenizer_config.json "
+    "(chat_template) or chat_template.jinja, then rebuild the snapshots",
+    "--use-default-chat-template": "drop it: kvsnap serve renders the model's own chat "
+    "template, the one its snapshots are keyed on",
+    "--adapter-path": "kvsnap serve loads no adapter; fuse it into the model (mlx_lm.fuse) and "
+    "serve the fused folder",
+    "--draft-model": "kvsnap serve has no speculative decoding; drop it",
+    "--num-draft-tokens": "kvsnap serve has no speculative decoding; drop it",
+    "--trust-remote-code": "drop it: kvsnap serve runs no code from the model folder",
+    "--decode-concurrency": "use --continuous-batching --max-batch-size N",
+    "--prompt-concurrency": "use --continuous-batching --max-batch-size N",
+    "--prompt-cache-size": "use --cache-memory-mb MB, the prefix cache's budget",
+    "--prompt-cache-bytes": "use --cache-memory-mb MB, the prefix cache's budget",
+    "--pipeline": "kvsnap serve is one process; serve a sharded model with `mlx.launch ... "
+    "kvsnap mlx-lm serve --model M --kv-snapshots DIR --pipeline` (docs/distributed.md)",
+}
+
+
+def foreign_flag_hint(unknown: list[str]) -> str:
+    """What to do instead of each mlx_lm.server flag among ``unknown`` (`--flag` or
+    `--flag=value`), as the tail of the usage error; "" when there is none."""
+    flags = dict.fromkeys(a.split("=", 1)[0] for a in unknown if a.startswith("--"))
+    hints = [
+        f"{f} is mlx_lm.server's: {MLX_LM_ONLY_FLAGS[f]}" for f in flags if f in MLX_LM_ONLY_FLAGS
+    ]
+    return "; " + "; ".join(hints) if hints else ""
+
+
 def served_model(args) -> str:
     """The model to serve, given as `serve MODEL` or as mlx_lm.server users type it, `serve
     --model MODEL`; a KvsnapError when neither is given, or both name different models."""
     positional, flag = args.model, args.model_flag
     if positional is None and flag is None:
+        names = args.served_model_name or []
+        hint = (
+            f" (--served-model-name took {' '.join(names)}: it takes every name up to the next "
+            f"flag, so give the model before it)"
+            if len(names) > 1
+            else ""
+        )
         raise KvsnapError(
             "no model given; name it as `kvsnap serve ORG/NAME|DIR` or `kvsnap serve --model "
-            "ORG/NAME|DIR`"
+            f"ORG/NAME|DIR`{hint}"
         )
     if positional is not None and flag is not None and positional != flag:
         raise KvsnapError(
@@ -296,6 +354,11 @@ def bounded_float(low: float, high: float, low_open: bool = False):
         return value
 
     return parse
+
+
+def comma_list(text: str) -> list[str]:
+    """An argparse type: comma-separated values, blanks dropped."""
+    return [part.strip() for part in text.split(",") if part.strip()]
 
 
 def non_negative_int(text: str) -> int:
@@ -363,6 +426,7 @@ def cmd_serve(args) -> int:
         "serve a sharded model with `mlx.launch ... kvsnap mlx-lm serve --model M "
         "--kv-snapshots DIR [--pipeline]`, which starts every rank warm (docs/distributed.md)",
     )
+    from kvsnap.http.agent_recorder import AgentRecorder
     from kvsnap.http.connections import (
         ConnectionGuard,
         effective_max_connections,
@@ -401,6 +465,8 @@ def cmd_serve(args) -> int:
             raise KvsnapError(f"--kv-snapshots {args.kv_snapshots}: {exc} (or oci://…)") from None
     persist_options(args)  # contradicting flags fail before the model loads
     prompts = load_warm_prompts(args.warm_prompts) if args.warm_prompts else None
+    # a file that is not a list of entries fails now, not on the first request
+    recorder = AgentRecorder(Path(args.record_agents)) if args.record_agents else None
     for problem in prompts.problems if prompts else []:
         log.warning("[kvsnap] skipped warm prompt %s", problem)
     # a remote URL (oci://…) is pulled into a local cache folder first
@@ -418,7 +484,7 @@ def cmd_serve(args) -> int:
         write_timeout_s=args.write_timeout,
     )
     server = make_server(
-        create_app(engine, server_config),
+        create_app(engine, server_config, recorder),
         guard,
         log_level=level,
         log_config=uvicorn_log_config(),
@@ -477,8 +543,9 @@ def serve_config(args, source, auth, template_args: dict | None = None):
 
     model_dir = source.path
     config_json = json.loads((model_dir / "config.json").read_text())
+    names = args.served_model_name or []
     name = (
-        args.served_model_name
+        (names[0] if names else None)
         or source.repo_id
         or Path(args.model).expanduser().name
         or model_dir.name
@@ -486,6 +553,7 @@ def serve_config(args, source, auth, template_args: dict | None = None):
     max_batch = args.max_batch_size if args.continuous_batching else 1
     return ServerConfig(
         served_model_name=name,
+        more_model_names=tuple(names[1:]),
         model_aliases=(args.model, str(model_dir)),
         default_max_tokens=args.max_tokens,
         context_length=context_length(config_json),
@@ -498,6 +566,7 @@ def serve_config(args, source, auth, template_args: dict | None = None):
         sampling=SamplingDefaults(args.temp, args.top_p, args.top_k, args.min_p),
         chat_template_args=template_args or {},
         reasoning_parser=args.reasoning_parser,
+        allowed_origins=tuple(args.allowed_origins or ()),
     )
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvsnap.commands.common import EXIT_OK, console, positive_int
+from kvsnap.commands.common import EXIT_OK, console, port_number, positive_int
 from kvsnap.errors import KvsnapError
 
 
@@ -168,14 +168,35 @@ def cmd_bench_serve(args) -> int:
 
 
 def add_quickstart(sub) -> None:
-    p = sub.add_parser(
-        "quickstart", help="make a demo model, build snapshots for example agents, verify them"
+    what = (
+        "make a demo model, build and verify snapshots for example agents, start a server on "
+        "127.0.0.1 from them, send it a cold and a warm request, and stop it"
     )
+    p = sub.add_parser("quickstart", help=what, description=what[0].upper() + what[1:] + ".")
     p.add_argument("--dir", default=".kvsnap-demo", help="working folder (default: ./.kvsnap-demo)")
+    p.add_argument(
+        "--port",
+        type=port_number,
+        default=0,
+        help="the server's port on 127.0.0.1 (default: 0, a free one)",
+    )
     p.set_defaults(run=cmd_quickstart)
 
 
 def cmd_quickstart(args) -> int:
     from kvsnap.tools.quickstart import run_quickstart
 
-    return run_quickstart(Path(args.dir))
+    workdir = Path(args.dir).expanduser()
+    if workdir.exists() and not workdir.is_dir():
+        raise KvsnapError(f"--dir {args.dir}: is a file; give a folder (created when absent)")
+    try:
+        workdir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise KvsnapError(
+            f"--dir {args.dir}: cannot create it ({exc.strerror}); give a folder you can write"
+        ) from None
+    if args.port:
+        from kvsnap.http.listen import bind_socket
+
+        bind_socket("127.0.0.1", args.port).close()  # a busy port: one line now, not a traceback
+    return run_quickstart(workdir, port=args.port)

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Optional
+from typing import Optional, Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import BaseRoute
 
 from kvsnap.errors import KvsnapError
 from kvsnap.http.limits import RequestRejected
@@ -68,11 +70,24 @@ def validation_message(exc: RequestValidationError) -> tuple[str, Optional[str]]
             None,
         )
     given = first.get("input")
-    shown = json.dumps(given)[:80] if given is not None and not isinstance(given, dict) else ""
+    # default=repr: an input that is not JSON (bytes) is shown, never a failed error page
+    shown = (
+        json.dumps(given, default=repr)[:80]
+        if given is not None and not isinstance(given, dict)
+        else ""
+    )
     return f"{param or 'body'}: {first.get('msg')}" + (f" (got {shown})" if shown else ""), param
 
 
-def install_error_handlers(app: FastAPI) -> None:
+def install_error_handlers(app: FastAPI, routes: Sequence[BaseRoute] = ()) -> None:
+    """``routes``: what the app serves, named by a 404 for a path none of them has."""
+    served = sorted(
+        f"{method} {route.path}"
+        for route in routes
+        if isinstance(route, APIRoute)
+        for method in sorted(route.methods or ())
+    )
+
     @app.exception_handler(RequestValidationError)
     async def on_validation(request: Request, exc: RequestValidationError):
         message, param = validation_message(exc)
@@ -85,9 +100,15 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def on_http(request: Request, exc: StarletteHTTPException):
         codes = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
+        message = str(exc.detail)
+        if exc.status_code == 404 and message == "Not Found":  # no route has this path
+            message = (
+                f"no route for {request.method} {request.url.path[:200]}; this server serves "
+                f"{', '.join(served)} (docs/server.md)"
+            )
         return error_response(
             exc.status_code,
-            str(exc.detail),
+            message,
             None,
             codes.get(exc.status_code),
             "invalid_request_error" if exc.status_code < 500 else "server_error",

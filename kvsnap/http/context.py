@@ -4,6 +4,7 @@ configuration, who is calling, the checks the endpoints share, and the in-flight
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -16,13 +17,17 @@ from kvsnap.http.limits import (
     allowed_template_kwargs,
     context_length,
     find_lone_surrogate,
+    template_variables,
     vocab_bound,
 )
 from kvsnap.http.logprobs import TokenBytes, token_bytes_of
 from kvsnap.http.metrics import Metrics
 from kvsnap.http.schemas import usage
+from kvsnap.http.tool_calls import output_rules
 from kvsnap.runtime.engine.accounting import reported_cached_tokens
 from kvsnap.runtime.engine.engine import Engine, RequestState
+
+log = logging.getLogger("kvsnap.http.server")
 
 
 @dataclass(frozen=True)
@@ -36,10 +41,15 @@ class SamplingDefaults:
     min_p: float = 0.0
 
 
+# mlx_lm.server's name for the model it serves (its own tests send it): the served one here
+DEFAULT_MODEL = "default_model"
+
+
 @dataclass
 class ServerConfig:
-    served_model_name: str
-    model_aliases: tuple[str, ...] = ()
+    served_model_name: str  # the first --served-model-name: answers name it
+    more_model_names: tuple[str, ...] = ()  # the others, listed and served alike
+    model_aliases: tuple[str, ...] = ()  # accepted, not listed: the model as given, its folder
     default_max_tokens: int = 256
     context_length: Optional[int] = None
     auth: Auth = Auth()
@@ -57,6 +67,13 @@ class ServerConfig:
     chat_template_args: dict = field(default_factory=dict)
     # serve --reasoning-parser: None leaves think blocks in content
     reasoning_parser: Optional[str] = None
+    # serve --allowed-origins: browser origins answered with CORS headers (none: no CORS)
+    allowed_origins: tuple[str, ...] = ()
+
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        """Every name GET /v1/models lists, the answers' first."""
+        return tuple(dict.fromkeys((self.served_model_name, *self.more_model_names)))
 
 
 @dataclass
@@ -67,7 +84,10 @@ class ServerContext:
     inflight: int = 0  # requests admitted (being prepared, queued or running) and not yet ended
     _limits: dict = field(default_factory=dict)  # filled on first use: the model is loaded by then
     _preparing: Optional[asyncio.Semaphore] = None
+    _tools_unrendered_warned: bool = False  # one warning per server start, not one per request
     metrics: Metrics = field(init=False)  # this app's own registry (GET /metrics)
+    # serve --record-agents: an AgentRecorder, or None
+    recorder: Optional[Any] = None
 
     def __post_init__(self) -> None:
         self.metrics = Metrics(self.engine, lambda: self.inflight)
@@ -117,6 +137,22 @@ class ServerContext:
                 "tools",
                 "invalid_value",
             )
+        if req.tools:
+            self.warn_unrendered_tools()
+
+    def warn_unrendered_tools(self) -> None:
+        """Requests send tools, and the model's chat template reads no ``tools``: the model
+        never sees them. Logged once per server start (the request is still served)."""
+        if self._tools_unrendered_warned:
+            return
+        self._tools_unrendered_warned = True
+        template = getattr(self.engine.lm.tokenizer, "chat_template", None)
+        if "tools" not in template_variables(template):
+            log.warning(
+                "[kvsnap] a request sent tools, but this model's chat template renders none (it "
+                "reads no `tools` variable): the model never sees them and cannot call them; "
+                "serve a model whose template renders tools (this is logged once)"
+            )
 
     def model_limits(self) -> dict:
         if not self._limits:
@@ -130,6 +166,8 @@ class ServerContext:
                 ),
                 "context": self.config.context_length or context_length(lm.config),
                 "token_bytes": token_bytes_of(lm.tokenizer),
+                # tool-call and think markers: how every chat API's answer is split
+                "answer_rules": output_rules(lm.tokenizer, self.config.reasoning_parser),
             }
             self._limits = limits
         return self._limits
@@ -153,15 +191,20 @@ class ServerContext:
                 "insufficient_permissions",
             )
 
-    def check_model(self, name: str) -> None:
-        if name not in (self.config.served_model_name, *self.config.model_aliases):
-            raise APIError(
-                404,
-                f"model {name!r} is not served here; use {self.config.served_model_name!r} (see "
-                f"GET /v1/models)",
-                "model",
-                "model_not_found",
-            )
+    def check_model(self, name: Optional[str]) -> None:
+        """A request's ``model``: None (left out) and mlx-lm's ``default_model`` mean the
+        served one; any other name must be served here, else a 404 naming what is."""
+        config = self.config
+        if name is None or name in (DEFAULT_MODEL, *config.model_names, *config.model_aliases):
+            return
+        raise APIError(404, self.unknown_model(name), "model", "model_not_found")
+
+    def unknown_model(self, name: str) -> str:
+        served = ", ".join(repr(n) for n in self.config.model_names)
+        return (
+            f"model {name!r} is not served here; this server serves {served} (GET /v1/models); "
+            f"leave model out to use it"
+        )
 
     def check_ready(self) -> None:
         if self.engine.failed is not None:
@@ -186,7 +229,11 @@ class ServerContext:
                     "invalid_value",
                 )
 
-    def resolve_max_tokens(self, requested: Optional[int], prompt_len: int) -> int:
+    def resolve_max_tokens(
+        self, requested: Optional[int], prompt_len: int, cap: bool = False
+    ) -> int:
+        """The answer's token budget; ``cap``: ``requested`` is an upper bound the context
+        may cut (the agent APIs' ``max_tokens``), not a length to refuse when it cannot fit."""
         ctx = self.model_limits()["context"]
         max_tokens = requested if requested is not None else self.config.default_max_tokens
         if ctx is not None:
@@ -198,7 +245,7 @@ class ServerContext:
                     "messages",
                     "context_length_exceeded",
                 )
-            if requested is not None and prompt_len + requested > ctx:
+            if requested is not None and not cap and prompt_len + requested > ctx:
                 raise APIError(
                     400,
                     f"max_tokens {requested} + {prompt_len} prompt tokens exceed the model's "

@@ -1,4 +1,4 @@
-"""``GET /health``, ``GET /v1/models`` and ``GET /v1/status``: whether the server is warm,
+"""``GET /health``, ``GET /v1/models[/{id}]`` and ``GET /v1/status``: whether the server is warm,
 what it serves, and the engine's state as data."""
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
 from kvsnap import __version__
+from kvsnap.http.api_errors import APIError
 from kvsnap.http.context import ServerContext
 
 # What an ordinary (non-admin) key sees: nothing that moves with other tenants' traffic
@@ -33,19 +34,18 @@ def status_router(ctx: ServerContext) -> APIRouter:
             return JSONResponse({"status": "warming", "warm": False}, status_code=503)
         return {"status": "ok", "warm": True, "model": config.served_model_name}
 
+    def card(name: str) -> dict:
+        return {"id": name, "object": "model", "created": int(ctx.started), "owned_by": "kvsnap"}
+
     @router.get("/v1/models")
     async def models():
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": config.served_model_name,
-                    "object": "model",
-                    "created": int(ctx.started),
-                    "owned_by": "kvsnap",
-                }
-            ],
-        }
+        return {"object": "list", "data": [card(name) for name in config.model_names]}
+
+    @router.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        if model_id not in config.model_names:
+            raise APIError(404, ctx.unknown_model(model_id), "model", "model_not_found")
+        return card(model_id)
 
     @router.get("/v1/status")
     async def status(request: Request):

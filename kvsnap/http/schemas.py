@@ -33,7 +33,8 @@ class _Sampling(BaseModel):
     # Clients send many optional OpenAI fields kvsnap does not use; ignore those, type-check ours.
     model_config = ConfigDict(extra="ignore")
 
-    model: StrictStr
+    # None (left out): the served model, as mlx_lm.server takes it (ServerContext.check_model)
+    model: Optional[StrictStr] = None
     max_tokens: Optional[StrictInt] = Field(default=None, ge=1, le=MAX_TOKENS_LIMIT)
     # None: the server's default (serve --temp, --top-p, --top-k, --min-p)
     temperature: Optional[Union[StrictFloat, StrictInt]] = Field(default=None, ge=0, le=2)

@@ -70,15 +70,16 @@ COLD_AGENT = [
 RECORD = "quickstart.json"
 
 
-def run_quickstart(workdir: Path, print_fn=print) -> int:
-    """Demo model -> example agents -> build + verify -> serve -> a cold and a warm request."""
+def run_quickstart(workdir: Path, print_fn=print, port: int = 0) -> int:
+    """Demo model -> example agents -> build + verify -> serve (on ``port``, 0: a free one)
+    -> a cold and a warm request."""
     from kvsnap.blas import preload_openblas
 
     preload_openblas()
     workdir = workdir.resolve()
     workdir.mkdir(parents=True, exist_ok=True)
     model_dir, agents, store, built = build_and_verify(workdir, print_fn)
-    record = serve_and_ask(workdir, model_dir, agents, store, print_fn)
+    record = serve_and_ask(workdir, model_dir, agents, store, print_fn, port)
     record["build"] = [
         {"name": e.name, "status": e.status, "n_tokens": e.n_tokens} for e in built.entries
     ]
@@ -120,7 +121,9 @@ def build_and_verify(workdir: Path, print_fn):
     return model_dir, agents, store, report
 
 
-def serve_and_ask(workdir: Path, model_dir: Path, agents: Path, store, print_fn) -> dict:
+def serve_and_ask(
+    workdir: Path, model_dir: Path, agents: Path, store, print_fn, port: int = 0
+) -> dict:
     """Steps 3-4: a server warm from the store, its warm-up report (from /v1/status), a cold and a
     warm request."""
     import httpx
@@ -133,6 +136,7 @@ def serve_and_ask(workdir: Path, model_dir: Path, agents: Path, store, print_fn)
         model_dir,
         ["--continuous-batching", "--warm-prompts", str(agents), "--kv-snapshots", str(store.root)],
         workdir / "server.log",
+        port=port or None,
         env={"KVSNAP_CACHE_DIR": str(workdir)},
         limit_s=300,
     )
@@ -170,4 +174,4 @@ def serve_and_ask(workdir: Path, model_dir: Path, agents: Path, store, print_fn)
         }
         for name, r in (("cold", cold), ("warm", warm))
     }
-    return {"ready_s": round(ready, 3), "warmup": warmup, **requests}
+    return {"url": server.url, "ready_s": round(ready, 3), "warmup": warmup, **requests}

@@ -44,10 +44,42 @@ def split_argv(
     return found, rest
 
 
+MAX_PORT = 65535
+
+
+def port_problem(text: str) -> str | None:
+    """Why ``text`` is not a TCP port (0 to 65535; 0: a free one), or None. Every kvsnap
+    command taking --port checks it: a socket takes 99999 as 34463, and -5 fails as a host."""
+    try:
+        value = int(text)
+    except ValueError:
+        return f"{text!r} is not a port number; give one from 0 to {MAX_PORT}"
+    if not 0 <= value <= MAX_PORT:
+        return f"{value} is not a port number; give one from 0 to {MAX_PORT}"
+    return None
+
+
+def check_port(args: Sequence[str]) -> None:
+    """A UsageError for an upstream server's ``--port VALUE`` (or ``--port=VALUE``) that is not
+    a port, before anything is imported or loaded."""
+    end = list(args).index("--") if "--" in args else len(args)
+    for i, arg in enumerate(args[:end]):
+        if arg == "--port" and i + 1 < end:
+            value = args[i + 1]
+        elif arg.startswith("--port="):
+            value = arg[len("--port=") :]
+        else:
+            continue
+        problem = port_problem(value)
+        if problem:
+            raise UsageError(f"--port {problem}")
+
+
 def serve_args(argv: Sequence[str], usage: str, route: str, directly: str) -> list[str] | int:
     """The arguments of ``kvsnap ROUTE serve ARGS``, or an exit status when ``argv`` only asks
     for the usage (printed here: 0 for ``-h``/``--help``, 2 for nothing). Another subcommand is
-    a UsageError naming how to run it upstream: ``directly`` with ``{}`` for the subcommand."""
+    a UsageError naming how to run it upstream: ``directly`` with ``{}`` for the subcommand; so
+    is a ``--port`` that is not a port."""
     if not argv or argv[0] in ("-h", "--help"):
         print(usage, end="")
         return 0 if argv else 2
@@ -56,6 +88,7 @@ def serve_args(argv: Sequence[str], usage: str, route: str, directly: str) -> li
             f"`kvsnap {route} {argv[0]}` is not supported: only `serve` takes {OPTION}; run "
             f"`{directly.format(argv[0])} ...` directly"
         )
+    check_port(argv[1:])
     return list(argv[1:])
 
 
