@@ -54,6 +54,10 @@ class WarmPrompt:
     chat_template_kwargs: dict | None = None
     # for an agent body: which API and where its shared prefix was cut
     cut: str | None = None
+    # for an agent body: its API ("anthropic" | "responses") and the body as given, for a
+    # server that converts such bodies itself (vllm-mlx's /v1/messages, /v1/responses)
+    api: str | None = None
+    body: dict | None = field(default=None, compare=False, repr=False)
 
     def as_json(self) -> dict:
         return {
@@ -156,6 +160,8 @@ def _agent_entry(raw: dict, index: int, where: str) -> WarmPrompt:
         tools=chat.tools,
         chat_template_kwargs=chat.template_kwargs or None,
         cut=cut,
+        api=api,
+        body=raw[api],
     )
 
 

@@ -253,7 +253,9 @@ class WarmPlan(ABC):
         from kvsnap.runtime.warmup.recipe import warm_key
 
         try:
-            warm = warm_key(self.lm.tokenizer, self.identity, prompt, self.tokenization)
+            warm = warm_key(
+                self.lm.tokenizer, self.identity, prompt, self._tokenization_for(prompt)
+            )
         except KvsnapError as exc:
             report.skip(prompt.name, str(exc))
             return None
@@ -275,6 +277,11 @@ class WarmPlan(ABC):
             )
             return None
         return tokens, warm.prompt_digest, warm.key
+
+    def _tokenization_for(self, prompt: WarmPrompt) -> Tokenization:
+        """How the server renders this entry's requests: ``tokenization``, unless the server
+        has a request path of its own for the entry (an agent body's API)."""
+        return self.tokenization
 
     def _restore(
         self, prompt: WarmPrompt, info: SnapshotInfo | None, report: WarmReport

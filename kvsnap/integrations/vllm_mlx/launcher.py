@@ -168,6 +168,7 @@ def check_serve_args(ns: Any) -> None:
 def install(server: Any, session: Any) -> None:
     """Replace vllm-mlx's disk-cache load and save with the session's warm start and a no-op;
     extend its routes."""
+    from kvsnap.integrations.vllm_mlx.agents import adapt_request_paths
     from kvsnap.integrations.vllm_mlx.session import install_routes
 
     async def skip_disk_cache_save(engine: Any = None) -> None:
@@ -182,6 +183,7 @@ def install(server: Any, session: Any) -> None:
     server._load_prefix_cache_from_disk = session.load
     server._save_prefix_cache_to_disk = skip_disk_cache_save
     install_routes(server, session)
+    adapt_request_paths(server)  # /v1/messages, /v1/responses: later system messages in place
 
 
 # --- the launcher -----------------------------------------------------------------------

@@ -138,6 +138,8 @@ class Session:
             )
 
     def _make_work(self, engine: Any, scheduler: Any, prefix_cache: Any) -> WarmPass:
+        from kvsnap.integrations.vllm_mlx.agents import place_system_messages
+        from kvsnap.integrations.vllm_mlx.exact import reuse_exact_hits
         from kvsnap.integrations.vllm_mlx.insert import insert_snapshots
         from kvsnap.integrations.vllm_mlx.pin import pin
 
@@ -146,6 +148,8 @@ class Session:
         except AttributeError as exc:
             self.pins = None
             log.warning("[kvsnap] %s; snapshots are ordinary LRU entries in this run", exc)
+        reuse_exact_hits(prefix_cache)  # a hit covering the whole prompt: all but its last token
+        place_system_messages(engine)  # agents' later system messages stay after the warm prefix
         model_path = getattr(engine, "_model_path", None) or getattr(
             self.server, "_model_path", None
         )
@@ -179,7 +183,7 @@ class Session:
             # Identity hashing runs on the model thread, once per engine.
             if "plan" not in plan_box:
                 plan_box["plan"] = self._make_plan(
-                    prefix_cache, scheduler, model_path, tokenization, prompts
+                    prefix_cache, scheduler, model_path, tokenization, prompts, engine
                 )
             return plan_box["plan"].run()
 
@@ -228,8 +232,12 @@ class Session:
         model_path: str,
         tokenization: EngineTokenization,
         prompts: WarmPromptSet,
+        engine: Any = None,
     ) -> VllmMlxWarmPlan:
+        from kvsnap.integrations.vllm_mlx.agents import agent_tokenization
+
         lm = upstream_model(model_path, scheduler.model, scheduler.tokenizer)
+        server = self.server
         return VllmMlxWarmPlan(
             prefix_cache=prefix_cache,
             pins=self.pins,
@@ -240,6 +248,9 @@ class Session:
             prompts=prompts,
             agents_file=self.agents_file,
             tokenization=tokenization,
+            agent_tokenization=lambda prompt: agent_tokenization(
+                tokenization, server, engine, prompt
+            ),
         )
 
     async def _warm(self, why: str) -> WarmReport | InsertReport:

@@ -6,12 +6,14 @@ reuse them."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from kvsnap.integrations.common.warm_plan import WarmPlan, WarmReport
 
 if TYPE_CHECKING:
+    from kvsnap.chat import Tokenization
     from kvsnap.integrations.vllm_mlx.pin import Pins
+    from kvsnap.prompts import WarmPrompt
 
 
 @dataclass
@@ -22,6 +24,14 @@ class VllmMlxWarmPlan(WarmPlan):
     build_for = "vllm-mlx"
 
     pins: Pins | None = None
+    # An agent body's entry (``{"anthropic": ...}``, ``{"responses": ...}``) -> its rendering
+    # through vllm-mlx's own API for that body (``vllm_mlx.agents``); None: the chat path.
+    agent_tokenization: Callable[[WarmPrompt], Tokenization] | None = None
+
+    def _tokenization_for(self, prompt: WarmPrompt) -> Tokenization:
+        if prompt.api is not None and self.agent_tokenization is not None:
+            return self.agent_tokenization(prompt)
+        return self.tokenization
 
     def _min_prefix_tokens(self) -> int:
         config = getattr(self.prefix_cache, "_config", None)
