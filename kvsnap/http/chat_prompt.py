@@ -5,13 +5,22 @@ request's own kwargs, ``tool_choice`` for the template, the one render and token
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+import logging
+from typing import Any, Callable, Optional, Sequence
 
+from kvsnap.agent_requests import AgentChat
 from kvsnap.chat import request_tokens
-from kvsnap.errors import TemplateError
+from kvsnap.errors import MessageError, TemplateError
 from kvsnap.http.api_errors import APIError
 from kvsnap.http.context import ServerContext
-from kvsnap.http.tool_calls import PROMPT_TAIL_TOKENS, AnswerSplitter, OutputRules
+from kvsnap.http.tool_calls import (
+    PROMPT_TAIL_TOKENS,
+    AnswerSplitter,
+    OutputRules,
+    check_tool_choice,
+)
+
+log = logging.getLogger("kvsnap.http.server")
 
 
 def chat_prompt_tokens(
@@ -51,3 +60,28 @@ def answer_splitter(
     if rules.splits_reasoning:
         tail = ctx.engine.lm.tokenizer.decode(tokens[-PROMPT_TAIL_TOKENS:])
     return AnswerSplitter(rules, list(tools) if tools else None, tool_choice, tail)
+
+
+def agent_chat(
+    ctx: ServerContext,
+    req: Any,
+    convert: Callable[[dict], AgentChat],
+    fields: tuple[str, ...],
+    path: str,
+) -> AgentChat:
+    """An agent API's request body (its ``fields``) as kvsnap's chat, checked as chat's is:
+    lone surrogates, the conversion's own errors as 400s naming the field, ``tool_choice``;
+    hosted tools left out get one log line."""
+    ctx.check_text(req, fields)
+    try:
+        chat = convert(req.model_dump(include=set(fields)))
+    except MessageError as exc:
+        raise APIError(400, str(exc), exc.where, "invalid_value") from None
+    check_tool_choice(chat.tool_choice, list(chat.tools or ()))
+    if chat.dropped_tools:
+        log.info(
+            "[kvsnap] %s: tools a local model cannot run left out: %s",
+            path,
+            ", ".join(chat.dropped_tools),
+        )
+    return chat

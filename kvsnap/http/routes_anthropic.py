@@ -15,9 +15,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
 from kvsnap.agent_requests import AgentChat, anthropic_chat, arguments_object
-from kvsnap.errors import MessageError
 from kvsnap.http.api_errors import APIError
-from kvsnap.http.chat_prompt import answer_splitter, chat_prompt_tokens
+from kvsnap.http.chat_prompt import agent_chat, answer_splitter, chat_prompt_tokens
 from kvsnap.http.context import ServerContext
 from kvsnap.http.routes_generation import (
     failure_message,
@@ -26,11 +25,11 @@ from kvsnap.http.routes_generation import (
     wait_for_answer,
 )
 from kvsnap.http.schemas import MAX_STOP_LENGTH, MAX_STOP_SEQUENCES, MAX_TOKENS_LIMIT, new_id
-from kvsnap.http.tool_calls import AnswerSplitter, check_tool_choice
+from kvsnap.http.tool_calls import AnswerSplitter
 from kvsnap.runtime.engine.engine import RequestState
 
 ANTHROPIC_PATH = "/v1/messages"
-TEXT_FIELDS = ("system", "messages", "tools", "stop_sequences")
+BODY_FIELDS = ("system", "messages", "tools", "tool_choice", "thinking")
 
 log = logging.getLogger("kvsnap.http.server")
 
@@ -290,19 +289,7 @@ def messages_router(ctx: ServerContext) -> APIRouter:
     router = APIRouter()
 
     def converted(req: Any) -> AgentChat:
-        ctx.check_text(req, TEXT_FIELDS)
-        body = req.model_dump(include={"system", "messages", "tools", "tool_choice", "thinking"})
-        try:
-            chat = anthropic_chat(body)
-        except MessageError as exc:
-            raise APIError(400, str(exc), exc.where, "invalid_value") from None
-        check_tool_choice(chat.tool_choice, list(chat.tools or ()))
-        if chat.dropped_tools:
-            log.info(
-                "[kvsnap] /v1/messages: server tools left out (a local model cannot run them): %s",
-                ", ".join(chat.dropped_tools),
-            )
-        return chat
+        return agent_chat(ctx, req, anthropic_chat, BODY_FIELDS, ANTHROPIC_PATH)
 
     def tokens_of(chat: AgentChat) -> list[int]:
         return chat_prompt_tokens(
@@ -314,6 +301,7 @@ def messages_router(ctx: ServerContext) -> APIRouter:
         ctx.check_model(req.model)
         ctx.check_ready()
         ctx.check_sizes(req)
+        ctx.check_text(req, ("stop_sequences",))
 
         def prepare() -> tuple[AgentChat, list[int]]:
             chat = converted(req)

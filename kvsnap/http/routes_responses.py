@@ -20,17 +20,16 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
 from kvsnap.agent_requests import AgentChat, responses_chat
-from kvsnap.errors import MessageError
 from kvsnap.http.api_errors import APIError
-from kvsnap.http.chat_prompt import answer_splitter, chat_prompt_tokens
+from kvsnap.http.chat_prompt import agent_chat, answer_splitter, chat_prompt_tokens
 from kvsnap.http.context import ServerContext
 from kvsnap.http.routes_generation import failure_message, prepared, submit, wait_for_answer
 from kvsnap.http.schemas import MAX_TOKENS_LIMIT, error_body, new_id
-from kvsnap.http.tool_calls import AnswerSplitter, check_tool_choice
+from kvsnap.http.tool_calls import AnswerSplitter
 from kvsnap.runtime.engine.engine import RequestState
 
 RESPONSES_PATH = "/v1/responses"
-TEXT_FIELDS = ("input", "instructions", "tools")
+BODY_FIELDS = ("input", "instructions", "tools", "tool_choice", "reasoning")
 
 log = logging.getLogger("kvsnap.http.server")
 
@@ -352,21 +351,7 @@ def responses_router(ctx: ServerContext) -> APIRouter:
     router = APIRouter()
 
     def converted(req: ResponsesRequest) -> AgentChat:
-        ctx.check_text(req, TEXT_FIELDS)
-        body = req.model_dump(
-            include={"input", "instructions", "tools", "tool_choice", "reasoning"}
-        )
-        try:
-            chat = responses_chat(body)
-        except MessageError as exc:
-            raise APIError(400, str(exc), exc.where, "invalid_value") from None
-        check_tool_choice(chat.tool_choice, list(chat.tools or ()))
-        if chat.dropped_tools:
-            log.info(
-                "[kvsnap] /v1/responses: hosted tools left out (a local model cannot run them): %s",
-                ", ".join(chat.dropped_tools),
-            )
-        return chat
+        return agent_chat(ctx, req, responses_chat, BODY_FIELDS, RESPONSES_PATH)
 
     @router.post(RESPONSES_PATH)
     async def responses(req: ResponsesRequest, request: Request):
