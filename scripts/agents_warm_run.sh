@@ -30,7 +30,13 @@ if [ -z "$MODEL" ]; then
 fi
 URL="http://127.0.0.1:$PORT"
 PID=""
-stop() { [ -n "$PID" ] && kill "$PID" 2>/dev/null && wait "$PID" 2>/dev/null; PID=""; }
+stop() {
+    if [ -n "$PID" ]; then
+        kill "$PID" 2>/dev/null || true
+        wait "$PID" 2>/dev/null || true  # 143: it ended on our SIGTERM
+    fi
+    PID=""
+}
 trap stop EXIT
 serve() {
     timeout -k 5 1800 kvsnap serve "$MODEL" --port "$PORT" --served-model-name kvsnap-model \
