@@ -112,6 +112,9 @@ PART_META = (
 KV_FORM = "kvsnap.kv_form"
 # A part's per-row digests (``snapshot/rows.py``): a sharded rank checks only the rows it reads.
 ROW_DIGESTS = "kvsnap.row_digests"
+# A conversation record's tenant: a digest of its API key's tag under the store's secret, one per
+# key whatever the cache_salt (``store/conversations.py``); the disk budget's unit. Not keyed.
+TENANT = "kvsnap.tenant"
 BLOCK_KIND, CHECKPOINT_KIND = "block", "checkpoint"
 HEADER_FIELDS = (
     REQUIRED_META
@@ -124,6 +127,7 @@ HEADER_FIELDS = (
         "kvsnap.prefix_digest",
         KV_FORM,
         ROW_DIGESTS,
+        TENANT,
         CHECKSUM_KEY,
     )
 )
@@ -141,14 +145,17 @@ def header_metadata(
     layers: list,
     recorded: dict,
     chain: dict | None = None,
+    tenant: str = "",
 ) -> dict[str, str]:
     """The ``__metadata__`` a snapshot is written with (the writer adds the checksum).
 
     With ``chain`` it is a v3 prompt record; without, a v2 whole file (what ``kvsnap migrate``
-    reads and the tests write). Field order and JSON spelling are part of the file's bytes: keep
-    them.
+    reads and the tests write). ``tenant``: a conversation record's ``kvsnap.tenant`` (no field
+    when ""). Field order and JSON spelling are part of the file's bytes: keep them.
     """
     extra = {CHAIN: encode_chain(chain)} if chain is not None else {}
+    if tenant:
+        extra[TENANT] = tenant
     return {
         "kvsnap.format": str(FORMAT_VERSION if chain is not None else WHOLE_FILE_FORMAT),
         "kvsnap.key": key,

@@ -22,6 +22,7 @@ from kvsnap.snapshot.format import (
     FORMAT_VERSION,
     KEY_RE,
     REQUIRED_META,
+    TENANT,
     TOKENS,
     TOKENS_DTYPE,
     check_format_field,
@@ -58,6 +59,9 @@ class SnapshotInfo:
     tokens: tuple[int, ...] = ()
     # v3: the blocks and checkpoints holding the state; None: a v2 file holds it itself
     chain: Chain | None = None
+    # a conversation record's kvsnap.tenant (its API key's digest); "": none (an agent's
+    # record, a keyless request's, or one written before the field)
+    tenant: str = ""
 
     @property
     def relpath(self) -> str:
@@ -163,6 +167,9 @@ def inspect_header(
     ):
         if not KEY_RE.fullmatch(meta[field]):
             raise FormatError(f"{field} is {show(meta[field])}, expected 32 lowercase hex digits")
+    tenant = meta.get(TENANT, "")
+    if TENANT in meta and not KEY_RE.fullmatch(tenant):
+        raise FormatError(f"{TENANT} is {show(tenant)}, expected 32 lowercase hex digits")
     n_tokens = check_token_count(header, max_tokens)
     name = meta.get("kvsnap.name", "")
     if len(name) > MAX_NAME_CHARS:
@@ -226,4 +233,5 @@ def inspect_header(
         nbytes=header.file_size,
         tokens=tuple(tokens),
         chain=chain,
+        tenant=tenant,
     )

@@ -10,9 +10,10 @@ so the budget goes by what can be read, with a warning naming it and the fix. A 
 record that cannot be read serves no request (the lookup skips it): the budget, the purge and
 gc's unused-for drop remove it first and read the chains again.
 
-Over the budget, records go from the namespace (tenant) holding the most bytes, least recently
-used first within it (``budget_victims``): one tenant's flood evicts its own records, never
-those of a tenant holding less. Nothing here follows a symbolic link (``fileio.store_folder``).
+Over the budget, records go from the tenant (API key, all its cache_salts together) holding the
+most bytes, least recently used first within it (``budget_victims``): one tenant's flood evicts
+its own records, never those of a tenant holding less. Nothing here follows a symbolic link
+(``fileio.store_folder``).
 """
 
 from __future__ import annotations
@@ -39,6 +40,14 @@ class ConversationRecord:
     size: int
     parts: list[str]  # store-relative block and checkpoint paths it reaches
     namespace: str = ""  # its prompt digest: one per namespace (the tenant tag's), no name
+    tenant: str = ""  # its kvsnap.tenant: one per API key, whatever the cache_salt; "": none
+
+    @property
+    def owner(self) -> str:
+        """Who holds it for the budget: its key (every cache_salt of it), else (a keyless
+        request's record, or one written before kvsnap.tenant) its namespace. The two are
+        digests of different texts, so they never collide."""
+        return self.tenant or self.namespace
 
 
 @dataclass
@@ -87,7 +96,9 @@ def read_reach(store: Store) -> Reach:
             reach.unreadable.append(path)
             continue
         parts = chain_relpaths(info)
-        record = ConversationRecord(path, st.st_mtime, st.st_size, parts, info.prompt_digest)
+        record = ConversationRecord(
+            path, st.st_mtime, st.st_size, parts, info.prompt_digest, info.tenant
+        )
         reach.records.append(record)
         reach.counts.update(parts)
     return reach
@@ -166,22 +177,24 @@ def evict_to_budget(store: Store, max_bytes: int, low_water: float = 0.9) -> tup
 
 def budget_victims(store: Store, reach: Reach, target: float) -> list[ConversationRecord]:
     """The records to remove for the rest to fit in ``target`` bytes: each time, the least
-    recently used record of the namespace holding the most (its records, and an even share of
-    every part it reaches with other namespaces; agents' parts cost nothing).
+    recently used record of the tenant holding the most (its records, and an even share of
+    every part it reaches with other tenants; agents' parts cost nothing). A tenant is a
+    record's ``owner``: its API key, whatever the cache_salt (else its namespace), so a key
+    sending many salts holds one share, not one a salt.
 
-    The namespace holding the most holds at least the average, so while the total is over
-    ``target`` a namespace holding less than an even share of it (``target`` / namespaces) is
-    never evicted: one tenant's flood removes its own records first, and every namespace
+    The tenant holding the most holds at least the average, so while the total is over
+    ``target`` a tenant holding less than an even share of it (``target`` / tenants) is
+    never evicted: one tenant's flood removes its own records first, and every tenant
     ends up holding about the same, or less if it needs less."""
     sizes = {rel: _size(store.root / rel) for rel in reach.counts if rel not in reach.agent_parts}
-    holders: dict[str, Counter] = defaultdict(Counter)  # part -> namespace -> its records there
+    holders: dict[str, Counter] = defaultdict(Counter)  # part -> owner -> its records there
     queues: dict[str, deque[ConversationRecord]] = defaultdict(deque)  # least recent first
-    held: dict[str, float] = defaultdict(float)  # namespace -> bytes it holds
+    held: dict[str, float] = defaultdict(float)  # owner -> bytes it holds
     for record in sorted(reach.records, key=lambda r: r.last_use):
-        queues[record.namespace].append(record)
-        held[record.namespace] += record.size
+        queues[record.owner].append(record)
+        held[record.owner] += record.size
         for rel in _own(record, sizes):
-            holders[rel][record.namespace] += 1
+            holders[rel][record.owner] += 1
     for rel, namespaces in holders.items():
         for namespace in namespaces:
             held[namespace] += sizes[rel] / len(namespaces)

@@ -414,6 +414,7 @@ class ConversationWriter:
                     "blocks": [list(b) for b in blocks],
                     "checkpoints": [],
                 },
+                tenant=info.tenant,  # the same key's: it stays in its tenant's share
             )
             raw = pack_tokens(tokens)
             tensors = [OutTensor(TOKENS, "I32", (n,), memoryview(raw))]

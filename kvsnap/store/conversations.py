@@ -5,7 +5,9 @@ A conversation record is a v3 record like an agent's, in its own folder
 with every other record. Its key binds the model, the tokens and the namespace's tag: the
 tag is an HMAC of the namespace (API-key fingerprint + cache_salt) under a per-store secret
 (``conversations/.secret``, 0600), so nothing on disk is the key or an unsalted hash of it,
-and a record can only be found by a request of its own namespace.
+and a record can only be found by a request of its own namespace. Its header also carries
+its key's tenant digest (``kvsnap.tenant``, the same HMAC of the key's fingerprint alone):
+the disk budget's unit, so a key's cache_salts share one fair share.
 
 Finding one needs no index file: the folder's names are listed (cheap, at most every few
 seconds) and a request's tokens are hashed once, incrementally, into the key each prefix
@@ -99,6 +101,23 @@ def namespace_tag(secret: bytes, namespace: str) -> str:
 def conversation_digest(tag: str) -> str:
     """A conversation record's ``kvsnap.prompt_digest``: binds its key to the namespace."""
     return hexdigest(f"kvsnap-conversation-v1|{tag}".encode())
+
+
+def namespace_tenant(namespace: str) -> str:
+    """The API key's fingerprint of a namespace ("<fingerprint>/<cache_salt>"), "" without a
+    key."""
+    return namespace.partition("/")[0]
+
+
+def tenant_digest(secret: bytes, tenant: str) -> str:
+    """A conversation record's ``kvsnap.tenant``: the key's tag under the store's secret (as
+    a namespace's), digested like ``conversation_digest``, so records of one key share it
+    whatever their cache_salt, and nothing on disk is the key or its fingerprint. "" (no
+    field) for a request without a key: there, each cache_salt is all that tells clients
+    apart, and the budget's unit stays the namespace."""
+    if not tenant:
+        return ""
+    return hexdigest(f"kvsnap-tenant-v1|{namespace_tag(secret, tenant)}".encode())
 
 
 def record_key(model_digest: str, conv_digest: str, tokens_digest: str, n_tokens: int) -> str:

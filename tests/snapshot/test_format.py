@@ -99,7 +99,13 @@ def test_header_fields_are_the_schema():
     assert set(_metadata()) == set(fmt.REQUIRED_META) | set(fmt.OPTIONAL_META)
     assert set(fmt.HEADER_FIELDS) == set(fmt.REQUIRED_META) | set(fmt.OPTIONAL_META) | {
         fmt.CHAIN
-    } | set(fmt.PART_META) | {"kvsnap.layers", fmt.KV_FORM, fmt.ROW_DIGESTS, fmt.CHECKSUM_KEY}
+    } | set(fmt.PART_META) | {
+        "kvsnap.layers",
+        fmt.KV_FORM,
+        fmt.ROW_DIGESTS,
+        fmt.TENANT,
+        fmt.CHECKSUM_KEY,
+    }
     part = fmt.part_metadata(
         kind=fmt.CHECKPOINT_KIND,
         key="a" * 32,

@@ -240,3 +240,131 @@ def test_the_namespace_holding_the_most_gives_first_and_shares_split_shared_bloc
     assert budget_victims(store, reach, 3000) == a[:2]  # global LRU would take B's first
     assert budget_victims(store, reach, 1700) == a  # A at 1600 still holds more than B
     assert budget_victims(store, reach, 1000) == [*a, b]  # then B holds all 1600 of it
+
+
+# --- 7. one key, many cache_salts (issue 39 item 6) ------------------------------------------
+
+
+def test_regression_a_keys_salts_share_its_share_not_one_each(tmp_path):
+    """Fairness went by namespace (key + cache_salt): ten salts of key A, each holding less
+    than key B, held ten shares, and B's records went first. The key is the unit now: A
+    holds the most (all its salts together), so A's go, least recently used first."""
+    store = Store.open(tmp_path / "store", create=True)
+    (store.root / "blocks").mkdir()
+    sizes = {"b1": 1000, "b2": 1000, **{f"a{i}": 400 for i in range(10)}}
+    for name, size in sizes.items():
+        (store.root / "blocks" / f"{name}.safetensors").write_bytes(b"x" * size)
+
+    def record(namespace: str, tenant: str, own: str, age: float) -> ConversationRecord:
+        parts = [f"blocks/{own}.safetensors"]
+        return ConversationRecord(Path(own), time.time() - age, 100, parts, namespace, tenant)
+
+    b = [record("B/", "B", f"b{i}", 100 - i) for i in (1, 2)]  # B's are the oldest
+    a = [record(f"A/salt-{i}", "A", f"a{i}", 50 - i) for i in range(10)]  # 500 a salt
+    reach = Reach(records=[*b, *a])
+    for r in reach.records:
+        reach.counts.update(r.parts)
+    assert reach.nbytes(store) == 7200  # A holds 5000 over its ten salts, B 2200
+    victims = budget_victims(store, reach, 5000)
+    assert not set(map(id, b)) & set(map(id, victims))  # B, under its share, keeps all
+    assert victims == a[:5]  # A's least recently used, whatever their salt
+    # records written before the tenant field: each namespace holds its own share, as before
+    old = [ConversationRecord(r.path, r.last_use, r.size, r.parts, r.namespace) for r in a]
+    reach = Reach(records=[*b, *old])
+    for r in reach.records:
+        reach.counts.update(r.parts)
+    assert budget_victims(store, reach, 5000) == b
+
+
+def test_regression_one_key_with_ten_salts_no_longer_evicts_another_keys(base, tmp_path):
+    """The real server: key A sends ten conversations, each with its own cache_salt and each
+    holding less than key B's two; past the budget A's go, never B's. Before, each salt was a
+    tenant of its own holding less than B, so B's conversations were evicted for A's flood.
+    Records of one key share one tenant digest whatever their salt; neither the key nor its
+    fingerprint is in any file."""
+    from kvsnap.http.guard import fingerprint
+
+    tmp, model, _ = base
+    root = copy_store(base, tmp_path)
+    server = serve(model, root, tmp, "tenant-b", "--persist-requests", env=KEYS_ENV)
+    try:
+        b1, b2 = Chat("b1", PLANNER, key=KEY_B), Chat("b2", SHARED_SYSTEM, key=KEY_B)
+        for chat in (b1, b2, b1):  # b1's second turn supersedes its first: a record of its
+            chat.send(server.url)  # whole blocks stays, written by the writer itself
+        status = settle(server, root, 3, ADMIN)
+    finally:
+        server.stop()
+    b_keys, b_bytes = record_keys(root), stored_conversation_bytes(root)
+    assert status["superseded"] == 1 and len(b_keys) == 3, status
+    budget = 3 * b_bytes
+    gb = f"{budget / 2**30:.9f}"
+    server = serve(
+        model, root, tmp, "salts", "--persist-requests", "--persist-max-gb", gb, env=KEYS_ENV
+    )
+    half = SHARED_SYSTEM[: len(SHARED_SYSTEM) // 2]
+    try:
+        for i in range(10):  # about half of what B holds each; five times B's in all
+            before = stored_conversation_bytes(root)
+            Chat(f"a{i}", f"Tenant A, salt {i}. " + half, key=KEY_A, salt=f"s{i}").send(server.url)
+            settle(server, root, i + 1, ADMIN)
+            if i == 0:  # each salt alone holds less than B: per salt, B held the most
+                assert 0 < stored_conversation_bytes(root) - before < b_bytes / 1.5
+        deadline = time.monotonic() + 30
+        while stored_conversation_bytes(root) > budget:
+            assert time.monotonic() < deadline, (stored_conversation_bytes(root), budget)
+            time.sleep(0.05)
+        evicted = server.status(ADMIN)["persist"]["evicted"]
+    finally:
+        server.stop()
+    assert evicted >= 1  # the budget did act
+    assert b_keys <= record_keys(root)  # and every one of B's conversations stayed
+    a_keys = record_keys(root) - b_keys
+    assert a_keys  # A keeps what fits besides
+    store = Store.open(root)
+    tenants = {
+        key: store.inspect(root / "conversations" / f"{key}.safetensors").tenant
+        for key in record_keys(root)
+    }
+    a_tenants, b_tenants = {tenants[k] for k in a_keys}, {tenants[k] for k in b_keys}
+    assert len(a_tenants) == len(b_tenants) == 1 and a_tenants != b_tenants, tenants
+    assert "" not in a_tenants | b_tenants, tenants
+    secrets_in_clear = [s.encode() for key in (KEY_A, KEY_B) for s in (key, fingerprint(key))]
+    for path in conversation_files(root):
+        data = path.read_bytes()
+        assert not any(s in data for s in secrets_in_clear), path
+    assert_sound(root)
+
+
+def test_the_tenant_field_is_checked_like_every_header_field(conv_store, tmp_path):
+    """``kvsnap.tenant`` is covered by the checksum (a flipped digit is caught) and checked
+    itself (a value that is no digest, checksum recomputed, is refused naming the field); a
+    keyless server's records carry none (each cache_salt stays its own unit there)."""
+    from kvsnap.errors import SnapshotError
+    from kvsnap.snapshot.file import OutTensor, read_header, tensor_bytes, write_snapshot
+    from kvsnap.snapshot.format import TENANT, TOKENS
+
+    root = tmp_path / "store"
+    shutil.copytree(conv_store, root)
+    store = Store.open(root)
+    path = conversation_files(root)[0]
+    assert store.inspect(path).tenant == ""  # conv_store's server has no API keys
+    header = read_header(path)
+    assert TENANT not in header.metadata
+    raw = tensor_bytes(path, header, TOKENS)
+    tokens = [OutTensor(TOKENS, "I32", header.tensors[TOKENS].shape, memoryview(raw))]
+    meta = {k: v for k, v in header.metadata.items() if k != "kvsnap.xxh3_128"}
+
+    def rewrite(tenant: str) -> None:
+        with open(path, "wb") as f:
+            write_snapshot(f, tokens, {**meta, TENANT: tenant})
+
+    rewrite("ab" * 16)
+    assert store.verify_file(path).tenant == "ab" * 16
+    data = path.read_bytes()
+    path.write_bytes(data.replace(b"ab" * 16, b"ab" * 15 + b"ac", 1))  # one digit flipped
+    with pytest.raises(SnapshotError, match="checksum"):
+        store.verify_file(path)
+    rewrite("../" + "a" * 29)  # sound checksum, no digest
+    with pytest.raises(SnapshotError, match="kvsnap.tenant is '../"):
+        store.inspect(path)
+    assert read_reach(store).unreadable == [path]  # the budget removes it first

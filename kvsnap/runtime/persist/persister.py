@@ -41,9 +41,11 @@ from kvsnap.store.conversations import (
     conversation_digest,
     longest_persisted,
     namespace_tag,
+    namespace_tenant,
     record_key,
     record_path,
     store_secret,
+    tenant_digest,
 )
 from kvsnap.store.fileio import check_store_folders, probe_writable
 from kvsnap.store.local import Store
@@ -179,8 +181,10 @@ class Persister:
                     )
                 )
         chain = chain_field(links, self.settings)
+        # the key's digest, whatever the cache_salt: the budget's unit (kvsnap.tenant)
+        tenant = tenant_digest(self.secret, namespace_tenant(namespace))
         metadata = _record_header(
-            self.identity, key, conv_digest, tokens, tdigest, layers, self.recorded, chain
+            self.identity, key, conv_digest, tokens, tdigest, layers, self.recorded, chain, tenant
         )
         reaches = [(BLOCK_KIND, link.key) for link in links] + [
             (CHECKPOINT_KIND, link.checkpoint_key) for link in links if link.checkpoint_key
@@ -410,6 +414,7 @@ def _record_header(
     layers: list,
     recorded: dict,
     chain: dict,
+    tenant: str,
 ) -> dict[str, str]:
     from kvsnap.snapshot.format import header_metadata
 
@@ -424,6 +429,7 @@ def _record_header(
         layers=layers,
         recorded=recorded,
         chain=chain,
+        tenant=tenant,
     )
 
 
