@@ -370,7 +370,7 @@ def _checked_ids(file: Path, field: str, ids: Any, bound: int) -> list[int]:
     for i, t in enumerate(ids):
         if isinstance(t, bool) or not isinstance(t, numbers.Integral):
             raise SnapshotError(str(file), f"its {field}[{i}] is {t!r}, not a token id", fix)
-        if not 0 <= t < bound:
+        if not 0 <= int(t) < bound:
             raise SnapshotError(
                 str(file),
                 f"its {field}[{i}] is {int(t)}, outside this model's vocabulary [0, {bound})",

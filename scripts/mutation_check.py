@@ -81,7 +81,6 @@ TOOL_CALLS = "tests/http/test_tool_calls.py::"
 LOGPROBS = "tests/http/test_logprobs.py::"
 
 METRICS = "tests/http/test_metrics.py::"
-
 QUANTIZED_START = "tests/runtime/persist/test_quantized_start.py::"
 
 BREAKAGES = (
@@ -775,8 +774,10 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/integrations/mlx_lm/test_requests.py::test_one_requests_sampling_values_do_not_kill_the_generation_thread",
-            "tests/integrations/mlx_lm/test_requests.py::test_values_that_overflow_float32_answer_as_greedy",
+            "tests/integrations/mlx_lm/test_requests.py::"
+            "test_one_requests_sampling_values_do_not_kill_the_generation_thread",
+            "tests/integrations/mlx_lm/test_requests.py::"
+            "test_values_that_overflow_float32_answer_as_greedy",
         ),
     ),
     Breakage(
@@ -790,7 +791,10 @@ BREAKAGES = (
                 "",
             ),
         ),
-        ("tests/integrations/mlx_lm/test_requests.py::test_models_lists_the_served_model_without_a_hugging_face_cache_folder",),
+        (
+            "tests/integrations/mlx_lm/test_requests.py::"
+            "test_models_lists_the_served_model_without_a_hugging_face_cache_folder",
+        ),
     ),
     Breakage(
         "mlx-lm-positional-model",
@@ -803,7 +807,10 @@ BREAKAGES = (
                 "",
             ),
         ),
-        ("tests/integrations/mlx_lm/test_requests.py::test_the_model_may_come_first_without_model",),
+        (
+            "tests/integrations/mlx_lm/test_requests.py::"
+            "test_the_model_may_come_first_without_model",
+        ),
     ),
     Breakage(
         "mlx-lm-negative-length-unchecked",
@@ -1399,8 +1406,8 @@ BREAKAGES = (
         (
             Patch(
                 "kvsnap/runtime/engine/stop_strings.py",
-                '        return StopScan(text[: min(hits)[1]], "", True)',
-                '        return StopScan(text[: min(start for _, start in hits)], "", True)',
+                "        _, start, matched = min(hits)\n",
+                "        _, start, matched = min(hits, key=lambda hit: hit[1])\n",
             ),
         ),
         (
@@ -1602,9 +1609,10 @@ BREAKAGES = (
             ),
             Patch(
                 "kvsnap/http/routes_generation.py",
-                "    except BaseException:\n        ctx.release()\n        raise\n    return await "
-                "generate(",
-                "    except BaseException:\n        raise\n    return await generate(",
+                "            return await run_in_threadpool(prepare)\n    except BaseException:\n"
+                "        ctx.release()\n        raise\n",
+                "            return await run_in_threadpool(prepare)\n    except BaseException:\n"
+                "        raise\n",
             ),
         ),
         ("tests/http/test_limits.py::test_requests_being_prepared_count_toward_429",),
@@ -2335,8 +2343,8 @@ BREAKAGES = (
         (
             Patch(
                 "kvsnap/store/shard_read.py",
-                "                digests.check(r.entry, r.first_row, part)\n",
-                "                pass\n",
+                "            digests.check(r.entry, r.first_row, part)\n",
+                "            pass\n",
             ),
         ),
         (

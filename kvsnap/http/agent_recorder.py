@@ -44,7 +44,7 @@ def _digest(chat: AgentChat) -> str:
 
 
 def _leading_items(items: Any) -> list:
-    """Responses input items up to the first that is not a developer/system message."""
+    """Input items (or chat messages) up to the first that is not a developer/system message."""
     lead = []
     for item in items if isinstance(items, list) else []:
         if not isinstance(item, dict) or item.get("type", "message") != "message":
@@ -67,20 +67,14 @@ def agent_entry(api: str, body: dict) -> Optional[tuple[str, dict]]:
             prefix["input"] = _leading_items(body.get("input"))
             chat, _ = responses_prefix(prefix, "body")
         else:
-            lead = _leading_items(
-                [
-                    {**m, "type": "message"} if isinstance(m, dict) else m
-                    for m in body.get("messages") or []
-                ]
-            )
+            lead = _leading_items(body.get("messages"))
             if not lead:
                 return None  # a chat entry is its leading system messages (and tools)
-            chat_prefix = {"messages": body["messages"][: len(lead)]}
-            if body.get("tools"):
-                chat_prefix["tools"] = body["tools"]
-            messages = normalize_messages(chat_prefix["messages"])
-            chat = AgentChat(tuple(messages), tuple(chat_prefix.get("tools") or ()) or None)
-            return _digest(chat), chat_prefix
+            entry = {"messages": lead, **({"tools": body["tools"]} if body.get("tools") else {})}
+            messages = normalize_messages(lead)
+            return _digest(
+                AgentChat(tuple(messages), tuple(body.get("tools") or ()) or None)
+            ), entry
     except MessageError:
         return None  # nothing every request shares (no system, no tools)
     return _digest(chat), {api: prefix}

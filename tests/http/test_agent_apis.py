@@ -377,8 +377,23 @@ def test_recorded_agents_are_deduplicated_kept_apart_per_key_and_build(llama3):
     _openai(llama3, KEY_A).responses.create(
         model="llama3-agents", input=_codex_input("x"), tools=RESPONSES_TOOLS, max_output_tokens=4
     )
+    chat = {
+        "model": "llama3-agents",
+        "max_tokens": 4,
+        "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "hi"}],
+    }
+    r = httpx.post(
+        f"{llama3.url}/v1/chat/completions",
+        json=chat,
+        headers={"Authorization": f"Bearer {KEY_A}"},
+        timeout=120,
+    )
+    assert r.status_code == 200, r.text
     entries = json.loads(llama3.recorded.read_text())
     names = [e["name"] for e in entries]
+    assert [e["messages"] for e in entries if e["name"].startswith("chat-")] == [
+        chat["messages"][:1]
+    ]
     assert len([n for n in names if n.startswith("anthropic-")]) == 2, names
     assert len({n.split("-")[1] for n in names if n.startswith("anthropic-")}) == 2  # per key
     assert any(n.startswith("responses-") for n in names)

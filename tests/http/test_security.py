@@ -706,7 +706,10 @@ def test_kv_snapshots_naming_a_file_fails_at_once(demo_models, tmp_path):
 def test_a_warm_up_that_fails_in_the_engine_ends_the_server_non_zero(demo_models, tmp_path):
     agents = tmp_path / "agents.json"
     agents.write_text(json.dumps(AGENTS))
-    (tmp_path / "snaps").mkdir()
+    from kvsnap.store.local import Store
+
+    # a store already (an empty folder is made one without a write probe)
+    Store.open(tmp_path / "snaps", create=True)
     # An error the warm-up cannot place (not a bad file, not a full disk): injected at the store
     # probe.
     env = {"KVSNAP_CACHE_DIR": str(tmp_path / "cache"), "KVSNAP_FAULT": "write-probe=crash"}
