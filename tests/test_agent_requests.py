@@ -196,3 +196,98 @@ def test_call_arguments_that_are_not_a_json_object_are_kept():
     assert arguments_object('{"a": 1}') == {"a": 1}
     assert arguments_object("not json") == {"input": "not json"}
     assert arguments_object("[1]") == {"input": [1]}
+
+
+@pytest.mark.parametrize(
+    ("choice", "expected"),
+    [
+        ({"type": "auto"}, "auto"),
+        ({"type": "any"}, "required"),
+        ({"type": "none"}, "none"),
+        ({"type": "tool", "name": "f"}, {"type": "function", "function": {"name": "f"}}),
+    ],
+)
+def test_anthropic_tool_choice_becomes_chats(choice, expected):
+    body = {"messages": [{"role": "user", "content": "x"}], "tool_choice": choice}
+    assert anthropic_chat(body).tool_choice == expected
+
+
+@pytest.mark.parametrize(
+    ("thinking", "reasoning", "switch"),
+    [
+        ({"type": "enabled", "budget_tokens": 1024}, {"effort": "high"}, True),
+        ({"type": "adaptive"}, {"effort": "low"}, True),
+        ({"type": "disabled"}, {"effort": "minimal"}, False),
+        ({"type": "disabled"}, {"effort": "none"}, False),
+        (None, {"summary": "auto"}, None),
+    ],
+)
+def test_thinking_and_reasoning_effort_set_the_templates_switch(thinking, reasoning, switch):
+    anthropic = {"messages": [{"role": "user", "content": "x"}], "thinking": thinking}
+    responses = {"input": "x", "reasoning": reasoning}
+    expected = {} if switch is None else {"enable_thinking": switch}
+    assert anthropic_chat(anthropic).template_kwargs == expected
+    assert responses_chat(responses).template_kwargs == expected
+
+
+def test_anthropic_history_blocks_keep_their_meaning():
+    """Thinking becomes the template's reasoning_content, redacted thinking is dropped, an
+    errored tool result says so, a user turn's text after its tool results follows them."""
+    chat = anthropic_chat(
+        {
+            "messages": [
+                {"role": "user", "content": "go"},
+                {
+                    "role": "assistant",
+                    "content": [
+                        {"type": "thinking", "thinking": "plan", "signature": "s"},
+                        {"type": "redacted_thinking", "data": "xx"},
+                        {"type": "text", "text": "calling"},
+                        {"type": "tool_use", "id": "t1", "name": "f", "input": {"a": 1}},
+                    ],
+                },
+                {
+                    "role": "user",
+                    "content": [
+                        {
+                            "type": "tool_result",
+                            "tool_use_id": "t1",
+                            "content": "boom",
+                            "is_error": True,
+                        },
+                        {"type": "text", "text": "and now?"},
+                    ],
+                },
+            ]
+        }
+    )
+    _, assistant, tool, user = chat.messages
+    assert assistant["reasoning_content"] == "plan" and assistant["content"] == "calling"
+    assert assistant["tool_calls"][0]["function"] == {"name": "f", "arguments": {"a": 1}}
+    assert tool == {"role": "tool", "tool_call_id": "t1", "content": "Error: boom"}
+    assert user == {"role": "user", "content": "and now?"}
+
+
+def test_responses_history_items_keep_their_meaning():
+    chat = responses_chat(
+        {
+            "instructions": "be brief",
+            "input": [
+                {"role": "user", "content": "go"},
+                {"type": "reasoning", "summary": [{"type": "summary_text", "text": "plan"}]},
+                {"type": "function_call", "call_id": "c1", "name": "f", "arguments": '{"a": 1}'},
+                {"type": "function_call", "call_id": "c2", "name": "g", "arguments": "{}"},
+                {"type": "function_call_output", "call_id": "c1", "output": "one"},
+                {
+                    "type": "function_call_output",
+                    "call_id": "c2",
+                    "output": [{"type": "input_text", "text": "two"}],
+                },
+            ],
+        }
+    )
+    system, user, assistant, first, second = chat.messages
+    assert system == {"role": "system", "content": "be brief"}
+    assert assistant["reasoning_content"] == "plan"
+    assert [c["id"] for c in assistant["tool_calls"]] == ["c1", "c2"]  # one turn, two calls
+    assert (first["content"], second["content"]) == ("one", "two")
