@@ -82,6 +82,7 @@ LOGPROBS = "tests/http/test_logprobs.py::"
 
 METRICS = "tests/http/test_metrics.py::"
 QUANTIZED_START = "tests/runtime/persist/test_quantized_start.py::"
+VLLM_MLX_SAMPLING = "tests/integrations/vllm_mlx/test_sampling.py::"
 
 BREAKAGES = (
     Breakage(
@@ -2777,6 +2778,106 @@ BREAKAGES = (
             "tests/store/test_conversation_space.py::"
             "test_regression_one_key_with_ten_salts_no_longer_evicts_another_keys",
         ),
+    ),
+    Breakage(
+        "vllm-mlx-shared-batch-sampler",
+        "hostile requests: one tenant's sampling fails no other's (vllm-mlx.md)",
+        "vllm-mlx samples its whole batch with the sampler of the request that made its batch "
+        "generator: a greedy request beside another key's sampled one samples too",
+        (
+            Patch(
+                "kvsnap/integrations/vllm_mlx/sampling.py",
+                "        ensure(self, shared)\n",
+                "        ensure(self, sampling_params)\n",
+            ),
+            Patch(
+                "kvsnap/integrations/vllm_mlx/sampling.py",
+                '                kwargs["samplers"] = [sampler for _ in prompts]\n',
+                "                pass\n",
+            ),
+        ),
+        (
+            VLLM_MLX_SAMPLING + "test_a_greedy_request_beside_another_keys_sampling_stays_greedy",
+            VLLM_MLX_SAMPLING + "test_a_sampled_request_beside_a_greedy_one_samples",
+        ),
+    ),
+    Breakage(
+        "vllm-mlx-greedy-rows-without-sampler",
+        "hostile requests: one tenant's sampling fails no other's (vllm-mlx.md)",
+        "greedy rows go into vllm-mlx's batch without a sampler: mlx-lm 0.31 leaves an all-None "
+        "sampler list untrimmed, and later rows take another request's sampler",
+        (
+            Patch(
+                "kvsnap/integrations/vllm_mlx/sampling.py",
+                '                kwargs["samplers"] = [sampler for _ in prompts]\n',
+                '                kwargs["samplers"] = [None if sampler is greedy else sampler]\n',
+            ),
+        ),
+        (
+            VLLM_MLX_SAMPLING + "test_a_greedy_request_beside_another_keys_sampling_stays_greedy",
+            VLLM_MLX_SAMPLING + "test_a_sampled_request_beside_a_greedy_one_samples",
+        ),
+    ),
+    Breakage(
+        "vllm-mlx-sampling-body-unchecked",
+        "hostile requests: sampling values at their edges (vllm-mlx.md)",
+        "a NaN or infinite sampling number, or a min_p outside [0, 1], reaches vllm-mlx: a 500, "
+        "or apply_min_p raising in the batch",
+        (
+            Patch(
+                "kvsnap/integrations/vllm_mlx/sampling.py",
+                "    server.app.add_middleware(SamplingChecks, "
+                'api_key=lambda: getattr(server, "_api_key", None))\n',
+                "",
+            ),
+        ),
+        (
+            VLLM_MLX_SAMPLING
+            + "test_a_sampling_value_no_batch_can_take_is_refused_naming_its_field",
+        ),
+    ),
+    Breakage(
+        "vllm-mlx-sampler-failure-unreported",
+        "hostile requests: one tenant's sampling fails no other's (vllm-mlx.md)",
+        "a row whose sampler raised goes on with greedy tokens and answers 200, its failure "
+        "never reported",
+        (
+            Patch(
+                "kvsnap/integrations/vllm_mlx/sampling.py",
+                "            if sampler is not None and sampler.error is not None "
+                "and rid is not None:",
+                "            if False:",
+            ),
+        ),
+        (VLLM_MLX_SAMPLING + "test_a_sampler_that_raises_fails_its_own_request_alone",),
+    ),
+    Breakage(
+        "vllm-mlx-random-state-left-broken",
+        "hostile requests: one tenant's sampling fails no other's (vllm-mlx.md)",
+        "after a sampler raised inside mlx-lm's compiled filter, mlx's random state stays "
+        "unusable: every later draw on it raises",
+        (
+            Patch(
+                "kvsnap/integrations/vllm_mlx/sampling.py",
+                "            mx.random.seed(random.getrandbits(63))\n",
+                "            pass\n",
+            ),
+        ),
+        (VLLM_MLX_SAMPLING + "test_a_failed_row_sampler_leaves_mlx_random_state_usable",),
+    ),
+    Breakage(
+        "vllm-mlx-tiny-top-p-samples",
+        "hostile requests: sampling values at their edges (vllm-mlx.md)",
+        "a top_p of 1e-50 is sampled through mlx-lm 0.31's apply_top_p, which drops every "
+        "token (1 - top_p rounds to 1): a random draw",
+        (
+            Patch(
+                "kvsnap/integrations/vllm_mlx/sampling.py",
+                "        if top_p * logprobs.shape[-1] <= 1:",
+                "        if False:",
+            ),
+        ),
+        (VLLM_MLX_SAMPLING + "test_values_that_overflow_float32_answer_as_greedy",),
     ),
 )
 

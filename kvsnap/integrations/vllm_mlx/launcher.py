@@ -169,6 +169,7 @@ def install(server: Any, session: Any) -> None:
     """Replace vllm-mlx's disk-cache load and save with the session's warm start and a no-op;
     extend its routes."""
     from kvsnap.integrations.vllm_mlx.agents import adapt_request_paths
+    from kvsnap.integrations.vllm_mlx.sampling import guard_sampling
     from kvsnap.integrations.vllm_mlx.session import install_routes
 
     async def skip_disk_cache_save(engine: Any = None) -> None:
@@ -184,6 +185,7 @@ def install(server: Any, session: Any) -> None:
     server._save_prefix_cache_to_disk = skip_disk_cache_save
     install_routes(server, session)
     adapt_request_paths(server)  # /v1/messages, /v1/responses: later system messages in place
+    guard_sampling(server)  # each request's sampling values its own, settled as kvsnap serve's
 
 
 # --- the launcher -----------------------------------------------------------------------
@@ -257,7 +259,10 @@ def main(argv: Sequence[str]) -> int:
         return run_vllm_mlx(cli, ["serve", "--help"])
     cli, server, version = import_vllm_mlx()
     if store_dir is None:
-        log.info("[kvsnap] no %s: running vllm-mlx %s unchanged", OPTION, version)
+        from kvsnap.integrations.vllm_mlx.sampling import guard_sampling
+
+        log.info("[kvsnap] no %s: running vllm-mlx %s's own prefix cache", OPTION, version)
+        guard_sampling(server)  # sampling values are held to kvsnap serve's rules all the same
         return run_vllm_mlx(cli, ["serve", *rest])
     # --warm-prompts is kvsnap's in such a run: vllm-mlx never sees it, so its own warm-up never
     # runs.
