@@ -7,6 +7,8 @@ CVE-2025-61620) is refused before rendering.
 
 from __future__ import annotations
 
+import json
+import math
 from typing import Any, Iterable, Optional
 
 RESERVED_TEMPLATE_KWARGS = frozenset(
@@ -191,4 +193,23 @@ def find_lone_surrogate(value: Any, where: str) -> Optional[str]:
             stack.extend((k, f"{path} (a key)") for k in item)
         elif isinstance(item, list):
             stack.extend((v, f"{path}[{i}]") for i, v in enumerate(item))
+    return None
+
+
+# The sampling numbers a request may send (every route kvsnap fronts reads these names).
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p")
+
+
+def sampling_refusal(body: dict) -> Optional[tuple[str, str, str]]:
+    """(field, message, code) for a NaN or infinite sampling number (Python's JSON reads
+    ``NaN`` and ``Infinity``): upstream range checks let NaN through, and mlx-lm's
+    ``apply_min_p`` then raises in the batch. None when every one given is finite."""
+    for name in SAMPLING_FIELDS:
+        value = body.get(name)
+        if isinstance(value, float) and not math.isfinite(value):
+            return (
+                name,
+                f"{name}: {json.dumps(value)} is not a finite number; send a number",
+                "invalid_value",
+            )
     return None

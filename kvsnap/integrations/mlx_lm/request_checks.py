@@ -16,8 +16,6 @@ It also lets ``/v1/models`` answer on a machine without a Hugging Face cache fol
 from __future__ import annotations
 
 import dataclasses
-import json
-import math
 import time
 from types import SimpleNamespace
 from typing import Any, Callable
@@ -27,26 +25,11 @@ from kvsnap.http.limits import (
     allowed_template_kwargs,
     check_counts,
     check_template_kwargs,
+    sampling_refusal,
 )
 from kvsnap.integrations.mlx_lm.models import Refusal, refusing_handler
 
-# The request's sampling numbers mlx-lm reads (and validates only by type and range).
-SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p")
 LOAD_POLL_S = 0.05
-
-
-def sampling_refusal(body: dict) -> Refusal:
-    """A NaN or infinite sampling number (Python's JSON reads ``NaN`` and ``Infinity``):
-    mlx-lm's range checks let NaN through, and ``apply_min_p`` then raises in the batch."""
-    for name in SAMPLING_FIELDS:
-        value = body.get(name)
-        if isinstance(value, float) and not math.isfinite(value):
-            return (
-                name,
-                f"{name}: {json.dumps(value)} is not a finite number; send a number",
-                "invalid_value",
-            )
-    return None
 
 
 def template_refusal(body: dict, template: Callable[[], Any]) -> Refusal:

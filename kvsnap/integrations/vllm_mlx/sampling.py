@@ -37,7 +37,7 @@ preload_openblas()  # must precede the first mlx import, or mlx keeps its slow r
 
 import mlx.core as mx  # noqa: E402
 
-from kvsnap.integrations.mlx_lm.request_checks import sampling_refusal  # noqa: E402
+from kvsnap.http.limits import sampling_refusal  # noqa: E402
 from kvsnap.runtime.engine.sampling import (  # noqa: E402
     TOP_P_FLOOR,
     OwnSampler,
