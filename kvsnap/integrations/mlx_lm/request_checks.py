@@ -1,4 +1,4 @@
-"""mlx_lm.server's request path held to what ``kvsnap serve`` allows (issue 39).
+"""mlx_lm.server's request path held to what ``kvsnap serve`` allows.
 
 mlx-lm renders a request's ``chat_template_kwargs`` as they come, ``chat_template`` included:
 a client-supplied template is code (an injected one renders; a nested loop hangs the

@@ -1,4 +1,4 @@
-"""Each request's sampling values on vllm-mlx, held to kvsnap serve's rules (issue 39).
+"""Each request's sampling values on vllm-mlx, held to kvsnap serve's rules.
 
 vllm-mlx 0.6's text batch samples every row with one sampler: the one made from the values
 of the request that created its ``BatchGenerator`` (``Scheduler._ensure_batch_generator``),
