@@ -12,13 +12,12 @@ agents it serves (`--record-agents`), and that file must build.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import anthropic
 import httpx
 import openai
 import pytest
+from helpers.cli import build_args, run_kvsnap
 from helpers.tool_models import CALL, LLAMA3_MODEL, QWEN3_MODEL, THOUGHT, TOOLS, make_tool_model
 
 from kvsnap.tools.serverproc import serving
@@ -129,23 +128,7 @@ def qwen3(demo_models, tmp_path_factory):
     agents = tmp / "agents.json"
     agents.write_text(json.dumps(AGENTS))
     env = {"KVSNAP_CACHE_DIR": str(tmp / "cache")}
-    build = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "kvsnap",
-            "build",
-            str(agents),
-            "--model",
-            str(model),
-            "--out",
-            str(tmp / "store"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**__import__("os").environ, **env},
-    )
+    build = run_kvsnap(*build_args(agents, model, tmp / "store"), env=env, timeout=600)
     assert build.returncode == 0, build.stderr
     assert "anthropic body: system" in build.stdout + build.stderr  # where it cut
     argv = [
@@ -398,24 +381,9 @@ def test_recorded_agents_are_deduplicated_kept_apart_per_key_and_build(llama3):
     assert len({n.split("-")[1] for n in names if n.startswith("anthropic-")}) == 2  # per key
     assert any(n.startswith("responses-") for n in names)
     assert all("messages" not in e.get("anthropic", {}) for e in entries)  # no conversation kept
-    env = {**__import__("os").environ, "KVSNAP_CACHE_DIR": str(llama3.tmp / "cache")}
-    build = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "kvsnap",
-            "build",
-            str(llama3.recorded),
-            "--model",
-            str(llama3.model),
-            "--out",
-            str(llama3.tmp / "store"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=env,
-    )
+    store = llama3.tmp / "store"
+    env = {"KVSNAP_CACHE_DIR": str(llama3.tmp / "cache")}
+    build = run_kvsnap(*build_args(llama3.recorded, llama3.model, store), env=env, timeout=600)
     assert build.returncode == 0, build.stderr
 
 
