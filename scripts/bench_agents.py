@@ -9,6 +9,16 @@ streamed) for a ~10k-token prefix of Claude Code's shape, side by side in one ru
 
     python scripts/bench_agents.py --out docs/bench/agents --plot
     python scripts/bench_agents.py --out docs/bench/agents --plot-only   # redraw from the JSON
+    python scripts/bench_agents.py --out docs/bench/agents --plot --request short --reuse-store
+
+``--request claude-code`` (the default) sends Claude Code's real first request: the warm prefix,
+then its user turn (<system-reminder> blocks and the prompt) and its ``role: "system"``
+environment message, which names folder and date and so follows the prefix uncached.
+``--request short`` sends the same prefix (system + tools) with only the fixture's prompt as
+the user turn (no reminders, no environment message: a <= 32-token suffix, the shape of the seed
+table in docs/benchmarks.md): what a snapshot can save when nothing uncached follows. The warm
+entry is the same for both, so ``--reuse-store`` serves the store an earlier run built. Short
+results go under the JSON's ``short`` key; the claude-code results stay at its top level.
 
 The request is tests/fixtures/agents/claude_code_first.json (system + 12 tools + the
 attribution reminder + "Say hi" + the ``role: "system"`` environment message) trimmed
@@ -58,6 +68,8 @@ LABELS = {
     "vllm": "vllm-mlx serve, cold",
 }
 TICKS = os.sysconf("SC_CLK_TCK")
+REQUESTS = ("claude-code", "short")
+SHORT_MAX_SUFFIX = 32  # tokens after the warm prefix, template tokens included
 
 
 # --- the request ----------------------------------------------------------------------------
@@ -156,6 +168,37 @@ def fit_body(model: Path, target: int, max_tokens: int) -> tuple[dict, dict]:
         "max_tokens": max_tokens,
     }
     return trimmed, info
+
+
+def short_body(body: dict) -> dict:
+    """``body`` with its messages replaced by one user turn holding only the prompt (the first
+    user message's last text block): no reminders, no environment message."""
+    out = copy.deepcopy(body)
+    user = next(m for m in body["messages"] if m["role"] == "user")
+    content = user["content"]
+    prompt = content if isinstance(content, str) else [b for b in content if b.get("text")][-1]
+    text = prompt if isinstance(prompt, str) else prompt["text"]
+    out["messages"] = [{"role": "user", "content": [{"type": "text", "text": text}]}]
+    return out
+
+
+def short_request(model: Path, body: dict, fitted: dict) -> tuple[dict, dict]:
+    """The short request built on the fitted body, and its token counts."""
+    render = Renderer(model)
+    short = short_body(body)
+    total, prefix = render.request_tokens(short), render.prefix_tokens(short)
+    if total - prefix > SHORT_MAX_SUFFIX:
+        raise SystemExit(f"short request: {total - prefix} tokens after the prefix")
+    info = {
+        "shape": "the claude-code request's system + tools, then one user turn: the prompt alone",
+        "user_text": short["messages"][0]["content"][0]["text"],
+        "request_tokens": total,
+        "prefix_tokens": prefix,
+        "suffix_tokens": total - prefix,
+        "max_tokens": short["max_tokens"],
+        "fitted_from": {k: fitted[k] for k in ("char_fraction", "request_tokens")},
+    }
+    return short, info
 
 
 # --- measuring --------------------------------------------------------------------------------
@@ -323,8 +366,9 @@ def vllm_env(home: Path) -> dict:
 
 
 def server_cmd(mode: str, ctx: dict) -> tuple[list[str], dict]:
-    home = ctx["work"] / f"home-{mode}"
-    home.mkdir(parents=True, exist_ok=True)
+    home = ctx["work"] / f"home-{mode}{ctx.get('tag', '')}"
+    shutil.rmtree(home, ignore_errors=True)  # fresh: vllm-mlx reloads its prefix cache from HOME
+    home.mkdir(parents=True)
     if mode == "vllm":
         cmd = [str(ctx["vllm_python"]), "-m", "vllm_mlx.cli", "serve", str(ctx["model"])]
         # its default --timeout (300 s without an output chunk) ends a 10k cold prefill's stream
@@ -356,7 +400,7 @@ def log_prompt_tokens(run: dict) -> dict:
 
 def one(mode: str, ctx: dict) -> dict:
     cmd, env = server_cmd(mode, ctx)
-    log = ctx["work"] / f"{mode}.log"
+    log = ctx["work"] / f"{mode}{ctx.get('tag', '')}.log"
     limit = ctx["limit_s"]
     with LoadSampler() as load:
         server = launch(cmd, log, env, limit)
@@ -371,6 +415,7 @@ def one(mode: str, ctx: dict) -> dict:
         {
             "mode": mode,
             "label": LABELS[mode],
+            "request": ctx.get("request_kind", "claude-code"),
             "command": " ".join(cmd),
             "ready_s": round(ready, 2),
             **answer,
@@ -455,14 +500,24 @@ def check_vllm(ctx: dict) -> dict:
 # --- plot -----------------------------------------------------------------------------------
 
 
-def plot(result: dict, path: Path) -> None:
-    import matplotlib
+def _ratios(runs: list[dict]) -> dict:
+    """vllm-mlx cold (and kvsnap cold) over snapshots, launch -> first token, wall and CPU."""
+    by = {r["mode"]: r for r in runs if r}
+    out = {}
+    for other in ("vllm", "cold"):
+        if other in by and "snapshots" in by:
+            a, b = by[other], by["snapshots"]
+            name = "vllm_cold" if other == "vllm" else "kvsnap_cold"
+            out[f"ratio_{name}_over_snapshots"] = round(
+                a["first_token_from_launch_s"] / b["first_token_from_launch_s"], 1
+            )
+            out[f"ratio_{name}_over_snapshots_cpu"] = round(
+                a["cpu_s_at_first_token"] / b["cpu_s_at_first_token"], 1
+            )
+    return out
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    runs = [r for r in result["runs"] if r]
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
+def _plot_row(a, b, runs: list[dict], title: str) -> None:
     names = [r["label"].replace(" --", "\n--") for r in runs]
     colors = {"cold": "C0", "snapshots": "C2", "vllm": "C1"}
     first = [r["first_token_from_launch_s"] for r in runs]
@@ -471,27 +526,52 @@ def plot(result: dict, path: Path) -> None:
     a.bar_label(bars, [f"{v:,.1f} s (load {x:.1f})" for v, x in zip(first, loads)], fontsize=8)
     a.set_ylabel("launch → first token (s)")
     a.tick_params(axis="x", labelsize=7)
-    a.set_title("launch → first token of the first /v1/messages", fontsize=9)
+    a.set_title(title, fontsize=9)
     cpu = [r["cpu_s_at_first_token"] for r in runs]
     bars = b.bar(names, cpu, color=[colors[r["mode"]] for r in runs])
     b.bar_label(bars, [f"{v:,.0f}" for v in cpu], fontsize=8)
-    b.set_ylabel("server CPU seconds, launch → first token")
+    b.set_ylabel("server CPU s, launch → first token")
     b.tick_params(axis="x", labelsize=7)
-    by = {r["mode"]: r for r in runs}
-    if "vllm" in by and "snapshots" in by:
-        wall = (
-            by["vllm"]["first_token_from_launch_s"] / by["snapshots"]["first_token_from_launch_s"]
-        )
-        cpu = by["vllm"]["cpu_s_at_first_token"] / by["snapshots"]["cpu_s_at_first_token"]
+    ratios = _ratios(runs)
+    if "ratio_vllm_cold_over_snapshots" in ratios:
         b.set_title(
-            f"vllm-mlx cold / kvsnap snapshots: {wall:.1f}× wall, {cpu:.1f}× CPU (goal ≥ 10×)",
+            f"vllm-mlx cold / kvsnap snapshots: {ratios['ratio_vllm_cold_over_snapshots']:.1f}×"
+            f" wall, {ratios['ratio_vllm_cold_over_snapshots_cpu']:.1f}× CPU (goal ≥ 10×)",
             fontsize=9,
         )
-    req = result["request"]
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    def split(runs: list[dict], req: dict) -> tuple[int, int]:
+        """(warm prefix, tokens after it): the snapshots run's usage where there is one (the
+        entry's cut), else the script's rendering."""
+        snap = next((r for r in runs if r["mode"] == "snapshots"), None)
+        if snap and snap.get("cache_read_input_tokens"):
+            return snap["cache_read_input_tokens"], snap["input_tokens"]
+        return req["prefix_tokens"], req["request_tokens"] - req["prefix_tokens"]
+
+    rows = []
+    shapes = [
+        (result, "Claude Code's first request"),
+        (result.get("short") or {}, "same prefix + a short user turn"),
+    ]
+    for section, name in shapes:
+        runs = [r for r in section.get("runs", []) if r]
+        if runs:
+            warm, after = split(runs, section["request"])
+            title = f"{name}: {warm + after:,} tokens (warm prefix {warm:,} + {after:,} after it)"
+            rows.append((runs, title))
+    fig, axes = plt.subplots(len(rows), 2, figsize=(11, 4.2 * len(rows)), squeeze=False)
+    for (a, b), (runs, title) in zip(axes, rows):
+        _plot_row(a, b, runs, title)
     fig.suptitle(
-        f"Claude Code's first request, {req['request_tokens']:,} tokens (warm prefix "
-        f"{req['prefix_tokens']:,}); Qwen3-0.6B shape, fp32, mlx-cpu + OpenBLAS, 2 cores; one "
-        "launch per mode",
+        "Agents, launch → first token of the first /v1/messages; Qwen3-0.6B shape, fp32, "
+        "mlx-cpu + OpenBLAS, 2 cores; one launch per mode",
         fontsize=9,
     )
     fig.tight_layout()
@@ -517,6 +597,19 @@ def main() -> int:
         help=f"modes to run, in this order, comma-separated ({', '.join(MODES)}); a mode left "
         "out keeps its result from OUT/agents.json",
     )
+    p.add_argument(
+        "--request",
+        choices=REQUESTS,
+        default="claude-code",
+        help="claude-code: Claude Code's real first request (results at the JSON's top level); "
+        "short: the same prefix + the prompt alone (results under its 'short' key)",
+    )
+    p.add_argument(
+        "--reuse-store",
+        action="store_true",
+        help="snapshots: serve WORK/store as an earlier run built it (its build stays in the "
+        "JSON) instead of building it again; WORK/agents.json must be unchanged",
+    )
     p.add_argument("--limit-s", type=int, default=2700, help="hard limit per server and build")
     p.add_argument("--vllm-python", help="python of a venv with vllm-mlx 0.6.0")
     p.add_argument("--skip-vllm-check", action="store_true")
@@ -530,6 +623,8 @@ def main() -> int:
     if args.plot_only:  # also fills in what the logs say, where a run lacks it
         done = json.loads(raw.read_text())
         done["runs"] = [log_prompt_tokens(r) for r in done["runs"]]
+        if done.get("short"):
+            done["short"]["runs"] = [log_prompt_tokens(r) for r in done["short"]["runs"]]
         raw.write_text(json.dumps(done, indent=1) + "\n")
         plot(done, out / "agents-first-token.png")
         return 0
@@ -538,7 +633,9 @@ def main() -> int:
     if unknown:
         raise SystemExit(f"--only: unknown {unknown}; choose from {', '.join(MODES)}")
     kept = json.loads(raw.read_text()) if raw.exists() else {}
-    kept_runs = {r["mode"]: r for r in kept.get("runs", []) if r}
+    short = args.request == "short"
+    kept_section = kept.get("short", {}) if short else kept
+    kept_runs = {r["mode"]: r for r in kept_section.get("runs", []) if r}
 
     from kvsnap.blas import preload_openblas
 
@@ -550,57 +647,74 @@ def main() -> int:
     body, request = fit_body(model, args.target_tokens, args.max_tokens)
     print("request:", json.dumps(request), flush=True)
     agents = work / "agents.json"
-    agents.write_text(json.dumps([{"name": "claude-code", "anthropic": body}], indent=1))
+    entries = json.dumps([{"name": "claude-code", "anthropic": body}], indent=1)
+    store = work / "store"
+    reuse = args.reuse_store and "snapshots" in modes
+    if reuse and not (store.is_dir() and agents.exists() and agents.read_text() == entries):
+        raise SystemExit(f"--reuse-store: no {store} built from this {agents}")
+    agents.write_text(entries)
+    sent, short_info = body, None
+    if short:
+        sent, short_info = short_request(model, body, request)
+        print("short request:", json.dumps(short_info), flush=True)
     ctx = {
         "work": work,
         "model": model,
-        "body": body,
+        "body": sent,
+        "request_kind": args.request,
+        "tag": "-short" if short else "",
         "agents": agents,
-        "store": work / "store",
+        "store": store,
         "limit_s": args.limit_s,
         "vllm_python": vllm_python(args.vllm_python) if "vllm" in modes else None,
     }
-    result = {
+    header = {
         "command": " ".join(sys.argv),
         "model": f"demo {args.size} (Qwen3-0.6B shape), fp32, text_outputs",
         "openblas": find_openblas(),
         "openblas_num_threads": os.environ.get("OPENBLAS_NUM_THREADS", "(default: one per core)"),
         "cores": os.cpu_count(),
-        "request": request,
-        "started": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "load_before": os.getloadavg(),
-        "vllm_check": kept.get("vllm_check"),
-        "build": kept.get("build"),
-        "runs": [],
     }
+    if short:  # the claude-code results at the top level stay as they were
+        result = {
+            "command": header["command"],
+            "request": short_info,
+            "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "load_before": os.getloadavg(),
+            "vllm_check": kept_section.get("vllm_check"),
+            "store": "the claude-code entry's store (the build above)" if reuse else None,
+            "runs": [],
+        }
+    else:
+        result = {
+            **header,
+            "request": request,
+            "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "load_before": os.getloadavg(),
+            "vllm_check": kept.get("vllm_check"),
+            "build": kept.get("build"),
+            "runs": [],
+        }
 
     def save() -> None:
         runs = {**kept_runs, **{r["mode"]: r for r in result["runs"]}}
         done = {**result, "runs": [runs[m] for m in MODES if m in runs]}
-        by = {r["mode"]: r for r in done["runs"]}
-        if "vllm" in by and "snapshots" in by:
-            done["ratio_vllm_cold_over_snapshots"] = round(
-                by["vllm"]["first_token_from_launch_s"]
-                / by["snapshots"]["first_token_from_launch_s"],
-                1,
-            )
-        if "cold" in by and "snapshots" in by:
-            done["ratio_kvsnap_cold_over_snapshots"] = round(
-                by["cold"]["first_token_from_launch_s"]
-                / by["snapshots"]["first_token_from_launch_s"],
-                1,
-            )
+        done.update(_ratios(done["runs"]))
         done["load_after"] = os.getloadavg()
-        raw.write_text(json.dumps(done, indent=1) + "\n")
-        if args.plot and done["runs"]:
-            plot(done, out / "agents-first-token.png")
+        if short:
+            whole = {**kept, "short": done}
+        else:
+            whole = {**done, **({"short": kept["short"]} if kept.get("short") else {})}
+        raw.write_text(json.dumps(whole, indent=1) + "\n")
+        if args.plot and whole.get("runs"):
+            plot(whole, out / "agents-first-token.png")
 
     if "vllm" in modes and not args.skip_vllm_check:
         result["vllm_check"] = check_vllm(ctx)
         print("vllm-mlx /v1/messages on a tiny model:", result["vllm_check"], flush=True)
         save()
     for mode in modes:
-        if mode == "snapshots":  # a fresh store, built from this run's entry
+        if mode == "snapshots" and not reuse:  # a fresh store, built from this run's entry
             shutil.rmtree(ctx["store"], ignore_errors=True)
             result["build"] = build(ctx)
             print("build:", {k: v for k, v in result["build"].items() if k != "report"}, flush=True)
