@@ -11,7 +11,7 @@ A patch that no longer applies (its snippet is gone or appears twice) fails loud
 Before any breakage the guards run once on an unbroken copy, so "caught" never means
 "was already failing".
 
-    python scripts/mutation_check.py            # all breakages (about 25 minutes on 2 cores)
+    python scripts/mutation_check.py            # all breakages (about 45 minutes on 2 cores)
     python scripts/mutation_check.py --list     # names, contracts and guards
     python scripts/mutation_check.py --only skip-checksum --only zero-one-key
 
