@@ -8,31 +8,24 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from kvsnap.tools.serverproc import start_server
+from kvsnap.tools.serverproc import serving
 
 KEY = "compat-tenant-key-0001"
 ORIGIN = "https://app.example"
 MESSAGES = [{"role": "user", "content": "hi"}]
 
 
-def _start(demo_models, tmp, name, args, env=None):
+def _serve(demo_models, tmp, name, args, env=None):
     env = {"KVSNAP_CACHE_DIR": str(tmp / "cache"), **(env or {})}
-    server = start_server(demo_models.path("dense"), args, tmp / f"{name}.log", env=env)
-    try:
-        server.wait_ready(120)
-    except BaseException:
-        server.stop()
-        raise
-    return server
+    return serving(demo_models.path("dense"), args, tmp / f"{name}.log", env=env)
 
 
 @pytest.fixture(scope="module")
 def open_server(demo_models, tmp_path_factory):
     """No keys, no --allowed-origins, two served names."""
     tmp = tmp_path_factory.mktemp("compat-open")
-    server = _start(demo_models, tmp, "open", ["--served-model-name", "m", "team/alias"])
-    yield server
-    server.stop()
+    with _serve(demo_models, tmp, "open", ["--served-model-name", "m", "team/alias"]) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")
@@ -40,20 +33,17 @@ def keyed_cors_server(demo_models, tmp_path_factory):
     """API keys and --allowed-origins."""
     tmp = tmp_path_factory.mktemp("compat-keyed")
     args = ["--served-model-name", "m", "--allowed-origins", ORIGIN]
-    server = _start(demo_models, tmp, "keyed", args, {"KVSNAP_API_KEY": KEY})
-    yield server
-    server.stop()
+    with _serve(demo_models, tmp, "keyed", args, {"KVSNAP_API_KEY": KEY}) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")
 def keyed_server(demo_models, tmp_path_factory):
     """API keys, no --allowed-origins."""
     tmp = tmp_path_factory.mktemp("compat-keyed-no-cors")
-    server = _start(
-        demo_models, tmp, "keyed", ["--served-model-name", "m"], {"KVSNAP_API_KEY": KEY}
-    )
-    yield server
-    server.stop()
+    args = ["--served-model-name", "m"]
+    with _serve(demo_models, tmp, "keyed", args, {"KVSNAP_API_KEY": KEY}) as server:
+        yield server
 
 
 def _post(url: str, path: str, body: bytes, content_type: str | None) -> httpx.Response:
@@ -194,15 +184,11 @@ def test_tools_sent_to_a_template_that_renders_none_are_warned_about_once(demo_m
     """The mistral demo template reads no `tools`: requests sending tools were served in
     silence, the model never seeing them. Now the log says so, once per server start."""
     env = {"KVSNAP_CACHE_DIR": str(tmp_path / "cache")}
-    server = start_server(demo_models.path("mistral"), [], tmp_path / "mistral.log", env=env)
-    try:
-        server.wait_ready(120)
+    with serving(demo_models.path("mistral"), [], tmp_path / "mistral.log", env=env) as server:
         for _ in range(3):
             body = {"model": "mistral", "messages": MESSAGES, "max_tokens": 2, "tools": TOOLS}
             r = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60)
             assert r.status_code == 200, r.text
-    finally:
-        server.stop()
     warned = [line for line in server.log().splitlines() if "renders none" in line]
     assert len(warned) == 1 and "WARNING" in warned[0], server.log()[-3000:]
 
