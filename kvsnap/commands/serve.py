@@ -20,8 +20,9 @@ from kvsnap.commands.common import (
     port_number,
     positive_int,
 )
-from kvsnap.errors import KvsnapError, StoreError
+from kvsnap.errors import KvsnapError, StoreError, UsageError
 from kvsnap.http.tool_calls import REASONING_PARSERS
+from kvsnap.store.tier_backends import PASSWORD_ENV, SECRET_ENV
 
 log = logging.getLogger("kvsnap")
 
@@ -258,6 +259,29 @@ def add_serve(sub) -> None:
         metavar="SECONDS",
         help="at shutdown (SIGTERM), write the queued prefixes for at most this long (default: 5)",
     )
+    f = p.add_argument_group("a fleet sharing conversations (docs/fleet.md)")
+    f.add_argument(
+        "--shared-tier",
+        metavar="URL|DIR",
+        help="with --persist-requests, write persisted conversations behind to a tier every "
+        "replica shares (redis://HOST:PORT/DB, rediss:// for TLS, or a mounted folder) and "
+        "fetch a conversation from it on a local miss when that is sooner than prefilling. "
+        f"The password comes from the URL or ${PASSWORD_ENV}; set ${SECRET_ENV} on every "
+        "replica so the tier holds no secret",
+    )
+    f.add_argument(
+        "--shared-tier-budget",
+        type=positive_float,
+        metavar="SECONDS",
+        help="the most a request waits on the tier before it prefills instead (default: 5)",
+    )
+    f.add_argument(
+        "--shared-tier-queue-mb",
+        type=positive_number("MB"),
+        metavar="MB",
+        help="bound on the bytes queued to write behind; past it the oldest are dropped "
+        "(default: 1024)",
+    )
     add_kv_options(p)
     p.set_defaults(run=cmd_serve)
 
@@ -328,12 +352,51 @@ def persist_options(args):
             "persists the request prefixes the cache keeps, and --no-request-prefix-cache keeps "
             "none"
         )
-    return options.persist_options(
+    persist = options.persist_options(
         args.persist_requests,
         args.persist_max_gb,
         args.persist_flush_timeout,
         has_store=bool(args.kv_snapshots),
         conflicts=conflicts,
+    )
+    tier = shared_tier_options(args, persist is not None)
+    if persist is not None:
+        persist.shared_tier = tier
+    return persist
+
+
+def shared_tier_options(args, persisting: bool):
+    """``--shared-tier`` and its settings as ``TierOptions`` (checked, nothing contacted),
+    None when off; a UsageError naming the flag and the fix."""
+    from kvsnap.runtime.persist.shared_tier import TierOptions
+    from kvsnap.store.tier_backends import fleet_secret_from_env, open_backend
+
+    given = [
+        (flag, value)
+        for flag, value in (
+            ("--shared-tier-budget", args.shared_tier_budget),
+            ("--shared-tier-queue-mb", args.shared_tier_queue_mb),
+        )
+        if value is not None
+    ]
+    if not args.shared_tier:
+        if given:
+            raise UsageError(f"{given[0][0]} needs --shared-tier URL|DIR; add it or drop the flag")
+        return None
+    if not persisting:
+        raise UsageError(
+            "--shared-tier shares what --persist-requests writes; add --persist-requests "
+            "(and --kv-snapshots DIR, the local store it writes first)"
+        )
+    budget = args.shared_tier_budget or 5.0
+    if budget > 600:
+        raise UsageError(f"--shared-tier-budget {budget:g} must be at most 600 seconds")
+    fleet_secret_from_env()  # a too-short secret fails here, not at the first request
+    open_backend(args.shared_tier, budget).close()
+    return TierOptions(
+        spec=args.shared_tier,
+        budget_s=budget,
+        queue_bytes=int((args.shared_tier_queue_mb or 1024) * 2**20),
     )
 
 

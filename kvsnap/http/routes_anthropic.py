@@ -313,7 +313,7 @@ def messages_router(ctx: ServerContext) -> APIRouter:
 
         chat, tokens = await prepared(ctx, prepare)
         answer = answer_splitter(ctx, chat.tools, chat.tool_choice, tokens)
-        state, bridge = submit(ctx, req, tokens, request, "messages")
+        state, bridge = await submit(ctx, req, tokens, request, "messages")
         rid = new_id("msg").replace("-", "_")
         if req.stream:
             return StreamingResponse(

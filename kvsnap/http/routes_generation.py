@@ -174,7 +174,7 @@ async def generate(
     caller holds an in-flight slot, which the engine's end of the request releases."""
     config = ctx.config
     where = "prompt" if kind == "completion" else "messages"
-    state, bridge = submit(ctx, req, tokens, request, where)
+    state, bridge = await submit(ctx, req, tokens, request, where)
     if req.stream:
         return StreamingResponse(
             stream_events(ctx, state, bridge, rid, kind, req, answer),
@@ -203,7 +203,7 @@ async def generate(
     return completion_response(rid, name, state.text, finish, u, logprobs=lp)
 
 
-def submit(
+async def submit(
     ctx: ServerContext, req: Any, tokens: list[int], request: Request, where: str
 ) -> tuple[RequestState, _Bridge]:
     """Check the token ids and the length and hand the request to the engine. ``req`` has
@@ -233,6 +233,8 @@ def submit(
             tenant=tenant,
             capture=config.request_prefix_cache,
         )
+        if gen.capture:  # --shared-tier: another replica's turn of this conversation
+            await run_in_threadpool(ctx.engine.fetch_shared, tokens, namespace)
         state = ctx.engine.submit(gen, bridge)
     except BaseException:
         ctx.release()  # not submitted: the engine will not end it, so release the slot here

@@ -379,7 +379,7 @@ def responses_router(ctx: ServerContext) -> APIRouter:
 
         chat, tokens = await prepared(ctx, prepare)
         answer = answer_splitter(ctx, chat.tools, chat.tool_choice, tokens)
-        state, bridge = submit(ctx, req, tokens, request, "input")
+        state, bridge = await submit(ctx, req, tokens, request, "input")
         rid = new_id("resp").replace("-", "_")
         if req.stream:
             return StreamingResponse(

@@ -20,6 +20,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Callable
 
 from kvsnap.errors import SnapshotError, StoreError
 from kvsnap.snapshot.file import OutTensor, write_snapshot
@@ -56,6 +57,10 @@ class ConversationWrite:
     # records of shorter prefixes found unreadable, or whose load failed: this one serves all
     # they did (removed once it is written, if they still fail their checks, parts included)
     damaged: list[str] = field(default_factory=list)
+    # with --shared-tier: the request's namespace, and (n, tokens digest) of the record it
+    # extends; the record is written behind to the tier once it is on disk here
+    namespace: str | None = None
+    supersedes_prefix: tuple[int, str] | None = None
 
     @property
     def relpaths(self) -> set[str]:
@@ -95,6 +100,8 @@ class ConversationWriter:
     _estimate: int = 0  # conversation bytes on disk, at most (corrected by each eviction pass)
     _estimated: bool = False
     _orphans: dict = field(default_factory=dict)  # relpath -> bytes, of superseded records
+    # called on this thread with each record written (--shared-tier writes it behind)
+    on_written: Callable[[ConversationWrite], None] | None = None
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="kvsnap-persist", daemon=True)
@@ -306,6 +313,8 @@ class ConversationWriter:
             self._remove_damaged(item)
             if item.supersedes and item.supersedes != item.key:
                 self._supersede(item)
+        if self.on_written is not None and item.namespace is not None:
+            self.on_written(item)
 
     def _holds(self, target, item: ConversationWrite) -> bool:
         """``target`` is there, passes its checks and holds ``item``'s tokens and namespace (a

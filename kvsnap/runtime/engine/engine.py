@@ -22,6 +22,7 @@ import itertools
 import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, TypeVar
 
@@ -185,6 +186,15 @@ class Engine:
             return state
         self._commands.put(("submit", state))
         return state
+
+    def fetch_shared(self, tokens: list[int], namespace: str) -> int:
+        """With --shared-tier: make the namespace's longest prefix of ``tokens`` that the
+        fleet's tier holds local before the request is submitted (a worker thread; waits at
+        most the tier's budget); the tokens made local."""
+        persister = self.persister
+        if persister is None or persister.tier is None:
+            return 0
+        return persister.tier.fetch(tokens, namespace)
 
     def cancel(self, state: RequestState) -> None:
         self._commands.put(("cancel", state))
@@ -465,7 +475,9 @@ class Engine:
         if self.persister is not None:
             persister = self.persister
             persister.prefix = parts.prefix
-            parts.prefix.on_request_prefix = lambda e, st: persister.captured(e, st.extends)
+            parts.prefix.on_request_prefix = lambda e, st: persister.captured(
+                e, st.extends, len(e.tokens) - st.cached_tokens, time.perf_counter() - st.t_submit
+            )
 
     def _cancel(self, state: RequestState) -> None:
         uid = self.sched.withdraw(state)

@@ -5,9 +5,12 @@ No mlx: a route checks its flags before anything loads."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from kvsnap.errors import UsageError
+
+if TYPE_CHECKING:
+    from kvsnap.runtime.persist.shared_tier import TierOptions
 
 DEFAULT_MAX_GB = 20.0
 DEFAULT_FLUSH_TIMEOUT_S = 5.0
@@ -21,6 +24,7 @@ class PersistOptions:
     max_bytes: int = int(DEFAULT_MAX_GB * 2**30)
     flush_timeout_s: float = DEFAULT_FLUSH_TIMEOUT_S
     max_queued: int = 32
+    shared_tier: "TierOptions | None" = None  # --shared-tier
 
 
 def persist_options(

@@ -25,6 +25,7 @@ from kvsnap.key import ModelIdentity, tokens_digest
 from kvsnap.runtime.cache.prefix import Entry, PrefixCache
 from kvsnap.runtime.model.loading import LoadedModel
 from kvsnap.runtime.persist.options import PersistOptions
+from kvsnap.runtime.persist.shared_tier import SharedTier, TierOptions, TierPush
 from kvsnap.snapshot.blocks import (
     BlockSettings,
     ChainLink,
@@ -74,6 +75,7 @@ class Persister:
     load_errors: int = 0
     unreadable: dict = field(default_factory=dict)  # record key -> its token count
     failed_loads: dict = field(default_factory=dict)  # the same, of records a load failed on
+    tier: SharedTier | None = None  # --shared-tier: written behind, fetched on a local miss
 
     @classmethod
     def open(
@@ -89,8 +91,7 @@ class Persister:
         writer = ConversationWriter(
             writable, max_bytes=options.max_bytes, max_queued=options.max_queued
         )
-        writer.start()
-        return cls(
+        persister = cls(
             store=store,
             identity=identity,
             secret=secret,
@@ -98,6 +99,42 @@ class Persister:
             recorded=recorded_fields(lm.settings),
             options=options,
             index=ConversationIndex(store.root),
+        )
+        if options.shared_tier is not None:
+            persister.tier = persister._open_tier(options.shared_tier)
+            writer.on_written = persister._write_behind
+        writer.start()
+        return persister
+
+    def _open_tier(self, options: TierOptions) -> SharedTier:
+        from kvsnap.store.tier_backends import open_backend
+
+        index = self.index
+        return SharedTier(
+            open_backend(options.spec, options.budget_s),
+            options,
+            self.identity,
+            self.store.root,
+            local_conv_digest=self._digest,
+            local_tenant=lambda ns: tenant_digest(self.secret, namespace_tenant(ns)),
+            on_fetched=index.forget if index is not None else lambda: None,
+        )
+
+    def _write_behind(self, write: ConversationWrite) -> None:
+        """The writer's thread, once ``write``'s record is on disk: the tier gets it next."""
+        if self.tier is None or write.namespace is None:
+            return
+        meta = write.metadata
+        self.tier.push(
+            TierPush(
+                namespace=write.namespace,
+                local_key=write.key,
+                n_tokens=int(meta["kvsnap.n_tokens"]),
+                tokens_digest=meta["kvsnap.tokens_digest"],
+                reaches=list(write.reaches),
+                supersedes=write.supersedes_prefix,
+                nbytes=write.nbytes,
+            )
         )
 
     def _digest(self, namespace: str) -> str:
@@ -110,10 +147,15 @@ class Persister:
 
     # --- capture ----------------------------------------------------------------------------
 
-    def captured(self, entry: Entry, extends: tuple | None) -> None:
+    def captured(
+        self, entry: Entry, extends: tuple | None, computed: int = 0, seconds: float = 0.0
+    ) -> None:
         """A request prefix was just captured (its arrays may be evaluated only after the next
-        decode step): persist it at the next ``pump``."""
+        decode step): persist it at the next ``pump``. ``computed`` tokens were prefilled in
+        ``seconds`` for it (the tier weighs a fetch against that rate)."""
         self.pending.append((entry, extends))
+        if self.tier is not None:
+            self.tier.note_prefill(computed, seconds)
 
     def pump(self) -> None:
         """Hand the captured prefixes to the writer: the new blocks copied to the host."""
@@ -189,9 +231,12 @@ class Persister:
         reaches = [(BLOCK_KIND, link.key) for link in links] + [
             (CHECKPOINT_KIND, link.checkpoint_key) for link in links if link.checkpoint_key
         ]
-        supersedes = None
+        supersedes = supersedes_prefix = None
         if extends and entry.trimmable and len(extends) < len(tokens):
             supersedes = self._key(namespace, extends)  # a longer record serves all it did
+            supersedes_prefix = (len(extends), tokens_digest(extends))
+        if self.tier is not None:
+            self.tier.note_local(key)
         return ConversationWrite(
             key=key,
             tensors=to_out_tensors({TOKENS: arrays[TOKENS]}),
@@ -201,6 +246,8 @@ class Persister:
             supersedes=supersedes,
             nbytes=sum(len(t.data) for p in parts for t in p.tensors),
             damaged=self._damaged_prefixes(conv_digest, tokens),
+            namespace=namespace if self.tier is not None else None,
+            supersedes_prefix=supersedes_prefix,
         )
 
     def _damaged_prefixes(self, conv_digest: str, tokens: Sequence[int]) -> list[str]:
@@ -350,7 +397,10 @@ class Persister:
 
     def close(self) -> int:
         self.pump()
-        return self.writer.close(self.options.flush_timeout_s)
+        left = self.writer.close(self.options.flush_timeout_s)
+        if self.tier is not None:  # what the writer put is written behind, within the bound
+            self.tier.close(self.options.flush_timeout_s)
+        return left
 
     def as_dict(self) -> dict:
         return {
@@ -359,6 +409,7 @@ class Persister:
             "disk_hits": self.disk_hits,
             "load_errors": self.load_errors,
             "max_bytes": self.options.max_bytes,
+            "shared_tier": self.tier.as_dict() if self.tier is not None else {"enabled": False},
         }
 
 

@@ -1,0 +1,550 @@
+"""``--shared-tier``: a fleet's conversations, written behind to a shared tier and fetched by
+whichever replica gets the next turn. No mlx.
+
+Write-behind: once the local writer has put a conversation record (and its parts) on disk,
+the record and the parts the tier lacks are sealed (``tier_values``) and put, each under its
+own name, record after parts and index after record; a kill between two puts leaves values
+no index names, never a record naming a part never put. The queue is bounded in bytes and
+drops its oldest (counted) when full.
+
+Fetch, on a request that will be captured: the namespace's longest record in the tier that
+holds a strict prefix of the request, when this replica holds none as long. Its parts are
+fetched only if that is expected to be sooner than prefilling the same tokens (measured
+fetch and prefill rates) and within ``budget_s``; each is unsealed (whole, this name, this
+model, the fleet's MAC), written to a temp file and checked like a stored part; then all of
+them and the record (re-keyed for the local store) are moved into place under the store
+lock, where the engine's usual lookup loads them. Every failure is a miss that is counted
+and logged; the request waits at most the budget whatever the tier does, and a breaker
+stops asking a failing tier for ``cooldown_s`` before one probe.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import logging
+import os
+import shutil
+import tempfile
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Sequence
+
+from kvsnap.errors import SnapshotError, StoreError
+from kvsnap.key import ModelIdentity, hexdigest, pack_tokens, tokens_digest
+from kvsnap.snapshot.file import FormatError
+from kvsnap.snapshot.format import BLOCK_KIND, CHECKPOINT_KIND
+from kvsnap.store.conversations import (
+    conversation_digest,
+    longest_persisted,
+    namespace_tenant,
+    record_key,
+    record_path,
+)
+from kvsnap.store.fileio import TMP_PREFIX, fsync_dir, make_dirs
+from kvsnap.store.local import Store
+from kvsnap.store.parts import check_part, has_part, part_path
+from kvsnap.store.tier_backends import TierBackend, TierUnavailable, fleet_secret_from_env
+from kvsnap.store.tier_values import (
+    BLOCK,
+    CHECKPOINT,
+    RECORD,
+    RecordFields,
+    TierNames,
+    namespace_tag,
+    record_fields,
+    record_info,
+    rekeyed_record,
+    seal,
+    unseal,
+)
+
+log = logging.getLogger("kvsnap.tier")
+
+TIER_KIND = {BLOCK_KIND: BLOCK, CHECKPOINT_KIND: CHECKPOINT}
+RATE_WEIGHT = 0.3  # an exponentially weighted rate: the newest measure counts this much
+MIN_PREFILL_SAMPLE = 64  # prefills shorter than this say little about the rate
+STAGING_PREFIX = TMP_PREFIX + "tier-"
+
+
+@dataclass
+class TierOptions:
+    spec: str  # redis://… or a folder
+    budget_s: float = 5.0  # the most a request waits on the tier
+    queue_bytes: int = 1 << 30  # write-behind bound
+    failures_to_open: int = 3
+    cooldown_s: float = 15.0
+    index_limit: int = 512  # records kept per namespace in the tier's index
+
+
+@dataclass
+class Breaker:
+    """Closed → open after ``failures_to_open`` failures in a row; open → one probe after
+    ``cooldown_s``; the probe's success closes it, its failure opens it again."""
+
+    failures_to_open: int
+    cooldown_s: float
+    failures: int = 0
+    opened_at: float | None = None
+    probing: bool = False
+    opens: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def allow(self) -> bool:
+        with self._lock:
+            if self.opened_at is None:
+                return True
+            if self.probing or time.monotonic() - self.opened_at < self.cooldown_s:
+                return False
+            self.probing = True
+            return True
+
+    def success(self) -> None:
+        with self._lock:
+            self.failures, self.opened_at, self.probing = 0, None, False
+
+    def failure(self) -> None:
+        with self._lock:
+            self.failures += 1
+            if self.probing or self.failures >= self.failures_to_open:
+                if self.opened_at is None or self.probing:
+                    self.opens += 1
+                self.opened_at, self.probing = time.monotonic(), False
+
+    @property
+    def state(self) -> str:
+        with self._lock:
+            if self.opened_at is None:
+                return "closed"
+            return "half-open" if self.probing else "open"
+
+
+@dataclass
+class TierStats:
+    hits: int = 0  # fetches that made a prefix local
+    misses: int = 0  # nothing in the tier for the request (or it was evicted)
+    fetched_tokens: int = 0
+    bytes_in: int = 0
+    bytes_out: int = 0
+    fetch_seconds: float = 0.0
+    skipped_slower: int = 0  # expected slower than prefilling (or past the budget)
+    skipped_local: int = 0  # this replica held it already
+    skipped_open: int = 0  # not asked: the breaker was open
+    timeouts: int = 0  # past the budget
+    bad_values: int = 0  # torn, flipped, foreign: never loaded
+    errors: int = 0  # the tier failed or refused
+    writes: int = 0  # records written behind
+    parts_written: int = 0
+    drops: int = 0  # write-behind items dropped for a full queue (or an open breaker)
+
+
+@dataclass
+class TierPush:
+    """A conversation record the local writer has just put, to write behind."""
+
+    namespace: str
+    local_key: str
+    n_tokens: int
+    tokens_digest: str
+    reaches: list  # (kind, key) of its parts
+    supersedes: tuple[int, str] | None  # (n, tokens digest) of the record it extends
+    nbytes: int
+
+
+class SharedTier:
+    def __init__(
+        self,
+        backend: TierBackend,
+        options: TierOptions,
+        identity: ModelIdentity,
+        store_root: Path,
+        local_conv_digest: Callable[[str], str],
+        local_tenant: Callable[[str], str],
+        on_fetched: Callable[[], None],
+    ) -> None:
+        self.backend = backend
+        self.options = options
+        self.identity = identity
+        self.store = Store.open(store_root)  # its own: the lock's depth is per object
+        sweep_staging(self.store.root)
+        self.local_conv_digest = local_conv_digest
+        self.local_tenant = local_tenant
+        self.on_fetched = on_fetched
+        self.stats = TierStats()
+        self.breaker = Breaker(options.failures_to_open, options.cooldown_s)
+        self.fetch_rate = 0.0  # bytes/s, measured
+        self.prefill_rate = 0.0  # tokens/s, measured
+        self.recent_local: dict[str, None] = {}  # local record keys captured here (bounded)
+        self._secret: bytes | None = fleet_secret_from_env()
+        self._queue: deque[TierPush] = deque()
+        self._queued_bytes = 0
+        self._cond = threading.Condition()
+        self._closing = False
+        self._busy = False
+        self._fetch_lock = threading.Lock()  # one fetch at a time: bandwidth-bound anyway
+        self._pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="kvsnap-tier")
+        self._thread = threading.Thread(target=self._run, name="kvsnap-tier-push", daemon=True)
+        self._thread.start()
+
+    # --- names ------------------------------------------------------------------------------
+
+    def _secret_now(self) -> bytes:
+        if self._secret is None:
+            self._secret = self.backend.shared_secret()
+        return self._secret
+
+    def _names(self, namespace: str) -> TierNames:
+        return TierNames.of(self.identity, namespace_tag(self._secret_now(), namespace))
+
+    def _tier_fields(self, names: TierNames, namespace: str, tdigest: str, n: int):
+        conv = conversation_digest(names.namespace_tag)
+        tenant = namespace_tenant(namespace)
+        tenant_digest = (
+            hexdigest(f"kvsnap-tenant-v1|{namespace_tag(self._secret_now(), tenant)}".encode())
+            if tenant
+            else ""
+        )
+        key = record_key(self.identity.digest, conv, tdigest, n)
+        return RecordFields(key, conv, tenant_digest)
+
+    # --- the engine's notes (engine thread) -------------------------------------------------
+
+    def note_local(self, local_key: str) -> None:
+        """A request prefix this replica captured: a tier fetch of the same is not needed."""
+        self.recent_local[local_key] = None
+        if len(self.recent_local) > 4096:
+            del self.recent_local[next(iter(self.recent_local))]
+
+    def note_prefill(self, n_tokens: int, seconds: float) -> None:
+        if n_tokens >= MIN_PREFILL_SAMPLE and seconds > 0:
+            self.prefill_rate = _blend(self.prefill_rate, n_tokens / seconds)
+
+    # --- write-behind (the local writer's thread, then ours) ---------------------------------
+
+    def push(self, item: TierPush) -> None:
+        """Queue a write-behind; never blocks. Past the byte bound the oldest are dropped."""
+        with self._cond:
+            if self._closing:
+                return
+            self._queue.append(item)
+            self._queued_bytes += item.nbytes
+            while len(self._queue) > 1 and self._queued_bytes > self.options.queue_bytes:
+                dropped = self._queue.popleft()
+                self._queued_bytes -= dropped.nbytes
+                self.stats.drops += 1
+            self._cond.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._closing:
+                    self._cond.wait()
+                if not self._queue:
+                    return
+                item = self._queue.popleft()
+                self._queued_bytes -= item.nbytes
+                self._busy = True
+            try:
+                self._write_behind(item)
+            finally:
+                with self._cond:
+                    self._busy = False
+                    self._cond.notify_all()
+
+    def _write_behind(self, item: TierPush) -> None:
+        if not self.breaker.allow():
+            self.stats.drops += 1
+            return
+        try:
+            self._put(item)
+        except TierUnavailable as exc:
+            self.breaker.failure()
+            self.stats.errors += 1
+            log.warning("[kvsnap] shared tier: a conversation was not written behind: %s", exc)
+            return
+        except (OSError, SnapshotError, StoreError) as exc:  # evicted or rewritten locally
+            log.info("[kvsnap] shared tier: %s not written behind: %s", item.local_key, exc)
+            return
+        self.breaker.success()
+
+    def _put(self, item: TierPush) -> None:
+        names = self._names(item.namespace)
+        model = self.identity.digest
+        parts = {names.value(TIER_KIND[kind], key): (kind, key) for kind, key in item.reaches}
+        sizes = []
+        missing = set(self.backend.missing(list(parts)))
+        for name, (kind, key) in parts.items():
+            data = part_path(self.store, kind, key).read_bytes()
+            sizes.append([TIER_KIND[kind], key, len(data)])
+            if name in missing:
+                value = seal(self._secret_now(), name, TIER_KIND[kind], model, data)
+                self.backend.put(name, value)
+                self.stats.bytes_out += len(value)
+                self.stats.parts_written += 1
+        fields = self._tier_fields(names, item.namespace, item.tokens_digest, item.n_tokens)
+        local = record_path(self.store.root, item.local_key).read_bytes()
+        name = names.value(RECORD, fields.key)
+        value = seal(
+            self._secret_now(),
+            name,
+            RECORD,
+            model,
+            rekeyed_record(local, fields),
+            parts=sizes,
+        )
+        self.backend.put(name, value)
+        self.stats.bytes_out += len(value)
+        self.backend.index_add(names.index, fields.key, self.options.index_limit)
+        if item.supersedes is not None:
+            n, digest = item.supersedes
+            old = self._tier_fields(names, item.namespace, digest, n).key
+            if old != fields.key:
+                self.backend.index_remove(names.index, [old])
+        self.stats.writes += 1
+
+    # --- fetch (a request's worker thread) ---------------------------------------------------
+
+    def fetch(self, tokens: Sequence[int], namespace: str) -> int:
+        """Make the namespace's longest tier prefix of ``tokens`` local, if worth it; the
+        tokens made local (0: nothing done). Waits at most the budget."""
+        if len(tokens) < 2:
+            return 0
+        if not self.breaker.allow():
+            self.stats.skipped_open += 1
+            return 0
+        deadline = time.monotonic() + self.options.budget_s
+        future = self._pool.submit(self._fetch_guarded, tuple(tokens), namespace, deadline)
+        try:
+            return future.result(timeout=self.options.budget_s)
+        except concurrent.futures.TimeoutError:
+            self.stats.timeouts += 1
+            self.breaker.failure()
+            log.warning(
+                "[kvsnap] shared tier %s: no answer within %.1fs; the request prefills",
+                self.backend.where,
+                self.options.budget_s,
+            )
+            return 0
+
+    def _fetch_guarded(self, tokens: tuple, namespace: str, deadline: float) -> int:
+        if not self._fetch_lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            return 0
+        try:
+            n = self._fetch(tokens, namespace, deadline)
+        except TierUnavailable as exc:
+            self.stats.errors += 1
+            self.breaker.failure()
+            log.warning("[kvsnap] shared tier: %s; the request prefills", exc)
+            return 0
+        except (OSError, StoreError) as exc:  # the local store: disk full, permissions
+            self.stats.errors += 1
+            log.warning("[kvsnap] shared tier: a fetched prefix was not stored: %s", exc)
+            return 0
+        finally:
+            self._fetch_lock.release()
+        self.breaker.success()
+        return n
+
+    def _bad(self, what: str, why: str) -> int:
+        self.stats.bad_values += 1
+        log.warning("[kvsnap] shared tier: %s not used: %s", what, why)
+        return 0
+
+    def _fetch(self, tokens: tuple, namespace: str, deadline: float) -> int:
+        started = time.monotonic()
+        names = self._names(namespace)
+        conv = conversation_digest(names.namespace_tag)
+        members = self.backend.index_members(names.index)
+        found = longest_persisted(members, self.identity.digest, conv, tokens, 0)
+        if found is None:
+            self.stats.misses += 1
+            return 0
+        n, tier_key = found
+        tdigest = tokens_digest(tokens[:n])
+        local_key = record_key(self.identity.digest, self.local_conv_digest(namespace), tdigest, n)
+        if local_key in self.recent_local or record_path(self.store.root, local_key).exists():
+            self.stats.skipped_local += 1
+            return 0
+        name = names.value(RECORD, tier_key)
+        value = self.backend.get(name)
+        if value is None:  # evicted: the index named a value the tier no longer holds
+            self.stats.misses += 1
+            self.backend.index_remove(names.index, [tier_key])
+            return 0
+        try:
+            opened = unseal(self._secret_now(), name, RECORD, self.identity.digest, value)
+            meta, raw = record_fields(opened.payload)
+        except (FormatError, SnapshotError) as exc:
+            return self._bad(f"tier record {tier_key}", str(exc))
+        if (
+            meta.get("kvsnap.key") != tier_key
+            or meta.get("kvsnap.prompt_digest") != conv
+            or meta.get("kvsnap.model_digest") != self.identity.digest
+            or raw != pack_tokens(tokens[:n])
+        ):
+            return self._bad(f"tier record {tier_key}", "holds another prefix than its name")
+        fields = RecordFields(
+            local_key, self.local_conv_digest(namespace), self.local_tenant(namespace)
+        )
+        target = record_path(self.store.root, local_key)
+        try:
+            data = rekeyed_record(opened.payload, fields)
+            info = record_info(data, target, n)
+        except SnapshotError as exc:
+            return self._bad(f"tier record {tier_key}", exc.reason)
+        with _Staged(self.store) as staged:
+            staged.file(target).write_bytes(data)
+            sizes = _sizes(opened.header.get("parts"))
+            wanted = [p for p in _read_parts(info) if not has_part(self.store, *p)]
+            nbytes = sum(sizes.get((TIER_KIND[k], key), 0) for k, key in wanted)
+            if not self._worth_it(n, nbytes, deadline):
+                self.stats.skipped_slower += 1
+                return 0
+            got = 0
+            for kind, key in wanted:
+                if time.monotonic() > deadline:
+                    self.stats.timeouts += 1
+                    return 0
+                pname = names.value(TIER_KIND[kind], key)
+                pvalue = self.backend.get(pname)
+                if pvalue is None:
+                    self.stats.misses += 1
+                    return 0
+                try:
+                    payload = unseal(
+                        self._secret_now(), pname, TIER_KIND[kind], self.identity.digest, pvalue
+                    ).payload
+                except FormatError as exc:
+                    return self._bad(f"tier {kind} {key}", str(exc))
+                path = staged.file(part_path(self.store, kind, key))
+                path.write_bytes(payload)
+                try:
+                    check_part(self.store, kind, key, path=path)
+                except SnapshotError as exc:
+                    return self._bad(f"tier {kind} {key}", exc.reason)
+                got += len(pvalue)
+            staged.install()
+        elapsed = time.monotonic() - started
+        self.stats.hits += 1
+        self.stats.fetched_tokens += n
+        self.stats.bytes_in += got + len(value)
+        self.stats.fetch_seconds += elapsed
+        if got:
+            self.fetch_rate = _blend(self.fetch_rate, got / max(elapsed, 1e-6))
+        self.on_fetched()
+        return n
+
+    def _worth_it(self, n: int, nbytes: int, deadline: float) -> bool:
+        """Fetching ``nbytes`` expected sooner than prefilling ``n`` tokens, and within the
+        budget. Before a rate is measured, fetching is assumed the faster."""
+        fetch_s = nbytes / self.fetch_rate if self.fetch_rate else 0.0
+        prefill_s = n / self.prefill_rate if self.prefill_rate else float("inf")
+        return fetch_s < prefill_s and fetch_s <= deadline - time.monotonic()
+
+    # --- status and shutdown ----------------------------------------------------------------
+
+    def as_dict(self) -> dict:
+        with self._cond:
+            depth, queued = len(self._queue), self._queued_bytes
+        return {
+            "enabled": True,
+            "where": self.backend.where,
+            "breaker": self.breaker.state,
+            "breaker_opens": self.breaker.opens,
+            "queue_depth": depth,
+            "queue_bytes": queued,
+            "fetch_rate_bytes_per_s": round(self.fetch_rate),
+            "prefill_rate_tokens_per_s": round(self.prefill_rate, 1),
+            "budget_s": self.options.budget_s,
+            **{
+                k: round(v, 3) if isinstance(v, float) else v
+                for k, v in self.stats.__dict__.items()
+            },
+        }
+
+    def close(self, timeout: float) -> int:
+        """Write behind what is queued within ``timeout``; how many were left."""
+        end = time.monotonic() + timeout
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+            while (self._queue or self._busy) and time.monotonic() < end:
+                self._cond.wait(max(0.0, end - time.monotonic()))
+            left = len(self._queue) + int(self._busy)
+            self._queue.clear()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self.backend.close()
+        return left
+
+
+def _blend(old: float, new: float) -> float:
+    return new if old == 0 else (1 - RATE_WEIGHT) * old + RATE_WEIGHT * new
+
+
+def _sizes(raw: object) -> dict:
+    sizes = {}
+    if isinstance(raw, list):
+        for item in raw:
+            if (
+                isinstance(item, list)
+                and len(item) == 3
+                and isinstance(item[2], int)
+                and item[2] >= 0
+            ):
+                sizes[(item[0], item[1])] = item[2]
+    return sizes
+
+
+def _read_parts(info) -> list[tuple[str, str]]:
+    from kvsnap.runtime.persist.persister import read_parts
+
+    return read_parts(info)
+
+
+class _Staged:
+    """Files fetched into a private folder of the store (``.tmp-tier-*``, under their own
+    names, so they are checked as stored files are), moved into place together under the
+    store lock by ``install`` (parts first, the record last); whatever was not installed is
+    removed with the folder."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self.folder = Path(tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=store.root))
+        self.files: list[tuple[Path, Path]] = []  # (staged, target)
+
+    def __enter__(self) -> _Staged:
+        return self
+
+    def file(self, target: Path) -> Path:
+        staged = self.folder / str(len(self.files)) / target.name
+        staged.parent.mkdir()
+        self.files.append((staged, target))
+        return staged
+
+    def install(self) -> None:
+        record, *parts = self.files  # the record was staged first: it goes in last
+        for staged, _ in self.files:
+            with open(staged, "rb+") as f:
+                self.store.fsync(f.fileno())
+        with self.store.lock():
+            for staged, target in (*parts, record):
+                make_dirs(target.parent, self.store.fsync)
+                os.replace(staged, target)
+            for folder in {target.parent for _, target in self.files}:
+                fsync_dir(folder, self.store.fsync)
+        self.files = []
+
+    def __exit__(self, *exc) -> None:
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def sweep_staging(root: Path, older_than_s: float = 3600.0) -> None:
+    """Remove staging folders a killed server left (an hour old: none is still in use)."""
+    now = time.time()
+    for folder in root.glob(STAGING_PREFIX + "*"):
+        with contextlib.suppress(OSError):
+            if folder.is_dir() and now - folder.stat().st_mtime > older_than_s:
+                shutil.rmtree(folder)

@@ -1,0 +1,276 @@
+"""Where a fleet's shared tier lives: Redis/Valkey (``redis://``, ``rediss://``) or a folder
+every replica mounts. One small interface (``TierBackend``): an S3-compatible backend
+implements the same six calls. Every failure of the backend is a ``TierUnavailable``; what
+a value holds is checked above this layer (``tier_values``). No mlx.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets as secrets_module
+import time
+import urllib.parse
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+from kvsnap.errors import StoreError, UsageError
+from kvsnap.store.fileio import TMP_PREFIX, atomic_write
+from kvsnap.store.tier_values import PREFIX
+
+SECRET_ENV = "KVSNAP_SHARED_TIER_SECRET"  # the fleet's secret, never stored in the tier
+PASSWORD_ENV = "KVSNAP_SHARED_TIER_PASSWORD"  # Redis AUTH when the URL has no password
+SECRET_NAME = f"{PREFIX}:secret"
+SECRET_BYTES = 32
+
+
+class TierUnavailable(Exception):
+    """The tier did not answer, refused, or failed: a miss for the caller, never an error."""
+
+
+class TierBackend(Protocol):
+    where: str  # for logs and /v1/status: never the password
+
+    def get(self, name: str) -> bytes | None: ...
+    def put(self, name: str, value: bytes) -> None: ...
+    def missing(self, names: list[str]) -> list[str]: ...
+    def index_add(self, index: str, member: str, limit: int) -> None: ...
+    def index_remove(self, index: str, members: list[str]) -> None: ...
+    def index_members(self, index: str) -> set[str]: ...
+    def shared_secret(self) -> bytes: ...
+    def close(self) -> None: ...
+
+
+def fleet_secret_from_env() -> bytes | None:
+    raw = os.environ.get(SECRET_ENV, "")
+    if not raw:
+        return None
+    if len(raw) < 16:
+        raise UsageError(
+            f"{SECRET_ENV} is {len(raw)} characters; give at least 16 random ones "
+            f"(e.g. `openssl rand -hex 32`)"
+        )
+    import hashlib
+
+    return hashlib.sha256(b"kvsnap-tier-secret|" + raw.encode()).digest()
+
+
+def redacted(url: str) -> str:
+    """``url`` without its password (for logs and status)."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.password is None:
+        return url
+    user = f"{parts.username}:***@" if parts.username else ":***@"
+    host = parts.hostname or ""
+    port = f":{parts.port}" if parts.port else ""
+    return urllib.parse.urlunsplit(parts._replace(netloc=f"{user}{host}{port}"))
+
+
+def open_backend(spec: str, timeout_s: float) -> TierBackend:
+    """The backend ``spec`` names (``redis://``/``rediss://`` URL, or a folder); UsageError
+    naming the value and the fix when it names none. Nothing is contacted here: a tier down
+    at start costs nothing, it is asked at the first request."""
+    if spec.startswith(("redis://", "rediss://", "unix://")):
+        return RedisTier.from_url(spec, timeout_s)
+    if "://" in spec:
+        raise UsageError(
+            f"--shared-tier {redacted(spec)!r}: only redis://, rediss:// (TLS) and unix:// URLs "
+            f"or a folder are supported; e.g. --shared-tier redis://127.0.0.1:6379/0"
+        )
+    return FolderTier.open(Path(spec))
+
+
+# --- Redis / Valkey ---------------------------------------------------------------------------
+
+
+@dataclass
+class RedisTier:
+    client: object
+    where: str
+
+    @classmethod
+    def from_url(cls, url: str, timeout_s: float) -> RedisTier:
+        try:
+            import redis
+            from redis.backoff import NoBackoff
+            from redis.retry import Retry
+        except ImportError:
+            raise UsageError(
+                "--shared-tier redis://… needs the redis package; pip install redis"
+            ) from None
+        kwargs: dict = {}
+        if urllib.parse.urlsplit(url).password is None and os.environ.get(PASSWORD_ENV):
+            kwargs["password"] = os.environ[PASSWORD_ENV]
+        try:
+            client = redis.Redis.from_url(
+                url,
+                socket_timeout=timeout_s,
+                socket_connect_timeout=timeout_s,
+                retry=Retry(NoBackoff(), 0),  # one try: the caller's breaker decides on more
+                **kwargs,
+            )
+        except ValueError as exc:
+            raise UsageError(
+                f"--shared-tier {redacted(url)!r}: {exc}; e.g. redis://127.0.0.1:6379/0"
+            ) from None
+        return cls(client, redacted(url))
+
+    def _call(self, fn, *args):
+        import redis
+
+        try:
+            return fn(*args)
+        except (redis.RedisError, OSError) as exc:
+            raise TierUnavailable(f"{self.where}: {type(exc).__name__}: {exc}") from None
+
+    def get(self, name: str) -> bytes | None:
+        return self._call(self.client.get, name)
+
+    def put(self, name: str, value: bytes) -> None:
+        self._call(self.client.set, name, value)
+
+    def missing(self, names: list[str]) -> list[str]:
+        if not names:
+            return []
+
+        def ask():
+            pipe = self.client.pipeline(transaction=False)
+            for name in names:
+                pipe.exists(name)
+            return pipe.execute()
+
+        return [name for name, there in zip(names, self._call(ask)) if not there]
+
+    def index_add(self, index: str, member: str, limit: int) -> None:
+        def add():
+            pipe = self.client.pipeline(transaction=False)
+            pipe.zadd(index, {member: time.time()})
+            pipe.zremrangebyrank(index, 0, -(limit + 1))  # the oldest go past the bound
+            pipe.execute()
+
+        self._call(add)
+
+    def index_remove(self, index: str, members: list[str]) -> None:
+        if members:
+            self._call(self.client.zrem, index, *members)
+
+    def index_members(self, index: str) -> set[str]:
+        got = self._call(self.client.zrange, index, 0, -1)
+        return {m.decode() if isinstance(m, bytes) else str(m) for m in got or ()}
+
+    def shared_secret(self) -> bytes:
+        """The fleet's secret kept in the tier (set once, by whoever comes first)."""
+        fresh = secrets_module.token_bytes(SECRET_BYTES)
+        self._call(lambda: self.client.set(SECRET_NAME, fresh, nx=True))
+        value = self._call(self.client.get, SECRET_NAME)
+        if not isinstance(value, bytes) or len(value) != SECRET_BYTES:
+            raise TierUnavailable(f"{self.where}: {SECRET_NAME} is not a {SECRET_BYTES}-byte value")
+        return value
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):  # closing a dead connection has nothing to report
+            self.client.close()
+
+
+# --- a shared folder --------------------------------------------------------------------------
+
+
+@dataclass
+class FolderTier:
+    """A folder every replica mounts: one file per value under
+    ``kvsnap-t1/<model>/<kv>/<namespace>/<kind>/<key>``, written like the local store's files
+    (temp file, fsync, rename), so a kill mid-write leaves the old value or none."""
+
+    root: Path
+    where: str
+    sizes: dict = field(default_factory=dict)
+
+    @classmethod
+    def open(cls, root: Path) -> FolderTier:
+        root = root.expanduser()
+        if root.exists() and not root.is_dir():
+            raise UsageError(f"--shared-tier {str(root)!r} is a file; give a folder (or a URL)")
+        if not root.exists():
+            raise UsageError(
+                f"--shared-tier {str(root)!r} does not exist; mount the shared folder there "
+                f"(or create it) first"
+            )
+        return cls(root.resolve() / "kvsnap-t1", str(root))
+
+    def _path(self, name: str) -> Path:
+        fields = name.split(":")
+        if name.startswith(PREFIX + ":") and len(fields) in (6, 7):
+            rest = fields[2:]
+            if all(f and f not in (".", "..") and "/" not in f for f in rest):
+                return self.root.joinpath(*rest)
+        raise ValueError(f"{name!r} is not a kvsnap tier name")
+
+    def _io(self, fn, *args):
+        try:
+            return fn(*args)
+        except (OSError, StoreError) as exc:
+            raise TierUnavailable(f"{self.where}: {exc}") from None
+
+    def get(self, name: str) -> bytes | None:
+        def read():
+            try:
+                return self._path(name).read_bytes()
+            except FileNotFoundError:
+                return None
+
+        return self._io(read)
+
+    def put(self, name: str, value: bytes) -> None:
+        self._io(atomic_write, self._path(name), lambda f: f.write(value), _no_fault)
+
+    def missing(self, names: list[str]) -> list[str]:
+        return self._io(lambda: [n for n in names if not self._path(n).is_file()])
+
+    def _records(self, index: str) -> Path:
+        return self._path(index).parent / "record"
+
+    def index_add(self, index: str, member: str, limit: int) -> None:
+        """A folder's index is its record files; past ``limit`` the least recently written
+        go (at most every 64th write looks)."""
+        folder = self._records(index)
+        count = self.sizes.get(index, 0) + 1
+        self.sizes[index] = count
+        if count % 64:
+            return
+
+        def prune():
+            files = [p for p in folder.iterdir() if not p.name.startswith(TMP_PREFIX)]
+            if len(files) > limit:
+                files.sort(key=lambda p: p.stat().st_mtime_ns)
+                for p in files[: len(files) - limit]:
+                    p.unlink(missing_ok=True)
+
+        self._io(prune)
+
+    def index_remove(self, index: str, members: list[str]) -> None:
+        folder = self._records(index)
+        self._io(lambda: [(folder / m).unlink(missing_ok=True) for m in members])
+
+    def index_members(self, index: str) -> set[str]:
+        folder = self._records(index)
+
+        def names():
+            try:
+                return {n for n in os.listdir(folder) if not n.startswith(TMP_PREFIX)}
+            except FileNotFoundError:
+                return set()
+
+        return self._io(names)
+
+    def shared_secret(self) -> bytes:
+        from kvsnap.store.conversations import store_secret
+
+        return self._io(store_secret, self.root)
+
+    def close(self) -> None:
+        return None
+
+
+def _no_fault(_: str) -> None:
+    return None
