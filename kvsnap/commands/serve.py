@@ -368,7 +368,7 @@ def persist_options(args):
 def shared_tier_options(args, persisting: bool):
     """``--shared-tier`` and its settings as ``TierOptions`` (checked, nothing contacted),
     None when off; a UsageError naming the flag and the fix."""
-    from kvsnap.runtime.persist.shared_tier import TierOptions
+    from kvsnap.runtime.persist.options import TierOptions
     from kvsnap.store.tier_backends import fleet_secret_from_env, open_backend
 
     given = [

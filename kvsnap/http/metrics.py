@@ -178,6 +178,54 @@ class EngineCollector(Collector):
             ("kvsnap_persist_failures", "failed", "conversation writes that failed"),
         ):
             yield _counter(name, text, persist.get(key, 0))
+        tier = persist.get("shared_tier") or {}
+        if tier.get("enabled"):
+            yield from Metrics._shared_tier(tier)
+
+    @staticmethod
+    def _shared_tier(tier: dict) -> Iterator[Metric]:
+        """--shared-tier: what the fleet's tier gave and took, and whether it is asked."""
+        family = GaugeMetricFamily(
+            "kvsnap_tier_breaker_state",
+            "1 for the breaker's state (closed: asked; open: not asked; half-open: probing)",
+            labels=["state"],
+        )
+        for state in BREAKER_STATES:
+            family.add_metric([state], int(tier.get("breaker") == state))
+        yield family
+        yield _gauge(
+            "kvsnap_tier_queue_depth",
+            "conversations waiting to be written behind",
+            tier["queue_depth"],
+        )
+        yield _gauge(
+            "kvsnap_tier_queue_bytes", "bytes waiting to be written behind", tier["queue_bytes"]
+        )
+        for name, key, text in TIER_COUNTERS:
+            yield _counter(name, text, tier.get(key, 0))
+
+
+BREAKER_STATES = ("closed", "open", "half-open")
+TIER_COUNTERS = (
+    ("kvsnap_tier_hits", "hits", "conversations fetched from the shared tier"),
+    ("kvsnap_tier_misses", "misses", "lookups the shared tier held nothing for (or evicted)"),
+    ("kvsnap_tier_fetched_tokens", "fetched_tokens", "prompt tokens fetched instead of prefilled"),
+    ("kvsnap_tier_bytes_in", "bytes_in", "bytes fetched from the shared tier"),
+    ("kvsnap_tier_bytes_out", "bytes_out", "bytes written behind to the shared tier"),
+    ("kvsnap_tier_fetch_seconds", "fetch_seconds", "seconds spent fetching from the tier"),
+    (
+        "kvsnap_tier_skipped_slower",
+        "skipped_slower",
+        "fetches skipped as slower than prefilling (or past the budget)",
+    ),
+    ("kvsnap_tier_skipped_open", "skipped_open", "lookups not made: the breaker was open"),
+    ("kvsnap_tier_timeouts", "timeouts", "fetches abandoned at the budget"),
+    ("kvsnap_tier_bad_values", "bad_values", "values that failed their checks (never loaded)"),
+    ("kvsnap_tier_errors", "errors", "tier calls that failed or were refused"),
+    ("kvsnap_tier_writes", "writes", "conversations written behind to the tier"),
+    ("kvsnap_tier_drops", "drops", "write-behinds dropped (full queue, or breaker open)"),
+    ("kvsnap_tier_breaker_opens", "breaker_opens", "times the breaker opened"),
+)
 
 
 def _counter(name: str, text: str, value: float) -> CounterMetricFamily:

@@ -197,3 +197,16 @@ def touch(path: Path) -> None:
     """Record a use: a record's mtime is its last use (budget eviction and ``gc`` read it)."""
     with contextlib.suppress(FileNotFoundError):  # evicted meanwhile: nothing to record
         os.utime(path)
+
+
+def read_parts(info) -> list[tuple[str, str]]:
+    """(kind, key) of the parts a load of the record ``info`` reads: every block, and its
+    checkpoint at the end (a persisted record names no other)."""
+    from kvsnap.snapshot.format import BLOCK_KIND, CHECKPOINT_KIND
+
+    chain = info.chain
+    if chain is None:
+        return []
+    return [(BLOCK_KIND, key) for key, _, _ in chain.blocks] + [
+        (CHECKPOINT_KIND, key) for key, end in chain.checkpoints if end == info.n_tokens
+    ]

@@ -5,12 +5,9 @@ No mlx: a route checks its flags before anything loads."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 from kvsnap.errors import UsageError
-
-if TYPE_CHECKING:
-    from kvsnap.runtime.persist.shared_tier import TierOptions
 
 DEFAULT_MAX_GB = 20.0
 DEFAULT_FLUSH_TIMEOUT_S = 5.0
@@ -20,11 +17,21 @@ MAX_FLUSH_TIMEOUT_S = 24 * 3600.0
 
 
 @dataclass
+class TierOptions:
+    spec: str  # redis://… or a folder
+    budget_s: float = 5.0  # the most a request waits on the tier
+    queue_bytes: int = 1 << 30  # write-behind bound
+    failures_to_open: int = 3
+    cooldown_s: float = 15.0
+    index_limit: int = 512  # records kept per namespace in the tier's index
+
+
+@dataclass
 class PersistOptions:
     max_bytes: int = int(DEFAULT_MAX_GB * 2**30)
     flush_timeout_s: float = DEFAULT_FLUSH_TIMEOUT_S
     max_queued: int = 32
-    shared_tier: "TierOptions | None" = None  # --shared-tier
+    shared_tier: TierOptions | None = None  # --shared-tier
 
 
 def persist_options(

@@ -24,8 +24,8 @@ from kvsnap.errors import SnapshotError, StoreError
 from kvsnap.key import ModelIdentity, tokens_digest
 from kvsnap.runtime.cache.prefix import Entry, PrefixCache
 from kvsnap.runtime.model.loading import LoadedModel
-from kvsnap.runtime.persist.options import PersistOptions
-from kvsnap.runtime.persist.shared_tier import SharedTier, TierOptions, TierPush
+from kvsnap.runtime.persist.options import PersistOptions, TierOptions
+from kvsnap.runtime.persist.shared_tier import SharedTier, TierPush
 from kvsnap.snapshot.blocks import (
     BlockSettings,
     ChainLink,
@@ -43,6 +43,7 @@ from kvsnap.store.conversations import (
     longest_persisted,
     namespace_tag,
     namespace_tenant,
+    read_parts,
     record_key,
     record_path,
     store_secret,
@@ -418,19 +419,6 @@ def _remember(known: dict, key: str, n: int) -> None:
     if key not in known and len(known) >= MAX_UNREADABLE:
         del known[next(iter(known))]
     known[key] = n
-
-
-def read_parts(info) -> list[tuple[str, str]]:
-    """(kind, key) of the parts a load of the record ``info`` reads: every block, and its
-    checkpoint at the end (a persisted record names no other)."""
-    from kvsnap.snapshot.format import BLOCK_KIND, CHECKPOINT_KIND
-
-    chain = info.chain
-    if chain is None:
-        return []
-    return [(BLOCK_KIND, key) for key, _, _ in chain.blocks] + [
-        (CHECKPOINT_KIND, key) for key, end in chain.checkpoints if end == info.n_tokens
-    ]
 
 
 def _cuts(n: int, extra_ends: Sequence[int], settings: BlockSettings) -> list[Cut]:

@@ -35,12 +35,14 @@ from typing import Callable, Sequence
 
 from kvsnap.errors import SnapshotError, StoreError
 from kvsnap.key import ModelIdentity, hexdigest, pack_tokens, tokens_digest
+from kvsnap.runtime.persist.options import TierOptions
 from kvsnap.snapshot.file import FormatError
 from kvsnap.snapshot.format import BLOCK_KIND, CHECKPOINT_KIND
 from kvsnap.store.conversations import (
     conversation_digest,
     longest_persisted,
     namespace_tenant,
+    read_parts,
     record_key,
     record_path,
 )
@@ -68,16 +70,6 @@ TIER_KIND = {BLOCK_KIND: BLOCK, CHECKPOINT_KIND: CHECKPOINT}
 RATE_WEIGHT = 0.3  # an exponentially weighted rate: the newest measure counts this much
 MIN_PREFILL_SAMPLE = 64  # prefills shorter than this say little about the rate
 STAGING_PREFIX = TMP_PREFIX + "tier-"
-
-
-@dataclass
-class TierOptions:
-    spec: str  # redis://… or a folder
-    budget_s: float = 5.0  # the most a request waits on the tier
-    queue_bytes: int = 1 << 30  # write-behind bound
-    failures_to_open: int = 3
-    cooldown_s: float = 15.0
-    index_limit: int = 512  # records kept per namespace in the tier's index
 
 
 @dataclass
@@ -398,7 +390,7 @@ class SharedTier:
         with _Staged(self.store) as staged:
             staged.file(target).write_bytes(data)
             sizes = _sizes(opened.header.get("parts"))
-            wanted = [p for p in _read_parts(info) if not has_part(self.store, *p)]
+            wanted = [p for p in read_parts(info) if not has_part(self.store, *p)]
             nbytes = sum(sizes.get((TIER_KIND[k], key), 0) for k, key in wanted)
             if not self._worth_it(n, nbytes, deadline):
                 self.stats.skipped_slower += 1
@@ -496,12 +488,6 @@ def _sizes(raw: object) -> dict:
             ):
                 sizes[(item[0], item[1])] = item[2]
     return sizes
-
-
-def _read_parts(info) -> list[tuple[str, str]]:
-    from kvsnap.runtime.persist.persister import read_parts
-
-    return read_parts(info)
 
 
 class _Staged:
