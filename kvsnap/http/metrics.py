@@ -180,29 +180,7 @@ class EngineCollector(Collector):
             yield _counter(name, text, persist.get(key, 0))
         tier = persist.get("shared_tier") or {}
         if tier.get("enabled"):
-            yield from Metrics._shared_tier(tier)
-
-    @staticmethod
-    def _shared_tier(tier: dict) -> Iterator[Metric]:
-        """--shared-tier: what the fleet's tier gave and took, and whether it is asked."""
-        family = GaugeMetricFamily(
-            "kvsnap_tier_breaker_state",
-            "1 for the breaker's state (closed: asked; open: not asked; half-open: probing)",
-            labels=["state"],
-        )
-        for state in BREAKER_STATES:
-            family.add_metric([state], int(tier.get("breaker") == state))
-        yield family
-        yield _gauge(
-            "kvsnap_tier_queue_depth",
-            "conversations waiting to be written behind",
-            tier["queue_depth"],
-        )
-        yield _gauge(
-            "kvsnap_tier_queue_bytes", "bytes waiting to be written behind", tier["queue_bytes"]
-        )
-        for name, key, text in TIER_COUNTERS:
-            yield _counter(name, text, tier.get(key, 0))
+            yield from _shared_tier(tier)
 
 
 BREAKER_STATES = ("closed", "open", "half-open")
@@ -226,6 +204,28 @@ TIER_COUNTERS = (
     ("kvsnap_tier_drops", "drops", "write-behinds dropped (full queue, or breaker open)"),
     ("kvsnap_tier_breaker_opens", "breaker_opens", "times the breaker opened"),
 )
+
+
+def _shared_tier(tier: dict) -> Iterator[Metric]:
+    """--shared-tier: what the fleet's tier gave and took, and whether it is asked."""
+    family = GaugeMetricFamily(
+        "kvsnap_tier_breaker_state",
+        "1 for the breaker's state (closed: asked; open: not asked; half-open: probing)",
+        labels=["state"],
+    )
+    for state in BREAKER_STATES:
+        family.add_metric([state], int(tier.get("breaker") == state))
+    yield family
+    yield _gauge(
+        "kvsnap_tier_queue_depth",
+        "conversations waiting to be written behind",
+        tier["queue_depth"],
+    )
+    yield _gauge(
+        "kvsnap_tier_queue_bytes", "bytes waiting to be written behind", tier["queue_bytes"]
+    )
+    for name, key, text in TIER_COUNTERS:
+        yield _counter(name, text, tier.get(key, 0))
 
 
 def _counter(name: str, text: str, value: float) -> CounterMetricFamily:

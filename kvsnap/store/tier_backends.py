@@ -13,7 +13,7 @@ import time
 import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from kvsnap.errors import StoreError, UsageError
 from kvsnap.store.fileio import TMP_PREFIX, atomic_write
@@ -86,7 +86,7 @@ def open_backend(spec: str, timeout_s: float) -> TierBackend:
 
 @dataclass
 class RedisTier:
-    client: object
+    client: Any  # redis.Redis (imported on first use: a folder tier needs no redis)
     where: str
 
     @classmethod
@@ -250,7 +250,12 @@ class FolderTier:
 
     def index_remove(self, index: str, members: list[str]) -> None:
         folder = self._records(index)
-        self._io(lambda: [(folder / m).unlink(missing_ok=True) for m in members])
+
+        def remove():
+            for member in members:
+                (folder / member).unlink(missing_ok=True)
+
+        self._io(remove)
 
     def index_members(self, index: str) -> set[str]:
         folder = self._records(index)

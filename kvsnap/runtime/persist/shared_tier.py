@@ -70,6 +70,7 @@ TIER_KIND = {BLOCK_KIND: BLOCK, CHECKPOINT_KIND: CHECKPOINT}
 RATE_WEIGHT = 0.3  # an exponentially weighted rate: the newest measure counts this much
 MIN_PREFILL_SAMPLE = 64  # prefills shorter than this say little about the rate
 STAGING_PREFIX = TMP_PREFIX + "tier-"
+FETCH_THREADS = 4  # fetches at once (each waited for at most the budget)
 
 
 @dataclass
@@ -97,6 +98,12 @@ class Breaker:
     def success(self) -> None:
         with self._lock:
             self.failures, self.opened_at, self.probing = 0, None, False
+
+    def abandon(self) -> None:
+        """A call that never reached the tier: a probe it was is given back (the next call
+        probes), nothing else changes."""
+        with self._lock:
+            self.probing = False
 
     def failure(self) -> None:
         with self._lock:
@@ -176,8 +183,13 @@ class SharedTier:
         self._cond = threading.Condition()
         self._closing = False
         self._busy = False
-        self._fetch_lock = threading.Lock()  # one fetch at a time: bandwidth-bound anyway
-        self._pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="kvsnap-tier")
+        # conversations being fetched (local record key -> done): a second request for one
+        # waits for that fetch instead of making its own
+        self._inflight: dict[str, threading.Event] = {}
+        self._inflight_lock = threading.Lock()
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            FETCH_THREADS, thread_name_prefix="kvsnap-tier"
+        )
         self._thread = threading.Thread(target=self._run, name="kvsnap-tier-push", daemon=True)
         self._thread.start()
 
@@ -258,7 +270,13 @@ class SharedTier:
             log.warning("[kvsnap] shared tier: a conversation was not written behind: %s", exc)
             return
         except (OSError, SnapshotError, StoreError) as exc:  # evicted or rewritten locally
+            self.breaker.abandon()
             log.info("[kvsnap] shared tier: %s not written behind: %s", item.local_key, exc)
+            return
+        except Exception:  # the thread must outlive one bad write: logged
+            self.stats.errors += 1
+            self.breaker.abandon()
+            log.exception("[kvsnap] shared tier: writing behind failed")
             return
         self.breaker.success()
 
@@ -269,9 +287,10 @@ class SharedTier:
         sizes = []
         missing = set(self.backend.missing(list(parts)))
         for name, (kind, key) in parts.items():
-            data = part_path(self.store, kind, key).read_bytes()
-            sizes.append([TIER_KIND[kind], key, len(data)])
+            path = part_path(self.store, kind, key)
+            sizes.append([TIER_KIND[kind], key, path.stat().st_size])
             if name in missing:
+                data = path.read_bytes()
                 value = seal(self._secret_now(), name, TIER_KIND[kind], model, data)
                 self.backend.put(name, value)
                 self.stats.bytes_out += len(value)
@@ -322,8 +341,6 @@ class SharedTier:
             return 0
 
     def _fetch_guarded(self, tokens: tuple, namespace: str, deadline: float) -> int:
-        if not self._fetch_lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
-            return 0
         try:
             n = self._fetch(tokens, namespace, deadline)
         except TierUnavailable as exc:
@@ -333,10 +350,14 @@ class SharedTier:
             return 0
         except (OSError, StoreError) as exc:  # the local store: disk full, permissions
             self.stats.errors += 1
+            self.breaker.abandon()
             log.warning("[kvsnap] shared tier: a fetched prefix was not stored: %s", exc)
             return 0
-        finally:
-            self._fetch_lock.release()
+        except Exception:  # a request never fails for the tier: logged, counted
+            self.stats.errors += 1
+            self.breaker.abandon()
+            log.exception("[kvsnap] shared tier: fetch failed; the request prefills")
+            return 0
         self.breaker.success()
         return n
 
@@ -360,6 +381,34 @@ class SharedTier:
         if local_key in self.recent_local or record_path(self.store.root, local_key).exists():
             self.stats.skipped_local += 1
             return 0
+        with self._inflight_lock:
+            running = self._inflight.get(local_key)
+            if running is None:
+                self._inflight[local_key] = threading.Event()
+        if running is not None:  # another request's fetch of it: its result is ours
+            running.wait(max(0.0, deadline - time.monotonic()))
+            self.stats.skipped_local += 1
+            return 0
+        try:
+            return self._fetch_record(
+                names, conv, n, tier_key, local_key, tokens, namespace, deadline, started
+            )
+        finally:
+            with self._inflight_lock:
+                self._inflight.pop(local_key).set()
+
+    def _fetch_record(
+        self,
+        names: TierNames,
+        conv: str,
+        n: int,
+        tier_key: str,
+        local_key: str,
+        tokens: tuple,
+        namespace: str,
+        deadline: float,
+        started: float,
+    ) -> int:
         name = names.value(RECORD, tier_key)
         value = self.backend.get(name)
         if value is None:  # evicted: the index named a value the tier no longer holds
@@ -369,7 +418,7 @@ class SharedTier:
         try:
             opened = unseal(self._secret_now(), name, RECORD, self.identity.digest, value)
             meta, raw = record_fields(opened.payload)
-        except (FormatError, SnapshotError) as exc:
+        except (FormatError, SnapshotError, ValueError) as exc:
             return self._bad(f"tier record {tier_key}", str(exc))
         if (
             meta.get("kvsnap.key") != tier_key
@@ -385,9 +434,10 @@ class SharedTier:
         try:
             data = rekeyed_record(opened.payload, fields)
             info = record_info(data, target, n)
-        except SnapshotError as exc:
-            return self._bad(f"tier record {tier_key}", exc.reason)
-        with _Staged(self.store) as staged:
+        except (SnapshotError, ValueError) as exc:
+            return self._bad(f"tier record {tier_key}", getattr(exc, "reason", str(exc)))
+        store = Store(root=self.store.root, fsync=self.store.fsync)  # this thread's lock depth
+        with _Staged(store) as staged:
             staged.file(target).write_bytes(data)
             sizes = _sizes(opened.header.get("parts"))
             wanted = [p for p in read_parts(info) if not has_part(self.store, *p)]
