@@ -23,6 +23,7 @@ SECRET_ENV = "KVSNAP_SHARED_TIER_SECRET"  # the fleet's secret, never stored in 
 PASSWORD_ENV = "KVSNAP_SHARED_TIER_PASSWORD"  # Redis AUTH when the URL has no password
 SECRET_NAME = f"{PREFIX}:secret"
 SECRET_BYTES = 32
+INDEX_READ_LIMIT = 4096  # records one lookup reads from an index, at most
 
 
 class TierUnavailable(Exception):
@@ -156,7 +157,8 @@ class RedisTier:
             self._call(self.client.zrem, index, *members)
 
     def index_members(self, index: str) -> set[str]:
-        got = self._call(self.client.zrange, index, 0, -1)
+        # the newest INDEX_READ_LIMIT only: an index someone bloated costs one bounded read
+        got = self._call(self.client.zrange, index, -INDEX_READ_LIMIT, -1)
         return {m.decode() if isinstance(m, bytes) else str(m) for m in got or ()}
 
     def shared_secret(self) -> bytes:
