@@ -47,7 +47,9 @@ class RedisServer:
                     return self
             except Exception:  # noqa: BLE001 - not listening yet: poll until the deadline
                 if self.proc.poll() is not None or time.monotonic() > deadline:
-                    raise AssertionError(f"redis-server did not start (exit {self.proc.poll()})")
+                    raise AssertionError(
+                        f"redis-server did not start (exit {self.proc.poll()})"
+                    ) from None
             time.sleep(0.05)
 
     def client(self):

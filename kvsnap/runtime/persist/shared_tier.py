@@ -138,6 +138,7 @@ class TierStats:
     writes: int = 0  # records written behind
     parts_written: int = 0
     drops: int = 0  # write-behind items dropped for a full queue (or an open breaker)
+    superseded: int = 0  # its local record was replaced (the next turn's) before it went
 
 
 @dataclass
@@ -271,6 +272,7 @@ class SharedTier:
             return
         except (OSError, SnapshotError, StoreError) as exc:  # evicted or rewritten locally
             self.breaker.abandon()
+            self.stats.superseded += 1
             log.info("[kvsnap] shared tier: %s not written behind: %s", item.local_key, exc)
             return
         except Exception:  # the thread must outlive one bad write: logged
@@ -490,7 +492,8 @@ class SharedTier:
 
     def as_dict(self) -> dict:
         with self._cond:
-            depth, queued = len(self._queue), self._queued_bytes
+            # the one being written counts: 0 means everything queued is in the tier
+            depth, queued = len(self._queue) + int(self._busy), self._queued_bytes
         return {
             "enabled": True,
             "where": self.backend.where,
