@@ -202,6 +202,7 @@ TIER_COUNTERS = (
     ("kvsnap_tier_errors", "errors", "tier calls that failed or were refused"),
     ("kvsnap_tier_writes", "writes", "conversations written behind to the tier"),
     ("kvsnap_tier_drops", "drops", "write-behinds dropped (full queue, or breaker open)"),
+    ("kvsnap_tier_superseded", "superseded", "write-behinds whose record the next turn replaced"),
     ("kvsnap_tier_breaker_opens", "breaker_opens", "times the breaker opened"),
 )
 
