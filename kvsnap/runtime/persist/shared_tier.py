@@ -71,6 +71,7 @@ RATE_WEIGHT = 0.3  # an exponentially weighted rate: the newest measure counts t
 MIN_PREFILL_SAMPLE = 64  # prefills shorter than this say little about the rate
 STAGING_PREFIX = TMP_PREFIX + "tier-"
 FETCH_THREADS = 4  # fetches at once (each waited for at most the budget)
+PART_THREADS = 3  # parts of one fetch read at once: the tier's latency overlaps the writes
 
 
 @dataclass
@@ -447,29 +448,14 @@ class SharedTier:
             if not self._worth_it(n, nbytes, deadline):
                 self.stats.skipped_slower += 1
                 return 0
-            got = 0
-            for kind, key in wanted:
-                if time.monotonic() > deadline:
-                    self.stats.timeouts += 1
-                    return 0
-                pname = names.value(TIER_KIND[kind], key)
-                pvalue = self.backend.get(pname)
-                if pvalue is None:
-                    self.stats.misses += 1
-                    return 0
-                try:
-                    payload = unseal(
-                        self._secret_now(), pname, TIER_KIND[kind], self.identity.digest, pvalue
-                    ).payload
-                except FormatError as exc:
-                    return self._bad(f"tier {kind} {key}", str(exc))
-                path = staged.file(part_path(self.store, kind, key))
-                path.write_bytes(payload)
-                try:
-                    check_part(self.store, kind, key, path=path)
-                except SnapshotError as exc:
-                    return self._bad(f"tier {kind} {key}", exc.reason)
-                got += len(pvalue)
+            jobs = [(kind, key, staged.file(part_path(store, kind, key))) for kind, key in wanted]
+            try:
+                got = self._fetch_parts(names, jobs, deadline)
+            except _Missed as missed:
+                setattr(self.stats, missed.counter, getattr(self.stats, missed.counter) + 1)
+                if missed.why:
+                    log.warning("[kvsnap] shared tier: %s not used: %s", missed.what, missed.why)
+                return 0
             staged.install()
         elapsed = time.monotonic() - started
         self.stats.hits += 1
@@ -480,6 +466,43 @@ class SharedTier:
             self.fetch_rate = _blend(self.fetch_rate, got / max(elapsed, 1e-6))
         self.on_fetched()
         return n
+
+    def _fetch_parts(self, names: TierNames, jobs: list, deadline: float) -> int:
+        """Fetch, unseal, write and check each (kind, key, staged path), PART_THREADS at a
+        time; the bytes read, or _Missed (the rest cancelled) at the first that fails."""
+        with concurrent.futures.ThreadPoolExecutor(
+            min(PART_THREADS, max(1, len(jobs))), thread_name_prefix="kvsnap-tier-part"
+        ) as pool:
+            futures = [
+                pool.submit(self._fetch_part, names, kind, key, path, deadline)
+                for kind, key, path in jobs
+            ]
+            try:
+                return sum(f.result() for f in futures)
+            except BaseException:
+                for f in futures:
+                    f.cancel()
+                raise
+
+    def _fetch_part(
+        self, names: TierNames, kind: str, key: str, path: Path, deadline: float
+    ) -> int:
+        if time.monotonic() > deadline:
+            raise _Missed("timeouts")
+        name = names.value(TIER_KIND[kind], key)
+        value = self.backend.get(name)
+        if value is None:  # evicted: the record named a part the tier no longer holds
+            raise _Missed("misses")
+        try:
+            payload = unseal(self._secret_now(), name, TIER_KIND[kind], self.identity.digest, value)
+        except FormatError as exc:
+            raise _Missed("bad_values", f"tier {kind} {key}", str(exc)) from None
+        path.write_bytes(payload.payload)
+        try:
+            check_part(self.store, kind, key, path=path)
+        except SnapshotError as exc:
+            raise _Missed("bad_values", f"tier {kind} {key}", exc.reason) from None
+        return len(value)
 
     def _worth_it(self, n: int, nbytes: int, deadline: float) -> bool:
         """Fetching ``nbytes`` expected sooner than prefilling ``n`` tokens, and within the
@@ -541,6 +564,14 @@ def _sizes(raw: object) -> dict:
             ):
                 sizes[(item[0], item[1])] = item[2]
     return sizes
+
+
+class _Missed(Exception):
+    """A part that could not be used: the counter it adds to, and why (logged) if bad."""
+
+    def __init__(self, counter: str, what: str = "", why: str = "") -> None:
+        super().__init__(counter)
+        self.counter, self.what, self.why = counter, what, why
 
 
 class _Staged:
