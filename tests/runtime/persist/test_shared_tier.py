@@ -1,0 +1,277 @@
+"""The shared tier's own machinery (kvsnap/runtime/persist/shared_tier.py), in process: the
+breaker's states, the write-behind queue's byte bound, a fetch that waits at most its
+budget and a tier that fails or is shut off by the breaker. A tier in memory stands in for
+Redis (tests/runtime/persist/test_shared_tier_faults.py runs real servers on a real one)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from helpers.snapshot_meta import fixed_identity
+
+from kvsnap.runtime.persist.options import TierOptions
+from kvsnap.runtime.persist.shared_tier import Breaker, SharedTier, TierPush
+from kvsnap.store.tier_backends import SECRET_ENV, TierUnavailable
+
+COOLDOWN_S = 0.2
+SLACK_S = 2.0
+IDENTITY = fixed_identity(["KVCache"])
+TOKENS = list(range(100, 200))
+
+
+# --- the breaker ------------------------------------------------------------------------------
+
+
+def test_a_closed_breaker_allows_and_opens_after_that_many_failures_in_a_row():
+    b = Breaker(failures_to_open=3, cooldown_s=COOLDOWN_S)
+    assert b.state == "closed" and b.allow()
+    b.failure()
+    b.failure()
+    b.success()  # in a row: a success starts the count again
+    b.failure()
+    b.failure()
+    assert b.state == "closed" and b.allow() and b.opens == 0
+    b.failure()
+    assert b.state == "open" and b.opens == 1
+    assert not b.allow() and not b.allow()
+
+
+def test_an_open_breaker_lets_one_probe_through_after_its_cooldown():
+    b = Breaker(failures_to_open=1, cooldown_s=COOLDOWN_S)
+    b.failure()
+    assert not b.allow()
+    time.sleep(COOLDOWN_S * 1.5)
+    assert b.state == "open"
+    assert b.allow()  # the probe
+    assert b.state == "half-open"
+    assert not b.allow()  # one probe at a time
+    b.success()
+    assert b.state == "closed" and b.failures == 0 and b.allow()
+    assert b.opens == 1
+
+
+def test_a_failed_probe_opens_the_breaker_for_another_cooldown():
+    b = Breaker(failures_to_open=2, cooldown_s=COOLDOWN_S)
+    b.failure()
+    b.failure()
+    time.sleep(COOLDOWN_S * 1.5)
+    assert b.allow()
+    b.failure()  # the probe failed: open again at once, whatever the count
+    assert b.state == "open" and b.opens == 2
+    assert not b.allow()
+    time.sleep(COOLDOWN_S * 1.5)
+    assert b.allow()
+    b.success()
+    assert b.state == "closed"
+
+
+def test_failures_reported_while_open_count_no_new_opening():
+    b = Breaker(failures_to_open=1, cooldown_s=COOLDOWN_S)
+    b.failure()
+    b.failure()  # a write already under way when it opened, failing too
+    b.failure()
+    assert b.opens == 1 and b.state == "open"
+
+
+def test_of_many_threads_after_the_cooldown_exactly_one_probes():
+    b = Breaker(failures_to_open=1, cooldown_s=COOLDOWN_S)
+    b.failure()
+    time.sleep(COOLDOWN_S * 1.5)
+    start = threading.Barrier(16)
+    allowed = []
+
+    def ask():
+        start.wait()
+        allowed.append(b.allow())
+
+    threads = [threading.Thread(target=ask) for _ in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(allowed) == [False] * 15 + [True]
+
+
+# --- a shared tier on a tier in memory --------------------------------------------------------
+
+
+class MemoryTier:
+    """A TierBackend in a dict: ``down`` fails every call, ``gate`` holds ``missing`` (the
+    first call of a write-behind) until set, ``delay`` slows every call."""
+
+    where = "memory://test"
+
+    def __init__(self) -> None:
+        self.values: dict[str, bytes] = {}
+        self.indexes: dict[str, set[str]] = {}
+        self.calls: list[str] = []
+        self.down = False
+        self.delay = 0.0
+        self.gate = threading.Event()
+        self.gate.set()
+
+    def _call(self, what: str) -> None:
+        self.calls.append(what)
+        if self.delay:
+            time.sleep(self.delay)
+        if self.down:
+            raise TierUnavailable(f"{self.where}: down")
+
+    def get(self, name):
+        self._call("get")
+        return self.values.get(name)
+
+    def put(self, name, value):
+        self._call("put")
+        self.values[name] = value
+
+    def missing(self, names):
+        self._call("missing")
+        self.gate.wait(30)
+        return [n for n in names if n not in self.values]
+
+    def index_add(self, index, member, limit):
+        self._call("index_add")
+        self.indexes.setdefault(index, set()).add(member)
+
+    def index_remove(self, index, members):
+        self._call("index_remove")
+        self.indexes.get(index, set()).difference_update(members)
+
+    def index_members(self, index):
+        self._call("index_members")
+        return set(self.indexes.get(index, ()))
+
+    def shared_secret(self, keep=None):
+        self._call("shared_secret")
+        return b"s" * 32
+
+    def close(self):
+        return None
+
+
+@pytest.fixture()
+def make_tier(tmp_path, monkeypatch):
+    monkeypatch.delenv(SECRET_ENV, raising=False)
+    made: list[SharedTier] = []
+
+    def make(backend: MemoryTier, **options) -> SharedTier:
+        store = tmp_path / f"store-{len(made)}"
+        store.mkdir()
+        tier = SharedTier(
+            backend,
+            TierOptions("memory://test", **options),
+            IDENTITY,
+            store,
+            local_conv_digest=lambda ns: "d" * 32,
+            local_tenant=lambda ns: "",
+            on_fetched=lambda: None,
+        )
+        made.append(tier)
+        return tier
+
+    yield make
+    for tier in made:
+        tier.close(1.0)
+
+
+def push(tier: SharedTier, i: int, nbytes: int) -> None:
+    """A record this replica does not hold (the write-behind ends at reading it)."""
+    tier.push(TierPush("", f"{i:032x}", 10, "e" * 32, [], None, nbytes))
+
+
+def wait_for(condition, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.005)
+
+
+def idle(tier: SharedTier) -> bool:
+    return tier.as_dict()["queue_depth"] == 0  # nothing queued, nothing being written
+
+
+def test_the_write_behind_queue_drops_its_oldest_past_its_byte_bound(make_tier):
+    backend = MemoryTier()
+    backend.gate.clear()
+    tier = make_tier(backend, queue_bytes=1000)
+    push(tier, 1, 600)
+    wait_for(lambda: "missing" in backend.calls)  # the first is being written: held
+    push(tier, 2, 600)
+    assert tier.stats.drops == 0  # one queued may be past the bound on its own
+    push(tier, 3, 600)
+    push(tier, 4, 600)
+    status = tier.as_dict()
+    assert status["drops"] == 2 and status["queue_depth"] == 2  # the one being written counts
+    assert status["queue_bytes"] == 600
+    backend.gate.set()
+    wait_for(lambda: idle(tier))
+    assert tier.stats.drops == 2 and tier.stats.errors == 0
+    assert tier.stats.superseded == 2  # the two not dropped: no local record to write
+    assert tier.breaker.state == "closed"
+
+
+def test_closing_waits_for_the_queue_at_most_its_timeout(make_tier):
+    backend = MemoryTier()
+    backend.gate.clear()
+    tier = make_tier(backend)
+    push(tier, 1, 10)
+    push(tier, 2, 10)
+    wait_for(lambda: "missing" in backend.calls)
+    started = time.monotonic()
+    assert tier.close(0.3) == 2  # the one being written and the one queued
+    assert time.monotonic() - started < 0.3 + SLACK_S
+    push(tier, 3, 10)  # after close: ignored
+    assert tier.as_dict()["queue_depth"] == 1  # the one still being written, only
+    backend.gate.set()
+
+
+def test_a_fetch_waits_at_most_its_budget_on_a_tier_that_does_not_answer(make_tier):
+    backend = MemoryTier()
+    backend.delay = 3.0
+    tier = make_tier(backend, budget_s=0.3)
+    started = time.monotonic()
+    assert tier.fetch(TOKENS, "") == 0
+    assert time.monotonic() - started < 0.3 + SLACK_S
+    assert tier.stats.timeouts == 1 and tier.stats.hits == 0
+    assert tier.breaker.failures >= 1
+
+
+def test_a_failing_tier_opens_the_breaker_and_is_not_asked_while_open(make_tier):
+    backend = MemoryTier()
+    backend.down = True
+    tier = make_tier(backend, failures_to_open=3, cooldown_s=60.0)
+    for _ in range(3):
+        assert tier.fetch(TOKENS, "") == 0
+    assert tier.stats.errors == 3 and tier.breaker.state == "open"
+    asked = len(backend.calls)
+    assert tier.fetch(TOKENS, "") == 0
+    assert tier.stats.skipped_open == 1
+    push(tier, 1, 10)  # not written behind while open: dropped, counted
+    wait_for(lambda: idle(tier))
+    assert tier.stats.drops == 1
+    assert len(backend.calls) == asked
+    assert tier.as_dict()["breaker"] == "open" and tier.as_dict()["breaker_opens"] == 1
+
+
+def test_a_probe_that_ends_in_a_local_error_does_not_shut_the_tier_off_for_good(make_tier):
+    """The breaker's probe after the cooldown may be a write-behind whose local record was
+    superseded or evicted meanwhile: it neither succeeds nor fails on the tier. The breaker
+    must let a later call probe again, or the tier is never asked again (every fetch
+    skipped, every write dropped) until the replica restarts."""
+    backend = MemoryTier()
+    backend.down = True
+    tier = make_tier(backend, failures_to_open=1, cooldown_s=COOLDOWN_S)
+    assert tier.fetch(TOKENS, "") == 0
+    assert tier.breaker.state == "open"
+    backend.down = False  # the tier is back
+    time.sleep(COOLDOWN_S * 1.5)
+    push(tier, 1, 10)  # the probe: its local record is gone
+    wait_for(lambda: idle(tier))
+    assert tier.stats.superseded == 1
+    time.sleep(COOLDOWN_S * 1.5)
+    tier.fetch(TOKENS, "")
+    assert tier.stats.skipped_open == 0, tier.as_dict()
+    assert tier.breaker.state == "closed"
