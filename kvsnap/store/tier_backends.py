@@ -39,7 +39,7 @@ class TierBackend(Protocol):
     def index_add(self, index: str, member: str, limit: int) -> None: ...
     def index_remove(self, index: str, members: list[str]) -> None: ...
     def index_members(self, index: str) -> set[str]: ...
-    def shared_secret(self) -> bytes: ...
+    def shared_secret(self, keep: bytes | None = None) -> bytes: ...
     def close(self) -> None: ...
 
 
@@ -58,14 +58,17 @@ def fleet_secret_from_env() -> bytes | None:
 
 
 def redacted(url: str) -> str:
-    """``url`` without its password (for logs and status)."""
+    """``url`` without its password (logs, status, errors): the user part's and a
+    ``password=`` query argument's (redis-py takes both). Never raises."""
     parts = urllib.parse.urlsplit(url)
-    if parts.password is None:
-        return url
-    user = f"{parts.username}:***@" if parts.username else ":***@"
-    host = parts.hostname or ""
-    port = f":{parts.port}" if parts.port else ""
-    return urllib.parse.urlunsplit(parts._replace(netloc=f"{user}{host}{port}"))
+    query = urllib.parse.parse_qsl(parts.query, keep_blank_values=True)
+    if any(k == "password" for k, _ in query):
+        shown = [(k, "***" if k == "password" else v) for k, v in query]
+        parts = parts._replace(query=urllib.parse.urlencode(shown, safe="*"))
+    userinfo, at, host = parts.netloc.rpartition("@")
+    if at and ":" in userinfo:  # not parts.port: a malformed port must not raise here
+        parts = parts._replace(netloc=f"{userinfo.partition(':')[0]}:***@{host}")
+    return urllib.parse.urlunsplit(parts)
 
 
 def open_backend(spec: str, timeout_s: float) -> TierBackend:
@@ -161,9 +164,11 @@ class RedisTier:
         got = self._call(self.client.zrange, index, -INDEX_READ_LIMIT, -1)
         return {m.decode() if isinstance(m, bytes) else str(m) for m in got or ()}
 
-    def shared_secret(self) -> bytes:
-        """The fleet's secret kept in the tier (set once, by whoever comes first)."""
-        fresh = secrets_module.token_bytes(SECRET_BYTES)
+    def shared_secret(self, keep: bytes | None = None) -> bytes:
+        """The fleet's secret kept in the tier (set once, by whoever comes first); ``keep``,
+        the one this replica uses, is put back if the tier lost it (a flush, an eviction, a
+        restart without persistence), so replicas started later agree with it."""
+        fresh = keep or secrets_module.token_bytes(SECRET_BYTES)
         self._call(lambda: self.client.set(SECRET_NAME, fresh, nx=True))
         value = self._call(self.client.get, SECRET_NAME)
         if not isinstance(value, bytes) or len(value) != SECRET_BYTES:
@@ -270,7 +275,7 @@ class FolderTier:
 
         return self._io(names)
 
-    def shared_secret(self) -> bytes:
+    def shared_secret(self, keep: bytes | None = None) -> bytes:
         from kvsnap.store.conversations import store_secret
 
         return self._io(store_secret, self.root)

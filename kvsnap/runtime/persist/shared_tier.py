@@ -180,6 +180,7 @@ class SharedTier:
         self.prefill_rate = 0.0  # tokens/s, measured
         self.recent_local: dict[str, None] = {}  # local record keys captured here (bounded)
         self._secret: bytes | None = fleet_secret_from_env()
+        self._env_secret = self._secret is not None
         self._queue: deque[TierPush] = deque()
         self._queued_bytes = 0
         self._cond = threading.Condition()
@@ -284,6 +285,8 @@ class SharedTier:
         self.breaker.success()
 
     def _put(self, item: TierPush) -> None:
+        if not self._env_secret:  # put back if the tier lost it; adopt the tier's if it differs
+            self._secret = self.backend.shared_secret(keep=self._secret)
         names = self._names(item.namespace)
         model = self.identity.digest
         parts = {names.value(TIER_KIND[kind], key): (kind, key) for kind, key in item.reaches}
@@ -334,6 +337,7 @@ class SharedTier:
         try:
             return future.result(timeout=self.options.budget_s)
         except concurrent.futures.TimeoutError:
+            future.cancel()  # not started yet: it would ask the tier past its deadline
             self.stats.timeouts += 1
             self.breaker.failure()
             log.warning(
@@ -543,6 +547,7 @@ class SharedTier:
                 self._cond.wait(max(0.0, end - time.monotonic()))
             left = len(self._queue) + int(self._busy)
             self._queue.clear()
+            self._queued_bytes = 0
         self._pool.shutdown(wait=False, cancel_futures=True)
         self.backend.close()
         return left
