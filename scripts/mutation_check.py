@@ -83,6 +83,9 @@ LOGPROBS = "tests/http/test_logprobs.py::"
 METRICS = "tests/http/test_metrics.py::"
 QUANTIZED_START = "tests/runtime/persist/test_quantized_start.py::"
 VLLM_MLX_SAMPLING = "tests/integrations/vllm_mlx/test_sampling.py::"
+TIER_VALUES = "tests/store/test_tier_values.py::"
+TIER_UNIT = "tests/runtime/persist/test_shared_tier.py::"
+TIER_FAULTS = "tests/runtime/persist/test_shared_tier_faults.py::"
 
 BREAKAGES = (
     Breakage(
@@ -2878,6 +2881,105 @@ BREAKAGES = (
             ),
         ),
         (VLLM_MLX_SAMPLING + "test_values_that_overflow_float32_answer_as_greedy",),
+    ),
+    Breakage(
+        "tier-mac-unchecked",
+        "a fleet's tier: never a torn, flipped or planted value (fleet.md)",
+        "a tier value's MAC is compared with itself: a payload swapped or planted without the "
+        "fleet's secret opens as data",
+        (
+            Patch(
+                "kvsnap/store/tier_values.py",
+                'header["mac"], _mac(secret, header, payload)',
+                'header["mac"], header["mac"]',
+            ),
+        ),
+        (TIER_VALUES + "test_a_payload_swapped_for_another_of_the_same_size_is_a_format_error",),
+    ),
+    Breakage(
+        "tier-namespaces-merged",
+        "a fleet's tier: tenants apart (fleet.md)",
+        "the namespace tag ignores the namespace: two API keys' conversations share names",
+        (
+            Patch(
+                "kvsnap/store/tier_values.py",
+                'b"kvsnap-tier-ns|" + namespace.encode()',
+                'b"kvsnap-tier-ns|"',
+            ),
+        ),
+        (
+            TIER_VALUES
+            + "test_two_namespaces_share_no_name_and_differ_only_in_the_namespace_field",
+            TIER_FAULTS + "test_two_keys_on_one_prompt_share_nothing_in_the_tier",
+        ),
+    ),
+    Breakage(
+        "tier-fetch-unbounded",
+        "a fleet's tier: never stuck (fleet.md)",
+        "a request waits for the tier's answer however long it takes, past the budget",
+        (
+            Patch(
+                "kvsnap/runtime/persist/shared_tier.py",
+                "return future.result(timeout=self.options.budget_s)",
+                "return future.result()",
+            ),
+        ),
+        (TIER_UNIT + "test_a_fetch_waits_at_most_its_budget_on_a_tier_that_does_not_answer",),
+    ),
+    Breakage(
+        "tier-breaker-never-opens",
+        "a fleet's tier: never stuck (fleet.md)",
+        "the breaker never opens: a failing tier is asked by every request",
+        (
+            Patch(
+                "kvsnap/runtime/persist/shared_tier.py",
+                "if self.probing or self.failures >= self.failures_to_open:",
+                "if False:",
+            ),
+        ),
+        (
+            TIER_UNIT + "test_a_closed_breaker_allows_and_opens_after_that_many_failures_in_a_row",
+            TIER_UNIT + "test_a_failing_tier_opens_the_breaker_and_is_not_asked_while_open",
+        ),
+    ),
+    Breakage(
+        "tier-queue-unbounded",
+        "a fleet's tier: the write-behind queue bounded in bytes (fleet.md)",
+        "the write-behind queue never drops: a slow tier grows the server's memory without end",
+        (
+            Patch(
+                "kvsnap/runtime/persist/shared_tier.py",
+                "while len(self._queue) > 1 and self._queued_bytes > self.options.queue_bytes:",
+                "while False:",
+            ),
+        ),
+        (TIER_UNIT + "test_the_write_behind_queue_drops_its_oldest_past_its_byte_bound",),
+    ),
+    Breakage(
+        "tier-nothing-written-behind",
+        "a fleet's tier: a conversation continues warm on another replica (fleet.md)",
+        "the local writer never hands a written record to the tier",
+        (
+            Patch(
+                "kvsnap/runtime/persist/persister.py",
+                "writer.on_written = persister._write_behind",
+                "writer.on_written = None",
+            ),
+        ),
+        (TIER_FAULTS + "test_b_continues_a_conversation_a_served_from_the_tier",),
+    ),
+    Breakage(
+        "tier-lost-secret-not-restored",
+        "a fleet's tier: a replica started after a flush shares with the fleet (fleet.md)",
+        "a secret the tier lost is never put back: a replica started later uses another one",
+        (
+            Patch(
+                "kvsnap/runtime/persist/shared_tier.py",
+                "self._secret = self.backend.shared_secret(keep=self._secret)",
+                "pass",
+            ),
+        ),
+        (TIER_FAULTS + "test_a_replica_started_after_a_flush_still_shares_with_the_fleet",),
     ),
 )
 
