@@ -233,7 +233,8 @@ async def submit(
             tenant=tenant,
             capture=config.request_prefix_cache,
         )
-        if gen.capture:  # --shared-tier: another replica's turn of this conversation
+        # --shared-tier: another replica's turn of this conversation
+        if gen.capture and ctx.engine.asks_shared_tier():
             await run_in_threadpool(ctx.engine.fetch_shared, tokens, namespace)
         state = ctx.engine.submit(gen, bridge)
     except BaseException:

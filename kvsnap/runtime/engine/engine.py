@@ -187,6 +187,11 @@ class Engine:
         self._commands.put(("submit", state))
         return state
 
+    def asks_shared_tier(self) -> bool:
+        """--shared-tier is on and its breaker lets a request ask it (no I/O)."""
+        persister = self.persister
+        return persister is not None and persister.tier is not None and persister.tier.asks()
+
     def fetch_shared(self, tokens: list[int], namespace: str) -> int:
         """With --shared-tier: make the namespace's longest prefix of ``tokens`` that the
         fleet's tier holds local before the request is submitted (a worker thread; waits at

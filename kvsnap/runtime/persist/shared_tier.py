@@ -96,6 +96,13 @@ class Breaker:
             self.probing = True
             return True
 
+    def shut(self) -> bool:
+        """Open and still cooling down: nothing to ask (a read, no probe taken)."""
+        with self._lock:
+            return self.opened_at is not None and (
+                self.probing or time.monotonic() - self.opened_at < self.cooldown_s
+            )
+
     def success(self) -> None:
         with self._lock:
             self.failures, self.opened_at, self.probing = 0, None, False
@@ -323,6 +330,14 @@ class SharedTier:
         self.stats.writes += 1
 
     # --- fetch (a request's worker thread) ---------------------------------------------------
+
+    def asks(self) -> bool:
+        """Whether a request would ask the tier now (any thread, no I/O): the route skips the
+        hop to a worker thread while the breaker is open."""
+        if self.breaker.shut():
+            self.stats.skipped_open += 1
+            return False
+        return True
 
     def fetch(self, tokens: Sequence[int], namespace: str) -> int:
         """Make the namespace's longest tier prefix of ``tokens`` local, if worth it; the
