@@ -24,7 +24,6 @@ from helpers.persist_servers import (
     SYSTEMS,
     TURNS,
     Conversation,
-    Reference,
     ask,
     assert_sound,
     cached,
@@ -50,16 +49,6 @@ CHATS = tuple(
 )
 FULL_DISK = "the store's disk is full"
 LEFT_UNWRITTEN = "not written within"
-
-
-@pytest.fixture(scope="module")
-def reference(demo_models, tmp_path_factory):
-    """The never-restarted servers every answer is compared with."""
-    ref = Reference(demo_models, tmp_path_factory.mktemp("reference"))
-    try:
-        yield ref
-    finally:
-        ref.close()
 
 
 def _restart_for_turn_four(model: Path, store: Path, want: list[str], log: Path) -> dict:

@@ -31,7 +31,6 @@ from helpers.persist_servers import (
     KEYS_ENV,
     TURNS,
     Conversation,
-    Reference,
     assert_sound,
     cached,
     content,
@@ -180,15 +179,6 @@ class Fleet(contextlib.ExitStack):
 
     def keys(self) -> set[str]:
         return set(self.redis.keys())
-
-
-@pytest.fixture(scope="module")
-def reference(demo_models, tmp_path_factory):
-    ref = Reference(demo_models, tmp_path_factory.mktemp("reference"))
-    try:
-        yield ref
-    finally:
-        ref.close()
 
 
 @pytest.fixture(scope="module")
