@@ -2981,6 +2981,25 @@ BREAKAGES = (
         ),
         (TIER_FAULTS + "test_a_replica_started_after_a_flush_still_shares_with_the_fleet",),
     ),
+    Breakage(
+        "tier-only-newest-indexed",
+        "a fleet's tier: a branch continues from its earlier turn on another replica (fleet.md)",
+        "each record written behind unindexes the namespace's others: an edited or regenerated "
+        "turn on another replica finds nothing",
+        (
+            Patch(
+                "kvsnap/runtime/persist/shared_tier.py",
+                "self.backend.index_add(names.index, fields.key, self.options.index_limit)",
+                "self.backend.index_add(names.index, fields.key, self.options.index_limit)\n"
+                "        others = self.backend.index_members(names.index) - {fields.key}\n"
+                "        self.backend.index_remove(names.index, list(others))",
+            ),
+        ),
+        (
+            TIER_FAULTS
+            + "test_a_branch_of_a_conversation_continues_from_its_earlier_turn_on_another_replica",
+        ),
+    ),
 )
 
 

@@ -273,7 +273,7 @@ def add_serve(sub) -> None:
         "--shared-tier-budget",
         type=positive_float,
         metavar="SECONDS",
-        help="the most a request waits on the tier before it prefills instead (default: 5)",
+        help="the most a request waits on the tier before it prefills instead (default: 10)",
     )
     f.add_argument(
         "--shared-tier-queue-mb",
@@ -368,7 +368,7 @@ def persist_options(args):
 def shared_tier_options(args, persisting: bool):
     """``--shared-tier`` and its settings as ``TierOptions`` (checked, nothing contacted),
     None when off; a UsageError naming the flag and the fix."""
-    from kvsnap.runtime.persist.options import TierOptions
+    from kvsnap.runtime.persist import options
     from kvsnap.store.tier_backends import fleet_secret_from_env, open_backend
 
     given = [
@@ -388,12 +388,12 @@ def shared_tier_options(args, persisting: bool):
             "--shared-tier shares what --persist-requests writes; add --persist-requests "
             "(and --kv-snapshots DIR, the local store it writes first)"
         )
-    budget = args.shared_tier_budget or 5.0
+    budget = args.shared_tier_budget or options.DEFAULT_TIER_BUDGET_S
     if budget > 600:
         raise UsageError(f"--shared-tier-budget {budget:g} must be at most 600 seconds")
     fleet_secret_from_env()  # a too-short secret fails here, not at the first request
     open_backend(args.shared_tier, budget).close()
-    return TierOptions(
+    return options.TierOptions(
         spec=args.shared_tier,
         budget_s=budget,
         queue_bytes=int((args.shared_tier_queue_mb or 1024) * 2**20),

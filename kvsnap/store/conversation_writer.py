@@ -57,10 +57,9 @@ class ConversationWrite:
     # records of shorter prefixes found unreadable, or whose load failed: this one serves all
     # they did (removed once it is written, if they still fail their checks, parts included)
     damaged: list[str] = field(default_factory=list)
-    # with --shared-tier: the request's namespace, and (n, tokens digest) of the record it
-    # extends; the record is written behind to the tier once it is on disk here
+    # with --shared-tier: the request's namespace; the record is written behind to the tier
+    # once it is on disk here
     namespace: str | None = None
-    supersedes_prefix: tuple[int, str] | None = None
 
     @property
     def relpaths(self) -> set[str]:

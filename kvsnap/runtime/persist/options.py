@@ -14,12 +14,15 @@ DEFAULT_FLUSH_TIMEOUT_S = 5.0
 # Bounds that keep byte counts integral and a shutdown finite (inf would overflow or never end).
 MAX_PERSIST_GB = 2.0**20
 MAX_FLUSH_TIMEOUT_S = 24 * 3600.0
+# A conversation of 8k tokens of fp32 KV (1.9 GB) took 6-9 s from a local Redis on 2 busy
+# cores (docs/benchmarks.md); past the budget a request prefills and the rate is learnt.
+DEFAULT_TIER_BUDGET_S = 10.0
 
 
 @dataclass
 class TierOptions:
     spec: str  # redis://… or a folder
-    budget_s: float = 5.0  # the most a request waits on the tier
+    budget_s: float = DEFAULT_TIER_BUDGET_S  # the most a request waits on the tier
     queue_bytes: int = 1 << 30  # write-behind bound
     failures_to_open: int = 3
     cooldown_s: float = 15.0

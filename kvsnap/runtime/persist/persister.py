@@ -133,7 +133,6 @@ class Persister:
                 n_tokens=int(meta["kvsnap.n_tokens"]),
                 tokens_digest=meta["kvsnap.tokens_digest"],
                 reaches=list(write.reaches),
-                supersedes=write.supersedes_prefix,
                 nbytes=write.nbytes,
             )
         )
@@ -232,10 +231,9 @@ class Persister:
         reaches = [(BLOCK_KIND, link.key) for link in links] + [
             (CHECKPOINT_KIND, link.checkpoint_key) for link in links if link.checkpoint_key
         ]
-        supersedes = supersedes_prefix = None
+        supersedes = None
         if extends and entry.trimmable and len(extends) < len(tokens):
             supersedes = self._key(namespace, extends)  # a longer record serves all it did
-            supersedes_prefix = (len(extends), tokens_digest(extends))
         if self.tier is not None:
             self.tier.note_local(key)
         return ConversationWrite(
@@ -248,7 +246,6 @@ class Persister:
             nbytes=sum(len(t.data) for p in parts for t in p.tensors),
             damaged=self._damaged_prefixes(conv_digest, tokens),
             namespace=namespace if self.tier is not None else None,
-            supersedes_prefix=supersedes_prefix,
         )
 
     def _damaged_prefixes(self, conv_digest: str, tokens: Sequence[int]) -> list[str]:

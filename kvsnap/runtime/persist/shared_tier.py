@@ -158,7 +158,6 @@ class TierPush:
     n_tokens: int
     tokens_digest: str
     reaches: list  # (kind, key) of its parts
-    supersedes: tuple[int, str] | None  # (n, tokens digest) of the record it extends
     nbytes: int
 
 
@@ -321,12 +320,10 @@ class SharedTier:
         )
         self.backend.put(name, value)
         self.stats.bytes_out += len(value)
+        # An earlier turn's record stays indexed (its values are never removed either): a
+        # regenerated or edited turn, a branch, continues from it on any replica. The index's
+        # bound (index_limit, the oldest dropped) keeps it small.
         self.backend.index_add(names.index, fields.key, self.options.index_limit)
-        if item.supersedes is not None:
-            n, digest = item.supersedes
-            old = self._tier_fields(names, item.namespace, digest, n).key
-            if old != fields.key:
-                self.backend.index_remove(names.index, [old])
         self.stats.writes += 1
 
     # --- fetch (a request's worker thread) ---------------------------------------------------
@@ -347,27 +344,42 @@ class SharedTier:
         if not self.breaker.allow():
             self.stats.skipped_open += 1
             return 0
-        deadline = time.monotonic() + self.options.budget_s
-        future = self._pool.submit(self._fetch_guarded, tuple(tokens), namespace, deadline)
+        attempt = _Attempt(time.monotonic() + self.options.budget_s)
+        future = self._pool.submit(self._fetch_guarded, tuple(tokens), namespace, attempt)
         try:
             return future.result(timeout=self.options.budget_s)
         except concurrent.futures.TimeoutError:
             future.cancel()  # not started yet: it would ask the tier past its deadline
-            self.stats.timeouts += 1
-            self.breaker.failure()
-            log.warning(
-                "[kvsnap] shared tier %s: no answer within %.1fs; the request prefills",
-                self.backend.where,
-                self.options.budget_s,
-            )
+            self._past_budget(attempt)
             return 0
 
-    def _fetch_guarded(self, tokens: tuple, namespace: str, deadline: float) -> int:
+    def _past_budget(self, attempt: _Attempt) -> None:
+        """The request gave up on the tier at its budget: counted once (by the request or by
+        the fetch that noticed first), a failure for the breaker, and what was read by then
+        teaches the fetch rate (so a tier too slow for the budget is not asked again)."""
+        if not attempt.settle():
+            return
+        self.stats.timeouts += 1
+        self.breaker.failure()
+        if attempt.bytes_read:
+            self.fetch_rate = _blend(self.fetch_rate, attempt.bytes_read / self.options.budget_s)
+        log.warning(
+            "[kvsnap] shared tier %s: not fetched within %.1fs (--shared-tier-budget); the "
+            "request prefills",
+            self.backend.where,
+            self.options.budget_s,
+        )
+
+    def _fetch_guarded(self, tokens: tuple, namespace: str, attempt: _Attempt) -> int:
         try:
-            n = self._fetch(tokens, namespace, deadline)
+            n = self._fetch(tokens, namespace, attempt)
+        except _PastBudget:
+            self._past_budget(attempt)
+            return 0
         except TierUnavailable as exc:
             self.stats.errors += 1
-            self.breaker.failure()
+            if attempt.settle():  # not when the request already gave up on it
+                self.breaker.failure()
             log.warning("[kvsnap] shared tier: %s; the request prefills", exc)
             return 0
         except (OSError, StoreError) as exc:  # the local store: disk full, permissions
@@ -380,7 +392,8 @@ class SharedTier:
             self.breaker.abandon()
             log.exception("[kvsnap] shared tier: fetch failed; the request prefills")
             return 0
-        self.breaker.success()
+        if attempt.settle():  # a fetch that ended after its request gave up is no success
+            self.breaker.success()
         return n
 
     def _bad(self, what: str, why: str) -> int:
@@ -388,7 +401,7 @@ class SharedTier:
         log.warning("[kvsnap] shared tier: %s not used: %s", what, why)
         return 0
 
-    def _fetch(self, tokens: tuple, namespace: str, deadline: float) -> int:
+    def _fetch(self, tokens: tuple, namespace: str, attempt: _Attempt) -> int:
         started = time.monotonic()
         names = self._names(namespace)
         conv = conversation_digest(names.namespace_tag)
@@ -408,12 +421,12 @@ class SharedTier:
             if running is None:
                 self._inflight[local_key] = threading.Event()
         if running is not None:  # another request's fetch of it: its result is ours
-            running.wait(max(0.0, deadline - time.monotonic()))
+            running.wait(max(0.0, attempt.deadline - time.monotonic()))
             self.stats.skipped_local += 1
             return 0
         try:
             return self._fetch_record(
-                names, conv, n, tier_key, local_key, tokens, namespace, deadline, started
+                names, conv, n, tier_key, local_key, tokens, namespace, attempt, started
             )
         finally:
             with self._inflight_lock:
@@ -428,7 +441,7 @@ class SharedTier:
         local_key: str,
         tokens: tuple,
         namespace: str,
-        deadline: float,
+        attempt: _Attempt,
         started: float,
     ) -> int:
         name = names.value(RECORD, tier_key)
@@ -464,12 +477,12 @@ class SharedTier:
             sizes = _sizes(opened.header.get("parts"))
             wanted = [p for p in read_parts(info) if not has_part(self.store, *p)]
             nbytes = sum(sizes.get((TIER_KIND[k], key), 0) for k, key in wanted)
-            if not self._worth_it(n, nbytes, deadline):
+            if not self._worth_it(n, nbytes, attempt.deadline):
                 self.stats.skipped_slower += 1
                 return 0
             jobs = [(kind, key, staged.file(part_path(store, kind, key))) for kind, key in wanted]
             try:
-                got = self._fetch_parts(names, jobs, deadline)
+                got = self._fetch_parts(names, jobs, attempt)
             except _Missed as missed:
                 setattr(self.stats, missed.counter, getattr(self.stats, missed.counter) + 1)
                 if missed.why:
@@ -486,14 +499,14 @@ class SharedTier:
         self.on_fetched()
         return n
 
-    def _fetch_parts(self, names: TierNames, jobs: list, deadline: float) -> int:
+    def _fetch_parts(self, names: TierNames, jobs: list, attempt: _Attempt) -> int:
         """Fetch, unseal, write and check each (kind, key, staged path), PART_THREADS at a
         time; the bytes read, or _Missed (the rest cancelled) at the first that fails."""
         with concurrent.futures.ThreadPoolExecutor(
             min(PART_THREADS, max(1, len(jobs))), thread_name_prefix="kvsnap-tier-part"
         ) as pool:
             futures = [
-                pool.submit(self._fetch_part, names, kind, key, path, deadline)
+                pool.submit(self._fetch_part, names, kind, key, path, attempt)
                 for kind, key, path in jobs
             ]
             try:
@@ -504,14 +517,15 @@ class SharedTier:
                 raise
 
     def _fetch_part(
-        self, names: TierNames, kind: str, key: str, path: Path, deadline: float
+        self, names: TierNames, kind: str, key: str, path: Path, attempt: _Attempt
     ) -> int:
-        if time.monotonic() > deadline:
-            raise _Missed("timeouts")
+        if time.monotonic() > attempt.deadline:
+            raise _PastBudget()
         name = names.value(TIER_KIND[kind], key)
         value = self.backend.get(name)
         if value is None:  # evicted: the record named a part the tier no longer holds
             raise _Missed("misses")
+        attempt.bytes_read += len(value)
         try:
             payload = unseal(self._secret_now(), name, TIER_KIND[kind], self.identity.digest, value)
         except FormatError as exc:
@@ -584,6 +598,27 @@ def _sizes(raw: object) -> dict:
             ):
                 sizes[(item[0], item[1])] = item[2]
     return sizes
+
+
+@dataclass
+class _Attempt:
+    """One request's fetch: its deadline, the bytes read so far, and whether its outcome was
+    counted (by the request giving up, or by the fetch ending: whichever comes first)."""
+
+    deadline: float
+    bytes_read: int = 0
+    _settled: bool = False
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def settle(self) -> bool:
+        """True for the first caller only: it counts the outcome."""
+        with self._lock:
+            first, self._settled = not self._settled, True
+            return first
+
+
+class _PastBudget(Exception):
+    """A fetch found its deadline passed: the request prefills."""
 
 
 class _Missed(Exception):

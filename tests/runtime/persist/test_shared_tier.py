@@ -179,7 +179,7 @@ def make_tier(tmp_path, monkeypatch):
 
 def push(tier: SharedTier, i: int, nbytes: int) -> None:
     """A record this replica does not hold (the write-behind ends at reading it)."""
-    tier.push(TierPush("", f"{i:032x}", 10, "e" * 32, [], None, nbytes))
+    tier.push(TierPush("", f"{i:032x}", 10, "e" * 32, [], nbytes))
 
 
 def wait_for(condition, timeout: float = 10.0) -> None:

@@ -246,6 +246,23 @@ def test_b_continues_a_conversation_a_served_from_the_tier(fleet, scenario):
     assert after["breaker"] == "closed"
 
 
+def test_a_branch_of_a_conversation_continues_from_its_earlier_turn_on_another_replica(
+    fleet, scenario
+):
+    """Turn 3 asked again with another question (a regenerated or edited turn) on B: turn 3's
+    record does not hold it, turn 2's does, and stays in the tier for it; the answer is A's."""
+    sc = scenario("branch")
+    a_writes_three_turns(fleet, sc)
+    body = sc.body(3)
+    body["messages"][-1] = {"role": "user", "content": "A different third question, then?"}
+    before = tier(fleet.b)
+    on_b, _ = post(fleet.b, body)
+    assert cached(on_b) == sc.prefixes[1], on_b["usage"]
+    assert grew(tier(fleet.b), before, "hits", "bad_values") == {"hits": 1, "bad_values": 0}
+    on_a, _ = post(fleet.a, body)  # A holds the whole conversation in memory
+    assert content(on_b) == content(on_a)
+
+
 # --- 5. a flipped value -----------------------------------------------------------------------
 
 
