@@ -64,6 +64,8 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench_agents import tree_cpu_s  # noqa: E402  (scripts/ is on sys.path: one /proc walk)
+
 from kvsnap.blas import find_openblas, preload_openblas  # noqa: E402
 
 preload_openblas()  # before mlx: make_demo_model imports it
@@ -77,34 +79,6 @@ LABELS = {"local": "local hit (A)", "tier": "tier fetch (B)", "prefill": "full p
 
 
 # --- measuring ------------------------------------------------------------------------------
-
-
-def _proc_stat(pid: int) -> tuple[int, float] | None:
-    """(parent pid, CPU seconds) of one process, from /proc/PID/stat."""
-    try:
-        raw = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = raw[raw.rindex(")") + 2 :].split()
-    # after the name: state ppid ... utime(12) stime(13) cutime(14) cstime(15)
-    return int(fields[1]), sum(int(fields[i]) for i in (11, 12, 13, 14)) / TICKS
-
-
-def tree_cpu_s(root: int) -> float:
-    """CPU seconds (user + system, reaped children included) of ``root`` and its descendants."""
-    stats = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit() and (got := _proc_stat(int(entry))):
-            stats[int(entry)] = got
-    total, todo, seen = 0.0, [root], set()
-    while todo:
-        pid = todo.pop()
-        if pid in seen or pid not in stats:
-            continue
-        seen.add(pid)
-        total += stats[pid][1]
-        todo += [p for p, (ppid, _) in stats.items() if ppid == pid]
-    return total
 
 
 def load() -> list[float]:
