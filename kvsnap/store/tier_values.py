@@ -182,6 +182,22 @@ def record_info(data: bytes, path, max_tokens: int):
         raise SnapshotError(str(path), str(exc)) from None
 
 
+def check_part_bytes(kind: str, data: bytes | memoryview, path) -> None:
+    """A block's or checkpoint's bytes, to be stored at ``path``, checked as the store checks
+    the file (header, the key its fields hash to, its name, checksum) without writing and
+    reading it back; SnapshotError."""
+    from kvsnap.snapshot.chain import inspect_part
+
+    try:
+        header = parse_header(io.BytesIO(data), len(data))
+        info = inspect_part(path, header)
+        if info.kind != kind:
+            raise FormatError(f"holds a {info.kind}, not a {kind}")
+        verify_checksum(header, memoryview(data)[header.data_start :])
+    except FormatError as exc:
+        raise SnapshotError(str(path), str(exc)) from None
+
+
 def rekeyed_record(data: bytes | memoryview, fields: RecordFields) -> bytes:
     """The record file ``data`` with its key, prompt digest and tenant replaced (order kept,
     checksum rewritten); SnapshotError if ``data`` is not a sound record."""

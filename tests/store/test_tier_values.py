@@ -261,3 +261,17 @@ def test_a_damaged_record_is_not_rekeyed():
         record_fields(bytes(data))
     with pytest.raises(SnapshotError):
         record_fields(record_bytes()[:-4])
+
+
+# --- parts checked in memory ------------------------------------------------------------------
+
+
+def test_bytes_that_are_not_a_block_are_refused_before_anything_is_written(tmp_path):
+    from kvsnap.store.tier_values import check_part_bytes
+
+    target = tmp_path / "blocks" / "0123456789abcdef0123456789abcdef.safetensors"
+    record = record_bytes()  # a sound kvsnap file, but a record, not a block
+    for data in (PAYLOAD, record, record[:-1]):
+        with pytest.raises(SnapshotError):
+            check_part_bytes("block", data, target)
+    assert not target.exists()

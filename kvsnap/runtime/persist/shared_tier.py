@@ -48,7 +48,7 @@ from kvsnap.store.conversations import (
 )
 from kvsnap.store.fileio import TMP_PREFIX, fsync_dir, make_dirs
 from kvsnap.store.local import Store
-from kvsnap.store.parts import check_part, has_part, part_path
+from kvsnap.store.parts import has_part, part_path
 from kvsnap.store.tier_backends import TierBackend, TierUnavailable, fleet_secret_from_env
 from kvsnap.store.tier_values import (
     BLOCK,
@@ -56,6 +56,7 @@ from kvsnap.store.tier_values import (
     RECORD,
     RecordFields,
     TierNames,
+    check_part_bytes,
     namespace_tag,
     record_fields,
     record_info,
@@ -530,11 +531,11 @@ class SharedTier:
             payload = unseal(self._secret_now(), name, TIER_KIND[kind], self.identity.digest, value)
         except FormatError as exc:
             raise _Missed("bad_values", f"tier {kind} {key}", str(exc)) from None
-        path.write_bytes(payload.payload)
-        try:
-            check_part(self.store, kind, key, path=path)
+        try:  # checked in memory, then written: no read back
+            check_part_bytes(kind, payload.payload, part_path(self.store, kind, key))
         except SnapshotError as exc:
             raise _Missed("bad_values", f"tier {kind} {key}", exc.reason) from None
+        path.write_bytes(payload.payload)
         return len(value)
 
     def _worth_it(self, n: int, nbytes: int, deadline: float) -> bool:
