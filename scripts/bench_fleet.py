@@ -23,7 +23,7 @@ key): each measure sees the tier of "a failover right after turn k". Order: a1 b
 (c once: it is a full prefill). Per measure: TTFT (request -> first streamed content token),
 the server's CPU seconds (its process tree, /proc) over the request, the 1-minute load
 average before it, and for (b) B's shared_tier counters and redis-server's CPU seconds.
-``--probe-default-budget`` also starts a replica with the default budget (5 s) and reads
+``--probe-default-budget`` also starts a replica with the default budget (10 s) and reads
 its counters once the budget has passed (then kills it: it would prefill).
 
 Tier down (a tiny demo model, fast): D has --shared-tier at a redis-server that was stopped
@@ -371,8 +371,10 @@ def failover(args, out: dict, save) -> None:
 
 
 def probe(replica, history: list, work: Path) -> dict:
-    """A replica with the default --shared-tier-budget: its counters once the budget (5 s)
-    has passed since the request went in, then killed (past the budget it prefills)."""
+    """A replica with the default --shared-tier-budget: its counters once the budget has
+    passed since the request went in (2 s more), then killed (past the budget it prefills)."""
+    from kvsnap.runtime.persist.options import DEFAULT_TIER_BUDGET_S
+
     b = replica("B-default", budget=None)
     try:
         sent = time.monotonic()
@@ -380,11 +382,11 @@ def probe(replica, history: list, work: Path) -> dict:
         def send():
             try:
                 ask(b, turn(history, "default budget"), 4, limit_s=30)
-            except (httpx.HTTPError, RuntimeError):
-                pass  # cut off on purpose
+            except (httpx.HTTPError, RuntimeError) as exc:  # cut off on purpose
+                print("default-budget request cut off:", type(exc).__name__, flush=True)
 
         threading.Thread(target=send, daemon=True).start()
-        time.sleep(7.0)
+        time.sleep(DEFAULT_TIER_BUDGET_S + 2.0)
         tier = persist(b)["shared_tier"]
         return {
             "budget_s": tier["budget_s"],
@@ -673,7 +675,7 @@ def main() -> int:
         "--fetch-budget",
         type=float,
         default=120.0,
-        help="--shared-tier-budget of A and B (the default 5 s is probed separately)",
+        help="--shared-tier-budget of A and B (the default, 10 s, is probed separately)",
     )
     p.add_argument("--no-probe-default-budget", dest="probe_default_budget", action="store_false")
     p.add_argument("--skip-prefill", action="store_true", help="no (c): it is a full prefill")
