@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from kvsnap.errors import SnapshotError, StoreError
-from kvsnap.key import ModelIdentity, hexdigest, pack_tokens, tokens_digest
+from kvsnap.key import ModelIdentity, pack_tokens, tokens_digest
 from kvsnap.runtime.persist.options import TierOptions
 from kvsnap.snapshot.file import FormatError
 from kvsnap.snapshot.format import BLOCK_KIND, CHECKPOINT_KIND
@@ -45,6 +45,7 @@ from kvsnap.store.conversations import (
     read_parts,
     record_key,
     record_path,
+    tenant_digest,
 )
 from kvsnap.store.fileio import TMP_PREFIX, fsync_dir, make_dirs
 from kvsnap.store.local import Store
@@ -215,14 +216,10 @@ class SharedTier:
 
     def _tier_fields(self, names: TierNames, namespace: str, tdigest: str, n: int):
         conv = conversation_digest(names.namespace_tag)
-        tenant = namespace_tenant(namespace)
-        tenant_digest = (
-            hexdigest(f"kvsnap-tenant-v1|{namespace_tag(self._secret_now(), tenant)}".encode())
-            if tenant
-            else ""
-        )
+        # the store's formula under the fleet's secret: a key's records share it in the tier too
+        tenant = tenant_digest(self._secret_now(), namespace_tenant(namespace))
         key = record_key(self.identity.digest, conv, tdigest, n)
-        return RecordFields(key, conv, tenant_digest)
+        return RecordFields(key, conv, tenant)
 
     # --- the engine's notes (engine thread) -------------------------------------------------
 
