@@ -263,6 +263,26 @@ def test_a_branch_of_a_conversation_continues_from_its_earlier_turn_on_another_r
     assert content(on_b) == content(on_a)
 
 
+def test_metrics_report_the_tier_as_status_does(fleet):
+    """/metrics (admin) carries the tier's counters and breaker state, equal to /v1/status'."""
+    text = httpx.get(
+        f"{fleet.b.url}/metrics", headers={"Authorization": f"Bearer {ADMIN}"}, timeout=10
+    ).text
+    st = tier(fleet.b)
+    samples = {
+        line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("kvsnap_tier_")
+    }
+    # what only B's own requests move (its writes behind may still be under way)
+    for counter in ("hits", "misses", "bad_values", "fetched_tokens"):
+        assert samples[f"kvsnap_tier_{counter}_total"] == st[counter], (counter, st)
+    assert samples['kvsnap_tier_breaker_state{state="closed"}'] == 1.0
+    assert samples['kvsnap_tier_breaker_state{state="open"}'] == 0.0
+    assert "kvsnap_tier_queue_depth" in samples and "kvsnap_tier_writes_total" in samples
+    assert st["hits"] >= 1  # the earlier tests fetched (this one runs after them)
+
+
 # --- 5. a flipped value -----------------------------------------------------------------------
 
 
