@@ -179,10 +179,17 @@ def test_a_greedy_request_beside_another_keys_sampling_stays_greedy(served, samp
 def test_a_sampled_request_beside_a_greedy_one_samples(served):
     """The other way round: a sampled request joining a greedy batch sampled greedily."""
     greedy = _text(_post(served, GREEDY))
-    _, sampled = _beside(
-        served, _body("A long story.", max_tokens=400), {**GREEDY, "temperature": 1.0}
-    )
-    assert _text(sampled) != greedy
+    # The demo model is peaked: one draw of 24 tokens at temperature 1 can equal greedy by
+    # chance (it did, once in a full run); three that all do mean it sampled greedily.
+    drawn = []
+    for _ in range(3):
+        _, sampled = _beside(
+            served, _body("A long story.", max_tokens=400), {**GREEDY, "temperature": 1.0}
+        )
+        drawn.append(_text(sampled))
+        if drawn[-1] != greedy:
+            return
+    raise AssertionError(f"three sampled answers all equal the greedy one: {drawn}")
 
 
 @pytest.mark.slow
