@@ -11,6 +11,8 @@ Failover (the Qwen3-0.6B shape, fp32, made locally; one redis-server on 127.0.0.
      serves turn k: a ~``--tokens``-token system prompt and a short user message (one long
      first turn: its prefill is the run's first long wait); its record is written behind.
   (a) local hit    turn k+1 to A again (turn k warm in its memory)
+  (a') disk hit    with --disk-hit: turn k+1 to D, a replica started on a copy of A's store
+                   (no tier): the same replica restarted, its conversation on its own disk
   (b) tier fetch   turn k+1 to B: a fresh replica, its own empty store, the same tier
                    (started per repetition: one fetch each)
   (c) full prefill turn k+1 to C: kvsnap serve M --continuous-batching (no store, no tier)
@@ -75,7 +77,12 @@ from kvsnap.tools.serverproc import ServerProcess, free_port, under_hard_limit  
 TICKS = os.sysconf("SC_CLK_TCK")
 SERVED = "kvsnap-model"
 FIRST_USER = "Here is the task. Read the system prompt carefully and say when you are ready."
-LABELS = {"local": "local hit (A)", "tier": "tier fetch (B)", "prefill": "full prefill (C)"}
+LABELS = {
+    "local": "local hit (A)",
+    "disk": "restarted on its store (D)",
+    "tier": "tier fetch (B)",
+    "prefill": "full prefill (C)",
+}
 
 
 # --- measuring ------------------------------------------------------------------------------
@@ -329,6 +336,26 @@ def failover(args, out: dict, save) -> None:
                 shutil.rmtree(work / f"store-B{rep}", ignore_errors=True)
             return row
 
+        def disk(rep: int) -> dict:
+            store = work / f"store-D{rep}"
+            shutil.copytree(work / "store-A", store)
+            d = serve(
+                f"D{rep}",
+                model,
+                [*common, "--kv-snapshots", str(store), "--persist-requests"],
+                work,
+                env,
+            )
+            servers.append(d)
+            try:
+                row = {"kind": "disk", "rep": rep, **ask(d, turn(history, f"disk {rep}"), 4)}
+                row["disk_hits"] = persist(d)["disk_hits"]
+                row["command"] = d.command
+            finally:
+                stop(d)
+                shutil.rmtree(store, ignore_errors=True)
+            return row
+
         def prefill() -> dict:
             c = serve("C", model, common, work, env)
             servers.append(c)
@@ -341,13 +368,14 @@ def failover(args, out: dict, save) -> None:
 
         plan = []
         for rep in range(1, args.reps + 1):
-            pair = [("local", rep), ("tier", rep)]
+            pair = [("local", rep), ("tier", rep)] + ([("disk", rep)] if args.disk_hit else [])
             plan += pair if rep % 2 else pair[::-1]
             if rep == 1 and not args.skip_prefill:
                 plan.append(("prefill", 1))
         for kind, rep in plan:
             print(f"{kind} {rep} (load {load()}) ...", flush=True)
-            row = {"local": local, "tier": tier}[kind](rep) if kind != "prefill" else prefill()
+            run = {"local": local, "tier": tier, "disk": disk}
+            row = run[kind](rep) if kind != "prefill" else prefill()
             row.pop("text", None)
             res["runs"].append(row)
             brief = {k: row.get(k) for k in ("ttft_s", "cached_tokens", "server_cpu_s")}
@@ -414,6 +442,10 @@ def summarize(runs: list[dict]) -> dict:
     if "local" in out and "tier" in out:
         out["tier_over_local"] = round(
             out["tier"]["ttft_s_median"] / out["local"]["ttft_s_median"], 2
+        )
+    if "disk" in out and "tier" in out:
+        out["tier_over_disk"] = round(
+            out["tier"]["ttft_s_median"] / out["disk"]["ttft_s_median"], 2
         )
     if "prefill" in out and "tier" in out:
         out["tier_over_prefill"] = round(
@@ -576,7 +608,7 @@ def plot(out: dict, path: Path) -> None:
     kinds = [k for k in LABELS if k in s]
     if kinds:
         vals = [s[k]["ttft_s_median"] for k in kinds]
-        left.bar([LABELS[k] for k in kinds], vals, color=["C2", "C0", "C3"][: len(kinds)])
+        left.bar([LABELS[k] for k in kinds], vals, color=["C2", "C1", "C0", "C3"][: len(kinds)])
         for i, k in enumerate(kinds):  # each measure on its median's bar, the label above both
             runs = s[k]["ttft_s"]
             left.scatter([i] * len(runs), runs, color="k", s=12, zorder=3)
@@ -670,6 +702,11 @@ def main() -> int:
     p.add_argument("--tokens", type=int, default=8192, help="prompt tokens at turn k")
     p.add_argument("--max-tokens", type=int, default=4, help="tokens generated at turn k")
     p.add_argument("--reps", type=int, default=2, help="(a) and (b) measures each")
+    p.add_argument(
+        "--disk-hit",
+        action="store_true",
+        help="also (a'): a replica started on a copy of A's store, no tier (a restart)",
+    )
     p.add_argument("--cache-memory-mb", type=int, help="every replica's (default: serve's)")
     p.add_argument(
         "--fetch-budget",
