@@ -597,6 +597,16 @@ def goals(out: dict) -> dict:
     return g
 
 
+def ratios(s: dict) -> str:
+    """The measured ratios of the failover summary, each beside its goal (if it has one)."""
+    shown = [
+        ("tier_over_local", "tier / local", "{:.2f}× (goal ≤ 1.5)"),
+        ("tier_over_disk", "tier / restarted", "{:.2f}×"),
+        ("tier_over_prefill", "tier / prefill", "{:.3f}× (goal ≤ 0.3)"),
+    ]
+    return ", ".join(f"{name} " + fmt.format(s[k]) for k, name, fmt in shown if k in s)
+
+
 def plot(out: dict, path: Path) -> None:
     import matplotlib
 
@@ -621,13 +631,13 @@ def plot(out: dict, path: Path) -> None:
         tokens = s[kinds[0]]["prompt_tokens"][0]
         left.set_title(
             f"Next turn after a failover, {tokens:,}-token prompt; {out['failover']['model']}, "
-            f"{out.get('cores')} cores\ntier / local {s.get('tier_over_local', '?')}× "
-            f"(goal ≤ 1.5), tier / prefill {s.get('tier_over_prefill', 0):.3f}× (goal ≤ 0.3); "
-            "bars: median, dots: each run",
+            f"{out.get('cores')} cores\n{ratios(s)}; bars: median, dots: each run",
             fontsize=9,
         )
     d = out.get("tier_down", {}).get("summary", {})
-    if "down" in d and "p50_s" in d["down"]:
+    if "down" not in d or "p50_s" not in d["down"]:
+        right.set_visible(False)  # the tier-down part was not run
+    else:
         names = [("none", "no tier"), ("down", "tier down")]
         x = range(len(names))
         for off, (q, color) in zip((-0.2, 0.2), (("p50_s", "C0"), ("p99_s", "C1"))):
