@@ -152,8 +152,8 @@ class RecordFields:
     tenant: str
 
 
-def record_fields(data: bytes | memoryview) -> tuple[dict, bytes]:
-    """A record file's metadata and its tokens' bytes, its checksum checked; SnapshotError."""
+def _checked_record(data: bytes | memoryview):
+    """A record file's parsed header and its tokens' bytes, its checksum checked."""
     try:
         header = parse_header(io.BytesIO(data), len(data))
         verify_checksum(header, memoryview(data)[header.data_start :])
@@ -163,7 +163,13 @@ def record_fields(data: bytes | memoryview) -> tuple[dict, bytes]:
     except FormatError as exc:
         raise SnapshotError("tier record", str(exc)) from None
     start = header.data_start + tok.start
-    return dict(header.metadata), bytes(data[start : start + tok.nbytes])
+    return header, bytes(data[start : start + tok.nbytes])
+
+
+def record_fields(data: bytes | memoryview) -> tuple[dict, bytes]:
+    """A record file's metadata and its tokens' bytes, its checksum checked; SnapshotError."""
+    header, raw = _checked_record(data)
+    return dict(header.metadata), raw
 
 
 def record_info(data: bytes, path, max_tokens: int):
@@ -201,9 +207,8 @@ def check_part_bytes(kind: str, data: bytes | memoryview, path) -> None:
 def rekeyed_record(data: bytes | memoryview, fields: RecordFields) -> bytes:
     """The record file ``data`` with its key, prompt digest and tenant replaced (order kept,
     checksum rewritten); SnapshotError if ``data`` is not a sound record."""
-    meta, raw = record_fields(data)
-    header = parse_header(io.BytesIO(data), len(data))
-    tok = header.tensors[TOKENS]
+    header, raw = _checked_record(data)  # one parse: the metadata and the tokens' entry
+    meta, tok = dict(header.metadata), header.tensors[TOKENS]
     meta.pop(CHECKSUM_KEY, None)
     if (TENANT in meta) != bool(fields.tenant):
         raise SnapshotError("tier record", "its tenant field does not fit this namespace")

@@ -122,9 +122,9 @@ class Persister:
         )
 
     def _write_behind(self, write: ConversationWrite) -> None:
-        """The writer's thread, once ``write``'s record is on disk: the tier gets it next."""
-        if self.tier is None or write.namespace is None:
-            return
+        """The writer's thread, once ``write``'s record is on disk: the tier gets it next (the
+        writer calls it only with a tier, for writes that name their namespace)."""
+        assert self.tier is not None and write.namespace is not None
         meta = write.metadata
         self.tier.push(
             TierPush(
