@@ -1,7 +1,9 @@
 """Named fault points in the write path, for crash tests. Inert unless asked for.
 
 ``KVSNAP_FAULT=point[,point...]`` with an action per point (``point=kill`` by default,
-``point=enospc``, ``point=erofs`` or ``point=crash`` (a RuntimeError); the server's ``write-probe``
+``point=enospc``, ``point=erofs``, ``point=crash`` (a RuntimeError) or ``point=pause`` (sleeps
+``PAUSE_S`` there, so a test's SIGKILL sent once the point is logged lands inside it); the server's
+``write-probe``
 point with ``erofs``
 simulates a read-only store, which root cannot get from chmod); ``KVSNAP_FAULT_LOG=FILE`` appends
 every point reached, so a test
@@ -13,6 +15,7 @@ from __future__ import annotations
 import errno
 import os
 import signal
+import time
 from dataclasses import dataclass, field
 
 # In write order. "model-loaded" is only logged (a marker for kills at random times).
@@ -25,6 +28,8 @@ POINTS = (
     "after-rename",
 )
 KILL_POINTS = POINTS[1:]
+# Long enough for a test polling the fault log to see the point and send its kill.
+PAUSE_S = 0.5
 # The conversation writer's own points (``--persist-requests``), in write order: after the
 # first new block of a record, after all its parts, after the record, after the superseded
 # record is gone.
@@ -62,6 +67,8 @@ class FaultHook:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         elif action == "erofs":
             raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+        elif action == "pause":
+            time.sleep(PAUSE_S)
         elif action == "crash":  # an unexpected error, not an I/O one
             raise RuntimeError(f"injected fault at {point}")
 

@@ -147,7 +147,8 @@ def test_build_killed_at_random_times_always_resumes_and_at_least_five_kills_int
     where each landed.
 
     A third of the draws are anywhere after the model loaded; the rest just after a random
-    snapshot's first tensor was written, where the writes are. A kill interrupted a write when it
+    snapshot's first tensor was written, where the writes are (half of those with the build
+    paused there, so the kill lands in the write on any machine). A kill interrupted a write when it
     left a temp file behind;
     the log must agree with the files (a kill logged mid-write left one; committed snapshots
     equal the renames logged). A kill that came after the build exited is not counted.
@@ -159,9 +160,12 @@ def test_build_killed_at_random_times_always_resumes_and_at_least_five_kills_int
         if interrupted >= 5 and kills >= 8:
             break
         store, log = tmp_path / f"snaps-{i}", tmp_path / f"faults-{i}.log"
+        # Every third draw pauses at each snapshot's first tensor, so its kill lands inside a
+        # write however slow the machine is (a bare 0-4 ms sleep landed 4 in 26 on CI once).
+        pause = {"KVSNAP_FAULT": "mid-write=pause"} if i % 3 == 1 else {}
         proc = subprocess.Popen(
             kvsnap_argv(*build_args(agents, model, store)),
-            env={**os.environ, **env, "KVSNAP_FAULT_LOG": str(log)},
+            env={**os.environ, **env, **pause, "KVSNAP_FAULT_LOG": str(log)},
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
@@ -172,7 +176,8 @@ def test_build_killed_at_random_times_always_resumes_and_at_least_five_kills_int
             )
             if i % 3:
                 _wait_for_point(log, "mid-write", rng.randint(1, N_AGENTS), proc, deadline)
-                time.sleep(rng.uniform(0, 0.004))  # a tiny model's write lasts a few milliseconds
+                if not pause:  # a tiny model's write lasts a few milliseconds
+                    time.sleep(rng.uniform(0, 0.004))
             else:
                 time.sleep(rng.uniform(0, 0.8))
             proc.send_signal(signal.SIGKILL)
