@@ -30,20 +30,20 @@ from kvsnap.integrations.common.warm_plan import checked_state, upstream_model  
 from kvsnap.key import ModelIdentity, tokenizer_digest, weights_digest  # noqa: E402
 from kvsnap.profiles import mlx_lm_tokenization  # noqa: E402
 from kvsnap.prompts import WarmPrompt, parse_entry  # noqa: E402
+from kvsnap.runtime.cache.shapes import ModelShapes, named_arrays, token_bound  # noqa: E402
 from kvsnap.runtime.model.loading import (  # noqa: E402
     LoadedModel,
     default_digest_cache,
     load_model,
     resolve_model,
 )
-from kvsnap.runtime.model.shapes import ModelShapes, named_arrays, token_bound  # noqa: E402
 from kvsnap.runtime.persist.writeback import commit_snapshot  # noqa: E402
 from kvsnap.runtime.warmup.prefetch import context_tokens  # noqa: E402
-from kvsnap.runtime.warmup.recipe import given_tokens_key, warm_key  # noqa: E402
 from kvsnap.snapshot.cache_classes import CaptureError  # noqa: E402
 from kvsnap.snapshot.codec import check_captured_at, copy_cache  # noqa: E402
 from kvsnap.store.foreign import foreign_reason  # noqa: E402
 from kvsnap.store.local import SnapshotInfo, Store  # noqa: E402
+from kvsnap.warm_key import given_tokens_key, warm_key  # noqa: E402
 
 # mlx-lm's metadata keys (cache_prompt writes model and tokenizer_config; older ones the
 # template too); the token ids are kvsnap's addition, so an export imports back by itself.

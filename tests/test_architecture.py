@@ -15,7 +15,8 @@ PACKAGE = ROOT / "kvsnap"
 
 # Every module belongs to one layer; a new top-level module must be placed here on purpose.
 # kvsnap.snapshot.format is a leaf (version constants, header field names, the snapshot path) that
-# the identity in key.py needs too, so it counts as base.
+# the identity in key.py needs too, so it counts as base; kvsnap.warm_key composes only base
+# modules and is shared by build, the runtime and the integrations.
 BASE = {
     "kvsnap",
     "kvsnap.errors",
@@ -27,6 +28,7 @@ BASE = {
     "kvsnap.blas",
     "kvsnap.faults",
     "kvsnap.snapshot.format",
+    "kvsnap.warm_key",
 }
 LAYERS = (
     "snapshot",
@@ -218,6 +220,99 @@ def test_the_check_sees_a_forbidden_arrow(source, importer, arrow, monkeypatch):
     assert any(v.startswith(arrow) for v in violations()), violations()
 
 
+# runtime/'s subpackages, lowest first: each imports only those before it (lazy imports too).
+# model loads; sharding splits a loaded model over ranks; prefill runs a model over tokens; cache
+# holds and checks the states; persist writes them; warmup fills the cache at start; engine serves.
+RUNTIME_ORDER = ("model", "sharding", "prefill", "cache", "persist", "warmup", "engine")
+
+
+def runtime_subpackage(name: str) -> str | None:
+    parts = name.split(".")
+    return parts[2] if len(parts) > 2 and parts[:2] == ["kvsnap", "runtime"] else None
+
+
+def runtime_order_violations(graph: dict[str, set[str]]) -> list[str]:
+    """Imports from a runtime subpackage to one at or above it in RUNTIME_ORDER (an unlisted
+    subpackage is reported too: each new one is placed on purpose)."""
+    rank = {sub: i for i, sub in enumerate(RUNTIME_ORDER)}
+    found = []
+    for name, imported in graph.items():
+        low = runtime_subpackage(name)
+        for other in sorted(imported):
+            high = runtime_subpackage(other)
+            if low is None or high is None or low == high:
+                continue
+            unplaced = [s for s in (low, high) if s not in rank]
+            if unplaced:
+                found.append(f"{name} -> {other} (place {unplaced} in RUNTIME_ORDER)")
+            elif rank[high] > rank[low]:
+                found.append(f"{name} -> {other} ({low} sits below {high})")
+    return sorted(found)
+
+
+def test_runtime_subpackages_import_only_those_below_them():
+    wrong = runtime_order_violations(import_graph())
+    order = " -> ".join(RUNTIME_ORDER)
+    assert wrong == [], f"runtime/ imports against its order ({order}):\n" + "\n".join(wrong)
+
+
+def test_every_runtime_subpackage_is_placed_in_the_order():
+    subpackages = {p.name for p in (PACKAGE / "runtime").iterdir() if (p / "__init__.py").is_file()}
+    assert sorted(subpackages) == sorted(RUNTIME_ORDER)
+
+
+@pytest.mark.parametrize(
+    "graph, expected",
+    [
+        (  # the arrow this order removed: a model module reaching the cache
+            {"kvsnap.runtime.model.shapes": {"kvsnap.runtime.cache.composed"}},
+            [
+                "kvsnap.runtime.model.shapes -> kvsnap.runtime.cache.composed "
+                "(model sits below cache)"
+            ],
+        ),
+        (
+            {"kvsnap.runtime.persist.writeback": {"kvsnap.runtime.warmup.recipe"}},
+            [
+                "kvsnap.runtime.persist.writeback -> kvsnap.runtime.warmup.recipe "
+                "(persist sits below warmup)"
+            ],
+        ),
+        (
+            {"kvsnap.runtime.hub.fetch": {"kvsnap.runtime.cache.prefix"}},
+            [
+                "kvsnap.runtime.hub.fetch -> kvsnap.runtime.cache.prefix (place ['hub'] in "
+                "RUNTIME_ORDER)"
+            ],
+        ),
+        (  # downward, inside one subpackage, and out of runtime: all fine
+            {
+                "kvsnap.runtime.engine.engine": {"kvsnap.runtime.cache.prefix"},
+                "kvsnap.runtime.warmup.run": {"kvsnap.runtime.warmup.store", "kvsnap.key"},
+            },
+            [],
+        ),
+    ],
+)
+def test_the_order_check_sees_an_arrow_against_it(graph, expected):
+    assert runtime_order_violations(graph) == expected
+
+
+def test_the_order_check_sees_a_lazy_upward_import_in_the_tree(monkeypatch):
+    """On the real graph: a lazy import of the engine inside the cache is reported."""
+    real = Path.read_text
+    target = PACKAGE / "runtime" / "cache" / "trie.py"
+    lazy = "\ndef _breakage():\n    from kvsnap.runtime.engine.types import EngineConfig\n"
+
+    def patched(self, *a, **k):
+        return real(self, *a, **k) + (lazy if self == target else "")
+
+    monkeypatch.setattr(Path, "read_text", patched)
+    assert runtime_order_violations(import_graph()) == [
+        "kvsnap.runtime.cache.trie -> kvsnap.runtime.engine.types (cache sits below engine)"
+    ]
+
+
 def import_graph() -> dict[str, set[str]]:
     return {name: imports_of(name, path) for name, path in modules().items()}
 
@@ -300,7 +395,7 @@ def test_the_cycle_check_sees_a_lazy_import_that_closes_a_cycle(monkeypatch):
 
 # warm prompt -> prefix tokens (warm_prefix) and prompt digest (prompt_identity): composed in one
 # place, so build writes exactly the key each server's warm-up looks up.
-WARM_KEY_OWNER = "kvsnap.runtime.warmup.recipe"
+WARM_KEY_OWNER = "kvsnap.warm_key"
 WARM_KEY_STEPS = ("prompt_identity", "warm_prefix")
 
 

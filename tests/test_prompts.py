@@ -263,7 +263,7 @@ def test_warm_key_keys_another_servers_tokenization_apart_from_kvsnaps(demo_mode
     keys had before profiles existed."""
     from kvsnap.chat import KVSNAP_TOKENIZATION, Tokenization, resolve_chat_template
     from kvsnap.key import prompt_identity, snapshot_key
-    from kvsnap.runtime.warmup.recipe import warm_key
+    from kvsnap.warm_key import warm_key
 
     lm = demo_models.load("dense")
     identity = lm.identity()

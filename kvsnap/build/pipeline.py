@@ -21,10 +21,10 @@ from kvsnap.runtime.persist.writeback import (
     record_upsert,
 )
 from kvsnap.runtime.prefill.chunked import prefill_in_blocks
-from kvsnap.runtime.warmup.recipe import warm_key
 from kvsnap.snapshot.blocks import BlockSettings, branch_points
 from kvsnap.store.fileio import check_store_folders
 from kvsnap.store.local import Store
+from kvsnap.warm_key import warm_key
 
 Progress = Callable[[str, str], None]  # (event, entry name)
 # (entry name, tokens done, the prompt's tokens): restored ones first, then after each chunk

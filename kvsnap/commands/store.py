@@ -215,8 +215,8 @@ def cmd_verify(args) -> int:
             f"--revision"
         )
     if args.model:
+        from kvsnap.runtime.cache.shapes import ModelShapes
         from kvsnap.runtime.model.loading import default_digest_cache, load_model
-        from kvsnap.runtime.model.shapes import ModelShapes
 
         lm = load_model(args.model, kv_settings(args), args.revision)
         expected, shapes = lm.identity(default_digest_cache()), ModelShapes(lm)

@@ -226,7 +226,7 @@ def _info(path: Path, layers: list) -> SnapshotInfo:
 
 
 def test_the_warm_up_refuses_an_unknown_class_as_a_rejected_snapshot(tmp_path):
-    from kvsnap.runtime.warmup.entries import make_entry
+    from kvsnap.runtime.cache.entries import make_entry
 
     store = Store.open(tmp_path / "s", create=True)
     path = tmp_path / "s" / "snapshots" / "x.safetensors"
@@ -244,7 +244,7 @@ def test_the_warm_up_refuses_an_unknown_class_as_a_rejected_snapshot(tmp_path):
 
 
 def test_the_warm_up_indexes_a_rotating_snapshot_past_its_window_as_untrimmable(tmp_path):
-    from kvsnap.runtime.warmup.entries import make_entry
+    from kvsnap.runtime.cache.entries import make_entry
 
     store = Store.open(tmp_path / "s", create=True)
     _, past = encode_cache(_fed([RotatingKVCache(max_size=8), KVCache()], n=N), list(range(N)))

@@ -27,8 +27,8 @@ from kvsnap.prompts import WarmPrompt, WarmPromptSet, load_warm_prompts, parse_w
 
 if TYPE_CHECKING:
     from kvsnap.key import ModelIdentity
+    from kvsnap.runtime.cache.shapes import ModelShapes
     from kvsnap.runtime.model.loading import LoadedModel
-    from kvsnap.runtime.model.shapes import ModelShapes
     from kvsnap.store.local import SnapshotInfo, Store
 
 log = logging.getLogger("kvsnap.integrations")
@@ -112,7 +112,7 @@ def checked_arrays(
 def check_shapes(arrays: dict, shapes: ModelShapes, where: str) -> dict:
     """``arrays`` when they fit this model's cache (before decoding: they are what a forger
     wrote); else a SnapshotError naming ``where`` and the tensor."""
-    from kvsnap.runtime.warmup.entries import SHAPE_FIX
+    from kvsnap.runtime.cache.entries import SHAPE_FIX
 
     why = shapes.problem(arrays)
     if why:
@@ -250,7 +250,7 @@ class WarmPlan(ABC):
     def _warm_prefix(self, prompt: WarmPrompt, report: WarmReport) -> tuple[tuple, str, str] | None:
         """(tokens, prompt digest, key) as the server tokenizes this agent; None (and a skip) when
         it cannot be warmed."""
-        from kvsnap.runtime.warmup.recipe import warm_key
+        from kvsnap.warm_key import warm_key
 
         try:
             warm = warm_key(
@@ -288,7 +288,7 @@ class WarmPlan(ABC):
     ) -> list | None:
         """The entry's state from its snapshot ``info``, or None (then it is prefilled): when it
         has none, or it cannot be used here (or, sharded, on another rank)."""
-        from kvsnap.runtime.model.shapes import ModelShapes
+        from kvsnap.runtime.cache.shapes import ModelShapes
 
         if self.shapes is None:
             self.shapes = ModelShapes(self.lm)

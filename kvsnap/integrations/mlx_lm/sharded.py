@@ -23,7 +23,7 @@ from kvsnap.store.shard_read import ReadMeter, load_shard_state
 
 if TYPE_CHECKING:
     from kvsnap.key import ModelIdentity
-    from kvsnap.runtime.model.shapes import ModelShapes
+    from kvsnap.runtime.cache.shapes import ModelShapes
     from kvsnap.store.local import SnapshotInfo, Store
 
 log = logging.getLogger("kvsnap.mlx_lm")

@@ -139,7 +139,7 @@ def pin_store(
     than ``lm``'s context and states that are not its cache's shapes are skipped. A snapshot built
     for another profile than ``tokenization`` (the server's) is pinned with a warning. ``source``
     reads each (a sharded rank: its slice, the entries agreed by every rank, rank 0's order)."""
-    from kvsnap.runtime.model.shapes import ModelShapes
+    from kvsnap.runtime.cache.shapes import ModelShapes
     from kvsnap.runtime.warmup.prefetch import context_tokens
     from kvsnap.snapshot.codec import cache_nbytes_of
 
@@ -224,9 +224,10 @@ def _warm_prompt_cache(
     from kvsnap.integrations.mlx_lm.cache import AgreedPromptCache, PinnedPromptCache
     from kvsnap.integrations.mlx_lm.sharded import ShardedSource
     from kvsnap.runtime.model.loading import default_digest_cache
+    from kvsnap.runtime.model.sharded import logical_layout
     from kvsnap.runtime.sharding.agreement import agree_identity, elect_writers
     from kvsnap.runtime.sharding.ranks import RankGroup
-    from kvsnap.runtime.sharding.topology import logical_layout, shard_view_of
+    from kvsnap.runtime.sharding.topology import shard_view_of
 
     args = model_provider.cli_args
     kv_snapshots = kv_snapshots or getattr(args, "kv_snapshots", None)

@@ -94,7 +94,7 @@ def insert_snapshots(
     arrays belong to a thread's stream).
     """
     from kvsnap.integrations.common.warm_plan import upstream_model
-    from kvsnap.runtime.model.shapes import ModelShapes
+    from kvsnap.runtime.cache.shapes import ModelShapes
     from kvsnap.runtime.warmup.prefetch import context_tokens
 
     t0 = time.perf_counter()

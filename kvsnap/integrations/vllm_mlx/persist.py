@@ -27,8 +27,8 @@ from kvsnap.errors import KvsnapError
 
 if TYPE_CHECKING:
     from kvsnap.key import ModelIdentity
+    from kvsnap.runtime.cache.shapes import ModelShapes
     from kvsnap.runtime.model.loading import LoadedModel
-    from kvsnap.runtime.model.shapes import ModelShapes
     from kvsnap.runtime.persist.options import PersistOptions
     from kvsnap.store.local import Store
 
@@ -253,7 +253,7 @@ def start_hooks(
 ) -> tuple[PersistHooks | None, str]:
     """Open the persister on ``store`` and install the hooks, or None and why not (vllm-mlx
     serves on, persisting nothing)."""
-    from kvsnap.runtime.model.shapes import ModelShapes
+    from kvsnap.runtime.cache.shapes import ModelShapes
     from kvsnap.runtime.persist.persister import start_persister
 
     persister, note = start_persister(options, store, lm, identity)

@@ -37,7 +37,7 @@ class LoadedModel:
     config: dict
     settings: KVSettings
     # A rank of a sharded model: the whole model's layout, which its own cache only covers a
-    # slice of (``runtime.sharding.topology``); keys never depend on the topology.
+    # slice of (``runtime.model.sharded``); keys never depend on the topology.
     logical_layout: tuple[str, ...] | None = None
 
     def make_cache(self) -> list:
@@ -115,7 +115,7 @@ def load_model(
             # A folder that exists: mlx-lm loads it as is and never asks the hub.
             model, tokenizer = load(str(model_dir))[:2]
         else:
-            from kvsnap.runtime.sharding.topology import load_shard, logical_layout
+            from kvsnap.runtime.model.sharded import load_shard, logical_layout
 
             model, tokenizer = load_shard(model_dir, shard)
             logical = logical_layout(model_dir, settings.max_kv_size)

@@ -270,7 +270,7 @@ class Persister:
     def offer(self, prefix: PrefixCache, tokens: Sequence[int], namespace: str) -> None:
         """Index the namespace's longest persisted record for ``tokens`` when it is longer
         than what memory holds; it loads on this request's fetch."""
-        from kvsnap.runtime.warmup.entries import snapshot_loader
+        from kvsnap.runtime.cache.entries import snapshot_loader
         from kvsnap.snapshot.cache_classes import layers_trimmable
 
         match = prefix.lookup(tokens, namespace)

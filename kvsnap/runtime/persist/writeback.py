@@ -19,7 +19,6 @@ from kvsnap.key import (
 )
 from kvsnap.prompts import WarmPrompt
 from kvsnap.runtime.model.loading import LoadedModel
-from kvsnap.runtime.warmup.recipe import warm_recipe
 from kvsnap.snapshot.blocks import (
     QUANTIZED_FORM,
     BlockSettings,
@@ -37,6 +36,7 @@ from kvsnap.snapshot.format import CHECKPOINT_KIND, TOKENS, header_metadata, sna
 from kvsnap.store.local import Store
 from kvsnap.store.manifest import record_id, utc_now
 from kvsnap.store.parts import Written, bad_present_parts, has_part, write_chain
+from kvsnap.warm_key import warm_recipe
 
 # mlx (here and through ``snapshot.codec``) is imported where it is used: ``kvsnap build``
 # imports this module before its arguments are checked, and its usage errors need no mlx.

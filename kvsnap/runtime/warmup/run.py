@@ -3,7 +3,7 @@
 Runs on the engine thread (it touches mlx). Snapshots matching the model are indexed from
 their headers; pinned ones load into memory up to the cache budget, the rest load on first
 hit; warm prompts without a valid snapshot are prefilled and written back when the store
-is writable. The entries come from ``warmup.entries``, the store from ``warmup.store``, the
+is writable. The entries come from ``cache.entries``, the store from ``warmup.store``, the
 report and counts from ``warmup.report``.
 """
 
@@ -20,24 +20,24 @@ from kvsnap.errors import KvsnapError, SnapshotError, StoreError
 from kvsnap.key import ModelIdentity
 from kvsnap.prompts import WarmPrompt, WarmPromptSet
 from kvsnap.runtime.cache.composed import BlockPool
-from kvsnap.runtime.cache.prefix import Entry, PrefixCache
-from kvsnap.runtime.model.loading import LoadedModel
-from kvsnap.runtime.model.shapes import ModelShapes
-from kvsnap.runtime.persist.writeback import commit_snapshot
-from kvsnap.runtime.prefill.chunked import prefill
-from kvsnap.runtime.warmup.entries import (
+from kvsnap.runtime.cache.entries import (
     checkpoint_entries,
     make_entry,
     snapshot_loader,
 )
+from kvsnap.runtime.cache.prefix import Entry, PrefixCache
+from kvsnap.runtime.cache.shapes import ModelShapes
+from kvsnap.runtime.model.loading import LoadedModel
+from kvsnap.runtime.persist.writeback import commit_snapshot
+from kvsnap.runtime.prefill.chunked import prefill
 from kvsnap.runtime.warmup.prefetch import Prefetched, context_tokens
-from kvsnap.runtime.warmup.recipe import warm_key
 from kvsnap.runtime.warmup.report import (
     SnapshotCounts,
     WarmupReport,
 )
 from kvsnap.snapshot.codec import cache_nbytes_of, is_trimmable
 from kvsnap.store.local import SnapshotInfo, Store
+from kvsnap.warm_key import warm_key
 
 log = logging.getLogger("kvsnap.runtime.warmup.run")
 

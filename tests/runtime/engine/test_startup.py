@@ -116,12 +116,12 @@ def test_each_pinned_snapshot_is_opened_and_parsed_once_to_index_and_once_to_res
 
 
 def test_unchanged_warm_prompts_reuse_their_recorded_tokens(world, monkeypatch):
-    import kvsnap.runtime.warmup.recipe
+    import kvsnap.warm_key
 
     calls = []
-    real = kvsnap.runtime.warmup.recipe.warm_prefix
+    real = kvsnap.warm_key.warm_prefix
     monkeypatch.setattr(
-        kvsnap.runtime.warmup.recipe,
+        kvsnap.warm_key,
         "warm_prefix",
         lambda *a, **k: calls.append(a) or real(*a, **k),
     )
@@ -135,16 +135,16 @@ def test_unchanged_warm_prompts_reuse_their_recorded_tokens(world, monkeypatch):
 
 
 def test_a_template_edit_falls_back_to_the_full_computation(world, monkeypatch):
-    import kvsnap.runtime.warmup.recipe
+    import kvsnap.warm_key
 
     config = world["model"] / "tokenizer_config.json"
     data = json.loads(config.read_text())
     data["chat_template"] = "{{ '<|edited|>' }}" + data["chat_template"]
     config.write_text(json.dumps(data))
     calls = []
-    real = kvsnap.runtime.warmup.recipe.warm_prefix
+    real = kvsnap.warm_key.warm_prefix
     monkeypatch.setattr(
-        kvsnap.runtime.warmup.recipe,
+        kvsnap.warm_key,
         "warm_prefix",
         lambda *a, **k: calls.append(a) or real(*a, **k),
     )
@@ -159,16 +159,16 @@ def test_a_template_edit_falls_back_to_the_full_computation(world, monkeypatch):
 
 
 def test_a_recipe_whose_tokens_do_not_give_the_key_is_not_trusted(world, monkeypatch):
-    import kvsnap.runtime.warmup.recipe
+    import kvsnap.warm_key
     from kvsnap.runtime.model.loading import load_model
-    from kvsnap.runtime.warmup.recipe import recorded_prefix
     from kvsnap.store.local import Store
+    from kvsnap.warm_key import recorded_prefix
 
     identity = load_model(world["model"]).identity()
     info = Store.open(world["store"], readonly=True).scan(identity)[0][0]
     # a header whose tokens do not give its key
     forged = dataclasses.replace(info, tokens=info.tokens[:-1])
-    monkeypatch.setattr(kvsnap.runtime.warmup.recipe, "warm_recipe", lambda *a: "same-recipe")
+    monkeypatch.setattr(kvsnap.warm_key, "warm_recipe", lambda *a: "same-recipe")
     assert (
         recorded_prefix({"same-recipe": info}, None, info.prompt_digest, identity, "")
         == info.tokens

@@ -9,16 +9,23 @@ state the model's shape check refuses is a SnapshotError, a load error the calle
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import cast
+from typing import Protocol, cast
 
 from kvsnap.errors import SnapshotError
 from kvsnap.runtime.cache.composed import BlockPool, load_composed
 from kvsnap.runtime.cache.prefix import CheckFn, Entry
 from kvsnap.runtime.model.loading import LoadedModel
-from kvsnap.runtime.warmup.prefetch import Prefetched
 from kvsnap.snapshot.cache_classes import layers_trimmable
 from kvsnap.snapshot.codec import cache_nbytes_of, decode_cache
 from kvsnap.store.local import SnapshotInfo, Store
+
+
+class PrefetchedArrays(Protocol):
+    """Arrays read ahead of the warm-up (``warmup.prefetch.Prefetched``); named here, not imported,
+    because the cache sits below the warm-up."""
+
+    def take(self, info: SnapshotInfo) -> object | None: ...
+
 
 SHAPE_FIX = (
     "it was not built for this model's cache (forged or damaged); rebuild it with `kvsnap build`"
@@ -30,7 +37,7 @@ def make_entry(
     store: Store,
     info: SnapshotInfo,
     pinned: bool,
-    prefetched: Prefetched | None = None,
+    prefetched: PrefetchedArrays | None = None,
     pool: BlockPool | None = None,
     check: CheckFn | None = None,
 ) -> Entry:
@@ -58,7 +65,7 @@ def make_entry(
 def snapshot_loader(
     store: Store,
     info: SnapshotInfo,
-    prefetched: Prefetched | None = None,
+    prefetched: PrefetchedArrays | None = None,
     pool: BlockPool | None = None,
     check: CheckFn | None = None,
 ) -> Callable[[], tuple]:
