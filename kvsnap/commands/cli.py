@@ -21,6 +21,7 @@ import sys
 from kvsnap import __version__
 from kvsnap.commands import build, serve, store, tools, transfer
 from kvsnap.commands.common import EXIT_BAD, EXIT_OK, EXIT_PIPE_CLOSED, EXIT_USAGE
+from kvsnap.commands.serve_options import foreign_flag_hint
 from kvsnap.errors import KvsnapError
 
 __all__ = ["EXIT_BAD", "EXIT_OK", "EXIT_PIPE_CLOSED", "EXIT_USAGE", "build_parser", "main"]
@@ -97,7 +98,7 @@ def run(argv: list[str] | None) -> int:
         # The command's own usage and name: the top level's lists none of the command's flags.
         getattr(args, "command_parser", parser).error(
             f"unrecognized arguments: {' '.join(unknown)}"
-            + (serve.foreign_flag_hint(unknown) if args.command == "serve" else "")
+            + (foreign_flag_hint(unknown) if args.command == "serve" else "")
         )
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,

@@ -10,6 +10,9 @@ import os
 import sys
 from typing import Iterator
 
+from kvsnap.integrations.common.options import Option, add_options, config_fields
+from kvsnap.key import DEFAULT_PREFILL_STEP, KVSettings
+
 EXIT_OK, EXIT_BAD, EXIT_USAGE = 0, 1, 2
 # What a shell reports for a program killed by SIGPIPE: the reader (`| head`) closed the pipe.
 EXIT_PIPE_CLOSED = 141
@@ -43,51 +46,62 @@ def port_number(text: str) -> int:
     return int(text)
 
 
-def add_kv_options(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("KV cache settings (build and serve must agree)")
-    g.add_argument(
-        "--kv-bits",
+KV_GROUP = "KV cache settings (build and serve must agree)"
+# The KV options of build, serve and verify --model, declared once (docs/cli.md's KV table).
+KV_OPTIONS = (
+    Option(
+        ("--kv-bits",),
         type=int,
         choices=(2, 3, 4, 5, 6, 8),
-        default=None,
+        group=KV_GROUP,
+        doc_default="off",
+        fills="kv.kv_bits",
         help="quantize the KV cache to this many bits (default: off)",
-    )
-    g.add_argument(
-        "--kv-group-size",
+    ),
+    Option(
+        ("--kv-group-size",),
         type=positive_int,
         default=64,
+        group=KV_GROUP,
+        doc_default="64",
+        fills="kv.kv_group_size",
         help="KV quantization group size; must divide the head dim (default: 64)",
-    )
-    g.add_argument(
-        "--quantized-kv-start",
+    ),
+    Option(
+        ("--quantized-kv-start",),
         type=int,
         default=0,
+        group=KV_GROUP,
+        doc_default="0",
+        fills="kv.quantized_kv_start",
         help="quantize the KV once a prompt reaches this many tokens (default: 0)",
-    )
-    g.add_argument(
-        "--max-kv-size",
+    ),
+    Option(
+        ("--max-kv-size",),
         type=positive_int,
-        default=None,
+        group=KV_GROUP,
+        doc_default="none",
+        fills="kv.max_kv_size",
         help="rotating KV cache of this many tokens for models without their own cache layout",
-    )
-    g.add_argument(
-        "--prefill-step-size",
+    ),
+    Option(
+        ("--prefill-step-size",),
         type=positive_int,
-        default=None,
+        group=KV_GROUP,
+        doc_default=str(DEFAULT_PREFILL_STEP),
+        fills="kv.prefill_step_size",
+        convert=lambda value, args: value or DEFAULT_PREFILL_STEP,
         help="prefill chunk size (default: 512; recorded, not keyed)",
-    )
+    ),
+)
 
 
-def kv_settings(args: argparse.Namespace):
-    from kvsnap.key import DEFAULT_PREFILL_STEP, KVSettings
+def add_kv_options(p: argparse.ArgumentParser) -> None:
+    add_options(p, KV_OPTIONS)
 
-    return KVSettings(
-        kv_bits=args.kv_bits,
-        kv_group_size=args.kv_group_size,
-        quantized_kv_start=args.quantized_kv_start,
-        max_kv_size=args.max_kv_size,
-        prefill_step_size=args.prefill_step_size or DEFAULT_PREFILL_STEP,
-    )
+
+def kv_settings(args: argparse.Namespace) -> KVSettings:
+    return KVSettings(**config_fields(KV_OPTIONS, args, "kv"))
 
 
 def console(stderr: bool = False):

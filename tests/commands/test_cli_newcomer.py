@@ -222,7 +222,7 @@ def test_columns_still_sets_the_width_of_piped_output(long_store, tmp_path):
 
 def test_serve_takes_the_model_as_a_flag_or_as_the_positional():
     from kvsnap.commands.cli import build_parser
-    from kvsnap.commands.serve import served_model
+    from kvsnap.commands.serve_checks import served_model
 
     parser = build_parser()
     assert served_model(parser.parse_args(["serve", "--model", "org/m"])) == "org/m"

@@ -3,6 +3,7 @@ arguments, and the upstream ``main`` run in this process as if from its own comm
 
 from __future__ import annotations
 
+import argparse
 import sys
 from typing import Callable, Sequence
 
@@ -57,6 +58,21 @@ def port_problem(text: str) -> str | None:
     if not 0 <= value <= MAX_PORT:
         return f"{value} is not a port number; give one from 0 to {MAX_PORT}"
     return None
+
+
+def positive_number(unit: str) -> Callable[[str], float]:
+    """An argparse type: a finite number above 0, the error naming ``unit``."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number of {unit}") from None
+        if not value > 0 or value == float("inf"):
+            raise argparse.ArgumentTypeError(f"{text} must be a positive number of {unit}")
+        return value
+
+    return parse
 
 
 def check_port(args: Sequence[str]) -> None:

@@ -31,12 +31,25 @@ from kvsnap.integrations.common.argv import (
     serve_args,
     split_argv,
 )
+from kvsnap.integrations.common.options import (
+    KV_SNAPSHOTS,
+    ROUTE_OPTIONS,
+    WARM_PROMPTS,
+    route_usage,
+)
 from kvsnap.integrations.mlx_lm.models import ALLOW_OPTION, guard_request_models
 from kvsnap.integrations.mlx_lm.request_checks import guard_requests
 
 log = logging.getLogger("kvsnap.mlx_lm")
 
 TESTED_MLX_LM = ("0.32",)
+
+# The route's own option, after the ones it shares with `kvsnap serve` (ROUTE_OPTIONS).
+ALLOW_USAGE = f"""\
+  {ALLOW_OPTION}  let a request's `model`, `adapters` and `draft_model` load other
+                      models from the server's disk, as mlx_lm.server does; by default a
+                      request naming another than the served one is refused with a 400
+"""
 
 USAGE = f"""\
 usage: kvsnap mlx-lm serve [--model] MODEL [mlx_lm.server options] {OPTION} DIR
@@ -49,14 +62,7 @@ their memory comes on top of those limits. Snapshots of another model, KV settin
 mlx-lm minor are skipped.
 
 kvsnap's options:
-  {OPTION} DIR   a store made by `kvsnap build --for mlx-lm`, or oci://HOST/REPO:TAG
-  {WARM_OPTION} FILE  with {OPTION}: warm exactly these entries, each from its snapshot, or
-                      prefilled once on the loaded model and written back to the store
-                      when it is writable (the next start prefills nothing)
-  {ALLOW_OPTION}  let a request's `model`, `adapters` and `draft_model` load other
-                      models from the server's disk, as mlx_lm.server does; by default a
-                      request naming another than the served one is refused with a 400
-
+{route_usage("mlx-lm", ROUTE_OPTIONS)}{ALLOW_USAGE}
 Every other argument goes to mlx_lm.server unchanged. See docs/mlx-lm.md.
 """
 
@@ -136,8 +142,8 @@ def main(argv: Sequence[str]) -> int:
     if isinstance(args, int):
         return args
     args = positional_model(args)
-    store_dir, rest = split_argv(args, OPTION, "a directory, e.g. --kv-snapshots ./snaps")
-    warm_file, rest = split_argv(rest, WARM_OPTION, "a file, e.g. --warm-prompts agents.json")
+    store_dir, rest = split_argv(args, KV_SNAPSHOTS.flag, KV_SNAPSHOTS.needs)
+    warm_file, rest = split_argv(rest, WARM_PROMPTS.flag, WARM_PROMPTS.needs)
     allow_request_models, rest = take_flag(rest, ALLOW_OPTION)
     from kvsnap.store.remote import check_kv_snapshots
 

@@ -44,6 +44,15 @@ from kvsnap.integrations.common.argv import (
     serve_args,
     split_argv,
 )
+from kvsnap.integrations.common.options import (
+    KV_SNAPSHOTS,
+    PERSIST_FLUSH_TIMEOUT,
+    PERSIST_MAX_GB,
+    PERSIST_REQUESTS,
+    ROUTE_OPTIONS,
+    WARM_PROMPTS,
+    route_usage,
+)
 from kvsnap.integrations.common.store import open_store
 from kvsnap.integrations.common.warm_plan import load_warm_prompt_file
 
@@ -53,8 +62,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvsnap.vllm_mlx")
 
-PERSIST_OPTION = "--persist-requests"
-PERSIST_VALUES = ("--persist-max-gb", "--persist-flush-timeout")
+PERSIST_OPTION = PERSIST_REQUESTS.flag
+PERSIST_VALUES = (PERSIST_MAX_GB, PERSIST_FLUSH_TIMEOUT)
 TESTED_VLLM_MLX = ("0.6.0",)
 HOOKS = ("_load_prefix_cache_from_disk", "_save_prefix_cache_to_disk", "_engine")
 
@@ -69,20 +78,7 @@ cache (~/.cache/vllm-mlx/prefix_cache) is neither read nor written in such a run
 snapshots are kept from eviction, and DELETE /v1/cache/prefix puts them back.
 
 kvsnap's options:
-  {OPTION} DIR   a store made by `kvsnap build --for vllm-mlx` run under the same mlx-lm
-                      minor as vllm-mlx (0.31.x for vllm-mlx 0.6), or oci://HOST/REPO:TAG
-                      to pull one first (see docs/deploy.md); needs --continuous-batching
-  {WARM_OPTION} FILE  with {OPTION}: warm exactly these entries (vllm-mlx's file shape or
-                      kvsnap's), each from its snapshot, or prefilled once and written back
-                      to the store when it is writable; vllm-mlx's own warm-up does not run
-  {PERSIST_OPTION}  with {OPTION}: write the prefix entries vllm-mlx keeps behind into
-                      DIR, so the next turn of a conversation hits after a restart or a
-                      crash (off by default: it writes clients' prompt state to disk)
-  --persist-max-gb GB  disk budget for those conversations, least recently used go first
-                      (default: 20)
-  --persist-flush-timeout S
-                      at shutdown, write what is queued for at most S seconds (default: 5)
-
+{route_usage("vllm-mlx", ROUTE_OPTIONS)}
 Every other argument goes to `vllm-mlx serve` unchanged. See docs/vllm-mlx.md.
 """
 
@@ -95,10 +91,10 @@ def split_persist_argv(argv: Sequence[str]) -> tuple[dict, list[str]]:
     "persist_max_gb": float | None, "persist_flush_timeout": float | None}`` and the rest."""
     rest = list(argv)
     cut = rest.index("--") if "--" in rest else len(rest)
-    found: dict[str, bool | float | None] = {"persist_requests": PERSIST_OPTION in rest[:cut]}
+    found: dict[str, bool | float | None] = {PERSIST_REQUESTS.name: PERSIST_OPTION in rest[:cut]}
     rest = [a for i, a in enumerate(rest) if i >= cut or a != PERSIST_OPTION]
     for option in PERSIST_VALUES:
-        text, rest = split_argv(rest, option, "a positive number, e.g. " + option + " 5")
+        text, rest = split_argv(rest, option.flag, option.needs)
         value = None
         if text is not None:
             try:
@@ -106,8 +102,10 @@ def split_persist_argv(argv: Sequence[str]) -> tuple[dict, list[str]]:
             except ValueError:
                 value = -1.0
             if not value > 0:
-                raise UsageError(f"{option} {text!r} is not a positive number; e.g. {option} 5")
-        found[option[2:].replace("-", "_")] = value
+                raise UsageError(
+                    f"{option.flag} {text!r} is not a positive number; e.g. {option.flag} 5"
+                )
+        found[option.name] = value
     return found, rest
 
 
@@ -242,7 +240,7 @@ def main(argv: Sequence[str]) -> int:
     args = serve_args(argv, USAGE, "vllm-mlx", "vllm-mlx {}")
     if isinstance(args, int):
         return args
-    store_dir, rest = split_argv(args)
+    store_dir, rest = split_argv(args, KV_SNAPSHOTS.flag, KV_SNAPSHOTS.needs)
     persist, rest = split_persist_argv(rest)
     from kvsnap.store.remote import check_kv_snapshots
 
@@ -266,7 +264,7 @@ def main(argv: Sequence[str]) -> int:
         return run_vllm_mlx(cli, ["serve", *rest])
     # --warm-prompts is kvsnap's in such a run: vllm-mlx never sees it, so its own warm-up never
     # runs.
-    warm_file, rest = split_argv(rest, WARM_OPTION, "a file, e.g. --warm-prompts agents.json")
+    warm_file, rest = split_argv(rest, WARM_PROMPTS.flag, WARM_PROMPTS.needs)
     ns = parse_serve_args(cli, rest)
     ns.kv_snapshots, ns.warm_prompts = store_dir, warm_file
     vars(ns).update(persist)
