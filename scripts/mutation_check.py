@@ -1,27 +1,35 @@
 """Break each contract of docs/design.md on purpose and check that the tests notice.
 
 For every named breakage: copy kvsnap/, tests/, contrib/ and pyproject.toml to a temp folder,
-apply the breakage's textual patch there, and run the tests that guard that contract with
-the copy first on PYTHONPATH (so the copy, not the editable install, is what gets
-imported, in pytest and in every `python -m kvsnap` the tests start). A breakage is
-caught when at least one guard fails; missed when they all pass.
+apply the breakage's patches there, and run the tests that guard that contract with the copy
+first on PYTHONPATH (so the copy, not the editable install, is what gets imported, in pytest
+and in every `python -m kvsnap` the tests start). A breakage is caught when at least one
+guard fails; missed when they all pass.
 
-A patch that no longer applies (its snippet is gone or appears twice) fails loudly with
-"breakage patch no longer applies": when the code moves, move the snippet with it.
+A patch names its target by module and qualified name (`Patch("kvsnap.store.local",
+"Store.put", old, new)`) and changes that definition only: the module is laid out the one
+canonical way (ruff at 100 columns, magic trailing commas ignored), the definition found with
+ast (decorators included), and `old` matched there blind to whitespace, so reformatting the
+tree at another width or moving the function inside its module leaves the list as it is.
+A target that is gone, or an `old` matching it zero times or twice, fails loudly naming the
+breakage, the module and the function. A breakage's guards are its own test node ids; one
+naming none runs the tests of the modules it patches (docs/design.md's module map).
 Before any breakage the guards run once on an unbroken copy, so "caught" never means
 "was already failing".
 
     python scripts/mutation_check.py            # all breakages (about 45 minutes on 2 cores)
-    python scripts/mutation_check.py --list     # names, contracts and guards
+    python scripts/mutation_check.py --list     # names, contracts, targets and guards
+    python scripts/mutation_check.py --check-applies   # every patch applies: seconds, no test
     python scripts/mutation_check.py --only skip-checksum --only zero-one-key
 
-Exit status: 0 when every breakage is caught; 1 when one is missed, a patch no longer
-applies or the unbroken copy fails its guards.
+Exit status: 0 when every breakage is caught (or, with --check-applies, applies); 1 when one
+is missed, a patch no longer applies or the unbroken copy fails its guards.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import os
 import re
 import shutil
@@ -29,6 +37,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,8 +49,11 @@ TIMEOUT_S = 900
 
 @dataclass(frozen=True)
 class Patch:
-    path: str  # relative to the repository root
-    old: str  # must occur exactly once
+    """One change inside one definition; `old` must match there exactly once."""
+
+    module: str  # dotted ("kvsnap.store.local"), or the path of a file that is not Python
+    function: str | None  # qualified name of a def or class ("Store.put"); None: the module
+    old: str
     new: str
 
 
@@ -51,7 +63,7 @@ class Breakage:
     contract: str
     what: str
     patches: tuple[Patch, ...]
-    guards: tuple[str, ...]  # pytest node ids
+    guards: tuple[str, ...]  # pytest node ids; () runs the tests of the modules it patches
 
 
 ZERO_KEY = """
@@ -94,7 +106,8 @@ BREAKAGES = (
         "the trie walk compares each edge with the request except the edge's last token",
         (
             Patch(
-                "kvsnap/runtime/cache/trie.py",
+                "kvsnap.runtime.cache.trie",
+                "TokenTrie._walk",
                 "            if seen == child.edge:\n",
                 "            if seen[:-1] == child.edge[:-1] and len(seen) == len(child.edge):\n",
             ),
@@ -115,12 +128,14 @@ BREAKAGES = (
         "lookup trims every entry, SSM state included",
         (
             Patch(
-                "kvsnap/runtime/cache/trie.py",
+                "kvsnap.runtime.cache.trie",
+                "TokenTrie._count",
                 "        if not node.entry.trimmable:\n            return\n",
                 "        if False:\n            return\n",
             ),
             Patch(
-                "kvsnap/runtime/cache/trie.py",
+                "kvsnap.runtime.cache.trie",
+                "_find",
                 "if e is not None and e.trimmable and node.rank == rank:",
                 "if e is not None and node.rank == rank:",
             ),
@@ -140,7 +155,8 @@ BREAKAGES = (
         "a weight file's digest covers only its first read chunk",
         (
             Patch(
-                "kvsnap/key.py",
+                "kvsnap.key",
+                "hash_file",
                 '    h = xxhash.xxh3_128()\n    with open(path, "rb") as f:\n        while chunk '
                 ":= f.read(chunk_size):\n            h.update(chunk)\n",
                 '    h = xxhash.xxh3_128()\n    with open(path, "rb") as f:\n        '
@@ -156,7 +172,14 @@ BREAKAGES = (
         "key-ignores-kv-bits",
         "3. never foreign",
         "the model identity drops the KV quantization bits",
-        (Patch("kvsnap/key.py", "        kv_bits=settings.kv_bits,\n", "        kv_bits=None,\n"),),
+        (
+            Patch(
+                "kvsnap.key",
+                "model_identity",
+                "        kv_bits=settings.kv_bits,\n",
+                "        kv_bits=None,\n",
+            ),
+        ),
         (
             "tests/test_key.py::test_config_kv_settings_layout_and_tokens_are_keyed",
             "tests/runtime/engine/test_engine.py::"
@@ -171,7 +194,8 @@ BREAKAGES = (
         "tail), not just its own tokens",
         (
             Patch(
-                "kvsnap/store/parts.py",
+                "kvsnap.store.parts",
+                "write_chain",
                 "            part = {name: arrays[name][..., link.start : link.end, :] for name in "
                 "sliced}\n",
                 "            part = {name: arrays[name][..., link.start :, :] for name in "
@@ -186,13 +210,15 @@ BREAKAGES = (
         "restore never compares the data checksum",
         (
             Patch(
-                "kvsnap/snapshot/file.py",
+                "kvsnap.snapshot.file",
+                "verify_checksum",
                 "    h.update(data)\n    _compare(header, h.hexdigest())\n",
                 "    h.update(data)\n",
             ),
             # block and checkpoint reads hash as they read, and compare here
             Patch(
-                "kvsnap/snapshot/file.py",
+                "kvsnap.snapshot.file",
+                "finish_checksum",
                 "    _compare(header, state.hexdigest())\n",
                 "    state.hexdigest()\n",
             ),
@@ -210,7 +236,8 @@ BREAKAGES = (
         "snapshots are written straight to their final name instead of a temp file",
         (
             Patch(
-                "kvsnap/store/fileio.py",
+                "kvsnap.store.fileio",
+                "atomic_write",
                 'fd, tmp = tempfile.mkstemp(prefix=TMP_PREFIX + target.name + ".", '
                 "dir=target.parent)",
                 "fd, tmp = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "
@@ -229,7 +256,8 @@ BREAKAGES = (
         "restoring a KVCache zeroes one middle token's key in layer 1 (greedy text survives it)",
         (
             Patch(
-                "kvsnap/snapshot/cache_classes.py",
+                "kvsnap.snapshot.cache_classes",
+                "_kv_decode",
                 '            int(meta["offset"]),\n        )\n',
                 '            int(meta["offset"]),\n        )\n' + ZERO_KEY.lstrip("\n"),
             ),
@@ -249,7 +277,8 @@ BREAKAGES = (
         "encoding a KVCache writes one middle token's key of layer 1 as zeros",
         (
             Patch(
-                "kvsnap/snapshot/cache_classes.py",
+                "kvsnap.snapshot.cache_classes",
+                "_kv_encode",
                 '    out[f"{path}.keys"] = _slice_tokens(c.keys, c.offset)\n    '
                 'out[f"{path}.values"] = _slice_tokens(c.values, c.offset)\n    return {"offset": '
                 "c.offset}\n",
@@ -273,7 +302,8 @@ BREAKAGES = (
         "a fetch hands out the stored cache objects instead of a private copy",
         (
             Patch(
-                "kvsnap/snapshot/codec.py",
+                "kvsnap.snapshot.codec",
+                "copy_cache",
                 "    return decode_cache({k: v[...] for k, v in arrays.items()}, layers)\n",
                 "    return list(cache)\n",
             ),
@@ -291,7 +321,8 @@ BREAKAGES = (
         "a state holding a generated token is encoded anyway",
         (
             Patch(
-                "kvsnap/snapshot/codec.py",
+                "kvsnap.snapshot.codec",
+                "check_captured_at",
                 "            if offset != n_tokens:\n",
                 "            if False:\n",
             ),
@@ -307,7 +338,8 @@ BREAKAGES = (
         "an API key is compared on its first 8 characters only",
         (
             Patch(
-                "kvsnap/http/guard.py",
+                "kvsnap.http.guard",
+                "Auth._match",
                 "            found |= hmac.compare_digest(given.encode(), k.encode())\n",
                 "            found |= hmac.compare_digest(given[:8].encode(), k[:8].encode())\n",
             ),
@@ -320,7 +352,8 @@ BREAKAGES = (
         "an API key is compared case-insensitively",
         (
             Patch(
-                "kvsnap/http/guard.py",
+                "kvsnap.http.guard",
+                "Auth._match",
                 "            found |= hmac.compare_digest(given.encode(), k.encode())\n",
                 "            found |= hmac.compare_digest(given.lower().encode(), "
                 "k.lower().encode())\n",
@@ -334,7 +367,8 @@ BREAKAGES = (
         "a prefix of a valid API key, or a valid key plus a suffix, passes",
         (
             Patch(
-                "kvsnap/http/guard.py",
+                "kvsnap.http.guard",
+                "Auth._match",
                 "            found |= hmac.compare_digest(given.encode(), k.encode())\n",
                 "            found |= k.startswith(given) or given.startswith(k)\n",
             ),
@@ -347,7 +381,8 @@ BREAKAGES = (
         "a request prefix of one key or cache_salt matches requests of another",
         (
             Patch(
-                "kvsnap/runtime/cache/prefix.py",
+                "kvsnap.runtime.cache.prefix",
+                "PrefixCache.lookup",
                 "            tries = (self._tries.get(None) if shared else None, "
                 "self._tries.get(namespace))\n",
                 "            tries = tuple(self._tries.values())\n",
@@ -366,7 +401,8 @@ BREAKAGES = (
         "lookup never returns an entry",
         (
             Patch(
-                "kvsnap/runtime/cache/prefix.py",
+                "kvsnap.runtime.cache.prefix",
+                "PrefixCache.lookup",
                 "        return Match(best.entry, best.usable)\n",
                 "        return None\n",
             ),
@@ -383,7 +419,8 @@ BREAKAGES = (
         "the engine reports the cached tokens but runs the whole prompt on a fresh cache",
         (
             Patch(
-                "kvsnap/runtime/engine/batch_runner.py",
+                "kvsnap.runtime.engine.batch_runner",
+                "BatchRunner.admit",
                 "                    [list(suffix)],\n"
                 "                    max_tokens=[r.max_tokens],\n"
                 "                    caches=[for_batch(cache, len(suffix))],\n",
@@ -404,7 +441,8 @@ BREAKAGES = (
         "and model",
         (
             Patch(
-                "kvsnap/snapshot/chain.py",
+                "kvsnap.snapshot.chain",
+                "parse_chain",
                 "        if item[0] != block_key(model_digest, item[1], digests[item[2]], form):\n",
                 "        if False:\n",
             ),
@@ -421,7 +459,8 @@ BREAKAGES = (
         "a quantized record names the unquantized blocks of a shorter prefix (verify: BAD)",
         (
             Patch(
-                "kvsnap/snapshot/blocks.py",
+                "kvsnap.snapshot.blocks",
+                "_form_suffix",
                 '    return f"|{form}" if form else ""\n',
                 '    return ""\n',
             ),
@@ -441,7 +480,11 @@ BREAKAGES = (
         "--kv-bits on a model with a sliding-window cache (RotatingKVCache) is accepted: the "
         "server says ready and fails every request reaching the start with a 500, build with a "
         "traceback",
-        (Patch("kvsnap/runtime/model/loading.py", "    check_kv_quantizable(lm)\n", ""),),
+        (
+            Patch(
+                "kvsnap.runtime.model.loading", "load_model", "    check_kv_quantizable(lm)\n", ""
+            ),
+        ),
         (
             "tests/runtime/persist/test_quantized_start.py::"
             "test_kv_bits_on_a_sliding_window_model_is_refused_at_"
@@ -455,7 +498,8 @@ BREAKAGES = (
         "unquantized state stamped quantized: verify BAD right after a build)",
         (
             Patch(
-                "kvsnap/runtime/persist/writeback.py",
+                "kvsnap.runtime.persist.writeback",
+                "ChainPlan.links",
                 "        if form == QUANTIZED_FORM:\n",
                 "        if False:\n",
             ),
@@ -473,7 +517,8 @@ BREAKAGES = (
         "prefix captured below the start is rejected at the next turn",
         (
             Patch(
-                "kvsnap/runtime/model/shapes.py",
+                "kvsnap.runtime.cache.shapes",
+                "ModelShapes._learn",
                 "        if s.kv_bits is None or s.quantized_kv_start > 0:\n",
                 "        if s.kv_bits is None:\n",
             ),
@@ -491,7 +536,8 @@ BREAKAGES = (
         "proof: an upgraded --quantized-kv-start store is reported BAD and rebuilt",
         (
             Patch(
-                "kvsnap/snapshot/chain.py",
+                "kvsnap.snapshot.chain",
+                "parse_chain",
                 '        form = ""  # written before keys named a form: every key of the '
                 "record must then be so\n",
                 "        pass\n",
@@ -509,7 +555,8 @@ BREAKAGES = (
         "gc removes every block a dropped record reached, shared ones included",
         (
             Patch(
-                "kvsnap/store/local.py",
+                "kvsnap.store.local",
+                "Store.gc",
                 "                reached: set[str] | None = reached_parts([self.inspect(p) for "
                 "p in kept])\n",
                 "                reached: set[str] | None = set()\n",
@@ -527,7 +574,8 @@ BREAKAGES = (
         "a restored state is served without comparing its tensors with the model's own cache",
         (
             Patch(
-                "kvsnap/runtime/warmup/run.py",
+                "kvsnap.runtime.warmup.run",
+                "run_warmup",
                 "    if prefix.check_state is None:  # every state served",
                 "    if False:  # every state served",
             ),
@@ -545,7 +593,8 @@ BREAKAGES = (
         "compiles run before warm",
         (
             Patch(
-                "kvsnap/runtime/model/shapes.py",
+                "kvsnap.runtime.cache.shapes",
+                "ModelShapes._learn",
                 "        self._per_token = set().union(*(_token_axis_names(layers) for layers, "
                 "_ in "
                 "forms))\n",
@@ -567,7 +616,8 @@ BREAKAGES = (
         "verify --model trusts the parts' tensor shapes",
         (
             Patch(
-                "kvsnap/commands/store.py",
+                "kvsnap.commands.store",
+                "cmd_verify",
                 "            if shapes is not None:\n",
                 "            if False:\n",
             ),
@@ -583,7 +633,8 @@ BREAKAGES = (
         "verify --model counts another model's sound records as bad",
         (
             Patch(
-                "kvsnap/commands/store.py",
+                "kvsnap.commands.store",
+                "cmd_verify",
                 "            info = store.verify_file(path)\n",
                 "            info = store.verify_file(path, expected)\n",
             ),
@@ -598,7 +649,14 @@ BREAKAGES = (
         "token-count-unbounded",
         "4. hostile files",
         "a record's token count is not bounded before its tokens are read",
-        (Patch("kvsnap/snapshot/header.py", "    if n > max_tokens:\n", "    if False:\n"),),
+        (
+            Patch(
+                "kvsnap.snapshot.header",
+                "check_token_count",
+                "    if n > max_tokens:\n",
+                "    if False:\n",
+            ),
+        ),
         (
             "tests/snapshot/test_forged_token_counts.py::"
             "test_regression_a_25m_token_record_is_refused_by_"
@@ -611,7 +669,8 @@ BREAKAGES = (
         "the start scan reads records longer than the model's context",
         (
             Patch(
-                "kvsnap/runtime/warmup/prefetch.py",
+                "kvsnap.runtime.warmup.prefetch",
+                "prefetch",
                 "store.scan(max_tokens=context_tokens(model_dir))",
                 "store.scan()",
             ),
@@ -629,7 +688,8 @@ BREAKAGES = (
         "with the model's own cache",
         (
             Patch(
-                "kvsnap/integrations/common/warm_plan.py",
+                "kvsnap.integrations.common.warm_plan",
+                "check_shapes",
                 "    if why:\n        raise SnapshotError(where, why, SHAPE_FIX)\n",
                 "    if False:\n        raise SnapshotError(where, why, SHAPE_FIX)\n",
             ),
@@ -652,7 +712,8 @@ BREAKAGES = (
         "kvsnap mlx-lm's --kv-snapshots scan reads records longer than the model's context",
         (
             Patch(
-                "kvsnap/integrations/mlx_lm/warm.py",
+                "kvsnap.integrations.mlx_lm.warm",
+                "pin_store",
                 "store.scan(identity, max_tokens=context_tokens(lm.path))",
                 "store.scan(identity)",
             ),
@@ -668,7 +729,8 @@ BREAKAGES = (
         "kvsnap vllm-mlx's insert scan reads records longer than the model's context",
         (
             Patch(
-                "kvsnap/integrations/vllm_mlx/insert.py",
+                "kvsnap.integrations.vllm_mlx.insert",
+                "insert_snapshots",
                 "store.scan(identity, max_tokens=context_tokens(model_dir))",
                 "store.scan(identity)",
             ),
@@ -685,7 +747,8 @@ BREAKAGES = (
         "model's context",
         (
             Patch(
-                "kvsnap/integrations/common/warm_plan.py",
+                "kvsnap.integrations.common.warm_plan",
+                "WarmPlan.run",
                 "self.store.scan(self.identity, max_tokens=context_tokens(self.lm.path))",
                 "self.store.scan(self.identity)",
             ),
@@ -701,7 +764,8 @@ BREAKAGES = (
         "kvsnap mlx-lm pins its warm entries as ordinary mlx-lm 'system' LRU entries",
         (
             Patch(
-                "kvsnap/integrations/mlx_lm/cache.py",
+                "kvsnap.integrations.mlx_lm.cache",
+                "PinnedPromptCache.pin",
                 "        # A plain dict trie insert: the pinned set never drops a warm prefix of "
                 "another.\n",
                 "        return super().insert_cache(model, list(tokens), prompt_cache, "
@@ -724,7 +788,8 @@ BREAKAGES = (
         "which loads whatever path they name",
         (
             Patch(
-                "kvsnap/integrations/mlx_lm/models.py",
+                "kvsnap.integrations.mlx_lm.models",
+                "model_refusal.check",
                 "        refused = served.refusal(body)\n",
                 "        refused = None\n",
             ),
@@ -742,7 +807,8 @@ BREAKAGES = (
         "injected chat_template renders, a nested loop hangs the server",
         (
             Patch(
-                "kvsnap/integrations/mlx_lm/request_checks.py",
+                "kvsnap.integrations.mlx_lm.request_checks",
+                "guard_requests.run_http_server.check",
                 "            return sampling_refusal(body) or template_refusal(body, template)\n",
                 "            return sampling_refusal(body)\n",
             ),
@@ -758,7 +824,8 @@ BREAKAGES = (
         "a NaN min_p passes mlx-lm's range checks and apply_min_p raises in the batch",
         (
             Patch(
-                "kvsnap/integrations/mlx_lm/request_checks.py",
+                "kvsnap.integrations.mlx_lm.request_checks",
+                "guard_requests.run_http_server.check",
                 "            return sampling_refusal(body) or template_refusal(body, template)\n",
                 "            return template_refusal(body, template)\n",
             ),
@@ -772,7 +839,8 @@ BREAKAGES = (
         "the batch (the generation thread dies), a temperature of 1e-39 draws uniformly",
         (
             Patch(
-                "kvsnap/integrations/mlx_lm/request_checks.py",
+                "kvsnap.integrations.mlx_lm.request_checks",
+                "guard_requests",
                 "    server._make_sampler = settled_sampler(server._make_sampler)\n",
                 "",
             ),
@@ -790,7 +858,8 @@ BREAKAGES = (
         "/v1/models on a machine without a Hugging Face cache folder is an empty 200",
         (
             Patch(
-                "kvsnap/integrations/mlx_lm/request_checks.py",
+                "kvsnap.integrations.mlx_lm.request_checks",
+                "guard_requests",
                 "    server.scan_cache_dir = models_without_cache(server.scan_cache_dir)\n",
                 "",
             ),
@@ -806,7 +875,8 @@ BREAKAGES = (
         "`kvsnap mlx-lm serve MODEL` (no --model) goes to mlx_lm.server, which refuses it",
         (
             Patch(
-                "kvsnap/integrations/mlx_lm/launcher.py",
+                "kvsnap.integrations.mlx_lm.launcher",
+                "main",
                 "    args = positional_model(args)\n",
                 "",
             ),
@@ -823,7 +893,8 @@ BREAKAGES = (
         "the end of the stream and loads the model it names",
         (
             Patch(
-                "kvsnap/integrations/mlx_lm/models.py",
+                "kvsnap.integrations.mlx_lm.models",
+                "refusing_handler.RequestModelGuard.do_POST",
                 "            if length is None:\n",
                 "            if length is None or length < 0:\n",
             ),
@@ -841,7 +912,8 @@ BREAKAGES = (
         "whole batch: another key's greedy request gets a 500 too",
         (
             Patch(
-                "kvsnap/runtime/engine/sampling.py",
+                "kvsnap.runtime.engine.sampling",
+                "make_request_sampler.sample",
                 "        if top_k_applies(top_k, logprobs.shape[-1]):\n",
                 "        if top_k > 0:\n",
             ),
@@ -859,7 +931,8 @@ BREAKAGES = (
         "a request whose sampler raises fails the whole step: every request in its batch errors",
         (
             Patch(
-                "kvsnap/runtime/engine/sampling.py",
+                "kvsnap.runtime.engine.sampling",
+                "batch_sampler",
                 "    return sampler if sampler is greedy else OwnSampler(sampler)\n",
                 "    return sampler\n",
             ),
@@ -875,7 +948,8 @@ BREAKAGES = (
         "a temperature of 1e-39 is sampled: 1/T overflows float32 and the draw is uniform",
         (
             Patch(
-                "kvsnap/runtime/engine/sampling.py",
+                "kvsnap.runtime.engine.sampling",
+                "is_greedy",
                 "    return not temperature >= TEMPERATURE_FLOOR\n",
                 "    return not temperature > 0\n",
             ),
@@ -893,7 +967,8 @@ BREAKAGES = (
         "Llama 3)",
         (
             Patch(
-                "kvsnap/profiles.py",
+                "kvsnap.profiles",
+                "mlx_lm_tokenization",
                 "server=MLX_LM, add_special_tokens=False,",
                 "server=MLX_LM, add_special_tokens=True,",
             ),
@@ -913,7 +988,8 @@ BREAKAGES = (
         "warm_key digests every server's warm prompts as kvsnap's own request path",
         (
             Patch(
-                "kvsnap/runtime/warmup/recipe.py",
+                "kvsnap.warm_key",
+                "_prompt_digest",
                 "    profile = tokenization.descriptor() if tokenization is not None else None\n",
                 "    profile = None\n",
             ),
@@ -926,10 +1002,11 @@ BREAKAGES = (
     Breakage(
         "lazy-import-cycle",
         "shape of the code",
-        "a lazy import inside a function closes an import cycle (warmup.recipe <-> warmup.run)",
+        "a lazy import inside a function closes an import cycle (warm_key <-> warmup.run)",
         (
             Patch(
-                "kvsnap/runtime/warmup/recipe.py",
+                "kvsnap.warm_key",
+                "_prompt_digest",
                 "    template = resolve_chat_template(tokenizer, prompt.tools)\n",
                 "    from kvsnap.runtime.warmup.run import run_warmup  # noqa: F401\n"
                 "    template = resolve_chat_template(tokenizer, prompt.tools)\n",
@@ -943,7 +1020,8 @@ BREAKAGES = (
         "a connection whose request head never completes is left open (slowloris)",
         (
             Patch(
-                "kvsnap/http/connections.py",
+                "kvsnap.http.connections",
+                "guarded_protocol.GuardedProtocol",
                 "            self.close_slow()\n\n        def close_slow",
                 "            pass\n\n        def close_slow",
             ),
@@ -959,7 +1037,8 @@ BREAKAGES = (
         "a request body trickling one byte at a time keeps its connection for as long as it likes",
         (
             Patch(
-                "kvsnap/http/connections.py",
+                "kvsnap.http.connections",
+                "guarded_protocol.GuardedProtocol._await",
                 'timeout = guard.header_timeout_s if what == "head" else guard.body_timeout_s',
                 'timeout = guard.header_timeout_s if what == "head" else 3600.0',
             ),
@@ -976,7 +1055,8 @@ BREAKAGES = (
         "slot and /health and real clients are refused",
         (
             Patch(
-                "kvsnap/http/connections.py",
+                "kvsnap.http.connections",
+                "guarded_protocol.GuardedProtocol._await",
                 "            guard.waiting[self] = what\n",
                 '            guard.waiting.update({self: what} if what == "head" else {})\n',
             ),
@@ -992,7 +1072,8 @@ BREAKAGES = (
         "a client that never reads its streamed answer keeps its connection for ever",
         (
             Patch(
-                "kvsnap/http/connections.py",
+                "kvsnap.http.connections",
+                "guarded_protocol.GuardedProtocol.pause_writing",
                 "self._stall = self.loop.call_later(guard.write_timeout_s, self._unread)",
                 "self._stall = self.loop.call_later(3600.0, self._unread)",
             ),
@@ -1009,7 +1090,8 @@ BREAKAGES = (
         "such clients fill every slot and /health is refused",
         (
             Patch(
-                "kvsnap/http/connections.py",
+                "kvsnap.http.connections",
+                "guarded_protocol.GuardedProtocol.pause_writing",
                 '            guard.waiting.setdefault(self, "reader")\n',
                 "",
             ),
@@ -1023,7 +1105,14 @@ BREAKAGES = (
         "accept-errors-flood-the-log",
         "server under attack",
         "EMFILE on accept() goes to asyncio's handler, one traceback per attempt",
-        (Patch("kvsnap/http/connections.py", "exc.errno in ACCEPT_ERRNOS:", "exc.errno in ():"),),
+        (
+            Patch(
+                "kvsnap.http.connections",
+                "ConnectionGuard.exception_handler",
+                "exc.errno in ACCEPT_ERRNOS:",
+                "exc.errno in ():",
+            ),
+        ),
         (
             "tests/http/test_connections.py::test_accept_errors_from_running_out_of_descriptors_"
             "are_logged_rate_limited",
@@ -1036,7 +1125,8 @@ BREAKAGES = (
         "existence spells out the match",
         (
             Patch(
-                "kvsnap/runtime/engine/request_cache.py",
+                "kvsnap.runtime.engine.request_cache",
+                "prepare_request",
                 "        capture_request_prefix(prefix, state, cache)\n",
                 "        pass\n",
             ),
@@ -1054,7 +1144,8 @@ BREAKAGES = (
         "warm prompt reports less, and the responses no longer add up to /v1/status",
         (
             Patch(
-                "kvsnap/http/context.py",
+                "kvsnap.http.context",
+                "ServerContext.reported_usage",
                 "step = self.config.cached_tokens_granularity if self.config.auth.enabled else 1",
                 "step = self.config.cached_tokens_granularity",
             ),
@@ -1073,7 +1164,8 @@ BREAKAGES = (
         "is rounded below the whole warm prompt",
         (
             Patch(
-                "kvsnap/runtime/engine/accounting.py",
+                "kvsnap.runtime.engine.accounting",
+                "reported_cached_tokens",
                 "told_exactly = max(state.own_cached_tokens, state.whole_shared_tokens)",
                 "told_exactly = state.own_cached_tokens",
             ),
@@ -1090,7 +1182,8 @@ BREAKAGES = (
         "exact length tells how far a request agrees with the operator's prompt",
         (
             Patch(
-                "kvsnap/runtime/cache/prefix.py",
+                "kvsnap.runtime.cache.prefix",
+                "PrefixCache.whole_shared_prefix",
                 "return max((n for n in ends if not self._entries[(None, tokens[:n])].inner), "
                 "default=0)",
                 "return max(ends, default=0)",
@@ -1108,7 +1201,8 @@ BREAKAGES = (
         "a non-admin key sees the cache-wide counters again",
         (
             Patch(
-                "kvsnap/http/routes_status.py",
+                "kvsnap.http.routes_status",
+                None,
                 'TENANT_STATUS_FIELDS = ("warm", "requests", "rewarm_in_progress")',
                 'TENANT_STATUS_FIELDS = ("warm", "requests", "rewarm_in_progress", "cache")',
             ),
@@ -1124,7 +1218,8 @@ BREAKAGES = (
         "a generation_failed 500 carries the exception text to the client",
         (
             Patch(
-                "kvsnap/http/routes_generation.py",
+                "kvsnap.http.routes_generation",
+                "failure_message",
                 'return f"generation failed ({kind}); the server log has the details"',
                 'return f"generation failed: {detail}"',
             ),
@@ -1137,13 +1232,15 @@ BREAKAGES = (
         "the port is bound only when uvicorn starts, after the model loads",
         (
             Patch(
-                "kvsnap/commands/serve.py",
+                "kvsnap.commands.serve",
+                "cmd_serve",
                 "    sock = bind_socket(args.host, args.port)  # a busy port fails now, not after "
                 "the model loads\n",
                 "",
             ),
             Patch(
-                "kvsnap/commands/serve.py",
+                "kvsnap.commands.serve",
+                "cmd_serve",
                 "    server.run(sockets=[sock])",
                 "    server.run(sockets=[bind_socket(args.host, args.port)])",
             ),
@@ -1160,12 +1257,14 @@ BREAKAGES = (
         "traceback, and rich tables exit 1 (a failed check)",
         (
             Patch(
-                "kvsnap/commands/cli.py",
+                "kvsnap.commands.cli",
+                "main",
                 "    except BrokenPipeError:\n",
                 "    except ZeroDivisionError:\n",
             ),
             Patch(
-                "kvsnap/commands/common.py",
+                "kvsnap.commands.common",
+                "console.PipeAwareConsole.on_broken_pipe",
                 "            raise BrokenPipeError\n",
                 "            super().on_broken_pipe()\n",
             ),
@@ -1186,7 +1285,8 @@ BREAKAGES = (
         "closed stdout",
         (
             Patch(
-                "kvsnap/commands/cli.py",
+                "kvsnap.commands.cli",
+                "main",
                 "        if not stdout_is_a_pipe():  # a terminal or a file cannot be closed by a "
                 "reader\n            raise\n",
                 "",
@@ -1203,7 +1303,8 @@ BREAKAGES = (
         "tables written to a pipe or a file (CI logs) are cut to rich's default 80 columns",
         (
             Patch(
-                "kvsnap/commands/common.py",
+                "kvsnap.commands.common",
+                "console",
                 "        out.width = UNWRAPPED_WIDTH\n",
                 "        pass\n",
             ),
@@ -1216,7 +1317,8 @@ BREAKAGES = (
         "`serve A --model B` serves A and ignores B without a word",
         (
             Patch(
-                "kvsnap/commands/serve.py",
+                "kvsnap.commands.serve",
+                "served_model",
                 "    if positional is not None and flag is not None and positional != flag:\n",
                 "    if False:\n",
             ),
@@ -1232,7 +1334,8 @@ BREAKAGES = (
         "bench-serve refuses a FIFO or a process substitution (<(...)) as not a file",
         (
             Patch(
-                "kvsnap/tools/bench_serve.py",
+                "kvsnap.tools.bench_serve",
+                "read_text_file",
                 '    try:\n        with open(path, encoding="utf-8") as f:\n',
                 "    if not path.is_file():\n"
                 '        raise UsageError(f"{flag} {path}: no such file")\n'
@@ -1250,7 +1353,8 @@ BREAKAGES = (
         "bench-serve sends the system prompt file's trailing newline, missing the warm prefix",
         (
             Patch(
-                "kvsnap/tools/bench_serve.py",
+                "kvsnap.tools.bench_serve",
+                "read_system_prompt",
                 '    return text[:-1] if text.endswith("\\n") else text\n',
                 "    return text\n",
             ),
@@ -1268,6 +1372,7 @@ BREAKAGES = (
         (
             Patch(
                 "pyproject.toml",
+                None,
                 '    "xxhash>=3.0",\n',
                 '    "safetensors>=0.4",\n    "xxhash>=3.0",\n',
             ),
@@ -1280,7 +1385,8 @@ BREAKAGES = (
         "a shipped record with an existing id replaces the store's (an empty one erases it for gc)",
         (
             Patch(
-                "kvsnap/store/manifest.py",
+                "kvsnap.store.manifest",
+                "merge_manifests",
                 "        records[rid] = _merge_record(records[rid], record) if rid in records else "
                 "record\n",
                 "        records[rid] = record\n",
@@ -1297,7 +1403,8 @@ BREAKAGES = (
         "unpack and pull move shipped bytes over a store's good block of the same name",
         (
             Patch(
-                "kvsnap/store/install.py",
+                "kvsnap.store.install",
+                "StagedInstall._keeps_existing",
                 "        if not existing_file_is_good(store, relpath):\n            return False",
                 "        if True:\n            return False",
             ),
@@ -1313,7 +1420,8 @@ BREAKAGES = (
         "pull downloads a blob under the name of a good store file and does not report it",
         (
             Patch(
-                "kvsnap/store/oci/download.py",
+                "kvsnap.store.oci.download",
+                "pull",
                 "        report.kept = _kept_existing(dest_path, layers, have)\n",
                 "        report.kept = []\n",
             ),
@@ -1331,7 +1439,8 @@ BREAKAGES = (
         "and its 401 is answered with them (the origin check is the one guard, in two places)",
         (
             Patch(
-                "kvsnap/store/oci/client.py",
+                "kvsnap.store.oci.client",
+                "is_same_origin",
                 "    return origin_of(url) == origin_of(base)\n",
                 "    return True\n",
             ),
@@ -1347,7 +1456,8 @@ BREAKAGES = (
         "registry reads are bounded per read only, not by the request's deadline",
         (
             Patch(
-                "kvsnap/store/oci/deadlines.py",
+                "kvsnap.store.oci.deadlines",
+                "RequestClock.bound",
                 "        left = self.remaining()\n        if left is None:\n            return "
                 "timeout",
                 "        left = None\n        if left is None:\n            return timeout",
@@ -1362,7 +1472,14 @@ BREAKAGES = (
         "declared-layer-size-unbounded",
         "shipped content",
         "a layer's declared size is not bounded before the download",
-        (Patch("kvsnap/store/oci/artifact.py", "    if size > cap:\n", "    if False:\n"),),
+        (
+            Patch(
+                "kvsnap.store.oci.artifact",
+                "_parse_layer",
+                "    if size > cap:\n",
+                "    if False:\n",
+            ),
+        ),
         (
             "tests/store/oci/test_client.py::test_regression_an_oversize_declared_layer_is_refused_"
             "before_any_download",
@@ -1374,7 +1491,8 @@ BREAKAGES = (
         "unpack writes an entry before checking how far the archive expands",
         (
             Patch(
-                "kvsnap/store/archive.py",
+                "kvsnap.store.archive",
+                "unpack",
                 "                too_big = guard.admit(member.size)\n",
                 "                too_big = None\n",
             ),
@@ -1391,7 +1509,8 @@ BREAKAGES = (
         "stays",
         (
             Patch(
-                "kvsnap/store/oci/download.py",
+                "kvsnap.store.oci.download",
+                "pull",
                 "        with StagedInstall(dest_path, resume=True) as staging:",
                 "        with StagedInstall(dest_path) as staging:",
             ),
@@ -1409,7 +1528,8 @@ BREAKAGES = (
         "the chunking (issue 24)",
         (
             Patch(
-                "kvsnap/runtime/engine/stop_strings.py",
+                "kvsnap.runtime.engine.stop_strings",
+                "scan_stop_strings",
                 "        _, start, matched = min(hits)\n",
                 "        _, start, matched = min(hits, key=lambda hit: hit[1])\n",
             ),
@@ -1428,7 +1548,7 @@ BREAKAGES = (
         "tests hold on any CPU",
         "the golden check wants tensor values bit for bit: another CPU's OpenBLAS kernels fail it "
         "(issue 24)",
-        (Patch("tests/helpers/golden_summary.py", "RTOL = 1e-4\n", "RTOL = 0.0\n"),),
+        (Patch("tests.helpers.golden_summary", None, "RTOL = 1e-4\n", "RTOL = 0.0\n"),),
         (
             "tests/build/test_golden.py::"
             "test_golden_tensor_bytes_changed_on_another_cpu_is_float_noise_"
@@ -1439,7 +1559,7 @@ BREAKAGES = (
         "golden-blind-to-values",
         "tests hold on any CPU",
         "the golden check's tolerance swallows real changes (a zeroed token, a 1e-3 scale)",
-        (Patch("tests/helpers/golden_summary.py", "RTOL = 1e-4\n", "RTOL = 0.1\n"),),
+        (Patch("tests.helpers.golden_summary", None, "RTOL = 1e-4\n", "RTOL = 0.1\n"),),
         (
             "tests/build/test_golden.py::"
             "test_the_golden_comparison_sees_a_real_change[one-token-zeroed]",
@@ -1455,7 +1575,8 @@ BREAKAGES = (
         "every chain's cuts",
         (
             Patch(
-                "kvsnap/snapshot/blocks.py",
+                "kvsnap.snapshot.blocks",
+                "plan_cuts",
                 "    ends = set(range(b, n_tokens, b)) | set(range(c, n_tokens, c)) | {n_tokens} | "
                 "cut\n",
                 "    ends = set(range(b, n_tokens, b)) | set(range(c, n_tokens, c)) | {n_tokens} | "
@@ -1475,7 +1596,8 @@ BREAKAGES = (
         "head, and a hybrid sibling or edit restores from the grid point before the branch",
         (
             Patch(
-                "kvsnap/build/pipeline.py",
+                "kvsnap.build.pipeline",
+                "_Build.split_points",
                 "                    out[who[0]].add(who[1])\n",
                 "                    pass\n",
             ),
@@ -1494,7 +1616,8 @@ BREAKAGES = (
         "finds no head there and re-prefills its whole tail",
         (
             Patch(
-                "kvsnap/build/pipeline.py",
+                "kvsnap.build.pipeline",
+                "_Build.split_points",
                 "                if cell is None or has_part(self.store, BLOCK_KIND, cell.key):\n",
                 "                if cell is None:\n",
             ),
@@ -1512,7 +1635,8 @@ BREAKAGES = (
         "record is cut: the head shared with a sibling and the agent's tail are copied again",
         (
             Patch(
-                "kvsnap/runtime/warmup/entries.py",
+                "kvsnap.runtime.cache.entries",
+                "make_entry",
                 "        block_ends=tuple(end for _, _, end in info.chain.blocks) if info.chain "
                 "else (),\n",
                 "",
@@ -1530,7 +1654,8 @@ BREAKAGES = (
         "a rebuild does not check the stored checkpoints its restore does not read",
         (
             Patch(
-                "kvsnap/build/pipeline.py",
+                "kvsnap.build.pipeline",
+                "restore_longest",
                 "                check_checkpoint(store, key, identity.digest, link.end, "
                 "link.prefix_digest)\n",
                 "                pass\n",
@@ -1549,7 +1674,8 @@ BREAKAGES = (
         "since",
         (
             Patch(
-                "kvsnap/runtime/persist/writeback.py",
+                "kvsnap.runtime.persist.writeback",
+                "put_snapshot",
                 "        plan.keep_stored(store, identity, tokens)\n",
                 "        pass\n",
             ),
@@ -1566,7 +1692,8 @@ BREAKAGES = (
         "a folder the store creates is not fsynced in its parent",
         (
             Patch(
-                "kvsnap/store/fileio.py",
+                "kvsnap.store.fileio",
+                "make_dirs",
                 "        # even when another writer made it: it may not have got this far\n"
                 "        fsync_dir(new.parent, fsync)\n",
                 "        pass\n",
@@ -1584,7 +1711,8 @@ BREAKAGES = (
         "unpack and pull create a store's missing blocks/ or checkpoints/ with mkdir alone",
         (
             Patch(
-                "kvsnap/store/install.py",
+                "kvsnap.store.install",
+                "StagedInstall.commit",
                 "                    make_dirs((store.root / relpath).parent, store.fsync)\n",
                 "                    (store.root / relpath).parent.mkdir(exist_ok=True)\n",
             ),
@@ -1601,18 +1729,21 @@ BREAKAGES = (
         "never see 429)",
         (
             Patch(
-                "kvsnap/http/routes_generation.py",
+                "kvsnap.http.routes_generation",
+                "prepared",
                 "    ctx.admit()\n    try:\n        async with ctx.preparing():",
                 "    try:\n        async with ctx.preparing():",
             ),
             Patch(
-                "kvsnap/http/routes_generation.py",
+                "kvsnap.http.routes_generation",
+                "submit",
                 "    bridge = _Bridge(asyncio.get_running_loop(), ctx.release)\n    try:\n",
                 "    bridge = _Bridge(asyncio.get_running_loop(), ctx.release)\n    ctx.admit()\n  "
                 "  try:\n",
             ),
             Patch(
-                "kvsnap/http/routes_generation.py",
+                "kvsnap.http.routes_generation",
+                "prepared",
                 "            return await run_in_threadpool(prepare)\n    except BaseException:\n"
                 "        ctx.release()\n        raise\n",
                 "            return await run_in_threadpool(prepare)\n    except BaseException:\n"
@@ -1625,7 +1756,14 @@ BREAKAGES = (
         "message-count-checked-after-rendering",
         "server under attack",
         "the message count is not checked before the messages are normalised and rendered",
-        (Patch("kvsnap/http/routes_generation.py", "        ctx.check_sizes(req)\n", ""),),
+        (
+            Patch(
+                "kvsnap.http.routes_generation",
+                "generation_router.chat",
+                "        ctx.check_sizes(req)\n",
+                "",
+            ),
+        ),
         (
             "tests/http/test_limits.py::test_a_hundred_thousand_messages_are_refused_before_"
             "rendering_and_health_stays_fast",
@@ -1637,7 +1775,8 @@ BREAKAGES = (
         "kvsnap mlx-lm serve pins a snapshot built for another profile without a word",
         (
             Patch(
-                "kvsnap/integrations/mlx_lm/warm.py",
+                "kvsnap.integrations.mlx_lm.warm",
+                "pin_store.other",
                 "        return _rendering(recorded_tokenization(info.recorded)) != "
                 "_rendering(server)\n",
                 "        return False\n",
@@ -1655,6 +1794,7 @@ BREAKAGES = (
         (
             Patch(
                 "contrib/mlx-lm/0001-server-kv-snapshots.patch",
+                None,
                 "+            sys.exit(2)\n",
                 "+            raise\n",
             ),
@@ -1670,7 +1810,8 @@ BREAKAGES = (
         "the lookup of a prefix computed once for a batch is counted in /v1/status hits/misses",
         (
             Patch(
-                "kvsnap/runtime/engine/request_cache.py",
+                "kvsnap.runtime.engine.request_cache",
+                "prefill_shared_prefixes",
                 "first.namespace, count=False\n",
                 "first.namespace\n",
             ),
@@ -1687,7 +1828,8 @@ BREAKAGES = (
         "a superseded turn's record goes whole, not kept up to its last full block",
         (
             Patch(
-                "kvsnap/store/conversation_writer.py",
+                "kvsnap.store.conversation_writer",
+                "ConversationWriter._supersede",
                 "        kept = self._write_whole_blocks_record(info)\n",
                 "        kept: set = set()\n",
             ),
@@ -1703,7 +1845,8 @@ BREAKAGES = (
         "a conversation's chain is cut on the grid only, not also where its agent's record ends",
         (
             Patch(
-                "kvsnap/runtime/engine/engine.py",
+                "kvsnap.runtime.engine.engine",
+                "Engine._start_persisting",
                 "            persister.prefix = parts.prefix\n",
                 "",
             ),
@@ -1719,7 +1862,8 @@ BREAKAGES = (
         "a re-warm re-indexes a persisted conversation (file-backed) as a warm entry",
         (
             Patch(
-                "kvsnap/runtime/warmup/rewarm.py",
+                "kvsnap.runtime.warmup.rewarm",
+                "start_rewarm",
                 '        if e.source == "persisted":\n            continue',
                 '        if e.source == "persisted" and False:\n            continue',
             ),
@@ -1736,7 +1880,8 @@ BREAKAGES = (
         "every namespace's conversation records are keyed (and looked up) as the empty one's",
         (
             Patch(
-                "kvsnap/runtime/persist/persister.py",
+                "kvsnap.runtime.persist.persister",
+                "Persister._digest",
                 "        return conversation_digest(namespace_tag(self.secret, namespace))\n",
                 '        return conversation_digest(namespace_tag(self.secret, ""))\n',
             ),
@@ -1753,7 +1898,8 @@ BREAKAGES = (
         "a namespace's tag on disk is an unsalted sha256 of it: the store's secret is ignored",
         (
             Patch(
-                "kvsnap/store/conversations.py",
+                "kvsnap.store.conversations",
+                "namespace_tag",
                 "    return hmac.new(secret, namespace.encode(), hashlib.sha256)"
                 ".hexdigest()[:32]\n",
                 "    return hashlib.sha256(namespace.encode()).hexdigest()[:32]\n",
@@ -1770,7 +1916,8 @@ BREAKAGES = (
         "removing conversations (budget, purge, gc) also removes the blocks agents' records reach",
         (
             Patch(
-                "kvsnap/store/conversation_space.py",
+                "kvsnap.store.conversation_space",
+                "remove_records",
                 "        gone = [rel for rel in unreached if rel not in reach.agent_parts]\n",
                 "        gone = unreached\n",
             ),
@@ -1788,7 +1935,8 @@ BREAKAGES = (
         "an agent record that cannot be read keeps every block: the budget removes records only",
         (
             Patch(
-                "kvsnap/store/conversation_space.py",
+                "kvsnap.store.conversation_space",
+                "remove_records",
                 "    elif not reach.unreadable:\n        unreached = ",
                 "    elif reach.complete:\n        unreached = ",
             ),
@@ -1807,7 +1955,8 @@ BREAKAGES = (
         "LRU), not the namespace holding the most",
         (
             Patch(
-                "kvsnap/store/conversation_space.py",
+                "kvsnap.store.conversation_space",
+                "budget_victims",
                 "        namespace = max(busy, key=lambda ns: "
                 "(held[ns], -queues[ns][0].last_use))\n",
                 "        namespace = min(busy, key=lambda ns: queues[ns][0].last_use)\n",
@@ -1829,7 +1978,8 @@ BREAKAGES = (
         "budget reach files outside the store)",
         (
             Patch(
-                "kvsnap/store/fileio.py",
+                "kvsnap.store.fileio",
+                "store_folder",
                 "        st = folder.lstat()\n",
                 "        st = folder.stat()\n",
             ),
@@ -1848,7 +1998,8 @@ BREAKAGES = (
         "reader then refuses)",
         (
             Patch(
-                "kvsnap/build/pipeline.py",
+                "kvsnap.build.pipeline",
+                "build_snapshots",
                 "    check_store_folders(store.root)\n",
                 "",
             ),
@@ -1865,7 +2016,8 @@ BREAKAGES = (
         "writer create its target, a file outside the store",
         (
             Patch(
-                "kvsnap/store/local.py",
+                "kvsnap.store.local",
+                "Store._open_lock_file",
                 "os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, FILE_MODE",
                 "os.O_RDWR | os.O_CREAT, FILE_MODE",
             ),
@@ -1882,7 +2034,8 @@ BREAKAGES = (
         "though it never removes one",
         (
             Patch(
-                "kvsnap/store/local.py",
+                "kvsnap.store.local",
+                "Store.gc",
                 "            doomed = [p for p in candidates if file_or_link(p)]\n",
                 "            doomed = list(candidates)\n",
             ),
@@ -1896,7 +2049,8 @@ BREAKAGES = (
         "block: DELETE, the budget and gc leave every conversation block for good",
         (
             Patch(
-                "kvsnap/store/fileio.py",
+                "kvsnap.store.fileio",
+                "file_or_link",
                 "    return stat.S_ISREG(mode) or stat.S_ISLNK(mode)\n",
                 "    return True\n",
             ),
@@ -1913,12 +2067,14 @@ BREAKAGES = (
         "record that might reach them cannot be read (only the budget may not wait for it)",
         (
             Patch(
-                "kvsnap/store/conversation_space.py",
+                "kvsnap.store.conversation_space",
+                "remove_records",
                 "    if reach.unreadable_agents and not budget:\n",
                 "    if False:\n",
             ),
             Patch(
-                "kvsnap/store/conversation_space.py",
+                "kvsnap.store.conversation_space",
+                "sweep_orphans",
                 "        if not reach.complete:\n",
                 "        if reach.unreadable:\n",
             ),
@@ -1936,7 +2092,8 @@ BREAKAGES = (
         "record and block written through it, outside the store",
         (
             Patch(
-                "kvsnap/store/conversation_writer.py",
+                "kvsnap.store.conversation_writer",
+                "ConversationWriter._write",
                 "            check_store_folders(store.root)\n",
                 "",
             ),
@@ -1953,7 +2110,8 @@ BREAKAGES = (
         "(what the budget and DELETE then cannot remove)",
         (
             Patch(
-                "kvsnap/runtime/persist/persister.py",
+                "kvsnap.runtime.persist.persister",
+                "start_persister",
                 "        check_store_folders(store.root)\n",
                 "        pass\n",
             ),
@@ -1970,7 +2128,8 @@ BREAKAGES = (
         "block removal",
         (
             Patch(
-                "kvsnap/store/conversation_space.py",
+                "kvsnap.store.conversation_space",
+                "drop_unreadable",
                 "    if not paths:\n        return reach, 0, 0\n",
                 "    if True:\n        return reach, 0, 0\n",
             ),
@@ -1986,7 +2145,8 @@ BREAKAGES = (
         "verify counts a conversation record superseded since its listing as bad",
         (
             Patch(
-                "kvsnap/commands/conversations.py",
+                "kvsnap.commands.conversations",
+                "verify_conversations",
                 "            if not os.path.lexists(path):\n                continue\n",
                 "            if False:\n                continue\n",
             ),
@@ -2002,7 +2162,8 @@ BREAKAGES = (
         "the conversation writer writes the record before the new blocks and checkpoint it names",
         (
             Patch(
-                "kvsnap/store/conversation_writer.py",
+                "kvsnap.store.conversation_writer",
+                "ConversationWriter._write",
                 "            for n, part in enumerate(item.parts):\n",
                 "            atomic_write(record_path(store.root, item.key), lambda f: "
                 "write_snapshot(f, item.tensors, item.metadata), store.fault, store.fsync)\n"
@@ -2020,7 +2181,8 @@ BREAKAGES = (
         "the record a longer one supersedes is removed before the new record is written",
         (
             Patch(
-                "kvsnap/store/conversation_writer.py",
+                "kvsnap.store.conversation_writer",
+                "ConversationWriter._write",
                 '            store.fault("conversation-before-record")\n',
                 "            if item.supersedes and item.supersedes != item.key:\n"
                 "                self._supersede(item)\n"
@@ -2038,7 +2200,8 @@ BREAKAGES = (
         "a full disk counts as one failed write: persisting goes on, a warning per write",
         (
             Patch(
-                "kvsnap/store/conversation_writer.py",
+                "kvsnap.store.conversation_writer",
+                "ConversationWriter._write_guarded",
                 "            if isinstance(cause, OSError) and cause.errno == errno.ENOSPC:\n",
                 "            if False:\n",
             ),
@@ -2051,7 +2214,8 @@ BREAKAGES = (
         "the shutdown line counts only the queued writes, not the one stuck under way",
         (
             Patch(
-                "kvsnap/store/conversation_writer.py",
+                "kvsnap.store.conversation_writer",
+                "ConversationWriter.close",
                 "            under_way = int(self._busy and self._busy_write)\n",
                 "            under_way = 0\n",
             ),
@@ -2068,7 +2232,8 @@ BREAKAGES = (
         "the conversation is never persisted again",
         (
             Patch(
-                "kvsnap/runtime/persist/persister.py",
+                "kvsnap.runtime.persist.persister",
+                "Persister._prepare",
                 "        bad = self.writer.health.bad_parts()  # copied again, and rewritten\n",
                 "        bad = frozenset()\n",
             ),
@@ -2085,7 +2250,8 @@ BREAKAGES = (
         "a bad one spreads into every new record",
         (
             Patch(
-                "kvsnap/store/conversation_writer.py",
+                "kvsnap.store.conversation_writer",
+                "ConversationWriter._write",
                 "            if has_part(store, *part) and not self.health.sound(store, *part)\n",
                 "            if False\n",
             ),
@@ -2102,7 +2268,8 @@ BREAKAGES = (
         "ones too",
         (
             Patch(
-                "kvsnap/runtime/persist/writeback.py",
+                "kvsnap.runtime.persist.writeback",
+                "commit_snapshot",
                 "        plan=ChainPlan(check_stored=True),\n",
                 "        plan=ChainPlan(),\n",
             ),
@@ -2116,7 +2283,8 @@ BREAKAGES = (
         "record of the conversation is not tried)",
         (
             Patch(
-                "kvsnap/runtime/persist/persister.py",
+                "kvsnap.runtime.persist.persister",
+                "Persister.persisted_for",
                 "                    self._unreadable(key, n, exc)\n",
                 "                    return None\n",
             ),
@@ -2134,7 +2302,8 @@ BREAKAGES = (
         "damaged or not",
         (
             Patch(
-                "kvsnap/store/conversation_writer.py",
+                "kvsnap.store.conversation_writer",
+                "ConversationWriter._write",
                 "            if self._holds(target, item):",
                 "            if target.exists():",
             ),
@@ -2151,7 +2320,8 @@ BREAKAGES = (
         "hybrid's own bad checkpoint is never rewritten: BAD for good)",
         (
             Patch(
-                "kvsnap/runtime/persist/persister.py",
+                "kvsnap.runtime.persist.persister",
+                "Persister.offer.loader",
                 "                _remember(self.failed_loads, info.key, info.n_tokens)\n",
                 "                pass\n",
             ),
@@ -2168,7 +2338,8 @@ BREAKAGES = (
         "stays young and hides a shorter sound one",
         (
             Patch(
-                "kvsnap/runtime/persist/persister.py",
+                "kvsnap.runtime.persist.persister",
+                "Persister._checked_record",
                 "            check_data(path, read_header(path))\n",
                 "            read_header(path)\n",
             ),
@@ -2185,7 +2356,8 @@ BREAKAGES = (
         "prefix its file name's key promised",
         (
             Patch(
-                "kvsnap/runtime/persist/persister.py",
+                "kvsnap.runtime.persist.persister",
+                "Persister._checked_record",
                 "            or tuple(info.tokens) != tuple(tokens[:n])\n",
                 "",
             ),
@@ -2198,7 +2370,8 @@ BREAKAGES = (
         "the vllm-mlx route persists only vllm-mlx's prompt + reply entry, not its prompt-only cut",
         (
             Patch(
-                "kvsnap/integrations/vllm_mlx/persist.py",
+                "kvsnap.integrations.vllm_mlx.persist",
+                "PersistHooks._capture",
                 "        if 0 < n_prompt < n:\n",
                 "        if False:\n",
             ),
@@ -2218,7 +2391,8 @@ BREAKAGES = (
         "DELETE /v1/cache/prefix under kvsnap vllm-mlx serve clears memory only",
         (
             Patch(
-                "kvsnap/integrations/vllm_mlx/session.py",
+                "kvsnap.integrations.vllm_mlx.session",
+                "install_routes.clear_prefix_cache_and_rewarm",
                 '                answer["persisted_removed"] = await session.purge_persisted()\n',
                 '                answer["persisted_removed"] = 0\n',
             ),
@@ -2236,7 +2410,8 @@ BREAKAGES = (
         "model's own cache",
         (
             Patch(
-                "kvsnap/integrations/vllm_mlx/persist.py",
+                "kvsnap.integrations.vllm_mlx.persist",
+                "PersistHooks._restore",
                 "            state = checked_state(self.persister.store, info, self.identity, "
                 "self.shapes)\n",
                 "            from kvsnap.snapshot.codec import decode_cache\n\n"
@@ -2259,7 +2434,8 @@ BREAKAGES = (
         "cache at every growth",
         (
             Patch(
-                "kvsnap/runtime/prefill/reserve.py",
+                "kvsnap.runtime.prefill.reserve",
+                "reserve",
                 "        layer.step = max(type(layer).step, n_tokens)\n",
                 "        pass\n",
             ),
@@ -2278,7 +2454,8 @@ BREAKAGES = (
         "the build reads, checks and rewrites the whole manifest after every entry",
         (
             Patch(
-                "kvsnap/build/pipeline.py",
+                "kvsnap.build.pipeline",
+                "build_snapshots",
                 "            if build.batch.due():\n",
                 "            if True:\n",
             ),
@@ -2294,7 +2471,8 @@ BREAKAGES = (
         "gc does not count the records a running build's pending file lists",
         (
             Patch(
-                "kvsnap/store/local.py",
+                "kvsnap.store.local",
+                "Store.gc",
                 "            live |= held\n",
                 "",
             ),
@@ -2313,7 +2491,8 @@ BREAKAGES = (
         "vllm-mlx's add_request",
         (
             Patch(
-                "kvsnap/integrations/vllm_mlx/persist.py",
+                "kvsnap.integrations.vllm_mlx.persist",
+                "PersistHooks._restore",
                 "        except (KvsnapError, OSError, ValueError, RuntimeError) as exc:\n",
                 "        except (KvsnapError, OSError) as exc:\n",
             ),
@@ -2330,7 +2509,8 @@ BREAKAGES = (
         "each rank pins the snapshots it could load itself, whatever the other ranks could",
         (
             Patch(
-                "kvsnap/integrations/mlx_lm/sharded.py",
+                "kvsnap.integrations.mlx_lm.sharded",
+                "ShardedSource.agree",
                 "            verdict.append(not refusals)\n",
                 "            verdict.append(everyone[self.ranks.rank][i] is None)\n",
             ),
@@ -2346,7 +2526,8 @@ BREAKAGES = (
         "a rank serves the rows it read of a block without checking them against their digests",
         (
             Patch(
-                "kvsnap/store/shard_read.py",
+                "kvsnap.store.shard_read",
+                "read_part_slice",
                 "            digests.check(r.entry, r.first_row, part)\n",
                 "            pass\n",
             ),
@@ -2362,7 +2543,8 @@ BREAKAGES = (
         "each rank trims its prompt cache to --prompt-cache-bytes by its own bytes",
         (
             Patch(
-                "kvsnap/integrations/mlx_lm/cache.py",
+                "kvsnap.integrations.mlx_lm.cache",
+                "AgreedPromptCache.trim_to",
                 "        evicted: list = []\n",
                 "        return super().trim_to(n_sequences=n_sequences, n_bytes=n_bytes)\n"
                 "        evicted: list = []\n",
@@ -2379,7 +2561,8 @@ BREAKAGES = (
         "a pipeline rank keys snapshots by its own slice's cache layout, not the whole model's",
         (
             Patch(
-                "kvsnap/integrations/mlx_lm/warm.py",
+                "kvsnap.integrations.mlx_lm.warm",
+                "_warm_prompt_cache",
                 "        lm = replace(lm, logical_layout=logical_layout(lm.path, "
                 "lm.settings.max_kv_size))\n",
                 "        pass\n",
@@ -2398,7 +2581,8 @@ BREAKAGES = (
         "the prompt, grown by the first prompt step, gathered on the way to decoding",
         (
             Patch(
-                "kvsnap/runtime/engine/batch_runner.py",
+                "kvsnap.runtime.engine.batch_runner",
+                "BatchRunner.admit",
                 "caches=[for_batch(cache, len(suffix))],",
                 "caches=[cache],",
             ),
@@ -2414,7 +2598,8 @@ BREAKAGES = (
         "the prompt prefix a hit keeps copies the warm tokens instead of sharing their blocks",
         (
             Patch(
-                "kvsnap/runtime/engine/batch_runner.py",
+                "kvsnap.runtime.engine.batch_runner",
+                "BatchRunner.step",
                 "                    self._heads.pop(r.uid, None),\n",
                 "                    None,\n",
             ),
@@ -2430,7 +2615,8 @@ BREAKAGES = (
         "the kernel priming runs after the engine says warm, so a request sent at once waits",
         (
             Patch(
-                "kvsnap/runtime/engine/engine.py",
+                "kvsnap.runtime.engine.engine",
+                "Engine._serve",
                 "            self._prime_kernels()\n            self.warm.set()\n",
                 "            self.warm.set()\n            self._prime_kernels()\n",
             ),
@@ -2446,7 +2632,8 @@ BREAKAGES = (
         "a save_prompt_cache file whose metadata names no model is imported unchecked",
         (
             Patch(
-                "kvsnap/api.py",
+                "kvsnap.api",
+                "_require_same_model",
                 "    if recorded is None:\n        raise UsageError(",
                 "    if recorded is None:\n        return\n        raise UsageError(",
             ),
@@ -2459,7 +2646,8 @@ BREAKAGES = (
         "a file from a copy of the model with another tokenizer counts as the same model",
         (
             Patch(
-                "kvsnap/api.py",
+                "kvsnap.api",
+                "_same_files",
                 "        and tokenizer_digest(a) == tokenizer_digest(b)\n",
                 "",
             ),
@@ -2473,7 +2661,8 @@ BREAKAGES = (
         "a call cut at max_tokens is reported with finish_reason tool_calls, not length",
         (
             Patch(
-                "kvsnap/http/tool_calls.py",
+                "kvsnap.http.tool_calls",
+                "AnswerSplitter.finish_reason",
                 'return "tool_calls" if reason == "stop" and self.tool_calls else reason',
                 'return "tool_calls" if self.tool_calls else reason',
             ),
@@ -2491,7 +2680,8 @@ BREAKAGES = (
         "every streamed call has index 0: a client merges two parallel calls into one",
         (
             Patch(
-                "kvsnap/http/tool_calls.py",
+                "kvsnap.http.tool_calls",
+                "AnswerSplitter._end_call",
                 'call["index"] = len(self.tool_calls)',
                 'call["index"] = 0',
             ),
@@ -2507,7 +2697,8 @@ BREAKAGES = (
         "a call cut before its end marker (max_tokens) is dropped",
         (
             Patch(
-                "kvsnap/http/tool_calls.py",
+                "kvsnap.http.tool_calls",
+                "AnswerSplitter.finish",
                 "            deltas += self._end_call(closed=False)\n",
                 '            self._tool_text = ""\n',
             ),
@@ -2524,7 +2715,8 @@ BREAKAGES = (
         'a call written with "parameters" (Llama-3.1\'s key) arrives with arguments {}',
         (
             Patch(
-                "kvsnap/http/tool_calls.py",
+                "kvsnap.http.tool_calls",
+                "_openai_call",
                 'parsed.get("arguments", parsed.get("parameters", {}))',
                 'parsed.get("arguments", {})',
             ),
@@ -2541,7 +2733,8 @@ BREAKAGES = (
         "<think> keeps its reasoning and </think> in content",
         (
             Patch(
-                "kvsnap/http/tool_calls.py",
+                "kvsnap.http.tool_calls",
+                "output_rules",
                 'reasoning_first=reasoning_parser == "deepseek_r1",',
                 "reasoning_first=False,",
             ),
@@ -2557,7 +2750,8 @@ BREAKAGES = (
         "the sampled token's logprob is the likeliest token's (greedy runs cannot tell)",
         (
             Patch(
-                "kvsnap/runtime/engine/sampling.py",
+                "kvsnap.runtime.engine.sampling",
+                "token_logprob",
                 "    chosen = cast(float, logprobs[token].item())\n",
                 "    chosen = cast(float, logprobs.max().item())\n",
             ),
@@ -2573,7 +2767,8 @@ BREAKAGES = (
         "every top_logprobs entry carries the chosen token's text and bytes",
         (
             Patch(
-                "kvsnap/http/logprobs.py",
+                "kvsnap.http.logprobs",
+                "chat_logprobs",
                 '"top_logprobs": [one(i, v) for i, v in e.top]',
                 '"top_logprobs": [one(e.token, v) for i, v in e.top]',
             ),
@@ -2590,7 +2785,8 @@ BREAKAGES = (
         "in a completion's top_logprobs, tokens whose texts are alike keep the less likely value",
         (
             Patch(
-                "kvsnap/http/logprobs.py",
+                "kvsnap.http.logprobs",
+                "completion_logprobs",
                 "            alike.setdefault(_text(token_bytes(i)), v)\n",
                 "            alike[_text(token_bytes(i))] = v\n",
             ),
@@ -2605,7 +2801,8 @@ BREAKAGES = (
         "included: decoding looks faster than it is",
         (
             Patch(
-                "kvsnap/http/metrics.py",
+                "kvsnap.http.metrics",
+                "Metrics.finished",
                 "self.tpot.observe((done - first) / (state.completion_tokens - 1))",
                 "self.tpot.observe((done - first) / state.completion_tokens)",
             ),
@@ -2618,7 +2815,8 @@ BREAKAGES = (
         "kvsnap_cache_bytes adds the size of entries only indexed, not in memory",
         (
             Patch(
-                "kvsnap/http/metrics.py",
+                "kvsnap.http.metrics",
+                "EngineCollector._entries",
                 "nbytes[kind] += entry.nbytes if entry.loaded else 0",
                 "nbytes[kind] += entry.nbytes",
             ),
@@ -2631,7 +2829,8 @@ BREAKAGES = (
         "kvsnap_persist_enabled stays 1 after a full disk stopped persisting",
         (
             Patch(
-                "kvsnap/http/metrics.py",
+                "kvsnap.http.metrics",
+                "EngineCollector._persist",
                 'int(bool(persist.get("enabled")) and not persist.get("disabled"))',
                 'int(bool(persist.get("enabled")))',
             ),
@@ -2645,7 +2844,8 @@ BREAKAGES = (
         "counted as status 200",
         (
             Patch(
-                "kvsnap/http/metrics.py",
+                "kvsnap.http.metrics",
+                "RequestCounter.__call__",
                 "        status = 500  # unless a response starts",
                 "        status = 200  # unless a response starts",
             ),
@@ -2659,7 +2859,8 @@ BREAKAGES = (
         "cached, its last token (computed) included",
         (
             Patch(
-                "kvsnap/runtime/engine/accounting.py",
+                "kvsnap.runtime.engine.accounting",
+                "reported_cached_tokens",
                 "return max(min(told_exactly, cached), cached - cached % granularity)",
                 "return max(told_exactly, cached - cached % granularity)",
             ),
@@ -2674,7 +2875,14 @@ BREAKAGES = (
         "4. nothing lost, nothing half-written (persisted conversations)",
         "a bad block the writer rewrote stays marked bad: every later record reaching it "
         "copies and rewrites it again",
-        (Patch("kvsnap/store/parts.py", "                self._bad.discard(part)\n", ""),),
+        (
+            Patch(
+                "kvsnap.store.parts",
+                "PartHealth.mark_good",
+                "                self._bad.discard(part)\n",
+                "",
+            ),
+        ),
         (DAMAGE + "test_a_rewritten_bad_block_is_good_again_and_not_rewritten_by_later_records",),
     ),
     Breakage(
@@ -2684,7 +2892,8 @@ BREAKAGES = (
         "request's, when its key collides with the one looked up",
         (
             Patch(
-                "kvsnap/runtime/persist/persister.py",
+                "kvsnap.runtime.persist.persister",
+                "Persister._checked_record",
                 "            info.prompt_digest != conv_digest\n            or ",
                 "            ",
             ),
@@ -2701,7 +2910,8 @@ BREAKAGES = (
         "quantizes once the offset reaches the start): a build no longer restores there",
         (
             Patch(
-                "kvsnap/snapshot/blocks.py",
+                "kvsnap.snapshot.blocks",
+                "kv_form_at",
                 "if n_tokens >= (identity.quantized_kv_start or 0)",
                 "if n_tokens > (identity.quantized_kv_start or 0)",
             ),
@@ -2718,7 +2928,8 @@ BREAKAGES = (
         "quantized state): a warm prompt ending there has no checkpoint to restore",
         (
             Patch(
-                "kvsnap/runtime/persist/writeback.py",
+                "kvsnap.runtime.persist.writeback",
+                "ChainPlan.links",
                 "link.checkpoint_key and link.end < start else link",
                 "link.checkpoint_key and link.end <= start else link",
             ),
@@ -2732,7 +2943,8 @@ BREAKAGES = (
         "usable: the other ranks pin it, this one does not (a hit on one rank, a miss on another)",
         (
             Patch(
-                "kvsnap/integrations/mlx_lm/sharded.py",
+                "kvsnap.integrations.mlx_lm.sharded",
+                "ShardedSource.agree",
                 "None if reason is None and info is not None else",
                 "None if reason is None else",
             ),
@@ -2751,7 +2963,8 @@ BREAKAGES = (
         "the ranks share one folder (one host, a network share): they race on the same paths",
         (
             Patch(
-                "kvsnap/runtime/sharding/agreement.py",
+                "kvsnap.runtime.sharding.agreement",
+                "elect_writers",
                 "    return made and (not seen or seen[0] == ranks.rank)\n",
                 "    return made\n",
             ),
@@ -2770,7 +2983,8 @@ BREAKAGES = (
         "key sending many cache_salts holds a share for each and evicts another key's records",
         (
             Patch(
-                "kvsnap/store/conversation_space.py",
+                "kvsnap.store.conversation_space",
+                "ConversationRecord.owner",
                 "        return self.tenant or self.namespace\n",
                 "        return self.namespace\n",
             ),
@@ -2789,12 +3003,14 @@ BREAKAGES = (
         "generator: a greedy request beside another key's sampled one samples too",
         (
             Patch(
-                "kvsnap/integrations/vllm_mlx/sampling.py",
+                "kvsnap.integrations.vllm_mlx.sampling",
+                "own_row_samplers._ensure_batch_generator",
                 "        ensure(self, shared)\n",
                 "        ensure(self, sampling_params)\n",
             ),
             Patch(
-                "kvsnap/integrations/vllm_mlx/sampling.py",
+                "kvsnap.integrations.vllm_mlx.sampling",
+                "own_row_samplers._create_batch_generator.insert_with_sampler",
                 '                kwargs["samplers"] = [sampler for _ in prompts]\n',
                 "                pass\n",
             ),
@@ -2811,7 +3027,8 @@ BREAKAGES = (
         "sampler list untrimmed, and later rows take another request's sampler",
         (
             Patch(
-                "kvsnap/integrations/vllm_mlx/sampling.py",
+                "kvsnap.integrations.vllm_mlx.sampling",
+                "own_row_samplers._create_batch_generator.insert_with_sampler",
                 '                kwargs["samplers"] = [sampler for _ in prompts]\n',
                 '                kwargs["samplers"] = [None if sampler is greedy else sampler]\n',
             ),
@@ -2828,7 +3045,8 @@ BREAKAGES = (
         "or apply_min_p raising in the batch",
         (
             Patch(
-                "kvsnap/integrations/vllm_mlx/sampling.py",
+                "kvsnap.integrations.vllm_mlx.sampling",
+                "guard_sampling",
                 "    server.app.add_middleware(SamplingChecks, "
                 'api_key=lambda: getattr(server, "_api_key", None))\n',
                 "",
@@ -2846,7 +3064,8 @@ BREAKAGES = (
         "never reported",
         (
             Patch(
-                "kvsnap/integrations/vllm_mlx/sampling.py",
+                "kvsnap.integrations.vllm_mlx.sampling",
+                "own_row_samplers._process_batch_responses",
                 "            if sampler is not None and sampler.error is not None "
                 "and rid is not None:",
                 "            if False:",
@@ -2861,7 +3080,8 @@ BREAKAGES = (
         "unusable: every later draw on it raises",
         (
             Patch(
-                "kvsnap/integrations/vllm_mlx/sampling.py",
+                "kvsnap.integrations.vllm_mlx.sampling",
+                "RowSampler.__call__",
                 "            mx.random.seed(random.getrandbits(63))\n",
                 "            pass\n",
             ),
@@ -2875,7 +3095,8 @@ BREAKAGES = (
         "token (1 - top_p rounds to 1): a random draw",
         (
             Patch(
-                "kvsnap/integrations/vllm_mlx/sampling.py",
+                "kvsnap.integrations.vllm_mlx.sampling",
+                "row_sampler.sample",
                 "        if top_p * logprobs.shape[-1] <= 1:",
                 "        if False:",
             ),
@@ -2889,7 +3110,8 @@ BREAKAGES = (
         "fleet's secret opens as data",
         (
             Patch(
-                "kvsnap/store/tier_values.py",
+                "kvsnap.store.tier_values",
+                "unseal",
                 'header["mac"], _mac(secret, header, payload)',
                 'header["mac"], header["mac"]',
             ),
@@ -2902,7 +3124,8 @@ BREAKAGES = (
         "the namespace tag ignores the namespace: two API keys' conversations share names",
         (
             Patch(
-                "kvsnap/store/tier_values.py",
+                "kvsnap.store.tier_values",
+                "namespace_tag",
                 'b"kvsnap-tier-ns|" + namespace.encode()',
                 'b"kvsnap-tier-ns|"',
             ),
@@ -2919,7 +3142,8 @@ BREAKAGES = (
         "a request waits for the tier's answer however long it takes, past the budget",
         (
             Patch(
-                "kvsnap/runtime/persist/shared_tier.py",
+                "kvsnap.runtime.persist.shared_tier",
+                "SharedTier.fetch",
                 "return future.result(timeout=self.options.budget_s)",
                 "return future.result()",
             ),
@@ -2932,7 +3156,8 @@ BREAKAGES = (
         "the breaker never opens: a failing tier is asked by every request",
         (
             Patch(
-                "kvsnap/runtime/persist/shared_tier.py",
+                "kvsnap.runtime.persist.shared_tier",
+                "Breaker.failure",
                 "if self.probing or self.failures >= self.failures_to_open:",
                 "if False:",
             ),
@@ -2948,7 +3173,8 @@ BREAKAGES = (
         "the write-behind queue never drops: a slow tier grows the server's memory without end",
         (
             Patch(
-                "kvsnap/runtime/persist/shared_tier.py",
+                "kvsnap.runtime.persist.shared_tier",
+                "SharedTier.push",
                 "while len(self._queue) > 1 and self._queued_bytes > self.options.queue_bytes:",
                 "while False:",
             ),
@@ -2961,7 +3187,8 @@ BREAKAGES = (
         "the local writer never hands a written record to the tier",
         (
             Patch(
-                "kvsnap/runtime/persist/persister.py",
+                "kvsnap.runtime.persist.persister",
+                "Persister.open",
                 "writer.on_written = persister._write_behind",
                 "writer.on_written = None",
             ),
@@ -2974,7 +3201,8 @@ BREAKAGES = (
         "a secret the tier lost is never put back: a replica started later uses another one",
         (
             Patch(
-                "kvsnap/runtime/persist/shared_tier.py",
+                "kvsnap.runtime.persist.shared_tier",
+                "SharedTier._put",
                 "self._secret = self.backend.shared_secret(keep=self._secret)",
                 "pass",
             ),
@@ -2988,7 +3216,8 @@ BREAKAGES = (
         "turn on another replica finds nothing",
         (
             Patch(
-                "kvsnap/runtime/persist/shared_tier.py",
+                "kvsnap.runtime.persist.shared_tier",
+                "SharedTier._put",
                 "self.backend.index_add(names.index, fields.key, self.options.index_limit)",
                 "self.backend.index_add(names.index, fields.key, self.options.index_limit)\n"
                 "        others = self.backend.index_members(names.index) - {fields.key}\n"
@@ -3004,13 +3233,190 @@ BREAKAGES = (
 
 
 class PatchError(Exception):
-    """A breakage's snippet is not in the code any more (or not only once)."""
+    """A breakage's target is gone, or its pattern matches it zero times or more than once."""
 
 
-def make_copy(dest: Path) -> None:
+def module_path(module: str, root: Path) -> str:
+    """A patch's file: the module's .py (or its package's __init__), or a file's path as is."""
+    if (root / module).is_file():
+        return module
+    base = module.replace(".", "/")
+    return f"{base}/__init__.py" if (root / base / "__init__.py").is_file() else f"{base}.py"
+
+
+def definitions(tree: ast.Module) -> list[tuple[str, int, int]]:
+    """(qualified name, first line counting decorators, last line) of every def and class."""
+    found: list[tuple[str, int, int]] = []
+
+    def walk(node: ast.AST, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                first = min([child.lineno] + [d.lineno for d in child.decorator_list])
+                found.append((prefix + child.name, first, child.end_lineno or child.lineno))
+                walk(child, f"{prefix}{child.name}.")
+            else:
+                walk(child, prefix)
+
+    walk(tree, "")
+    return found
+
+
+def canonical(texts: dict[str, str]) -> dict[str, str]:
+    """Python sources laid out one way whatever their width: ruff at 100 columns with magic
+    trailing commas ignored (one ruff run for them all)."""
+    if not texts:
+        return {}
+    with tempfile.TemporaryDirectory(prefix="kvsnap-canonical-") as tmp:
+        files = {path: Path(tmp) / f"f{i}.py" for i, path in enumerate(texts)}
+        for path, file in files.items():
+            file.write_text(texts[path])
+        r = subprocess.run(
+            [sys.executable, "-m", "ruff", "format", "--isolated", "--no-cache", "--quiet"]
+            + ["--line-length", "100", "--target-version", "py310"]
+            + ["--config", "format.skip-magic-trailing-comma=true"]
+            + ["--config", "lint.isort.split-on-trailing-comma=false", tmp],
+            capture_output=True,
+            text=True,
+        )
+        if r.returncode != 0:
+            raise PatchError(f"ruff could not format {', '.join(texts)}: {r.stderr.strip()}")
+        return {path: file.read_text() for path, file in files.items()}
+
+
+TOKEN = re.compile(r"\w+|\S")
+
+
+def is_word(token: str) -> bool:
+    return token[0].isalnum() or token[0] == "_"
+
+
+def pattern(old: str) -> re.Pattern[str]:
+    """`old` as a regex blind to whitespace and to a trailing comma before a closing bracket.
+    Leading whitespace anchors it to a line's start, a final newline to a line's end."""
+    tokens = TOKEN.findall(old)
+    if not tokens:
+        raise ValueError("an empty pattern")
+    parts = [r"(?<!\w)" if is_word(tokens[0]) else ""]
+    for k, token in enumerate(tokens):
+        if k:
+            parts.append(r"\s+" if is_word(tokens[k - 1]) and is_word(token) else r"\s*")
+        if token in ")]}" and (k == 0 or tokens[k - 1] != ","):
+            parts.append(r"(?:,\s*)?" + re.escape(token))
+        elif token == "," and tokens[k + 1 : k + 2] in ([")"], ["]"], ["}"]):
+            parts.append(",?")
+        else:
+            parts.append(re.escape(token))
+    parts.append(r"(?!\w)" if is_word(tokens[-1]) else "")
+    start = r"^[ \t]*" if old[:1].isspace() else ""
+    end = r"(?=[ \t]*$)" if old.endswith("\n") else ""
+    return re.compile(f"{start}(?P<code>{''.join(parts)}){end}", re.M)
+
+
+def replacement(name: str, patch: Patch) -> str:
+    """`new` less the blanks around `old`: the match keeps the line's own indentation."""
+    old, new = patch.old, patch.new
+    lead, trail = old[: len(old) - len(old.lstrip())], old[len(old.rstrip()) :]
+    if not new.strip():
+        return ""
+    if not (new.startswith(lead) and new.endswith(trail)):
+        raise PatchError(f"{name}: new must start and end with the blanks old starts and ends with")
+    return new[len(lead) : len(new) - len(trail)]
+
+
+def where(patch: Patch) -> str:
+    return f"{patch.module}, " + (f"in {patch.function}" if patch.function else "module level")
+
+
+def line_starts(text: str) -> list[int]:
+    """The offset of each line's first character, 1-based (index 0 unused), and the end."""
+    return [0, 0] + [m.end() for m in re.finditer("\n", text)] + [len(text)]
+
+
+def patch_text(name: str, patch: Patch, text: str, python: bool) -> str:
+    """`text` with the patch applied inside its target: one match, or PatchError."""
+    if patch.function is None:
+        spans = [(0, len(text))]
+    elif not python:
+        raise PatchError(f"{name}: {patch.module} is not Python; name no function for it")
+    else:
+        starts = line_starts(text)
+        spans = [
+            (starts[first], starts[min(last + 1, len(starts) - 1)])
+            for qualname, first, last in definitions(ast.parse(text))
+            if qualname == patch.function
+        ]
+        if not spans:
+            raise PatchError(
+                f"breakage target is gone: {name}: no def or class {patch.function} in "
+                f"{patch.module}; update its Patch in {Path(__file__).name}"
+            )
+    found = [m for a, b in spans for m in pattern(patch.old).finditer(text, a, b)]
+    if len(found) != 1:
+        raise PatchError(
+            f"breakage patch no longer applies: {name}: the pattern {patch.old.strip()[:80]!r} "
+            f"matches {len(found)} times in {where(patch)} (once needed); update its Patch "
+            f"in {Path(__file__).name}"
+        )
+    m = found[0]
+    return text[: m.start("code")] + replacement(name, patch) + text[m.end("code") :]
+
+
+def splice(original: str, patched: str, targets: set[str]) -> str:
+    """The original with only its target definitions replaced by their patched canonical text
+    (all of the patched text when a target went or the targets no longer line up)."""
+    spans = {}
+    for label, text in (("original", original), ("patched", patched)):
+        spans[label] = [
+            (first, last)
+            for qualname, first, last in definitions(ast.parse(text))
+            if qualname in targets
+            and not any(qualname.startswith(t + ".") for t in targets)  # the outermost only
+        ]
+    if len(spans["original"]) != len(spans["patched"]):
+        return patched
+    lines, new_lines = original.splitlines(keepends=True), patched.splitlines(keepends=True)
+    pairs = list(zip(spans["original"], spans["patched"]))
+    for (first, last), (p_first, p_last) in reversed(pairs):
+        lines[first - 1 : last] = new_lines[p_first - 1 : p_last]
+    return "".join(lines)
+
+
+def patched_files(
+    breakage: Breakage, root: Path, layout: Callable[[dict[str, str]], dict[str, str]] = canonical
+) -> dict[str, str]:
+    """The breakage's files (path -> broken text), nothing written: each Python file laid out
+    the canonical way, its targets patched there, then spliced back into the file as it is."""
+    by_path: dict[str, list[Patch]] = {}
+    for patch in breakage.patches:
+        path = module_path(patch.module, root)
+        if not (root / path).is_file():
+            raise PatchError(
+                f"breakage target is gone: {breakage.name}: no module {patch.module} ({path}); "
+                f"update its Patch in {Path(__file__).name}"
+            )
+        by_path.setdefault(path, []).append(patch)
+    originals = {path: (root / path).read_text() for path in by_path}
+    laid_out = layout({path: t for path, t in originals.items() if path.endswith(".py")})
+    out = {}
+    for path, patches in by_path.items():
+        text = laid_out.get(path, originals[path])
+        try:
+            for patch in patches:
+                text = patch_text(breakage.name, patch, text, path in laid_out)
+            if path in laid_out and all(p.function is not None for p in patches):
+                text = splice(originals[path], text, {str(p.function) for p in patches})
+            if path.endswith(".py"):
+                compile(text, path, "exec")
+        except SyntaxError as exc:
+            raise PatchError(f"breakage leaves no valid Python: {breakage.name}: {exc}") from exc
+        out[path] = text
+    return out
+
+
+def make_copy(dest: Path, root: Path) -> None:
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc", ".pytest_cache")
     for name in COPIED:
-        src = ROOT / name
+        src = root / name
         if src.is_dir():
             shutil.copytree(src, dest / name, ignore=ignore)
         else:
@@ -3018,18 +3424,78 @@ def make_copy(dest: Path) -> None:
 
 
 def apply(breakage: Breakage, copy: Path) -> None:
-    for patch in breakage.patches:
-        target = copy / patch.path
-        text = target.read_text()
-        count = text.count(patch.old)
-        if count != 1:
-            where = "is not" if count == 0 else f"appears {count} times"
-            raise PatchError(
-                f"breakage patch no longer applies: {breakage.name}: the snippet "
-                f"{patch.old.strip()[:80]!r} {where} in {patch.path}; update BREAKAGES in "
-                f"{Path(__file__).name}"
-            )
-        target.write_text(text.replace(patch.old, patch.new))
+    for path, text in patched_files(breakage, copy).items():
+        (copy / path).write_text(text)
+
+
+def module_tests(root: Path) -> dict[str, list[str]]:
+    """kvsnap module path -> its tests: the mirrored tests/<folders>/test_<name>.py, then the
+    files docs/design.md's module map names in its tests column."""
+    doc = (root / "docs" / "design.md").read_text()
+    section = doc.split("\n## Modules\n", 1)[1].split("\n## ", 1)[0]
+    named: dict[str, list[str]] = {}
+    for line in section.splitlines():
+        if line.startswith("| `"):
+            cells = [c.strip() for c in line.strip().strip("|").split(" | ")]
+            for module in re.findall(r"`((?:[a-z_]+/)*[a-z_]+\.py)`", cells[0]):
+                named[f"kvsnap/{module}"] = re.findall(r"`(tests/[^`]+\.py)`", cells[-1])
+    out = {}
+    for path in sorted((root / "kvsnap").rglob("*.py")):
+        module = str(path.relative_to(root))
+        mirrored = Path("tests", *Path(module).parts[1:-1], f"test_{path.name}")
+        first = [str(mirrored)] if (root / mirrored).is_file() else []
+        out[module] = list(dict.fromkeys(first + named.get(module, [])))
+    return out
+
+
+def guards_of(breakage: Breakage, root: Path) -> tuple[str, ...]:
+    """The breakage's own guards (test node ids, the narrowest), else the tests of the modules
+    it patches."""
+    if breakage.guards:
+        return breakage.guards
+    tests = module_tests(root)
+    return tuple(
+        dict.fromkeys(
+            t for p in breakage.patches for t in tests.get(module_path(p.module, root), [])
+        )
+    )
+
+
+def guard_problem(node_id: str, root: Path, parsed: dict[str, ast.Module]) -> str | None:
+    """Why a guard's node id names no test in the tree (its file, class and function), if so."""
+    path, *names = node_id.split("::")
+    if not (root / path).is_file():
+        return f"guard {node_id}: no file {path}"
+    if path not in parsed:
+        parsed[path] = ast.parse((root / path).read_text())
+    scope: list[ast.stmt] = parsed[path].body
+    for name in (n.split("[", 1)[0] for n in names):
+        node = next((n for n in scope if getattr(n, "name", None) == name), None)
+        if node is None:
+            return f"guard {node_id}: no {name} in {path}"
+        scope = getattr(node, "body", [])
+    return None
+
+
+def check_applies(chosen: list[Breakage], root: Path) -> list[str]:
+    """Every breakage's patches apply to the tree at `root` and leave valid Python, and every
+    guard names a test there; nothing is copied and no test runs."""
+    paths = {module_path(p.module, root) for b in chosen for p in b.patches}
+    laid_out = canonical(
+        {p: (root / p).read_text() for p in paths if p.endswith(".py") and (root / p).is_file()}
+    )
+    problems: list[str] = []
+    parsed: dict[str, ast.Module] = {}
+    for b in chosen:
+        try:
+            patched_files(b, root, lambda texts: {p: laid_out[p] for p in texts})
+        except PatchError as exc:
+            problems.append(str(exc))
+        for guard in guards_of(b, root):
+            problem = guard_problem(guard, root, parsed)
+            if problem:
+                problems.append(f"{b.name}: {problem}")
+    return problems
 
 
 def copy_env(copy: Path) -> dict:
@@ -3079,6 +3545,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--list", action="store_true", help="print the breakages and their guards, run nothing"
     )
     parser.add_argument(
+        "--check-applies",
+        action="store_true",
+        help="only check that every breakage applies and its guards exist (seconds, no test)",
+    )
+    parser.add_argument(
         "--only",
         action="append",
         default=[],
@@ -3090,11 +3561,18 @@ def parse_args(argv=None) -> argparse.Namespace:
         action="store_true",
         help="skip the run of every guard on the unbroken copy",
     )
+    parser.add_argument(
+        "--root",
+        type=Path,
+        default=ROOT,
+        help="the tree to break (default: this checkout); it holds kvsnap/, tests/, docs/",
+    )
     return parser.parse_args(argv)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    root = args.root.resolve()
     names = {b.name for b in BREAKAGES}
     unknown = [n for n in args.only if n not in names]
     if unknown:
@@ -3108,17 +3586,29 @@ def main(argv=None) -> int:
     if args.list:
         for b in chosen:
             print(f"{b.name}  [{b.contract}]  {b.what}")
-            for g in b.guards:
+            for p in b.patches:
+                print(f"    patches {where(p)}")
+            for g in guards_of(b, root):
                 print(f"    {g}")
         return 0
-
+    if args.check_applies:
+        t0 = time.monotonic()
+        problems = check_applies(chosen, root)
+        for problem in problems:
+            print(f"ERROR   {problem}")
+        n_patches = sum(len(b.patches) for b in chosen)
+        print(
+            f"{len(chosen)} breakages ({n_patches} patches) checked against {root}: "
+            f"{len(problems) or 'no'} problem(s) ({time.monotonic() - t0:.1f} s)"
+        )
+        return 1 if problems else 0
     results: list[tuple[str, str, str]] = []
     with tempfile.TemporaryDirectory(prefix="kvsnap-mutation-") as tmp:
         if not args.no_baseline:
             base = Path(tmp) / "baseline"
-            make_copy(base)
+            make_copy(base, root)
             check_import_location(base)
-            guards = tuple(dict.fromkeys(g for b in chosen for g in b.guards))
+            guards = tuple(dict.fromkeys(g for b in chosen for g in guards_of(b, root)))
             t0 = time.monotonic()
             rc, failed, tail = run_guards(base, guards)
             print(
@@ -3135,7 +3625,7 @@ def main(argv=None) -> int:
                 return 1
         for b in chosen:
             copy = Path(tmp) / b.name
-            make_copy(copy)
+            make_copy(copy, root)
             try:
                 apply(b, copy)
             except PatchError as exc:
@@ -3144,16 +3634,16 @@ def main(argv=None) -> int:
                 continue
             check_import_location(copy)
             t0 = time.monotonic()
-            rc, failed, tail = run_guards(copy, b.guards)
+            rc, failed, tail = run_guards(copy, guards_of(b, root))
             took = f"{time.monotonic() - t0:.0f} s"
             if rc == 1 and failed:
-                names = ", ".join(node.split("::", 1)[-1] for node, _ in failed)
+                failures = ", ".join(node.split("::", 1)[-1] for node, _ in failed)
                 verdict, detail = (
                     "caught",
-                    f"failed: {names}\n          first: {failed[0][1][:160]}",
+                    f"failed: {failures}\n          first: {failed[0][1][:160]}",
                 )
             elif rc == 0:
-                verdict, detail = "MISSED", f"all {len(b.guards)} guard(s) passed"
+                verdict, detail = "MISSED", f"all {len(guards_of(b, root))} guard(s) passed"
             else:
                 verdict, detail = (
                     "ERROR",
