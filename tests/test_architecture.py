@@ -5,6 +5,7 @@ map kept equal to the tree."""
 from __future__ import annotations
 
 import ast
+import importlib.util
 import re
 from pathlib import Path
 
@@ -477,3 +478,36 @@ def test_design_doc_module_map_matches_the_tree():
     }
     assert sorted(tree - named) == [], "modules missing from docs/design.md's module map"
     assert sorted(named - tree) == [], "docs/design.md names modules that do not exist"
+
+
+def layers_diagram_script():
+    """scripts/layers_diagram.py, loaded by path (scripts/ is no package)."""
+    path = ROOT / "scripts" / "layers_diagram.py"
+    spec = importlib.util.spec_from_file_location("layers_diagram", path)
+    assert spec is not None and spec.loader is not None
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    return script
+
+
+def test_design_doc_layers_picture_is_drawn_from_the_imports():
+    script = layers_diagram_script()
+    doc = (ROOT / "docs" / "design.md").read_text()
+    fix = "docs/design.md's layers picture is out of date: run python scripts/layers_diagram.py"
+    assert script.with_diagram(doc, script.diagram()) == doc, fix
+
+
+def test_the_picture_places_the_base_as_this_test_does():
+    script = layers_diagram_script()
+    drawn = {name for name in modules() if script.group_of(name) == "base"}
+    assert drawn == BASE - {"kvsnap"}
+
+
+def test_the_picture_check_sees_a_new_arrow():
+    """An import the tree does not have yet (the store reaching sharding) changes the picture."""
+    script = layers_diagram_script()
+    graph = script.import_graph()
+    graph["kvsnap.runtime.sharding.ranks"].add("kvsnap.store.local")
+    doc = (ROOT / "docs" / "design.md").read_text()
+    assert "store --> runtime_sharding" in script.diagram(graph)
+    assert script.with_diagram(doc, script.diagram(graph)) != doc
