@@ -480,6 +480,29 @@ def test_design_doc_module_map_matches_the_tree():
     assert sorted(named - tree) == [], "docs/design.md names modules that do not exist"
 
 
+# A row of the module map says its module's job in a line; the detail is the module's docstring.
+OWNS_LIMIT = 160
+
+
+def long_owns_cells(doc: str) -> list[str]:
+    table = doc.split("\n## Modules\n", 1)[1].split("\n## ", 1)[0]
+    rows = [line.strip(" |").split(" | ") for line in table.splitlines() if line.startswith("| `")]
+    return [f"{row[0]}: {len(row[1])}" for row in rows if len(row[1]) > OWNS_LIMIT]
+
+
+def test_the_module_map_says_each_job_in_a_line():
+    long = long_owns_cells((ROOT / "docs" / "design.md").read_text())
+    assert long == [], (
+        f"docs/design.md's module map: cut these 'owns' cells to {OWNS_LIMIT} characters and say "
+        f"the rest in the module's docstring: {long}"
+    )
+
+
+def test_the_row_check_sees_a_long_cell():
+    doc = "\n## Modules\n\n| `a.py` | " + "x" * (OWNS_LIMIT + 1) + " | no | none: - |\n"
+    assert long_owns_cells(doc) == [f"`a.py`: {OWNS_LIMIT + 1}"]
+
+
 def layers_diagram_script():
     """scripts/layers_diagram.py, loaded by path (scripts/ is no package)."""
     path = ROOT / "scripts" / "layers_diagram.py"
