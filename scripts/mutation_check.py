@@ -1317,7 +1317,7 @@ BREAKAGES = (
         "`serve A --model B` serves A and ignores B without a word",
         (
             Patch(
-                "kvsnap.commands.serve",
+                "kvsnap.commands.serve_checks",
                 "served_model",
                 "    if positional is not None and flag is not None and positional != flag:\n",
                 "    if False:\n",
