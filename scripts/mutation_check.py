@@ -12,7 +12,7 @@ canonical way (ruff at 100 columns, magic trailing commas ignored), the definiti
 ast (decorators included), and `old` matched there blind to whitespace, so reformatting the
 tree at another width or moving the function inside its module leaves the list as it is.
 A target that is gone, or an `old` matching it zero times or twice, fails loudly naming the
-breakage, the module and the function. A breakage's guards are its own test node ids; one
+breakage, the module and the function (and, with --check-applies, where `old` matches now). A breakage's guards are its own test node ids; one
 naming none runs the tests of the modules it patches (docs/design.md's module map).
 Before any breakage the guards run once on an unbroken copy, so "caught" never means
 "was already failing".
@@ -3235,6 +3235,10 @@ BREAKAGES = (
 class PatchError(Exception):
     """A breakage's target is gone, or its pattern matches it zero times or more than once."""
 
+    def __init__(self, message: str, patch: Patch | None = None) -> None:
+        super().__init__(message)
+        self.patch = patch  # the patch to look for elsewhere in the package, when one failed
+
 
 def module_path(module: str, root: Path) -> str:
     """A patch's file: the module's .py (or its package's __init__), or a file's path as is."""
@@ -3348,14 +3352,16 @@ def patch_text(name: str, patch: Patch, text: str, python: bool) -> str:
         if not spans:
             raise PatchError(
                 f"breakage target is gone: {name}: no def or class {patch.function} in "
-                f"{patch.module}; update its Patch in {Path(__file__).name}"
+                f"{patch.module}; update its Patch in {Path(__file__).name}",
+                patch,
             )
     found = [m for a, b in spans for m in pattern(patch.old).finditer(text, a, b)]
     if len(found) != 1:
         raise PatchError(
             f"breakage patch no longer applies: {name}: the pattern {patch.old.strip()[:80]!r} "
             f"matches {len(found)} times in {where(patch)} (once needed); update its Patch "
-            f"in {Path(__file__).name}"
+            f"in {Path(__file__).name}",
+            patch,
         )
     m = found[0]
     return text[: m.start("code")] + replacement(name, patch) + text[m.end("code") :]
@@ -3392,7 +3398,8 @@ def patched_files(
         if not (root / path).is_file():
             raise PatchError(
                 f"breakage target is gone: {breakage.name}: no module {patch.module} ({path}); "
-                f"update its Patch in {Path(__file__).name}"
+                f"update its Patch in {Path(__file__).name}",
+                patch,
             )
         by_path.setdefault(path, []).append(patch)
     originals = {path: (root / path).read_text() for path in by_path}
@@ -3486,16 +3493,39 @@ def check_applies(chosen: list[Breakage], root: Path) -> list[str]:
     )
     problems: list[str] = []
     parsed: dict[str, ast.Module] = {}
+    package: dict[str, str] = {}  # every module laid out, once a patch has to be looked for
     for b in chosen:
         try:
             patched_files(b, root, lambda texts: {p: laid_out[p] for p in texts})
         except PatchError as exc:
             problems.append(str(exc))
+            if exc.patch is not None:
+                if not package:
+                    files = sorted((root / "kvsnap").rglob("*.py"))
+                    package = canonical({str(f.relative_to(root)): f.read_text() for f in files})
+                found = found_in(exc.patch, package)
+                problems[-1] += (
+                    f"\n          its pattern now matches in: {'; '.join(found) or 'none'}"
+                )
         for guard in guards_of(b, root):
             problem = guard_problem(guard, root, parsed)
             if problem:
                 problems.append(f"{b.name}: {problem}")
     return problems
+
+
+def found_in(patch: Patch, laid_out: dict[str, str]) -> list[str]:
+    """Each place the patch's pattern matches: module and innermost definition (a moved target)."""
+    found = []
+    for path, text in sorted(laid_out.items()):
+        module = path.removesuffix(".py").removesuffix("/__init__").replace("/", ".")
+        defs = definitions(ast.parse(text))
+        for m in pattern(patch.old).finditer(text):
+            line = text.count("\n", 0, m.start("code")) + 1
+            # definitions come parents first: the last one holding the line is the innermost
+            inner = [q for q, first, last in defs if first <= line <= last]
+            found.append(f"{module}, " + (f"in {inner[-1]}" if inner else "module level"))
+    return found
 
 
 def copy_env(copy: Path) -> dict:

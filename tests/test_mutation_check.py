@@ -98,6 +98,9 @@ def test_a_function_that_is_gone_fails_the_check_naming_breakage_module_and_func
     r = check_applies(root)
     assert r.returncode == 1
     assert f"{b.name}: no def or class {patch.function} in {patch.module}" in r.stdout
+    # and it says where the pattern went, so the fix is one string
+    renamed = patch.function.removesuffix(name) + f"{name}_renamed"
+    assert f"its pattern now matches in: {patch.module}, in {renamed}" in r.stdout
 
 
 MODULE = """
