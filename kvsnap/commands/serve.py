@@ -1,5 +1,7 @@
 """`kvsnap serve` (kvsnap's OpenAI-compatible server), `kvsnap vllm-mlx` and `kvsnap mlx-lm`
-(vllm-mlx's and mlx-lm's own servers, started warm)."""
+(vllm-mlx's and mlx-lm's own servers, started warm). Serve's flags are rows of
+``serve_options.SERVE_OPTIONS`` and its start-up checks live in ``serve_checks``; here is the
+start-up itself, in order: check, bind, load, serve."""
 
 from __future__ import annotations
 

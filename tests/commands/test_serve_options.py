@@ -67,6 +67,13 @@ def test_the_docs_document_no_option_the_table_lacks():
     assert not extra, f"documented, but not in serve_options.SERVE_OPTIONS: {sorted(extra)}"
 
 
+def test_cli_md_serve_section_names_no_flag_the_table_lacks():
+    text = (DOCS / "cli.md").read_text()
+    section = text.split("\n## `kvsnap serve ", 1)[1].split("\n## ", 1)[0]
+    named = set(re.findall(r"--[a-z][a-z-]+", section))
+    assert named - set(flags_with_a_value()) == set()
+
+
 def test_the_check_sees_a_default_that_drifted(monkeypatch):
     port = next(o for o in SERVE_OPTIONS if o.flag == "--port")
     drifted = tuple(

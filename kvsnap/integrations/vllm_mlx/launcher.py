@@ -121,10 +121,10 @@ def persist_options(args: Any) -> PersistOptions | None:
             "wrapper, not an mlx-lm cache)"
         )
     return options.persist_options(
-        getattr(args, "persist_requests", False),
-        getattr(args, "persist_max_gb", None),
-        getattr(args, "persist_flush_timeout", None),
-        has_store=bool(getattr(args, "kv_snapshots", None)),
+        getattr(args, PERSIST_REQUESTS.name, False),
+        getattr(args, PERSIST_MAX_GB.name, None),
+        getattr(args, PERSIST_FLUSH_TIMEOUT.name, None),
+        has_store=bool(getattr(args, KV_SNAPSHOTS.name, None)),
         conflicts=conflicts,
     )
 
