@@ -186,6 +186,7 @@ class EngineCollector(Collector):
 BREAKER_STATES = ("closed", "open", "half-open")
 TIER_COUNTERS = (
     ("kvsnap_tier_hits", "hits", "conversations fetched from the shared tier"),
+    ("kvsnap_tier_kept", "kept", "fetched conversations then written to the local store"),
     ("kvsnap_tier_misses", "misses", "lookups the shared tier held nothing for (or evicted)"),
     ("kvsnap_tier_fetched_tokens", "fetched_tokens", "prompt tokens fetched instead of prefilled"),
     ("kvsnap_tier_bytes_in", "bytes_in", "bytes fetched from the shared tier"),

@@ -10,6 +10,7 @@ checking the file needs no mlx, so ``verify`` handles bf16 and runs without impo
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import os
@@ -139,6 +140,15 @@ def parse_cost(raw: bytes) -> int:
         + PARSE_COST_OBJECT * raw.count(b"{")
         + PARSE_COST_VALUE * (raw.count(b",") + raw.count(b"["))
     )
+
+
+def header_of_bytes(data: bytes | memoryview) -> Header:
+    """``parse_header`` of a file held in memory; only the header's bytes are copied (a
+    ``BytesIO`` of the whole would copy every tensor too)."""
+    view = memoryview(data)
+    declared = struct.unpack("<Q", view[:8])[0] if len(view) >= 8 else 0
+    head = bytes(view[: 8 + min(declared, MAX_HEADER_BYTES)])
+    return parse_header(io.BytesIO(head), len(view))
 
 
 def parse_header(f: BinaryIO, file_size: int) -> Header:

@@ -28,6 +28,7 @@ from kvsnap.snapshot.file import (
     OutTensor,
     check_data,
     finish_checksum,
+    header_of_bytes,
     read_header,
     write_snapshot,
 )
@@ -53,8 +54,9 @@ from kvsnap.store.fileio import (
     check_regular,
     read_tensors,
     store_files,
+    unfilled_tensors,
 )
-from kvsnap.store.part_readers import run_concurrently
+from kvsnap.store.part_readers import on_mlx_thread, run_concurrently
 
 FOLDER = {BLOCK_KIND: BLOCKS, CHECKPOINT_KIND: CHECKPOINTS}
 FIX = "rebuild it with `kvsnap build` (the chain is prefilled from the last good block)"
@@ -379,6 +381,29 @@ def read_part(
         info = inspect_part(path, header)
         _expect(info, kind, model_digest, start, end, prefix_digest)
         finish_checksum(header, checksum)
+    return info, arrays
+
+
+def part_from_bytes(
+    store: StoreFiles,
+    kind: str,
+    key: str,
+    model_digest: str,
+    start: int,
+    end: int,
+    prefix_digest: str | None,
+    data: bytes | memoryview,
+) -> tuple[PartInfo, dict]:
+    """``read_part`` for a part held in memory (a shared tier's fetch): the header checked
+    against what the chain expects, the data copied once into fresh mlx memory. ``data`` is
+    immutable bytes whose checksum was checked when they arrived (``check_part_bytes``)."""
+    path = part_path(store, kind, key)
+    with part_read_errors(path, kind):
+        header = header_of_bytes(data)
+        info = inspect_part(path, header)
+        _expect(info, kind, model_digest, start, end, prefix_digest)
+        view, arrays = on_mlx_thread(unfilled_tensors, header)
+        view[:] = memoryview(data)[header.data_start : header.data_start + header.data_len]
     return info, arrays
 
 

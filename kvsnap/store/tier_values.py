@@ -30,7 +30,7 @@ from kvsnap.key import ModelIdentity, hexdigest
 from kvsnap.snapshot.file import (
     FormatError,
     OutTensor,
-    parse_header,
+    header_of_bytes,
     verify_checksum,
     write_snapshot,
 )
@@ -155,7 +155,7 @@ class RecordFields:
 def _checked_record(data: bytes | memoryview):
     """A record file's parsed header and its tokens' bytes, its checksum checked."""
     try:
-        header = parse_header(io.BytesIO(data), len(data))
+        header = header_of_bytes(data)
         verify_checksum(header, memoryview(data)[header.data_start :])
         tok = header.tensors.get(TOKENS)
         if tok is None:
@@ -178,7 +178,7 @@ def record_info(data: bytes, path, max_tokens: int):
     from kvsnap.snapshot.header import inspect_header
 
     try:
-        header = parse_header(io.BytesIO(data), len(data))
+        header = header_of_bytes(data)
         tok = header.tensors.get(TOKENS)
         raw = None
         if tok is not None:
@@ -195,7 +195,7 @@ def check_part_bytes(kind: str, data: bytes | memoryview, path) -> None:
     from kvsnap.snapshot.chain import inspect_part
 
     try:
-        header = parse_header(io.BytesIO(data), len(data))
+        header = header_of_bytes(data)
         info = inspect_part(path, header)
         if info.kind != kind:
             raise FormatError(f"holds a {info.kind}, not a {kind}")

@@ -134,3 +134,40 @@ def test_parts_already_in_the_pool_start_no_reading_threads(built, monkeypatch):
     assert added == 0
     assert len(started) <= 1, started  # one reader took every cached part in turn
     assert held[0].blocks[0][2] is state.blocks[0][2]
+
+
+def test_parts_held_in_memory_load_as_read_from_their_files_and_are_checked_the_same(
+    built, monkeypatch
+):
+    """A record whose parts a shared tier's fetch holds in memory (``in_memory``) loads from
+    those bytes, not the files, into the same arrays; a part whose bytes are another span's
+    than the chain names is refused like a file would be."""
+    store, info = built
+    from_files, _ = load_composed(store, info, BlockPool())
+    spans = chain_of(info).blocks
+    held = {
+        (BLOCK_KIND, key): part_path(store, BLOCK_KIND, key).read_bytes() for key, _, _ in spans
+    }
+    checkpoints = (
+        {("checkpoint", p.stem): p.read_bytes() for p in (store.root / "checkpoints").rglob("*")}
+        if (store.root / "checkpoints").is_dir()
+        else {}
+    )
+    reads = []
+
+    def read(store_, kind, key, *rest):
+        reads.append((kind, key))
+        return read_part(store_, kind, key, *rest)
+
+    monkeypatch.setattr(store_parts, "read_part", read)
+    from_memory, added = load_composed(store, info, BlockPool(), in_memory={**held, **checkpoints})
+    assert added > 0 and not [r for r in reads if r[0] == BLOCK_KIND], reads
+    for (start, _, a), (_, _, b) in zip(from_files.blocks, from_memory.blocks):
+        assert a.arrays.keys() == b.arrays.keys()
+        for name in a.arrays:
+            assert mx.array_equal(a.arrays[name], b.arrays[name]).item(), (start, name)
+    # the first block's bytes offered as the second's: named, refused
+    swapped = {**held, (BLOCK_KIND, spans[1][0]): held[(BLOCK_KIND, spans[0][0])]}
+    with pytest.raises(SnapshotError) as err:
+        load_composed(store, info, BlockPool(), in_memory=swapped)
+    assert str(part_path(store, BLOCK_KIND, spans[1][0])) in str(err.value)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import threading
 import weakref
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Mapping
 
 from kvsnap.blas import preload_openblas
 
@@ -122,10 +122,12 @@ def load_composed(
     pool: BlockPool,
     end: int | None = None,
     checkpoint_key: str | None = None,
+    in_memory: Mapping[tuple[str, str], bytes | memoryview] | None = None,
 ) -> tuple[ComposedState, int]:
     """A v3 record's state at ``end`` (default: all of it) as pooled blocks; blocks already in
-    the pool are not read again. Returns the state and the bytes this load added to the pool.
-    Reading and checking are ``store.parts.read_state_parts``'s; SnapshotError names a bad part."""
+    the pool are not read again, nor are parts ``in_memory`` by (kind, key) (a shared
+    tier's fetch). Returns the state and the bytes this load added to the pool. Reading and
+    checking are ``store.parts.read_state_parts``'s; SnapshotError names a bad part."""
     n = info.n_tokens if end is None else end
     if checkpoint_key is None and n == info.n_tokens:
         checkpoint_key = end_checkpoint(info)
@@ -139,10 +141,15 @@ def load_composed(
         nonlocal added
         block = pool.get(key)
         if block is None:
-            # looked up on its module when called, so a test can count the reads
-            part, arrays = store_parts.read_part(
-                store, kind, key, info.model_digest, start, stop, digest
-            )
+            data = in_memory.get((kind, key)) if in_memory is not None else None
+            if data is not None:
+                part, arrays = store_parts.part_from_bytes(
+                    store, kind, key, info.model_digest, start, stop, digest, data
+                )
+            else:  # looked up on its module when called, so a test can count the reads
+                part, arrays = store_parts.read_part(
+                    store, kind, key, info.model_digest, start, stop, digest
+                )
             block, new = pool.add(key, arrays, part.layers)
             added += block.nbytes if new else 0
         held[key] = block

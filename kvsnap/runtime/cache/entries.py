@@ -8,7 +8,7 @@ state the model's shape check refuses is a SnapshotError, a load error the calle
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Protocol, cast
 
 from kvsnap.errors import SnapshotError
@@ -87,6 +87,19 @@ def snapshot_loader(
         return state, cache_nbytes_of(state)
 
     return load
+
+
+def fetched_loader(
+    store: Store,
+    info: SnapshotInfo,
+    parts: Mapping[tuple[str, str], bytes | memoryview],
+    pool: BlockPool | None,
+    check: CheckFn | None = None,
+) -> Callable[[], tuple]:
+    """Loads a record whose parts are held in memory (a shared tier's fetch, the store still
+    writing them) as pooled blocks; parts the pool or the store holds already come from there."""
+    into = pool if pool is not None else BlockPool()
+    return lambda: _checked(load_composed(store, info, into, in_memory=parts), info, check)
 
 
 def _checked(loaded: tuple, info: SnapshotInfo, check: CheckFn | None) -> tuple:

@@ -475,7 +475,7 @@ class Engine:
             return
         parts = self.ready()
         self.persister, self.persist_note = start_persister(
-            self.config.persist, self.store, parts.lm, parts.identity
+            self.config.persist, self.store, parts.lm, parts.identity, self.pool
         )
         if self.persister is not None:
             persister = self.persister

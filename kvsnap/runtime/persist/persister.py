@@ -22,6 +22,7 @@ from typing import Sequence
 
 from kvsnap.errors import SnapshotError, StoreError
 from kvsnap.key import ModelIdentity, tokens_digest
+from kvsnap.runtime.cache.composed import BlockPool
 from kvsnap.runtime.cache.prefix import Entry, PrefixCache
 from kvsnap.runtime.model.loading import LoadedModel
 from kvsnap.runtime.persist.options import PersistOptions, TierOptions
@@ -77,10 +78,17 @@ class Persister:
     unreadable: dict = field(default_factory=dict)  # record key -> its token count
     failed_loads: dict = field(default_factory=dict)  # the same, of records a load failed on
     tier: SharedTier | None = None  # --shared-tier: written behind, fetched on a local miss
+    # the engine's blocks: a persisted record loads as blocks shared with every state using them
+    pool: BlockPool | None = None
 
     @classmethod
     def open(
-        cls, store: Store, lm: LoadedModel, identity: ModelIdentity, options: PersistOptions
+        cls,
+        store: Store,
+        lm: LoadedModel,
+        identity: ModelIdentity,
+        options: PersistOptions,
+        pool: BlockPool | None = None,
     ) -> Persister:
         """Start persisting into ``store`` (writable); StoreError if its secret is unusable."""
         from kvsnap.faults import FaultHook
@@ -100,6 +108,7 @@ class Persister:
             recorded=recorded_fields(lm.settings),
             options=options,
             index=ConversationIndex(store.root),
+            pool=pool,
         )
         if options.shared_tier is not None:
             persister.tier = persister._open_tier(options.shared_tier)
@@ -270,14 +279,21 @@ class Persister:
     def offer(self, prefix: PrefixCache, tokens: Sequence[int], namespace: str) -> None:
         """Index the namespace's longest persisted record for ``tokens`` when it is longer
         than what memory holds; it loads on this request's fetch."""
-        from kvsnap.runtime.cache.entries import snapshot_loader
+        from kvsnap.runtime.cache.entries import fetched_loader, snapshot_loader
         from kvsnap.snapshot.cache_classes import layers_trimmable
 
         match = prefix.lookup(tokens, namespace)
-        info = self.persisted_for(tokens, namespace, match.n_cached if match else 0)
-        if info is None:
-            return
-        load = snapshot_loader(self.store, info, check=prefix.check_state)
+        above = match.n_cached if match else 0
+        fetched = self.tier.take_fresh(tokens, namespace, above) if self.tier else None
+        if fetched is not None:  # just fetched from the tier: its parts load from memory
+            info = fetched.info
+            load = fetched_loader(self.store, info, fetched.parts, self.pool, prefix.check_state)
+        else:
+            info = self.persisted_for(tokens, namespace, above)
+            if info is None:
+                return
+            # as pooled blocks: the request's kept prefix shares them (nothing assembled)
+            load = snapshot_loader(self.store, info, pool=self.pool, check=prefix.check_state)
 
         def loader():
             try:
@@ -470,7 +486,11 @@ def _record_header(
 
 
 def start_persister(
-    options: PersistOptions, store: Store | None, lm: LoadedModel, identity: ModelIdentity
+    options: PersistOptions,
+    store: Store | None,
+    lm: LoadedModel,
+    identity: ModelIdentity,
+    pool: BlockPool | None = None,
 ) -> tuple[Persister | None, str]:
     """The persister, or None and why not (the server serves on, persisting nothing)."""
     if store is None:
@@ -487,7 +507,7 @@ def start_persister(
         log.warning("[kvsnap] %s", note)
         return None, note
     try:
-        persister = Persister.open(store, lm, identity, options)
+        persister = Persister.open(store, lm, identity, options, pool)
     except (OSError, StoreError) as exc:
         log.warning("[kvsnap] request prefixes are not persisted: %s", exc)
         return None, str(exc)

@@ -11,11 +11,12 @@ Fetch, on a request that will be captured: the namespace's longest record in the
 holds a strict prefix of the request, when this replica holds none as long. Its parts are
 fetched only if that is expected to be sooner than prefilling the same tokens (measured
 fetch and prefill rates) and within ``budget_s``; each is unsealed (whole, this name, this
-model, the fleet's MAC), written to a temp file and checked like a stored part; then all of
-them and the record (re-keyed for the local store) are moved into place under the store
-lock, where the engine's usual lookup loads them. Every failure is a miss that is counted
-and logged; the request waits at most the budget whatever the tier does, and a breaker
-stops asking a failing tier for ``cooldown_s`` before one probe.
+model, the fleet's MAC) and checked in memory like a stored part. The engine takes the
+record (re-keyed for the local store) from memory at the request's lookup (``take_fresh``)
+and loads its parts from there; meanwhile a keeper thread stages, fsyncs and moves them into
+the local store under its lock, record last. Every failure is a miss that is counted and
+logged; the request waits at most the budget whatever the tier does, and a breaker stops
+asking a failing tier for ``cooldown_s`` before one probe.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from kvsnap.key import ModelIdentity, pack_tokens, tokens_digest
 from kvsnap.runtime.persist.options import TierOptions
 from kvsnap.snapshot.file import FormatError
 from kvsnap.snapshot.format import BLOCK_KIND, CHECKPOINT_KIND
+from kvsnap.snapshot.header import SnapshotInfo
 from kvsnap.store.conversations import (
     conversation_digest,
     longest_persisted,
@@ -73,7 +75,8 @@ RATE_WEIGHT = 0.3  # an exponentially weighted rate: the newest measure counts t
 MIN_PREFILL_SAMPLE = 64  # prefills shorter than this say little about the rate
 STAGING_PREFIX = TMP_PREFIX + "tier-"
 FETCH_THREADS = 4  # fetches at once (each waited for at most the budget)
-PART_THREADS = 3  # parts of one fetch read at once: the tier's latency overlaps the writes
+PART_THREADS = 3  # parts of one fetch read at once: the tier's latency overlaps the checks
+FRESH_LIMIT = 4  # fetched records held for requests that have not looked them up yet
 
 
 @dataclass
@@ -134,6 +137,7 @@ class Breaker:
 @dataclass
 class TierStats:
     hits: int = 0  # fetches that made a prefix local
+    kept: int = 0  # fetched records then written to the local store (off the request's path)
     misses: int = 0  # nothing in the tier for the request (or it was evicted)
     fetched_tokens: int = 0
     bytes_in: int = 0
@@ -201,6 +205,10 @@ class SharedTier:
         self._pool = concurrent.futures.ThreadPoolExecutor(
             FETCH_THREADS, thread_name_prefix="kvsnap-tier"
         )
+        # fetched records the engine has not taken yet, and those the keeper is storing
+        self._fresh: dict[str, FetchedRecord] = {}
+        self._keeping: set[str] = set()
+        self._keeper = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvsnap-keep")
         self._thread = threading.Thread(target=self._run, name="kvsnap-tier-push", daemon=True)
         self._thread.start()
 
@@ -415,6 +423,9 @@ class SharedTier:
             self.stats.skipped_local += 1
             return 0
         with self._inflight_lock:
+            if local_key in self._fresh or local_key in self._keeping:  # fetched: in memory
+                self.stats.skipped_local += 1
+                return 0
             running = self._inflight.get(local_key)
             if running is None:
                 self._inflight[local_key] = threading.Event()
@@ -469,24 +480,27 @@ class SharedTier:
             info = record_info(data, target, n)
         except (SnapshotError, ValueError) as exc:
             return self._bad(f"tier record {tier_key}", getattr(exc, "reason", str(exc)))
-        store = Store(root=self.store.root, fsync=self.store.fsync)  # this thread's lock depth
-        with _Staged(store) as staged:
-            staged.file(target).write_bytes(data)
-            sizes = _sizes(opened.header.get("parts"))
-            wanted = [p for p in read_parts(info) if not has_part(self.store, *p)]
-            nbytes = sum(sizes.get((TIER_KIND[k], key), 0) for k, key in wanted)
-            if not self._worth_it(n, nbytes, attempt.deadline):
-                self.stats.skipped_slower += 1
-                return 0
-            jobs = [(kind, key, staged.file(part_path(store, kind, key))) for kind, key in wanted]
-            try:
-                got = self._fetch_parts(names, jobs, attempt)
-            except _Missed as missed:
-                setattr(self.stats, missed.counter, getattr(self.stats, missed.counter) + 1)
-                if missed.why:
-                    log.warning("[kvsnap] shared tier: %s not used: %s", missed.what, missed.why)
-                return 0
-            staged.install()
+        sizes = _sizes(opened.header.get("parts"))
+        wanted = [p for p in read_parts(info) if not has_part(self.store, *p)]
+        nbytes = sum(sizes.get((TIER_KIND[k], key), 0) for k, key in wanted)
+        if not self._worth_it(n, nbytes, attempt.deadline):
+            self.stats.skipped_slower += 1
+            return 0
+        try:
+            parts = self._fetch_parts(names, wanted, attempt)
+        except _Missed as missed:
+            setattr(self.stats, missed.counter, getattr(self.stats, missed.counter) + 1)
+            if missed.why:
+                log.warning("[kvsnap] shared tier: %s not used: %s", missed.what, missed.why)
+            return 0
+        got = sum(len(p) for p in parts.values())
+        fetched = FetchedRecord(namespace, info, data, parts)
+        with self._inflight_lock:
+            self._fresh[local_key] = fetched
+            while len(self._fresh) > FRESH_LIMIT:  # never taken (the request went away)
+                self._fresh.pop(next(iter(self._fresh)))
+            self._keeping.add(local_key)
+        self._keeper.submit(self._keep, local_key, fetched)
         elapsed = time.monotonic() - started
         self.stats.hits += 1
         self.stats.fetched_tokens += n
@@ -494,29 +508,26 @@ class SharedTier:
         self.stats.fetch_seconds += elapsed
         if got:
             self.fetch_rate = _blend(self.fetch_rate, got / max(elapsed, 1e-6))
-        self.on_fetched()
         return n
 
-    def _fetch_parts(self, names: TierNames, jobs: list, attempt: _Attempt) -> int:
-        """Fetch, unseal, write and check each (kind, key, staged path), PART_THREADS at a
-        time; the bytes read, or _Missed (the rest cancelled) at the first that fails."""
+    def _fetch_parts(self, names: TierNames, wanted: list, attempt: _Attempt) -> dict:
+        """Fetch, unseal and check each (kind, key), PART_THREADS at a time: their payloads
+        by (kind, key), or _Missed (the rest cancelled) at the first that fails."""
         with concurrent.futures.ThreadPoolExecutor(
-            min(PART_THREADS, max(1, len(jobs))), thread_name_prefix="kvsnap-tier-part"
+            min(PART_THREADS, max(1, len(wanted))), thread_name_prefix="kvsnap-tier-part"
         ) as pool:
-            futures = [
-                pool.submit(self._fetch_part, names, kind, key, path, attempt)
-                for kind, key, path in jobs
-            ]
+            futures = {
+                (kind, key): pool.submit(self._fetch_part, names, kind, key, attempt)
+                for kind, key in wanted
+            }
             try:
-                return sum(f.result() for f in futures)
+                return {part: f.result() for part, f in futures.items()}
             except BaseException:
-                for f in futures:
+                for f in futures.values():
                     f.cancel()
                 raise
 
-    def _fetch_part(
-        self, names: TierNames, kind: str, key: str, path: Path, attempt: _Attempt
-    ) -> int:
+    def _fetch_part(self, names: TierNames, kind: str, key: str, attempt: _Attempt) -> memoryview:
         if time.monotonic() > attempt.deadline:
             raise _PastBudget()
         name = names.value(TIER_KIND[kind], key)
@@ -528,12 +539,51 @@ class SharedTier:
             payload = unseal(self._secret_now(), name, TIER_KIND[kind], self.identity.digest, value)
         except FormatError as exc:
             raise _Missed("bad_values", f"tier {kind} {key}", str(exc)) from None
-        try:  # checked in memory, then written: no read back
+        try:  # checked in memory: what the engine loads and what the store keeps
             check_part_bytes(kind, payload.payload, part_path(self.store, kind, key))
         except SnapshotError as exc:
             raise _Missed("bad_values", f"tier {kind} {key}", exc.reason) from None
-        path.write_bytes(payload.payload)
-        return len(value)
+        return payload.payload
+
+    def take_fresh(self, tokens: Sequence[int], namespace: str, above: int):
+        """The engine thread, at a request's lookup: a record fetched for this namespace
+        that holds more than ``above`` tokens of ``tokens`` (at least one left to compute),
+        handed over once (its parts load from memory while the store keeps them)."""
+        with self._inflight_lock:
+            for key, fetched in self._fresh.items():
+                n = fetched.info.n_tokens
+                if (
+                    fetched.namespace == namespace
+                    and above < n < len(tokens)
+                    and tuple(fetched.info.tokens) == tuple(tokens[:n])
+                ):
+                    return self._fresh.pop(key)
+        return None
+
+    def _keep(self, local_key: str, fetched: FetchedRecord) -> None:
+        """The keeper thread: a fetched record and its parts written to the local store with
+        its crash safety (staged, fsynced, moved in under the lock, record last), off the
+        request's path; the engine's index then sees it."""
+        try:
+            store = Store(root=self.store.root, fsync=self.store.fsync)  # this thread's lock
+            with _Staged(store) as staged:
+                staged.file(fetched.info.path).write_bytes(fetched.record)
+                for (kind, key), payload in fetched.parts.items():
+                    if not has_part(self.store, kind, key):  # the engine may have written it
+                        staged.file(part_path(store, kind, key)).write_bytes(payload)
+                staged.install()
+        except (OSError, StoreError) as exc:  # disk full, permissions: served, not kept
+            self.stats.errors += 1
+            log.warning("[kvsnap] shared tier: a fetched prefix was not stored: %s", exc)
+        except Exception:  # the keeper must outlive one bad write: logged, counted
+            self.stats.errors += 1
+            log.exception("[kvsnap] shared tier: storing a fetched prefix failed")
+        else:
+            self.stats.kept += 1
+            self.on_fetched()
+        finally:
+            with self._inflight_lock:
+                self._keeping.discard(local_key)
 
     def _worth_it(self, n: int, nbytes: int, deadline: float) -> bool:
         """Fetching ``nbytes`` expected sooner than prefilling ``n`` tokens, and within the
@@ -576,6 +626,8 @@ class SharedTier:
             self._queue.clear()
             self._queued_bytes = 0
         self._pool.shutdown(wait=False, cancel_futures=True)
+        # what was fetched is stored before the process ends (bounded by the fetches' size)
+        self._keeper.shutdown(wait=True)
         self.backend.close()
         return left
 
@@ -596,6 +648,17 @@ def _sizes(raw: object) -> dict:
             ):
                 sizes[(item[0], item[1])] = item[2]
     return sizes
+
+
+@dataclass
+class FetchedRecord:
+    """A record fetched from the tier, checked and re-keyed for the local store: its header
+    (``info``, its path the store's), its file's bytes and its parts' by (kind, key)."""
+
+    namespace: str
+    info: SnapshotInfo
+    record: bytes
+    parts: dict
 
 
 @dataclass

@@ -275,3 +275,23 @@ def test_a_probe_that_ends_in_a_local_error_does_not_shut_the_tier_off_for_good(
     tier.fetch(TOKENS, "")
     assert tier.stats.skipped_open == 0, tier.as_dict()
     assert tier.breaker.state == "closed"
+
+
+def test_a_fetched_record_goes_once_to_a_request_of_its_namespace_that_extends_it(make_tier):
+    """What a fetch holds in memory for the engine (``take_fresh``) is handed to a request of
+    the namespace it was fetched for, holding its tokens as a strict prefix and more than the
+    memory already matched, once; a tenant never takes another's fetch."""
+    from types import SimpleNamespace
+
+    from kvsnap.runtime.persist.shared_tier import FetchedRecord
+
+    tier = make_tier(MemoryTier())
+    info = SimpleNamespace(n_tokens=60, tokens=TOKENS[:60])
+    tier._fresh["k" * 32] = FetchedRecord("tenant-a", info, b"", {})  # type: ignore[arg-type]
+    assert tier.take_fresh(TOKENS, "tenant-b", 0) is None  # another namespace
+    assert tier.take_fresh(TOKENS[:60], "tenant-a", 0) is None  # nothing left to compute
+    assert tier.take_fresh([7, *TOKENS[1:]], "tenant-a", 0) is None  # another prefix
+    assert tier.take_fresh(TOKENS, "tenant-a", 60) is None  # memory holds as much
+    taken = tier.take_fresh(TOKENS, "tenant-a", 59)
+    assert taken is not None and taken.namespace == "tenant-a"
+    assert tier.take_fresh(TOKENS, "tenant-a", 0) is None  # handed over once

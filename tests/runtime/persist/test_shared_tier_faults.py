@@ -124,6 +124,16 @@ def wait_settled(server: ServerProcess, records: int, timeout: float = 30.0) -> 
         time.sleep(0.5)
 
 
+def wait_for(ok, timeout: float = 30.0) -> bool:
+    """Poll ``ok()`` until it holds (True) or ``timeout`` passes (False); bounded."""
+    deadline = time.monotonic() + timeout
+    while not ok():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+    return True
+
+
 def keys_by_kind(keys: set[str]) -> dict[str, set[str]]:
     """kvsnap:t1:<model>:<kv>:<namespace>:<kind>:<key> (and …:<namespace>:records) by kind."""
     out: dict[str, set[str]] = {}
@@ -241,7 +251,11 @@ def test_b_continues_a_conversation_a_served_from_the_tier(fleet, scenario):
     }
     assert after["fetched_tokens"] - before["fetched_tokens"] == sc.prefixes[2]
     assert after["bytes_in"] > before["bytes_in"]
-    assert persist(fleet.b)["disk_hits"] == disk + 1  # loaded as its own persisted record
+    # loaded from the fetch's memory, not read back from B's disk; then kept in B's store
+    assert persist(fleet.b)["disk_hits"] == disk
+    assert wait_for(lambda: tier(fleet.b)["kept"] == before["kept"] + 1), tier(fleet.b)
+    records = list((fleet.tmp / "b").rglob("*.safetensors"))
+    assert any(p.parent.name not in ("blocks", "checkpoints") for p in records), records
     assert not list((fleet.tmp / "b").glob(".tmp-tier-*"))  # nothing left staged
     assert after["breaker"] == "closed"
 
