@@ -18,15 +18,15 @@ SECRET = "/home/alice/agents/secret-prompt.txt"
 def failing_app(demo_models, tmp_path, monkeypatch):
     from fastapi.testclient import TestClient
 
-    import kvsnap.runtime.engine.request_cache as request_cache
     from kvsnap.http.server import ServerConfig, create_app
     from kvsnap.runtime.engine.engine import Engine, EngineConfig
+    from kvsnap.runtime.engine.request_cache import RequestCaches
 
     def fail(*args, **kwargs):
         raise RuntimeError(f"cannot read {SECRET}")
 
     monkeypatch.setenv("KVSNAP_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(request_cache, "prepare_request", fail)
+    monkeypatch.setattr(RequestCaches, "prepare", fail)
     engine = Engine(
         EngineConfig(
             model=str(demo_models.path("dense")), continuous_batching=True, max_batch_size=2

@@ -113,8 +113,6 @@ class PrefixCache:
     # Why a state cannot serve this model (None: it can): checked on every copy handed out, so
     # a bad entry is dropped and the request served from the next best one, never failing a batch.
     check_state: CheckFn | None = None
-    # Told of every request prefix captured, with the request's state (``--persist-requests``).
-    on_request_prefix: Callable[[Entry, Any], None] | None = None
     # The engine's copy, told how many tokens the request adds so the copy has room for them
     # and they are written in place (None: ``copy_state``).
     copy_with_room: SizedCopyFn | None = None

@@ -4,12 +4,14 @@ free finished slots. Runs on the engine thread.
 Per request: its private cache copy goes in with only the suffix (``batch_cache`` keeps the
 batch from copying it again); at the end of the prompt's first segment (all but the last
 token) its cache is captured into the prefix cache; its tokens go out through
-``request_output``.
+``request_output``. Built with what it works with: the generators of the loaded model, each
+request's cache (``request_cache.RequestCaches``), the scheduler and the token accounts.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Callable
 
 from kvsnap.blas import preload_openblas
@@ -20,14 +22,10 @@ import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
 
 from kvsnap.runtime.cache.composed import ComposedState
-from kvsnap.runtime.cache.prefix import PrefixCache
+from kvsnap.runtime.cache.prefix import Match
 from kvsnap.runtime.engine.accounting import TokenAccounts
 from kvsnap.runtime.engine.batch_cache import for_batch
-from kvsnap.runtime.engine.request_cache import (
-    SharedHead,
-    capture_request_prefix,
-    prefill_shared_prefixes,
-)
+from kvsnap.runtime.engine.request_cache import RequestCaches, SharedHead
 from kvsnap.runtime.engine.request_output import deliver_token, finish_request
 from kvsnap.runtime.engine.sampling import (
     OwnSampler,
@@ -36,39 +34,25 @@ from kvsnap.runtime.engine.sampling import (
     token_logprob,
 )
 from kvsnap.runtime.engine.scheduler import Scheduler
-from kvsnap.runtime.engine.types import RequestState, check_request
+from kvsnap.runtime.engine.types import check_request
 from kvsnap.runtime.model.loading import LoadedModel
 from kvsnap.runtime.persist.persister import PERSISTED
 
 log = logging.getLogger("kvsnap.runtime.engine.engine")
 
-PrepareFn = Callable[[RequestState], tuple[list, list[int]]]
 
+@dataclass(frozen=True)
+class Generators:
+    """mlx-lm BatchGenerators of the loaded model on the engine's own stream: the warm-up's
+    batched prefill, the batch runner's, the kernel priming's."""
 
-class BatchRunner:
-    def __init__(
-        self,
-        lm: LoadedModel,
-        prefix: PrefixCache,
-        sched: Scheduler,
-        accounts: TokenAccounts,
-        stop_tokens: list[list[int]],
-        stream: Callable[[], mx.Stream],
-        prefill_batch_size: int,
-    ):
-        self.lm, self.prefix, self.sched, self.accounts = lm, prefix, sched, accounts
-        self.stop_tokens = stop_tokens
-        self.stream = stream  # gives the engine's own mlx stream
-        self.prefill_batch_size = prefill_batch_size
-        # the live generator, made on first use
-        self.gen: BatchGenerator | None = None
-        self.shared_prefills = 0  # shared prefixes of requests admitted together, computed once
-        # by uid: the warm blocks a running request's cache was copied from, until its capture
-        self._heads: dict[int, SharedHead] = {}
-        # by uid: the samplers that may raise (not greedy's), checked after each step
-        self._samplers: dict[int, OwnSampler] = {}
+    lm: LoadedModel
+    # one list per stop token, as mlx-lm's BatchGenerator takes them
+    stop_tokens: list[list[int]]
+    stream: Callable[[], mx.Stream]  # gives the engine's own mlx stream
 
-    def new_generator(self, batch_size: int, prefill_batch_size: int) -> BatchGenerator:
+    def new(self, batch_size: int, prefill_batch_size: int) -> BatchGenerator:
+        """A generator of ``batch_size`` rows, prefilling at most ``prefill_batch_size``."""
         return BatchGenerator(
             self.lm.model,
             stop_tokens=self.stop_tokens,
@@ -78,6 +62,27 @@ class BatchRunner:
             max_kv_size=self.lm.settings.max_kv_size,
             stream=self.stream(),
         )
+
+
+class BatchRunner:
+    def __init__(
+        self,
+        generators: Generators,
+        caches: RequestCaches,
+        sched: Scheduler,
+        accounts: TokenAccounts,
+        prefill_batch_size: int,
+    ):
+        self.lm, self.new_generator = generators.lm, generators.new
+        self.caches, self.sched, self.accounts = caches, sched, accounts
+        self.prefill_batch_size = prefill_batch_size
+        # the live generator, made on first use
+        self.gen: BatchGenerator | None = None
+        self.shared_prefills = 0  # shared prefixes of requests admitted together, computed once
+        # by uid: the warm blocks a running request's cache was copied from, until its capture
+        self._heads: dict[int, SharedHead] = {}
+        # by uid: the samplers that may raise (not greedy's), checked after each step
+        self._samplers: dict[int, OwnSampler] = {}
 
     def drop(self) -> None:
         """Forget the generator, keeping the prompt tokens it counted."""
@@ -94,7 +99,7 @@ class BatchRunner:
         if self.gen is not None:
             self.gen.remove([uid])
 
-    def admit(self, prepare: PrepareFn) -> None:
+    def admit(self) -> None:
         """Start waiting requests while slots are free; a request that cannot start fails alone."""
         if not self.sched.pending:
             return
@@ -102,15 +107,14 @@ class BatchRunner:
             self.gen = self.new_generator(self.sched.max_batch_size, self.prefill_batch_size)
             self.accounts.attach(self.gen)
         gen = self.gen
-        computed, discard = prefill_shared_prefixes(
-            self.lm, self.prefix, self.accounts, self.sched.next_batch()
-        )
+        computed, discard = self.caches.prefill_shared_prefixes(self.sched.next_batch())
         self.shared_prefills += computed
         while (state := self.sched.next_to_admit()) is not None:
             r = state.request
             try:
                 check_request(r)
-                cache, suffix = prepare(state)
+                prepared = self.caches.prepare(state)
+                cache, suffix = prepared.cache, prepared.suffix
                 sampler = batch_sampler(
                     make_request_sampler(r.temperature, r.top_p, r.seed, r.top_k, r.min_p)
                 )
@@ -128,21 +132,19 @@ class BatchRunner:
             if isinstance(sampler, OwnSampler):
                 self._samplers[uid] = sampler
             state.capture = len(suffix) > 1
-            head = self._shared_head(state, len(r.tokens) - len(suffix))
+            head = self._shared_head(prepared.match, len(r.tokens) - len(suffix))
             if state.capture and head is not None:
                 self._heads[uid] = head
             # mlx-lm runs the last token in the first decode step
             self.accounts.expect_batched(len(suffix))
             self.sched.activate(uid, state)
-        for entry in discard:
-            self.prefix.discard(entry)
+        self.caches.discard(discard)
 
-    def _shared_head(self, state: RequestState, n_cached: int) -> SharedHead | None:
-        """The warm blocks the request's cache was copied from, when its match was a composed
-        state (the lookup fetch made, made again: nothing changed on this thread since)."""
+    def _shared_head(self, match: Match | None, n_cached: int) -> SharedHead | None:
+        """The warm blocks the request's cache was copied from, when the fetch's ``match`` (of
+        ``n_cached`` tokens) was a composed state."""
         if n_cached == 0:
             return None
-        match = self.prefix.lookup(state.request.tokens, state.request.namespace)
         if match is None or match.n_cached != n_cached or match.entry.source == PERSISTED:
             # A conversation's next record slices its new blocks out of the kept prefix: a
             # shared head would leave that a concatenation of every block, which the persister
@@ -164,8 +166,7 @@ class BatchRunner:
             if state is not None and state.capture and r.end_of_segment and not r.end_of_prompt:
                 # copied now: a copy still to compute would hold the batch's buffer, and the
                 # next decode step would copy the whole buffer instead of writing in place
-                capture_request_prefix(
-                    self.prefix,
+                self.caches.capture(
                     state,
                     gen.extract_cache([r.uid])[r.uid][0],
                     self._heads.pop(r.uid, None),

@@ -11,9 +11,14 @@ captured before any decode step and kept in an LRU for multi-turn reuse.
 This module owns the thread, its command queue and the start-up; the parts
 live beside it: ``scheduler`` (queue and slots), ``accounting`` (token counts),
 ``batch_runner`` and ``sequential`` (the two ways requests run), ``request_cache`` (a
-request's prefix copy and capture), ``request_output`` and ``stop_strings`` (text out),
-``warmup.rewarm`` (after ``DELETE /v1/cache/prefix``), ``startup``. What loading makes is
-one ``LoadedEngine``, there whole or not at all (``ready()``).
+request's lookup, accounting, privacy and capture), ``request_output`` and ``stop_strings``
+(text out), ``warmup.rewarm`` (after ``DELETE /v1/cache/prefix``), ``startup``.
+
+The parts are built in the order they need each other, each given its collaborators: loading
+makes one ``LoadedEngine`` (the model, the prefix cache, the generators), there whole or not
+at all (``ready()``); after the warm-up, the persister is started with the prefix cache, and
+``ServingParts`` (each request's cache, given the persister; the batch runner, given that)
+are built in one piece (``serving()``).
 """
 
 from __future__ import annotations
@@ -22,7 +27,6 @@ import itertools
 import logging
 import queue
 import threading
-import time
 from dataclasses import dataclass
 from typing import Any, Callable, TypeVar
 
@@ -38,10 +42,9 @@ from kvsnap.faults import FaultHook
 from kvsnap.key import ModelIdentity
 from kvsnap.runtime.cache.composed import BlockPool, copy_state
 from kvsnap.runtime.cache.prefix import Entry, PrefixCache
-from kvsnap.runtime.engine import request_cache
 from kvsnap.runtime.engine.accounting import TokenAccounts, cache_stats
-from kvsnap.runtime.engine.batch_runner import BatchRunner
-from kvsnap.runtime.engine.request_cache import capture_request_prefix
+from kvsnap.runtime.engine.batch_runner import BatchRunner, Generators
+from kvsnap.runtime.engine.request_cache import RequestCaches
 from kvsnap.runtime.engine.request_output import finish_request
 from kvsnap.runtime.engine.scheduler import Scheduler, uses_batching
 from kvsnap.runtime.engine.sequential import SequentialRun
@@ -84,15 +87,23 @@ class LoadedEngine:
     identity: ModelIdentity
     counts: SnapshotCounts
     prefix: PrefixCache
+    generators: Generators  # the warm-up's batched prefill, then the batch runner's
+
+
+@dataclass(frozen=True, slots=True)
+class ServingParts:
+    """What serves requests, built in one piece after the warm-up, once the persister is
+    known: each request's cache (given the persister) and the batch runner (given those)."""
+
+    caches: RequestCaches
     batch: BatchRunner
-    # one list per stop token, as mlx-lm's BatchGenerator takes them
-    stop_tokens: list[list[int]]
 
 
 class Engine:
     def __init__(self, config: EngineConfig):
         self.config = config
         self._loaded: LoadedEngine | None = None
+        self._serving: ServingParts | None = None
         # opened by the warm-up when None (a caller may set one before ``start``)
         self.store: Store | None = None
         # blocks of v3 records, each held once however many warm entries share it
@@ -132,9 +143,15 @@ class Engine:
     def prefix(self) -> PrefixCache:
         return self.ready().prefix
 
+    def serving(self) -> ServingParts:
+        """The parts that serve requests; a RuntimeError before the warm-up has finished."""
+        if self._serving is None:
+            raise RuntimeError("the engine is not serving yet; wait_warm() first")
+        return self._serving
+
     @property
     def _batch(self) -> BatchRunner:
-        return self.ready().batch
+        return self.serving().batch
 
     # --- lifecycle ------------------------------------------------------------
 
@@ -244,7 +261,7 @@ class Engine:
     def status(self, tenant: str | None = None) -> dict:
         """Engine state; with ``tenant``, only that tenant's requests are listed."""
         parts = self._loaded
-        batch = parts.batch if parts is not None else None
+        batch = self._serving.batch if self._serving is not None else None
         return {
             "warm": self.warm.is_set(),
             "model": str(self.config.model),
@@ -286,6 +303,7 @@ class Engine:
         try:
             self._warm_up()
             self._start_persisting()
+            self._serving = self._assemble_serving()
             self._prime_kernels()
             self.warm.set()
         except BaseException as exc:  # reported to the server, which exits non-zero
@@ -293,7 +311,7 @@ class Engine:
             log.error("[kvsnap] engine failed to warm up: %s", exc)
             self.warm.set()
             return
-        batch = self.ready().batch
+        batch = self.serving().batch
         while not self._stopping:
             busy = self.sched.busy or self.rewarmer.running
             try:
@@ -322,7 +340,7 @@ class Engine:
         """
         report = self.warmup_report
         if report is None or not report.prefilled:
-            self.ready().batch.prime_kernels()
+            self.serving().batch.prime_kernels()
 
     def _refuse_queued(self) -> None:
         """Commands that raced with the stop: requests end cancelled, calls get an error."""
@@ -362,16 +380,8 @@ class Engine:
         )
         eos = getattr(lm.tokenizer, "eos_token_ids", None) or {lm.tokenizer.eos_token_id}
         stop_tokens = [[int(t)] for t in eos if t is not None]
-        batch = BatchRunner(
-            lm,
-            prefix,
-            self.sched,
-            self.accounts,
-            stop_tokens,
-            self._mx_stream,
-            cfg.prefill_batch_size,
-        )
-        self._loaded = LoadedEngine(lm, identity, SnapshotCounts(), prefix, batch, stop_tokens)
+        generators = Generators(lm, stop_tokens, self._mx_stream)
+        self._loaded = LoadedEngine(lm, identity, SnapshotCounts(), prefix, generators)
 
     def _on_load_error(self, entry: Entry, exc: BaseException) -> None:
         """A snapshot indexed at start failed to load on first hit: report it, serve without it."""
@@ -401,7 +411,7 @@ class Engine:
             budget_bytes=int(cfg.cache_memory_mb * 2**20),
             allow_prefill=allow_prefill,
             prefill_many=lambda token_lists: prefill_many(
-                parts.lm, parts.batch.new_generator, token_lists
+                parts.lm, parts.generators.new, token_lists
             ),
             concurrency=prefill_concurrency(cfg, parts.lm.settings.kv_bits),
             prefetched=self._prefetched,
@@ -451,9 +461,10 @@ class Engine:
     def _step(self) -> None:
         parts = self.ready()
         if uses_batching(self.config.continuous_batching, parts.lm.settings.kv_bits):
-            parts.batch.admit(self._prepare)
+            batch = self.serving().batch
+            batch.admit()
             if self.sched.active:
-                parts.batch.step()
+                batch.step()
         else:
             state = self.sched.next_sequential()
             if state is not None:
@@ -464,48 +475,49 @@ class Engine:
             # one snapshot read or prefill chunk, between decode steps
             self.rewarmer.step(parts.prefix, parts.counts)
 
-    def _prepare(self, state: RequestState) -> tuple[list, list[int]]:
-        parts = self.ready()
-        return request_cache.prepare_request(
-            parts.lm, parts.prefix, self.accounts, state, self.persister
-        )
-
     def _start_persisting(self) -> None:
+        """With --persist-requests: the persister on the warm-up's store, given the prefix
+        cache (a conversation is also cut where a warm entry ends, sharing its blocks)."""
         if self.config.persist is None:
             return
         parts = self.ready()
         self.persister, self.persist_note = start_persister(
-            self.config.persist, self.store, parts.lm, parts.identity, self.pool
+            self.config.persist, self.store, parts.lm, parts.identity, self.pool, parts.prefix
         )
-        if self.persister is not None:
-            persister = self.persister
-            persister.prefix = parts.prefix
-            parts.prefix.on_request_prefix = lambda e, st: persister.captured(
-                e, st.extends, len(e.tokens) - st.cached_tokens, time.perf_counter() - st.t_submit
-            )
+
+    def _assemble_serving(self) -> ServingParts:
+        """Each request's cache, given the persister (None: persisting is off), and the batch
+        runner, given those: built once the warm-up has run and the persister is known."""
+        parts = self.ready()
+        caches = RequestCaches(parts.lm, parts.prefix, self.accounts, self.persister)
+        batch = BatchRunner(
+            parts.generators, caches, self.sched, self.accounts, self.config.prefill_batch_size
+        )
+        return ServingParts(caches, batch)
 
     def _cancel(self, state: RequestState) -> None:
         uid = self.sched.withdraw(state)
-        if uid is not None and self._loaded is not None:
-            self._loaded.batch.remove(uid)
+        if uid is not None and self._serving is not None:
+            self._serving.batch.remove(uid)
         if state.finish_reason is None:
             finish_request(state, "cancelled")
 
     def _run_sequential(self, state: RequestState) -> None:
         """One request alone (quantized KV, or --continuous-batching off); it fails alone."""
-        parts = self.ready()
+        parts, caches = self.ready(), self.serving().caches
         self.sched.activate(-state.id, state)
 
         def capture(cache: list) -> None:
-            capture_request_prefix(parts.prefix, state, cache)
+            caches.capture(state, cache)
 
         try:
             check_request(state.request)
-            cache, suffix = self._prepare(state)
-            eos = {t[0] for t in parts.stop_tokens}
-            SequentialRun(parts.lm, state, cache, self.accounts, eos, self._poll, capture).run(
-                suffix
+            prepared = caches.prepare(state)
+            eos = {t[0] for t in parts.generators.stop_tokens}
+            run = SequentialRun(
+                parts.lm, state, prepared.cache, self.accounts, eos, self._poll, capture
             )
+            run.run(prepared.suffix)
         except Exception as exc:  # this request fails; the engine goes on
             log.exception("[kvsnap] request %d failed", state.id)
             if state.finish_reason is None:

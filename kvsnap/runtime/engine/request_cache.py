@@ -1,11 +1,24 @@
-"""A request's cache: its private copy of the best prefix entry at the start, its prompt's
-prefix kept for later requests at the end of its prefill, and prefixes shared by requests
-admitted together, computed once. Runs on the engine thread.
+"""A request's cache on the engine thread, one job per function.
+
+At admission (``RequestCaches.prepare``):
+
+- lookup (``look_up``): the namespace's persisted record offered to the prefix cache, then the
+  fetch, a private copy of the entry that saves the most tokens;
+- accounting (``account_for``): cached and computed tokens, where the cache came from, the
+  entry of its own it extends;
+- privacy (``RequestCaches.keep_private``): what ``cached_tokens`` may tell a tenant about
+  entries shared with others, and a tenant's own prefix kept when nothing is left to prefill;
+- the detokenizer reset (``reset_detokenizer``).
+
+At the end of a prompt's first segment its prefix is kept for later requests and handed to
+the persister (``RequestCaches.capture``); prefixes shared by requests admitted together are
+computed once (``RequestCaches.prefill_shared_prefixes``).
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 from kvsnap.blas import preload_openblas
@@ -15,10 +28,10 @@ preload_openblas()  # must precede the first mlx import, or mlx keeps its slow r
 import mlx.core as mx
 
 from kvsnap.runtime.cache.composed import ComposedState
-from kvsnap.runtime.cache.prefix import Entry, PrefixCache
+from kvsnap.runtime.cache.prefix import Entry, Match, PrefixCache
 from kvsnap.runtime.cache.shared_prefix import shared_groups
 from kvsnap.runtime.engine.accounting import TokenAccounts
-from kvsnap.runtime.engine.types import RequestState
+from kvsnap.runtime.engine.types import GenerationRequest, RequestState
 from kvsnap.runtime.model.loading import LoadedModel
 from kvsnap.runtime.persist.persister import Persister
 from kvsnap.runtime.prefill.chunked import PrefillCursor
@@ -39,56 +52,29 @@ log = logging.getLogger("kvsnap.runtime.engine.engine")
 MIN_SHARED_TOKENS_TO_COMPUTE = 32  # a shared prefix mostly cached already is not computed again
 
 
-def prepare_request(
-    lm: LoadedModel,
-    prefix: PrefixCache,
-    accounts: TokenAccounts,
-    state: RequestState,
-    persister: Persister | None = None,
-) -> tuple[list, list[int]]:
-    """Fetch the longest cached prefix (a private copy), account for it; returns the cache
-    and the suffix still to run. ``persister``: persisted conversations are looked up too."""
-    tokens = state.request.tokens
-    if persister is not None and state.request.capture:
-        persister.offer(prefix, tokens, state.request.namespace)
-    cache, n_cached, match = prefix.fetch(tokens, state.request.namespace)
-    if cache is None:
-        cache = lm.make_cache()
-    if (
-        match is not None
-        and match.entry.namespace == state.request.namespace
-        and match.entry.source in ("request", "persisted")
-        and n_cached == len(match.entry.tokens)
-    ):
-        state.extends = match.entry.tokens
-    accounts.start_request(state, n_cached)
-    state.cache_source = match.entry.source if match is not None else ""
-    # A partial match on an entry shared with others tells how far the prompts agree.
-    state.cache_shared_partial = (
-        match is not None
-        and (n_cached < len(match.entry.tokens) or match.entry.inner)
-        and (match.entry.namespace is None or match.entry.namespace == "")
-    )
-    if state.cache_shared_partial:
-        # The client sent a whole warm prompt itself: that much is never hidden from it.
-        state.whole_shared_tokens = prefix.whole_shared_prefix(tokens)
-    private = state.request.namespace != ""
-    if state.cache_shared_partial and private:
-        own = prefix.lookup(tokens, state.request.namespace, shared=False)
-        state.own_cached_tokens = own.n_cached if own else 0
-    if (
-        private
-        and match
-        and match.entry.namespace != state.request.namespace
-        and n_cached == len(tokens) - 1
-    ):
-        # Nothing left to prefill, so the usual capture would not run: keep the prefix now.
-        # Whether a tenant's own entry exists must not depend on how far a shared one matched
-        # (its existence would spell out the shared match length).
-        capture_request_prefix(prefix, state, cache)
-    state.detok = lm.tokenizer.detokenizer
-    state.detok.reset()
-    return cache, tokens[n_cached:]
+@dataclass(frozen=True)
+class Lookup:
+    """What the lookup found for a request: its private cache (a fresh one on a miss), how many
+    of its tokens that cache holds, and the entry it was copied from (None: a miss)."""
+
+    cache: list
+    n_cached: int
+    match: Match | None
+
+    @property
+    def source(self) -> str:
+        """Where the cache came from (an entry's source; "" on a miss)."""
+        return self.match.entry.source if self.match is not None else ""
+
+
+@dataclass(frozen=True)
+class PreparedRequest:
+    """A request ready to run: its cache, the tokens still to compute, and the lookup's match
+    (the batch runner's shared head comes from it, not from a second lookup)."""
+
+    cache: list
+    suffix: list[int]
+    match: Match | None
 
 
 @dataclass(frozen=True)
@@ -99,35 +85,231 @@ class SharedHead:
     n_tokens: int
 
 
-def capture_request_prefix(
-    prefix: PrefixCache,
+def look_up(
+    lm: LoadedModel, prefix: PrefixCache, persister: Persister | None, request: GenerationRequest
+) -> Lookup:
+    """The lookup: the namespace's persisted record is offered first (indexed when it holds
+    more than memory does, it loads on this fetch), then the fetch gives a private copy of the
+    entry that saves the most tokens, or a fresh cache on a miss."""
+    tokens = request.tokens
+    if persister is not None and request.capture:
+        persister.offer(tokens, request.namespace)
+    cache, n_cached, match = prefix.fetch(tokens, request.namespace)
+    return Lookup(cache if cache is not None else lm.make_cache(), n_cached, match)
+
+
+def account_for(accounts: TokenAccounts, state: RequestState, found: Lookup) -> None:
+    """The accounting: the request's cached and computed tokens counted, where its cache came
+    from, and the request prefix of its own it extends in full."""
+    extends = extended_tokens(state.request, found)
+    if extends is not None:
+        state.extends = extends
+    accounts.start_request(state, found.n_cached)
+    state.cache_source = found.source
+
+
+def extended_tokens(request: GenerationRequest, found: Lookup) -> tuple[int, ...] | None:
+    """The tokens of the request prefix (or persisted record) of the request's own namespace
+    that the cache holds whole, or None: a persisted conversation's record for them is then
+    superseded by this request's."""
+    match = found.match
+    if (
+        match is not None
+        and match.entry.namespace == request.namespace
+        and match.entry.source in ("request", "persisted")
+        and found.n_cached == len(match.entry.tokens)
+    ):
+        return match.entry.tokens
+    return None
+
+
+def shared_partial_match(found: Lookup) -> bool:
+    """Whether the cache is a partial match on an entry shared with others (a warm entry cut
+    short, or a checkpoint inside a warm prompt): it tells how far the prompts agree."""
+    match = found.match
+    return (
+        match is not None
+        and (found.n_cached < len(match.entry.tokens) or match.entry.inner)
+        and (match.entry.namespace is None or match.entry.namespace == "")
+    )
+
+
+def tell_shared_match(prefix: PrefixCache, state: RequestState, found: Lookup) -> None:
+    """Note what ``cached_tokens`` may tell of a shared partial match
+    (``accounting.reported_cached_tokens`` rounds it): never less than a whole warm prompt the
+    client sent itself, nor than its own namespace's best match."""
+    state.cache_shared_partial = shared_partial_match(found)
+    if not state.cache_shared_partial:
+        return
+    tokens, namespace = state.request.tokens, state.request.namespace
+    # The client sent a whole warm prompt itself: that much is never hidden from it.
+    state.whole_shared_tokens = prefix.whole_shared_prefix(tokens)
+    if namespace != "":
+        own = prefix.lookup(tokens, namespace, shared=False)
+        state.own_cached_tokens = own.n_cached if own else 0
+
+
+def keeps_own_prefix_now(request: GenerationRequest, found: Lookup) -> bool:
+    """Whether a tenant's request must keep its prompt prefix at admission: another namespace's
+    entry left it nothing to prefill, so the usual capture would not run."""
+    match = found.match
+    return (
+        request.namespace != ""
+        and match is not None
+        and match.entry.namespace != request.namespace
+        and found.n_cached == len(request.tokens) - 1
+    )
+
+
+def reset_detokenizer(lm: LoadedModel, state: RequestState) -> None:
+    """The request's text starts from nothing: the tokenizer's streaming detokenizer, reset."""
+    state.detok = lm.tokenizer.detokenizer
+    state.detok.reset()
+
+
+class RequestCaches:
+    """Every request's cache, on the engine thread: prepared at admission, its prompt prefix
+    kept at the end of its prefill, prefixes shared by requests admitted together computed
+    once. Built with what it works with: the model, the prefix cache, the token accounts and,
+    with ``--persist-requests``, the persister (looked up first, told of every kept prefix)."""
+
+    def __init__(
+        self,
+        lm: LoadedModel,
+        prefix: PrefixCache,
+        accounts: TokenAccounts,
+        persister: Persister | None = None,
+    ):
+        self.lm, self.prefix, self.accounts, self.persister = lm, prefix, accounts, persister
+
+    def prepare(self, state: RequestState) -> PreparedRequest:
+        """Prepare a request's cache at admission: lookup, accounting, privacy, detokenizer."""
+        found = look_up(self.lm, self.prefix, self.persister, state.request)
+        account_for(self.accounts, state, found)
+        self.keep_private(state, found)
+        reset_detokenizer(self.lm, state)
+        return PreparedRequest(found.cache, state.request.tokens[found.n_cached :], found.match)
+
+    def keep_private(self, state: RequestState, found: Lookup) -> None:
+        """The tenant privacy rule: what ``cached_tokens`` may tell of a shared match, and a
+        tenant's own prefix kept at once when another namespace's entry left nothing to
+        prefill."""
+        tell_shared_match(self.prefix, state, found)
+        if keeps_own_prefix_now(state.request, found):
+            # Whether a tenant's own entry exists must not depend on how far a shared one
+            # matched (its existence would spell out the shared match length).
+            self.capture(state, found.cache)
+
+    def capture(
+        self,
+        state: RequestState,
+        cache: list,
+        head: SharedHead | None = None,
+        views: bool = False,
+    ) -> None:
+        """Keep the prompt minus its last token for multi-turn reuse (captured before any
+        decode) and, with ``--persist-requests``, hand it to the persister.
+
+        ``views``: ``cache`` holds views of the batch's buffer (``batch_cache``). What is kept
+        is then copied now (views left would hold the buffer, and the next decode step would
+        copy it whole), and of a ``head``'s tokens nothing is copied: the kept prefix shares
+        its blocks.
+        """
+        state.capture = False
+        if not state.request.capture:
+            return
+        tokens = tuple(state.request.tokens[:-1])
+        try:
+            check_captured_at(cache, len(tokens))
+        except CaptureError as exc:
+            log.debug("[kvsnap] not capturing request %d: %s", state.id, exc)
+            return
+        entry = kept_entry(state, cache, tokens, head, views)
+        self.prefix.add(entry)
+        if self.persister is not None:
+            computed = len(entry.tokens) - state.cached_tokens
+            seconds = time.perf_counter() - state.t_submit
+            self.persister.captured(entry, state.extends, computed, seconds)
+
+    def prefill_shared_prefixes(self, batch: list[RequestState]) -> tuple[int, list[Entry]]:
+        """Requests admitted together that share an uncached prefix: compute it once, as a
+        prefix entry of their namespace that each of them then hits.
+
+        Returns how many were computed, and the entries to discard once the batch is admitted
+        (those of requests that keep no prefixes).
+        """
+        computed = 0
+        discard: list[Entry] = []
+        if len(batch) < 2:
+            return computed, discard
+        for group in shared_groups(
+            [s.request.tokens for s in batch], [s.request.namespace for s in batch]
+        ):
+            first = batch[group.members[0]].request
+            entry = self._prefill_shared(first, group.length, len(group.members))
+            if entry is None:
+                continue
+            computed += 1
+            self.prefix.add(entry)
+            if not first.capture:
+                discard.append(entry)  # serves this batch only: request prefixes are off
+        return computed, discard
+
+    def _prefill_shared(self, first: GenerationRequest, length: int, members: int) -> Entry | None:
+        """The first ``length`` tokens of ``first`` computed from the best cached entry, as an
+        entry of its namespace; None when the cache holds (nearly) all of them already or the
+        prefill failed (the ``members`` requests then prefill on their own)."""
+        shared = tuple(first.tokens[:length])
+        match = self.prefix.lookup(first.tokens[: length + 1], first.namespace)
+        start = match.n_cached if match else 0
+        if length - start < MIN_SHARED_TOKENS_TO_COMPUTE:
+            return None  # the cache already holds (nearly) all of it
+        try:
+            cache, start, _ = self.prefix.fetch(
+                first.tokens[: length + 1], first.namespace, count=False
+            )
+            cursor = PrefillCursor(
+                self.lm, shared, done_tokens=start, cache=cache or self.lm.make_cache()
+            )
+            while cursor.step():
+                pass
+            check_captured_at(cursor.cache, length)
+        # the members then prefill on their own
+        except (CaptureError, ValueError, RuntimeError) as exc:
+            log.warning("[kvsnap] shared prefix of %d requests not computed: %s", members, exc)
+            return None
+        self.accounts.ran(length - start)
+        return Entry(
+            tokens=shared,
+            state=cursor.cache,
+            nbytes=cache_nbytes_of(cursor.cache),
+            trimmable=is_trimmable(cursor.cache),
+            pinned=False,
+            source="shared",
+            namespace=first.namespace,
+        )
+
+    def discard(self, entries: list[Entry]) -> None:
+        """Forget entries that served one batch only (``prefill_shared_prefixes``)."""
+        for entry in entries:
+            self.prefix.discard(entry)
+
+
+def kept_entry(
     state: RequestState,
     cache: list,
-    head: SharedHead | None = None,
-    views: bool = False,
-) -> None:
-    """Keep the prompt minus its last token for multi-turn reuse; captured before any decode.
-
-    ``views``: ``cache`` holds views of the batch's buffer (``batch_cache``). What is kept is
-    then copied now (views left would hold the buffer, and the next decode step would copy it
-    whole), and of a ``head``'s tokens nothing is copied: the kept prefix shares its blocks.
-    """
-    state.capture = False
-    if not state.request.capture:
-        return
-    tokens = tuple(state.request.tokens[:-1])
-    try:
-        check_captured_at(cache, len(tokens))
-    except CaptureError as exc:
-        log.debug("[kvsnap] not capturing request %d: %s", state.id, exc)
-        return
+    tokens: tuple[int, ...],
+    head: SharedHead | None,
+    views: bool,
+) -> Entry:
+    """The request prefix entry kept of ``cache`` (its first ``tokens``), computed now."""
     if views:
         own, computed = _kept_from_views(cache, tokens, head)
     else:
         own = copy_cache(cache)
         computed = [a for c in own for a in cache_arrays(c)]
     mx.eval(computed)
-    entry = Entry(
+    return Entry(
         tokens=tokens,
         state=own,
         nbytes=cache_nbytes_of(own),
@@ -136,9 +318,6 @@ def capture_request_prefix(
         source="request",
         namespace=state.request.namespace,
     )
-    prefix.add(entry)
-    if prefix.on_request_prefix is not None:
-        prefix.on_request_prefix(entry, state)
 
 
 def _kept_from_views(
@@ -171,56 +350,3 @@ def _same_form(pieces: list, a: mx.array, n: int) -> bool:
         p.dtype == a.dtype and p.shape[:-2] == a.shape[:-2] and p.shape[-1] == a.shape[-1]
         for p in pieces
     )
-
-
-def prefill_shared_prefixes(
-    lm: LoadedModel, prefix: PrefixCache, accounts: TokenAccounts, batch: list[RequestState]
-) -> tuple[int, list[Entry]]:
-    """Requests admitted together that share an uncached prefix: compute it once, as a
-    prefix entry of their namespace that each of them then hits.
-
-    Returns how many were computed, and the entries to discard once the batch is admitted
-    (those of requests that keep no prefixes).
-    """
-    computed = 0
-    discard: list[Entry] = []
-    if len(batch) < 2:
-        return computed, discard
-    for group in shared_groups(
-        [s.request.tokens for s in batch], [s.request.namespace for s in batch]
-    ):
-        first = batch[group.members[0]].request
-        shared = tuple(first.tokens[: group.length])
-        match = prefix.lookup(first.tokens[: group.length + 1], first.namespace)
-        start = match.n_cached if match else 0
-        if group.length - start < MIN_SHARED_TOKENS_TO_COMPUTE:
-            continue  # the cache already holds (nearly) all of it
-        try:
-            cache, start, _ = prefix.fetch(
-                first.tokens[: group.length + 1], first.namespace, count=False
-            )
-            cursor = PrefillCursor(lm, shared, done_tokens=start, cache=cache or lm.make_cache())
-            while cursor.step():
-                pass
-            check_captured_at(cursor.cache, group.length)
-        # the members then prefill on their own
-        except (CaptureError, ValueError, RuntimeError) as exc:
-            log.warning(
-                "[kvsnap] shared prefix of %d requests not computed: %s", len(group.members), exc
-            )
-            continue
-        accounts.ran(group.length - start)
-        computed += 1
-        entry = Entry(
-            tokens=shared,
-            state=cursor.cache,
-            nbytes=cache_nbytes_of(cursor.cache),
-            trimmable=is_trimmable(cursor.cache),
-            pinned=False,
-            source="shared",
-            namespace=first.namespace,
-        )
-        prefix.add(entry)
-        if not first.capture:
-            discard.append(entry)  # serves this batch only: request prefixes are off
-    return computed, discard

@@ -71,7 +71,8 @@ class Persister:
     settings: BlockSettings = field(default_factory=BlockSettings)
     index: ConversationIndex | None = None
     pending: list = field(default_factory=list)  # (entry, tokens of the entry it extends)
-    # the engine's cache: a warm entry's end is a block end too, so its last block is shared
+    # the engine's cache, given at construction: persisted records are indexed into it
+    # (``offer``), and a warm entry's end is a block end too, so its last block is shared
     prefix: PrefixCache | None = None
     disk_hits: int = 0  # records indexed for a request (each loads on that hit)
     load_errors: int = 0
@@ -89,8 +90,11 @@ class Persister:
         identity: ModelIdentity,
         options: PersistOptions,
         pool: BlockPool | None = None,
+        prefix: PrefixCache | None = None,
     ) -> Persister:
-        """Start persisting into ``store`` (writable); StoreError if its secret is unusable."""
+        """Start persisting into ``store`` (writable); StoreError if its secret is unusable.
+        ``prefix``: the engine's prefix cache (None: the vllm-mlx route, which looks records
+        up itself)."""
         from kvsnap.faults import FaultHook
         from kvsnap.runtime.persist.writeback import recorded_fields
 
@@ -109,6 +113,7 @@ class Persister:
             options=options,
             index=ConversationIndex(store.root),
             pool=pool,
+            prefix=prefix,
         )
         if options.shared_tier is not None:
             persister.tier = persister._open_tier(options.shared_tier)
@@ -276,12 +281,14 @@ class Persister:
 
     # --- lookup -----------------------------------------------------------------------------
 
-    def offer(self, prefix: PrefixCache, tokens: Sequence[int], namespace: str) -> None:
-        """Index the namespace's longest persisted record for ``tokens`` when it is longer
-        than what memory holds; it loads on this request's fetch."""
+    def offer(self, tokens: Sequence[int], namespace: str) -> None:
+        """Index the namespace's longest persisted record for ``tokens`` into the prefix cache
+        when it is longer than what memory holds; it loads on this request's fetch."""
         from kvsnap.runtime.cache.entries import fetched_loader, snapshot_loader
         from kvsnap.snapshot.cache_classes import layers_trimmable
 
+        prefix = self.prefix
+        assert prefix is not None, "offer needs the persister built with the engine's cache"
         match = prefix.lookup(tokens, namespace)
         above = match.n_cached if match else 0
         fetched = self.tier.take_fresh(tokens, namespace, above) if self.tier else None
@@ -491,8 +498,10 @@ def start_persister(
     lm: LoadedModel,
     identity: ModelIdentity,
     pool: BlockPool | None = None,
+    prefix: PrefixCache | None = None,
 ) -> tuple[Persister | None, str]:
-    """The persister, or None and why not (the server serves on, persisting nothing)."""
+    """The persister, or None and why not (the server serves on, persisting nothing).
+    ``prefix``: the engine's prefix cache, which the persister indexes records into."""
     if store is None:
         return None, "no store (--kv-snapshots DIR) to persist into"
     try:
@@ -507,7 +516,7 @@ def start_persister(
         log.warning("[kvsnap] %s", note)
         return None, note
     try:
-        persister = Persister.open(store, lm, identity, options, pool)
+        persister = Persister.open(store, lm, identity, options, pool, prefix)
     except (OSError, StoreError) as exc:
         log.warning("[kvsnap] request prefixes are not persisted: %s", exc)
         return None, str(exc)
