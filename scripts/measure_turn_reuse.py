@@ -6,7 +6,7 @@ renders a chat request (kvsnap.chat: normalize_messages, then request_tokens wit
 request's chat_template_kwargs), and for each turn k >= 2 two candidate entries kept from
 turn k-1 are matched against turn k's prompt as a token prefix:
 
-* prompt-only: turn k-1's prompt minus its last token (what capture_request_prefix keeps);
+* prompt-only: turn k-1's prompt minus its last token (what RequestCaches.capture keeps);
 * prompt + reply: turn k-1's prompt + the reply's tokens as the model generated them (the
   reply text tokenized on its own, <think> block included, then the end-of-turn token).
 

@@ -4,7 +4,7 @@ at full size).
 
 Conversations are rendered through kvsnap.chat exactly as the server renders a chat
 request. The prompt-only entry (the prompt minus its last token, what
-capture_request_prefix keeps) reuses >= 95 % of the previous turn's prompt on every
+RequestCaches.capture keeps) reuses >= 95 % of the previous turn's prompt on every
 template that keeps the system prompt in place; prompt + reply is a strict prefix only
 where the template re-renders the reply as generated.
 
