@@ -926,6 +926,29 @@ def test_regression_a_hit_copies_its_cached_tokens_once(long_world, engines, ora
     assert answer_of(st) == oracle(long_world, longer)
 
 
+def test_a_request_walks_the_prefix_trie_once_issue_42(worlds, engines):
+    """The batch runner looked a request's tokens up again after its fetch, to find the warm
+    blocks its kept prefix shares; the fetch's match now goes with the copy: one lookup."""
+    world = worlds("dense")
+    engine = engines.start(world)
+    tokens = world.request(0, QUESTIONS[1])
+    prefix = engine.prefix
+    real = prefix.lookup
+    walks: list[tuple] = []
+
+    def lookup(tokens, *rest, **kwargs):
+        walks.append(tuple(tokens))
+        return real(tokens, *rest, **kwargs)
+
+    prefix.lookup = lookup  # on the instance, as the fetch above is replaced
+    try:
+        st = serve(engine, tokens)
+    finally:
+        del prefix.lookup
+    assert st.cached_tokens == len(world.warm_tokens(0)) and st.cache_source == "snapshot"
+    assert walks == [tuple(tokens)]
+
+
 def test_two_continuations_of_one_warm_prefix_interleaved_stay_independent(worlds, engines, oracle):
     """No shared mutable cache: a request that hits a warm entry while another hit of it is
     decoding gets the answer of a fresh prefill, so does the other, and the warm entry's state
