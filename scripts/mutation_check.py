@@ -12,8 +12,9 @@ canonical way (ruff at 100 columns, magic trailing commas ignored), the definiti
 ast (decorators included), and `old` matched there blind to whitespace, so reformatting the
 tree at another width or moving the function inside its module leaves the list as it is.
 A target that is gone, or an `old` matching it zero times or twice, fails loudly naming the
-breakage, the module and the function (and, with --check-applies, where `old` matches now). A breakage's guards are its own test node ids; one
-naming none runs the tests of the modules it patches (docs/design.md's module map).
+breakage, the module and the function (and, with --check-applies, where `old` matches now).
+A breakage's guards are its own test node ids; one naming none runs the tests of the modules
+it patches (docs/design.md's module map).
 Before any breakage the guards run once on an unbroken copy, so "caught" never means
 "was already failing".
 
@@ -1126,9 +1127,9 @@ BREAKAGES = (
         (
             Patch(
                 "kvsnap.runtime.engine.request_cache",
-                "prepare_request",
-                "        capture_request_prefix(prefix, state, cache)\n",
-                "        pass\n",
+                "RequestCaches.keep_private",
+                "            self.capture(state, found.cache)\n",
+                "            pass\n",
             ),
         ),
         (
@@ -1811,7 +1812,7 @@ BREAKAGES = (
         (
             Patch(
                 "kvsnap.runtime.engine.request_cache",
-                "prefill_shared_prefixes",
+                "RequestCaches._prefill_shared",
                 "first.namespace, count=False\n",
                 "first.namespace\n",
             ),
@@ -1845,10 +1846,10 @@ BREAKAGES = (
         "a conversation's chain is cut on the grid only, not also where its agent's record ends",
         (
             Patch(
-                "kvsnap.runtime.engine.engine",
-                "Engine._start_persisting",
-                "            persister.prefix = parts.prefix\n",
-                "",
+                "kvsnap.runtime.persist.persister",
+                "Persister._prepare",
+                "warm_ends = self.prefix.shared_ends(tokens) if self.prefix is not None else []",
+                "warm_ends = []",
             ),
         ),
         (
