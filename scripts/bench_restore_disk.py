@@ -8,7 +8,7 @@ side in one run, for one or more checkouts.
 
 The store is synthesized with the store's own writers (``write_chain``'s ``put_part``):
 Qwen3-0.6B-shaped fp32 KV (28 layers, 8 KV heads, head dim 128: 224 KiB per token), random
-values, ``--blocks`` blocks. A restore is ``store.parts.read_state_parts`` (every block read,
+values, ``--blocks`` blocks. A restore is ``store.reading.read_state_parts`` (every block read,
 checked against the chain and checksummed, the tensors viewed in mlx memory) in a fresh
 process of each tree (``PYTHONPATH`` is the tree), so its memory is fresh as a server's is.
 Cold means every file dropped from the page cache with ``posix_fadvise(DONTNEED)`` (checked
@@ -52,8 +52,10 @@ def make_store(root: Path, mb: float, blocks: int, seed: int = 0) -> dict:
 
     from kvsnap.snapshot.blocks import Cut, chain_of
     from kvsnap.snapshot.codec import to_out_tensors
+    from kvsnap.snapshot.format import BLOCK_KIND
     from kvsnap.store.local import Store
-    from kvsnap.store.parts import BLOCK_KIND, block_metadata, part_path, put_part
+    from kvsnap.store.paths import part_path
+    from kvsnap.store.writing import block_metadata, put_part
 
     n = max(blocks, round(mb * 1e6 / TOKEN_BYTES))
     ends = [n * (i + 1) // blocks for i in range(blocks)]
@@ -167,7 +169,7 @@ def restore_here(plan: dict) -> float:
     import mlx.core as mx
 
     from kvsnap.store.local import Store
-    from kvsnap.store.parts import read_state_parts
+    from kvsnap.store.reading import read_state_parts
 
     store = Store.open(Path(plan["root"]), readonly=True)
     spans = [tuple(s) for s in plan["spans"]]
@@ -285,7 +287,7 @@ def main(argv=None) -> int:
         if what == "restore":  # imported before the clocks start, as a server has them
             import mlx.core  # noqa: F401
 
-            import kvsnap.store.parts  # noqa: F401
+            import kvsnap.store.reading  # noqa: F401
         cpu = time.process_time()
         wall = restore_here(plan) if what == "restore" else reads[what](plan["files"])
         # CPU time of every thread of the process over the measured part: the work done,

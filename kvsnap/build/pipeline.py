@@ -372,7 +372,7 @@ class _Build:
         ends there, or the head is already stored. So a prefix built alone, or beside prefixes
         that share only blocks already stored whole, keeps the plain grid."""
         from kvsnap.snapshot.format import BLOCK_KIND
-        from kvsnap.store.parts import has_part
+        from kvsnap.store.paths import has_part
 
         def grid(tokens: list, splits: frozenset = frozenset()) -> list:
             plan = ChainPlan(self.blocks, splits=splits)
@@ -472,7 +472,9 @@ def restore_longest(
     from kvsnap.snapshot.blocks import kv_form_at
     from kvsnap.snapshot.codec import decode_cache
     from kvsnap.snapshot.format import BLOCK_KIND, CHECKPOINT_KIND
-    from kvsnap.store.parts import assemble_state, check_checkpoint, has_part
+    from kvsnap.store.checking import check_checkpoint
+    from kvsnap.store.paths import has_part
+    from kvsnap.store.reading import assemble_state
 
     links = plan.links(identity, tokens, hybrid, captured_only=False)
     present = []
@@ -535,7 +537,8 @@ def _bad_past(
     """Stored blocks past the restore point are prefilled again but kept when present: add the
     ones that fail their checks to ``replace`` (so they are rewritten); their warnings."""
     from kvsnap.snapshot.format import BLOCK_KIND
-    from kvsnap.store.parts import check_part, has_part
+    from kvsnap.store.checking import check_part
+    from kvsnap.store.paths import has_part
 
     warnings: tuple[str, ...] = ()
     for link in links:

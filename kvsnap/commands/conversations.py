@@ -119,7 +119,7 @@ def verify_conversations(
 
 def _agent_parts(store) -> set[str]:
     """The blocks and checkpoints the agents' sound records reach (a build rebuilds those)."""
-    from kvsnap.store.parts import reached_parts
+    from kvsnap.store.paths import reached_parts
 
     return reached_parts(store.scan()[0])
 
@@ -128,7 +128,7 @@ def _fix(store, exc, record, agent_parts: set[str]) -> str:
     """What mends a conversation record ``exc`` found bad (its own file or a part of it)."""
     from kvsnap.errors import SnapshotError
     from kvsnap.snapshot.format import BLOCK_KIND
-    from kvsnap.store.parts import FIX, part_of_path, part_relpath
+    from kvsnap.store.paths import FIX, part_of_path, part_relpath
 
     if exc.fix == SnapshotError("", "").fix:  # the default hint, an agent's
         return CONVERSATION_FIX.format(record=record, store=store.root)

@@ -98,7 +98,7 @@ def add_inspect(sub) -> None:
 def cmd_inspect(args) -> int:
     from kvsnap.errors import SnapshotError
     from kvsnap.snapshot.file import FormatError, read_header
-    from kvsnap.store.local import inspect_header
+    from kvsnap.snapshot.header import inspect_header
 
     path = Path(args.file)
     if not path.is_file():
@@ -296,7 +296,7 @@ def _check_shapes(store, info, shapes) -> None:
     can tell a block rewritten with another head dim."""
     from kvsnap.errors import SnapshotError
     from kvsnap.snapshot.file import read_header
-    from kvsnap.store.parts import chain_relpaths
+    from kvsnap.store.paths import chain_relpaths
 
     parts = (
         [store.root / rel for rel in chain_relpaths(info)]

@@ -28,7 +28,7 @@ from kvsnap.errors import SnapshotError
 from kvsnap.store.conversations import conversation_files
 from kvsnap.store.fileio import check_store_folders, file_or_link, fsync_dir, remove_store_file
 from kvsnap.store.local import Store
-from kvsnap.store.parts import chain_relpaths
+from kvsnap.store.paths import chain_relpaths
 
 log = logging.getLogger("kvsnap.persist")
 

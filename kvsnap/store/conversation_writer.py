@@ -25,11 +25,13 @@ from typing import Callable
 from kvsnap.errors import SnapshotError, StoreError
 from kvsnap.snapshot.file import OutTensor, write_snapshot
 from kvsnap.snapshot.format import BLOCK_KIND
+from kvsnap.store.checking import PartHealth
 from kvsnap.store.conversation_space import evict_to_budget, purge, sweep_orphans
 from kvsnap.store.conversations import record_path, touch
 from kvsnap.store.fileio import atomic_write, check_store_folders, remove_store_file
 from kvsnap.store.local import Store
-from kvsnap.store.parts import PartHealth, chain_relpaths, has_part, part_relpath, put_part
+from kvsnap.store.paths import chain_relpaths, has_part, part_relpath
+from kvsnap.store.writing import put_part
 
 log = logging.getLogger("kvsnap.persist")
 
@@ -471,6 +473,6 @@ def _size(path) -> int:
 def _stored_bytes(store: Store) -> int:
     """An upper bound of what conversations hold: every part and conversation record."""
     from kvsnap.store.conversations import conversation_files
-    from kvsnap.store.parts import part_files
+    from kvsnap.store.paths import part_files
 
     return sum(_size(p) for p in part_files(store) + conversation_files(store.root))

@@ -2,9 +2,9 @@
 store's files, writes files atomically, hashes files in chunks and reads a file whole into
 mlx memory that nothing wrote before.
 
-``store/local.py`` (records, manifest, gc) and ``store/parts.py`` (blocks, checkpoints) both
-use it, so neither needs the other for a write or a read. Only the readers import mlx
-(``unfilled_buffer``, ``tensor_views``).
+The store's jobs (``store/writing.py``, ``reading.py``, ``checking.py``, ``collecting.py``)
+and ``store/local.py`` (manifest, lock) all use it, so none needs another for a write or a
+read. Only the readers import mlx (``unfilled_buffer``, ``tensor_views``).
 """
 
 from __future__ import annotations

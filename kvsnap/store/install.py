@@ -46,7 +46,7 @@ def check_manifest_bytes(data: bytes, where: str, dest: Path | None = None) -> d
 def check_part_file(store: Store, relpath: str, path: Path) -> None:
     """A block or checkpoint file at ``path`` (stored or staged as ``relpath``) checked on its
     own: header, key, checksum; SnapshotError names it."""
-    from kvsnap.store.parts import check_part
+    from kvsnap.store.checking import check_part
 
     kind = "block" if relpath.startswith(PART_FOLDERS[0]) else "checkpoint"
     check_part(store, kind, path.stem, path=path)
@@ -207,7 +207,7 @@ class StagedInstall:
         """Every staged file's own checks (header, key, checksum; a block's or checkpoint's too) and
         the manifest's JSON. A record's parts are checked where they will be: staged, or already in
         ``dest``."""
-        from kvsnap.store.parts import chain_relpaths
+        from kvsnap.store.paths import chain_relpaths
 
         assert self.tmp is not None
         self._drop_leftovers()

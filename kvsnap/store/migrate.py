@@ -39,7 +39,7 @@ from kvsnap.snapshot.format import (
 from kvsnap.snapshot.header import SnapshotInfo
 from kvsnap.store.foreign import Problem
 from kvsnap.store.local import Store
-from kvsnap.store.parts import write_chain
+from kvsnap.store.writing import write_chain
 
 
 @dataclass

@@ -23,15 +23,11 @@ from kvsnap.snapshot.file import Header, parse_header, read_into
 from kvsnap.snapshot.format import DTYPES
 from kvsnap.snapshot.rows import RowDigests, row_count
 from kvsnap.snapshot.shard_view import Cut, ShardError, ShardView
+from kvsnap.store.checking import expect_part
 from kvsnap.store.fileio import StoreFiles, check_regular, read_whole, unfilled_buffer
 from kvsnap.store.part_readers import on_mlx_thread
-from kvsnap.store.parts import (
-    _expect,
-    part_path,
-    part_read_errors,
-    part_relpath,
-    part_relpath_of_file,
-)
+from kvsnap.store.paths import part_path, part_relpath, part_relpath_of_file
+from kvsnap.store.reading import part_read_errors
 
 
 @dataclass
@@ -104,7 +100,7 @@ def read_part_slice(
     check_regular(path, store.root)
     with part_read_errors(path, kind), open(path, "rb") as f:
         header = parse_header(f, os.fstat(f.fileno()).st_size)
-        _expect(inspect_part(path, header), kind, model_digest, start, end, prefix_digest)
+        expect_part(inspect_part(path, header), kind, model_digest, start, end, prefix_digest)
         digests = RowDigests.of(header)
         if digests is None:
             return _cut_whole(path, view, layers, meter, local)
@@ -183,7 +179,8 @@ def load_shard_state(
     import mlx.core as mx
 
     from kvsnap.snapshot.format import TOKENS
-    from kvsnap.store.parts import chain_of, end_checkpoint, read_state_parts
+    from kvsnap.store.paths import chain_of, end_checkpoint
+    from kvsnap.store.reading import read_state_parts
 
     try:
         local_layers = view.local_layers(info.layers)

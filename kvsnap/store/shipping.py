@@ -73,7 +73,7 @@ class StoreFile:
 def collect_store(root: str | os.PathLike) -> list[StoreFile]:
     """Every file of the store to ship, each fully verified; refuses a store with any bad file."""
     store = Store.open(root, readonly=True).require_store()
-    from kvsnap.store.parts import chain_relpaths
+    from kvsnap.store.paths import chain_relpaths
 
     files: list[StoreFile] = []
     reached: set[str] = set()

@@ -361,7 +361,7 @@ def test_gc_dry_run_lists_then_yes_removes_a_dropped_entry_and_temp_files(light,
     write_agents(agents_file, agents(["alpha", "beta"]))
     build(dense, agents_file, tmp_path / "store")
     store = Store.open(tmp_path / "store")
-    from kvsnap.store.parts import chain_relpaths
+    from kvsnap.store.paths import chain_relpaths
 
     gamma = store.path_for(next(e.key for e in first.entries if e.name == "gamma"))
     shared = {

@@ -63,8 +63,9 @@ def _assert_store_sound(store: Path, env: dict) -> None:
         return
     v = run_kvsnap("verify", store, env=env)
     assert v.returncode == 0, v.stdout + v.stderr
+    from kvsnap.store.checking import check_part
     from kvsnap.store.local import Store
-    from kvsnap.store.parts import check_part, part_files
+    from kvsnap.store.paths import part_files
 
     opened = Store.open(store, readonly=True)
     for path in part_files(opened):

@@ -13,7 +13,7 @@ from kvsnap.snapshot.file import CHECKSUM_KEY, OutTensor, read_header, write_sna
 from kvsnap.snapshot.format import snapshot_filename
 from kvsnap.snapshot.header import key_of, tokens_digest_of_bytes
 from kvsnap.store.local import Store
-from kvsnap.store.parts import chain_relpaths
+from kvsnap.store.paths import chain_relpaths
 
 SYSTEMS = {
     "alpha": "You are the alpha agent. Review the code, check every test, then answer briefly and "

@@ -18,7 +18,7 @@ from helpers.models import LONG_SYSTEM
 from kvsnap.store.conversation_space import read_reach
 from kvsnap.store.conversations import conversation_files
 from kvsnap.store.local import Store
-from kvsnap.store.parts import part_files
+from kvsnap.store.paths import part_files
 from kvsnap.tools.serverproc import ServerProcess, start_server
 
 TURNS = (
@@ -179,9 +179,10 @@ def sigterm(server: ServerProcess, timeout: float = 30.0) -> float:
 def assert_sound(store: Path) -> None:
     """`kvsnap verify` passes, every record reaches only parts that are there, and no part,
     named or not, is torn."""
+    from kvsnap.store.checking import check_part
     from kvsnap.store.conversations import conversation_files
     from kvsnap.store.local import Store
-    from kvsnap.store.parts import chain_relpaths, check_part, part_files
+    from kvsnap.store.paths import chain_relpaths, part_files
 
     v = run_kvsnap("verify", store, env={"KVSNAP_CACHE_DIR": str(store.parent)})
     assert v.returncode == 0, v.stdout + v.stderr

@@ -61,7 +61,7 @@ def tree(root: Path) -> dict[str, object]:
 
 def store_files(root: Path) -> dict[str, bytes]:
     files = {MANIFEST: (root / MANIFEST).read_bytes()}
-    from kvsnap.store.parts import part_files
+    from kvsnap.store.paths import part_files
 
     store = Store.open(root, readonly=True)
     for p in [*store.snapshot_files(), *part_files(store)]:

@@ -20,7 +20,7 @@ from kvsnap.errors import SnapshotError
 from kvsnap.prompts import load_warm_prompts
 from kvsnap.snapshot.blocks import BlockSettings, _lcp, branch_points, plan_cuts
 from kvsnap.store.local import Store
-from kvsnap.store.parts import chain_relpaths, part_files
+from kvsnap.store.paths import chain_relpaths, part_files
 
 WORDS = (
     "alpha beta gamma delta house rules tools call search answer review code check the tests "

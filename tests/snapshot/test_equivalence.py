@@ -110,7 +110,9 @@ def test_altered_kv_with_recomputed_checksum_changes_logits(demo_models, isolate
     # Rewrite the last block with one layer's values perturbed, through the real writer
     # (so the checksum matches), and check the logits move.
     from kvsnap.snapshot.file import read_header
-    from kvsnap.store.parts import part_path, put_part, read_part
+    from kvsnap.store.paths import part_path
+    from kvsnap.store.reading import read_part
+    from kvsnap.store.writing import put_part
 
     store = Store(root=(tmp_path / "store").resolve())
     info = store.inspect(path)
@@ -187,7 +189,7 @@ def test_snapshot_size_is_exact_kv_bytes(demo_models, isolated_cache, tmp_path, 
 
     lm = demo_models.load(name, **settings)
     entry, warm, _ = _request(lm)
-    from kvsnap.store.parts import chain_relpaths
+    from kvsnap.store.paths import chain_relpaths
 
     # the defaults: one checkpoint, at the end
     _, path = _snapshot_roundtrip(lm, entry, warm, tmp_path, BlockSettings())

@@ -23,7 +23,7 @@ from kvsnap.prompts import load_warm_prompts
 from kvsnap.snapshot.blocks import BlockSettings
 from kvsnap.store.archive import pack
 from kvsnap.store.local import Store
-from kvsnap.store.parts import chain_relpaths
+from kvsnap.store.paths import chain_relpaths
 
 WORDS = (
     "alpha beta gamma delta house rules tools call search answer review code check tests".split()

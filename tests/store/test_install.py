@@ -88,7 +88,7 @@ def test_an_existing_record_only_gains_entries_from_a_shipped_one(store, tmp_pat
 def test_regression_unpack_never_overwrites_a_good_block_with_a_forged_one(store, tmp_path):
     """Block keys name content but do not hash it: shipped bytes under an existing name are
     reported, not installed."""
-    from kvsnap.store.parts import check_part
+    from kvsnap.store.checking import check_part
 
     block = sorted((store / "blocks").iterdir())[0]
     forged = forged_copy(block)

@@ -448,7 +448,7 @@ def test_gc_removes_a_dropped_entry_but_never_one_another_model_uses(dense, dens
     write_agents(agents_file, agents(["alpha", "beta"]))  # gamma leaves the agents file
     report = build(dense, agents_file, store.root, blocks=small)
     assert statuses(report) == {"alpha": "reused", "beta": "reused"}
-    from kvsnap.store.parts import chain_relpaths
+    from kvsnap.store.paths import chain_relpaths
 
     gone = store.path_for(keys(first)["gamma"])
     staying = [

@@ -25,9 +25,10 @@ import mlx.core as mx
 
 from kvsnap.snapshot.cache_classes import split_tensor_names
 from kvsnap.snapshot.codec import copy_cache, decode_cache
-from kvsnap.store import parts as store_parts
+from kvsnap.store import reading as store_reading
 from kvsnap.store.local import SnapshotInfo, Store
-from kvsnap.store.parts import end_checkpoint, read_state_parts
+from kvsnap.store.paths import end_checkpoint
+from kvsnap.store.reading import read_state_parts
 
 ROOM_STEP = 256  # mlx-lm's KVCache grows in steps of 256 tokens: room comes in the same steps
 
@@ -127,7 +128,7 @@ def load_composed(
     """A v3 record's state at ``end`` (default: all of it) as pooled blocks; blocks already in
     the pool are not read again, nor are parts ``in_memory`` by (kind, key) (a shared
     tier's fetch). Returns the state and the bytes this load added to the pool. Reading and
-    checking are ``store.parts.read_state_parts``'s; SnapshotError names a bad part."""
+    checking are ``store.reading.read_state_parts``'s; SnapshotError names a bad part."""
     n = info.n_tokens if end is None else end
     if checkpoint_key is None and n == info.n_tokens:
         checkpoint_key = end_checkpoint(info)
@@ -143,11 +144,11 @@ def load_composed(
         if block is None:
             data = in_memory.get((kind, key)) if in_memory is not None else None
             if data is not None:
-                part, arrays = store_parts.part_from_bytes(
+                part, arrays = store_reading.part_from_bytes(
                     store, kind, key, info.model_digest, start, stop, digest, data
                 )
             else:  # looked up on its module when called, so a test can count the reads
-                part, arrays = store_parts.read_part(
+                part, arrays = store_reading.read_part(
                     store, kind, key, info.model_digest, start, stop, digest
                 )
             block, new = pool.add(key, arrays, part.layers)

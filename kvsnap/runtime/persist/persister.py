@@ -194,7 +194,8 @@ class Persister:
         from kvsnap.snapshot.cache_classes import needs_checkpoints, split_tensor_names
         from kvsnap.snapshot.codec import encode_cache, to_out_tensors
         from kvsnap.snapshot.format import BLOCK_KIND, CHECKPOINT_KIND, TOKENS
-        from kvsnap.store.parts import block_metadata, checkpoint_metadata, has_part
+        from kvsnap.store.paths import has_part
+        from kvsnap.store.writing import block_metadata, checkpoint_metadata
 
         namespace, tokens, digest = entry.namespace or "", entry.tokens, self.identity.digest
         conv_digest = self._digest(namespace)
@@ -399,7 +400,7 @@ class Persister:
     def part_failed(self, exc: BaseException) -> None:
         """A load failed on a block or checkpoint (the error names its file): the next capture
         reaching it copies it and the writer rewrites it; till then no record names it."""
-        from kvsnap.store.parts import part_of_path
+        from kvsnap.store.paths import part_of_path
 
         where = getattr(exc, "path", None) or getattr(exc, "filename", None)
         part = part_of_path(self.store, where) if isinstance(where, str) else None

@@ -51,7 +51,7 @@ from kvsnap.store.conversations import (
 )
 from kvsnap.store.fileio import TMP_PREFIX, fsync_dir, make_dirs
 from kvsnap.store.local import Store
-from kvsnap.store.parts import has_part, part_path
+from kvsnap.store.paths import has_part, part_path
 from kvsnap.store.tier_backends import TierBackend, TierUnavailable, fleet_secret_from_env
 from kvsnap.store.tier_values import (
     BLOCK,

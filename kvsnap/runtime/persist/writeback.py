@@ -33,9 +33,11 @@ from kvsnap.snapshot.blocks import (
 )
 from kvsnap.snapshot.cache_classes import needs_checkpoints
 from kvsnap.snapshot.format import CHECKPOINT_KIND, TOKENS, header_metadata, snapshot_relpath
+from kvsnap.store.checking import bad_present_parts
 from kvsnap.store.local import Store
 from kvsnap.store.manifest import record_id, utc_now
-from kvsnap.store.parts import Written, bad_present_parts, has_part, write_chain
+from kvsnap.store.paths import has_part
+from kvsnap.store.writing import Written, write_chain
 from kvsnap.warm_key import warm_recipe
 
 # mlx (here and through ``snapshot.codec``) is imported where it is used: ``kvsnap build``

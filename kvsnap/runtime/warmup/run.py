@@ -9,6 +9,7 @@ report and counts from ``warmup.report``.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -36,6 +37,7 @@ from kvsnap.runtime.warmup.report import (
     WarmupReport,
 )
 from kvsnap.snapshot.codec import cache_nbytes_of, is_trimmable
+from kvsnap.snapshot.format import BLOCK_KIND
 from kvsnap.store.local import SnapshotInfo, Store
 from kvsnap.warm_key import warm_key
 
@@ -104,30 +106,33 @@ def run_warmup(
         prefix.check_state = ModelShapes(lm).problem
     pool = pool if pool is not None else BlockPool()
     run = _Warmup(lm, prefix, identity, counts, store, report, budget_bytes, pool=pool)
-    good = run.scan(prefetched)
-    if prompts is not None:
-        targets, stale_keys = run.targets(prompts, good)
-    else:
-        targets, stale_keys = [WarmTarget(i.name, None, i) for i in good.values()], set()
-    to_prefill, pinned_keys = run.pin(targets)
-    run.index_unnamed(good, pinned_keys | stale_keys)
-    writable = store if store is not None and not store.readonly else None
-    # where prefilled warm prompts are written back: a writable store, and the file they came from
-    sink = (writable, agents_file) if writable is not None and agents_file else None
-    if writable is not None and not agents_file and to_prefill:
-        counts.write_back_note = NO_AGENTS_FILE
-    if not allow_prefill:
-        report.skipped += len(to_prefill)
-        to_prefill = []
-    prefill_many = prefill_many or (lambda group: [prefill(lm, tokens) for tokens in group])
-    for start in range(0, len(to_prefill), concurrency):
-        group = to_prefill[start : start + concurrency]
-        report.max_inflight_prefills = max(report.max_inflight_prefills, len(group))
-        for t, cache in zip(group, prefill_many([t.tokens for t in group])):
-            written = run.write_back(t, cache, *sink) if sink is not None else None
-            run.keep_prefilled(t, cache, written)
-            del cache
-    counts.write_back = sink is not None
+    # each part is checked once: what the pins read, and what the write-backs check or
+    # write, is kept for this warm-up (the store forgets it after)
+    with store.checks_remembered() if store is not None else contextlib.nullcontext():
+        good = run.scan(prefetched)
+        if prompts is not None:
+            targets, stale_keys = run.targets(prompts, good)
+        else:
+            targets, stale_keys = [WarmTarget(i.name, None, i) for i in good.values()], set()
+        to_prefill, pinned_keys = run.pin(targets)
+        run.index_unnamed(good, pinned_keys | stale_keys)
+        writable = store if store is not None and not store.readonly else None
+        # where prefilled warm prompts are written back: a writable store, and their file
+        sink = (writable, agents_file) if writable is not None and agents_file else None
+        if writable is not None and not agents_file and to_prefill:
+            counts.write_back_note = NO_AGENTS_FILE
+        if not allow_prefill:
+            report.skipped += len(to_prefill)
+            to_prefill = []
+        prefill_many = prefill_many or (lambda group: [prefill(lm, tokens) for tokens in group])
+        for start in range(0, len(to_prefill), concurrency):
+            group = to_prefill[start : start + concurrency]
+            report.max_inflight_prefills = max(report.max_inflight_prefills, len(group))
+            for t, cache in zip(group, prefill_many([t.tokens for t in group])):
+                written = run.write_back(t, cache, *sink) if sink is not None else None
+                run.keep_prefilled(t, cache, written)
+                del cache
+        counts.write_back = sink is not None
     report.seconds = time.perf_counter() - t0
     return report
 
@@ -227,6 +232,7 @@ class _Warmup:
                 if used + t.info.nbytes <= self.budget_bytes:
                     entry.state, entry.nbytes = entry.read()
                     entry.resident = True
+                    self._read_good(t.info)
                     used += entry.nbytes
                     counts.loaded += 1
                 self.prefix.add(entry)
@@ -241,6 +247,13 @@ class _Warmup:
                 else:
                     report.skipped += 1
         return to_prefill, pinned_keys
+
+    def _read_good(self, info: SnapshotInfo) -> None:
+        """A record just loaded: every block it reaches was read and checked (now, in the
+        prefetch, or for a record loaded before), so a write-back need not check it again."""
+        checked = self.store.checked if self.store is not None else None
+        if checked is not None and info.chain is not None:
+            checked.mark_good((BLOCK_KIND, key) for key, _, _ in info.chain.blocks)
 
     def index_unnamed(self, good: dict[str, SnapshotInfo], skip_keys: set[str]) -> None:
         """Snapshots of this model that no warm prompt names: indexed, loaded on first hit."""

@@ -19,6 +19,7 @@ import httpx
 from kvsnap.errors import ManifestError, SnapshotError
 from kvsnap.faults import FaultHook
 from kvsnap.snapshot.format import BLOCKS, PART_REL_RE
+from kvsnap.store.checking import check_part
 from kvsnap.store.install import StagedInstall, check_destination, existing_file_is_good
 from kvsnap.store.local import MANIFEST, Store
 from kvsnap.store.manifest import read_manifest_file
@@ -28,7 +29,6 @@ from kvsnap.store.oci.credentials import Credentials
 from kvsnap.store.oci.deadlines import Deadlines
 from kvsnap.store.oci.errors import RegistryError, RegistryUnreachableError
 from kvsnap.store.oci.reference import Reference, as_reference
-from kvsnap.store.parts import check_part
 from kvsnap.store.shipping import ShipError, present_with_digest
 
 log = logging.getLogger("kvsnap")

@@ -330,7 +330,7 @@ def test_a_forged_persisted_block_is_refused_and_the_turn_is_served_cold(world, 
     from helpers.forged import forge_head_dim
 
     from kvsnap.store.local import Store
-    from kvsnap.store.parts import chain_relpaths
+    from kvsnap.store.paths import chain_relpaths
 
     home = tmp_path / "home"
     home.mkdir()

@@ -295,7 +295,7 @@ def _flip_own_state_byte(store: Path, record: Path) -> Path:
     """Flip a byte in the last block of ``record`` (its tail: no other agent's); returns that
     block."""
     from kvsnap.store.local import Store
-    from kvsnap.store.parts import chain_relpaths
+    from kvsnap.store.paths import chain_relpaths
 
     info = Store.open(store).inspect(record)
     block = store / [rel for rel in chain_relpaths(info) if rel.startswith("blocks/")][-1]

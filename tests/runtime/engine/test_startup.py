@@ -74,10 +74,10 @@ def test_each_pinned_snapshot_is_opened_and_parsed_once_to_index_and_once_to_res
 ):
     import kvsnap.snapshot.file
     import kvsnap.snapshot.header
-    import kvsnap.store.local
+    import kvsnap.store.reading
 
     parses: list[str] = []
-    real_parse = kvsnap.store.local.parse_header
+    real_parse = kvsnap.store.reading.parse_header
 
     def counting_parse(f, size):
         parses.append(f.name)
@@ -88,7 +88,7 @@ def test_each_pinned_snapshot_is_opened_and_parsed_once_to_index_and_once_to_res
 
     import kvsnap.store.fileio
     from kvsnap.store.local import Store
-    from kvsnap.store.parts import chain_relpaths
+    from kvsnap.store.paths import chain_relpaths
 
     records = sorted(str(p) for p in (world["store"] / "snapshots").iterdir())
     store = Store.open(world["store"])
@@ -99,10 +99,10 @@ def test_each_pinned_snapshot_is_opened_and_parsed_once_to_index_and_once_to_res
             for rel in chain_relpaths(store.inspect(Path(r)))
         }
     )
-    monkeypatch.setattr(kvsnap.store.local, "parse_header", counting_parse)
+    monkeypatch.setattr(kvsnap.store.reading, "parse_header", counting_parse)
     # restores read whole files there
     monkeypatch.setattr(kvsnap.store.fileio, "parse_header", counting_parse)
-    monkeypatch.setattr(kvsnap.store.local, "read_header", no_reread)
+    monkeypatch.setattr(kvsnap.store.reading, "read_header", no_reread)
     monkeypatch.setattr(kvsnap.snapshot.header, "tensor_bytes", no_reread)
     engine = _start(world)
     try:
@@ -187,10 +187,11 @@ def _slow_load_and_count_reads(engine_holder, monkeypatch):
 
     import kvsnap.runtime.model.loading
     import kvsnap.store.fileio
-    import kvsnap.store.local
+    import kvsnap.store.reading
 
     reads = []
-    real_load, real_read = kvsnap.runtime.model.loading.load_model, kvsnap.store.parts.read_part
+    real_load = kvsnap.runtime.model.loading.load_model
+    real_read = kvsnap.store.reading.read_part
 
     def slow_load(*a, **k):
         time.sleep(1.0)
@@ -201,7 +202,7 @@ def _slow_load_and_count_reads(engine_holder, monkeypatch):
         return real_read(*a, **k)
 
     monkeypatch.setattr(kvsnap.runtime.model.loading, "load_model", slow_load)
-    monkeypatch.setattr(kvsnap.store.parts, "read_part", read)
+    monkeypatch.setattr(kvsnap.store.reading, "read_part", read)
     return reads
 
 
@@ -247,7 +248,7 @@ def test_a_corrupt_snapshot_found_during_the_overlapped_read_is_rejected_and_pre
 ):
     from kvsnap.snapshot.file import read_header
     from kvsnap.store.local import Store
-    from kvsnap.store.parts import chain_relpaths
+    from kvsnap.store.paths import chain_relpaths
 
     record = sorted((world["store"] / "snapshots").iterdir())[0]
     # its own last block (or checkpoint)
@@ -308,13 +309,12 @@ def _start_and_record(world, with_prompts: bool) -> dict:
     import mlx.core as mx
 
     import kvsnap.store.fileio
-    import kvsnap.store.local
-    import kvsnap.store.parts
+    import kvsnap.store.reading
     from kvsnap.runtime.engine.engine import Engine
 
     seen: dict = {"parses": [], "reads": [], "evals": []}
     holder: list = []
-    real_parse, real_read = kvsnap.store.local.parse_header, kvsnap.store.parts.read_part
+    real_parse, real_read = kvsnap.store.reading.parse_header, kvsnap.store.reading.read_part
     real_eval = mx.eval
 
     def parse(f, size):
@@ -332,9 +332,9 @@ def _start_and_record(world, with_prompts: bool) -> dict:
 
     config = _config(world, with_prompts)
     with pytest.MonkeyPatch.context() as patch:  # undone before the next start
-        patch.setattr(kvsnap.store.local, "parse_header", parse)
+        patch.setattr(kvsnap.store.reading, "parse_header", parse)
         patch.setattr(kvsnap.store.fileio, "parse_header", parse)
-        patch.setattr(kvsnap.store.parts, "read_part", read)
+        patch.setattr(kvsnap.store.reading, "read_part", read)
         patch.setattr(mx, "eval", evaluate)
         engine = Engine(config)
         holder.append(engine)

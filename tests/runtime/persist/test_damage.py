@@ -594,7 +594,7 @@ def test_a_folder_in_a_blocks_place_is_named_with_the_fix_not_a_permissions_hint
     from kvsnap.errors import StoreError
     from kvsnap.snapshot.file import OutTensor
     from kvsnap.snapshot.format import BLOCK_KIND
-    from kvsnap.store.parts import put_part
+    from kvsnap.store.writing import put_part
 
     root, _ = copy_of(three_turns, tmp_path)
     key = records(root)[-1].chain.blocks[0][0]

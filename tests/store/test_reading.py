@@ -16,15 +16,17 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-import kvsnap.store.parts as store_parts
+import kvsnap.store.reading as store_reading
 from kvsnap.build.pipeline import build_snapshots
 from kvsnap.errors import SnapshotError
 from kvsnap.prompts import load_warm_prompts
 from kvsnap.runtime.cache.composed import BlockPool, load_composed
 from kvsnap.snapshot.blocks import BlockSettings
+from kvsnap.snapshot.format import BLOCK_KIND
 from kvsnap.store import part_readers
 from kvsnap.store.local import Store
-from kvsnap.store.parts import BLOCK_KIND, assemble, chain_of, part_path, read_part
+from kvsnap.store.paths import chain_of, part_path
+from kvsnap.store.reading import assemble, read_part
 
 WORDS = "alpha beta gamma delta house rules tools call search answer review code tests".split()
 
@@ -78,7 +80,7 @@ def test_a_chains_blocks_are_read_at_once(built, monkeypatch, how):
             meet.wait()
         return read_part(*args)
 
-    monkeypatch.setattr(store_parts, "read_part", read)
+    monkeypatch.setattr(store_reading, "read_part", read)
     together = _restore(how, store, info)
     assert len(calls) >= len(chain_of(info).blocks)
     assert all(name.startswith("kvsnap-read") for name in calls)
@@ -109,7 +111,7 @@ def test_the_first_bad_block_in_chain_order_is_named_when_a_later_one_fails_soon
             time.sleep(0.3)  # the later bad block's error comes first
         return read_part(store_, kind, key, *rest)
 
-    monkeypatch.setattr(store_parts, "read_part", read)
+    monkeypatch.setattr(store_reading, "read_part", read)
     with pytest.raises(SnapshotError) as err:
         _restore(how, store, info)
     assert str(first) in str(err.value) and str(later) not in str(err.value)
@@ -159,7 +161,7 @@ def test_parts_held_in_memory_load_as_read_from_their_files_and_are_checked_the_
         reads.append((kind, key))
         return read_part(store_, kind, key, *rest)
 
-    monkeypatch.setattr(store_parts, "read_part", read)
+    monkeypatch.setattr(store_reading, "read_part", read)
     from_memory, added = load_composed(store, info, BlockPool(), in_memory={**held, **checkpoints})
     assert added > 0 and not [r for r in reads if r[0] == BLOCK_KIND], reads
     for (start, _, a), (_, _, b) in zip(from_files.blocks, from_memory.blocks):
