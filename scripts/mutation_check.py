@@ -195,7 +195,7 @@ BREAKAGES = (
         "tail), not just its own tokens",
         (
             Patch(
-                "kvsnap.store.parts",
+                "kvsnap.store.writing",
                 "write_chain",
                 "            part = {name: arrays[name][..., link.start : link.end, :] for name in "
                 "sliced}\n",
@@ -556,11 +556,11 @@ BREAKAGES = (
         "gc removes every block a dropped record reached, shared ones included",
         (
             Patch(
-                "kvsnap.store.local",
-                "Store.gc",
-                "                reached: set[str] | None = reached_parts([self.inspect(p) for "
-                "p in kept])\n",
-                "                reached: set[str] | None = set()\n",
+                "kvsnap.store.collecting",
+                "collect",
+                "            reached: set[str] | None = reached_parts([inspect_record(store, p) "
+                "for p in kept])\n",
+                "            reached: set[str] | None = set()\n",
             ),
         ),
         (
@@ -2035,8 +2035,8 @@ BREAKAGES = (
         "though it never removes one",
         (
             Patch(
-                "kvsnap.store.local",
-                "Store.gc",
+                "kvsnap.store.collecting",
+                "collect",
                 "            doomed = [p for p in candidates if file_or_link(p)]\n",
                 "            doomed = list(candidates)\n",
             ),
@@ -2472,8 +2472,8 @@ BREAKAGES = (
         "gc does not count the records a running build's pending file lists",
         (
             Patch(
-                "kvsnap.store.local",
-                "Store.gc",
+                "kvsnap.store.collecting",
+                "collect",
                 "            live |= held\n",
                 "",
             ),
@@ -2878,7 +2878,7 @@ BREAKAGES = (
         "copies and rewrites it again",
         (
             Patch(
-                "kvsnap.store.parts",
+                "kvsnap.store.checking",
                 "PartHealth.mark_good",
                 "                self._bad.discard(part)\n",
                 "",
@@ -3209,6 +3209,48 @@ BREAKAGES = (
             ),
         ),
         (TIER_FAULTS + "test_a_replica_started_after_a_flush_still_shares_with_the_fleet",),
+    ),
+    Breakage(
+        "tier-fresh-any-namespace",
+        "a fleet's tier: tenants apart (fleet.md)",
+        "a record fetched for one namespace is handed to any request holding its tokens: a "
+        "tenant loads another's fetched conversation from memory",
+        (
+            Patch(
+                "kvsnap.runtime.persist.shared_tier",
+                "SharedTier.take_fresh",
+                "fetched.namespace == namespace",
+                "True",
+            ),
+        ),
+        (
+            TIER_UNIT
+            + "test_a_fetched_record_goes_once_to_a_request_of_its_namespace_that_extends_it",
+        ),
+    ),
+    Breakage(
+        "memory-part-unchecked",
+        "3. never a stale or foreign snapshot",
+        "a part held in memory (a tier's fetch) is trusted to be what its own header says: "
+        "checked against its header's key, not the chain's, another span's block loads in place",
+        (
+            Patch(
+                "kvsnap.store.reading",
+                "part_from_bytes",
+                "path = part_path(store, kind, key)",
+                'path = part_path(store, kind, header_of_bytes(data).metadata["kvsnap.key"])',
+            ),
+            Patch(
+                "kvsnap.store.reading",
+                "part_from_bytes",
+                "expect_part(info, kind, model_digest, start, end, prefix_digest)",
+                "pass",
+            ),
+        ),
+        (
+            "tests/store/test_reading.py::"
+            "test_parts_held_in_memory_load_as_read_from_their_files_and_are_checked_the_same",
+        ),
     ),
     Breakage(
         "tier-only-newest-indexed",

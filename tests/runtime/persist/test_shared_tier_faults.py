@@ -254,8 +254,6 @@ def test_b_continues_a_conversation_a_served_from_the_tier(fleet, scenario):
     # loaded from the fetch's memory, not read back from B's disk; then kept in B's store
     assert persist(fleet.b)["disk_hits"] == disk
     assert wait_for(lambda: tier(fleet.b)["kept"] == before["kept"] + 1), tier(fleet.b)
-    records = list((fleet.tmp / "b").rglob("*.safetensors"))
-    assert any(p.parent.name not in ("blocks", "checkpoints") for p in records), records
     assert not list((fleet.tmp / "b").glob(".tmp-tier-*"))  # nothing left staged
     assert after["breaker"] == "closed"
 
