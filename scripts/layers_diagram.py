@@ -37,25 +37,28 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+def imports_of(name: str, path: Path, known) -> set[str]:
+    """The ``known`` kvsnap modules ``path`` (module ``name``) imports, relative imports
+    resolved, lazy ones inside functions included (tests/test_architecture.py checks these)."""
+    here = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = here.split(".")[: len(here.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            found.add(base)
+            found.update(f"{base}.{a.name}" for a in node.names)  # `from kvsnap.store import oci`
+    return {m for m in found if m in known and m != name}
+
+
 def import_graph(package: Path = PACKAGE) -> dict[str, set[str]]:
     """kvsnap module -> the kvsnap modules it imports (relative imports resolved)."""
     paths = {module_name(p): p for p in sorted(package.rglob("*.py"))}
-    graph = {}
-    for name, path in paths.items():
-        here = name if path.name == "__init__.py" else name.rpartition(".")[0]
-        found = set()
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            if isinstance(node, ast.Import):
-                found.update(a.name for a in node.names)
-            elif isinstance(node, ast.ImportFrom):
-                base = node.module or ""
-                if node.level:
-                    anchor = here.split(".")[: len(here.split(".")) - node.level + 1]
-                    base = ".".join(anchor + ([base] if base else []))
-                found.add(base)
-                found.update(f"{base}.{a.name}" for a in node.names)
-        graph[name] = {m for m in found if m in paths and m != name}
-    return graph
+    return {name: imports_of(name, path, paths) for name, path in paths.items()}
 
 
 def group_of(name: str) -> str | None:

@@ -5,6 +5,7 @@ map kept equal to the tree."""
 from __future__ import annotations
 
 import ast
+import functools
 import importlib.util
 import re
 from pathlib import Path
@@ -108,21 +109,9 @@ def modules() -> dict[str, Path]:
 
 
 def imports_of(name: str, path: Path) -> set[str]:
-    """Absolute names of every kvsnap module ``path`` imports, relative imports resolved."""
-    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.Import):
-            found.update(a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
-                base = ".".join(anchor + ([base] if base else []))
-            found.add(base)
-            found.update(f"{base}.{a.name}" for a in node.names)  # `from kvsnap.store import oci`
-    known = modules()
-    return {m for m in found if m in known and m != name}
+    """Absolute names of every kvsnap module ``path`` imports, relative imports resolved (the
+    diagram's reading of the imports: one reader for the picture and the rules)."""
+    return layers_diagram_script().imports_of(name, path, modules())
 
 
 def reaches(imported: str, prefix: str) -> bool:
@@ -503,8 +492,9 @@ def test_the_row_check_sees_a_long_cell():
     assert long_owns_cells(doc) == [f"`a.py`: {OWNS_LIMIT + 1}"]
 
 
+@functools.cache
 def layers_diagram_script():
-    """scripts/layers_diagram.py, loaded by path (scripts/ is no package)."""
+    """scripts/layers_diagram.py, loaded by path once (scripts/ is no package)."""
     path = ROOT / "scripts" / "layers_diagram.py"
     spec = importlib.util.spec_from_file_location("layers_diagram", path)
     assert spec is not None and spec.loader is not None
