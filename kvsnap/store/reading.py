@@ -55,12 +55,26 @@ from kvsnap.store.paths import (
 # --- records --------------------------------------------------------------------------------
 
 
+@contextlib.contextmanager
+def record_read_errors(path: Path) -> Iterator[None]:
+    """A record's read failures as the SnapshotError that names the file: a format error's
+    reason, or that it cannot be read (every reader of a whole record reports them alike)."""
+    try:
+        yield
+    except FormatError as exc:
+        raise SnapshotError(str(path), str(exc)) from None
+    except OSError as exc:
+        raise SnapshotError(
+            str(path), f"cannot be read ({exc.strerror or exc})", "check the file's permissions"
+        ) from None
+
+
 def inspect_record(store: StoreFiles, path: Path, max_tokens: int = MAX_TOKENS) -> SnapshotInfo:
     """Header checks only (cheap), tokens included, from one open and one header parse;
     raises SnapshotError naming the file and the reason. ``max_tokens`` bounds the token
     count before the tokens are read (the model's context, when the caller knows it)."""
     check_regular(path, store.root)
-    try:
+    with record_read_errors(path):
         with open(path, "rb") as f:
             header = parse_header(f, os.fstat(f.fileno()).st_size)
             check_token_count(header, max_tokens)
@@ -70,12 +84,6 @@ def inspect_record(store: StoreFiles, path: Path, max_tokens: int = MAX_TOKENS) 
                 f.seek(header.data_start + tok.start)
                 raw = f.read(tok.nbytes)
         info = inspect_header(path, header, raw, max_tokens)
-    except FormatError as exc:
-        raise SnapshotError(str(path), str(exc)) from None
-    except OSError as exc:
-        raise SnapshotError(
-            str(path), f"cannot be read ({exc.strerror or exc})", "check the file's permissions"
-        ) from None
     # a record's size is its state's: its blocks and checkpoints (a stat each)
     if info.chain is not None:
         info = replace(
@@ -126,7 +134,7 @@ def load_record(store: StoreFiles, info: SnapshotInfo, expected: ModelIdentity |
 
     path = info.path
     check_regular(path, store.root)
-    try:
+    with record_read_errors(path):
         header, buf, view = read_whole(path)
         tok = header.tensors.get(TOKENS)
         # The tokens come from the bytes just read: one open, one parse, one read.
@@ -147,12 +155,6 @@ def load_record(store: StoreFiles, info: SnapshotInfo, expected: ModelIdentity |
                 "restart, or rebuild it with `kvsnap build`",
             )
         require_model(current, expected)
-    except FormatError as exc:
-        raise SnapshotError(str(path), str(exc)) from None
-    except OSError as exc:
-        raise SnapshotError(
-            str(path), f"cannot be read ({exc.strerror or exc})", "check the file's permissions"
-        ) from None
     # a v3 record (just read and checked): its state is in blocks and checkpoints
     if current.chain is not None:
         return assemble(store, current)[0]
