@@ -16,6 +16,18 @@ the first content chunk, launch -> that chunk), then agent 2's; `cached_tokens` 
 answer texts at temperature 0. All servers get OpenBLAS through LD_PRELOAD (DESIGN.md §6).
 Writes OUT/mlx_lm-TAG.json (every launch, the builds, medians) and OUT/mlx_lm-TAG.md (the
 table); OUT/mlx_lm-TAG.png too when matplotlib is installed.
+
+    python scripts/bench_mlx_lm.py --ready-only --size mid --tokens 2200 --reps 5 \
+        --before /tmp/before-ready                          # issue 41 item 2
+
+--ready-only measures launch -> /health 200 only, with the server's CPU seconds at that moment
+(its process tree, /proc): mlx_lm.server, kvsnap serve with nothing to warm ("cold") and
+kvsnap serve --kv-snapshots of one agent of --tokens tokens ("1 snapshot"); with --before ROOT,
+the same two kvsnap launches of the checkout at ROOT too. Every rep runs the servers in a
+rotated order, and every second rep reversed; the 1-minute load average is printed per launch.
+Python bytecode is written to WORKDIR/pycache and one untimed launch of each server goes first,
+as for an installed kvsnap (pip compiles it); --no-bytecode keeps the environment's
+PYTHONDONTWRITEBYTECODE. Writes OUT/ready-TAG.json and OUT/ready-TAG.md.
 """
 
 from __future__ import annotations
@@ -42,6 +54,9 @@ from kvsnap.blas import find_openblas, preload_openblas  # noqa: E402
 preload_openblas()  # before mlx loads (the demo model is made here)
 from kvsnap.tools.demo import DemoSpec, make_demo_model  # noqa: E402
 from kvsnap.tools.serverproc import ServerProcess, free_port, under_hard_limit  # noqa: E402
+
+sys.path.insert(0, str(ROOT / "scripts"))
+from bench_agents import tree_cpu_s  # noqa: E402
 
 KVSNAP = (sys.executable, "-m", "kvsnap")
 SERVERS = ("mlx_lm.server", "kvsnap mlx-lm serve", "kvsnap serve")
@@ -129,12 +144,12 @@ def command(server: str, model: Path, agents: Path, stores: dict) -> list[str]:
     return [*KVSNAP, "serve", str(model), "--kv-snapshots", kv_store, "--warm-prompts", str(agents)]
 
 
-def launch(cmd: list[str], log: Path, env: dict) -> ServerProcess:
+def launch(cmd: list[str], log: Path, env: dict, cwd: Path | None = None) -> ServerProcess:
     port = free_port()
     full = under_hard_limit([*cmd, "--host", "127.0.0.1", "--port", str(port)], 900)
     with open(log, "wb") as out:
         t0 = time.perf_counter()  # before Popen: interpreter start and imports count
-        proc = subprocess.Popen(full, stdout=out, stderr=subprocess.STDOUT, env=env)
+        proc = subprocess.Popen(full, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=cwd)
     return ServerProcess(proc=proc, url=f"http://127.0.0.1:{port}", log_path=log, launched_at=t0)
 
 
@@ -301,11 +316,118 @@ def plot(summary: list[dict], path: Path, title: str) -> bool:
     return True
 
 
+def ready_servers(before: Path | None) -> list[tuple[str, Path | None]]:
+    """(server, checkout) pairs of --ready-only: None runs this checkout's kvsnap."""
+    names = ["mlx_lm.server", "kvsnap cold", "kvsnap 1 snapshot"]
+    out: list[tuple[str, Path | None]] = [(n, None) for n in names]
+    if before is not None:
+        out += [(n, before) for n in names[1:]]
+    return out
+
+
+def ready_launch(name: str, root: Path | None, ctx: SimpleNamespace, rep: int) -> dict:
+    """One launch -> /health 200, the server's CPU seconds then; the server stopped."""
+    if name == "mlx_lm.server":
+        cmd = command(name, ctx.model, ctx.agents_file, ctx.stores)
+    else:
+        cmd = [*KVSNAP, "serve", str(ctx.model)]
+        cmd += ["--kv-snapshots", str(ctx.stores["kvsnap"])] if "snapshot" in name else []
+    label = f"{name} @before" if root is not None else name
+    env = {**ctx.env, "PYTHONPATH": str(root)} if root is not None else ctx.env
+    log = ctx.workdir / "logs" / f"ready-{label.replace(' ', '_')}-{rep}.log"
+    log.parent.mkdir(exist_ok=True)
+    load = os.getloadavg()[0]
+    server = launch(cmd, log, env, cwd=root or ROOT)
+    try:
+        ready = server.wait_ready(900)
+        cpu = tree_cpu_s(server.proc.pid)
+    finally:
+        rc = server.stop()
+    print(f"rep {rep} {label:<28} ready {ready:6.3f} s  CPU {cpu:5.2f} s  load {load:.2f}")
+    return {
+        "server": label,
+        "rep": rep,
+        "ready_s": round(ready, 3),
+        "cpu_s": cpu,
+        "loadavg_1m": round(load, 2),
+        "exit_code": rc,
+    }
+
+
+def ready_table(runs: list[dict]) -> tuple[list[dict], str]:
+    names = list(dict.fromkeys(r["server"] for r in runs))
+    summary = []
+    for name in names:
+        rows = [r for r in runs if r["server"] == name]
+        summary.append(
+            {
+                "server": name,
+                "launches": len(rows),
+                "ready_s": med(rows, lambda r: r["ready_s"]),
+                "ready_range_s": [min(r["ready_s"] for r in rows), max(r["ready_s"] for r in rows)],
+                "cpu_s": med(rows, lambda r: r["cpu_s"]),
+                "loadavg_1m": med(rows, lambda r: r["loadavg_1m"]),
+            }
+        )
+    lines = [
+        "| server | launch → /health 200, median (range) | CPU s at ready, median | load |",
+        "|---|---:|---:|---:|",
+    ]
+    for s in summary:
+        lo, hi = s["ready_range_s"]
+        lines.append(
+            f"| {s['server']} | {s['ready_s']:.3f} s ({lo:.2f}–{hi:.2f}) | {s['cpu_s']:.2f} "
+            f"| {s['loadavg_1m']:.2f} |"
+        )
+    return summary, "\n".join(lines) + "\n"
+
+
+def ready_main(args, model: Path, env: dict) -> int:
+    """--ready-only: launch -> /health 200 and the CPU seconds it took, servers interleaved."""
+    tokens = [int(t) for t in args.tokens.split(",")][:1]
+    agents_file = args.workdir / "agents-ready.json"
+    make_agents(model, tokens, agents_file)
+    stores = {"mlx-lm": None, "kvsnap": args.workdir / "snaps-ready"}
+    if not stores["kvsnap"].exists():  # built once per workdir
+        print("build:", json.dumps(build(model, agents_file, stores["kvsnap"], [], env)))
+    if not args.no_bytecode:  # as installed: pip compiles every module once (see --no-bytecode)
+        env = {k: v for k, v in env.items() if k != "PYTHONDONTWRITEBYTECODE"}
+        env["PYTHONPYCACHEPREFIX"] = str(args.workdir / "pycache")
+    ctx = SimpleNamespace(
+        workdir=args.workdir, model=model, env=env, agents_file=agents_file, stores=stores
+    )
+    servers = ready_servers(args.before.resolve() if args.before else None)
+    for name, root in servers:  # untimed: writes the bytecode, warms the page cache
+        ready_launch(name, root, ctx, -1)
+    runs = []
+    print(f"load average at start: {os.getloadavg()}")
+    for rep in range(args.reps):
+        k = rep % len(servers)
+        order = servers[k:] + servers[:k]  # each server leads once in turn ...
+        order = order[::-1] if rep % 2 else order  # ... and every second rep runs reversed
+        runs += [ready_launch(n, root, ctx, rep) for n, root in order]
+    summary, md = ready_table(runs)
+    print(md)
+    tag = args.tag or model.name
+    (args.out / f"ready-{tag}.md").write_text(md)
+    result = {
+        "command": " ".join(sys.argv),
+        "model": str(model),
+        "snapshot_tokens": tokens[0],
+        "bytecode": not args.no_bytecode,
+        "openblas": env.get("LD_PRELOAD"),
+        "summary": summary,
+        "runs": runs,
+    }
+    (args.out / f"ready-{tag}.json").write_text(json.dumps(result, indent=1))
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--size", default="qwen3-0.6b", choices=("tiny", "small", "qwen3-0.6b"))
+    ap.add_argument("--size", default="qwen3-0.6b", choices=("tiny", "small", "mid", "qwen3-0.6b"))
     ap.add_argument("--model", help="use this model folder instead of a demo model")
     ap.add_argument("--tokens", default="1800,1600", help="two agents' system-prompt tokens")
     ap.add_argument("--reps", type=int, default=3, help="launches per server (median reported)")
@@ -313,15 +435,29 @@ def main() -> int:
     ap.add_argument("--workdir", type=Path, default=Path(".kvsnap-bench/mlx-lm"))
     ap.add_argument("--out", type=Path, default=Path("docs/bench"))
     ap.add_argument("--tag", default="", help="output name suffix (default: the model's name)")
+    ap.add_argument("--ready-only", action="store_true", help="launch -> /health 200 only")
+    ap.add_argument("--before", type=Path, help="--ready-only: also launch kvsnap from this tree")
+    ap.add_argument(
+        "--no-bytecode",
+        action="store_true",
+        help="--ready-only: keep PYTHONDONTWRITEBYTECODE from the environment (every launch "
+        "compiles kvsnap's modules from source, as in a checkout run with it set)",
+    )
     args = ap.parse_args()
     args.workdir = args.workdir.resolve()
     args.workdir.mkdir(parents=True, exist_ok=True)
     args.out.mkdir(parents=True, exist_ok=True)
     if args.model:
         model = Path(args.model).resolve()
+    elif args.size == "mid":  # 8 layers, 512 wide: issue 41's shape
+        from bench_shared_prefix import make_model
+
+        model = make_model(args.workdir)
     else:
         spec = DemoSpec(arch="dense", size=args.size, text_outputs=True)
         model = make_demo_model(args.workdir / f"demo-{args.size}", spec)
+    if args.ready_only:
+        return ready_main(args, model, server_env(args.workdir))
     tokens = [int(t) for t in args.tokens.split(",")]
     if len(tokens) != 2:
         raise SystemExit(

@@ -2185,8 +2185,8 @@ BREAKAGES = (
                 "kvsnap.store.conversation_writer",
                 "ConversationWriter._write",
                 '            store.fault("conversation-before-record")\n',
-                "            if item.supersedes and item.supersedes != item.key:\n"
-                "                self._supersede(item)\n"
+                "            for old in item.supersedes:\n"
+                "                self._supersede(item, old)\n"
                 '            store.fault("conversation-before-record")\n',
             ),
         ),
@@ -2601,7 +2601,7 @@ BREAKAGES = (
             Patch(
                 "kvsnap.runtime.engine.batch_runner",
                 "BatchRunner.step",
-                "                    self._heads.pop(r.uid, None),\n",
+                "                    self._heads.get(r.uid),\n",
                 "                    None,\n",
             ),
         ),
@@ -2611,20 +2611,21 @@ BREAKAGES = (
         ),
     ),
     Breakage(
-        "priming-after-warm",
-        "the first warm request at its compute (issue 32)",
-        "the kernel priming runs after the engine says warm, so a request sent at once waits",
+        "priming-skipped",
+        "ready as soon as mlx_lm.server (issue 41)",
+        "the kernel priming after warm is dropped: the first request pays mlx's kernel compile",
         (
             Patch(
                 "kvsnap.runtime.engine.engine",
                 "Engine._serve",
-                "            self._prime_kernels()\n            self.warm.set()\n",
-                "            self.warm.set()\n            self._prime_kernels()\n",
+                "        self._prime_kernels()  # after warm, before the loop takes its first "
+                "command\n",
+                "",
             ),
         ),
         (
             "tests/runtime/engine/test_startup.py::"
-            "test_the_kernel_priming_runs_before_the_engine_says_warm",
+            "test_the_kernel_priming_runs_after_warm_and_before_the_first_request",
         ),
     ),
     Breakage(

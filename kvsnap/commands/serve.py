@@ -51,16 +51,8 @@ def cmd_serve(args) -> int:
         "--kv-snapshots DIR [--pipeline]`, which starts every rank warm (docs/distributed.md)",
     )
     from kvsnap.http.agent_recorder import AgentRecorder
-    from kvsnap.http.connections import (
-        ConnectionGuard,
-        effective_max_connections,
-        raise_open_files_limit,
-    )
-    from kvsnap.http.listen import bind_socket, make_server, uvicorn_log_config
-    from kvsnap.http.server import create_app
-    from kvsnap.http.watch import exit_when_warm_up_fails
+    from kvsnap.http.listen import bind_socket
     from kvsnap.prompts import load_warm_prompts
-    from kvsnap.runtime.engine.engine import Engine
     from kvsnap.runtime.model.loading import resolve_model
     from kvsnap.store.remote import resolve_kv_snapshots
 
@@ -77,9 +69,22 @@ def cmd_serve(args) -> int:
         log.warning("[kvsnap] skipped warm prompt %s", problem)
     # a remote URL (oci://…) is pulled into a local cache folder first
     args.kv_snapshots = resolve_kv_snapshots(args.kv_snapshots)
+    from kvsnap.runtime.engine.engine import Engine
+
     engine = Engine(engine_config(args, source.path, prompts))
-    server_config = serve_config(args, source, auth)
     engine.start()  # load the model on the main thread, before the port opens
+    # The HTTP layer (fastapi, pydantic, the routes: ~0.3 s of imports) is imported only now,
+    # while the engine thread restores the snapshots (issue 41: ready as soon as mlx_lm.server).
+    from kvsnap.http.connections import (
+        ConnectionGuard,
+        effective_max_connections,
+        raise_open_files_limit,
+    )
+    from kvsnap.http.listen import make_server, uvicorn_log_config
+    from kvsnap.http.server import create_app
+    from kvsnap.http.watch import exit_when_warm_up_fails
+
+    server_config = serve_config(args, source, auth)
     warn_without_openblas()
     # After the load: importing mlx-lm sets the open-files limit itself (2048, hard 4096).
     max_connections = effective_max_connections(args.max_connections, raise_open_files_limit())

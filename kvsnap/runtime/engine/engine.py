@@ -304,13 +304,13 @@ class Engine:
             self._warm_up()
             self._start_persisting()
             self._serving = self._assemble_serving()
-            self._prime_kernels()
             self.warm.set()
         except BaseException as exc:  # reported to the server, which exits non-zero
             self.failed = exc
             log.error("[kvsnap] engine failed to warm up: %s", exc)
             self.warm.set()
             return
+        self._prime_kernels()  # after warm, before the loop takes its first command
         batch = self.serving().batch
         while not self._stopping:
             busy = self.sched.busy or self.rewarmer.running
@@ -330,17 +330,22 @@ class Engine:
             self.persister.close()
 
     def _prime_kernels(self) -> None:
-        """Run the model once before warm when the warm-up did not (snapshots only, or nothing
-        to warm): a request sent as soon as /health says ok would otherwise wait for it.
+        """Run the model once when the warm-up did not (snapshots only, or nothing to warm):
+        mlx compiles its kernels on a model's first pass (1-3 s on a hybrid), which the first
+        request would otherwise pay.
 
-        Before warm, not after: a load balancer sends traffic the moment /health turns 200,
-        and a request sent then waited for the whole priming. Before 200 it is the same work
-        (two model passes), so a request sent at once gets its first token no later; cold
-        launches pay it too, so launch -> ready over a cold launch is unchanged.
+        After warm, before the loop takes its first command: /health turns 200 without waiting
+        for it (issue 41: ready as soon as mlx_lm.server), and a request sent at once waits
+        only for what is left of these two small passes, never for a compile of its own. A
+        failure is logged, not fatal: each request then reports its own error.
         """
         report = self.warmup_report
-        if report is None or not report.prefilled:
+        if report is not None and report.prefilled:
+            return
+        try:
             self.serving().batch.prime_kernels()
+        except Exception:  # the requests that follow fail with their own error, if any
+            log.exception("[kvsnap] kernel priming failed; the first request compiles instead")
 
     def _refuse_queued(self) -> None:
         """Commands that raced with the stop: requests end cancelled, calls get an error."""

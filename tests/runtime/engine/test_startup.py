@@ -363,35 +363,74 @@ def test_regression_kv_snapshots_alone_does_the_work_of_warm_prompts(arch_world)
     assert computed == [], f"evaluated before warm {where}: {computed}"
 
 
-def test_the_kernel_priming_runs_before_the_engine_says_warm(world, monkeypatch):
-    """A request sent as soon as /health said ok waited behind the kernel priming (a model
-    pass the engine ran right after warm). It now runs before warm, for a start from snapshots
-    and for a start with nothing to warm alike; a start whose warm-up prefilled needs none."""
-    from kvsnap.runtime.engine import batch_runner
-    from kvsnap.runtime.engine.engine import Engine, EngineConfig
+def _primed_then_served(config, events: list) -> None:
+    """Start an engine on ``config``; as soon as it says warm, submit a 2-token request while
+    the priming is held until that submit has happened; record the order of it all."""
+    import threading
 
-    seen: list[bool] = []
+    from kvsnap.runtime.engine import batch_runner
+    from kvsnap.runtime.engine.engine import Engine, GenerationRequest
+
+    submitted = threading.Event()
     real = batch_runner.BatchRunner.prime_kernels
+    engine = Engine(config)
 
     def prime(self):
-        seen.append(holder[0].warm.is_set())
-        return real(self)
+        events.append(("prime", engine.warm.is_set()))
+        assert submitted.wait(60), "the test never submitted its request"
+        real(self)
+        events.append(("primed", None))
 
-    monkeypatch.setattr(batch_runner.BatchRunner, "prime_kernels", prime)
-    for config in (_config(world), EngineConfig(model=str(world["model"]))):
-        holder = [Engine(config)]
-        holder[0].start()
-        try:
-            assert holder[0].wait_warm(120)
-        finally:
-            holder[0].shutdown()
-    assert seen == [False, False], seen
-    # warm prompts prefilled (no store): the warm-up ran the model, no priming
-    holder = [Engine(dataclasses.replace(_config(world), snapshots=None))]
-    holder[0].start()
+    def on_event(state, kind, payload):
+        if kind == "token" and ("token", None) not in events:
+            events.append(("token", None))
+
+    batch_runner.BatchRunner.prime_kernels = prime
     try:
-        assert holder[0].wait_warm(120)
-        assert holder[0].status()["snapshots"]["prefilled"] == 2
+        engine.start()
+        assert engine.wait_warm(120)
+        state = engine.submit(GenerationRequest(tokens=[5, 6], max_tokens=2), on_event)
+        submitted.set()
+        assert state.done.wait(120)
+        assert state.finish_reason in ("length", "stop"), state.finish_reason
     finally:
-        holder[0].shutdown()
-    assert seen == [False, False], seen
+        batch_runner.BatchRunner.prime_kernels = real
+        submitted.set()
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("arch", ["dense", "hybrid"])
+def test_the_kernel_priming_runs_after_warm_and_before_the_first_request(
+    demo_models, tmp_path, monkeypatch, arch
+):
+    """Issue 41: /health waited for the kernel priming (two model passes) before turning 200.
+    It now runs after warm, and the engine takes no request before it has finished: a request
+    sent the moment the engine says warm (here, while the priming is held) gets its first
+    token after the priming, so it never pays mlx's kernel compile (1-3 s on a hybrid)."""
+    from kvsnap.runtime.engine.engine import EngineConfig
+
+    monkeypatch.setenv("KVSNAP_CACHE_DIR", str(tmp_path / "cache"))
+    events: list = []
+    _primed_then_served(EngineConfig(model=str(demo_models.path(arch))), events)
+    assert events == [("prime", True), ("primed", None), ("token", None)], events
+
+
+def test_the_kernel_priming_runs_for_a_start_from_snapshots_only(world, monkeypatch):
+    """A start from snapshots has run no model pass either: it primes too, after warm; a
+    start whose warm-up prefilled its warm prompts (no store) needs no priming."""
+    from kvsnap.runtime.engine import batch_runner
+    from kvsnap.runtime.engine.engine import Engine
+
+    events: list = []
+    _primed_then_served(_config(world), events)
+    assert events == [("prime", True), ("primed", None), ("token", None)], events
+    seen: list[bool] = []
+    monkeypatch.setattr(batch_runner.BatchRunner, "prime_kernels", lambda self: seen.append(True))
+    engine = Engine(dataclasses.replace(_config(world), snapshots=None))
+    engine.start()
+    try:
+        assert engine.wait_warm(120)
+        assert engine.status()["snapshots"]["prefilled"] == 2
+    finally:
+        engine.shutdown()
+    assert seen == [], seen
