@@ -205,8 +205,8 @@ def measure(plan_file: Path, trees: list[Path], reps: int = 3) -> dict:
     plan = json.loads(plan_file.read_text())
     files = plan["files"]
     size = sum(os.path.getsize(f) for f in files)
-    runs: dict[str, list[float]] = {"direct": [], "plain": []}
-    cpu: dict[str, list[float]] = {"direct": [], "plain": []}
+    runs: dict[str, list[float]] = {"direct": [], "cold plain": [], "plain": []}
+    cpu: dict[str, list[float]] = {"direct": [], "cold plain": [], "plain": []}
     still_cached: list[float] = []
     for tree in trees:
         for name in (f"cold {tree}", f"warm {tree}"):
@@ -217,17 +217,19 @@ def measure(plan_file: Path, trees: list[Path], reps: int = 3) -> dict:
         runs[name].append(wall)
         cpu[name].append(used)
 
-    for _ in range(reps):
+    for rep in range(reps):
         drop_cached(files)
         record("direct", "direct")
-        for tree in trees:
+        order = trees if rep % 2 == 0 else trees[::-1]  # both orders
+        cold = [("cold plain", "plain", ROOT)] + [(f"cold {t}", "restore", t) for t in order]
+        for name, what, tree in cold if rep % 2 == 0 else cold[::-1]:
             drop_cached(files)
             still_cached.append(cached_fraction(files))
-            record(f"cold {tree}", "restore", tree)
+            record(name, what, tree)
         in_child("plain", plan_file)  # into the page cache
-        record("plain", "plain")
-        for tree in trees:
-            record(f"warm {tree}", "restore", tree)
+        warm = [("plain", "plain", ROOT)] + [(f"warm {t}", "restore", t) for t in order]
+        for name, what, tree in warm if rep % 2 == 0 else warm[::-1]:
+            record(name, what, tree)
     med = {k: statistics.median(v) for k, v in runs.items()}
     out: dict = {
         "bytes": size,
@@ -243,9 +245,17 @@ def measure(plan_file: Path, trees: list[Path], reps: int = 3) -> dict:
         "mb_per_s": {k: size / v / 1e6 for k, v in med.items()},
         "ratios": {},
     }
+    cpu_med = out["cpu_seconds"]
+    out["cpu_ratios"] = {}
     for tree in trees:
         out["ratios"][f"cold {tree} / direct"] = med["direct"] / med[f"cold {tree}"]
         out["ratios"][f"warm {tree} / plain"] = med["plain"] / med[f"warm {tree}"]
+        # issue 41 item 4: a restore's CPU against a plain read's of the same bytes, as cold
+        out["cpu_ratios"][f"cold {tree} / cold plain"] = (
+            cpu_med[f"cold {tree}"] / cpu_med["cold plain"]
+        )
+        out["cpu_ratios"][f"cold {tree} / warm plain"] = cpu_med[f"cold {tree}"] / cpu_med["plain"]
+        out["cpu_ratios"][f"warm {tree} / warm plain"] = cpu_med[f"warm {tree}"] / cpu_med["plain"]
     return out
 
 
@@ -255,18 +265,23 @@ def table(result: dict) -> str:
         f"{result['reps']}, {result['cpu_count']} CPUs, load {result['load_avg'][0]:.2f}; "
         f"at most {result['most_still_cached_when_cold']:.1%} cached when cold",
         "",
-        "| what | seconds | MB/s | ratio to its limit | CPU seconds |",
-        "|---|---:|---:|---:|---:|",
+        "| what | seconds | MB/s | rate ratio to its limit | CPU seconds | CPU ratio to a plain "
+        "read (cold / warm) |",
+        "|---|---:|---:|---:|---:|---:|",
     ]
     ratios = result["ratios"]
+    cpu_ratios = result.get("cpu_ratios", {})
     for name, seconds in result["seconds"].items():
         limit = ""
         for key, value in ratios.items():
             if key.startswith(name + " /"):
                 limit = f"{value:.2f}"
+        to_plain = [
+            f"{v:.2f}" for k, v in cpu_ratios.items() if k.startswith(name + " /") and "cold" in k
+        ] or [f"{v:.2f}" for k, v in cpu_ratios.items() if k.startswith(name + " /")]
         lines.append(
             f"| {name} | {seconds:.3f} | {result['mb_per_s'][name]:.0f} | {limit} "
-            f"| {result['cpu_seconds'][name]:.2f} |"
+            f"| {result['cpu_seconds'][name]:.2f} | {' / '.join(to_plain)} |"
         )
     return "\n".join(lines)
 

@@ -232,6 +232,20 @@ BREAKAGES = (
         ),
     ),
     Breakage(
+        "cold-part-through-the-cache",
+        "restore at a plain read's CPU cost (issue 41)",
+        "a part not in the page cache is read through it (the kernel fills its cache, then copies)",
+        (
+            Patch(
+                "kvsnap.store.fileio",
+                "read_tensors",
+                "        cold = not data_cached(f.fileno(), size)\n",
+                "        cold = False\n",
+            ),
+        ),
+        ("tests/store/test_fileio.py::test_a_part_not_in_the_page_cache_is_read_with_o_direct",),
+    ),
+    Breakage(
         "write-in-place",
         "4. nothing half-written (atomic writes)",
         "snapshots are written straight to their final name instead of a temp file",

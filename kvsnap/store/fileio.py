@@ -10,9 +10,13 @@ read. Only the readers import mlx (``unfilled_buffer``, ``tensor_views``).
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
+import mmap
 import os
 import stat
 import struct
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any, Callable, Protocol, TypeVar
@@ -26,6 +30,11 @@ TMP_PREFIX = ".tmp-"
 FILE_MODE = 0o600
 DIR_MODE = 0o700
 CHUNK = 1 << 20
+# O_DIRECT wants the file offset, the length and the memory aligned to the device's logical
+# block (512 B or 4 KiB); 4 KiB suits both. Parts under DIRECT_MIN are read through the cache.
+DIRECT_ALIGN = 4096
+DIRECT_MIN = 1 << 20
+DIRECT_CHUNK = 8 << 20
 
 FaultFn = Callable[[str], None]
 Fsync = Callable[[int], None]
@@ -268,23 +277,25 @@ def unfilled_buffer(n: int) -> tuple[Any, memoryview]:
     return buf, memoryview(buf)[:n]  # type: ignore[arg-type]
 
 
-def tensor_views(buf: Any, header: Header) -> dict:
-    """Every tensor of ``header`` as a view of ``buf`` (its data bytes), evaluated here: a
-    view left lazy would be evaluated on whichever thread touches it first. Tensors of one
-    dtype (every block of a model without quantized KV) are cut by one split of the whole
-    buffer: a quarter of the mlx calls of a slice, a view and a reshape each."""
+def tensor_views(buf: Any, header: Header, at: int = 0) -> dict:
+    """Every tensor of ``header`` as a view of ``buf`` (its data bytes, from byte ``at``),
+    evaluated here: a view left lazy would be evaluated on whichever thread touches it first.
+    Tensors of one dtype (every block of a model without quantized KV) are cut by one split of
+    the whole buffer: a quarter of the mlx calls of a slice, a view and a reshape each."""
     import mlx.core as mx
 
     entries = sorted(header.tensors.values(), key=lambda e: e.start)
     dtypes = {e.dtype for e in entries}
     if len(dtypes) == 1:
         name, size = DTYPES[dtypes.pop()]
-        flat = buf[: header.data_len].view(getattr(mx, name))
+        flat = buf[at : at + header.data_len].view(getattr(mx, name))
         pieces = mx.split(flat, [e.start // size for e in entries[1:]]) if entries[1:] else [flat]
         arrays = {e.name: piece.reshape(e.shape) for e, piece in zip(entries, pieces)}
     else:
         arrays = {
-            e.name: buf[e.start : e.end].view(getattr(mx, DTYPES[e.dtype][0])).reshape(e.shape)
+            e.name: buf[at + e.start : at + e.end]
+            .view(getattr(mx, DTYPES[e.dtype][0]))
+            .reshape(e.shape)
             for e in entries
         }
     mx.eval(list(arrays.values()))
@@ -326,12 +337,101 @@ def read_tensors(path: Path) -> tuple[Header, dict, Any]:
     chunk hashed while still in the cache) for ``finish_checksum`` -- or the FormatError of a
     header without a usable checksum, which ``finish_checksum`` raises. Safe on a pool thread
     of ``store/part_readers.py``: the buffer and views are made on the thread that owns the
-    read, only the read and the hash happen here. FormatError / OSError propagate."""
+    read, only the read and the hash happen here. A file not in the page cache (a restart's
+    first read) is read with O_DIRECT (``read_direct``). FormatError / OSError propagate."""
     with open(path, "rb") as f:
-        header = parse_header(f, os.fstat(f.fileno()).st_size)
-        read_ahead(f.fileno(), header)
+        size = os.fstat(f.fileno()).st_size
+        cold = not data_cached(f.fileno(), size)
+        if cold:  # the header's read must not pull the data into the cache (readahead)
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_RANDOM)
+        header = parse_header(f, size)
         state = start_checksum(header)
-        view, arrays = on_mlx_thread(unfilled_tensors, header)
         hasher = None if isinstance(state, FormatError) else state
+        if cold:
+            arrays = read_direct(path, header, hasher)
+            if arrays is not None:
+                return header, arrays, state
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_NORMAL)
+        read_ahead(f.fileno(), header)
+        view, arrays = on_mlx_thread(unfilled_tensors, header)
         read_into(f.fileno(), view, header.data_start, hasher)
     return header, arrays, state
+
+
+def data_cached(fd: int, size: int) -> bool:
+    """Whether a file's last page is in the page cache (``mincore`` over a one-page mapping,
+    which reads nothing: a probing read would start the kernel's readahead); True for files
+    under DIRECT_MIN and where O_DIRECT or the probe is not there (Linux only)."""
+    if size < DIRECT_MIN or not hasattr(os, "O_DIRECT") or not sys.platform.startswith("linux"):
+        return True
+    page = mmap.PAGESIZE
+    offset = (size - 1) // page * page
+    libc = ctypes.CDLL(None, use_errno=True)
+    m = mmap.mmap(
+        fd,
+        size - offset,
+        flags=mmap.MAP_PRIVATE,
+        prot=mmap.PROT_READ | mmap.PROT_WRITE,
+        offset=offset,
+    )
+    try:
+        vec = (ctypes.c_ubyte * 1)()
+        first = ctypes.c_char.from_buffer(m)
+        try:
+            rc = libc.mincore(ctypes.c_void_p(ctypes.addressof(first)), ctypes.c_size_t(1), vec)
+        finally:
+            del first
+        return rc != 0 or bool(vec[0] & 1)  # a failed probe: the buffered read
+    finally:
+        m.close()
+
+
+def address_of(view: memoryview) -> int:
+    """The address of a writable buffer's first byte."""
+    return ctypes.addressof(ctypes.c_char.from_buffer(view))
+
+
+def read_direct(path: Path, header: Header, hasher: Any) -> dict | None:
+    """``header``'s tensors read with O_DIRECT into mlx memory nothing wrote before, hashed as
+    they arrive; None where the filesystem refuses O_DIRECT (the caller reads through the cache).
+
+    A cold file read through the page cache costs the CPU twice over: the kernel fills its cache
+    pages and then copies them into ours. O_DIRECT has the device write into our pages; a cold
+    restore's CPU falls below a plain read's (issue 41 item 4, docs/benchmarks.md). The read
+    starts at the page holding the first data byte: the buffer is one aligned span from there,
+    the tensors views at the data's offset in it."""
+    if not hasattr(os, "O_DIRECT"):
+        return None
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    except OSError:  # tmpfs and a few others refuse O_DIRECT: the buffered read
+        return None
+    try:
+        first = header.data_start - header.data_start % DIRECT_ALIGN
+        skip = header.data_start - first
+        end = skip + header.data_len  # the data's end in the span read
+        span = -(-end // DIRECT_ALIGN) * DIRECT_ALIGN
+        buf, whole = on_mlx_thread(unfilled_buffer, span + DIRECT_ALIGN)
+        pad = -address_of(whole) % DIRECT_ALIGN
+        arrays = on_mlx_thread(tensor_views, buf, header, pad + skip)
+        target = whole[pad : pad + span]
+        done = hashed = 0
+        while done < end:
+            try:
+                n = os.preadv(fd, [target[done : min(span, done + DIRECT_CHUNK)]], first + done)
+            except OSError as exc:
+                if exc.errno == errno.EINVAL and done == 0:  # alignment the device refuses
+                    return None
+                raise
+            done += n
+            if done < end and (not n or n % DIRECT_ALIGN):
+                raise FormatError(
+                    f"file ended after {max(0, done - skip)} of {header.data_len} data bytes "
+                    "(truncated while reading)"
+                )
+            if hasher is not None and min(done, end) > max(hashed, skip):
+                hasher.update(target[max(hashed, skip) : min(done, end)])
+                hashed = min(done, end)
+        return arrays
+    finally:
+        os.close(fd)

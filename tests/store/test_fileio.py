@@ -5,10 +5,12 @@ exactly the file's data, and tensor views of them."""
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import os
 
 import mlx.core as mx
 import numpy as np
+import pytest
 
 import kvsnap.store.fileio as fileio
 from kvsnap.snapshot.file import OutTensor, write_snapshot
@@ -88,3 +90,108 @@ def test_a_file_without_data_reads_as_no_bytes(tmp_path):
     _file(path, b"")
     header, _, view = read_whole(path)
     assert header.data_len == 0 and len(view) == 0
+
+
+def _evict(path) -> bool:
+    """Drop ``path`` from the page cache; False where that did not take (the probe still sees
+    its data) or the filesystem refuses O_DIRECT (tmpfs), so the direct read cannot be seen."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    try:
+        os.close(os.open(path, os.O_RDONLY | os.O_DIRECT))
+    except OSError:
+        return False
+    with open(path, "rb") as f:
+        return not fileio.data_cached(f.fileno(), os.fstat(f.fileno()).st_size)
+
+
+def _big_part(path, seed: int = 2) -> np.ndarray:
+    """A 6 MiB part (three fp32 tensors) whose data starts off a page boundary."""
+    values = np.random.default_rng(seed).standard_normal((3, 512, 1024)).astype(np.float32)
+    with open(path, "wb") as f:
+        write_snapshot(
+            f,
+            [
+                OutTensor(f"{i}.keys", "F32", (512, 1024), memoryview(values[i].tobytes()))
+                for i in range(3)
+            ],
+            {"kvsnap.test": "1"},
+        )
+    return values
+
+
+def test_a_part_not_in_the_page_cache_is_read_with_o_direct(tmp_path, monkeypatch):
+    """Issue 41 item 4: a cold part read through the page cache cost the kernel's fill of its
+    cache and then the copy into our memory. Read with O_DIRECT, the tensors and the checksum
+    are the same, the buffer was fresh memory, and the file is still not in the page cache."""
+    from kvsnap.snapshot.file import finish_checksum
+
+    path = tmp_path / "cold.safetensors"
+    values = _big_part(path)
+    if not _evict(path):
+        pytest.skip("this filesystem keeps the file cached or refuses O_DIRECT")
+    direct = []
+    real = fileio.read_direct
+
+    def read_direct(*args):
+        direct.append(real(*args))
+        return direct[-1]
+
+    monkeypatch.setattr(fileio, "read_direct", read_direct)
+    header, arrays, state = fileio.read_tensors(path)
+    finish_checksum(header, state)  # every data byte hashed, in order, none of the header's
+    assert len(direct) == 1 and direct[0] is not None
+    for i in range(3):
+        assert np.array_equal(np.array(arrays[f"{i}.keys"]), values[i])
+    with open(path, "rb") as f:
+        assert not fileio.data_cached(f.fileno(), header.file_size), "read through the cache"
+
+
+def test_a_cached_part_is_read_through_the_cache(tmp_path, monkeypatch):
+    path = tmp_path / "warm.safetensors"
+    values = _big_part(path, seed=3)  # just written: in the page cache
+    monkeypatch.setattr(fileio, "read_direct", _refuse)
+    _, arrays, _ = fileio.read_tensors(path)
+    assert np.array_equal(np.array(arrays["2.keys"]), values[2])
+
+
+def _refuse(*args):
+    raise AssertionError("a part in the page cache was read with O_DIRECT")
+
+
+def test_a_cold_part_damaged_or_cut_short_is_named(tmp_path, monkeypatch):
+    """The direct read checks what the buffered one does: a flipped data byte fails the
+    checksum, a file that ends early (here the second read finds the end) is named as cut."""
+    from kvsnap.snapshot.file import FormatError, finish_checksum
+
+    path = tmp_path / "bad.safetensors"
+    _big_part(path, seed=4)
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) - 5)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    if not _evict(path):
+        pytest.skip("this filesystem keeps the file cached or refuses O_DIRECT")
+    header, _, state = fileio.read_tensors(path)
+    with pytest.raises(FormatError, match="checksum"):
+        finish_checksum(header, state)
+    _evict(path)
+    calls = []
+    real = os.preadv
+
+    def preadv(fd, buffers, offset, *flags):
+        if not flags and fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            calls.append(offset)
+            if len(calls) == 2:
+                return 0
+        return real(fd, buffers, offset, *flags)
+
+    monkeypatch.setattr(fileio, "DIRECT_CHUNK", 1 << 20)
+    monkeypatch.setattr(os, "preadv", preadv)
+    with pytest.raises(FormatError, match="truncated while reading"):
+        fileio.read_tensors(path)
