@@ -1,7 +1,8 @@
 """Load Debian's OpenBLAS before mlx on Linux: mlx-cpu's bundled reference BLAS is ~40x slower.
 
 Must run before the first ``import mlx.core``; afterwards it does nothing.
-Set KVSNAP_NO_OPENBLAS=1 to keep mlx's own BLAS.
+Set KVSNAP_NO_OPENBLAS=1 to keep mlx's own BLAS. Loaded here, its idle worker spins for
+2^16 cycles, not OpenBLAS's 2^28 (``THREAD_TIMEOUT``; ``OPENBLAS_THREAD_TIMEOUT`` overrides).
 """
 
 from __future__ import annotations
@@ -18,6 +19,12 @@ CANDIDATES = (
     "/usr/lib/*/libopenblas.so.0",
     "/usr/lib64/libopenblas.so.0",
 )
+
+# OpenBLAS's default (28: ~0.1 s of spinning after every call) keeps its worker thread busy
+# through each gap between a server's matmuls, a core burnt while the model runs elsewhere
+# (issue 41: ~3-5 ms of CPU per generated token at 16 clients); 2^16 cycles (~25 us) still
+# covers back-to-back calls. A user's own OPENBLAS_THREAD_TIMEOUT wins.
+THREAD_TIMEOUT = "16"
 
 
 def find_openblas() -> str | None:
@@ -37,6 +44,8 @@ def preload_openblas() -> str | None:
     path = find_openblas()
     if path is None:
         return None
+    # read by OpenBLAS when it loads: its idle worker spins 2^N cycles before sleeping
+    os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", THREAD_TIMEOUT)
     ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
     return path
 

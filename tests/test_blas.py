@@ -88,3 +88,29 @@ def test_serve_warns_at_start_when_openblas_is_not_loaded(demo_models, tmp_path)
     with serving(demo_models.path("dense"), [], tmp_path / "serve.log", env=env) as server:
         lines = [line for line in server.log().splitlines() if "OpenBLAS is not loaded" in line]
     assert len(lines) == 1 and "apt-get install libopenblas0-pthread" in lines[0], server.log()
+
+
+@pytest.mark.skipif(
+    find_openblas() is None or not sys.platform.startswith("linux"),
+    reason="Debian's libopenblas0-pthread is not installed",
+)
+@pytest.mark.parametrize(("given", "loaded_with"), [(None, "16"), ("20", "20")])
+def test_openblas_loads_with_a_short_idle_spin_unless_the_user_set_one(given, loaded_with):
+    """OpenBLAS reads OPENBLAS_THREAD_TIMEOUT when it loads; its default (2^28 cycles) kept the
+    worker spinning between a server's matmuls, ~3-5 ms of CPU per generated token (issue 41).
+    kvsnap loads it with 16 unless the user gave a value."""
+    import os
+
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("OPENBLAS_THREAD_TIMEOUT", "LD_PRELOAD")
+    }
+    if given is not None:
+        env["OPENBLAS_THREAD_TIMEOUT"] = given
+    code = (
+        "import os; from kvsnap.blas import preload_openblas, openblas_loaded; "
+        "preload_openblas(); print(openblas_loaded(), os.environ['OPENBLAS_THREAD_TIMEOUT'])"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env
+    )
+    assert out.stdout.split() == ["True", loaded_with], out.stderr

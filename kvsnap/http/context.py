@@ -13,6 +13,7 @@ from fastapi import Request
 
 from kvsnap.http.api_errors import APIError
 from kvsnap.http.guard import Auth
+from kvsnap.http.handoff import Handoffs
 from kvsnap.http.limits import (
     allowed_template_kwargs,
     context_length,
@@ -88,6 +89,8 @@ class ServerContext:
     metrics: Metrics = field(init=False)  # this app's own registry (GET /metrics)
     # serve --record-agents: an AgentRecorder, or None
     recorder: Optional[Any] = None
+    # the engine's events handed to the event loop, one wake-up per engine step
+    handoffs: Handoffs = field(default_factory=Handoffs)
 
     def __post_init__(self) -> None:
         self.metrics = Metrics(self.engine, lambda: self.inflight)

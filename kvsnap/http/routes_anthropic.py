@@ -249,7 +249,7 @@ async def _stream(
 
     try:
         while True:
-            event, payload = await bridge.queue.get()
+            event, payload = await bridge.get()
             if not started:
                 started = True
                 for chunk in start():

@@ -18,6 +18,7 @@ from kvsnap.errors import MessageError
 from kvsnap.http.api_errors import APIError
 from kvsnap.http.chat_prompt import answer_splitter, chat_prompt_tokens
 from kvsnap.http.context import ServerContext
+from kvsnap.http.handoff import LoopHandoff
 from kvsnap.http.limits import check_template_kwargs, check_token_ids
 from kvsnap.http.logprobs import chat_logprobs, completion_logprobs, text_length
 from kvsnap.http.schemas import (
@@ -52,20 +53,41 @@ def failure_message(state: RequestState, detail: Any) -> str:
 class _Bridge:
     """Hands engine-thread events to one request's asyncio queue; ``on_end`` runs on the loop
     once the engine has finished the request, however it ended (even unread), and is given
-    its state."""
+    its state. Events go through the loop's ``LoopHandoff`` (one loop wake-up per engine
+    step); ``get`` joins the tokens already queued into one (a reader that fell behind sends
+    one chunk for them, not one each)."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, on_end: Callable[[RequestState], None]):
-        self.loop = loop
+    def __init__(self, handoff: LoopHandoff, on_end: Callable[[RequestState], None]):
+        self.handoff = handoff
         self.queue: asyncio.Queue = asyncio.Queue()
         self.on_end = on_end
         self.ended = False
+        self._held: tuple[str, Any] | None = None  # an event read past the joined tokens
 
     def __call__(self, state: RequestState, kind: str, payload: Any) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, (kind, payload))
+        self.handoff.send(self.queue.put_nowait, (kind, payload))
         # An error may follow a finish: the slot is released and the request timed only once.
         if kind in ("done", "error") and not self.ended:
             self.ended = True
-            self.loop.call_soon_threadsafe(self.on_end, state)
+            self.handoff.send(self.on_end, state)
+
+    async def get(self) -> tuple[str, Any]:
+        """The next event; consecutive "token" events already queued come as one, their texts
+        joined in order."""
+        if self._held is not None:
+            event, self._held = self._held, None
+        else:
+            event = await self.queue.get()
+        if event[0] != "token" or self.queue.empty():
+            return event
+        texts = [event[1]]
+        while not self.queue.empty():
+            nxt = self.queue.get_nowait()
+            if nxt[0] != "token":
+                self._held = nxt
+                break
+            texts.append(nxt[1])
+        return "token", "".join(texts)
 
 
 def generation_router(ctx: ServerContext) -> APIRouter:
@@ -211,7 +233,7 @@ async def submit(
     ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``wanted_top_logprobs``, ``seed``,
     ``stop_list``, ``cache_salt``); ``where`` names the prompt's field in errors."""
     config = ctx.config
-    bridge = _Bridge(asyncio.get_running_loop(), ctx.release)
+    bridge = _Bridge(ctx.handoffs.current(), ctx.release)
     try:
         check_token_ids(tokens, ctx.model_limits()["vocab"], where)
         cap = getattr(req, "max_tokens_is_a_cap", False)
@@ -269,10 +291,13 @@ async def wait_for_answer(
     next_check = loop.time() + DISCONNECT_POLL_S
     try:
         while True:
-            try:
-                event, payload = await asyncio.wait_for(bridge.queue.get(), DISCONNECT_POLL_S)
-            except asyncio.TimeoutError:
-                event = None
+            if not bridge.queue.empty():  # no timer per token: only an empty queue waits
+                event, payload = bridge.queue.get_nowait()
+            else:
+                try:
+                    event, payload = await asyncio.wait_for(bridge.queue.get(), DISCONNECT_POLL_S)
+                except asyncio.TimeoutError:
+                    event = None
             # tokens may arrive faster than the poll: check by the clock
             if loop.time() >= next_check:
                 next_check = loop.time() + DISCONNECT_POLL_S
@@ -327,7 +352,7 @@ async def stream_events(
         if kind == "chat":
             yield sse(chat_chunk(rid, model, {"role": "assistant", "content": ""}))
         while True:
-            event, payload = await bridge.queue.get()
+            event, payload = await bridge.get()
             if event == "token" and answer is not None and answer.active:
                 # text inside markers is never sent; a chunk per delta field, in order
                 for i, delta in enumerate(answer.feed(payload)):

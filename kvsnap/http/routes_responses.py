@@ -318,7 +318,7 @@ async def _stream(
         yield items.event("response.created", response=opening)
         yield items.event("response.in_progress", response=opening)
         while True:
-            event, payload = await bridge.queue.get()
+            event, payload = await bridge.get()
             if event == "token":
                 deltas = answer.feed(payload) if answer.active else [{"content": payload}]
                 for delta in deltas:

@@ -44,6 +44,9 @@ def emit_text(state: RequestState, segment: str, final: bool) -> None:
     """Send text, holding back a tail that could still become a stop string."""
     if state.finish_reason is not None:
         return
+    if not state.request.stop and not state.held_text:  # no stop strings: nothing to scan
+        _send(state, segment)
+        return
     scan = scan_stop_strings(state.held_text, segment, state.request.stop, final)
     state.held_text = scan.held
     _send(state, scan.send)

@@ -26,7 +26,9 @@ class EngineConfig:
     cache_memory_mb: float = 2048.0
     continuous_batching: bool = True
     max_batch_size: int = 8
-    prefill_batch_size: int = 4
+    # requests prefilled together (mlx_lm.server's --prompt-concurrency default): fewer,
+    # larger groups join the decoding batch fewer times (each join copies the batch's KV)
+    prefill_batch_size: int = 8
     digest_cache: DigestCache | None = None
     persist: PersistOptions | None = None  # --persist-requests (None: off)
 
