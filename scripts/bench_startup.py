@@ -4,6 +4,12 @@
     python scripts/bench_startup.py --size qwen3-0.6b --tokens 256,1024,2048,4096 --reps 5
     --budget-min 60
     python scripts/bench_startup.py --size tiny --tokens 512 --agents 1,10,100 --reps 5
+    python scripts/bench_startup.py --size tiny --tokens 100 --agents 1000 --reps 3 \
+        --ready-only --modes cold,kv-snapshots --before /tmp/before    # issue 41 item 5
+
+Every launch records the server's CPU seconds at ready beside the wall time; with more than
+one agent the per-agent cost over a cold launch is printed in wall and CPU milliseconds.
+--before ROOT launches each mode from that checkout too (``MODE@ROOT``), interleaved.
 
 Writes raw and median CSVs (and PNG plots with --plot) under --out.
 """
@@ -22,7 +28,14 @@ from kvsnap.blas import preload_openblas  # noqa: E402
 
 preload_openblas()
 
-from kvsnap.tools.bench_startup import SweepPoint, medians, run_point, write_csv, write_raw
+from kvsnap.tools.bench_startup import (  # noqa: E402
+    SweepPoint,
+    medians,
+    per_agent,
+    run_point,
+    write_csv,
+    write_raw,
+)
 from kvsnap.tools.demo import DemoSpec, make_demo_model  # noqa: E402
 
 
@@ -56,7 +69,11 @@ def main() -> int:
         help="comma-separated modes to launch (warm-prompts prefills at every launch: drop it for "
         "long prompts)",
     )
+    ap.add_argument("--before", help="also launch every mode from this checkout, interleaved")
     args = ap.parse_args()
+    modes = args.modes.split(",")
+    if args.before:
+        modes += [f"{m}@{Path(args.before).resolve()}" for m in modes]
 
     workdir = Path(args.workdir).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
@@ -78,7 +95,7 @@ def main() -> int:
                 prompt_tokens=tokens,
                 agents=agents,
                 reps=args.reps,
-                modes=tuple(args.modes.split(",")),
+                modes=tuple(modes),
                 request=not args.ready_only,
             )
             rows += run_point(point, workdir, deadline, env)
@@ -94,8 +111,15 @@ def main() -> int:
             f"{m['ready_s']:.2f}s warm-up {m['warmup_s']:.2f}s "
             f"TTFT {m['ttft_s'] * 1000:.1f} ms first-token-from-launch "
             f"{m['first_token_from_launch_s']:.2f}s TPOT {m['tpot_s'] * 1000:.1f} ms RSS "
-            f"{m['rss_mb']:.0f} MB cached {m['cached_tokens']}"
+            f"{m['rss_mb']:.0f} MB CPU {m['cpu_s']:.2f}s cached {m['cached_tokens']}"
         )
+    for a in per_agent(med):
+        print(
+            f"{a['prompt_tokens']:>5}t x{a['agents']:<5} {a['mode']}: "
+            f"{a['ms_per_agent']:.2f} ms / agent wall, {a['cpu_ms_per_agent']:.2f} ms / agent CPU "
+            "over a cold launch"
+        )
+    print(f"load average at the end: {os.getloadavg()}")
     return 0
 
 

@@ -230,3 +230,25 @@ def test_the_cache_folder_is_kvsnap_cache_dir_then_xdg_cache_home_then_home(monk
     assert default_cache_dir() == tmp_path / "home" / ".cache" / "kvsnap"
     monkeypatch.delenv("XDG_CACHE_HOME")
     assert default_cache_dir() == tmp_path / "home" / ".cache" / "kvsnap"
+
+
+def test_an_identitys_digest_is_computed_once_and_follows_its_fields(monkeypatch):
+    """Issue 41 item 5: a start with 1,000 agents asked each identity for its digest ~5 times
+    per agent, each time a deep copy of every field and a canonical JSON (0.2 ms of each
+    agent's CPU). It is computed once per identity; a replaced field gives a new digest."""
+    import dataclasses
+
+    import kvsnap.key as key
+
+    identity = key.ModelIdentity(
+        "a" * 32, "b" * 32, "c" * 32, "{}", "float32", None, None, None, None, ("KVCache",) * 28
+    )
+    calls = []
+    real = key.canonical_json
+    monkeypatch.setattr(key, "canonical_json", lambda d: calls.append(1) or real(d))
+    first = identity.digest
+    assert all(identity.digest == first for _ in range(5))
+    assert len(calls) == 1
+    other = dataclasses.replace(identity, kv_bits=4, kv_group_size=32)
+    assert other.digest != first and len(calls) == 2
+    assert dataclasses.replace(other, kv_bits=None, kv_group_size=None).digest == first

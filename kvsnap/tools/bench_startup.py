@@ -39,6 +39,7 @@ class Launch:
     tpot_s: float = 0.0
     first_token_from_launch_s: float = 0.0
     rss_mb: float = 0.0
+    cpu_s: float = 0.0  # the server's CPU seconds (user + system, its process tree) at ready
     cached_tokens: int = 0
     completion_tokens: int = 0
 
@@ -71,7 +72,34 @@ def child_rss_mb(pid: int) -> float:
     return max([rss(pid)] + [rss(int(c)) for c in children])
 
 
+def tree_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) so far of ``pid`` and its children (the server under
+    ``timeout``), from /proc: the work done, whatever share of a busy machine it got."""
+    ticks = os.sysconf("SC_CLK_TCK")
+
+    def cpu(p: int) -> float:
+        try:
+            raw = Path(f"/proc/{p}/stat").read_text()
+        except OSError:
+            return 0.0
+        fields = raw[raw.rindex(")") + 2 :].split()
+        return sum(int(fields[i]) for i in (11, 12, 13, 14)) / ticks  # utime stime cutime cstime
+
+    try:
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    except OSError:
+        children = []
+    return cpu(pid) + sum(tree_cpu_s(int(c)) for c in children)
+
+
+def split_mode(mode: str) -> tuple[str, Path | None]:
+    """``"kv-snapshots@/tmp/before"`` -> (``"kv-snapshots"``, the checkout to launch)."""
+    name, _, root = mode.partition("@")
+    return name, Path(root) if root else None
+
+
 def mode_args(mode: str, agents_file: Path, store: Path) -> list[str]:
+    mode = split_mode(mode)[0]
     args = ["--continuous-batching"]
     if mode == "warm-prompts":
         args += ["--warm-prompts", str(agents_file)]
@@ -106,15 +134,18 @@ def launch_once(
     from kvsnap.tools.serverproc import start_server
 
     row = Launch(mode=mode, rep=rep, prompt_tokens=prompt_tokens, agents=n_agents)
+    root = split_mode(mode)[1]  # another checkout: `python -m kvsnap` run from its folder
     server = start_server(
         model,
         mode_args(mode, agents_file, store),
-        workdir / f"{mode}-{rep}.log",
+        workdir / f"{mode.replace('/', '_')}-{rep}.log",
         env=env,
         limit_s=3600,
+        prefix=["env", "-C", str(root)] if root else None,
     )
     try:
         row.ready_s = server.wait_ready(timeout=3000)
+        row.cpu_s = round(tree_cpu_s(server.proc.pid), 2)
         warmup = server.status()["warmup"]  # the report the warm-up log line is written from
         row.warmup_s = float(warmup["seconds"]) if warmup else 0.0
         row.rss_mb = child_rss_mb(server.proc.pid)
@@ -202,7 +233,9 @@ def run_point(
 ) -> list[Launch]:
     agents_file, store, first = prepare_point(point, workdir, env)
     for rep in range(point.reps):
-        for mode in point.modes:  # interleaved, so drift on a shared machine hits every mode alike
+        # interleaved, so drift on a shared machine hits every mode alike; every second rep
+        # in the reverse order
+        for mode in point.modes if rep % 2 == 0 else point.modes[::-1]:
             if time.monotonic() > deadline:
                 log(
                     f"budget reached: stopping {point.model.name} {point.prompt_tokens}t at rep "
@@ -227,16 +260,46 @@ def run_point(
                 f"{point.model.name} {point.prompt_tokens:>5}t x{point.agents:<3} {mode:<13} rep "
                 f"{rep}: ready {row.ready_s:7.2f}s warm-up {row.warmup_s:7.2f}s TTFT "
                 f"{row.ttft_s * 1000:8.1f} ms TPOT {row.tpot_s * 1000:6.1f} ms RSS "
-                f"{row.rss_mb:7.0f} MB cached {row.cached_tokens}"
+                f"{row.rss_mb:7.0f} MB CPU {row.cpu_s:5.2f}s cached {row.cached_tokens} load "
+                f"{os.getloadavg()[0]:.2f}"
             )
     return point.rows
+
+
+def per_agent(med: list[dict], base: str = "cold") -> list[dict]:
+    """What each agent adds to launch -> ready over ``base`` at the same point, in wall and in
+    CPU milliseconds (a figure the machine's load moves far less)."""
+    out = []
+    for m in med:
+        mode, root = split_mode(m["mode"])
+        if mode == base:
+            continue
+        ref_name = base + (f"@{root}" if root else "")
+        ref = [
+            r
+            for r in med
+            if (r["prompt_tokens"], r["agents"], r["mode"])
+            == (m["prompt_tokens"], m["agents"], ref_name)
+        ]
+        if not ref or not m["agents"]:
+            continue
+        out.append(
+            {
+                "mode": m["mode"],
+                "agents": m["agents"],
+                "prompt_tokens": m["prompt_tokens"],
+                "ms_per_agent": (m["ready_s"] - ref[0]["ready_s"]) * 1000 / m["agents"],
+                "cpu_ms_per_agent": (m["cpu_s"] - ref[0]["cpu_s"]) * 1000 / m["agents"],
+            }
+        )
+    return out
 
 
 def medians(rows: list[Launch]) -> list[dict]:
     out = []
     keys = sorted(
         {(r.prompt_tokens, r.agents, r.mode) for r in rows},
-        key=lambda k: (k[0], k[1], MODES.index(k[2])),
+        key=lambda k: (k[0], k[1], MODES.index(split_mode(k[2])[0]), k[2]),
     )
     for pt, ag, mode in keys:
         sel = [r for r in rows if (r.prompt_tokens, r.agents, r.mode) == (pt, ag, mode)]
@@ -248,6 +311,7 @@ def medians(rows: list[Launch]) -> list[dict]:
             "tpot_s",
             "first_token_from_launch_s",
             "rss_mb",
+            "cpu_s",
             "cached_tokens",
         ):
             med[f] = statistics.median(getattr(r, f) for r in sel)
