@@ -2615,8 +2615,8 @@ BREAKAGES = (
             Patch(
                 "kvsnap.runtime.engine.batch_runner",
                 "BatchRunner.step",
-                "                    self._heads.get(r.uid),\n",
-                "                    None,\n",
+                "self._heads.get(r.uid),",
+                "None,",
             ),
         ),
         (
@@ -3285,6 +3285,41 @@ BREAKAGES = (
         (
             TIER_FAULTS
             + "test_a_branch_of_a_conversation_continues_from_its_earlier_turn_on_another_replica",
+        ),
+    ),
+    Breakage(
+        "reply-not-kept",
+        "the reply reused on the next turn (issue 41 item 3)",
+        "a finished request keeps its prompt only: the next turn prefills the previous reply",
+        (
+            Patch(
+                "kvsnap.runtime.engine.batch_runner",
+                "BatchRunner.step",
+                "self._keep_reply(gen, r, state, self._heads.pop(r.uid, None))",
+                "self._heads.pop(r.uid, None)",
+            ),
+        ),
+        (
+            "tests/runtime/engine/test_reply_reuse.py::"
+            "test_the_next_turn_reuses_prompt_and_reply_and_answers_as_a_cold_prefill",
+        ),
+    ),
+    Breakage(
+        "reply-kept-one-token-short",
+        "the reply reused on the next turn (issue 41 item 3)",
+        "the prompt + reply entry is keyed as if the last generated token were never fed: a "
+        "key that does not match what the cache holds",
+        (
+            Patch(
+                "kvsnap.runtime.engine.request_cache",
+                "RequestCaches.capture_reply",
+                "tuple(request.tokens[: state.cached_tokens]) + tuple(held)",
+                "tuple(request.tokens[: state.cached_tokens]) + tuple(held)[:-1]",
+            ),
+        ),
+        (
+            "tests/runtime/engine/test_reply_reuse.py::"
+            "test_the_next_turn_reuses_prompt_and_reply_and_answers_as_a_cold_prefill",
         ),
     ),
 )

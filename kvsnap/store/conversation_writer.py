@@ -54,7 +54,8 @@ class ConversationWrite:
     metadata: dict[str, str]
     parts: list[PartWrite]  # those the store lacked when the engine looked
     reaches: list[tuple[str, str]]  # (kind, key) of every part the record names
-    supersedes: str | None = None  # the record this one extends (removed once it is written)
+    # the records this one extends (each removed once it is written)
+    supersedes: tuple[str, ...] = ()
     nbytes: int = 0  # host bytes held while queued
     # records of shorter prefixes found unreadable, or whose load failed: this one serves all
     # they did (removed once it is written, if they still fail their checks, parts included)
@@ -312,8 +313,9 @@ class ConversationWriter:
                 log.info("[kvsnap] rewrote the conversation record %s", target)
             store.fault("conversation-after-record")
             self._remove_damaged(item)
-            if item.supersedes and item.supersedes != item.key:
-                self._supersede(item)
+            for old in item.supersedes:
+                if old != item.key:
+                    self._supersede(item, old)
         if self.on_written is not None and item.namespace is not None:
             self.on_written(item)
 
@@ -365,14 +367,15 @@ class ConversationWriter:
             for rel in reached - item.relpaths:
                 self._orphans[rel] = _size(self.store.root / rel)
 
-    def _supersede(self, item: ConversationWrite) -> None:
-        """Replace the record ``item`` extends with its whole blocks only: the new record
-        serves everything it did, but another branch may continue from it (a regenerated or
-        edited turn), and after a restart the disk lookup finds strict prefixes only. So the
-        record up to its last full block stays (those blocks are the new record's too: it
-        costs a header) and keeps that turn's last use; only the partial tail goes, swept
-        later (another record may reach it). The shorter record lands before the old goes."""
-        old = record_path(self.store.root, item.supersedes or "")
+    def _supersede(self, item: ConversationWrite, key: str) -> None:
+        """Replace the record ``key``, one ``item`` extends, with its whole blocks only: the
+        new record serves everything it did, but another branch may continue from it (a
+        regenerated or edited turn), and after a restart the disk lookup finds strict prefixes
+        only. So the record up to its last full block stays (those blocks are the new record's
+        too: it costs a header) and keeps that turn's last use; only the partial tail goes,
+        swept later (another record may reach it). The shorter record lands before the old
+        goes."""
+        old = record_path(self.store.root, key)
         try:
             info = self.store.inspect(old)
         except SnapshotError:

@@ -199,10 +199,10 @@ class PersistHooks:
                 break
         if 0 < n_prompt < n:
             cut = trim_cache(copy_cache(state), n - n_prompt)
-            self.persister.captured(Captured(tokens[:n_prompt], cut, True), extends_a)
+            self.persister.captured(Captured(tokens[:n_prompt], cut, True), _listed(extends_a))
         elif extends_b is None:
             extends_b = extends_a
-        self.persister.captured(Captured(tokens[:n], state, trimmable), extends_b)
+        self.persister.captured(Captured(tokens[:n], state, trimmable), _listed(extends_b))
         self.persister.pump()  # the arrays are vllm-mlx's detached, evaluated copies
         self.cuts[tokens] = (n_prompt, n)
         if len(self.cuts) > len(self.cache._entries) + RECENT_PROMPTS:
@@ -267,3 +267,8 @@ def start_hooks(
         return None, str(exc)
     hooks.install()
     return hooks, ""
+
+
+def _listed(extends: tuple | None) -> tuple[tuple, ...]:
+    """The records a capture supersedes, as the persister takes them (none, or that one)."""
+    return (extends,) if extends else ()

@@ -68,6 +68,8 @@ class Entry:
     inner: bool = False
     # where its record's blocks end (a stored snapshot's): a conversation cut there shares them
     block_ends: tuple[int, ...] = ()
+    # a prompt + reply entry: where the prompt's entry (persisted beside it) ends; 0: none
+    prompt_end: int = 0
 
     @property
     def slot(self) -> tuple:
@@ -218,6 +220,27 @@ class PrefixCache:
         with self._lock:
             if self._entries.get(entry.slot) is entry:
                 self._unindex(entry)
+
+    def supersede(self, entry: Entry, older: tuple[int, ...]) -> bool:
+        """Forget the request prefix of ``entry``'s namespace holding ``older``, a strict prefix
+        of ``entry``'s tokens, when ``entry`` is trimmable and in the cache: it serves every
+        request the older one did (a partial match is trimmed). Returns whether one went."""
+        with self._lock:
+            old = self._entries.get((entry.namespace, older))
+            if (
+                old is None
+                or old is entry
+                or not entry.trimmable
+                or self._entries.get(entry.slot) is not entry
+                or old.source != "request"
+                or old.pinned
+                or old.loader is not None
+                or not 0 < len(older) < len(entry.tokens)
+                or entry.tokens[: len(older)] != older
+            ):
+                return False
+            self._unindex(old)
+            return True
 
     def drop_request_prefixes(self) -> int:
         """Forget every request prefix: those no warm prompt or snapshot file backs, and

@@ -3,16 +3,17 @@ free finished slots. Runs on the engine thread.
 
 Per request: its private cache copy goes in with only the suffix (``batch_cache`` keeps the
 batch from copying it again); at the end of the prompt's first segment (all but the last
-token) its cache is captured into the prefix cache; its tokens go out through
-``request_output``. Built with what it works with: the generators of the loaded model, each
-request's cache (``request_cache.RequestCaches``), the scheduler and the token accounts.
+token) its cache is captured into the prefix cache, and at its finish its prompt + reply (the
+row's cache, taken before the slot is freed); its tokens go out through ``request_output``.
+Built with what it works with: the generators of the loaded model, each request's cache
+(``request_cache.RequestCaches``), the scheduler and the token accounts.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 from kvsnap.blas import preload_openblas
 
@@ -34,7 +35,7 @@ from kvsnap.runtime.engine.sampling import (
     token_logprob,
 )
 from kvsnap.runtime.engine.scheduler import Scheduler
-from kvsnap.runtime.engine.types import check_request
+from kvsnap.runtime.engine.types import RequestState, check_request
 from kvsnap.runtime.model.loading import LoadedModel
 from kvsnap.runtime.persist.persister import PERSISTED
 
@@ -79,7 +80,8 @@ class BatchRunner:
         # the live generator, made on first use
         self.gen: BatchGenerator | None = None
         self.shared_prefills = 0  # shared prefixes of requests admitted together, computed once
-        # by uid: the warm blocks a running request's cache was copied from, until its capture
+        # by uid: the warm blocks a running request's cache was copied from, until its finish
+        # (its kept prompt and its kept prompt + reply share them)
         self._heads: dict[int, SharedHead] = {}
         # by uid: the samplers that may raise (not greedy's), checked after each step
         self._samplers: dict[int, OwnSampler] = {}
@@ -133,7 +135,7 @@ class BatchRunner:
                 self._samplers[uid] = sampler
             state.capture = len(suffix) > 1
             head = self._shared_head(prepared.match, len(r.tokens) - len(suffix))
-            if state.capture and head is not None:
+            if r.capture and head is not None:
                 self._heads[uid] = head
             # mlx-lm runs the last token in the first decode step
             self.accounts.expect_batched(len(suffix))
@@ -169,7 +171,7 @@ class BatchRunner:
                 self.caches.capture(
                     state,
                     gen.extract_cache([r.uid])[r.uid][0],
-                    self._heads.pop(r.uid, None),
+                    self._heads.get(r.uid),
                     views=True,
                 )
         for r in generation_responses:
@@ -183,10 +185,23 @@ class BatchRunner:
             deliver_token(state, r.token, r.finish_reason, lp)
             if state.finish_reason is not None:
                 self.sched.release(r.uid)
-                self._heads.pop(r.uid, None)
                 self._samplers.pop(r.uid, None)
+                self._keep_reply(gen, r, state, self._heads.pop(r.uid, None))
                 if r.finish_reason is None:  # stopped by a stop string: free the slot now
                     gen.remove([r.uid])
+
+    def _keep_reply(
+        self, gen: BatchGenerator, r: Any, state: RequestState, head: SharedHead | None
+    ) -> None:
+        """A finished request's prompt + reply kept: mlx-lm hands a row it ended its cache and
+        tokens; a row ended by a stop string is read before its slot is freed."""
+        if not state.request.capture:
+            return
+        if r.prompt_cache is not None:
+            cache, held = r.prompt_cache, r.all_tokens
+        else:
+            cache, held = gen.extract_cache([r.uid])[r.uid]
+        self.caches.capture_reply(state, cache, held, head)
 
     def _fail_sampling(self, gen: BatchGenerator) -> set[int]:
         """End each request whose sampler raised in this step, alone: its slot is freed and the

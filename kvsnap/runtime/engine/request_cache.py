@@ -11,8 +11,10 @@ At admission (``RequestCaches.prepare``):
 - the detokenizer reset (``reset_detokenizer``).
 
 At the end of a prompt's first segment its prefix is kept for later requests and handed to
-the persister (``RequestCaches.capture``); prefixes shared by requests admitted together are
-computed once (``RequestCaches.prefill_shared_prefixes``).
+the persister (``RequestCaches.capture``); at a request's normal finish its prompt + reply,
+the tokens its cache holds, is kept the same way (``RequestCaches.capture_reply``), so the
+next turn reuses the reply too; prefixes shared by requests admitted together are computed
+once (``RequestCaches.prefill_shared_prefixes``).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from typing import Sequence
 
 from kvsnap.blas import preload_openblas
 
@@ -101,26 +104,27 @@ def look_up(
 def account_for(accounts: TokenAccounts, state: RequestState, found: Lookup) -> None:
     """The accounting: the request's cached and computed tokens counted, where its cache came
     from, and the request prefix of its own it extends in full."""
-    extends = extended_tokens(state.request, found)
-    if extends is not None:
-        state.extends = extends
+    state.extends = extended_tokens(state.request, found)
     accounts.start_request(state, found.n_cached)
     state.cache_source = found.source
 
 
-def extended_tokens(request: GenerationRequest, found: Lookup) -> tuple[int, ...] | None:
+def extended_tokens(request: GenerationRequest, found: Lookup) -> tuple[tuple[int, ...], ...]:
     """The tokens of the request prefix (or persisted record) of the request's own namespace
-    that the cache holds whole, or None: a persisted conversation's record for them is then
-    superseded by this request's."""
+    that the cache holds whole, and of a prompt + reply entry's prompt that it holds whole (its
+    record was kept beside it): a persisted conversation's records for them are then superseded
+    by this request's."""
     match = found.match
     if (
-        match is not None
-        and match.entry.namespace == request.namespace
-        and match.entry.source in ("request", "persisted")
-        and found.n_cached == len(match.entry.tokens)
+        match is None
+        or match.entry.namespace != request.namespace
+        or match.entry.source not in ("request", "persisted")
     ):
-        return match.entry.tokens
-    return None
+        return ()
+    entry, held = match.entry, found.n_cached
+    whole = (entry.tokens,) if held == len(entry.tokens) else ()
+    prompt = entry.prompt_end
+    return whole + ((entry.tokens[:prompt],) if 0 < prompt <= held else ())
 
 
 def shared_partial_match(found: Lookup) -> bool:
@@ -230,6 +234,49 @@ class RequestCaches:
             computed = len(entry.tokens) - state.cached_tokens
             seconds = time.perf_counter() - state.t_submit
             self.persister.captured(entry, state.extends, computed, seconds)
+
+    def capture_reply(
+        self,
+        state: RequestState,
+        cache: list,
+        held: Sequence[int],
+        head: SharedHead | None = None,
+    ) -> None:
+        """Keep prompt + reply at a request's normal finish ("stop" or "length", a stop string
+        included; a cancelled or failed request keeps nothing new).
+
+        ``cache``: the row's cache, views of the batch's buffer, taken before its slot is freed;
+        ``held``: the tokens mlx-lm fed into it after the cached head (the suffix, then every
+        generated token: mlx-lm feeds each one as it returns it), so the entry's key is exactly
+        what it holds; of a ``head``'s tokens nothing is copied (as ``capture``).
+        A trimmable entry supersedes the request's prompt entry and the entry its prompt
+        extended in full (it serves every prefix they did); an untrimmable one (a hybrid's
+        checkpoint at the end of the reply) is kept beside them, since the next turn's
+        rendering of the reply may differ (a stripped think block) and only a strict prefix
+        serves it.
+        """
+        request = state.request
+        if not request.capture or state.finish_reason not in ("stop", "length"):
+            return
+        tokens = tuple(request.tokens[: state.cached_tokens]) + tuple(held)
+        if len(tokens) <= len(request.tokens) or tokens[: len(request.tokens)] != tuple(
+            request.tokens
+        ):
+            log.debug("[kvsnap] request %d: no reply held to keep", state.id)
+            return
+        try:
+            check_captured_at(cache, len(tokens))
+        except CaptureError as exc:
+            log.debug("[kvsnap] not keeping the reply of request %d: %s", state.id, exc)
+            return
+        entry = kept_entry(state, cache, tokens, head, views=True)
+        prompt = tuple(request.tokens[:-1])
+        entry.prompt_end = len(prompt)
+        if not self.prefix.add(entry):
+            return  # over the budget alone: the prompt entry stays as it was
+        if entry.trimmable:
+            for older in {prompt, *state.extends}:
+                self.prefix.supersede(entry, older)
 
     def prefill_shared_prefixes(self, batch: list[RequestState]) -> tuple[int, list[Entry]]:
         """Requests admitted together that share an uncached prefix: compute it once, as a

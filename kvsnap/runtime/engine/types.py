@@ -84,9 +84,10 @@ class RequestState:
     uid: int | None = None
     detok: Any = None
     capture: bool = False
-    # the tokens of its own namespace's request prefix it extends in full (persisted
-    # conversations: the record for those tokens is superseded by this request's)
-    extends: tuple[int, ...] | None = None
+    # the tokens of each request prefix of its own namespace it extends in full: the entry it
+    # hit, and a prompt + reply entry's prompt (persisted conversations: the records for those
+    # tokens are superseded by this request's)
+    extends: tuple[tuple[int, ...], ...] = ()
     last_token_counted: bool = False
     held_text: str = ""
     # one per generated token, when the request asked for log-probabilities

@@ -70,7 +70,7 @@ class Persister:
     options: PersistOptions
     settings: BlockSettings = field(default_factory=BlockSettings)
     index: ConversationIndex | None = None
-    pending: list = field(default_factory=list)  # (entry, tokens of the entry it extends)
+    pending: list = field(default_factory=list)  # (entry, tokens of the entries it extends)
     # the engine's cache, given at construction: persisted records are indexed into it
     # (``offer``), and a warm entry's end is a block end too, so its last block is shared
     prefix: PrefixCache | None = None
@@ -162,7 +162,11 @@ class Persister:
     # --- capture ----------------------------------------------------------------------------
 
     def captured(
-        self, entry: Entry, extends: tuple | None, computed: int = 0, seconds: float = 0.0
+        self,
+        entry: Entry,
+        extends: Sequence[tuple[int, ...]],
+        computed: int = 0,
+        seconds: float = 0.0,
     ) -> None:
         """A request prefix was just captured (its arrays may be evaluated only after the next
         decode step): persist it at the next ``pump``. ``computed`` tokens were prefilled in
@@ -189,7 +193,7 @@ class Persister:
                 self.writer.submit(write)
 
     def _prepare(
-        self, entry: Entry, extends: tuple | None, copied: set[str]
+        self, entry: Entry, extends: Sequence[tuple[int, ...]], copied: set[str]
     ) -> ConversationWrite | None:
         from kvsnap.snapshot.cache_classes import needs_checkpoints, split_tensor_names
         from kvsnap.snapshot.codec import encode_cache, to_out_tensors
@@ -246,9 +250,12 @@ class Persister:
         reaches = [(BLOCK_KIND, link.key) for link in links] + [
             (CHECKPOINT_KIND, link.checkpoint_key) for link in links if link.checkpoint_key
         ]
-        supersedes = None
-        if extends and entry.trimmable and len(extends) < len(tokens):
-            supersedes = self._key(namespace, extends)  # a longer record serves all it did
+        # a longer record serves all they did
+        supersedes = tuple(
+            self._key(namespace, older)
+            for older in dict.fromkeys(extends)
+            if entry.trimmable and 0 < len(older) < len(tokens)
+        )
         if self.tier is not None:
             self.tier.note_local(key)
         return ConversationWrite(
