@@ -3305,6 +3305,24 @@ BREAKAGES = (
         ),
     ),
     Breakage(
+        "reply-not-persisted",
+        "the reply reused on the next turn (issue 41 item 3)",
+        "--persist-requests writes the prompt's record only: after a restart the next turn "
+        "prefills the previous reply",
+        (
+            Patch(
+                "kvsnap.runtime.engine.request_cache",
+                "RequestCaches.capture_reply",
+                "self.persister.captured(entry, ())",
+                "pass",
+            ),
+        ),
+        (
+            "tests/runtime/engine/test_reply_reuse.py::"
+            "test_persisted_prompt_and_reply_serve_the_next_turn_after_a_restart",
+        ),
+    ),
+    Breakage(
         "reply-kept-one-token-short",
         "the reply reused on the next turn (issue 41 item 3)",
         "the prompt + reply entry is keyed as if the last generated token were never fed: a "

@@ -53,6 +53,9 @@ from kvsnap.snapshot.format import TOKENS
 log = logging.getLogger("kvsnap.runtime.engine.engine")
 
 MIN_SHARED_TOKENS_TO_COMPUTE = 32  # a shared prefix mostly cached already is not computed again
+# A reply shorter than this is not persisted (it stays kept in memory): its record would write a
+# header, two fsyncs and the prompt's last block again to save a restart's prefill of a few tokens
+MIN_PERSISTED_REPLY = 16
 
 
 @dataclass(frozen=True)
@@ -243,7 +246,8 @@ class RequestCaches:
         head: SharedHead | None = None,
     ) -> None:
         """Keep prompt + reply at a request's normal finish ("stop" or "length", a stop string
-        included; a cancelled or failed request keeps nothing new).
+        included; a cancelled or failed request keeps nothing new) and, with
+        ``--persist-requests``, hand it to the persister.
 
         ``cache``: the row's cache, views of the batch's buffer, taken before its slot is freed;
         ``held``: the tokens mlx-lm fed into it after the cached head (the suffix, then every
@@ -277,6 +281,11 @@ class RequestCaches:
         if entry.trimmable:
             for older in {prompt, *state.extends}:
                 self.prefix.supersede(entry, older)
+        if self.persister is not None and len(tokens) - len(prompt) > MIN_PERSISTED_REPLY:
+            # Supersedes no record: after a restart only a strict prefix is found, and where
+            # the next turn re-renders the reply otherwise (a stripped think block) the
+            # prompt's record serves it. The next turn's record supersedes both.
+            self.persister.captured(entry, ())
 
     def prefill_shared_prefixes(self, batch: list[RequestState]) -> tuple[int, list[Entry]]:
         """Requests admitted together that share an uncached prefix: compute it once, as a

@@ -14,6 +14,7 @@ from helpers.models import LONG_SYSTEM
 
 ARCHES = ["dense", "hybrid", "sliding"]
 MAX_TOKENS = 12
+REPLY_PERSISTED = 24  # more than request_cache.MIN_PERSISTED_REPLY tokens: persisted
 FIRST = [{"role": "system", "content": LONG_SYSTEM}, {"role": "user", "content": "hello there"}]
 # the next turn's tail after the reply (ChatML, as the demo template renders it)
 TAIL = "<|im_end|>\n<|im_start|>user\nand the tests?<|im_end|>\n<|im_start|>assistant\n"
@@ -181,3 +182,37 @@ def test_a_cancelled_request_keeps_no_reply(arch, demo_models, engines):
     assert state.done.wait(60) and state.finish_reason == "cancelled"
     engine.call(lambda: None)
     assert max(own_entries(engine)) == len(first_tokens) - 1  # the prompt's only
+
+
+@pytest.mark.parametrize("arch", ["dense", "hybrid"])
+def test_persisted_prompt_and_reply_serve_the_next_turn_after_a_restart(
+    arch, demo_models, engines, cold, tmp_path
+):
+    from kvsnap.runtime.persist.options import PersistOptions
+    from kvsnap.store.conversations import conversation_files
+    from kvsnap.store.local import Store
+
+    lm = demo_models.load(arch)
+    store = tmp_path / "snaps"
+    Store.open(store, create=True)
+    config = dict(snapshots=str(store), persist=PersistOptions(), write_back=False)
+    before = engines.start(arch, **config)
+    first_tokens = tokens_of(lm, FIRST)
+    reply = generated(run(before, first_tokens, max_tokens=REPLY_PERSISTED))
+    assert len(reply) == REPLY_PERSISTED
+    short = run(before, tokens_of(lm, FIRST[:1] + [{"role": "user", "content": "hi"}]))
+    before.shutdown()  # writes what is queued
+    lengths = {Store.open(store).inspect(p).n_tokens for p in conversation_files(store)}
+    # the prompt's record and the prompt + reply's; a reply of a few tokens is not persisted
+    assert lengths == {
+        len(first_tokens) - 1,
+        len(first_tokens) + len(reply),
+        short.prompt_tokens - 1,
+    }, lengths
+
+    after = engines.start(arch, **config)
+    second_tokens = first_tokens + reply + list(lm.tokenizer.encode(TAIL))
+    second = run(after, second_tokens)
+    assert second.cached_tokens == len(first_tokens) + len(reply)
+    assert second.cache_source == "persisted"
+    assert generated(second) == cold(arch, second_tokens)
