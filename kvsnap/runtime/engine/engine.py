@@ -515,12 +515,15 @@ class Engine:
         def capture(cache: list) -> None:
             caches.capture(state, cache)
 
+        def keep_reply(cache: list, held: list[int]) -> None:
+            caches.capture_reply(state, cache, held, views=False)
+
         try:
             check_request(state.request)
             prepared = caches.prepare(state)
             eos = {t[0] for t in parts.generators.stop_tokens}
             run = SequentialRun(
-                parts.lm, state, prepared.cache, self.accounts, eos, self._poll, capture
+                parts.lm, state, prepared.cache, self.accounts, eos, self._poll, capture, keep_reply
             )
             run.run(prepared.suffix)
         except Exception as exc:  # this request fails; the engine goes on

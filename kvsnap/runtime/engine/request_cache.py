@@ -244,6 +244,7 @@ class RequestCaches:
         cache: list,
         held: Sequence[int],
         head: SharedHead | None = None,
+        views: bool = True,
     ) -> None:
         """Keep prompt + reply at a request's normal finish ("stop" or "length", a stop string
         included; a cancelled or failed request keeps nothing new) and, with
@@ -252,7 +253,9 @@ class RequestCaches:
         ``cache``: the row's cache, views of the batch's buffer, taken before its slot is freed;
         ``held``: the tokens mlx-lm fed into it after the cached head (the suffix, then every
         generated token: mlx-lm feeds each one as it returns it), so the entry's key is exactly
-        what it holds; of a ``head``'s tokens nothing is copied (as ``capture``).
+        what it holds; of a ``head``'s tokens nothing is copied (as ``capture``). ``views``:
+        False for a request's own cache (one request at a time: ``sequential``), which feeds
+        every generated token but the last.
         A trimmable entry supersedes the request's prompt entry and the entry its prompt
         extended in full (it serves every prefix they did); an untrimmable one (a hybrid's
         checkpoint at the end of the reply) is kept beside them, since the next turn's
@@ -273,7 +276,7 @@ class RequestCaches:
         except CaptureError as exc:
             log.debug("[kvsnap] not keeping the reply of request %d: %s", state.id, exc)
             return
-        entry = kept_entry(state, cache, tokens, head, views=True)
+        entry = kept_entry(state, cache, tokens, head, views)
         prompt = tuple(request.tokens[:-1])
         entry.prompt_end = len(prompt)
         if not self.prefix.add(entry):

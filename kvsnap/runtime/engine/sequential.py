@@ -33,6 +33,9 @@ class SequentialRun:
     eos: set[int]
     poll: Callable[[], bool]  # serve the engine's commands; True once the engine is stopping
     capture: Callable[[list], None]  # keep the prompt's prefix (all but its last token)
+    # at a normal finish, keep prompt + reply: (the cache, the tokens it holds past the cached
+    # head: the suffix and every generated token but the last, which is never fed)
+    keep_reply: Callable[[list, list[int]], None] | None = None
 
     def run(self, suffix: list[int]) -> None:
         body, last = list(suffix[:-1]), suffix[-1]
@@ -41,7 +44,9 @@ class SequentialRun:
         if body:
             self.state.capture = True
             self.capture(self.cache)
-        self._decode(last)
+        generated = self._decode(last)
+        if self.keep_reply is not None and self.state.finish_reason in ("stop", "length"):
+            self.keep_reply(self.cache, [*suffix, *generated[:-1]])
 
     def _ended(self) -> bool:
         """Let a cancel (or a disconnect, or a stop) end this request between two model calls."""
@@ -63,8 +68,10 @@ class SequentialRun:
                     return False
         return True
 
-    def _decode(self, last: int) -> None:
+    def _decode(self, last: int) -> list[int]:
+        """Decode from the last prompt token; returns the tokens generated."""
         s, r = self.lm.settings, self.state.request
+        generated: list[int] = []
         sampler = make_request_sampler(r.temperature, r.top_p, r.seed, r.top_k, r.min_p)
         token = mx.array([[last]], dtype=mx.int32)
         for i in range(r.max_tokens):
@@ -76,6 +83,7 @@ class SequentialRun:
             nxt = sampler(logprobs)
             # mlx's stub types item() as any Python scalar, complex included; a token is an int
             tok = int(nxt.item())  # type: ignore[arg-type]
+            generated.append(tok)
             reason = "stop" if tok in self.eos else ("length" if i + 1 >= r.max_tokens else None)
             n = r.top_logprobs
             lp = None if n is None else token_logprob(logprobs[0], tok, n)
@@ -83,3 +91,4 @@ class SequentialRun:
             if self.state.finish_reason is not None or self._ended():
                 break
             token = nxt.reshape(1, 1)
+        return generated

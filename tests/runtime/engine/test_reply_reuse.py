@@ -216,3 +216,21 @@ def test_persisted_prompt_and_reply_serve_the_next_turn_after_a_restart(
     assert second.cached_tokens == len(first_tokens) + len(reply)
     assert second.cache_source == "persisted"
     assert generated(second) == cold(arch, second_tokens)
+
+
+@pytest.mark.parametrize("arch", ["dense", "hybrid"])
+def test_one_request_at_a_time_keeps_the_reply_but_its_unfed_last_token(
+    arch, demo_models, engines, cold
+):
+    """With continuous batching off (as with a quantized KV) the decode loop never feeds the
+    last generated token: prompt + reply but that token is kept, and serves the next turn."""
+    lm = demo_models.load(arch)
+    engine = engines.start(arch, continuous_batching=False)
+    first_tokens = tokens_of(lm, FIRST)
+    reply = generated(run(engine, first_tokens))
+    held = len(first_tokens) + len(reply) - 1
+    assert held in own_entries(engine)
+    second_tokens = first_tokens + reply + list(lm.tokenizer.encode(TAIL))
+    second = run(engine, second_tokens)
+    assert second.cached_tokens == held and second.cache_source == "request"
+    assert generated(second) == cold(arch, second_tokens)
