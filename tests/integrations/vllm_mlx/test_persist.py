@@ -172,21 +172,21 @@ def test_hooks_persist_the_entry_and_its_prompt_only_cut_superseding_the_turn_th
     assert cache.store(list(t1), _kv(len(t1) - 1))  # vllm-mlx keys it one past its state
     # The prompt-only cut (prompt minus one token, state trimmed) and the entry as far as it
     # holds; nothing to supersede yet.
-    assert persister.captured_calls == [(39, 39, None), (42, 42, None)]
+    assert persister.captured_calls == [(39, 39, ()), (42, 42, ())]
     persister.captured_calls.clear()
     p2 = t1 + (1, 2, 3, 4)
     cached, remaining = cache.fetch(list(p2))
     assert len(remaining) == 4 and cache._stats.hits == 1
     t2 = p2 + (5, 6)
     cache.store(list(t2), _kv(len(t2)))
-    assert persister.captured_calls == [(46, 46, p1[:39]), (49, 49, t1[:42])]
+    assert persister.captured_calls == [(46, 46, (p1[:39],)), (49, 49, (t1[:42],))]
     persister.captured_calls.clear()
 
     # vllm-mlx's chunked prefill: remove the previous intermediate entry, store the longer one.
     cache.store(list(range(500, 600)), _kv(100))
     assert cache.remove(list(range(500, 600)))
     cache.store(list(range(500, 700)), _kv(200))
-    assert persister.captured_calls[-1] == (200, 200, tuple(range(500, 600)))
+    assert persister.captured_calls[-1] == (200, 200, (tuple(range(500, 600)),))
     persister.captured_calls.clear()
 
     # What kvsnap inserts itself (paused: snapshots, restored records) and pinned keys are not.
