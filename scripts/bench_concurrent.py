@@ -15,6 +15,7 @@ unless --peer-env sets them (--peer-env OPENBLAS_THREAD_TIMEOUT=16: kvsnap's set
   kvsnap          python -m kvsnap serve M --continuous-batching --max-batch-size MAX(N)
   kvsnap-before   the same from the checkout given by --before (PYTHONPATH)
   mlx_lm.server   python -m mlx_lm.server --model M   (its BatchGenerator: decode 32, prompt 8)
+  mlx_lm.server-t16  the same with OPENBLAS_THREAD_TIMEOUT=16, kvsnap's setting (--servers)
   vllm-mlx        VENV/python -m vllm_mlx.cli serve M --continuous-batching (with --vllm-python)
 
 Per launch: /health (or /v1/models), then one unmeasured warm-up request carrying the shared
@@ -72,6 +73,13 @@ WORDS = (
 ).split()
 TICKS = os.sysconf("SC_CLK_TCK")
 STAGGER_S = 0.01
+COLORS = {
+    "kvsnap": "tab:blue",
+    "mlx_lm.server": "tab:orange",
+    "kvsnap-before": "tab:green",
+    "vllm-mlx": "tab:red",
+    "mlx_lm.server-t16": "tab:purple",
+}
 
 
 def make_model(shape: str, workdir: Path) -> Path:
@@ -144,7 +152,9 @@ def server_cmd(name: str, model: Path, port: int, args) -> tuple[list[str], dict
         batch = str(max(args.clients))
         cmd = [sys.executable, "-m", "kvsnap", "serve", str(model), "--continuous-batching"]
         return [*cmd, "--max-batch-size", batch, *host, *args.kvsnap_arg], env
-    if name == "mlx_lm.server":
+    if name == "mlx_lm.server-t16":  # with the OpenBLAS spin kvsnap sets for itself
+        env["OPENBLAS_THREAD_TIMEOUT"] = "16"
+    if name.startswith("mlx_lm.server"):
         return [sys.executable, "-m", "mlx_lm.server", "--model", str(model), *host], env
     if name == "vllm-mlx":
         cmd = [args.vllm_python, "-m", "vllm_mlx.cli", "serve", str(model)]
@@ -300,6 +310,46 @@ def summarize(rows: list[dict], servers: list[str], clients: list[int]) -> list[
     return out
 
 
+def plot(summaries: dict[str, list[dict]], path: Path) -> bool:
+    """Tokens/s and CPU ms per token, per shape, N and server (False without matplotlib)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, axes = plt.subplots(2, len(summaries), figsize=(5.5 * len(summaries), 7), squeeze=False)
+    for col, (shape, summary) in enumerate(summaries.items()):
+        servers = list(dict.fromkeys(r["server"] for r in summary))
+        clients = sorted({r["clients"] for r in summary})
+        width = 0.8 / len(servers)
+        for row, (key, label) in enumerate(
+            (
+                ("tokens_per_s", "tokens/s (higher is better)"),
+                ("cpu_ms_per_token", "server CPU ms per token"),
+            )
+        ):
+            ax = axes[row][col]
+            for i, server in enumerate(servers):
+                values = [
+                    next(
+                        (r[key] for r in summary if r["server"] == server and r["clients"] == n), 0
+                    )
+                    for n in clients
+                ]
+                xs = [c + (i - (len(servers) - 1) / 2) * width for c in range(len(clients))]
+                ax.bar(xs, values, width, label=server, color=COLORS.get(server))
+            ax.set_xticks(range(len(clients)), [f"{n} clients" for n in clients])
+            ax.set_ylabel(label)
+            ax.set_title(f"{shape}: {label.split(' (')[0]}")
+            if row == 0:
+                ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return True
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -320,6 +370,10 @@ def main(argv: list[str] | None = None) -> int:
         help="KEY=VALUE for the peers' environment, e.g. OPENBLAS_THREAD_TIMEOUT=16 (kvsnap's)",
     )
     ap.add_argument("--kvsnap-arg", action="append", default=[], help="extra kvsnap serve arg")
+    ap.add_argument("--plot", type=Path, help="write the picture here (PNG)")
+    ap.add_argument(
+        "--plot-from", action="append", default=[], help="SHAPE=JSON of an earlier run: plot only"
+    )
     ap.add_argument("--workdir", type=Path, default=Path(".kvsnap-bench/concurrent"))
     ap.add_argument("--out", type=Path, default=Path(".kvsnap-bench/concurrent"))
     args = ap.parse_args(argv)
@@ -329,6 +383,13 @@ def main(argv: list[str] | None = None) -> int:
         servers.append("kvsnap-before")
     if args.vllm_python:
         servers.append("vllm-mlx")
+    if args.plot_from:  # one picture from earlier runs' JSON files (SHAPE=FILE each)
+        summaries = {}
+        for item in args.plot_from:
+            shape, file = item.split("=", 1)
+            summaries[shape] = json.loads(Path(file).read_text())["summary"]
+        print(f"wrote {args.plot}" if plot(summaries, args.plot) else "matplotlib is missing")
+        return 0
     args.workdir = args.workdir.resolve()
     args.workdir.mkdir(parents=True, exist_ok=True)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -347,6 +408,8 @@ def main(argv: list[str] | None = None) -> int:
     path = args.out / f"concurrent-{args.shape}.json"
     path.write_text(json.dumps({"rows": rows, "summary": summary, "argv": sys.argv}, indent=1))
     print(f"wrote {path}")
+    if args.plot and plot({args.shape: summary}, args.plot):
+        print(f"wrote {args.plot}")
     return 0
 
 
