@@ -1752,8 +1752,8 @@ BREAKAGES = (
             Patch(
                 "kvsnap.http.routes_generation",
                 "submit",
-                "    bridge = _Bridge(asyncio.get_running_loop(), ctx.release)\n    try:\n",
-                "    bridge = _Bridge(asyncio.get_running_loop(), ctx.release)\n    ctx.admit()\n  "
+                "    bridge = _Bridge(ctx.handoffs.current(), ctx.release)\n    try:\n",
+                "    bridge = _Bridge(ctx.handoffs.current(), ctx.release)\n    ctx.admit()\n  "
                 "  try:\n",
             ),
             Patch(
@@ -1766,6 +1766,37 @@ BREAKAGES = (
             ),
         ),
         ("tests/http/test_limits.py::test_requests_being_prepared_count_toward_429",),
+    ),
+    Breakage(
+        "handoff-wakes-loop-per-token",
+        "serving cost (issue 41 item 1)",
+        "every engine event schedules its own loop callback: the loop wakes once per token",
+        (
+            Patch(
+                "kvsnap.http.handoff",
+                "LoopHandoff.send",
+                "            if len(self._pending) > 1:",
+                "            if False:",
+            ),
+        ),
+        (
+            "tests/http/test_routes_generation.py::"
+            "test_a_steps_events_from_the_engine_thread_wake_the_loop_once_in_order",
+        ),
+    ),
+    Breakage(
+        "openblas-default-spin",
+        "serving cost (issue 41 item 1)",
+        "OpenBLAS is loaded with its own idle spin (2^28 cycles after every call)",
+        (
+            Patch(
+                "kvsnap.blas",
+                "preload_openblas",
+                '    os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", THREAD_TIMEOUT)\n',
+                "",
+            ),
+        ),
+        ("tests/test_blas.py::test_openblas_loads_with_a_short_idle_spin_unless_the_user_set_one",),
     ),
     Breakage(
         "message-count-checked-after-rendering",
