@@ -3702,7 +3702,19 @@ def check_import_location(copy: Path) -> None:
 def run_guards(copy: Path, guards: tuple[str, ...]) -> tuple[int, list[tuple[str, str]], str]:
     """pytest's exit status, the (node id, first message line) of each failure, and the output's
     tail."""
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE", *guards]
+    # -n 0: a breakage runs a few tests; two xdist workers would cost more than they save
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-n",
+        "0",
+        "-p",
+        "no:cacheprovider",
+        "-rfE",
+        *guards,
+    ]
     try:
         r = subprocess.run(
             cmd, cwd=copy, env=copy_env(copy), capture_output=True, text=True, timeout=TIMEOUT_S
