@@ -9,6 +9,10 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# pytest-xdist's workers set COLUMNS=80 and LINES=24; the CLIs under test read COLUMNS as the
+# user's chosen width (a piped `kvsnap ls` would cut its lines there), as in a serial run.
+for _name in ("COLUMNS", "LINES"):
+    os.environ.pop(_name, None)
 
 from kvsnap.blas import preload_openblas  # noqa: E402
 

@@ -53,7 +53,9 @@ class Registry:
         )
         cmd = [REGISTRY_BIN, "serve", str(config)]
         if os.path.exists("/usr/bin/timeout"):
-            cmd = ["/usr/bin/timeout", "-k", "5", "1800", *cmd]  # never outlives a stuck session
+            # never outlives a stuck session; a session-scoped registry lives as long as the
+            # suite (CI allows 90 minutes): 30 minutes killed it mid-run on a loaded machine
+            cmd = ["/usr/bin/timeout", "-k", "5", "6000", *cmd]
         with open(self.log_path, "wb") as log:
             # Its own process group, so stop() kills the registry and not only the `timeout`
             # wrapper.

@@ -72,8 +72,13 @@ def test_a_prefix_captured_below_the_start_serves_the_turns_that_reach_past_it(n
     replies, fresh, status, log = never_restarted
     prompts = [r["usage"]["prompt_tokens"] for r in replies]
     assert prompts[1] < START < prompts[2], prompts  # the conversation crosses the start
-    # each turn hits the whole prompt of the one before (minus its last token)
-    assert [cached(r) for r in replies] == [0] + [p - 1 for p in prompts[:-1]], log[-3000:]
+    # each turn hits at least the whole prompt of the one before (minus its last token), and
+    # past it the reply's tokens as far as the next prompt re-renders them (issue 41 item 3)
+    hits = [cached(r) for r in replies]
+    assert hits[0] == 0 and all(
+        p - 1 <= hit < nxt for p, hit, nxt in zip(prompts, hits[1:], prompts[1:])
+    ), (hits, prompts, log[-3000:])
+    assert any(hit > p - 1 for p, hit in zip(prompts, hits[1:])), (hits, prompts)
     assert "rejected" not in log, log[-3000:]
     assert status["cache"]["load_errors"] == 0, status["cache"]
     assert [content(r) for r in replies] == fresh
@@ -103,7 +108,10 @@ def test_a_conversation_crossing_the_start_verifies_after_sigterm_and_resumes_wh
         persist = server.status()["persist"]
     finally:
         server.stop()
-    assert cached(replies[-1]) == cached(replies_ref[-1]) > 0, server.log()[-3000:]
+    # the previous turn's records: its prompt's, and its reply's where that reply was long
+    # enough to persist (MIN_PERSISTED_REPLY); memory alone may hold a short reply too
+    prompts = [r["usage"]["prompt_tokens"] for r in replies]
+    assert prompts[-2] - 1 <= cached(replies[-1]) <= cached(replies_ref[-1]), server.log()[-3000:]
     assert persist["disk_hits"] == 1 and persist["load_errors"] == 0, persist
     assert [content(r) for r in replies] == [content(r) for r in replies_ref] == fresh
 
