@@ -385,6 +385,11 @@ class SharedTier:
             self._past_budget(attempt)
             return 0
         except TierUnavailable as exc:
+            if time.monotonic() >= attempt.deadline:
+                # the client's socket timeout is the budget: a tier that did not answer in
+                # time is past the budget, however the race with the request's own wait ends
+                self._past_budget(attempt)
+                return 0
             self.stats.errors += 1
             if attempt.settle():  # not when the request already gave up on it
                 self.breaker.failure()
