@@ -22,7 +22,7 @@ CANDIDATES = (
 
 # OpenBLAS's default (28: ~0.1 s of spinning after every call) keeps its worker thread busy
 # through each gap between a server's matmuls, a core burnt while the model runs elsewhere
-# (issue 41: ~3-5 ms of CPU per generated token at 16 clients); 2^16 cycles (~25 us) still
+# (~3-5 ms of CPU per generated token at 16 clients); 2^16 cycles (~25 us) still
 # covers back-to-back calls. A user's own OPENBLAS_THREAD_TIMEOUT wins.
 THREAD_TIMEOUT = "16"
 
