@@ -397,9 +397,9 @@ def read_direct(path: Path, header: Header, hasher: Any) -> dict | None:
 
     A cold file read through the page cache costs the CPU twice over: the kernel fills its cache
     pages and then copies them into ours. O_DIRECT has the device write into our pages; a cold
-    restore's CPU falls below a plain read's (issue 41 item 4, docs/benchmarks.md). The read
-    starts at the page holding the first data byte: the buffer is one aligned span from there,
-    the tensors views at the data's offset in it."""
+    restore's CPU falls below a plain read's (docs/benchmarks.md). The read starts at the page
+    holding the first data byte: the buffer is one aligned span from there, the tensors views
+    at the data's offset in it."""
     if not hasattr(os, "O_DIRECT"):
         return None
     try:

@@ -335,9 +335,9 @@ class Engine:
         request would otherwise pay.
 
         After warm, before the loop takes its first command: /health turns 200 without waiting
-        for it (issue 41: ready as soon as mlx_lm.server), and a request sent at once waits
-        only for what is left of these two small passes, never for a compile of its own. A
-        failure is logged, not fatal: each request then reports its own error.
+        for it, as a plain mlx_lm.server's does not, and a request sent at once waits only for
+        what is left of these two small passes, never for a compile of its own. A failure is
+        logged, not fatal: each request then reports its own error.
         """
         report = self.warmup_report
         if report is not None and report.prefilled:
