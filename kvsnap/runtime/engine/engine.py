@@ -335,7 +335,7 @@ class Engine:
         request would otherwise pay.
 
         After warm, before the loop takes its first command: /health turns 200 without waiting
-        for it, as a plain mlx_lm.server's does not, and a request sent at once waits only for
+        for it (a plain mlx_lm.server primes nothing), and a request sent at once waits only for
         what is left of these two small passes, never for a compile of its own. A failure is
         logged, not fatal: each request then reports its own error.
         """
