@@ -73,15 +73,13 @@ def cmd_serve(args) -> int:
 
     engine = Engine(engine_config(args, source.path, prompts))
     engine.start()  # load the model on the main thread, before the port opens
-    # The HTTP layer (fastapi, pydantic, the routes: ~0.3 s of imports) is imported only now,
-    # while the engine thread restores the snapshots, so /health turns 200 sooner.
     from kvsnap.http.connections import (
         ConnectionGuard,
         effective_max_connections,
         raise_open_files_limit,
     )
     from kvsnap.http.listen import make_server, uvicorn_log_config
-    from kvsnap.http.server import create_app
+    from kvsnap.http.staged import StagedApp
     from kvsnap.http.watch import exit_when_warm_up_fails
 
     server_config = serve_config(args, source, auth)
@@ -90,8 +88,21 @@ def cmd_serve(args) -> int:
     max_connections = effective_max_connections(args.max_connections, raise_open_files_limit())
     guard_fields = config_fields(SERVE_OPTIONS, args, "guard")
     guard = ConnectionGuard(**{**guard_fields, "max_connections": max_connections})
+
+    def build_api():
+        # fastapi, pydantic and the routes: imported on their own thread once the port is open
+        from kvsnap.http.server import create_app
+
+        return create_app(engine, server_config, recorder)
+
+    def stop_serving(_exc: BaseException) -> None:
+        server.should_exit = True
+
+    app = StagedApp(
+        engine, server_config.served_model_name, build_api, engine.shutdown, stop_serving
+    )
     server = make_server(
-        create_app(engine, server_config, recorder),
+        app,
         guard,
         log_level=level,
         log_config=uvicorn_log_config(),
@@ -99,6 +110,7 @@ def cmd_serve(args) -> int:
         **config_fields(SERVE_OPTIONS, args, "uvicorn"),
     )
     exit_when_warm_up_fails(engine, server)
+    app.start_building()
     log.info(
         "[kvsnap] listening on http://%s:%d (at most %d connections)",
         args.host,
@@ -108,6 +120,9 @@ def cmd_serve(args) -> int:
     server.run(sockets=[sock])
     if engine.failed:
         print(f"kvsnap serve: error: warm-up failed: {engine.failed}", file=sys.stderr)
+        return EXIT_BAD
+    if app.failed:
+        print(f"kvsnap serve: error: the HTTP API failed to start: {app.failed}", file=sys.stderr)
         return EXIT_BAD
     return EXIT_OK
 
@@ -129,9 +144,8 @@ def engine_config(args, model_dir: Path, prompts):
 
 def serve_config(args, source, auth):
     """The HTTP layer's settings: the served name, limits, keys and request defaults."""
-    from kvsnap.http.context import SamplingDefaults
+    from kvsnap.http.config import SamplingDefaults, ServerConfig
     from kvsnap.http.limits import context_length
-    from kvsnap.http.server import ServerConfig
 
     model_dir = source.path
     config_json = json.loads((model_dir / "config.json").read_text())

@@ -67,8 +67,8 @@ def batch_slots(args) -> int:
 # The config objects an option's ``fills`` names ("CONFIG.FIELD"), as "module:class".
 CONFIG_OBJECTS = (
     ("engine", "kvsnap.runtime.engine.types:EngineConfig"),
-    ("server", "kvsnap.http.context:ServerConfig"),
-    ("sampling", "kvsnap.http.context:SamplingDefaults"),
+    ("server", "kvsnap.http.config:ServerConfig"),
+    ("sampling", "kvsnap.http.config:SamplingDefaults"),
     ("guard", "kvsnap.http.connections:ConnectionGuard"),
     ("uvicorn", "uvicorn:Config"),
     ("kv", "kvsnap.key:KVSettings"),

@@ -15,8 +15,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import BaseRoute
 
 from kvsnap.errors import KvsnapError
+from kvsnap.http.error_body import error_body
 from kvsnap.http.limits import RequestRejected
-from kvsnap.http.schemas import error_body
 
 log = logging.getLogger("kvsnap.http.server")
 

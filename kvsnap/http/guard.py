@@ -17,7 +17,7 @@ from typing import Iterable, Optional
 from starlette.exceptions import HTTPException
 
 from kvsnap.errors import UsageError
-from kvsnap.http.schemas import error_body
+from kvsnap.http.error_body import error_body
 
 OPEN_PATHS = frozenset({"/health"})  # load balancers probe it without a key
 

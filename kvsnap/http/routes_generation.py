@@ -18,6 +18,7 @@ from kvsnap.errors import MessageError
 from kvsnap.http.api_errors import APIError
 from kvsnap.http.chat_prompt import answer_splitter, chat_prompt_tokens
 from kvsnap.http.context import ServerContext
+from kvsnap.http.error_body import error_body
 from kvsnap.http.handoff import LoopHandoff
 from kvsnap.http.limits import check_template_kwargs, check_token_ids
 from kvsnap.http.logprobs import chat_logprobs, completion_logprobs, text_length
@@ -27,7 +28,6 @@ from kvsnap.http.schemas import (
     chat_chunk,
     chat_response,
     completion_response,
-    error_body,
     new_id,
 )
 from kvsnap.http.tool_calls import AnswerSplitter, check_tool_choice

@@ -23,8 +23,9 @@ from kvsnap.agent_requests import AgentChat, responses_chat
 from kvsnap.http.api_errors import APIError
 from kvsnap.http.chat_prompt import agent_chat, answer_splitter, chat_prompt_tokens
 from kvsnap.http.context import ServerContext
+from kvsnap.http.error_body import error_body
 from kvsnap.http.routes_generation import failure_message, prepared, submit, wait_for_answer
-from kvsnap.http.schemas import MAX_TOKENS_LIMIT, error_body, new_id
+from kvsnap.http.schemas import MAX_TOKENS_LIMIT, new_id
 from kvsnap.http.tool_calls import AnswerSplitter
 from kvsnap.runtime.engine.engine import RequestState
 

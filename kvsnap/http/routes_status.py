@@ -12,6 +12,7 @@ from starlette.concurrency import run_in_threadpool
 from kvsnap import __version__
 from kvsnap.http.api_errors import APIError
 from kvsnap.http.context import ServerContext
+from kvsnap.http.health import health_answer
 
 # What an ordinary (non-admin) key sees: nothing that moves with other tenants' traffic
 # (cache counters, memory, queue lengths) and no exact cached-token count, which would tell
@@ -26,13 +27,8 @@ def status_router(ctx: ServerContext) -> APIRouter:
 
     @router.get("/health")
     async def health():
-        if engine.failed is not None:
-            return JSONResponse(
-                {"status": "failed", "warm": False, "error": str(engine.failed)}, status_code=503
-            )
-        if not engine.warm.is_set():
-            return JSONResponse({"status": "warming", "warm": False}, status_code=503)
-        return {"status": "ok", "warm": True, "model": config.served_model_name}
+        status, body = health_answer(engine, config.served_model_name)
+        return JSONResponse(body, status_code=status)
 
     def card(name: str) -> dict:
         return {"id": name, "object": "model", "created": int(ctx.started), "owned_by": "kvsnap"}

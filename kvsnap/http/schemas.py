@@ -120,15 +120,6 @@ class CompletionRequest(_Sampling):
         return (self.top_logprobs or 0) if self.logprobs is True else self.logprobs
 
 
-def error_body(
-    message: str,
-    type_: str = "invalid_request_error",
-    param: Optional[str] = None,
-    code: Optional[str] = None,
-) -> dict:
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
-
-
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
     return {
         "prompt_tokens": prompt_tokens,

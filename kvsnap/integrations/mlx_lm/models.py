@@ -101,7 +101,7 @@ def refusing_handler(
     body ``check`` refuses; any other POST is mlx-lm's. Handlers wrap one another: each reads
     the body once and hands the bytes on."""
     # Imported here, at start-up: a refusal then reads no module from disk.
-    from kvsnap.http.schemas import error_body
+    from kvsnap.http.error_body import error_body
 
     class RequestModelGuard(api_handler):  # type: ignore[valid-type, misc]
         # Set by socketserver's setup(); declared here, where the Any base cannot say it.

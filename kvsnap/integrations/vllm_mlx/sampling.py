@@ -126,7 +126,7 @@ class SamplingChecks:
 
     @staticmethod
     async def _refuse(send: Callable, param: str, message: str) -> None:
-        from kvsnap.http.schemas import error_body
+        from kvsnap.http.error_body import error_body
 
         payload = json.dumps(error_body(message, param=param, code="invalid_value")).encode()
         await send(
