@@ -22,7 +22,9 @@ from kvsnap.snapshot.cache_classes import (  # noqa: F401  (CaptureError re-expo
     cache_class,
     decode_layer,
     encode_layer,
+    layers_at,
     layers_trimmable,
+    split_tensor_names,
 )
 from kvsnap.snapshot.file import OutTensor
 from kvsnap.snapshot.format import DTYPES, TOKENS
@@ -98,6 +100,20 @@ def copy_cache(cache: Sequence[Any]) -> list:
     """
     layers, arrays = _encode_layers(cache)
     return decode_cache({k: v[...] for k, v in arrays.items()}, layers)
+
+
+def copy_cache_head(cache: Sequence[Any], n: int) -> list:
+    """A private copy of the first ``n`` tokens of a trimmable cache: views of the sliced
+    tensors' first ``n`` tokens (a request's first write copies those, not the whole entry),
+    each layer's offset at ``n``. A copy then trim would copy every token of the entry on that
+    first write: a 1-token match on a 2k-token snapshot copied its 470 MB."""
+    layers, arrays = _encode_layers(cache)
+    sliced, whole = split_tensor_names(layers)
+    if whole:  # a layer kept whole (a sliding window not yet full) trims itself
+        held = max((o for meta in layers for o in _offsets(meta)), default=n)
+        return trim_cache(copy_cache(cache), held - n)
+    heads = {k: v[..., :n, :] for k, v in arrays.items()}
+    return decode_cache(heads, layers_at(layers, n))
 
 
 def is_trimmable(cache: Sequence[Any]) -> bool:

@@ -23,8 +23,8 @@ preload_openblas()  # must precede the first mlx import, or mlx keeps its slow r
 
 import mlx.core as mx
 
-from kvsnap.snapshot.cache_classes import split_tensor_names
-from kvsnap.snapshot.codec import copy_cache, decode_cache
+from kvsnap.snapshot.cache_classes import layers_at, split_tensor_names
+from kvsnap.snapshot.codec import copy_cache, copy_cache_head, decode_cache, trim_cache
 from kvsnap.store import reading as store_reading
 from kvsnap.store.local import SnapshotInfo, Store
 from kvsnap.store.paths import end_checkpoint
@@ -84,15 +84,25 @@ class ComposedState:
     layers: list
     n_tokens: int
 
-    def materialize(self, room: int = 0) -> list:
+    def materialize(self, room: int = 0, upto: int | None = None) -> list:
         """A private cache, not computed yet: each sliced tensor is the blocks' slices then
         ``room_for(room)`` empty positions, so the request's ``room`` tokens are written in
-        place and the cached ones are copied once, when the request first runs."""
+        place and the cached ones are copied once, when the request first runs.
+
+        ``upto``: only the first ``upto`` tokens (a partial match of a state with no
+        checkpointed layers), so a short match copies what it uses, not the whole state."""
         sliced, whole = split_tensor_names(self.layers)
+        if upto is not None and whole:
+            raise ValueError("a state with checkpointed layers is only served whole")
         spare = room_for(room)
         arrays: dict[str, Any] = {}
+        heads = self.head(upto) if upto is not None else None
         for name in sliced:
-            pieces = [block.arrays[name] for _, _, block in self.blocks]
+            pieces = (
+                heads[name]
+                if heads is not None
+                else [block.arrays[name] for _, _, block in self.blocks]
+            )
             last = pieces[-1]
             pad = mx.zeros((*last.shape[:-2], spare, last.shape[-1]), dtype=last.dtype)
             arrays[name] = mx.concatenate([*pieces, pad], axis=-2)
@@ -101,7 +111,7 @@ class ComposedState:
         for name in whole:
             arrays[name] = kept[name][...]  # a view: copied on its first write
         # sliceable layers: offset n in a buffer of n + spare
-        return decode_cache(arrays, self.layers)
+        return decode_cache(arrays, self.layers if upto is None else layers_at(self.layers, upto))
 
     def head(self, n: int) -> dict[str, list]:
         """Each sliced tensor's first ``n`` tokens as the blocks hold them, not copied: what a
@@ -175,6 +185,16 @@ def room_for(tokens: int) -> int:
     """Positions a copy leaves after its cached ones for ``tokens`` more: whole steps of
     mlx-lm's 256, at least one position past them (where the first decode step writes)."""
     return -(-(max(tokens, 0) + 1) // ROOM_STEP) * ROOM_STEP
+
+
+def copy_state_head(state: Any, n: int, room: int = 0) -> Any:
+    """``copy_state`` of a trimmable state's first ``n`` tokens only (a partial match). A
+    state with layers kept whole (a sliding window not yet full) is copied whole and trimmed."""
+    if not isinstance(state, ComposedState):
+        return copy_cache_head(state, n)
+    if split_tensor_names(state.layers)[1]:
+        return trim_cache(state.materialize(room), state.n_tokens - n)
+    return state.materialize(room, upto=n)
 
 
 def copy_state(state: Any, room: int = 0) -> Any:

@@ -37,6 +37,7 @@ from kvsnap.runtime.cache.trie import TokenTrie
 CopyFn = Callable[[Any], Any]
 SizedCopyFn = Callable[[Any, int], Any]  # (state, tokens the request adds) -> private copy
 TrimFn = Callable[[Any, int], Any]
+HeadCopyFn = Callable[[Any, int, int], Any]  # (state, tokens kept, tokens added) -> copy
 LoadFn = Callable[[], tuple[Any, int]]
 LoadErrorFn = Callable[["Entry", BaseException], None]
 CheckFn = Callable[[Any], "str | None"]
@@ -118,6 +119,9 @@ class PrefixCache:
     # The engine's copy, told how many tokens the request adds so the copy has room for them
     # and they are written in place (None: ``copy_state``).
     copy_with_room: SizedCopyFn | None = None
+    # The engine's copy of a trimmable entry's first n tokens with room for the request's: a
+    # partial match copies only what it uses (None: the whole entry copied, then trimmed).
+    copy_head: HeadCopyFn | None = None
     stats: PrefixStats = field(default_factory=PrefixStats)
     _entries: dict[tuple, Entry] = field(default_factory=dict)  # (namespace, tokens) -> entry
     # namespace -> its entries' trie
@@ -389,6 +393,8 @@ class PrefixCache:
 
     def _copy(self, match: Match, adds: int) -> Any:
         entry = match.entry
+        if self.copy_head is not None and match.n_cached < len(entry.tokens):
+            return self.copy_head(entry.state, match.n_cached, adds)
         if self.copy_with_room is not None:
             state = self.copy_with_room(entry.state, adds)
         else:

@@ -40,7 +40,7 @@ import mlx.core as mx
 from kvsnap.errors import SnapshotError
 from kvsnap.faults import FaultHook
 from kvsnap.key import ModelIdentity
-from kvsnap.runtime.cache.composed import BlockPool, copy_state
+from kvsnap.runtime.cache.composed import BlockPool, copy_state, copy_state_head
 from kvsnap.runtime.cache.prefix import Entry, PrefixCache
 from kvsnap.runtime.engine.accounting import TokenAccounts, cache_stats
 from kvsnap.runtime.engine.batch_runner import BatchRunner, Generators
@@ -379,6 +379,7 @@ class Engine:
             max_bytes=int(cfg.cache_memory_mb * 2**20),
             copy_state=copy_state,
             copy_with_room=copy_state,
+            copy_head=copy_state_head,
             trim_state=trim_cache,
             load_errors=(SnapshotError, OSError),
             on_load_error=self._on_load_error,

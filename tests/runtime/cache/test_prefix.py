@@ -322,3 +322,76 @@ def test_a_trimmed_copy_extended_matches_a_fresh_prefill(demo_models):
             mx.array_equal(a.keys[..., :20, :], b.keys[..., :20, :]).item()
             and mx.array_equal(a.values[..., :20, :], b.values[..., :20, :]).item()
         )
+
+
+def _entry_of(held, state, tokens) -> Entry:
+    """A pinned entry holding ``held`` (``state`` itself or its composed form)."""
+    from kvsnap.snapshot.codec import cache_nbytes_of, is_trimmable
+
+    return Entry(
+        tokens=tuple(tokens),
+        state=held,
+        nbytes=cache_nbytes_of(state),
+        trimmable=is_trimmable(state),
+        pinned=True,
+        source="snapshot",
+        resident=True,
+    )
+
+
+def _composed(state, cut: int, n: int):
+    """``state`` (a dense prefill of ``n`` tokens) as a composed state of two pooled blocks,
+    [0, cut) and [cut, n), as a block record loads."""
+    from kvsnap.runtime.cache.composed import Block, ComposedState
+    from kvsnap.snapshot.cache_classes import layers_at
+
+    live = _live(state)
+    first = {k: v[..., :cut, :] for k, v in live["arrays"].items()}
+    second = {k: v[..., cut:, :] for k, v in live["arrays"].items()}
+    blocks = [
+        (0, cut, Block("b0", first, layers_at(live["meta"], cut))),
+        (cut, n, Block("b1", second, live["meta"])),
+    ]
+    return ComposedState(blocks=blocks, checkpoint=None, layers=live["meta"], n_tokens=n)
+
+
+@pytest.mark.parametrize("form", ["cache", "composed"])
+def test_a_partial_match_copies_only_the_tokens_it_uses(demo_models, form):
+    """A request sharing 20 of an entry's 30 tokens gets a copy holding those 20 (plus room),
+    not the whole entry trimmed: a 1-token match on a 2k-token snapshot used to copy all of
+    its KV on the request's first write. The copy extends as a fresh prefill does, and the
+    entry is untouched."""
+    import mlx.core as mx
+
+    from kvsnap.runtime.cache.composed import copy_state, copy_state_head, room_for
+    from kvsnap.snapshot.codec import copy_cache, trim_cache
+
+    lm = demo_models.load("dense")
+    tokens = tuple(range(40, 70))
+    state = _prefill(lm, tokens)
+    reference = copy_cache(state)
+    held = state if form == "cache" else _composed(state, 16, len(tokens))
+    cache = PrefixCache(
+        max_bytes=1 << 30,
+        copy_state=copy_state,
+        copy_with_room=copy_state,
+        copy_head=copy_state_head,
+        trim_state=trim_cache,
+    )
+    cache.add(_entry_of(held, state, tokens))
+
+    served, n, _ = cache.fetch(tokens[:20] + (3, 4, 5))
+    assert n == 20
+    for layer in served:
+        assert layer.offset == 20
+        # the buffer holds the 20 tokens used (a composed copy: and room for the 3 added)
+        assert layer.keys.shape[-2] == (20 if form == "cache" else 20 + room_for(3))
+    _run(lm, served, [3, 4, 5])
+    direct = _prefill(lm, list(tokens[:20]) + [3, 4, 5])
+    for a, b in zip(served, direct):
+        assert a.offset == b.offset == 23
+        assert mx.allclose(a.keys[..., :23, :], b.keys[..., :23, :], atol=1e-5).item()
+        assert mx.allclose(a.values[..., :23, :], b.values[..., :23, :], atol=1e-5).item()
+    whole, n_whole, _ = cache.fetch(tokens + (1,))
+    assert n_whole == len(tokens)
+    _assert_same(whole, reference)
