@@ -263,24 +263,14 @@ def _run(lm, cache, tokens):
 
 @pytest.mark.parametrize("name", ["dense", "hybrid"])
 def test_fetching_a_pinned_entry_three_times_through_a_trim_leaves_it_unchanged(demo_models, name):
-    from kvsnap.snapshot.codec import cache_nbytes_of, copy_cache, is_trimmable, trim_cache
+    from kvsnap.snapshot.codec import copy_cache, is_trimmable, trim_cache
 
     lm = demo_models.load(name)
     tokens = tuple(range(40, 70))
     state = _prefill(lm, tokens)
     reference = copy_cache(state)
     cache = PrefixCache(max_bytes=1 << 30, copy_state=copy_cache, trim_state=trim_cache)
-    cache.add(
-        Entry(
-            tokens=tokens,
-            state=state,
-            nbytes=cache_nbytes_of(state),
-            trimmable=is_trimmable(state),
-            pinned=True,
-            source="snapshot",
-            resident=True,
-        )
-    )
+    cache.add(_entry_of(state, state, tokens))
 
     first, n1, _ = cache.fetch(tokens + (5, 6))
     assert n1 == len(tokens)
