@@ -224,11 +224,24 @@ def settle(server: ServerProcess, timeout: float = 600) -> dict:
 # --- requests ---------------------------------------------------------------------------------
 
 
-def ask(server: ServerProcess, messages: list, max_tokens: int, limit_s: float = 3600) -> dict:
-    """One streamed chat turn: TTFT, usage, the server's CPU seconds over it."""
+def ask(
+    server: ServerProcess,
+    messages: list,
+    max_tokens: int,
+    limit_s: float = 3600,
+    profile: Path | None = None,
+) -> dict:
+    """One streamed chat turn: TTFT, usage, the server's CPU seconds over it; with
+    ``profile``, py-spy's raw stacks of the server's threads over the request there."""
     cpu0, load0 = tree_cpu_s(server.proc.pid), load()
-    with httpx.Client(timeout=httpx.Timeout(limit_s, connect=10)) as client:
-        r = stream_chat(client, server.url, SERVED, messages, max_tokens=max_tokens)
+    spy = spy_on(server, profile) if profile is not None else None
+    try:
+        with httpx.Client(timeout=httpx.Timeout(limit_s, connect=10)) as client:
+            r = stream_chat(client, server.url, SERVED, messages, max_tokens=max_tokens)
+    finally:
+        if spy is not None:
+            spy.send_signal(signal.SIGINT)
+            spy.wait(30)
     return {
         "ttft_s": round(r.ttft_s, 3),
         "total_s": round(r.total_s, 3),
@@ -239,6 +252,16 @@ def ask(server: ServerProcess, messages: list, max_tokens: int, limit_s: float =
         "load_before": load0,
         "text": r.text,
     }
+
+
+def spy_on(server: ServerProcess, path: Path) -> subprocess.Popen:
+    """py-spy recording the server's threads (idle samples too: where the request waits) at
+    50 Hz into ``path`` (raw collapsed stacks, one line per thread and stack)."""
+    cmd = ["py-spy", "record", "--pid", str(server.proc.pid), "--rate", "50", "--threads"]
+    cmd += ["--idle", "--subprocesses", "--format", "raw", "--output", str(path), "--nonblocking"]
+    spy = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    time.sleep(1.0)  # attached before the request goes in
+    return spy
 
 
 def turn(history: list, tag: str) -> list:
@@ -309,7 +332,9 @@ def failover(args, out: dict, save) -> None:
 
         def local(rep: int) -> dict:
             redis.restore(after_k)
-            row = {"kind": "local", "rep": rep, **ask(a, turn(history, f"local {rep}"), 4)}
+            spy = work / f"profile-local{rep}.txt" if args.profile else None
+            row = {"kind": "local", "rep": rep}
+            row.update(ask(a, turn(history, f"local {rep}"), 4, profile=spy))
             row["server_tier"] = persist(a)["shared_tier"]
             settle(a)
             return row
@@ -320,7 +345,9 @@ def failover(args, out: dict, save) -> None:
             servers.append(b)
             try:
                 before, rcpu = persist(b)["shared_tier"], redis.cpu_s()
-                row = {"kind": "tier", "rep": rep, **ask(b, turn(history, f"tier {rep}"), 4)}
+                spy = work / f"profile-tier{rep}.txt" if args.profile else None
+                row = {"kind": "tier", "rep": rep}
+                row.update(ask(b, turn(history, f"tier {rep}"), 4, profile=spy))
                 row["redis_cpu_s"] = round(redis.cpu_s() - rcpu, 2)
                 after = persist(b)["shared_tier"]
                 row["server_tier"] = after
@@ -741,6 +768,12 @@ def main() -> int:
     )
     p.add_argument("--only", default="failover,down", help="parts to run: failover,down")
     p.add_argument("--plot-only", action="store_true", help="redraw from OUT/fleet.json")
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="py-spy (50 Hz, idle samples too) on A and B over each turn k+1: "
+        "WORKDIR/failover/profile-*.txt, raw stacks per thread",
+    )
     args = p.parse_args()
     args.out, args.workdir = args.out.resolve(), args.workdir.resolve()
     args.out.mkdir(parents=True, exist_ok=True)

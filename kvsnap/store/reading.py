@@ -51,6 +51,7 @@ from kvsnap.store.paths import (
     part_path,
     record_files,
 )
+from kvsnap.store.tier_values import ReceivedPart
 
 # --- records --------------------------------------------------------------------------------
 
@@ -211,18 +212,24 @@ def part_from_bytes(
     start: int,
     end: int,
     prefix_digest: str | None,
-    data: bytes | memoryview,
+    data: bytes | memoryview | ReceivedPart,
 ) -> tuple[PartInfo, dict]:
     """``read_part`` for a part held in memory (a shared tier's fetch): the header checked
     against what the chain expects, the data copied once into fresh mlx memory. ``data`` is
-    immutable bytes whose checksum was checked when they arrived (``check_part_bytes``)."""
+    immutable bytes whose checksum was checked when they arrived (``check_part_bytes``), or
+    a ``ReceivedPart`` already in mlx memory (its tensors used as they are)."""
     path = part_path(store, kind, key)
     with part_read_errors(path, kind):
-        header = header_of_bytes(data)
+        if isinstance(data, ReceivedPart):
+            header, raw, held = data.header, None, data.held
+        else:
+            header, raw, held = header_of_bytes(data), memoryview(data), {}
         info = inspect_part(path, header)
         expect_part(info, kind, model_digest, start, end, prefix_digest)
+        if raw is None:  # received into mlx memory and checked there: used as it is, no copy
+            return info, held
         view, arrays = on_mlx_thread(unfilled_tensors, header)
-        view[:] = memoryview(data)[header.data_start : header.data_start + header.data_len]
+        view[:] = raw[header.data_start : header.data_start + header.data_len]
     return info, arrays
 
 

@@ -13,7 +13,7 @@ import time
 import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Iterator, Protocol
 
 from kvsnap.errors import StoreError, UsageError
 from kvsnap.store.fileio import TMP_PREFIX, atomic_write
@@ -24,6 +24,8 @@ PASSWORD_ENV = "KVSNAP_SHARED_TIER_PASSWORD"  # Redis AUTH when the URL has no p
 SECRET_NAME = f"{PREFIX}:secret"
 SECRET_BYTES = 32
 INDEX_READ_LIMIT = 4096  # records one lookup reads from an index, at most
+READ_CHUNK = 4 << 20  # a value's bytes are received this many at a time, into place
+MAX_REPLY_LINE = 64 << 10  # a GET reply's first line ("$<length>"), far shorter
 
 
 class TierUnavailable(Exception):
@@ -33,7 +35,8 @@ class TierUnavailable(Exception):
 class TierBackend(Protocol):
     where: str  # for logs and /v1/status: never the password
 
-    def get(self, name: str) -> bytes | None: ...
+    def get(self, name: str) -> bytes | bytearray | None: ...
+    def open_value(self, name: str) -> contextlib.AbstractContextManager: ...
     def put(self, name: str, value: bytes) -> None: ...
     def missing(self, names: list[str]) -> list[str]: ...
     def index_add(self, index: str, member: str, limit: int) -> None: ...
@@ -129,8 +132,36 @@ class RedisTier:
         except (redis.RedisError, OSError) as exc:
             raise TierUnavailable(f"{self.where}: {type(exc).__name__}: {exc}") from None
 
-    def get(self, name: str) -> bytes | None:
-        return self._call(self.client.get, name)
+    def get(self, name: str) -> bytes | bytearray | None:
+        with self.open_value(name) as value:
+            return None if value is None else value.read_all()
+
+    @contextlib.contextmanager
+    def open_value(self, name: str) -> Iterator[ValueReader | None]:
+        """GET on one of the client's connections (its AUTH, SELECT and TLS done by redis-py),
+        the value received by the caller straight into its own buffers (``ValueReader``):
+        hiredis would receive it into its buffer and copy it into a bytes, two more passes
+        over a value of tens of MB. A connection left mid-reply (a failure, or a caller that
+        stopped reading) is closed, never reused."""
+        pool = self.client.connection_pool
+        conn = self._call(_pool_connection, pool)
+        done = False
+        try:
+            sock = getattr(conn, "_sock", None)
+            self._call(conn.send_command, "GET", name)
+            if sock is None:  # a connection without a socket of its own: its parser reads it
+                got = self._call(conn.read_response)
+                yield None if got is None else BytesValue(memoryview(got), self.where)
+            else:
+                value = self._call(_RedisValue.start, sock, self.where)
+                yield value
+                if value is not None:
+                    value.finish()
+            done = True
+        finally:
+            if not done:
+                conn.disconnect()
+            pool.release(conn)
 
     def put(self, name: str, value: bytes) -> None:
         self._call(self.client.set, name, value)
@@ -181,6 +212,138 @@ class RedisTier:
             self.client.close()
 
 
+def _pool_connection(pool: Any) -> Any:
+    try:
+        return pool.get_connection()
+    except TypeError:  # redis-py before 5.3 names the command
+        return pool.get_connection("GET")
+
+
+class ValueReader(Protocol):
+    """One value as it arrives: its size, then its bytes into the caller's buffers, in order;
+    TierUnavailable if the tier stops short (never a short value)."""
+
+    @property
+    def size(self) -> int: ...
+
+    def read_into(self, view: memoryview) -> None: ...
+
+    def read_all(self) -> bytearray: ...
+
+
+@dataclass
+class BytesValue:
+    """A ValueReader over bytes already received (a backend that only has ``get``)."""
+
+    data: memoryview
+    where: str
+    at: int = 0
+
+    @property
+    def size(self) -> int:
+        return len(self.data)
+
+    def read_into(self, view: memoryview) -> None:
+        n = len(view)
+        if self.at + n > len(self.data):
+            raise TierUnavailable(f"{self.where}: the value ended before {n} more bytes")
+        view[:] = self.data[self.at : self.at + n]
+        self.at += n
+
+    def read_all(self) -> bytearray:
+        out = bytearray(self.size - self.at)
+        self.read_into(memoryview(out))
+        return out
+
+
+def open_value(backend: TierBackend, name: str) -> contextlib.AbstractContextManager:
+    """``backend.open_value(name)``, or its ``get`` as a ValueReader for a backend without."""
+    opener = getattr(backend, "open_value", None)
+    if opener is not None:
+        return opener(name)
+    got = backend.get(name)
+    return contextlib.nullcontext(None if got is None else BytesValue(memoryview(got), "tier"))
+
+
+def read_get_reply(sock: Any, where: str) -> bytearray | None:
+    """A whole GET reply off ``sock``: the value (None for nil); TierUnavailable or redis'
+    error for a reply that is torn, foreign or an error."""
+    value = _RedisValue.start(sock, where)
+    if value is None:
+        return None
+    out = value.read_all()
+    value.finish()
+    return out
+
+
+class _RedisValue:
+    """A GET's bulk reply read off a redis-py connection's socket (RESP2 or RESP3). Reads
+    nothing past the reply: only this command is in flight on the connection."""
+
+    def __init__(self, sock: Any, where: str, size: int, pending: bytes):
+        self.sock, self.where, self.size = sock, where, size
+        self.pending = memoryview(pending)  # bytes received after the reply's first line
+        self.left = size + 2  # the value and its CRLF
+
+    @classmethod
+    def start(cls, sock: Any, where: str) -> _RedisValue | None:
+        """The reply's first line read: None for nil; a Redis error reply raises it."""
+        import redis
+
+        head = bytearray()
+        while b"\r\n" not in head:
+            if len(head) > MAX_REPLY_LINE:
+                raise redis.ConnectionError(f"{where} sent a GET reply line of over 64 KiB")
+            chunk = sock.recv(64 << 10)
+            if not chunk:
+                raise redis.ConnectionError(f"{where} closed the connection before a reply")
+            head += chunk
+        line, _, rest = bytes(head).partition(b"\r\n")
+        if line[:1] == b"-":
+            raise redis.ResponseError(line[1:].decode("utf-8", "replace"))
+        if line in (b"$-1", b"_"):
+            return None
+        if line[:1] != b"$" or not line[1:].isdigit():
+            raise redis.ConnectionError(f"{where} sent {line[:40]!r} to a GET, not a bulk string")
+        value = cls(sock, where, int(line[1:]), rest)
+        if len(rest) > value.left:
+            raise redis.ConnectionError(f"{where} sent more than the {value.size}-byte value")
+        return value
+
+    def _recv_into(self, view: memoryview) -> None:
+        import redis
+
+        got = min(len(self.pending), len(view))
+        view[:got] = self.pending[:got]
+        self.pending = self.pending[got:]
+        try:
+            while got < len(view):
+                k = self.sock.recv_into(view[got:], min(len(view) - got, READ_CHUNK))
+                if not k:
+                    raise redis.ConnectionError("the connection closed mid-value")
+                got += k
+        except (redis.RedisError, OSError) as exc:
+            raise TierUnavailable(f"{self.where}: {type(exc).__name__}: {exc}") from None
+        self.left -= len(view)
+
+    def read_into(self, view: memoryview) -> None:
+        if len(view) > self.left - 2:
+            raise TierUnavailable(f"{self.where}: the value ended before {len(view)} more bytes")
+        self._recv_into(view)
+
+    def read_all(self) -> bytearray:
+        out = bytearray(self.left - 2)
+        self.read_into(memoryview(out))
+        return out
+
+    def finish(self) -> None:
+        """The rest of the value (none, when the caller read it all) and its CRLF."""
+        tail = bytearray(self.left)
+        self._recv_into(memoryview(tail))
+        if tail[-2:] != b"\r\n":
+            raise TierUnavailable(f"{self.where}: a {self.size}-byte value not followed by CRLF")
+
+
 # --- a shared folder --------------------------------------------------------------------------
 
 
@@ -228,6 +391,19 @@ class FolderTier:
                 return None
 
         return self._io(read)
+
+    @contextlib.contextmanager
+    def open_value(self, name: str) -> Iterator[ValueReader | None]:
+        """The value's file, read by the caller into its own buffers."""
+        try:
+            f = self._io(open, self._path(name), "rb")
+        except TierUnavailable:
+            if not self._io(self._path(name).exists):
+                yield None
+                return
+            raise
+        with f:
+            yield _FileValue(f, self._io(os.fstat, f.fileno()).st_size, self.where)
 
     def put(self, name: str, value: bytes) -> None:
         self._io(atomic_write, self._path(name), lambda f: f.write(value), _no_fault)
@@ -283,6 +459,29 @@ class FolderTier:
 
     def close(self) -> None:
         return None
+
+
+@dataclass
+class _FileValue:
+    f: Any
+    size: int
+    where: str
+
+    def read_into(self, view: memoryview) -> None:
+        got = 0
+        try:
+            while got < len(view):
+                k = self.f.readinto(view[got:])
+                if not k:
+                    raise TierUnavailable(f"{self.where}: a value's file ended early (rewritten?)")
+                got += k
+        except OSError as exc:
+            raise TierUnavailable(f"{self.where}: {exc}") from None
+
+    def read_all(self) -> bytearray:
+        out = bytearray(self.size - self.f.tell())
+        self.read_into(memoryview(out))
+        return out
 
 
 def _no_fault(_: str) -> None:

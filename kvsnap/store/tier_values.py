@@ -24,13 +24,17 @@ import io
 import json
 import struct
 from dataclasses import dataclass
+from typing import Any, Callable
 
 from kvsnap.errors import SnapshotError
 from kvsnap.key import ModelIdentity, hexdigest
 from kvsnap.snapshot.file import (
+    MAX_HEADER_BYTES,
     FormatError,
+    Header,
     OutTensor,
     header_of_bytes,
+    parse_header,
     verify_checksum,
     write_snapshot,
 )
@@ -90,9 +94,14 @@ def namespace_tag(secret: bytes, namespace: str) -> str:
     ]
 
 
-def _mac(secret: bytes, header: dict, payload: bytes | memoryview) -> str:
+def _mac_state(secret: bytes, header: dict):
+    """The MAC's state over the header (``mac`` left out), to be fed the payload."""
     body = json.dumps({k: v for k, v in header.items() if k != "mac"}, sort_keys=True)
-    h = hmac.new(secret, body.encode(), hashlib.sha256)
+    return hmac.new(secret, body.encode(), hashlib.sha256)
+
+
+def _mac(secret: bytes, header: dict, payload: bytes | memoryview) -> str:
+    h = _mac_state(secret, header)
     h.update(payload)
     return h.hexdigest()
 
@@ -111,7 +120,9 @@ class Opened:
     payload: memoryview
 
 
-def unseal(secret: bytes, name: str, kind: str, model_digest: str, value: bytes) -> Opened:
+def unseal(
+    secret: bytes, name: str, kind: str, model_digest: str, value: bytes | bytearray
+) -> Opened:
     """The value stored under ``name``, checked: FormatError (why) unless it is whole, was
     sealed under this name, kind and model, and its MAC holds."""
     if not isinstance(value, (bytes, bytearray)) or value[: len(MAGIC)] != MAGIC:
@@ -122,24 +133,104 @@ def unseal(secret: bytes, name: str, kind: str, model_digest: str, value: bytes)
     start = len(MAGIC) + 4
     if n > MAX_HEADER or start + n > len(value):
         raise FormatError(f"its header length {n} runs past the value ({len(value)} bytes)")
+    header = _sealed_header(value[start : start + n])
+    payload = memoryview(value)[start + n :]
+    _check_identity(header, name, kind, model_digest, len(payload))
+    _check_mac(header, _mac(secret, header, payload))
+    return Opened(header, payload)
+
+
+def _sealed_header(raw: bytes | bytearray | memoryview) -> dict:
     try:
-        header = json.loads(bytes(value[start : start + n]))
+        header = json.loads(bytes(raw))
     except ValueError as exc:
         raise FormatError(f"its header is not JSON ({exc})") from None
     if not isinstance(header, dict):
         raise FormatError("its header is not an object")
-    payload = memoryview(value)[start + n :]
-    want = {"name": name, "kind": kind, "model": model_digest, "size": len(payload)}
+    return header
+
+
+def _check_identity(header: dict, name: str, kind: str, model_digest: str, size: int) -> None:
+    want = {"name": name, "kind": kind, "model": model_digest, "size": size}
     for field, expected in want.items():
         if header.get(field) != expected:
             raise FormatError(
                 f"its {field} is {str(header.get(field))[:80]!r}, expected {str(expected)[:80]!r}"
             )
-    if not isinstance(header.get("mac"), str) or not hmac.compare_digest(
-        header["mac"], _mac(secret, header, payload)
-    ):
+
+
+def _check_mac(header: dict, computed: str) -> None:
+    if not isinstance(header.get("mac"), str) or not hmac.compare_digest(header["mac"], computed):
         raise FormatError("its MAC does not hold (flipped, truncated or not sealed by this fleet)")
-    return Opened(header, payload)
+
+
+@dataclass(frozen=True)
+class ReceivedPart:
+    """A block or checkpoint received from the tier into buffers of the caller's (``place``):
+    its file's header, the file's bytes before its data, its data and what ``place`` returned
+    beside that buffer (the tensors viewing it)."""
+
+    header: Header
+    head: bytes
+    data: memoryview
+    held: Any
+
+
+def receive_part(
+    value: Any,
+    secret: bytes,
+    name: str,
+    tier_kind: str,
+    model_digest: str,
+    kind: str,
+    path,
+    place: Callable[[Header], tuple[memoryview, Any]],
+) -> ReceivedPart:
+    """A sealed block or checkpoint read from ``value`` (a ``tier_backends.ValueReader``)
+    with its data received straight into the buffer ``place(header)`` gives (one pass, no
+    copy of the value in between), then checked as ``unseal`` and ``check_part_bytes`` check
+    a value held whole: this name, kind and model, the MAC, the file's header, name and
+    checksum. FormatError (or the store's SnapshotError) otherwise: nothing received may be
+    used then."""
+    from kvsnap.snapshot.chain import inspect_part
+
+    def read(n: int) -> bytearray:
+        out = bytearray(n)
+        value.read_into(memoryview(out))
+        return out
+
+    fixed = len(MAGIC) + 4
+    size = value.size
+    if size < fixed:
+        raise FormatError("truncated before its header")
+    first = read(fixed)
+    if first[: len(MAGIC)] != MAGIC:
+        raise FormatError("not a kvsnap tier value (no KVSNAPT1 magic)")
+    (n,) = struct.unpack(">I", first[len(MAGIC) :])
+    if n > MAX_HEADER or fixed + n > size:
+        raise FormatError(f"its header length {n} runs past the value ({size} bytes)")
+    header = _sealed_header(read(n))
+    payload_size = size - fixed - n
+    _check_identity(header, name, tier_kind, model_digest, payload_size)
+    if payload_size < 8:
+        raise FormatError(f"its payload is {payload_size} bytes, too short for a part")
+    prefix = read(8)
+    (header_len,) = struct.unpack("<Q", prefix)
+    if header_len > MAX_HEADER_BYTES or 8 + header_len > payload_size:
+        raise FormatError(f"its part's header length {header_len} runs past the value")
+    head = bytes(prefix + read(header_len))
+    part = parse_header(io.BytesIO(head), payload_size)
+    info = inspect_part(path, part)
+    if info.kind != kind:
+        raise FormatError(f"holds a {info.kind}, not a {kind}")
+    data, held = place(part)
+    value.read_into(data)
+    mac = _mac_state(secret, header)
+    mac.update(head)
+    mac.update(data)
+    _check_mac(header, mac.hexdigest())
+    verify_checksum(part, data)
+    return ReceivedPart(part, head, data, held)
 
 
 # --- conversation records ---------------------------------------------------------------------

@@ -173,3 +173,94 @@ def test_parts_held_in_memory_load_as_read_from_their_files_and_are_checked_the_
     with pytest.raises(SnapshotError) as err:
         load_composed(store, info, BlockPool(), in_memory=swapped)
     assert str(part_path(store, BLOCK_KIND, spans[1][0])) in str(err.value)
+
+
+# --- parts received from a shared tier into mlx memory ------------------------------------------
+
+SECRET = b"s" * 32
+MODEL_NAME = "kvsnap:t1:m:kv:ns:block:"
+
+
+def _receive(store, info, key: str, value: bytes, placed: list, size: int | None = None):
+    """``receive_part`` of a sealed value of block ``key`` (a reader over its bytes, saying
+    it holds ``size``), each buffer it asks for recorded in ``placed``."""
+    from kvsnap.store.fileio import unfilled_tensors
+    from kvsnap.store.tier_backends import BytesValue
+    from kvsnap.store.tier_values import BLOCK, receive_part
+
+    def place(header):
+        view, arrays = unfilled_tensors(header)
+        placed.append(view)
+        return view, arrays
+
+    class Reader(BytesValue):
+        @property
+        def size(self) -> int:
+            return len(value) if size is None else size
+
+    reader = Reader(memoryview(value), "test")
+    path = part_path(store, BLOCK_KIND, key)
+    model = info.model_digest
+    return receive_part(reader, SECRET, MODEL_NAME + key, BLOCK, model, "block", path, place)
+
+
+def _sealed(info, key: str, data: bytes) -> bytes:
+    from kvsnap.store.tier_values import BLOCK, seal
+
+    return seal(SECRET, MODEL_NAME + key, BLOCK, info.model_digest, data)
+
+
+def test_parts_received_from_a_tier_load_as_the_very_arrays_received(built):
+    """A shared tier's parts arrive straight into mlx buffers (``receive_part``) and the cache
+    loads those arrays as they are: no copy between the network and the cache, the same
+    values as the files'; a received part of another span is refused as a file would be."""
+    from kvsnap.store.tier_values import ReceivedPart
+
+    store, info = built
+    from_files, _ = load_composed(store, info, BlockPool())
+    spans = chain_of(info).blocks
+    received = {}
+    for key, _, _ in spans:
+        data = part_path(store, BLOCK_KIND, key).read_bytes()
+        placed: list = []
+        part = _receive(store, info, key, _sealed(info, key, data), placed)
+        assert isinstance(part, ReceivedPart) and part.data is placed[0]
+        assert bytes(part.head) + bytes(part.data) == data  # what the keeper writes
+        received[(BLOCK_KIND, key)] = part
+    checkpoints = (
+        {("checkpoint", p.stem): p.read_bytes() for p in (store.root / "checkpoints").rglob("*")}
+        if (store.root / "checkpoints").is_dir()
+        else {}
+    )
+    loaded, _ = load_composed(store, info, BlockPool(), in_memory={**received, **checkpoints})
+    for (key, _, _), (_, _, block), (_, _, want) in zip(spans, loaded.blocks, from_files.blocks):
+        for name, array in block.arrays.items():
+            assert array is received[(BLOCK_KIND, key)].held[name]  # not copied
+            assert mx.array_equal(array, want.arrays[name]).item()
+    swapped = {**received, (BLOCK_KIND, spans[1][0]): received[(BLOCK_KIND, spans[0][0])]}
+    with pytest.raises(SnapshotError):
+        load_composed(store, info, BlockPool(), in_memory={**swapped, **checkpoints})
+
+
+def test_a_received_part_flipped_truncated_or_foreign_is_refused(built):
+    """Checked as it arrives: a flipped data byte fails the MAC (the buffer it filled is
+    dropped), a value cut short is the tier's failure (never a short part), and a value sealed
+    under another name is refused before any buffer is made for it."""
+    from kvsnap.snapshot.file import FormatError
+    from kvsnap.store.tier_backends import TierUnavailable
+
+    store, info = built
+    key, other = chain_of(info).blocks[0][0], chain_of(info).blocks[1][0]
+    value = bytearray(_sealed(info, key, part_path(store, BLOCK_KIND, key).read_bytes()))
+    value[-100] ^= 0x01
+    with pytest.raises(FormatError, match="MAC"):
+        _receive(store, info, key, bytes(value), [])
+    value[-100] ^= 0x01
+    _receive(store, info, key, bytes(value), [])  # sound again
+    with pytest.raises(TierUnavailable, match="ended"):  # the tier said more than it sent
+        _receive(store, info, key, bytes(value[:-1]), [], size=len(value))
+    placed: list = []
+    foreign = _sealed(info, other, part_path(store, BLOCK_KIND, other).read_bytes())
+    with pytest.raises(FormatError, match="name"):
+        _receive(store, info, key, foreign, placed)
+    assert placed == []

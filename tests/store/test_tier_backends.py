@@ -26,6 +26,7 @@ from kvsnap.store.tier_backends import (
     TierUnavailable,
     fleet_secret_from_env,
     open_backend,
+    read_get_reply,
     redacted,
 )
 from kvsnap.store.tier_values import BLOCK, RECORD, TierNames
@@ -208,6 +209,69 @@ def test_a_redis_tiers_secret_of_the_wrong_size_is_unavailable(tier, redis_serve
     redis_server.client().set(SECRET_NAME, b"short")
     with pytest.raises(TierUnavailable, match="32-byte"):
         tier.shared_secret()
+
+
+def test_a_redis_get_receives_a_large_value_into_one_buffer_of_its_size(tier, redis_server):
+    """A value of tens of MB arrives in many receives straight into its own buffer (no
+    hiredis copy into a bytes): equal byte for byte, and the connection serves the next."""
+    value = os.urandom(9 << 20) + b"\r\n$-1\r\n"  # RESP-like bytes inside the value too
+    redis_server.client().set(record(KEYS[0]), value)
+    got = tier.get(record(KEYS[0]))
+    assert isinstance(got, bytearray) and got == value
+    assert tier.get(record(KEYS[1])) is None
+    assert tier.get(record(KEYS[0])) == value
+
+
+def test_a_redis_error_reply_to_a_get_is_unavailable_and_the_next_get_works(tier, redis_server):
+    redis_server.client().zadd(record(KEYS[0]), {"member": 1.0})  # GET of a sorted set: an error
+    with pytest.raises(TierUnavailable, match="WRONGTYPE"):
+        tier.get(record(KEYS[0]))
+    redis_server.client().set(record(KEYS[1]), b"after")
+    assert tier.get(record(KEYS[1])) == b"after"
+
+
+class Replies:
+    """A socket that hands out ``data`` (then nothing: the peer closed) in ``step``-byte
+    receives, as a slow or cut connection would."""
+
+    def __init__(self, data: bytes, step: int = 7):
+        self.data, self.step, self.at = data, step, 0
+
+    def recv(self, n: int) -> bytes:
+        out = self.data[self.at : self.at + min(n, self.step)]
+        self.at += len(out)
+        return out
+
+    def recv_into(self, view, n: int) -> int:
+        out = self.recv(n)
+        view[: len(out)] = out
+        return len(out)
+
+
+@pytest.mark.parametrize("step", [1, 5, 1 << 20])
+def test_a_get_reply_is_read_whatever_the_receives_it_arrives_in(step):
+    assert read_get_reply(Replies(b"$5\r\nab\r\nc\r\n", step), "w") == b"ab\r\nc"
+    assert read_get_reply(Replies(b"$0\r\n\r\n", step), "w") == b""
+    assert read_get_reply(Replies(b"$-1\r\n", step), "w") is None
+    assert read_get_reply(Replies(b"_\r\n", step), "w") is None  # RESP3's null
+
+
+@pytest.mark.parametrize(
+    "reply, why",
+    [
+        (b"$10\r\nabc", "mid-value"),  # the peer went away mid-value: never a short value
+        (b"", "before a reply"),
+        (b"$3\r\nabcde\r\n", "not followed by CRLF"),  # longer than it said
+        (b"*1\r\n$1\r\na\r\n", "not a bulk string"),
+        (b"$x\r\n", "not a bulk string"),
+        (b"-ERR no\r\n", "ERR no"),
+    ],
+)
+def test_a_torn_or_foreign_get_reply_raises_never_returns_a_value(reply, why):
+    import redis
+
+    with pytest.raises((redis.RedisError, TierUnavailable), match=why):
+        read_get_reply(Replies(reply), "w")
 
 
 def assert_every_call_unavailable(backend, within: float) -> None:

@@ -1,5 +1,6 @@
 """``--shared-tier``: a fleet's conversations, written behind to a shared tier and fetched by
-whichever replica gets the next turn. No mlx.
+whichever replica gets the next turn. No mlx import: a fetched part's buffer is made by
+``store.fileio`` on the fetching thread.
 
 Write-behind: once the local writer has put a conversation record (and its parts) on disk,
 the record and the parts the tier lacks are sealed (``tier_values``) and put, each under its
@@ -10,19 +11,21 @@ drops its oldest (counted) when full.
 Fetch, on a request that will be captured: the namespace's longest record in the tier that
 holds a strict prefix of the request, when this replica holds none as long. Its parts are
 fetched only if that is expected to be sooner than prefilling the same tokens (measured
-fetch and prefill rates) and within ``budget_s``; each is unsealed (whole, this name, this
-model, the fleet's MAC) and checked in memory like a stored part. The engine takes the
-record (re-keyed for the local store) from memory at the request's lookup (``take_fresh``)
-and loads its parts from there; meanwhile a keeper thread stages, fsyncs and moves them into
-the local store under its lock, record last. Every failure is a miss that is counted and
-logged; the request waits at most the budget whatever the tier does, and a breaker stops
-asking a failing tier for ``cooldown_s`` before one probe.
+fetch and prefill rates) and within ``budget_s``; each is received straight into the mlx
+buffer the cache will hold and checked there (this name, this model, the fleet's MAC, then
+as a stored part) before anything uses it. The engine takes the record (re-keyed for the
+local store) at the request's lookup (``take_fresh``) and those tensors as they are;
+meanwhile a keeper thread writes them from the same buffers to a staging folder, fsyncs and
+moves them into the local store under its lock, record last. Every failure is a miss that
+is counted and logged; the request waits at most the budget whatever the tier does, and a
+breaker stops asking a failing tier for ``cooldown_s`` before one probe.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import functools
 import logging
 import os
 import shutil
@@ -49,18 +52,24 @@ from kvsnap.store.conversations import (
     record_path,
     tenant_digest,
 )
-from kvsnap.store.fileio import TMP_PREFIX, fsync_dir, make_dirs
+from kvsnap.store.fileio import TMP_PREFIX, fsync_dir, make_dirs, unfilled_tensors
 from kvsnap.store.local import Store
+from kvsnap.store.part_readers import on_mlx_thread, run_concurrently
 from kvsnap.store.paths import has_part, part_path
-from kvsnap.store.tier_backends import TierBackend, TierUnavailable, fleet_secret_from_env
+from kvsnap.store.tier_backends import (
+    TierBackend,
+    TierUnavailable,
+    fleet_secret_from_env,
+    open_value,
+)
 from kvsnap.store.tier_values import (
     BLOCK,
     CHECKPOINT,
     RECORD,
     RecordFields,
     TierNames,
-    check_part_bytes,
     namespace_tag,
+    receive_part,
     record_fields,
     record_info,
     rekeyed_record,
@@ -500,7 +509,7 @@ class SharedTier:
             if missed.why:
                 log.warning("[kvsnap] shared tier: %s not used: %s", missed.what, missed.why)
             return 0
-        got = sum(len(p) for p in parts.values())
+        got = sum(len(p.head) + len(p.data) for p in parts.values())
         fetched = FetchedRecord(namespace, info, data, parts)
         with self._inflight_lock:
             self._fresh[local_key] = fetched
@@ -518,39 +527,38 @@ class SharedTier:
         return n
 
     def _fetch_parts(self, names: TierNames, wanted: list, attempt: _Attempt) -> dict:
-        """Fetch, unseal and check each (kind, key), PART_THREADS at a time: their payloads
-        by (kind, key), or _Missed (the rest cancelled) at the first that fails."""
-        with concurrent.futures.ThreadPoolExecutor(
-            min(PART_THREADS, max(1, len(wanted))), thread_name_prefix="kvsnap-tier-part"
-        ) as pool:
-            futures = {
-                (kind, key): pool.submit(self._fetch_part, names, kind, key, attempt)
-                for kind, key in wanted
-            }
-            try:
-                return {part: f.result() for part, f in futures.items()}
-            except BaseException:
-                for f in futures.values():
-                    f.cancel()
-                raise
+        """Fetch and check each (kind, key), PART_THREADS at a time, each received straight
+        into the mlx buffer the cache will hold (made on this thread: store/part_readers):
+        their ``ReceivedPart`` by (kind, key), or _Missed at the first that fails (in order;
+        the parts not started then are never asked for)."""
+        calls = [
+            functools.partial(self._fetch_part, names, kind, key, attempt) for kind, key in wanted
+        ]
+        return dict(zip(wanted, run_concurrently(calls, PART_THREADS)))
 
-    def _fetch_part(self, names: TierNames, kind: str, key: str, attempt: _Attempt) -> memoryview:
+    def _fetch_part(self, names: TierNames, kind: str, key: str, attempt: _Attempt):
         if time.monotonic() > attempt.deadline:
             raise _PastBudget()
         name = names.value(TIER_KIND[kind], key)
-        value = self.backend.get(name)
-        if value is None:  # evicted: the record named a part the tier no longer holds
-            raise _Missed("misses")
-        attempt.bytes_read += len(value)
-        try:
-            payload = unseal(self._secret_now(), name, TIER_KIND[kind], self.identity.digest, value)
-        except FormatError as exc:
-            raise _Missed("bad_values", f"tier {kind} {key}", str(exc)) from None
-        try:  # checked in memory: what the engine loads and what the store keeps
-            check_part_bytes(kind, payload.payload, part_path(self.store, kind, key))
-        except SnapshotError as exc:
-            raise _Missed("bad_values", f"tier {kind} {key}", exc.reason) from None
-        return payload.payload
+        with open_value(self.backend, name) as value:
+            if value is None:  # evicted: the record named a part the tier no longer holds
+                raise _Missed("misses")
+            attempt.bytes_read += value.size
+            try:  # checked as it arrives, in the buffers the engine loads and the store keeps
+                return receive_part(
+                    value,
+                    self._secret_now(),
+                    name,
+                    TIER_KIND[kind],
+                    self.identity.digest,
+                    kind,
+                    part_path(self.store, kind, key),
+                    _mlx_buffer,
+                )
+            except FormatError as exc:
+                raise _Missed("bad_values", f"tier {kind} {key}", str(exc)) from None
+            except SnapshotError as exc:
+                raise _Missed("bad_values", f"tier {kind} {key}", exc.reason) from None
 
     def take_fresh(self, tokens: Sequence[int], namespace: str, above: int):
         """The engine thread, at a request's lookup: a record fetched for this namespace
@@ -575,9 +583,11 @@ class SharedTier:
             store = Store(root=self.store.root, fsync=self.store.fsync)  # this thread's lock
             with _Staged(store) as staged:
                 staged.file(fetched.info.path).write_bytes(fetched.record)
-                for (kind, key), payload in fetched.parts.items():
+                for (kind, key), part in fetched.parts.items():
                     if not has_part(self.store, kind, key):  # the engine may have written it
-                        staged.file(part_path(store, kind, key)).write_bytes(payload)
+                        with open(staged.file(part_path(store, kind, key)), "wb") as f:
+                            f.write(part.head)
+                            f.write(part.data)
                 staged.install()
         except (OSError, StoreError) as exc:  # disk full, permissions: served, not kept
             self.stats.errors += 1
@@ -639,6 +649,12 @@ class SharedTier:
         return left
 
 
+def _mlx_buffer(header) -> tuple:
+    """An mlx buffer nothing wrote for a part's data and its tensors viewing it, made on the
+    fetching thread (one of FETCH_THREADS, long-lived: each keeps the mlx stream it made)."""
+    return on_mlx_thread(unfilled_tensors, header)
+
+
 def _lowest_priority() -> None:
     """The keeper's thread yields the cores to the engine: its writes overlapped the fetching
     request's first steps, which took twice as long beside them (Linux nices threads one by
@@ -668,7 +684,8 @@ def _sizes(raw: object) -> dict:
 @dataclass
 class FetchedRecord:
     """A record fetched from the tier, checked and re-keyed for the local store: its header
-    (``info``, its path the store's), its file's bytes and its parts' by (kind, key)."""
+    (``info``, its path the store's), its file's bytes and its parts by (kind, key), each a
+    ``ReceivedPart`` in mlx memory (what the cache loads and the keeper writes)."""
 
     namespace: str
     info: SnapshotInfo
