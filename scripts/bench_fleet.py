@@ -695,17 +695,25 @@ def plot(out: dict, path: Path) -> None:
 CODE: Path | None = None  # the copy of kvsnap/ every server of this run imports
 
 
-def pin_code(workdir: Path) -> dict:
-    """Copy kvsnap/ as it is now: every server of the run imports that copy (PYTHONPATH), so
-    edits others make to the shared working tree meanwhile do not reach half of the run."""
+def pin_code(workdir: Path, rev: str | None = None) -> dict:
+    """Copy kvsnap/ as it is now (or as commit ``rev`` has it): every server of the run imports
+    that copy (PYTHONPATH), so edits others make to the shared working tree meanwhile (or have
+    not committed) do not reach the run."""
     global CODE
     CODE = workdir / "code"
     shutil.rmtree(CODE, ignore_errors=True)
-    shutil.copytree(ROOT / "kvsnap", CODE / "kvsnap", ignore=shutil.ignore_patterns("__pycache__"))
 
     def git(*a: str) -> str:
         return subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True).stdout
 
+    if rev is not None:
+        CODE.mkdir(parents=True)
+        archive = subprocess.run(
+            ["git", "archive", rev, "kvsnap"], cwd=ROOT, capture_output=True, check=True
+        )
+        subprocess.run(["tar", "-x", "-C", str(CODE)], input=archive.stdout, check=True)
+        return {"head": git("rev-parse", rev).strip(), "exported_commit": True}
+    shutil.copytree(ROOT / "kvsnap", CODE / "kvsnap", ignore=shutil.ignore_patterns("__pycache__"))
     return {
         "head": git("rev-parse", "HEAD").strip(),
         "kvsnap_changed_from_head": git("status", "--porcelain", "--", "kvsnap").splitlines(),
@@ -769,6 +777,12 @@ def main() -> int:
     p.add_argument("--only", default="failover,down", help="parts to run: failover,down")
     p.add_argument("--plot-only", action="store_true", help="redraw from OUT/fleet.json")
     p.add_argument(
+        "--code-at",
+        metavar="REV",
+        help="the servers import kvsnap/ as commit REV has it (git archive), not the working "
+        "tree's (which others may be editing)",
+    )
+    p.add_argument(
         "--profile",
         action="store_true",
         help="py-spy (50 Hz, idle samples too) on A and B over each turn k+1: "
@@ -801,7 +815,7 @@ def main() -> int:
         raw.write_text(json.dumps(out, indent=1) + "\n")
         plot(out, png)
 
-    args.code = pin_code(args.workdir)
+    args.code = pin_code(args.workdir, args.code_at)
     if "failover" in parts:
         failover(args, out, save)
     if "down" in parts:
