@@ -33,8 +33,10 @@ from kvsnap.snapshot.file import (
     FormatError,
     Header,
     OutTensor,
+    finish_checksum,
     header_of_bytes,
     parse_header,
+    start_checksum,
     verify_checksum,
     write_snapshot,
 )
@@ -43,6 +45,7 @@ from kvsnap.snapshot.format import CHECKSUM_KEY, TENANT, TOKENS
 MAGIC = b"KVSNAPT1"
 PREFIX = "kvsnap:t1"  # every name starts so: an operator's KEYS/SCAN pattern, a folder's name
 MAX_HEADER = 64 << 10
+HASH_CHUNK = 1 << 20  # a received part is MAC-ed and checksummed this much at a time (in L2)
 RECORD, BLOCK, CHECKPOINT = "record", "block", "checkpoint"
 KINDS = (RECORD, BLOCK, CHECKPOINT)
 
@@ -224,12 +227,17 @@ def receive_part(
     if info.kind != kind:
         raise FormatError(f"holds a {info.kind}, not a {kind}")
     data, held = place(part)
-    value.read_into(data)
     mac = _mac_state(secret, header)
     mac.update(head)
-    mac.update(data)
+    checksum = start_checksum(part)
+    hashes = (mac.update,) if isinstance(checksum, FormatError) else (mac.update, checksum.update)
+    for at in range(0, len(data), HASH_CHUNK):  # each piece hashed while still in the cache
+        piece = data[at : at + HASH_CHUNK]
+        value.read_into(piece)
+        for update in hashes:
+            update(piece)
     _check_mac(header, mac.hexdigest())
-    verify_checksum(part, data)
+    finish_checksum(part, checksum)
     return ReceivedPart(part, head, data, held)
 
 
