@@ -242,7 +242,9 @@ def ask(
         if spy is not None:
             spy.send_signal(signal.SIGINT)
             spy.wait(30)
+    extra = {"profile": profile_summary(profile)} if profile is not None else {}
     return {
+        **extra,
         "ttft_s": round(r.ttft_s, 3),
         "total_s": round(r.total_s, 3),
         "prompt_tokens": r.usage.get("prompt_tokens"),
@@ -262,6 +264,31 @@ def spy_on(server: ServerProcess, path: Path) -> subprocess.Popen:
     spy = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     time.sleep(1.0)  # attached before the request goes in
     return spy
+
+
+def profile_summary(path: Path, depth: int = 3, top: int = 8) -> dict:
+    """py-spy's raw stacks as seconds per thread (name) and per innermost ``depth`` frames
+    (file names without folders), each thread's ``top`` stacks of at least 0.1 s."""
+    import collections
+    import re
+
+    if not path.exists():
+        return {}
+    per: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    for line in path.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        frames = stack.split(";")
+        while frames and not frames[0].startswith("thread"):
+            frames = frames[1:]
+        if not frames:
+            continue
+        thread = re.sub(r"^thread \(\d+\):? ?", "", frames[0]) or "unnamed"
+        named = [re.sub(r" \(/?(?:[^;()]*/)?([^/;()]+\.py):\d+\)", r" (\1)", f) for f in frames[1:]]
+        per[thread][";".join(named[-depth:])] += int(count)
+    return {
+        thread: [[round(n / 50, 2), k] for k, n in stacks.most_common(top) if n >= 5]
+        for thread, stacks in sorted(per.items(), key=lambda kv: -sum(kv[1].values()))
+    }
 
 
 def turn(history: list, tag: str) -> list:
