@@ -2663,14 +2663,66 @@ BREAKAGES = (
             Patch(
                 "kvsnap.runtime.engine.engine",
                 "Engine._serve",
-                "        self._prime_kernels()  # after warm, before the loop takes its first "
-                "command\n",
-                "",
+                "        self._prime_kernels()\n        self.serving_started.set()\n",
+                "        self.serving_started.set()\n",
             ),
         ),
         (
             "tests/runtime/engine/test_startup.py::"
             "test_the_kernel_priming_runs_after_warm_and_before_the_first_request",
+        ),
+    ),
+    Breakage(
+        "weights-read-by-the-first-request",
+        "ready as soon as mlx_lm.server (issue 41)",
+        "the weights mapped at load are left for the first request to read: an unreadable "
+        "weight file fails requests one by one instead of ending the engine",
+        (
+            Patch(
+                "kvsnap.runtime.engine.engine",
+                "Engine._read_weights",
+                "        if not self.config.weights_after_warm:\n",
+                "        if True:\n",
+            ),
+        ),
+        (
+            "tests/runtime/engine/test_startup.py::"
+            "test_weights_unreadable_after_warm_end_the_engine_with_the_error",
+        ),
+    ),
+    Breakage(
+        "health-waits-for-the-api",
+        "ready as soon as mlx_lm.server (issue 41)",
+        "the staged app holds /health until the HTTP API is imported, as any other request",
+        (
+            Patch(
+                "kvsnap.http.staged",
+                "StagedApp.__call__",
+                "            if not self._built.done():\n",
+                "            if False:\n",
+            ),
+        ),
+        (
+            "tests/http/test_staged.py::"
+            "test_health_answers_before_the_api_is_built_and_requests_wait_for_it",
+        ),
+    ),
+    Breakage(
+        "partial-match-copies-whole-entry",
+        "serving cost (issue 41)",
+        "a partial prefix match copies the whole entry, then trims it: a 1-token match on a "
+        "2k-token snapshot copies all of its KV",
+        (
+            Patch(
+                "kvsnap.runtime.cache.prefix",
+                "PrefixCache._copy",
+                "        if self.copy_head is not None and match.n_cached < len(entry.tokens):\n",
+                "        if False:\n",
+            ),
+        ),
+        (
+            "tests/runtime/cache/test_prefix.py::"
+            "test_a_partial_match_copies_only_the_tokens_it_uses",
         ),
     ),
     Breakage(

@@ -138,6 +138,7 @@ def engine_config(args, model_dir: Path, prompts):
         warm_prompts=prompts,
         digest_cache=default_digest_cache(),
         persist=persist_options(args),
+        weights_after_warm=True,  # /health does not wait for the weights to be read
         **config_fields(SERVE_OPTIONS, args, "engine"),
     )
 

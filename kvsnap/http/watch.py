@@ -17,10 +17,13 @@ def is_loopback(host: str) -> bool:
 
 
 def exit_when_warm_up_fails(engine, server) -> threading.Thread:
-    """Ask uvicorn to stop once the engine reports a failed warm-up (the CLI then exits 1)."""
+    """Ask uvicorn to stop once the engine reports a failed warm-up, or a failure between warm
+    and its first request (the weights read after warm), the CLI then exiting 1."""
 
     def watch() -> None:
         engine.warm.wait()
+        if engine.failed is None:
+            engine.serving_started.wait()
         if engine.failed is not None:
             server.should_exit = True
 

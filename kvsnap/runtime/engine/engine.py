@@ -111,7 +111,11 @@ class Engine:
         self.warmup_report: WarmupReport | None = None
         self.warm = threading.Event()
         self.loaded = threading.Event()
+        # set once the engine takes requests: after warm, the weights read (when
+        # ``weights_after_warm``) and the kernels primed; ``failed`` says if that went wrong
+        self.serving_started = threading.Event()
         self.stopped = threading.Event()  # set when the engine loop has ended
+        self._stream_made = threading.Event()  # the engine thread's mlx stream exists
         self.failed: BaseException | None = None
         self.sched = Scheduler(config.max_batch_size)
         self.accounts = TokenAccounts()
@@ -287,6 +291,8 @@ class Engine:
 
     def _main(self) -> None:
         try:
+            self._mx_stream()  # made on this thread: lazily loaded weights are bound to it
+            self._stream_made.set()
             self._prefetch()
             self.loaded.wait()
             if self.failed is None:
@@ -294,6 +300,7 @@ class Engine:
             else:
                 self.warm.set()
         finally:
+            self.serving_started.set()
             self.stopped.set()
 
     def _prefetch(self) -> None:
@@ -310,7 +317,10 @@ class Engine:
             log.error("[kvsnap] engine failed to warm up: %s", exc)
             self.warm.set()
             return
-        self._prime_kernels()  # after warm, before the loop takes its first command
+        if not self._read_weights():  # after warm, before the loop takes its first command
+            return
+        self._prime_kernels()
+        self.serving_started.set()
         batch = self.serving().batch
         while not self._stopping:
             busy = self.sched.busy or self.rewarmer.running
@@ -328,6 +338,25 @@ class Engine:
         self._refuse_queued()
         if self.persister is not None:  # SIGTERM: the queued writes, within a bound
             self.persister.close()
+
+    def _read_weights(self) -> bool:
+        """With ``weights_after_warm``: read the model's weights now, on this thread (their
+        arrays are bound to its stream). A failure ends the engine, as a failed warm-up does:
+        the requests already queued get its error and the server exits."""
+        if not self.config.weights_after_warm:
+            return True
+        try:
+            with mx.stream(self._mx_stream()):
+                mx.eval(self.ready().lm.model.parameters())
+            return True
+        except Exception as exc:  # a weight file unreadable after the start: nothing can run
+            self.failed = exc
+            log.error("[kvsnap] reading the model's weights failed: %s", exc)
+            self._stopping = True
+            self._refuse_queued(f"{type(exc).__name__}: {exc}")
+            if self.persister is not None:  # started with the warm-up: its queue is flushed
+                self.persister.close()
+            return False
 
     def _prime_kernels(self) -> None:
         """Run the model once when the warm-up did not (snapshots only, or nothing to warm):
@@ -347,8 +376,9 @@ class Engine:
         except Exception:  # the requests that follow fail with their own error, if any
             log.exception("[kvsnap] kernel priming failed; the first request compiles instead")
 
-    def _refuse_queued(self) -> None:
-        """Commands that raced with the stop: requests end cancelled, calls get an error."""
+    def _refuse_queued(self, error: str | None = None) -> None:
+        """Commands that raced with the stop: requests end cancelled (with ``error``: failed
+        with it), calls get an error."""
         while True:
             try:
                 cmd = self._commands.get_nowait()
@@ -356,7 +386,7 @@ class Engine:
                 return
             if cmd[0] == "submit" and cmd[1].finish_reason is None:
                 self.sched.submit(cmd[1])
-                self._finish_all("cancelled")
+                self._finish_all("cancelled" if error is None else "error", error)
             elif cmd[0] == "call":
                 cmd[2]["error"] = RuntimeError("the engine is shut down")
                 cmd[3].set()
@@ -373,7 +403,14 @@ class Engine:
     def _load(self) -> None:
         cfg = self.config
         # looked up on its module when called, so a test can stand in for it
-        lm = loading.load_model(cfg.model, cfg.settings)
+        if cfg.weights_after_warm:
+            # mapped now, read by the engine thread after warm: a lazily loaded array can only
+            # be evaluated on the thread whose stream it was created under
+            self._stream_made.wait()
+            with mx.stream(self._mx_stream()):
+                lm = loading.load_model(cfg.model, cfg.settings, lazy=True)
+        else:
+            lm = loading.load_model(cfg.model, cfg.settings)
         identity = lm.identity(cfg.digest_cache)
         prefix = PrefixCache(
             max_bytes=int(cfg.cache_memory_mb * 2**20),

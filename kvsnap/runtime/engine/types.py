@@ -31,6 +31,9 @@ class EngineConfig:
     prefill_batch_size: int = 8
     digest_cache: DigestCache | None = None
     persist: PersistOptions | None = None  # --persist-requests (None: off)
+    # kvsnap serve: the weights are mapped at load and read on the engine thread right after
+    # warm, before its first request, so /health does not wait for seconds of reading
+    weights_after_warm: bool = False
 
 
 @dataclass

@@ -96,10 +96,13 @@ def load_model(
     settings: KVSettings = KVSettings(),
     revision: str | None = None,
     shard: str | None = None,
+    lazy: bool = False,
 ) -> LoadedModel:
     """Load model and tokenizer from a local folder or a hub id (resolved first; see
     ``runtime.model.source``). ``shard`` ("tensor" or "pipeline"), under ``mlx.launch``: this
-    rank's slice, as mlx-lm's ``sharded_load`` makes it (a collective: every rank loads)."""
+    rank's slice, as mlx-lm's ``sharded_load`` makes it (a collective: every rank loads).
+    ``lazy``: the weights are mapped, not read (mlx-lm's ``lazy``; a file's header and sizes
+    are still checked); their first evaluation reads them."""
     source = (
         model_ref if isinstance(model_ref, ResolvedModel) else resolve_model(model_ref, revision)
     )
@@ -113,7 +116,7 @@ def load_model(
     try:
         if shard is None:
             # A folder that exists: mlx-lm loads it as is and never asks the hub.
-            model, tokenizer = load(str(model_dir))[:2]
+            model, tokenizer = load(str(model_dir), lazy=lazy)[:2]
         else:
             from kvsnap.runtime.model.sharded import load_shard, logical_layout
 

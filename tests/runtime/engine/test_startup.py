@@ -434,3 +434,65 @@ def test_the_kernel_priming_runs_for_a_start_from_snapshots_only(world, monkeypa
     finally:
         engine.shutdown()
     assert seen == [], seen
+
+
+def test_weights_read_after_warm_answer_as_weights_read_at_load(arch_world):
+    """`kvsnap serve`'s start (``weights_after_warm``): the weights are mapped at load, so the
+    engine is warm before they are read, and the engine thread reads them before its first
+    request. Its answers are an eagerly loaded engine's, token for token, from snapshots and
+    cold."""
+    from kvsnap.chat import request_tokens
+    from kvsnap.runtime.engine.engine import Engine
+
+    config = _config(arch_world)
+    lazy = Engine(dataclasses.replace(config, weights_after_warm=True))
+    eager = Engine(config)
+    lazy.start()
+    eager.start()
+    try:
+        assert lazy.wait_warm(120) and eager.wait_warm(120)
+        assert lazy.serving_started.wait(120) and lazy.failed is None
+        for messages in (
+            AGENTS[0]["messages"] + [{"role": "user", "content": "Check the parser."}],
+            [{"role": "user", "content": "Say something else entirely."}],
+        ):
+            tokens = request_tokens(lazy.lm.tokenizer, messages)
+            got, want = _answer(lazy, tokens), _answer(eager, tokens)
+            assert got.finish_reason == want.finish_reason != "error", got.finish_reason
+            assert (got.text, got.cached_tokens) == (want.text, want.cached_tokens)
+    finally:
+        lazy.shutdown()
+        eager.shutdown()
+
+
+def test_weights_unreadable_after_warm_end_the_engine_with_the_error(
+    demo_models, tmp_path, monkeypatch
+):
+    """A weight file that cannot be read when the engine thread reads it (here truncated
+    after the load mapped it) ends the engine as a failed warm-up does: ``failed`` names it,
+    a request gets an error (never a hang), and nothing more is served."""
+    import kvsnap.runtime.model.loading as loading
+    from kvsnap.runtime.engine.engine import Engine, EngineConfig, GenerationRequest
+
+    model = tmp_path / "model"
+    shutil.copytree(demo_models.path("dense"), model)
+    weights = next(model.glob("*.safetensors"))
+    real_load = loading.load_model
+
+    def load_then_truncate(*args, **kwargs):
+        lm = real_load(*args, **kwargs)
+        with open(weights, "r+b") as f:  # after the header and sizes were checked
+            f.truncate(weights.stat().st_size // 2)
+        return lm
+
+    monkeypatch.setenv("KVSNAP_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(loading, "load_model", load_then_truncate)
+    engine = Engine(EngineConfig(model=str(model), weights_after_warm=True))
+    engine.start()
+    try:
+        assert engine.serving_started.wait(120)
+        assert engine.failed is not None
+        st = engine.submit(GenerationRequest(tokens=[1, 2, 3], max_tokens=4), lambda *a: None)
+        assert st.done.wait(30) and st.finish_reason == "error"
+    finally:
+        engine.shutdown()
