@@ -25,7 +25,14 @@ from mlx_lm.generate import BatchGenerator
 from kvsnap.runtime.cache.composed import ComposedState
 from kvsnap.runtime.cache.prefix import Match
 from kvsnap.runtime.engine.accounting import TokenAccounts
-from kvsnap.runtime.engine.batch_cache import for_batch
+from kvsnap.runtime.engine.batch_cache import (
+    MIN_SHARED_TOKENS,
+    SharedPrefix,
+    for_batch,
+    install_shared_attention,
+    shared_prefix_of,
+    with_shared_prefix,
+)
 from kvsnap.runtime.engine.request_cache import RequestCaches, SharedHead
 from kvsnap.runtime.engine.request_output import deliver_token, finish_request
 from kvsnap.runtime.engine.sampling import (
@@ -40,6 +47,8 @@ from kvsnap.runtime.model.loading import LoadedModel
 from kvsnap.runtime.persist.persister import PERSISTED
 
 log = logging.getLogger("kvsnap.runtime.engine.engine")
+
+MAX_SHARED_PREFIXES = 8  # distinct shared prefixes remembered while the batch runs
 
 
 @dataclass(frozen=True)
@@ -85,6 +94,10 @@ class BatchRunner:
         self._heads: dict[int, SharedHead] = {}
         # by uid: the samplers that may raise (not greedy's), checked after each step
         self._samplers: dict[int, OwnSampler] = {}
+        # whether the model's attention reads a batch's shared prefix (dense llama/qwen)
+        self.shares_prefixes = install_shared_attention(self.lm.model)
+        # by the tokens they hold: the prefixes running rows read shared (read-only arrays)
+        self._prefixes: dict[tuple[int, ...], list[SharedPrefix]] = {}
 
     def drop(self) -> None:
         """Forget the generator, keeping the prompt tokens it counted."""
@@ -93,6 +106,7 @@ class BatchRunner:
             self.gen = None
         self._heads.clear()
         self._samplers.clear()
+        self._prefixes.clear()
 
     def remove(self, uid: int) -> None:
         """Free a cancelled request's slot."""
@@ -109,6 +123,8 @@ class BatchRunner:
             self.gen = self.new_generator(self.sched.max_batch_size, self.prefill_batch_size)
             self.accounts.attach(self.gen)
         gen = self.gen
+        if not self.sched.active:
+            self._prefixes.clear()  # no row reads them any more
         computed, discard = self.caches.prefill_shared_prefixes(self.sched.next_batch())
         self.shared_prefills += computed
         while (state := self.sched.next_to_admit()) is not None:
@@ -123,7 +139,7 @@ class BatchRunner:
                 uid = gen.insert(
                     [list(suffix)],
                     max_tokens=[r.max_tokens],
-                    caches=[for_batch(cache, len(suffix))],
+                    caches=[self._batch_cache(r.tokens, cache, len(suffix))],
                     samplers=[sampler],
                 )[0]
             except Exception as exc:  # this request fails; the batch goes on
@@ -141,6 +157,25 @@ class BatchRunner:
             self.accounts.expect_batched(len(suffix))
             self.sched.activate(uid, state)
         self.caches.discard(discard)
+
+    def _batch_cache(self, tokens: list[int], cache: list, new: int) -> list:
+        """The request's cache as the batch takes it: with a long enough hit, its cached tokens
+        read shared with the other rows (the batch keeps what they have in common shared:
+        ``batch_cache``), its private copy then computed once at most; else that private copy
+        (``batch_cache.for_batch``)."""
+        n = len(tokens) - new
+        if not self.shares_prefixes or n < MIN_SHARED_TOKENS:
+            return for_batch(cache, new)
+        key = tuple(tokens[:n])
+        prefixes = self._prefixes.get(key)
+        if prefixes is None:
+            prefixes = shared_prefix_of(cache, key)
+            if prefixes is None:
+                return for_batch(cache, new)
+            if len(self._prefixes) >= MAX_SHARED_PREFIXES:
+                self._prefixes.pop(next(iter(self._prefixes)))
+            self._prefixes[key] = prefixes
+        return with_shared_prefix(prefixes, new)
 
     def _shared_head(self, match: Match | None, n_cached: int) -> SharedHead | None:
         """The warm blocks the request's cache was copied from, when the fetch's ``match`` (of
