@@ -86,6 +86,9 @@ STAGING_PREFIX = TMP_PREFIX + "tier-"
 FETCH_THREADS = 4  # fetches at once (each waited for at most the budget)
 PART_THREADS = 3  # parts of one fetch read at once: the tier's latency overlaps the checks
 FRESH_LIMIT = 4  # fetched records held for requests that have not looked them up yet
+# The keeper stores a fetched record once a request's prompt has been computed since it was
+# taken (writing 1.9 GB beside that prompt slowed it), or after this long whatever happens.
+KEEP_AFTER_S = 30.0
 
 
 @dataclass
@@ -217,6 +220,7 @@ class SharedTier:
         # fetched records the engine has not taken yet, and those the keeper is storing
         self._fresh: dict[str, FetchedRecord] = {}
         self._keeping: set[str] = set()
+        self._unreleased: list[FetchedRecord] = []  # their keeper waits (KEEP_AFTER_S at most)
         self._keeper = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="kvsnap-keep", initializer=_lowest_priority
         )
@@ -249,8 +253,20 @@ class SharedTier:
             del self.recent_local[next(iter(self.recent_local))]
 
     def note_prefill(self, n_tokens: int, seconds: float) -> None:
+        """A request's prompt was computed (its prefix kept): the rate, and the records taken
+        before it may be stored now."""
         if n_tokens >= MIN_PREFILL_SAMPLE and seconds > 0:
             self.prefill_rate = _blend(self.prefill_rate, n_tokens / seconds)
+        self._release(taken_only=True)
+
+    def _release(self, taken_only: bool) -> None:
+        """Let the keeper store the records taken by a request (or all, at close)."""
+        with self._inflight_lock:
+            held = [f for f in self._unreleased if f.taken or not taken_only]
+            for fetched in held:
+                self._unreleased.remove(fetched)
+        for fetched in held:
+            fetched.release.set()
 
     # --- write-behind (the local writer's thread, then ours) ---------------------------------
 
@@ -514,8 +530,9 @@ class SharedTier:
         with self._inflight_lock:
             self._fresh[local_key] = fetched
             while len(self._fresh) > FRESH_LIMIT:  # never taken (the request went away)
-                self._fresh.pop(next(iter(self._fresh)))
+                self._fresh.pop(next(iter(self._fresh))).release.set()
             self._keeping.add(local_key)
+            self._unreleased.append(fetched)
         self._keeper.submit(self._keep, local_key, fetched)
         elapsed = time.monotonic() - started
         self.stats.hits += 1
@@ -572,13 +589,16 @@ class SharedTier:
                     and above < n < len(tokens)
                     and tuple(fetched.info.tokens) == tuple(tokens[:n])
                 ):
+                    fetched.taken = True
                     return self._fresh.pop(key)
         return None
 
     def _keep(self, local_key: str, fetched: FetchedRecord) -> None:
         """The keeper thread: a fetched record and its parts written to the local store with
         its crash safety (staged, fsynced, moved in under the lock, record last), off the
-        request's path; the engine's index then sees it."""
+        request's path and once the request that took it has its prompt computed (at most
+        KEEP_AFTER_S later); the engine's index then sees it."""
+        fetched.release.wait(KEEP_AFTER_S)
         try:
             store = Store(root=self.store.root, fsync=self.store.fsync)  # this thread's lock
             with _Staged(store) as staged:
@@ -644,6 +664,7 @@ class SharedTier:
             self._queued_bytes = 0
         self._pool.shutdown(wait=False, cancel_futures=True)
         # what was fetched is stored before the process ends (bounded by the fetches' size)
+        self._release(taken_only=False)
         self._keeper.shutdown(wait=True)
         self.backend.close()
         return left
@@ -681,7 +702,7 @@ def _sizes(raw: object) -> dict:
     return sizes
 
 
-@dataclass
+@dataclass(eq=False)  # by identity: its parts hold mlx arrays
 class FetchedRecord:
     """A record fetched from the tier, checked and re-keyed for the local store: its header
     (``info``, its path the store's), its file's bytes and its parts by (kind, key), each a
@@ -691,6 +712,8 @@ class FetchedRecord:
     info: SnapshotInfo
     record: bytes
     parts: dict
+    taken: bool = False  # by a request (take_fresh)
+    release: threading.Event = field(default_factory=threading.Event)  # the keeper may store it
 
 
 @dataclass

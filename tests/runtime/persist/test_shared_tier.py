@@ -295,3 +295,47 @@ def test_a_fetched_record_goes_once_to_a_request_of_its_namespace_that_extends_i
     taken = tier.take_fresh(TOKENS, "tenant-a", 59)
     assert taken is not None and taken.namespace == "tenant-a"
     assert tier.take_fresh(TOKENS, "tenant-a", 0) is None  # handed over once
+
+
+def test_the_keeper_stores_a_taken_record_once_a_prompt_is_computed_never_before(
+    make_tier, monkeypatch
+):
+    """Storing a fetched conversation (1.9 GB at 8k fp32 tokens) beside the prompt that uses
+    it slowed that prompt: the keeper waits until a request's prompt has been computed since
+    the record was taken (``note_prefill``), at most KEEP_AFTER_S; closing never waits that
+    long and still stores what was fetched."""
+    from types import SimpleNamespace
+
+    import kvsnap.runtime.persist.shared_tier as shared_tier
+    from kvsnap.runtime.persist.shared_tier import FetchedRecord
+
+    def fetched(tier: SharedTier, name: str) -> FetchedRecord:
+        path = tier.store.root / "records" / f"{name}.safetensors"
+        info = SimpleNamespace(n_tokens=60, tokens=TOKENS[:60], path=path)
+        record = FetchedRecord("tenant-a", info, b"record", {})  # type: ignore[arg-type]
+        tier._fresh[name] = record
+        tier._keeping.add(name)
+        tier._unreleased.append(record)
+        tier._keeper.submit(tier._keep, name, record)
+        return record
+
+    tier = make_tier(MemoryTier())
+    record = fetched(tier, "a" * 32)
+    assert tier.take_fresh(TOKENS, "tenant-a", 0) is record
+    time.sleep(0.5)
+    assert tier.stats.kept == 0 and not record.info.path.exists()  # its prompt is running
+    tier.note_prefill(8, 0.1)  # a prompt computed (too short to teach the rate)
+    wait_for(lambda: tier.stats.kept == 1)
+    assert record.info.path.read_bytes() == b"record"
+
+    monkeypatch.setattr(shared_tier, "KEEP_AFTER_S", 0.3)
+    never_taken = fetched(tier, "b" * 32)  # its request went away: kept all the same
+    wait_for(lambda: tier.stats.kept == 2)
+    assert never_taken.info.path.exists()
+
+    monkeypatch.setattr(shared_tier, "KEEP_AFTER_S", 60.0)
+    closing = make_tier(MemoryTier())
+    last = fetched(closing, "c" * 32)
+    started = time.monotonic()
+    closing.close(1.0)
+    assert time.monotonic() - started < SLACK_S and last.info.path.exists()
