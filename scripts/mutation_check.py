@@ -438,7 +438,7 @@ BREAKAGES = (
                 "BatchRunner.admit",
                 "                    [list(suffix)],\n"
                 "                    max_tokens=[r.max_tokens],\n"
-                "                    caches=[for_batch(cache, len(suffix))],\n",
+                "                    caches=[self._batch_cache(r.tokens, cache, len(suffix))],\n",
                 "                    [list(r.tokens)],\n"
                 "                    max_tokens=[r.max_tokens],\n"
                 "                    caches=[self.lm.make_cache()],\n",
@@ -1799,6 +1799,23 @@ BREAKAGES = (
         ("tests/test_blas.py::test_openblas_loads_with_a_short_idle_spin_unless_the_user_set_one",),
     ),
     Breakage(
+        "shared-prefix-copied-per-row",
+        "serving cost (issue 41 item 1)",
+        "rows on one cached prefix each hold a copy of it in the batch",
+        (
+            Patch(
+                "kvsnap.runtime.engine.batch_cache",
+                "RoomyBatchKVCache.merge",
+                "        if all(isinstance(c, PrefixedKVCache) for c in caches):\n",
+                "        if False:\n",
+            ),
+        ),
+        (
+            "tests/runtime/engine/test_shared_prefix.py::"
+            "test_rows_read_a_shared_hit_once_and_answer_as_a_cold_prefill",
+        ),
+    ),
+    Breakage(
         "message-count-checked-after-rendering",
         "server under attack",
         "the message count is not checked before the messages are normalised and rendered",
@@ -2628,9 +2645,15 @@ BREAKAGES = (
         (
             Patch(
                 "kvsnap.runtime.engine.batch_runner",
-                "BatchRunner.admit",
-                "caches=[for_batch(cache, len(suffix))],",
-                "caches=[cache],",
+                "BatchRunner._batch_cache",
+                "            return for_batch(cache, new)\n        key",
+                "            return cache\n        key",
+            ),
+            Patch(  # the hit then goes in as the request's own copy, not shared
+                "kvsnap.runtime.engine.batch_runner",
+                "BatchRunner.__init__",
+                "self.shares_prefixes = install_shared_attention(self.lm.model)",
+                "self.shares_prefixes = False",
             ),
         ),
         (
