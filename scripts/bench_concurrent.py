@@ -27,7 +27,9 @@ each with its own user message, ``max_tokens`` tokens at temperature 0 (the demo
 pick an end token: every request runs to ``max_tokens``). Measured per round: wall from the
 first send to the last [DONE], completion tokens (streamed content chunks; usage where given),
 tokens/s, and the server's CPU seconds (utime + stime of its process tree from /proc, before
-and after the round) per generated token. The load average is printed with every round.
+and after the round) per generated token, and each thread's CPU per token (largest first:
+mlx's stream thread, OpenBLAS's worker, the engine or generation thread, ...). The load average
+is printed with every round.
 
 Writes OUT/concurrent-SHAPE.json (every round, and medians per server and N).
 """
@@ -135,6 +137,18 @@ def tree_cpu(pid: int) -> float:
         total += sum(int(fields[i]) for i in (11, 12, 13, 14)) / TICKS
         todo.extend(parents.get(p, []))
     return total
+
+
+def thread_cpu(pid: int) -> dict[int, float]:
+    """CPU seconds (user + system) of each thread of ``pid`` by thread id."""
+    out = {}
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        out[int(task.name)] = (int(fields[11]) + int(fields[12])) / TICKS
+    return out
 
 
 def server_cmd(name: str, model: Path, port: int, args) -> tuple[list[str], dict]:
@@ -252,10 +266,16 @@ def one_launch(name: str, model: Path, system: str, args, rep: int) -> list[dict
         for n in args.clients:
             for _ in range(args.rounds):
                 load = os.getloadavg()
+                th0 = thread_cpu(proc.pid)
                 cpu0, t0 = tree_cpu(proc.pid), time.perf_counter()
                 res = asyncio.run(round_of(url, system, n, args.max_tokens, f"r{rep}n{n}", extra))
                 wall, cpu = time.perf_counter() - t0, tree_cpu(proc.pid) - cpu0
+                th1 = thread_cpu(proc.pid)
                 tokens = sum(r["tokens"] for r in res)
+                threads = sorted(
+                    (round(1000 * (v - th0.get(k, 0.0)) / tokens, 2) for k, v in th1.items()),
+                    reverse=True,
+                )
                 row = {
                     "server": name,
                     "rep": rep,
@@ -269,6 +289,7 @@ def one_launch(name: str, model: Path, system: str, args, rep: int) -> list[dict
                     "load": [round(x, 2) for x in load],
                     "ready_s": round(ready, 2),
                     "warm_request_s": round(warm_s, 2),
+                    "threads_ms_per_token": [x for x in threads if x >= 0.05],
                 }
                 print(json.dumps(row), flush=True)
                 rows.append(row)
