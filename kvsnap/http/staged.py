@@ -48,6 +48,7 @@ class StagedApp:
         self._on_build_failure = on_build_failure
         self._built: Future = Future()
         self._app: Optional[ASGIApp] = None  # set once built: later requests skip the wait
+        self.settled = threading.Event()  # the build ended, built or failed
         self._thread: Optional[threading.Thread] = None
 
     def start_building(self) -> threading.Thread:
@@ -65,6 +66,8 @@ class StagedApp:
             self._built.set_exception(exc)
             self._on_build_failure(exc)
             return
+        finally:
+            self.settled.set()
         self._app = app
         self._built.set_result(app)
 

@@ -100,7 +100,7 @@ def test_health_answers_before_the_api_is_built_and_requests_wait_for_it(harness
         early = pool.submit(httpx.post, f"{h.url}/v1/chat/completions", json={}, timeout=30)
         status = pool.submit(httpx.get, f"{h.url}/v1/status", timeout=30)
         time.sleep(0.5)
-        assert not early.done() and not status.done()
+        assert not early.done() and not status.done() and not h.app.settled.is_set()
         release.set()
         assert early.result().json() == {"served_by": "api", "path": "/v1/chat/completions"}
         assert status.result().json() == {"served_by": "api", "path": "/v1/status"}
@@ -139,7 +139,7 @@ def test_a_failed_build_answers_503_and_stops_the_server(harness_with):
     assert r.status_code == 503
     error = r.json()["error"]
     assert error["type"] == "server_error" and "ImportError" in error["message"]
-    assert [type(e) for e in h.failures] == [ImportError]
+    assert [type(e) for e in h.failures] == [ImportError] and h.app.settled.is_set()
     assert isinstance(h.app.failed, ImportError)
     deadline = time.monotonic() + 15
     while h.server.started and not h.shutdowns and time.monotonic() < deadline:

@@ -99,6 +99,10 @@ class ServingParts:
     batch: BatchRunner
 
 
+# how long the weights' read waits for ``read_weights_when`` at most
+WEIGHTS_GATE_TIMEOUT_S = 30.0
+
+
 class Engine:
     def __init__(self, config: EngineConfig):
         self.config = config
@@ -116,6 +120,9 @@ class Engine:
         self.serving_started = threading.Event()
         self.stopped = threading.Event()  # set when the engine loop has ended
         self._stream_made = threading.Event()  # the engine thread's mlx stream exists
+        # with ``weights_after_warm``: the weights are read once this is set (kvsnap serve: its
+        # port open and its API built), so on few cores the read does not slow them down
+        self.read_weights_when: threading.Event | None = None
         self.failed: BaseException | None = None
         self.sched = Scheduler(config.max_batch_size)
         self.accounts = TokenAccounts()
@@ -345,6 +352,8 @@ class Engine:
         the requests already queued get its error and the server exits."""
         if not self.config.weights_after_warm:
             return True
+        if self.read_weights_when is not None:  # bounded: a server that never opens still reads
+            self.read_weights_when.wait(WEIGHTS_GATE_TIMEOUT_S)
         try:
             with mx.stream(self._mx_stream()):
                 mx.eval(self.ready().lm.model.parameters())
