@@ -34,6 +34,7 @@ from kvsnap.store.paths import chain_relpaths, has_part, part_relpath
 from kvsnap.store.writing import put_part
 
 log = logging.getLogger("kvsnap.persist")
+KEEPER_WAIT_S = 120.0  # a fetched record's keeper, at most (its parts are then checked)
 
 ORPHAN_SWEEP_BYTES = 64 << 20  # superseded tails are swept once they add up to this much
 
@@ -63,6 +64,9 @@ class ConversationWrite:
     # with --shared-tier: the request's namespace; the record is written behind to the tier
     # once it is on disk here
     namespace: str | None = None
+    # set once the tier's keeper has stored the fetched parts this record names and the
+    # engine did not copy (``parts`` leaves them out): the record is written after that
+    after: threading.Event | None = None
 
     @property
     def relpaths(self) -> set[str]:
@@ -254,6 +258,8 @@ class ConversationWriter:
 
     def _write(self, item: ConversationWrite) -> None:
         store = self.store
+        if item.after is not None:  # the keeper stores parts it names (bounded, then checked)
+            item.after.wait(KEEPER_WAIT_S)
         given = {(p.kind, p.key) for p in item.parts}
         stored = [(k, key) for k, key in item.reaches if (k, key) not in given]
         # Checked before the lock (a streamed read, once per process): a bad part is never

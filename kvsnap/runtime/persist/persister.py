@@ -219,9 +219,13 @@ class Persister:
         )
         sliced, whole = split_tensor_names(layers)
         parts = []
+        after = None  # the tier's keeper is storing parts of this record: written after it
         for link in links:
             block = (BLOCK_KIND, link.key)
-            if link.key not in copied and (block in bad or not has_part(self.store, *block)):
+            kept = self.tier.keeping(*block) if self.tier is not None else None
+            if kept is not None and block not in bad and not kept.is_set():
+                after = kept  # fetched, in memory, being stored: not copied again
+            elif link.key not in copied and (block in bad or not has_part(self.store, *block)):
                 copied.add(link.key)
                 sl = {name: arrays[name][..., link.start : link.end, :] for name in sliced}
                 meta = block_metadata(link, digest, layers, dense=not hybrid)
@@ -268,6 +272,7 @@ class Persister:
             nbytes=sum(len(t.data) for p in parts for t in p.tensors),
             damaged=self._damaged_prefixes(conv_digest, tokens),
             namespace=namespace if self.tier is not None else None,
+            after=after,
         )
 
     def _damaged_prefixes(self, conv_digest: str, tokens: Sequence[int]) -> list[str]:

@@ -221,6 +221,7 @@ class SharedTier:
         self._fresh: dict[str, FetchedRecord] = {}
         self._keeping: set[str] = set()
         self._unreleased: list[FetchedRecord] = []  # their keeper waits (KEEP_AFTER_S at most)
+        self._keeping_parts: dict[tuple[str, str], threading.Event] = {}  # set once stored
         self._keeper = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="kvsnap-keep", initializer=_lowest_priority
         )
@@ -533,6 +534,8 @@ class SharedTier:
                 self._fresh.pop(next(iter(self._fresh))).release.set()
             self._keeping.add(local_key)
             self._unreleased.append(fetched)
+            for part in parts:
+                self._keeping_parts[part] = fetched.stored
         self._keeper.submit(self._keep, local_key, fetched)
         elapsed = time.monotonic() - started
         self.stats.hits += 1
@@ -576,6 +579,13 @@ class SharedTier:
                 raise _Missed("bad_values", f"tier {kind} {key}", str(exc)) from None
             except SnapshotError as exc:
                 raise _Missed("bad_values", f"tier {kind} {key}", exc.reason) from None
+
+    def keeping(self, kind: str, key: str) -> threading.Event | None:
+        """The event set once the keeper has stored (or failed to store) this fetched part,
+        while it is to: a record naming it is written after that (the engine need not copy
+        it again), None otherwise."""
+        with self._inflight_lock:
+            return self._keeping_parts.get((kind, key))
 
     def take_fresh(self, tokens: Sequence[int], namespace: str, above: int):
         """The engine thread, at a request's lookup: a record fetched for this namespace
@@ -621,6 +631,10 @@ class SharedTier:
         finally:
             with self._inflight_lock:
                 self._keeping.discard(local_key)
+                for part in fetched.parts:
+                    if self._keeping_parts.get(part) is fetched.stored:
+                        del self._keeping_parts[part]
+            fetched.stored.set()
 
     def _worth_it(self, n: int, nbytes: int, deadline: float) -> bool:
         """Fetching ``nbytes`` expected sooner than prefilling ``n`` tokens, and within the
@@ -714,6 +728,7 @@ class FetchedRecord:
     parts: dict
     taken: bool = False  # by a request (take_fresh)
     release: threading.Event = field(default_factory=threading.Event)  # the keeper may store it
+    stored: threading.Event = field(default_factory=threading.Event)  # the keeper is done
 
 
 @dataclass

@@ -308,14 +308,18 @@ def test_the_keeper_stores_a_taken_record_once_a_prompt_is_computed_never_before
 
     import kvsnap.runtime.persist.shared_tier as shared_tier
     from kvsnap.runtime.persist.shared_tier import FetchedRecord
+    from kvsnap.store.paths import part_path
 
     def fetched(tier: SharedTier, name: str) -> FetchedRecord:
         path = tier.store.root / "records" / f"{name}.safetensors"
         info = SimpleNamespace(n_tokens=60, tokens=TOKENS[:60], path=path)
-        record = FetchedRecord("tenant-a", info, b"record", {})  # type: ignore[arg-type]
+        part = SimpleNamespace(head=b"head", data=memoryview(b"data"))
+        parts = {("block", name): part}
+        record = FetchedRecord("tenant-a", info, b"record", parts)  # type: ignore[arg-type]
         tier._fresh[name] = record
         tier._keeping.add(name)
         tier._unreleased.append(record)
+        tier._keeping_parts[("block", name)] = record.stored
         tier._keeper.submit(tier._keep, name, record)
         return record
 
@@ -324,9 +328,16 @@ def test_the_keeper_stores_a_taken_record_once_a_prompt_is_computed_never_before
     assert tier.take_fresh(TOKENS, "tenant-a", 0) is record
     time.sleep(0.5)
     assert tier.stats.kept == 0 and not record.info.path.exists()  # its prompt is running
+    # the local writer's record naming the part waits for the keeper (the engine copies
+    # nothing): an event that is set once the part is stored
+    waiting = tier.keeping("block", "a" * 32)
+    assert waiting is not None and not waiting.is_set()
+    assert tier.keeping("block", "f" * 32) is None
     tier.note_prefill(8, 0.1)  # a prompt computed (too short to teach the rate)
-    wait_for(lambda: tier.stats.kept == 1)
+    assert waiting.wait(SLACK_S) and tier.stats.kept == 1
     assert record.info.path.read_bytes() == b"record"
+    assert part_path(tier.store, "block", "a" * 32).read_bytes() == b"headdata"
+    assert tier.keeping("block", "a" * 32) is None
 
     monkeypatch.setattr(shared_tier, "KEEP_AFTER_S", 0.3)
     never_taken = fetched(tier, "b" * 32)  # its request went away: kept all the same

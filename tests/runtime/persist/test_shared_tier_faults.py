@@ -238,6 +238,7 @@ def test_b_continues_a_conversation_a_served_from_the_tier(fleet, scenario):
     assert kinds.get("record") and kinds.get("block") and kinds.get("records"), sorted(added)
     assert len(namespaces(added)) == 1
     before, disk = tier(fleet.b), persist(fleet.b)["disk_hits"]
+    written = persist(fleet.b)["written"]
     reply, _ = turn(fleet.b, sc, 4)
     after = tier(fleet.b)
     prompt = reply["usage"]["prompt_tokens"]
@@ -255,6 +256,8 @@ def test_b_continues_a_conversation_a_served_from_the_tier(fleet, scenario):
     assert persist(fleet.b)["disk_hits"] == disk
     assert wait_for(lambda: tier(fleet.b)["kept"] == before["kept"] + 1), tier(fleet.b)
     assert not list((fleet.tmp / "b").glob(".tmp-tier-*"))  # nothing left staged
+    # turn 4's own record is written once the keeper has stored the fetched parts it names
+    assert wait_for(lambda: persist(fleet.b)["written"] >= written + 1), persist(fleet.b)
     assert after["breaker"] == "closed"
 
 
