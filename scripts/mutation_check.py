@@ -1811,7 +1811,7 @@ BREAKAGES = (
             ),
         ),
         (
-            "tests/runtime/engine/test_shared_prefix.py::"
+            "tests/runtime/engine/test_batch_shared_prefix.py::"
             "test_rows_read_a_shared_hit_once_and_answer_as_a_cold_prefill",
         ),
     ),

@@ -89,6 +89,7 @@ class BatchRunner:
         # the live generator, made on first use
         self.gen: BatchGenerator | None = None
         self.shared_prefills = 0  # shared prefixes of requests admitted together, computed once
+        self.shared_prefix_rows = 0  # rows admitted reading their hit shared (``batch_cache``)
         # by uid: the warm blocks a running request's cache was copied from, until its finish
         # (its kept prompt and its kept prompt + reply share them)
         self._heads: dict[int, SharedHead] = {}
@@ -175,6 +176,7 @@ class BatchRunner:
             if len(self._prefixes) >= MAX_SHARED_PREFIXES:
                 self._prefixes.pop(next(iter(self._prefixes)))
             self._prefixes[key] = prefixes
+        self.shared_prefix_rows += 1
         return with_shared_prefix(prefixes, new)
 
     def _shared_head(self, match: Match | None, n_cached: int) -> SharedHead | None:

@@ -933,6 +933,28 @@ def test_regression_a_hit_copies_its_cached_tokens_once(long_world, engines, ora
     assert answer_of(st) == oracle(long_world, longer)
 
 
+def test_concurrent_hits_on_one_long_prefix_read_it_shared_and_answer_as_cold(
+    long_world, engines, oracle
+):
+    """Requests admitted together on one warm hit of at least MIN_SHARED_TOKENS go into the
+    batch reading it shared (no private copy each: issue 41 item 1), and each answers as a
+    fresh prefill of its own prompt."""
+    from kvsnap.runtime.engine.batch_cache import MIN_SHARED_TOKENS
+
+    engine = engines.start(long_world)
+    warm = long_world.warm_tokens(0)
+    assert len(warm) >= MIN_SHARED_TOKENS
+    prompts = [
+        long_world.tokens(LONG_AGENT[0]["messages"] + [{"role": "user", "content": q}])
+        for q in QUESTIONS[:3]
+    ]
+    states = [submit(engine, tokens) for tokens in prompts]
+    for st, tokens in zip(states, prompts):
+        finish(st)
+        assert st.cached_tokens == len(warm) and answer_of(st) == oracle(long_world, tokens)
+    assert engine.status()["shared_prefix_rows"] == len(prompts)
+
+
 def test_a_request_walks_the_prefix_trie_once_issue_42(worlds, engines):
     """The batch runner looked a request's tokens up again after its fetch, to find the warm
     blocks its kept prefix shares; the fetch's match now goes with the copy: one lookup."""
