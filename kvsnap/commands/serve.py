@@ -69,9 +69,15 @@ def cmd_serve(args) -> int:
         log.warning("[kvsnap] skipped warm prompt %s", problem)
     # a remote URL (oci://…) is pulled into a local cache folder first
     args.kv_snapshots = resolve_kv_snapshots(args.kv_snapshots)
+    config = engine_config(args, source.path, prompts)
+    # the snapshots are read beside the ~1 s of importing mlx-lm and the engine
+    from kvsnap.runtime.engine.startup import start_prefetch
+
+    pool, prefetched = start_prefetch(config)
     from kvsnap.runtime.engine.engine import Engine
 
-    engine = Engine(engine_config(args, source.path, prompts))
+    engine = Engine(config)
+    engine.pool, engine.prefetched = pool, prefetched
     from kvsnap.http.staged import StagedApp
 
     server_config = serve_config(args, source, auth)
@@ -133,7 +139,7 @@ def cmd_serve(args) -> int:
 
 def engine_config(args, model_dir: Path, prompts):
     """The engine's settings from the serve flags (``args.kv_snapshots`` already a local folder)."""
-    from kvsnap.runtime.engine.engine import EngineConfig
+    from kvsnap.runtime.engine.types import EngineConfig
     from kvsnap.runtime.model.loading import default_digest_cache
 
     return EngineConfig(

@@ -27,6 +27,7 @@ import itertools
 import logging
 import queue
 import threading
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Callable, TypeVar
 
@@ -123,6 +124,8 @@ class Engine:
         # with ``weights_after_warm``: the weights are read once this is set (kvsnap serve: its
         # port open and its API built), so on few cores the read does not slow them down
         self.read_weights_when: threading.Event | None = None
+        # ``startup.start_prefetch``'s result, when the caller started the prefetch early
+        self.prefetched: Future | None = None
         self.failed: BaseException | None = None
         self.sched = Scheduler(config.max_batch_size)
         self.accounts = TokenAccounts()
@@ -312,6 +315,9 @@ class Engine:
             self.stopped.set()
 
     def _prefetch(self) -> None:
+        if self.prefetched is not None:  # started before the engine was made (kvsnap serve)
+            self._prefetched = self.prefetched.result()
+            return
         self._prefetched = prefetch_snapshots(self.config, self._mx_stream, self.pool)
 
     def _serve(self) -> None:

@@ -496,3 +496,45 @@ def test_weights_unreadable_after_warm_end_the_engine_with_the_error(
         assert st.done.wait(30) and st.finish_reason == "error"
     finally:
         engine.shutdown()
+
+
+def test_a_prefetch_started_before_the_engine_is_all_the_engine_reads(world, monkeypatch):
+    """`kvsnap serve` starts the snapshot prefetch before it imports mlx-lm and makes the
+    engine (``startup.start_prefetch``): the engine takes that prefetch and its pool, reads no
+    snapshot part again, and answers as a cold start does."""
+    import kvsnap.store.reading
+    from kvsnap.chat import request_tokens
+    from kvsnap.runtime.engine.engine import Engine, EngineConfig
+    from kvsnap.runtime.engine.startup import start_prefetch
+
+    reads: list = []
+    real_read = kvsnap.store.reading.read_part
+
+    def read(*a, **k):
+        reads.append(a)
+        return real_read(*a, **k)
+
+    monkeypatch.setattr(kvsnap.store.reading, "read_part", read)
+    config = _config(world)
+    pool, prefetched = start_prefetch(config)
+    assert prefetched.result(120) is not None
+    read_early = len(reads)
+    assert read_early > 0 and pool.nbytes > 0
+    warm, cold = Engine(config), Engine(EngineConfig(model=str(world["model"])))
+    warm.pool, warm.prefetched = pool, prefetched
+    warm.start()
+    cold.start()
+    try:
+        assert warm.wait_warm(120) and cold.wait_warm(120)
+        assert len(reads) == read_early, "the engine read snapshot parts again"
+        assert warm.status()["snapshots"]["loaded"] == 2
+        tokens = request_tokens(
+            warm.lm.tokenizer,
+            AGENTS[0]["messages"] + [{"role": "user", "content": "Check the parser."}],
+        )
+        got, want = _answer(warm, tokens), _answer(cold, tokens)
+        assert got.cached_tokens > 100 and want.cached_tokens == 0
+        assert got.text == want.text
+    finally:
+        warm.shutdown()
+        cold.shutdown()
