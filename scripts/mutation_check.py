@@ -1816,6 +1816,23 @@ BREAKAGES = (
         ),
     ),
     Breakage(
+        "shared-row-kept-from-the-concatenation",
+        "serving cost (issue 41 item 1)",
+        "a shared row's kept prompt slices its own tokens from the prefix's whole concatenation",
+        (
+            Patch(
+                "kvsnap.runtime.engine.request_cache",
+                "_kept_from_views",
+                "    own = _own_tokens(cache, n)\n",
+                "    own: dict = {}\n",
+            ),
+        ),
+        (
+            "tests/runtime/engine/test_batch_shared_prefix.py::"
+            "test_a_shared_row_keeps_its_prompt_copying_only_its_own_tokens",
+        ),
+    ),
+    Breakage(
         "message-count-checked-after-rendering",
         "server under attack",
         "the message count is not checked before the messages are normalised and rendered",

@@ -186,6 +186,15 @@ class RoomyBatchKVCache(BatchKVCache):
             row_values = mx.concatenate([prefix.values, row_values], axis=2)
         cache.keys, cache.values = row_keys, row_values
         cache.offset = own + (prefix.n if prefix is not None else 0)
+        if prefix is not None and own > 0:
+            # the row's own tokens apart: a kept prefix that shares the head's blocks copies
+            # these, not the whole concatenation (``request_cache._kept_from_views``)
+            row: Any = cache
+            row.shared_tokens = prefix.n
+            row.own = (
+                keys[idx : idx + 1, :, self._idx - own : self._idx],
+                values[idx : idx + 1, :, self._idx - own : self._idx],
+            )
         return cache
 
     def extend(self, other: Any) -> None:

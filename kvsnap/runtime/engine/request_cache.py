@@ -389,18 +389,36 @@ def _kept_from_views(
     del arrays[TOKENS]
     n = head.n_tokens if head is not None else 0
     shared = head.state.head(n) if head is not None and head.state.checkpoint is None else {}
+    own = _own_tokens(cache, n)
     kept: dict = {}
     computed: list = []
     for name, a in arrays.items():
         pieces = shared.get(name)
         if pieces and 0 < n < a.shape[-2] and _same_form(pieces, a, n):
-            tail = mx.contiguous(a[..., n:, :])
+            tail = mx.contiguous(own[name] if name in own else a[..., n:, :])
             kept[name] = mx.concatenate([*pieces, tail], axis=-2)
             computed.append(tail)
         else:
             kept[name] = mx.contiguous(a)
             computed.append(kept[name])
     return decode_cache(kept, layers), computed
+
+
+def _own_tokens(cache: list, n: int) -> dict:
+    """By tensor name, the tokens after ``n`` of each layer that read a batch's shared prefix
+    (``batch_cache``'s ``extract`` gives them apart), sliced from the row's own tokens: slicing
+    the prefix's concatenation would compute all of it."""
+    out: dict = {}
+    for i, c in enumerate(cache):
+        start = getattr(c, "shared_tokens", None)
+        if start is None or n < start:
+            continue
+        keys, values = c.own
+        out[f"{i}.keys"], out[f"{i}.values"] = (
+            keys[..., n - start :, :],
+            values[..., n - start :, :],
+        )
+    return out
 
 
 def _same_form(pieces: list, a: mx.array, n: int) -> bool:

@@ -106,3 +106,42 @@ def test_a_row_extracted_holds_the_prefix_then_its_own_tokens(lm):
     for mine, want in zip(row.prompt_cache, cold):
         for a, b in ((mine.keys, want.keys), (mine.values, want.values)):
             assert mx.allclose(a[..., : len(held), :], b[..., : len(held), :], atol=1e-4).item()
+
+
+def test_a_shared_row_keeps_its_prompt_copying_only_its_own_tokens(lm):
+    """A finished row's kept prompt + reply shares the warm head's blocks and copies only the
+    row's own tokens; slicing them from the prefix's concatenation computed all of it."""
+    from kvsnap.runtime.cache.composed import Block, ComposedState
+    from kvsnap.runtime.engine.request_cache import SharedHead, _kept_from_views
+    from kvsnap.snapshot.codec import encode_cache
+    from kvsnap.snapshot.format import TOKENS
+
+    vocab = lm.model.args.vocab_size
+    prompt = _tokens(PREFIX, 9, vocab) + _tokens(6, 10, vocab)
+    warm = lm.make_cache()
+    lm.model(mx.array([prompt[:PREFIX]]), cache=warm)
+    arrays, layers = encode_cache(warm, prompt[:PREFIX])
+    del arrays[TOKENS]
+    mx.eval(arrays)
+    head = SharedHead(
+        ComposedState([(0, PREFIX, Block("b", arrays, layers))], None, layers, PREFIX), PREFIX
+    )
+    prefix_bytes = sum(a.nbytes for a in arrays.values())
+    gen = BatchGenerator(lm.model, stop_tokens=[], completion_batch_size=4, prefill_batch_size=4)
+    gen.insert([prompt[PREFIX:]], [3], [_hit(lm, prompt, PREFIX)])
+    done = []
+    while not done:
+        done = [r for r in gen.next()[1] if r.finish_reason is not None]
+    held = prompt[:PREFIX] + done[0].all_tokens
+    mx.synchronize()
+    mx.reset_peak_memory()
+    before = mx.get_active_memory()
+    kept, computed = _kept_from_views(done[0].prompt_cache, tuple(held), head)
+    mx.eval(computed)
+    assert mx.get_peak_memory() - before < prefix_bytes / 4
+    cold = lm.make_cache()
+    lm.model(mx.array([held]), cache=cold)
+    for mine, want in zip(kept, cold):
+        n = len(held)
+        assert mine.offset == n
+        assert mx.allclose(mine.keys[..., :n, :], want.keys[..., :n, :], atol=1e-4).item()
