@@ -2748,6 +2748,24 @@ BREAKAGES = (
         ),
     ),
     Breakage(
+        "tier-buffer-through-python-reader",
+        "never stuck (issue 40)",
+        "a shared-tier fetch makes its part buffers through mx.load's Python reader beside the "
+        "engine's steps: with mlx-lm's clear_cache the process hangs",
+        (
+            Patch(
+                "kvsnap.runtime.persist.shared_tier",
+                "_mlx_buffer",
+                "    return on_mlx_thread(unfilled_tensors, header, True)\n",
+                "    return on_mlx_thread(unfilled_tensors, header, False)\n",
+            ),
+        ),
+        (
+            "tests/runtime/persist/test_tier_buffers.py::"
+            "test_a_fetch_making_buffers_beside_the_engines_steps_never_hangs",
+        ),
+    ),
+    Breakage(
         "partial-match-copies-whole-entry",
         "serving cost (issue 41)",
         "a partial prefix match copies the whole entry, then trims it: a 1-token match on a "

@@ -269,7 +269,12 @@ class _UnfilledNpy:
 def unfilled_buffer(n: int) -> tuple[Any, memoryview]:
     """An evaluated mlx uint8 array of ``max(n, 1)`` bytes whose memory nothing has written
     (fresh pages stay untouched until the read copies into them), and a writable view of its
-    first ``n`` bytes. Runs on the calling thread's mlx stream."""
+    first ``n`` bytes. Runs on the calling thread's mlx stream.
+
+    Only on the engine's own thread (or before it runs the model): the load's Python reader
+    needs the GIL on the stream's worker, and mlx-lm's ``mx.clear_cache`` waits for every
+    stream while holding the GIL, so made beside the engine's steps this hangs the process.
+    Other threads use ``zeroed_buffer``."""
     import mlx.core as mx
 
     buf = mx.load(_UnfilledNpy(max(1, n)), format="npy")  # type: ignore[arg-type]
@@ -310,12 +315,24 @@ def read_ahead(fd: int, header: Header) -> None:
         os.posix_fadvise(fd, header.data_start, header.data_len, os.POSIX_FADV_WILLNEED)
 
 
-def unfilled_tensors(header: Header) -> tuple[memoryview, dict]:
+def unfilled_tensors(header: Header, beside_the_engine: bool = False) -> tuple[memoryview, dict]:
     """A buffer nothing wrote for ``header``'s data (a writable view of it) and its tensors as
     evaluated views of it, made before a byte is read: views copy nothing, so they show the
-    bytes the read then puts there. One trip to the owning thread for a pool thread's read."""
-    buf, view = unfilled_buffer(header.data_len)
+    bytes the read then puts there. One trip to the owning thread for a pool thread's read.
+    ``beside_the_engine``: made on a thread that runs while the engine steps (a zeroed buffer,
+    see ``unfilled_buffer``)."""
+    buf, view = (zeroed_buffer if beside_the_engine else unfilled_buffer)(header.data_len)
     return view, tensor_views(buf, header)
+
+
+def zeroed_buffer(n: int) -> tuple[Any, memoryview]:
+    """``unfilled_buffer``'s result made by mlx alone (zeros: its pages are written once more),
+    safe on a thread that runs beside the engine's steps."""
+    import mlx.core as mx
+
+    buf = mx.zeros((max(1, n),), dtype=mx.uint8)
+    mx.eval(buf)
+    return buf, memoryview(buf)[:n]  # type: ignore[arg-type]
 
 
 def read_whole(path: Path) -> tuple[Header, Any, memoryview]:

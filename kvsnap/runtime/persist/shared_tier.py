@@ -685,9 +685,10 @@ class SharedTier:
 
 
 def _mlx_buffer(header) -> tuple:
-    """An mlx buffer nothing wrote for a part's data and its tensors viewing it, made on the
-    fetching thread (one of FETCH_THREADS, long-lived: each keeps the mlx stream it made)."""
-    return on_mlx_thread(unfilled_tensors, header)
+    """An mlx buffer for a part's data and its tensors viewing it, made on the fetching thread
+    (one of FETCH_THREADS, long-lived: each keeps the mlx stream it made). Zeroed: a fetch runs
+    beside the engine's steps, where an unfilled buffer's Python reader hangs the process."""
+    return on_mlx_thread(unfilled_tensors, header, True)
 
 
 def _lowest_priority() -> None:
