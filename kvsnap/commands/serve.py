@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import sys
+import threading
 from pathlib import Path
 
 from kvsnap.commands.common import EXIT_BAD, EXIT_OK, kv_settings
@@ -73,11 +74,13 @@ def cmd_serve(args) -> int:
     # the snapshots are read beside the ~1 s of importing mlx-lm and the engine
     from kvsnap.runtime.engine.startup import start_prefetch
 
-    pool, prefetched = start_prefetch(config)
+    early_prefetch = start_prefetch(config)
     from kvsnap.runtime.engine.engine import Engine
 
-    engine = Engine(config)
-    engine.pool, engine.prefetched = pool, prefetched
+    # The weights are read after warm, once the API is built: on two cores the read would
+    # otherwise slow the port's opening and the first /health by ~0.3 s.
+    api_settled = threading.Event()
+    engine = Engine(config, early_prefetch=early_prefetch, read_weights_when=api_settled)
     from kvsnap.http.staged import StagedApp
 
     server_config = serve_config(args, source, auth)
@@ -92,11 +95,13 @@ def cmd_serve(args) -> int:
         server.should_exit = True
 
     app = StagedApp(
-        engine, server_config.served_model_name, build_api, engine.shutdown, stop_serving
+        engine,
+        server_config.served_model_name,
+        build_api,
+        engine.shutdown,
+        stop_serving,
+        settled=api_settled,
     )
-    # The weights are read after warm, once the API is built: on two cores the read would
-    # otherwise slow the port's opening and the first /health by ~0.3 s.
-    engine.read_weights_when = app.settled
     engine.start()  # load (map) the model on the main thread, before the port opens
     from kvsnap.http.connections import (
         ConnectionGuard,

@@ -31,7 +31,7 @@ ASGIApp = Callable[[dict, Callable, Callable], Awaitable[None]]
 class StagedApp:
     """``build`` runs on a thread of its own (``start_building``); ``on_shutdown`` runs on a
     worker thread when uvicorn stops; ``on_build_failure`` is told a build that raised (the
-    server then answers 503 and should stop)."""
+    server then answers 503 and should stop); ``settled`` is set when the build ends."""
 
     def __init__(
         self,
@@ -40,6 +40,7 @@ class StagedApp:
         build: Callable[[], ASGIApp],
         on_shutdown: Callable[[], None],
         on_build_failure: Callable[[BaseException], None],
+        settled: Optional[threading.Event] = None,
     ):
         self.engine = engine
         self.served_model_name = served_model_name
@@ -48,15 +49,13 @@ class StagedApp:
         self._on_build_failure = on_build_failure
         self._built: Future = Future()
         self._app: Optional[ASGIApp] = None  # set once built: later requests skip the wait
-        self.settled = threading.Event()  # the build ended, built or failed
-        self._thread: Optional[threading.Thread] = None
+        # set when the build ends, built or failed (given: others wait on it too)
+        self.settled = settled if settled is not None else threading.Event()
 
     def start_building(self) -> threading.Thread:
-        self._thread = threading.Thread(
-            target=self._run_build, name="kvsnap-api-build", daemon=True
-        )
-        self._thread.start()
-        return self._thread
+        thread = threading.Thread(target=self._run_build, name="kvsnap-api-build", daemon=True)
+        thread.start()
+        return thread
 
     def _run_build(self) -> None:
         try:

@@ -105,14 +105,25 @@ WEIGHTS_GATE_TIMEOUT_S = 30.0
 
 
 class Engine:
-    def __init__(self, config: EngineConfig):
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        early_prefetch: tuple[BlockPool, Future] | None = None,
+        read_weights_when: threading.Event | None = None,
+    ):
+        """``early_prefetch``: ``startup.start_prefetch``'s pool and result, when the caller
+        started the prefetch before making the engine. ``read_weights_when``: with
+        ``weights_after_warm``, the weights are read once it is set (kvsnap serve: its API
+        built), so on few cores the read does not slow the port's opening."""
         self.config = config
         self._loaded: LoadedEngine | None = None
         self._serving: ServingParts | None = None
         # opened by the warm-up when None (a caller may set one before ``start``)
         self.store: Store | None = None
         # blocks of v3 records, each held once however many warm entries share it
-        self.pool = BlockPool()
+        self.pool = early_prefetch[0] if early_prefetch else BlockPool()
+        self.prefetched: Future | None = early_prefetch[1] if early_prefetch else None
         self.warmup_report: WarmupReport | None = None
         self.warm = threading.Event()
         self.loaded = threading.Event()
@@ -121,11 +132,7 @@ class Engine:
         self.serving_started = threading.Event()
         self.stopped = threading.Event()  # set when the engine loop has ended
         self._stream_made = threading.Event()  # the engine thread's mlx stream exists
-        # with ``weights_after_warm``: the weights are read once this is set (kvsnap serve: its
-        # port open and its API built), so on few cores the read does not slow them down
-        self.read_weights_when: threading.Event | None = None
-        # ``startup.start_prefetch``'s result, when the caller started the prefetch early
-        self.prefetched: Future | None = None
+        self.read_weights_when = read_weights_when
         self.failed: BaseException | None = None
         self.sched = Scheduler(config.max_batch_size)
         self.accounts = TokenAccounts()

@@ -518,12 +518,13 @@ def test_a_prefetch_started_before_the_engine_is_all_the_engine_reads(world, mon
 
     monkeypatch.setattr(kvsnap.store.reading, "read_part", read)
     config = _config(world)
-    pool, prefetched = start_prefetch(config)
+    early = start_prefetch(config)
+    pool, prefetched = early
     assert prefetched.result(120) is not None
     read_early = len(reads)
     assert read_early > 0 and pool.nbytes > 0
-    warm, cold = Engine(config), Engine(EngineConfig(model=str(world["model"])))
-    warm.pool, warm.prefetched = pool, prefetched
+    warm = Engine(config, early_prefetch=early)
+    cold = Engine(EngineConfig(model=str(world["model"])))
     warm.start()
     cold.start()
     try:
