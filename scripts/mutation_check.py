@@ -2766,6 +2766,42 @@ BREAKAGES = (
         ),
     ),
     Breakage(
+        "fetched-record-concatenated-at-admission",
+        "fleet failover cost (issue 40)",
+        "a record fetched into one buffer per tensor is copied as its blocks' concatenation, "
+        "as if it were not (the batch's shared prefix then copies all of its KV)",
+        (
+            Patch(
+                "kvsnap.runtime.cache.composed",
+                "ComposedState.materialize",
+                "        if self.whole is not None and not whole:\n",
+                "        if False:\n",
+            ),
+        ),
+        (
+            "tests/store/test_reading.py::"
+            "test_a_fetched_record_read_as_a_shared_prefix_copies_nothing",
+        ),
+    ),
+    Breakage(
+        "fetched-blocks-in-buffers-of-their-own",
+        "fleet failover cost (issue 40)",
+        "a fetch of every block of a record receives each into a buffer of its own (the record "
+        "has no contiguous form)",
+        (
+            Patch(
+                "kvsnap.store.tier_layout",
+                "ChainLayout.whole",
+                "        if self._refused or self._placed != set(self.spans):\n",
+                "        if True:\n",
+            ),
+        ),
+        (
+            "tests/store/test_reading.py::"
+            "test_a_records_blocks_received_into_one_buffer_per_tensor_are_views_of_it",
+        ),
+    ),
+    Breakage(
         "partial-match-copies-whole-entry",
         "serving cost (issue 41)",
         "a partial prefix match copies the whole entry, then trims it: a 1-token match on a "

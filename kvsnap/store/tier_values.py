@@ -24,7 +24,7 @@ import io
 import json
 import struct
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from kvsnap.errors import SnapshotError
 from kvsnap.key import ModelIdentity, hexdigest
@@ -170,13 +170,19 @@ def _check_mac(header: dict, computed: str) -> None:
 @dataclass(frozen=True)
 class ReceivedPart:
     """A block or checkpoint received from the tier into buffers of the caller's (``place``):
-    its file's header, the file's bytes before its data, its data and what ``place`` returned
-    beside that buffer (the tensors viewing it)."""
+    its file's header, the file's bytes before its data, its data (``runs``: one buffer of its
+    own, or runs of a record's buffers, ``tier_layout``) and what ``place`` returned beside
+    them (the tensors viewing them)."""
 
     header: Header
     head: bytes
-    data: memoryview
+    runs: tuple[memoryview, ...]
     held: Any
+
+    @property
+    def nbytes(self) -> int:
+        """The part file's size: its head, then its runs in order (what the keeper writes)."""
+        return len(self.head) + sum(len(run) for run in self.runs)
 
 
 def receive_part(
@@ -187,14 +193,14 @@ def receive_part(
     model_digest: str,
     kind: str,
     path,
-    place: Callable[[Header], tuple[memoryview, Any]],
+    place: Callable[[Header], tuple[memoryview | Sequence[memoryview], Any]],
 ) -> ReceivedPart:
     """A sealed block or checkpoint read from ``value`` (a ``tier_backends.ValueReader``)
-    with its data received straight into the buffer ``place(header)`` gives (one pass, no
-    copy of the value in between), then checked as ``unseal`` and ``check_part_bytes`` check
-    a value held whole: this name, kind and model, the MAC, the file's header, name and
-    checksum. FormatError (or the store's SnapshotError) otherwise: nothing received may be
-    used then."""
+    with its data received straight into the buffer ``place(header)`` gives, or into the runs
+    it gives in the data's order (one pass, no copy of the value in between), then checked
+    as ``unseal`` and ``check_part_bytes`` check a value held whole: this name, kind and
+    model, the MAC, the file's header, name and checksum. FormatError (or the store's
+    SnapshotError) otherwise: nothing received may be used then."""
     from kvsnap.snapshot.chain import inspect_part
 
     def read(n: int) -> bytearray:
@@ -226,19 +232,23 @@ def receive_part(
     info = inspect_part(path, part)
     if info.kind != kind:
         raise FormatError(f"holds a {info.kind}, not a {kind}")
-    data, held = place(part)
+    placed, held = place(part)
+    runs = (placed,) if isinstance(placed, memoryview) else tuple(placed)
+    if sum(len(run) for run in runs) != part.data_len:
+        raise ValueError(f"placed {sum(map(len, runs))} bytes for {part.data_len} of data")
     mac = _mac_state(secret, header)
     mac.update(head)
     checksum = start_checksum(part)
     hashes = (mac.update,) if isinstance(checksum, FormatError) else (mac.update, checksum.update)
-    for at in range(0, len(data), HASH_CHUNK):  # each piece hashed while still in the cache
-        piece = data[at : at + HASH_CHUNK]
-        value.read_into(piece)
-        for update in hashes:
-            update(piece)
+    for run in runs:
+        for at in range(0, len(run), HASH_CHUNK):  # each piece hashed while still in the cache
+            piece = run[at : at + HASH_CHUNK]
+            value.read_into(piece)
+            for update in hashes:
+                update(piece)
     _check_mac(header, mac.hexdigest())
     finish_checksum(part, checksum)
-    return ReceivedPart(part, head, data, held)
+    return ReceivedPart(part, head, runs, held)
 
 
 # --- conversation records ---------------------------------------------------------------------

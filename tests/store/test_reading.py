@@ -224,8 +224,9 @@ def test_parts_received_from_a_tier_load_as_the_very_arrays_received(built):
         data = part_path(store, BLOCK_KIND, key).read_bytes()
         placed: list = []
         part = _receive(store, info, key, _sealed(info, key, data), placed)
-        assert isinstance(part, ReceivedPart) and part.data is placed[0]
-        assert bytes(part.head) + bytes(part.data) == data  # what the keeper writes
+        assert isinstance(part, ReceivedPart) and part.runs == (placed[0],)
+        assert part.runs[0] is placed[0] and part.nbytes == len(data)
+        assert bytes(part.head) + bytes(part.runs[0]) == data  # what the keeper writes
         received[(BLOCK_KIND, key)] = part
     checkpoints = (
         {("checkpoint", p.stem): p.read_bytes() for p in (store.root / "checkpoints").rglob("*")}
@@ -264,3 +265,108 @@ def test_a_received_part_flipped_truncated_or_foreign_is_refused(built):
     with pytest.raises(FormatError, match="name"):
         _receive(store, info, key, foreign, placed)
     assert placed == []
+
+
+# --- a record's blocks received into one buffer per tensor (store/tier_layout) ------------------
+
+
+def _receive_all(store, info, layout) -> dict:
+    """Every block of ``info`` received from its sealed value through ``layout`` (a block it
+    refuses into a buffer of its own, as the shared tier does)."""
+    from kvsnap.store.fileio import unfilled_tensors
+    from kvsnap.store.tier_backends import BytesValue
+    from kvsnap.store.tier_values import BLOCK, receive_part
+
+    received = {}
+    for key, _, _ in chain_of(info).blocks:
+        data = part_path(store, BLOCK_KIND, key).read_bytes()
+
+        def place(header, key=key):
+            return layout.place(key, header) or unfilled_tensors(header)
+
+        reader = BytesValue(memoryview(_sealed(info, key, data)), "test")
+        path = part_path(store, BLOCK_KIND, key)
+        part = receive_part(
+            reader, SECRET, MODEL_NAME + key, BLOCK, info.model_digest, "block", path, place
+        )
+        assert bytes(part.head) + b"".join(bytes(r) for r in part.runs) == data  # the keeper's
+        received[(BLOCK_KIND, key)] = part
+    return received
+
+
+def test_a_records_blocks_received_into_one_buffer_per_tensor_are_views_of_it(built):
+    """A fetch of every block of a record receives each block's tensors into their tokens'
+    place in one buffer per tensor: the blocks load as views of it (the same values as the
+    files'), and the state keeps it as ``whole``, all its tokens in a row."""
+    from kvsnap.runtime.cache.composed import ComposedState
+    from kvsnap.store.tier_layout import ChainLayout
+
+    store, info = built
+    from_files, _ = load_composed(store, info, BlockPool())
+    spans = chain_of(info).blocks
+    layout = ChainLayout(spans, info.n_tokens)
+    received = _receive_all(store, info, layout)
+    whole = layout.whole
+    assert whole is not None and whole.keys() == from_files.blocks[0][2].arrays.keys()
+    checkpoints = (
+        {("checkpoint", p.stem): p.read_bytes() for p in (store.root / "checkpoints").rglob("*")}
+        if (store.root / "checkpoints").is_dir()
+        else {}
+    )
+    loaded, _ = load_composed(
+        store, info, BlockPool(), in_memory={**received, **checkpoints}, whole=whole
+    )
+    assert isinstance(loaded, ComposedState) and loaded.whole is not None
+    for (start, end, block), (_, _, want) in zip(loaded.blocks, from_files.blocks):
+        for name, array in block.arrays.items():
+            assert mx.array_equal(array, want.arrays[name]).item(), (start, name)
+            assert mx.array_equal(whole[name][..., start:end, :], array).item()
+    # views, not copies: a byte written into the buffer shows in the block's array
+    first = next(iter(whole))
+    before = loaded.blocks[-1][2].arrays[first]
+    old = mx.array(before)  # a copy of its values
+    layout._bytes[first][-4:] = b"\xff\xff\xff\x7f"
+    assert not mx.array_equal(loaded.blocks[-1][2].arrays[first], old).item()
+
+
+def test_a_record_with_a_block_received_elsewhere_has_no_whole(built):
+    """A block received into a buffer of its own (it did not fit, or the store held it) leaves
+    its tokens' place unfilled: the record is then its blocks only."""
+    from kvsnap.store.tier_layout import ChainLayout
+
+    store, info = built
+    spans = chain_of(info).blocks
+    layout = ChainLayout(spans[1:], info.n_tokens)  # the first block is not the layout's
+    _receive_all(store, info, layout)
+    assert layout.whole is None
+    assert ChainLayout(spans, info.n_tokens).whole is None  # nothing placed yet
+
+
+def test_a_fetched_record_read_as_a_shared_prefix_copies_nothing(demo_models, tmp_path):
+    """The engine reads a fetched record as one prefix, as it reads a local hit's: the batch's
+    shared prefix of its copy is views of the buffers it was received into (without them it
+    concatenated the blocks: a whole copy of the KV, 1.9-4.4 s at 8k fp32 tokens), and the
+    tokens are the files' (a greedy answer from it is a fresh prefill's:
+    tests/runtime/persist/test_shared_tier_faults.py)."""
+    from kvsnap.runtime.engine.batch_cache import shared_prefix_of
+    from kvsnap.runtime.model.loading import load_model  # noqa: F401  (the engine's import)
+    from kvsnap.store.tier_layout import ChainLayout
+
+    store, info = _store(demo_models.load("dense"), tmp_path / "s")
+    from_files, _ = load_composed(store, info, BlockPool())
+    layout = ChainLayout(chain_of(info).blocks, info.n_tokens)
+    received = _receive_all(store, info, layout)
+    loaded, _ = load_composed(store, info, BlockPool(), in_memory=received, whole=layout.whole)
+    nbytes = sum(a.nbytes for a in (layout.whole or {}).values())
+    tokens = tuple(info.tokens)
+    mx.synchronize()
+    before = mx.get_active_memory()
+    prefixes = shared_prefix_of(loaded.materialize(room=8), tokens)
+    assert prefixes is not None
+    grew = mx.get_active_memory() - before
+    assert grew < nbytes // 4, f"the shared prefix copied {grew} of {nbytes} bytes"
+    want = from_files.materialize(room=8)
+    for p, c in zip(prefixes, want):
+        assert p.n == len(tokens)
+        assert mx.array_equal(p.keys, c.keys[..., : p.n, :]).item()
+        assert mx.array_equal(p.values, c.values[..., : p.n, :]).item()

@@ -9,7 +9,7 @@ state the model's shape check refuses is a SnapshotError, a load error the calle
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Protocol, cast
+from typing import Any, Protocol, cast
 
 from kvsnap.errors import SnapshotError
 from kvsnap.runtime.cache.composed import BlockPool, load_composed
@@ -95,11 +95,16 @@ def fetched_loader(
     parts: Mapping[tuple[str, str], bytes | memoryview],
     pool: BlockPool | None,
     check: CheckFn | None = None,
+    whole: Mapping[str, Any] | None = None,
 ) -> Callable[[], tuple]:
     """Loads a record whose parts are held in memory (a shared tier's fetch, the store still
-    writing them) as pooled blocks; parts the pool or the store holds already come from there."""
+    writing them) as pooled blocks; parts the pool or the store holds already come from there.
+    ``whole``: the buffers the fetched blocks' tensors view (``store/tier_layout``), which the
+    state's copies then read as one prefix."""
     into = pool if pool is not None else BlockPool()
-    return lambda: _checked(load_composed(store, info, into, in_memory=parts), info, check)
+    return lambda: _checked(
+        load_composed(store, info, into, in_memory=parts, whole=whole), info, check
+    )
 
 
 def _checked(loaded: tuple, info: SnapshotInfo, check: CheckFn | None) -> tuple:

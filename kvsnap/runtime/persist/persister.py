@@ -307,7 +307,9 @@ class Persister:
         fetched = self.tier.take_fresh(tokens, namespace, above) if self.tier else None
         if fetched is not None:  # just fetched from the tier: its parts load from memory
             info = fetched.info
-            load = fetched_loader(self.store, info, fetched.parts, self.pool, prefix.check_state)
+            load = fetched_loader(
+                self.store, info, fetched.parts, self.pool, prefix.check_state, fetched.whole
+            )
         else:
             info = self.persisted_for(tokens, namespace, above)
             if info is None:

@@ -12,11 +12,13 @@ Fetch, on a request that will be captured: the namespace's longest record in the
 holds a strict prefix of the request, when this replica holds none as long. Its parts are
 fetched only if that is expected to be sooner than prefilling the same tokens (measured
 fetch and prefill rates) and within ``budget_s``; each is received straight into the mlx
-buffer the cache will hold and checked there (this name, this model, the fleet's MAC, then
-as a stored part) before anything uses it. The engine takes the record (re-keyed for the
-local store) at the request's lookup (``take_fresh``) and those tensors as they are;
-meanwhile a keeper thread writes them from the same buffers to a staging folder, fsyncs and
-moves them into the local store under its lock, record last. Every failure is a miss that
+buffer the cache will hold (a record's blocks, all fetched: one buffer per tensor for all its
+tokens, ``store/tier_layout``, so the engine reads it as one prefix) and checked there
+(this name, this model, the fleet's MAC, then as a stored part) before anything uses it.
+The engine takes the record (re-keyed for the local store) at the request's lookup
+(``take_fresh``) and those tensors as they are; meanwhile a keeper thread writes them from
+the same buffers to a staging folder, fsyncs and moves them into the local store under its
+lock, record last. Every failure is a miss that
 is counted and logged; the request waits at most the budget whatever the tier does, and a
 breaker stops asking a failing tier for ``cooldown_s`` before one probe.
 """
@@ -62,6 +64,7 @@ from kvsnap.store.tier_backends import (
     fleet_secret_from_env,
     open_value,
 )
+from kvsnap.store.tier_layout import ChainLayout
 from kvsnap.store.tier_values import (
     BLOCK,
     CHECKPOINT,
@@ -151,6 +154,7 @@ class TierStats:
     hits: int = 0  # fetches that made a prefix local
     kept: int = 0  # fetched records then written to the local store (off the request's path)
     misses: int = 0  # nothing in the tier for the request (or it was evicted)
+    contiguous: int = 0  # hits received as one buffer per tensor (read as one prefix)
     fetched_tokens: int = 0
     bytes_in: int = 0
     bytes_out: int = 0
@@ -519,15 +523,17 @@ class SharedTier:
         if not self._worth_it(n, nbytes, attempt.deadline):
             self.stats.skipped_slower += 1
             return 0
+        layout = _layout_for(info, wanted)
         try:
-            parts = self._fetch_parts(names, wanted, attempt)
+            parts = self._fetch_parts(names, wanted, attempt, layout)
         except _Missed as missed:
             setattr(self.stats, missed.counter, getattr(self.stats, missed.counter) + 1)
             if missed.why:
                 log.warning("[kvsnap] shared tier: %s not used: %s", missed.what, missed.why)
             return 0
-        got = sum(len(p.head) + len(p.data) for p in parts.values())
-        fetched = FetchedRecord(namespace, info, data, parts)
+        got = sum(p.nbytes for p in parts.values())
+        whole = layout.whole if layout is not None else None
+        fetched = FetchedRecord(namespace, info, data, parts, whole)
         with self._inflight_lock:
             self._fresh[local_key] = fetched
             while len(self._fresh) > FRESH_LIMIT:  # never taken (the request went away)
@@ -539,6 +545,7 @@ class SharedTier:
         self._keeper.submit(self._keep, local_key, fetched)
         elapsed = time.monotonic() - started
         self.stats.hits += 1
+        self.stats.contiguous += whole is not None
         self.stats.fetched_tokens += n
         self.stats.bytes_in += got + len(value)
         self.stats.fetch_seconds += elapsed
@@ -546,17 +553,23 @@ class SharedTier:
             self.fetch_rate = _blend(self.fetch_rate, got / max(elapsed, 1e-6))
         return n
 
-    def _fetch_parts(self, names: TierNames, wanted: list, attempt: _Attempt) -> dict:
+    def _fetch_parts(
+        self, names: TierNames, wanted: list, attempt: _Attempt, layout: ChainLayout | None
+    ) -> dict:
         """Fetch and check each (kind, key), PART_THREADS at a time, each received straight
-        into the mlx buffer the cache will hold (made on this thread: store/part_readers):
-        their ``ReceivedPart`` by (kind, key), or _Missed at the first that fails (in order;
-        the parts not started then are never asked for)."""
+        into the mlx buffers the cache will hold (made on this thread: store/part_readers;
+        a block into ``layout``'s, when it fits): their ``ReceivedPart`` by (kind, key), or
+        _Missed at the first that fails (in order; the parts not started then are never asked
+        for)."""
         calls = [
-            functools.partial(self._fetch_part, names, kind, key, attempt) for kind, key in wanted
+            functools.partial(self._fetch_part, names, kind, key, attempt, layout)
+            for kind, key in wanted
         ]
         return dict(zip(wanted, run_concurrently(calls, PART_THREADS)))
 
-    def _fetch_part(self, names: TierNames, kind: str, key: str, attempt: _Attempt):
+    def _fetch_part(
+        self, names: TierNames, kind: str, key: str, attempt: _Attempt, layout: ChainLayout | None
+    ):
         if time.monotonic() > attempt.deadline:
             raise _PastBudget()
         name = names.value(TIER_KIND[kind], key)
@@ -573,7 +586,7 @@ class SharedTier:
                     self.identity.digest,
                     kind,
                     part_path(self.store, kind, key),
-                    _mlx_buffer,
+                    functools.partial(_place, layout if kind == BLOCK_KIND else None, key),
                 )
             except FormatError as exc:
                 raise _Missed("bad_values", f"tier {kind} {key}", str(exc)) from None
@@ -617,7 +630,8 @@ class SharedTier:
                     if not has_part(self.store, kind, key):  # the engine may have written it
                         with open(staged.file(part_path(store, kind, key)), "wb") as f:
                             f.write(part.head)
-                            f.write(part.data)
+                            for run in part.runs:
+                                f.write(run)
                 staged.install()
         except (OSError, StoreError) as exc:  # disk full, permissions: served, not kept
             self.stats.errors += 1
@@ -684,6 +698,27 @@ class SharedTier:
         return left
 
 
+def _layout_for(info: SnapshotInfo, wanted: list) -> ChainLayout | None:
+    """Where a record's blocks are received: one buffer per tensor for all its tokens when
+    every block is fetched (``tier_layout``: the engine then reads it as one prefix), else
+    None (each part its own buffer; the blocks held here fill their tokens' place)."""
+    if info.chain is None:
+        return None
+    spans = [(key, start, end) for key, start, end, _ in info.chain.spans(info.n_tokens)]
+    fetched = {key for kind, key in wanted if kind == BLOCK_KIND}
+    return ChainLayout(spans, info.n_tokens) if {s[0] for s in spans} <= fetched else None
+
+
+def _place(layout: ChainLayout | None, key: str, header) -> tuple:
+    """A fetched part's buffers: its tokens' runs in ``layout``'s buffers when it fits there,
+    else one buffer of its own (``_mlx_buffer``); made on the fetching thread."""
+    if layout is not None:
+        placed = on_mlx_thread(layout.place, key, header)
+        if placed is not None:
+            return placed
+    return _mlx_buffer(header)
+
+
 def _mlx_buffer(header) -> tuple:
     """An mlx buffer for a part's data and its tensors viewing it, made on the fetching thread
     (one of FETCH_THREADS, long-lived: each keeps the mlx stream it made). Zeroed: a fetch runs
@@ -721,12 +756,14 @@ def _sizes(raw: object) -> dict:
 class FetchedRecord:
     """A record fetched from the tier, checked and re-keyed for the local store: its header
     (``info``, its path the store's), its file's bytes and its parts by (kind, key), each a
-    ``ReceivedPart`` in mlx memory (what the cache loads and the keeper writes)."""
+    ``ReceivedPart`` in mlx memory (what the cache loads and the keeper writes); ``whole``:
+    the buffers its blocks' tensors view, when all were received into one per tensor."""
 
     namespace: str
     info: SnapshotInfo
     record: bytes
     parts: dict
+    whole: dict | None = None  # every tensor's buffer for all its tokens (``tier_layout``)
     taken: bool = False  # by a request (take_fresh)
     release: threading.Event = field(default_factory=threading.Event)  # the keeper may store it
     stored: threading.Event = field(default_factory=threading.Event)  # the keeper is done

@@ -313,7 +313,7 @@ def test_the_keeper_stores_a_taken_record_once_a_prompt_is_computed_never_before
     def fetched(tier: SharedTier, name: str) -> FetchedRecord:
         path = tier.store.root / "records" / f"{name}.safetensors"
         info = SimpleNamespace(n_tokens=60, tokens=TOKENS[:60], path=path)
-        part = SimpleNamespace(head=b"head", data=memoryview(b"data"))
+        part = SimpleNamespace(head=b"head", runs=(memoryview(b"da"), memoryview(b"ta")))
         parts = {("block", name): part}
         record = FetchedRecord("tenant-a", info, b"record", parts)  # type: ignore[arg-type]
         tier._fresh[name] = record

@@ -252,6 +252,8 @@ def test_b_continues_a_conversation_a_served_from_the_tier(fleet, scenario):
     }
     assert after["fetched_tokens"] - before["fetched_tokens"] == sc.prefixes[2]
     assert after["bytes_in"] > before["bytes_in"]
+    # every block fetched: received into one buffer per tensor, read as one prefix
+    assert after["contiguous"] - before["contiguous"] == 1, after
     # loaded from the fetch's memory, not read back from B's disk; then kept in B's store
     assert persist(fleet.b)["disk_hits"] == disk
     assert wait_for(lambda: tier(fleet.b)["kept"] == before["kept"] + 1), tier(fleet.b)
