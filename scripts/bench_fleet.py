@@ -14,7 +14,10 @@ Failover (the Qwen3-0.6B shape, fp32, made locally; one redis-server on 127.0.0.
   (a') disk hit    with --disk-hit: turn k+1 to D, a replica started on a copy of A's store
                    (no tier): the same replica restarted, its conversation on its own disk
   (b) tier fetch   turn k+1 to B: a fresh replica, its own empty store, the same tier
-                   (started per repetition: one fetch each)
+                   (started per repetition: one fetch each). B first answers one short
+                   unrelated request, as a replica of a running fleet has (its weights,
+                   read after /health since d6776df, are then read); --cold-b: measured
+                   right after /health, as runs 1-10 of docs/benchmarks.md were
   (c) full prefill turn k+1 to C: kvsnap serve M --continuous-batching (no store, no tier)
 
 Every turn k+1 is its own short user message (a branch off turn k), so the repetitions do
@@ -291,6 +294,10 @@ def profile_summary(path: Path, depth: int = 3, top: int = 8) -> dict:
     }
 
 
+# B's one request before the measure: short, no prefix of the conversation (a tier miss)
+WARM_B = "Warm-up: say hello."
+
+
 def turn(history: list, tag: str) -> list:
     user = f"Turn two ({tag}): which of these files should I read first, and why?"
     return [*history, {"role": "user", "content": user}]
@@ -334,6 +341,7 @@ def failover(args, out: dict, save) -> None:
         "tokens_target": args.tokens,
         "cache_memory_mb": args.cache_memory_mb,
         "fetch_budget_s": args.fetch_budget,
+        "b_warmed": not args.cold_b,
         "runs": [],
     }
     servers: list[ServerProcess] = []
@@ -371,6 +379,9 @@ def failover(args, out: dict, save) -> None:
             b = replica(f"B{rep}")
             servers.append(b)
             try:
+                if not args.cold_b:  # a running replica: weights read, kernels run
+                    ask(b, [{"role": "user", "content": WARM_B}], 2)
+                    settle(b, timeout=60)
                 before, rcpu = persist(b)["shared_tier"], redis.cpu_s()
                 spy = work / f"profile-tier{rep}.txt" if args.profile else None
                 row = {"kind": "tier", "rep": rep}
@@ -788,6 +799,12 @@ def main() -> int:
     )
     p.add_argument("--no-probe-default-budget", dest="probe_default_budget", action="store_false")
     p.add_argument("--skip-prefill", action="store_true", help="no (c): it is a full prefill")
+    p.add_argument(
+        "--cold-b",
+        action="store_true",
+        help="(b) right after B's /health, without its warm-up request (its weights still "
+        "being read)",
+    )
     p.add_argument("--down-size", default="tiny", help="demo size of the tier-down model")
     p.add_argument("--conversations", type=int, default=60, help="tier down: 2 turns each")
     p.add_argument(
