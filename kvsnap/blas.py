@@ -11,6 +11,7 @@ import ctypes
 import glob
 import os
 import sys
+from dataclasses import dataclass
 
 CANDIDATES = (
     "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0",
@@ -50,13 +51,61 @@ def preload_openblas() -> str | None:
     return path
 
 
-def openblas_loaded() -> bool:
-    """Whether an OpenBLAS library is mapped into this process (Linux: /proc/self/maps)."""
+def loaded_openblas_path() -> str | None:
+    """The OpenBLAS library mapped into this process (Linux: /proc/self/maps), or None."""
     try:
         with open("/proc/self/maps") as maps:
-            return any("libopenblas" in line for line in maps)
+            for line in maps:
+                path = line.split(maxsplit=5)[-1].strip()
+                if "libopenblas" in os.path.basename(path):
+                    return path
     except OSError:
-        return False
+        return None
+    return None
+
+
+def openblas_loaded() -> bool:
+    """Whether an OpenBLAS library is mapped into this process (Linux: /proc/self/maps)."""
+    return loaded_openblas_path() is not None
+
+
+@dataclass(frozen=True)
+class BlasThreads:
+    """The loaded OpenBLAS's thread count, set between model steps.
+
+    Between 1 and the count OpenBLAS started with, a change only sets the count the next call
+    reads (no thread is made or joined), so a call already running is not disturbed.
+    """
+
+    library: ctypes.CDLL
+    default: int  # what OpenBLAS chose at load: its cores, or OPENBLAS_NUM_THREADS
+
+    def use(self, threads: int) -> None:
+        """Later BLAS calls split over ``threads`` (0 or more than the default: the default)."""
+        n = self.default if threads <= 0 else min(threads, self.default)
+        self.library.openblas_set_num_threads(ctypes.c_int(n))
+
+    def current(self) -> int:
+        return int(self.library.openblas_get_num_threads())
+
+
+def openblas_threads() -> BlasThreads | None:
+    """The thread control of the OpenBLAS in this process; None without one (macOS, Linux with
+    mlx's own BLAS) or when it lacks the calls."""
+    path = loaded_openblas_path()
+    if path is None:
+        return None
+    library = ctypes.CDLL(path)  # the mapped library again: dlopen returns the same handle
+    if not all(
+        hasattr(library, f) for f in ("openblas_set_num_threads", "openblas_get_num_threads")
+    ):
+        return None
+    library.openblas_get_num_threads.restype = ctypes.c_int
+    try:  # the pool OpenBLAS made at load, which a lower count set since does not shrink
+        pool = ctypes.c_int.in_dll(library, "blas_num_threads").value
+    except ValueError:  # not exported by this build: the count now
+        pool = 0
+    return BlasThreads(library, max(pool, int(library.openblas_get_num_threads()), 1))
 
 
 def openblas_warning() -> str | None:

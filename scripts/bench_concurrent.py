@@ -40,6 +40,7 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -171,9 +172,24 @@ def server_cmd(name: str, model: Path, port: int, args) -> tuple[list[str], dict
     if name.startswith("mlx_lm.server"):
         return [sys.executable, "-m", "mlx_lm.server", "--model", str(model), *host], env
     if name == "vllm-mlx":
+        # vllm-mlx saves its prefix cache under ~/.cache/vllm-mlx at shutdown and loads it at
+        # start; an entry equal to a prompt of an earlier run is then prefilled whole (0.6.0:
+        # "HIT cached=2047 remaining=0", then "tokens_to_prefill=2047"). A fresh HOME per launch
+        # starts it as cold as the others.
+        home = args.workdir / "vllm-home"
+        shutil.rmtree(home, ignore_errors=True)
+        home.mkdir()
+        env["HOME"] = str(home)
         cmd = [args.vllm_python, "-m", "vllm_mlx.cli", "serve", str(model)]
         return [*cmd, "--continuous-batching", *host], env
     raise ValueError(f"unknown server {name!r}")
+
+
+def start_busy(n: int, limit_s: int = 3600) -> list[subprocess.Popen]:
+    """``n`` processes spinning on a core each, the load of another tenant; each stops by
+    itself after ``limit_s`` should this script die without killing it."""
+    spin = f"import time\nend = time.time() + {limit_s}\nwhile time.time() < end: pass"
+    return [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(n)]
 
 
 def kvsnap_tree(name: str, args) -> Path:
@@ -390,6 +406,12 @@ def main(argv: list[str] | None = None) -> int:
         default=[],
         help="KEY=VALUE for the peers' environment, e.g. OPENBLAS_THREAD_TIMEOUT=16 (kvsnap's)",
     )
+    ap.add_argument(
+        "--busy",
+        type=int,
+        default=0,
+        help="N busy-loop processes beside the servers for the whole run (a loaded machine)",
+    )
     ap.add_argument("--kvsnap-arg", action="append", default=[], help="extra kvsnap serve arg")
     ap.add_argument("--plot", type=Path, help="write the picture here (PNG)")
     ap.add_argument(
@@ -402,7 +424,7 @@ def main(argv: list[str] | None = None) -> int:
     servers = args.servers.split(",")
     if args.before:
         servers.append("kvsnap-before")
-    if args.vllm_python:
+    if args.vllm_python and "vllm-mlx" not in servers:
         servers.append("vllm-mlx")
     if args.plot_from:  # one picture from earlier runs' JSON files (SHAPE=FILE each)
         summaries = {}
@@ -418,10 +440,16 @@ def main(argv: list[str] | None = None) -> int:
     system = system_prompt(model, args.prefix_tokens)
     print(f"model {model} ({args.shape}), servers {servers}, clients {args.clients}", flush=True)
     rows: list[dict] = []
-    for rep in range(args.reps):
-        order = servers if rep % 2 == 0 else servers[::-1]
-        for name in order:
-            rows.extend(one_launch(name, model, system, args, rep))
+    busy = start_busy(args.busy)
+    try:
+        for rep in range(args.reps):
+            order = servers if rep % 2 == 0 else servers[::-1]
+            for name in order:
+                rows.extend(one_launch(name, model, system, args, rep))
+    finally:
+        for proc in busy:
+            proc.kill()
+            proc.wait()
     summary = summarize(rows, servers, args.clients)
     for s in summary:
         print(json.dumps(s), flush=True)

@@ -1816,6 +1816,23 @@ BREAKAGES = (
         ),
     ),
     Breakage(
+        "decode-steps-on-every-blas-thread",
+        "serving cost (issue 41 item 1)",
+        "a step that only decodes splits its thin matmuls over every OpenBLAS thread",
+        (
+            Patch(
+                "kvsnap.runtime.engine.batch_runner",
+                "StepThreads.before_step",
+                "        want = self.decode if decoding_only else 0\n",
+                "        want = 0\n",
+            ),
+        ),
+        (
+            "tests/runtime/engine/test_engine.py::"
+            "test_a_step_that_only_decodes_runs_on_one_blas_thread_and_prompts_on_all_issue_41",
+        ),
+    ),
+    Breakage(
         "shared-row-kept-from-the-concatenation",
         "serving cost (issue 41 item 1)",
         "a shared row's kept prompt slices its own tokens from the prefix's whole concatenation",

@@ -143,6 +143,16 @@ SERVE_OPTIONS = (
         help="most requests decoding at once (default: 8)",
     ),
     Option(
+        ("--decode-blas-threads",),
+        type=non_negative_int,
+        default=1,
+        doc_default="1",
+        fills="engine.decode_blas_threads",
+        help="OpenBLAS threads for a batch step that only decodes (Linux CPU; default: 1; "
+        "0: OpenBLAS's own count): a decode step's thin matmuls split over threads wait for "
+        "each thread's wake-up, 4x slower steps on a busy host",
+    ),
+    Option(
         ("--max-tokens",),
         type=positive_int,
         default=256,

@@ -538,6 +538,8 @@ class Engine:
         if self.persister is not None:  # after the step that evaluated the captured copies
             self.persister.pump()
         if self.rewarmer.running:
+            if self._serving is not None:  # its prefill chunk on every BLAS thread
+                self._serving.batch.blas_threads.restore()
             # one snapshot read or prefill chunk, between decode steps
             self.rewarmer.step(parts.prefix, parts.counts)
 
@@ -557,7 +559,12 @@ class Engine:
         parts = self.ready()
         caches = RequestCaches(parts.lm, parts.prefix, self.accounts, self.persister)
         batch = BatchRunner(
-            parts.generators, caches, self.sched, self.accounts, self.config.prefill_batch_size
+            parts.generators,
+            caches,
+            self.sched,
+            self.accounts,
+            self.config.prefill_batch_size,
+            self.config.decode_blas_threads,
         )
         return ServingParts(caches, batch)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 import threading
 import time
 from pathlib import Path
@@ -16,6 +17,8 @@ from pathlib import Path
 import pytest
 from helpers.engine import assert_served_from_the_exact_snapshot_state, warm_entry
 from helpers.models import LONG_SYSTEM
+
+from kvsnap.blas import find_openblas
 
 MAX_TOKENS = 32
 PLANNER = (
@@ -1016,3 +1019,43 @@ def test_two_continuations_of_one_warm_prefix_interleaved_stay_independent(world
     after = engine.call(stored)
     assert sorted(after) == sorted(before)
     assert all(np.array_equal(after[k], before[k]) for k in before)
+
+
+@pytest.mark.skipif(
+    find_openblas() is None or not sys.platform.startswith("linux"),
+    reason="Debian's libopenblas0-pthread is not installed",
+)
+@pytest.mark.parametrize("decode_threads", [1, 0])
+def test_a_step_that_only_decodes_runs_on_one_blas_thread_and_prompts_on_all_issue_41(
+    decode_threads, worlds, engines, oracle
+):
+    """A decode step's thin matmuls split over OpenBLAS's threads waited for each thread's
+    wake-up: on a busy host a step took 4x as long. Steps that compute a prompt keep every
+    thread; --decode-blas-threads 0 keeps them for decoding too."""
+    from kvsnap.blas import openblas_threads
+    from kvsnap.runtime.engine.engine import GenerationRequest
+
+    blas = openblas_threads()
+    if blas is None or blas.default < 2:
+        pytest.skip("OpenBLAS runs one thread here")
+    world = worlds("dense")
+    engine = engines.start(world, decode_blas_threads=decode_threads)
+    first, second = world.request(0, QUESTIONS[0]), world.request(1, QUESTIONS[1])
+    seen: list[tuple[int, int]] = []  # (tokens A had, threads) at each of A's tokens
+    joined: list = []
+
+    def on_a(state, kind, payload):  # the engine thread, between steps
+        if kind != "token":
+            return
+        seen.append((state.completion_tokens, blas.current()))
+        if state.completion_tokens == 4:
+            joined.append(submit(engine, second, 16))
+
+    a = engine.submit(GenerationRequest(tokens=list(first), max_tokens=24), on_a)
+    assert answer_of(finish(a)) == oracle(world, first, 24)
+    assert answer_of(finish(joined[0])) == oracle(world, second, 16)
+    decode = 1 if decode_threads == 1 else blas.default
+    # before B arrives A only decodes; B's prompt steps run on every thread; then both decode
+    assert [t for n, t in seen if 2 <= n <= 4] == [decode] * 3, seen
+    assert blas.default in [t for n, t in seen if n > 4], seen
+    assert seen[-1][1] == decode, seen
