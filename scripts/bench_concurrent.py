@@ -14,6 +14,7 @@ unless --peer-env sets them (--peer-env OPENBLAS_THREAD_TIMEOUT=16: kvsnap's set
 
   kvsnap          python -m kvsnap serve M --continuous-batching --max-batch-size MAX(N)
   kvsnap-before   the same from the checkout given by --before (PYTHONPATH)
+  kvsnap-decode-t0  kvsnap with --decode-blas-threads 0: decode steps on every OpenBLAS thread
   mlx_lm.server   python -m mlx_lm.server --model M   (its BatchGenerator: decode 32, prompt 8)
   mlx_lm.server-t16  the same with OPENBLAS_THREAD_TIMEOUT=16, kvsnap's setting (--servers)
   vllm-mlx        VENV/python -m vllm_mlx.cli serve M --continuous-batching (with --vllm-python)
@@ -82,6 +83,7 @@ COLORS = {
     "kvsnap-before": "tab:green",
     "vllm-mlx": "tab:red",
     "mlx_lm.server-t16": "tab:purple",
+    "kvsnap-decode-t0": "tab:cyan",
 }
 
 
@@ -166,6 +168,8 @@ def server_cmd(name: str, model: Path, port: int, args) -> tuple[list[str], dict
         env["PYTHONPATH"] = str(kvsnap_tree(name, args))
         batch = str(max(args.clients))
         cmd = [sys.executable, "-m", "kvsnap", "serve", str(model), "--continuous-batching"]
+        if name == "kvsnap-decode-t0":  # decoding on every OpenBLAS thread, as before 370e72d
+            cmd += ["--decode-blas-threads", "0"]
         return [*cmd, "--max-batch-size", batch, *host, *args.kvsnap_arg], env
     if name == "mlx_lm.server-t16":  # with the OpenBLAS spin kvsnap sets for itself
         env["OPENBLAS_THREAD_TIMEOUT"] = "16"
@@ -320,29 +324,31 @@ def one_launch(name: str, model: Path, system: str, args, rep: int) -> list[dict
 
 
 def summarize(rows: list[dict], servers: list[str], clients: list[int]) -> list[dict]:
+    """Medians per server and N, with each server's ratios to the peers' medians."""
+    peers = {"mlx_lm.server": "mlx_lm", "vllm-mlx": "vllm_mlx"}
     out = []
     for n in clients:
-        base = [r for r in rows if r["server"] == "mlx_lm.server" and r["clients"] == n]
-        for s in servers:
-            mine = [r for r in rows if r["server"] == s and r["clients"] == n]
-            if not mine:
-                continue
+        rounds = {s: [r for r in rows if r["server"] == s and r["clients"] == n] for s in servers}
+        medians = {
+            s: (
+                statistics.median(r["tokens_per_s"] for r in mine),
+                statistics.median(r["cpu_ms_per_token"] for r in mine),
+            )
+            for s, mine in rounds.items()
+            if mine
+        }
+        for s, (tokens_per_s, cpu_ms) in medians.items():
             row = {
                 "server": s,
                 "clients": n,
-                "rounds": len(mine),
-                "tokens_per_s": statistics.median(r["tokens_per_s"] for r in mine),
-                "cpu_ms_per_token": statistics.median(r["cpu_ms_per_token"] for r in mine),
+                "rounds": len(rounds[s]),
+                "tokens_per_s": tokens_per_s,
+                "cpu_ms_per_token": cpu_ms,
             }
-            if base:
-                row["throughput_vs_mlx_lm"] = round(
-                    row["tokens_per_s"] / statistics.median(r["tokens_per_s"] for r in base), 3
-                )
-                row["cpu_vs_mlx_lm"] = round(
-                    row["cpu_ms_per_token"]
-                    / statistics.median(r["cpu_ms_per_token"] for r in base),
-                    3,
-                )
+            for peer, tag in peers.items():
+                if peer in medians:
+                    row[f"throughput_vs_{tag}"] = round(tokens_per_s / medians[peer][0], 3)
+                    row[f"cpu_vs_{tag}"] = round(cpu_ms / medians[peer][1], 3)
             out.append(row)
     return out
 
