@@ -2791,13 +2791,31 @@ BREAKAGES = (
             Patch(
                 "kvsnap.runtime.cache.composed",
                 "ComposedState.materialize",
-                "        if self.whole is not None and not whole:\n",
+                "        if self.buffers is not None and not whole:\n",
                 "        if False:\n",
             ),
         ),
         (
             "tests/store/test_reading.py::"
             "test_a_fetched_record_read_as_a_shared_prefix_copies_nothing",
+        ),
+    ),
+    Breakage(
+        "fetched-room-written-a-token-late",
+        "fleet: every answer a never-killed server's (issue 40)",
+        "the request that continues a fetched record writes its own tokens' KV one position "
+        "late in the buffers' room: its kept prefix holds a stale token",
+        (
+            Patch(
+                "kvsnap.store.tier_layout",
+                "RecordBuffers.extend",
+                "                    at = (lead * self.capacity + self.n + done) * row\n",
+                "                    at = (lead * self.capacity + self.n + done + 1) * row\n",
+            ),
+        ),
+        (
+            "tests/store/test_reading.py::"
+            "test_a_fetched_records_buffers_take_the_tokens_that_continue_it_once",
         ),
     ),
     Breakage(
@@ -2808,9 +2826,9 @@ BREAKAGES = (
         (
             Patch(
                 "kvsnap.store.tier_layout",
-                "ChainLayout.whole",
-                "        if self._refused or self._placed != set(self.spans):\n",
-                "        if True:\n",
+                "ChainLayout.buffers",
+                "        if self._refused or self._placed != set(self.spans)",
+                "        if True or self._refused or self._placed != set(self.spans)",
             ),
         ),
         (

@@ -24,7 +24,7 @@ import io
 import json
 import struct
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable
 
 from kvsnap.errors import SnapshotError
 from kvsnap.key import ModelIdentity, hexdigest
@@ -193,13 +193,13 @@ def receive_part(
     model_digest: str,
     kind: str,
     path,
-    place: Callable[[Header], tuple[memoryview | Sequence[memoryview], Any]],
+    place: Callable[[Header], tuple[memoryview | Iterable[memoryview], Any]],
 ) -> ReceivedPart:
     """A sealed block or checkpoint read from ``value`` (a ``tier_backends.ValueReader``)
     with its data received straight into the buffer ``place(header)`` gives, or into the runs
-    it gives in the data's order (one pass, no copy of the value in between), then checked
-    as ``unseal`` and ``check_part_bytes`` check a value held whole: this name, kind and
-    model, the MAC, the file's header, name and checksum. FormatError (or the store's
+    it gives (an iterable) in the data's order (one pass, no copy of the value in between),
+    then checked as ``unseal`` and ``check_part_bytes`` check a value held whole: this name,
+    kind and model, the MAC, the file's header, name and checksum. FormatError (or the store's
     SnapshotError) otherwise: nothing received may be used then."""
     from kvsnap.snapshot.chain import inspect_part
 
@@ -233,22 +233,27 @@ def receive_part(
     if info.kind != kind:
         raise FormatError(f"holds a {info.kind}, not a {kind}")
     placed, held = place(part)
-    runs = (placed,) if isinstance(placed, memoryview) else tuple(placed)
-    if sum(len(run) for run in runs) != part.data_len:
-        raise ValueError(f"placed {sum(map(len, runs))} bytes for {part.data_len} of data")
     mac = _mac_state(secret, header)
     mac.update(head)
     checksum = start_checksum(part)
     hashes = (mac.update,) if isinstance(checksum, FormatError) else (mac.update, checksum.update)
-    for run in runs:
+    runs = []
+    got = 0
+    for run in (placed,) if isinstance(placed, memoryview) else placed:
+        if got + len(run) > part.data_len:
+            raise ValueError(f"placed more than the part's {part.data_len} data bytes")
         for at in range(0, len(run), HASH_CHUNK):  # each piece hashed while still in the cache
             piece = run[at : at + HASH_CHUNK]
             value.read_into(piece)
             for update in hashes:
                 update(piece)
+        runs.append(run)
+        got += len(run)
+    if got != part.data_len:
+        raise ValueError(f"placed {got} bytes for the part's {part.data_len} data bytes")
     _check_mac(header, mac.hexdigest())
     finish_checksum(part, checksum)
-    return ReceivedPart(part, head, runs, held)
+    return ReceivedPart(part, head, tuple(runs), held)
 
 
 # --- conversation records ---------------------------------------------------------------------

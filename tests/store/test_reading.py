@@ -297,39 +297,81 @@ def _receive_all(store, info, layout) -> dict:
 def test_a_records_blocks_received_into_one_buffer_per_tensor_are_views_of_it(built):
     """A fetch of every block of a record receives each block's tensors into their tokens'
     place in one buffer per tensor: the blocks load as views of it (the same values as the
-    files'), and the state keeps it as ``whole``, all its tokens in a row."""
+    files'), and the state keeps the buffers, all its tokens in a row with room after."""
     from kvsnap.runtime.cache.composed import ComposedState
     from kvsnap.store.tier_layout import ChainLayout
 
     store, info = built
     from_files, _ = load_composed(store, info, BlockPool())
     spans = chain_of(info).blocks
-    layout = ChainLayout(spans, info.n_tokens)
+    layout = ChainLayout(spans, info.n_tokens, room=64)
     received = _receive_all(store, info, layout)
-    whole = layout.whole
-    assert whole is not None and whole.keys() == from_files.blocks[0][2].arrays.keys()
+    buffers = layout.buffers
+    assert buffers is not None and buffers.arrays.keys() == from_files.blocks[0][2].arrays.keys()
+    assert buffers.n == info.n_tokens and buffers.capacity == info.n_tokens + 64
     checkpoints = (
         {("checkpoint", p.stem): p.read_bytes() for p in (store.root / "checkpoints").rglob("*")}
         if (store.root / "checkpoints").is_dir()
         else {}
     )
     loaded, _ = load_composed(
-        store, info, BlockPool(), in_memory={**received, **checkpoints}, whole=whole
+        store, info, BlockPool(), in_memory={**received, **checkpoints}, buffers=buffers
     )
-    assert isinstance(loaded, ComposedState) and loaded.whole is not None
+    assert isinstance(loaded, ComposedState) and loaded.buffers is buffers
     for (start, end, block), (_, _, want) in zip(loaded.blocks, from_files.blocks):
         for name, array in block.arrays.items():
             assert mx.array_equal(array, want.arrays[name]).item(), (start, name)
-            assert mx.array_equal(whole[name][..., start:end, :], array).item()
+            assert mx.array_equal(buffers.arrays[name][..., start:end, :], array).item()
     # views, not copies: a byte written into the buffer shows in the block's array
-    first = next(iter(whole))
-    before = loaded.blocks[-1][2].arrays[first]
-    old = mx.array(before)  # a copy of its values
-    layout._bytes[first][-4:] = b"\xff\xff\xff\x7f"
-    assert not mx.array_equal(loaded.blocks[-1][2].arrays[first], old).item()
+    first = next(iter(buffers.arrays))
+    start, end, block = loaded.blocks[-1]
+    old = block.arrays[first] + 0  # a copy of its values
+    mx.eval(old)
+    row = buffers.arrays[first].shape[-1] * buffers.arrays[first].itemsize
+    buffers._bytes[first][(end - 1) * row : end * row] = b"\x7f" * row
+    assert not mx.array_equal(block.arrays[first], old).item()
 
 
-def test_a_record_with_a_block_received_elsewhere_has_no_whole(built):
+def test_a_fetched_records_buffers_take_the_tokens_that_continue_it_once(built):
+    """The room after a fetched record's tokens takes the KV of the request that continues
+    it: the kept prefix is views of the buffers (its values the concatenation's), a longer
+    prompt + reply appends to what is there, and a request that branches off (other tokens),
+    or does not fit the room, gets None (it copies, as before)."""
+    from kvsnap.store.tier_layout import ChainLayout
+
+    store, info = built
+    layout = ChainLayout(chain_of(info).blocks, info.n_tokens, room=16)
+    _receive_all(store, info, layout)
+    buffers = layout.buffers
+    assert buffers is not None
+    n = buffers.n
+
+    def tails(k: int, seed: int) -> dict:
+        return {
+            name: mx.random.normal((*a.shape[:-2], k, a.shape[-1]), key=mx.random.key(seed))
+            for name, a in buffers.arrays.items()
+        }
+
+    first = tails(5, 1)
+    prompt = buffers.extend([7, 8, 9, 10, 11], first)
+    assert prompt is not None
+    for name, view in prompt.items():
+        want = mx.concatenate([buffers.arrays[name][..., :n, :], first[name]], axis=-2)
+        assert view.shape[-2] == n + 5 and mx.array_equal(view, want).item(), name
+    longer = {name: mx.concatenate([first[name], t], axis=-2) for name, t in tails(3, 2).items()}
+    reply = buffers.extend([7, 8, 9, 10, 11, 12, 13, 14], longer)
+    assert reply is not None
+    for name, view in reply.items():
+        assert mx.array_equal(view[..., n : n + 5, :], first[name]).item()  # as it was
+        assert mx.array_equal(view[..., n:, :], longer[name]).item()
+    assert buffers.extend([7, 8, 9, 99], tails(4, 3)) is None  # a branch: the room is taken
+    assert buffers.extend([7, 8, 9, 10, 11], first) is not None  # the same tokens: views again
+    assert buffers.extend(list(range(17)), tails(17, 4)) is None  # past the room
+    assert buffers.extend([7, 8], tails(3, 5)) is None  # KV of another length
+    assert mx.array_equal(prompt[next(iter(prompt))][..., n:, :], first[next(iter(first))]).item()
+
+
+def test_a_record_with_a_block_received_elsewhere_has_no_buffers(built):
     """A block received into a buffer of its own (it did not fit, or the store held it) leaves
     its tokens' place unfilled: the record is then its blocks only."""
     from kvsnap.store.tier_layout import ChainLayout
@@ -338,8 +380,8 @@ def test_a_record_with_a_block_received_elsewhere_has_no_whole(built):
     spans = chain_of(info).blocks
     layout = ChainLayout(spans[1:], info.n_tokens)  # the first block is not the layout's
     _receive_all(store, info, layout)
-    assert layout.whole is None
-    assert ChainLayout(spans, info.n_tokens).whole is None  # nothing placed yet
+    assert layout.buffers is None
+    assert ChainLayout(spans, info.n_tokens).buffers is None  # nothing placed yet
 
 
 def test_a_fetched_record_read_as_a_shared_prefix_copies_nothing(demo_models, tmp_path):
@@ -349,15 +391,16 @@ def test_a_fetched_record_read_as_a_shared_prefix_copies_nothing(demo_models, tm
     tokens are the files' (a greedy answer from it is a fresh prefill's:
     tests/runtime/persist/test_shared_tier_faults.py)."""
     from kvsnap.runtime.engine.batch_cache import shared_prefix_of
-    from kvsnap.runtime.model.loading import load_model  # noqa: F401  (the engine's import)
     from kvsnap.store.tier_layout import ChainLayout
 
     store, info = _store(demo_models.load("dense"), tmp_path / "s")
     from_files, _ = load_composed(store, info, BlockPool())
     layout = ChainLayout(chain_of(info).blocks, info.n_tokens)
     received = _receive_all(store, info, layout)
-    loaded, _ = load_composed(store, info, BlockPool(), in_memory=received, whole=layout.whole)
-    nbytes = sum(a.nbytes for a in (layout.whole or {}).values())
+    buffers = layout.buffers
+    assert buffers is not None
+    loaded, _ = load_composed(store, info, BlockPool(), in_memory=received, buffers=buffers)
+    nbytes = sum(a.nbytes for a in buffers.head(info.n_tokens).values())
     tokens = tuple(info.tokens)
     mx.synchronize()
     before = mx.get_active_memory()

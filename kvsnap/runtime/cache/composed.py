@@ -8,7 +8,7 @@ concatenation that the request's first step evaluates and then writes into in pl
 attention reads one contiguous buffer per layer, so that one copy of the cached tokens is the
 least a request that writes can make; nothing else is copied (``engine.batch_cache`` keeps
 the batch from copying it again). A state fetched from a shared tier is also one buffer per
-tensor (``whole``, its blocks views of it): its copies are views of that, as a local hit's
+tensor (``buffers``, its blocks views of them): its copies are views of those, as a local hit's
 are, and a batch reads it as one shared prefix without concatenating anything.
 """
 
@@ -31,6 +31,7 @@ from kvsnap.store import reading as store_reading
 from kvsnap.store.local import SnapshotInfo, Store
 from kvsnap.store.paths import end_checkpoint
 from kvsnap.store.reading import read_state_parts
+from kvsnap.store.tier_layout import RecordBuffers
 
 ROOM_STEP = 256  # mlx-lm's KVCache grows in steps of 256 tokens: room comes in the same steps
 
@@ -79,14 +80,14 @@ class BlockPool:
 class ComposedState:
     """A warm state as shared blocks: slices ``(start, end, Block)`` tiling [0, n), the
     checkpoint holding the other layers whole (None for attention-only models), the layer list at
-    n. ``whole``: by sliced tensor, one array of all n tokens that the blocks' arrays are views
-    of (a shared tier's fetch, ``store/tier_layout``), or None."""
+    n. ``buffers``: one array per sliced tensor holding all n tokens, the blocks' arrays views of
+    them, with room after (a shared tier's fetch, ``store/tier_layout``), or None."""
 
     blocks: list
     checkpoint: Block | None
     layers: list
     n_tokens: int
-    whole: dict | None = None
+    buffers: RecordBuffers | None = None
 
     def materialize(self, room: int = 0, upto: int | None = None) -> list:
         """A private cache, not computed yet: each sliced tensor is the blocks' slices then
@@ -98,11 +99,11 @@ class ComposedState:
         sliced, whole = split_tensor_names(self.layers)
         if upto is not None and whole:
             raise ValueError("a state with checkpointed layers is only served whole")
-        if self.whole is not None and not whole:
+        if self.buffers is not None and not whole:
             # its tokens are one buffer per tensor already: views, as a local hit's copy is
             # (``codec.copy_cache``); the first write copies them once, with room
             n = self.n_tokens if upto is None else upto
-            views = {name: self.whole[name][..., :n, :] for name in sliced}
+            views = self.buffers.head(n)
             return decode_cache(views, self.layers if upto is None else layers_at(self.layers, n))
         spare = room_for(room)
         arrays: dict[str, Any] = {}
@@ -144,14 +145,14 @@ def load_composed(
     end: int | None = None,
     checkpoint_key: str | None = None,
     in_memory: Mapping[tuple[str, str], bytes | memoryview] | None = None,
-    whole: Mapping[str, Any] | None = None,
+    buffers: RecordBuffers | None = None,
 ) -> tuple[ComposedState, int]:
     """A v3 record's state at ``end`` (default: all of it) as pooled blocks; blocks already in
     the pool are not read again, nor are parts ``in_memory`` by (kind, key) (a shared
     tier's fetch). Returns the state and the bytes this load added to the pool. Reading and
     checking are ``store.reading.read_state_parts``'s; SnapshotError names a bad part.
-    ``whole``: the buffers a fetch received every block into (``store/tier_layout``), kept
-    as the state's ``whole`` when they fit it."""
+    ``buffers``: those a fetch received every block into (``store/tier_layout``), kept as
+    the state's when they fit it."""
     n = info.n_tokens if end is None else end
     if checkpoint_key is None and n == info.n_tokens:
         checkpoint_key = end_checkpoint(info)
@@ -190,19 +191,22 @@ def load_composed(
     )
     blocks = [(start, stop, held[key]) for key, start, stop, _ in spans]
     checkpoint = held[checkpoint_key] if checkpoint_key is not None else None
-    return ComposedState(blocks, checkpoint, layers, n, _whole_of(whole, blocks, n)), added
+    return ComposedState(blocks, checkpoint, layers, n, _fitting(buffers, blocks, n)), added
 
 
-def _whole_of(whole: Mapping[str, Any] | None, blocks: list, n: int) -> dict | None:
-    """``whole`` when it holds every sliced tensor of the blocks at ``n`` tokens in their form
-    (the blocks were checked as loaded; ``whole``'s bytes are theirs), else None."""
-    if not whole or not blocks:
+def _fitting(buffers: RecordBuffers | None, blocks: list, n: int) -> RecordBuffers | None:
+    """``buffers`` when they hold exactly the blocks' sliced tensors at ``n`` tokens in their
+    form (the blocks were checked as loaded; the buffers' bytes are theirs), else None."""
+    if buffers is None or not blocks or buffers.n != n:
         return None
-    for name, a in blocks[0][2].arrays.items():
-        w = whole.get(name)
-        if w is None or w.shape[-2] != n or w.dtype != a.dtype or w.shape[:-2] != a.shape[:-2]:
+    first = blocks[0][2].arrays
+    if first.keys() != buffers.arrays.keys():
+        return None
+    for name, a in first.items():
+        b = buffers.arrays[name]
+        if b.dtype != a.dtype or b.shape[:-2] != a.shape[:-2] or b.shape[-1] != a.shape[-1]:
             return None
-    return dict(whole)
+    return buffers
 
 
 def room_for(tokens: int) -> int:

@@ -9,7 +9,7 @@ state the model's shape check refuses is a SnapshotError, a load error the calle
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any, Protocol, cast
+from typing import Protocol, cast
 
 from kvsnap.errors import SnapshotError
 from kvsnap.runtime.cache.composed import BlockPool, load_composed
@@ -18,6 +18,7 @@ from kvsnap.runtime.model.loading import LoadedModel
 from kvsnap.snapshot.cache_classes import layers_trimmable
 from kvsnap.snapshot.codec import cache_nbytes_of, decode_cache
 from kvsnap.store.local import SnapshotInfo, Store
+from kvsnap.store.tier_layout import RecordBuffers
 
 
 class PrefetchedArrays(Protocol):
@@ -95,15 +96,15 @@ def fetched_loader(
     parts: Mapping[tuple[str, str], bytes | memoryview],
     pool: BlockPool | None,
     check: CheckFn | None = None,
-    whole: Mapping[str, Any] | None = None,
+    buffers: RecordBuffers | None = None,
 ) -> Callable[[], tuple]:
     """Loads a record whose parts are held in memory (a shared tier's fetch, the store still
     writing them) as pooled blocks; parts the pool or the store holds already come from there.
-    ``whole``: the buffers the fetched blocks' tensors view (``store/tier_layout``), which the
+    ``buffers``: what the fetched blocks' tensors view (``store/tier_layout``), which the
     state's copies then read as one prefix."""
     into = pool if pool is not None else BlockPool()
     return lambda: _checked(
-        load_composed(store, info, into, in_memory=parts, whole=whole), info, check
+        load_composed(store, info, into, in_memory=parts, buffers=buffers), info, check
     )
 
 

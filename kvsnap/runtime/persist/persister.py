@@ -308,7 +308,7 @@ class Persister:
         if fetched is not None:  # just fetched from the tier: its parts load from memory
             info = fetched.info
             load = fetched_loader(
-                self.store, info, fetched.parts, self.pool, prefix.check_state, fetched.whole
+                self.store, info, fetched.parts, self.pool, prefix.check_state, fetched.buffers
             )
         else:
             info = self.persisted_for(tokens, namespace, above)

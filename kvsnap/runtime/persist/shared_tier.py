@@ -64,7 +64,7 @@ from kvsnap.store.tier_backends import (
     fleet_secret_from_env,
     open_value,
 )
-from kvsnap.store.tier_layout import ChainLayout
+from kvsnap.store.tier_layout import ChainLayout, RecordBuffers
 from kvsnap.store.tier_values import (
     BLOCK,
     CHECKPOINT,
@@ -532,8 +532,8 @@ class SharedTier:
                 log.warning("[kvsnap] shared tier: %s not used: %s", missed.what, missed.why)
             return 0
         got = sum(p.nbytes for p in parts.values())
-        whole = layout.whole if layout is not None else None
-        fetched = FetchedRecord(namespace, info, data, parts, whole)
+        buffers = layout.buffers if layout is not None else None
+        fetched = FetchedRecord(namespace, info, data, parts, buffers)
         with self._inflight_lock:
             self._fresh[local_key] = fetched
             while len(self._fresh) > FRESH_LIMIT:  # never taken (the request went away)
@@ -545,7 +545,7 @@ class SharedTier:
         self._keeper.submit(self._keep, local_key, fetched)
         elapsed = time.monotonic() - started
         self.stats.hits += 1
-        self.stats.contiguous += whole is not None
+        self.stats.contiguous += buffers is not None
         self.stats.fetched_tokens += n
         self.stats.bytes_in += got + len(value)
         self.stats.fetch_seconds += elapsed
@@ -756,14 +756,14 @@ def _sizes(raw: object) -> dict:
 class FetchedRecord:
     """A record fetched from the tier, checked and re-keyed for the local store: its header
     (``info``, its path the store's), its file's bytes and its parts by (kind, key), each a
-    ``ReceivedPart`` in mlx memory (what the cache loads and the keeper writes); ``whole``:
-    the buffers its blocks' tensors view, when all were received into one per tensor."""
+    ``ReceivedPart`` in mlx memory (what the cache loads and the keeper writes); ``buffers``:
+    what its blocks' tensors view, when all were received into one buffer per tensor."""
 
     namespace: str
     info: SnapshotInfo
     record: bytes
     parts: dict
-    whole: dict | None = None  # every tensor's buffer for all its tokens (``tier_layout``)
+    buffers: RecordBuffers | None = None  # its blocks' tensors in one buffer each (tier_layout)
     taken: bool = False  # by a request (take_fresh)
     release: threading.Event = field(default_factory=threading.Event)  # the keeper may store it
     stored: threading.Event = field(default_factory=threading.Event)  # the keeper is done

@@ -261,6 +261,11 @@ def test_b_continues_a_conversation_a_served_from_the_tier(fleet, scenario):
     # turn 4's own record is written once the keeper has stored the fetched parts it names
     assert wait_for(lambda: persist(fleet.b)["written"] >= written + 1), persist(fleet.b)
     assert after["breaker"] == "closed"
+    # turn 5 on B reads turn 4's kept prefix: the fetched buffers, turn 4's tokens written
+    # into their room (tier_layout.RecordBuffers.extend); answered as the reference
+    reply, _ = turn(fleet.b, sc, 5)
+    assert cached(reply) >= prompt, reply["usage"]
+    assert tier(fleet.b)["hits"] == after["hits"]  # from B's memory, not fetched again
 
 
 def test_a_branch_of_a_conversation_continues_from_its_earlier_turn_on_another_replica(
