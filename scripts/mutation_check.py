@@ -1821,15 +1821,32 @@ BREAKAGES = (
         "a step that only decodes splits its thin matmuls over every OpenBLAS thread",
         (
             Patch(
-                "kvsnap.runtime.engine.batch_runner",
+                "kvsnap.runtime.engine.step_threads",
                 "StepThreads.before_step",
-                "        want = self.decode if decoding_only else 0\n",
-                "        want = 0\n",
+                "        want = self.decoding_threads() if decoding_only else self.blas.default\n",
+                "        want = self.blas.default\n",
             ),
         ),
         (
             "tests/runtime/engine/test_engine.py::"
             "test_a_step_that_only_decodes_runs_on_one_blas_thread_and_prompts_on_all_issue_41",
+        ),
+    ),
+    Breakage(
+        "decode-threads-blind-to-busy-cores",
+        "serving cost (issue 41 item 1)",
+        "a decode step on cores other processes fill still splits over every OpenBLAS thread",
+        (
+            Patch(
+                "kvsnap.runtime.engine.step_threads",
+                "threads_for_idle_cores",
+                "    return max(1, min(most, round(cores - others)))\n",
+                "    return most\n",
+            ),
+        ),
+        (
+            "tests/runtime/engine/test_step_threads.py::"
+            "test_a_decode_step_on_busy_cores_takes_one_thread_and_a_prompt_step_every_thread",
         ),
     ),
     Breakage(

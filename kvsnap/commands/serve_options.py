@@ -46,6 +46,11 @@ def comma_list(text: str) -> list[str]:
     return [part.strip() for part in text.split(",") if part.strip()]
 
 
+def threads_or_auto(text: str) -> int | None:
+    """An argparse type: ``auto`` (None) or a thread count, 0 or more."""
+    return None if text.strip().lower() == "auto" else non_negative_int(text)
+
+
 def non_negative_int(text: str) -> int:
     try:
         value = int(text)
@@ -144,13 +149,14 @@ SERVE_OPTIONS = (
     ),
     Option(
         ("--decode-blas-threads",),
-        type=non_negative_int,
-        default=1,
-        doc_default="1",
+        metavar="N",
+        type=threads_or_auto,
+        default=None,
+        doc_default="auto",
         fills="engine.decode_blas_threads",
-        help="OpenBLAS threads for a batch step that only decodes (Linux CPU; default: 1; "
-        "0: OpenBLAS's own count): a decode step's thin matmuls split over threads wait for "
-        "each thread's wake-up, 4x slower steps on a busy host",
+        help="OpenBLAS threads for a batch step that only decodes (Linux CPU; default: auto, "
+        "the cores other processes leave idle; 0: OpenBLAS's own count): on busy cores a "
+        "decode step's thin matmuls wait for each thread's wake-up",
     ),
     Option(
         ("--max-tokens",),

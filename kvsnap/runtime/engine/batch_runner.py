@@ -15,7 +15,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from kvsnap.blas import BlasThreads, openblas_threads, preload_openblas
+from kvsnap.blas import openblas_threads, preload_openblas
 
 preload_openblas()  # must precede the first mlx import, or mlx keeps its slow reference BLAS
 
@@ -42,6 +42,7 @@ from kvsnap.runtime.engine.sampling import (
     token_logprob,
 )
 from kvsnap.runtime.engine.scheduler import Scheduler
+from kvsnap.runtime.engine.step_threads import StepThreads
 from kvsnap.runtime.engine.types import RequestState, check_request
 from kvsnap.runtime.model.loading import LoadedModel
 from kvsnap.runtime.persist.persister import PERSISTED
@@ -74,35 +75,6 @@ class Generators:
         )
 
 
-@dataclass
-class StepThreads:
-    """OpenBLAS's threads per step: ``decode`` threads for a step that only decodes, all of
-    them for one that computes prompts.
-
-    A decode step's matmuls are a few rows thin; split over two threads, each of the ~60 calls
-    of a step waits for the other thread to wake. On a quiet host that saves ~5 % of the step,
-    on a busy one it costs 4x (mid, 16 rows on 2k tokens, 2 cores with 2 busy processes: 870-
-    1,040 ms a step against 210-260 ms on one thread). Set between steps, the count binds the
-    calls that start after it (mlx runs the next decode step ahead, so a switch lags one step).
-    """
-
-    blas: BlasThreads | None  # None: no OpenBLAS in this process (macOS, mlx's own BLAS)
-    decode: int  # 0: OpenBLAS's own count for decoding too
-    _now: int = -1  # the count last set (-1: never set here)
-
-    def before_step(self, decoding_only: bool) -> None:
-        if self.blas is None:
-            return
-        want = self.decode if decoding_only else 0
-        if want != self._now:
-            self.blas.use(want)
-            self._now = want
-
-    def restore(self) -> None:
-        """OpenBLAS's own count again, for work outside the batch (the warm-up's prefills)."""
-        self.before_step(decoding_only=False)
-
-
 class BatchRunner:
     def __init__(
         self,
@@ -111,7 +83,7 @@ class BatchRunner:
         sched: Scheduler,
         accounts: TokenAccounts,
         prefill_batch_size: int,
-        decode_blas_threads: int = 1,
+        decode_blas_threads: int | None = None,
     ):
         self.lm, self.new_generator = generators.lm, generators.new
         self.caches, self.sched, self.accounts = caches, sched, accounts

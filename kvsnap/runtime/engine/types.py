@@ -34,9 +34,9 @@ class EngineConfig:
     # kvsnap serve: the weights are mapped at load and read on the engine thread right after
     # warm, before its first request, so /health does not wait for seconds of reading
     weights_after_warm: bool = False
-    # OpenBLAS threads for a batch step that only decodes (0: OpenBLAS's own count):
-    # batch_runner.StepThreads says why one
-    decode_blas_threads: int = 1
+    # OpenBLAS threads for a batch step that only decodes (None: the cores other processes
+    # leave idle; 0: OpenBLAS's own count): step_threads.py says why
+    decode_blas_threads: int | None = None
 
 
 @dataclass
