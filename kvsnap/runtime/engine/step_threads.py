@@ -23,17 +23,27 @@ TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 BUSY_COLUMNS = (0, 1, 2, 5, 6, 7)
 
 
-def host_busy_seconds(path: str = PROC_STAT) -> float | None:
-    """CPU seconds every core of the host has spent busy since boot; None where unreadable."""
+def busy_seconds(cpus: frozenset[int] | None = None, path: str = PROC_STAT) -> float | None:
+    """CPU seconds the ``cpus`` (None: every core of the host) have spent busy since boot, from
+    /proc/stat; None where it cannot be read."""
     try:
         with open(path) as stat:
-            fields = stat.readline().split()
+            lines = stat.readlines()
     except OSError:
         return None
-    if not fields or fields[0] != "cpu":
-        return None
-    values = [int(v) for v in fields[1:]]
-    return sum(values[i] for i in BUSY_COLUMNS if i < len(values)) / TICKS
+    ticks, seen = 0, False
+    for line in lines:
+        fields = line.split()
+        if not fields or not fields[0].startswith("cpu"):
+            continue
+        name = fields[0][3:]
+        # the "cpu" total line for the whole host, each "cpuN" line for only the cores we run on
+        if (cpus is None) != (name == "") or (cpus is not None and int(name) not in cpus):
+            continue
+        values = [int(v) for v in fields[1:]]
+        ticks += sum(values[i] for i in BUSY_COLUMNS if i < len(values))
+        seen = True
+    return ticks / TICKS if seen else None
 
 
 def own_cpu_seconds() -> float:
@@ -41,11 +51,17 @@ def own_cpu_seconds() -> float:
     return times.user + times.system
 
 
-def usable_cores() -> int:
+def our_cpus() -> frozenset[int] | None:
+    """The cores this process may run on (a container's cpuset); None where unknown (macOS)."""
     try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # macOS
-        return os.cpu_count() or 1
+        return frozenset(os.sched_getaffinity(0))
+    except AttributeError:
+        return None
+
+
+def usable_cores() -> int:
+    cpus = our_cpus()
+    return len(cpus) if cpus else (os.cpu_count() or 1)
 
 
 def threads_for_idle_cores(cores: int, others: float, most: int) -> int:
@@ -56,18 +72,20 @@ def threads_for_idle_cores(cores: int, others: float, most: int) -> int:
 
 @dataclass
 class OthersLoad:
-    """Cores' worth of CPU the host's other processes used, over the last ``interval`` seconds
+    """Cores' worth of CPU other processes used on our cores, over the last ``interval`` seconds
     or more (read between steps: two small reads, at most once per interval)."""
 
     interval: float = 0.5
-    _last: tuple[float, float, float] | None = None  # (monotonic, host busy s, own s)
+    # the cores watched: those this process may run on (others elsewhere do not slow it)
+    cpus: frozenset[int] | None = field(default_factory=our_cpus)
+    _last: tuple[float, float, float] | None = None  # (monotonic, their busy s, own s)
     _value: float = 0.0
 
     def read(self) -> float | None:
         now = time.monotonic()
         if self._last is not None and now - self._last[0] < self.interval:
             return self._value
-        busy = host_busy_seconds()
+        busy = busy_seconds(self.cpus)
         if busy is None:
             return None
         own = own_cpu_seconds()

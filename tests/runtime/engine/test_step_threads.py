@@ -4,6 +4,7 @@ is tested in test_engine.py (fixed counts); here the automatic count on a really
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -108,3 +109,25 @@ def test_a_fixed_count_ignores_the_host():
         assert blas.current() == blas.default
     finally:
         blas.use(0)
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no CPU affinity here")
+def test_others_load_watches_only_the_cores_it_is_given():
+    """A container's cpuset: work on other cores of the host does not slow this process."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.skip("one core")
+    pinned = cpus[-1]
+    proc = subprocess.Popen(
+        [sys.executable, "-c", f"import os\nos.sched_setaffinity(0, {{{pinned}}})\n{SPIN}"]
+    )
+    try:
+        on_it = OthersLoad(interval=0.0, cpus=frozenset({pinned}))
+        on_it.read()
+        time.sleep(1.0)
+        assert (on_it.read() or 0.0) >= 0.6
+    finally:
+        proc.kill()
+        proc.wait()
+    # a core the host does not have: unknown, and the caller keeps OpenBLAS's own count
+    assert OthersLoad(cpus=frozenset({10_000})).read() is None
