@@ -15,7 +15,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from kvsnap.blas import openblas_threads, preload_openblas
+from kvsnap.blas import preload_openblas
 
 preload_openblas()  # must precede the first mlx import, or mlx keeps its slow reference BLAS
 
@@ -83,7 +83,7 @@ class BatchRunner:
         sched: Scheduler,
         accounts: TokenAccounts,
         prefill_batch_size: int,
-        decode_blas_threads: int | None = None,
+        threads: StepThreads,
     ):
         self.lm, self.new_generator = generators.lm, generators.new
         self.caches, self.sched, self.accounts = caches, sched, accounts
@@ -103,7 +103,7 @@ class BatchRunner:
         self._prefixes: dict[tuple[int, ...], list[SharedPrefix]] = {}
         # uids whose prompt is still being computed: while there are none, a step only decodes
         self._prompting: set[int] = set()
-        self.blas_threads = StepThreads(openblas_threads(), decode_blas_threads)
+        self.threads = threads  # OpenBLAS's count per step
 
     def drop(self) -> None:
         """Forget the generator, keeping the prompt tokens it counted."""
@@ -212,7 +212,7 @@ class BatchRunner:
         gen = self.gen
         if gen is None:  # nothing admitted yet
             return
-        self.blas_threads.before_step(decoding_only=not self._prompting)
+        self.threads.before_step(decoding_only=not self._prompting)
         prompt_responses, generation_responses = gen.next()
         failed = self._fail_sampling(gen)
         for r in prompt_responses:

@@ -31,7 +31,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Callable, TypeVar
 
-from kvsnap.blas import preload_openblas
+from kvsnap.blas import openblas_threads, preload_openblas
 
 # before the first mlx import (here or on the engine thread): mlx keeps its slow reference BLAS
 preload_openblas()
@@ -55,6 +55,7 @@ from kvsnap.runtime.engine.startup import (
     prefill_many,
     run_then_park,
 )
+from kvsnap.runtime.engine.step_threads import StepThreads
 from kvsnap.runtime.engine.types import (
     EngineConfig,
     EventFn,
@@ -98,6 +99,7 @@ class ServingParts:
 
     caches: RequestCaches
     batch: BatchRunner
+    threads: StepThreads  # OpenBLAS's count per step, batched or sequential
 
 
 # how long the weights' read waits for ``read_weights_when`` at most
@@ -539,7 +541,7 @@ class Engine:
             self.persister.pump()
         if self.rewarmer.running:
             if self._serving is not None:  # its prefill chunk on every BLAS thread
-                self._serving.batch.blas_threads.restore()
+                self._serving.threads.restore()
             # one snapshot read or prefill chunk, between decode steps
             self.rewarmer.step(parts.prefix, parts.counts)
 
@@ -558,15 +560,16 @@ class Engine:
         runner, given those: built once the warm-up has run and the persister is known."""
         parts = self.ready()
         caches = RequestCaches(parts.lm, parts.prefix, self.accounts, self.persister)
+        threads = StepThreads(openblas_threads(), self.config.decode_blas_threads)
         batch = BatchRunner(
             parts.generators,
             caches,
             self.sched,
             self.accounts,
             self.config.prefill_batch_size,
-            self.config.decode_blas_threads,
+            threads,
         )
-        return ServingParts(caches, batch)
+        return ServingParts(caches, batch, threads)
 
     def _cancel(self, state: RequestState) -> None:
         uid = self.sched.withdraw(state)
@@ -577,7 +580,8 @@ class Engine:
 
     def _run_sequential(self, state: RequestState) -> None:
         """One request alone (quantized KV, or --continuous-batching off); it fails alone."""
-        parts, caches = self.ready(), self.serving().caches
+        parts, serving = self.ready(), self.serving()
+        caches = serving.caches
         self.sched.activate(-state.id, state)
 
         def capture(cache: list) -> None:
@@ -591,7 +595,15 @@ class Engine:
             prepared = caches.prepare(state)
             eos = {t[0] for t in parts.generators.stop_tokens}
             run = SequentialRun(
-                parts.lm, state, prepared.cache, self.accounts, eos, self._poll, capture, keep_reply
+                parts.lm,
+                state,
+                prepared.cache,
+                self.accounts,
+                eos,
+                self._poll,
+                capture,
+                keep_reply,
+                serving.threads,
             )
             run.run(prepared.suffix)
         except Exception as exc:  # this request fails; the engine goes on

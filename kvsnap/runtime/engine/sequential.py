@@ -18,6 +18,7 @@ from mlx_lm.generate import maybe_quantize_kv_cache
 from kvsnap.runtime.engine.accounting import TokenAccounts
 from kvsnap.runtime.engine.request_output import deliver_token, finish_request
 from kvsnap.runtime.engine.sampling import make_request_sampler, token_logprob
+from kvsnap.runtime.engine.step_threads import StepThreads
 from kvsnap.runtime.engine.types import RequestState
 from kvsnap.runtime.model.loading import LoadedModel
 from kvsnap.runtime.prefill.chunked import run_chunk
@@ -36,6 +37,7 @@ class SequentialRun:
     # at a normal finish, keep prompt + reply: (the cache, the tokens it holds past the cached
     # head: the suffix and every generated token but the last, which is never fed)
     keep_reply: Callable[[list, list[int]], None] | None = None
+    threads: StepThreads | None = None  # OpenBLAS's count: every thread to prefill, fewer to decode
 
     def run(self, suffix: list[int]) -> None:
         body, last = list(suffix[:-1]), suffix[-1]
@@ -59,6 +61,8 @@ class SequentialRun:
 
         Room for the whole prompt (the last token too) is made at once, as ``build`` does."""
         step = self.lm.settings.prefill_step_size
+        if self.threads is not None:
+            self.threads.before_step(decoding_only=False)
         with reserved(self.cache, len(body) + 1):
             for start in range(0, len(body), step):
                 chunk = body[start : start + step]
@@ -75,6 +79,8 @@ class SequentialRun:
         sampler = make_request_sampler(r.temperature, r.top_p, r.seed, r.top_k, r.min_p)
         token = mx.array([[last]], dtype=mx.int32)
         for i in range(r.max_tokens):
+            if self.threads is not None:
+                self.threads.before_step(decoding_only=True)
             logits = self.lm.model(token, cache=self.cache)[:, -1, :]
             if i == 0:
                 self.accounts.ran(1)  # the last prompt token

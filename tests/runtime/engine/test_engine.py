@@ -1059,3 +1059,23 @@ def test_a_step_that_only_decodes_runs_on_one_blas_thread_and_prompts_on_all_iss
     assert [t for n, t in seen if 2 <= n <= 4] == [decode] * 3, seen
     assert blas.default in [t for n, t in seen if n > 4], seen
     assert seen[-1][1] == decode, seen
+
+
+@pytest.mark.skipif(
+    find_openblas() is None or not sys.platform.startswith("linux"),
+    reason="Debian's libopenblas0-pthread is not installed",
+)
+def test_the_sequential_path_decodes_on_the_decode_threads_issue_41(worlds, engines, oracle):
+    """Without --continuous-batching (or with a quantized KV) each token is one decode step too."""
+    from kvsnap.blas import openblas_threads
+
+    blas = openblas_threads()
+    if blas is None or blas.default < 2:
+        pytest.skip("OpenBLAS runs one thread here")
+    world = worlds("dense")
+    engine = engines.start(world, continuous_batching=False, decode_blas_threads=1)
+    tokens = world.request(0, QUESTIONS[1])
+    seen: list[int] = []
+    state = submit(engine, tokens, on_event=lambda s, k, p: seen.append(blas.current()))
+    assert answer_of(finish(state)) == oracle(world, tokens)
+    assert set(seen) == {1}, seen
