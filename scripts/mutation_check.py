@@ -2836,6 +2836,24 @@ BREAKAGES = (
         ),
     ),
     Breakage(
+        "fetched-early-blocks-left-out",
+        "fleet: every answer a never-killed server's (issue 40)",
+        "the blocks a fetch received before the record's buffers were made are not copied "
+        "into them: those tokens read zeros",
+        (
+            Patch(
+                "kvsnap.store.tier_layout",
+                "ChainLayout.finish",
+                "                run[:] = data[at : at + len(run)]\n",
+                "                pass\n",
+            ),
+        ),
+        (
+            "tests/store/test_reading.py::"
+            "test_blocks_received_before_the_buffers_are_made_are_copied_in",
+        ),
+    ),
+    Breakage(
         "fetched-blocks-in-buffers-of-their-own",
         "fleet failover cost (issue 40)",
         "a fetch of every block of a record receives each into a buffer of its own (the record "
@@ -2843,7 +2861,7 @@ BREAKAGES = (
         (
             Patch(
                 "kvsnap.store.tier_layout",
-                "ChainLayout.buffers",
+                "ChainLayout.finish",
                 "        if self._refused or self._placed != set(self.spans)",
                 "        if True or self._refused or self._placed != set(self.spans)",
             ),

@@ -7,25 +7,26 @@ a local hit reads its kept prefix as it is. Here each block's tensor is received
 into its tokens' place in one buffer ``(..., n + room, dim)`` per tensor (a part's tensor is
 one contiguous run per leading row there), and the part's arrays are views of it: the state is
 its blocks as before and also one contiguous prefix (``RecordBuffers``, the state's
-``whole``). The ``room`` after the record's tokens takes the tokens of the request that
+``buffers``). The ``room`` after the record's tokens takes the tokens of the request that
 continues it, so that request keeps its prompt as views too (``RecordBuffers.extend``)
 instead of copying all of the KV into fresh memory. The bytes are checked as they arrive, as
 for a part's own buffer (``tier_values.receive_part``).
 
-No mlx import at module level: the buffers are made on the fetch's mlx thread
-(``on_mlx_thread``), each when a block first reaches its tensor (so making them overlaps the
-receiving), and zeroed by mlx (a fetch runs beside the engine's steps: see
+No mlx import at module level: the buffers are made on an mlx thread of the caller's, beside
+the receiving (``ChainLayout``), and zeroed by mlx (a fetch runs beside the engine's steps: see
 ``fileio.zeroed_buffer``).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, Iterator, Sequence
+from concurrent.futures import Future
+from dataclasses import replace
+from typing import Any, Callable, Mapping, Sequence
 
 from kvsnap.snapshot.file import Header, TensorEntry
 from kvsnap.snapshot.format import DTYPES
-from kvsnap.store.part_readers import on_mlx_thread
+from kvsnap.store.tier_values import ReceivedPart
 
 # Tokens of room after a fetched record's in its buffers: the next turn's prompt and reply
 # (a longer one copies the KV as before). 1,024 fp32 tokens of the Qwen3-0.6B shape: 235 MB.
@@ -88,49 +89,107 @@ class RecordBuffers:
 
 class ChainLayout:
     """Where the blocks of one record (``spans``: ``(key, start, end)`` tiling [0,
-    ``n_tokens``)) are received. ``place`` is called once per block on the mlx thread;
-    ``buffers`` once every block was placed."""
+    ``n_tokens``)) are received. ``place`` is called once per block on the fetch's mlx
+    thread; ``finish`` once every block was received.
+
+    The buffers are made (zeroed: ~1 s per 2 GB on these cores) by ``allocate`` (a function
+    that runs a call on an mlx thread of its own and returns its Future) once the first block
+    names the tensors, beside the receiving; the blocks placed before they are ready are
+    received into buffers of their own and copied in by ``finish`` (the receiving never waits
+    for the zeroing). Without ``allocate`` the first block makes them, there and then."""
 
     def __init__(
-        self, spans: Sequence[tuple[str, int, int]], n_tokens: int, room: int = ROOM_TOKENS
+        self,
+        spans: Sequence[tuple[str, int, int]],
+        n_tokens: int,
+        room: int = ROOM_TOKENS,
+        allocate: Callable[[Callable[[], None]], Future] | None = None,
     ):
         self.spans = {key: (start, end) for key, start, end in spans}
         self.n_tokens = n_tokens
         self.capacity = n_tokens + max(0, room)
+        self._allocate = allocate
+        self._made: Future | None = None
+        self._ready = False  # every buffer made
         self._forms: dict[str, tuple] = {}  # tensor name -> (leading shape, dim, dtype)
         self._arrays: dict[str, Any] = {}  # tensor name -> (..., capacity, dim)
         self._bytes: dict[str, memoryview] = {}  # the same buffers, writable bytes
         self._placed: set[str] = set()
+        self._early: dict[str, list] = {}  # blocks received before the buffers: their entries
         self._refused = False
 
-    def place(self, key: str, header: Header) -> tuple[Iterator[memoryview], dict] | None:
-        """Block ``key``'s data as runs of the record's buffers, in the data's byte order (an
-        iterator: a buffer is made when the first block reaches its tensor), and the dict its
-        tensors' views fill once the runs are all taken; None when the block does not fit
-        (another span, an unknown dtype or shape): the caller receives it into a buffer of its
-        own and the record has no ``buffers``."""
+    def place(self, key: str, header: Header) -> tuple[list[memoryview], dict] | None:
+        """Block ``key``'s data as runs of the record's buffers, in the data's byte order, and
+        its tensors as views of them (evaluated); None when the buffers are not made yet (the
+        caller receives it into a buffer of its own; ``finish`` copies it in) or it does not
+        fit (another span, tensor, dtype or shape: the record then has no buffers)."""
         span = self.spans.get(key)
         entries = sorted(header.tensors.values(), key=lambda e: e.start)
-        if span is None or key in self._placed or not all(self._fits(e, span) for e in entries):
+        if (
+            span is None
+            or key in self._placed
+            or not entries
+            or not all(self._fits(e, span) for e in entries)
+            or (self._forms and {e.name for e in entries} != self._forms.keys())
+        ):
             self._refused = True
             return None
-        for e in entries:
-            self._forms.setdefault(e.name, _form(e))
+        if not self._forms:
+            self._forms = {e.name: _form(e) for e in entries}
+            if self._allocate is None:
+                self._make_all()
+            else:
+                self._made = self._allocate(self._make_all)
         self._placed.add(key)
-        views: dict = {}
-        return self._runs(entries, span, views), views
+        if not self._ready:
+            self._early[key] = entries
+            return None
+        return self._runs(entries, span), self._views(entries, span)
 
-    def _runs(self, entries: list, span: tuple[int, int], views: dict) -> Iterator[memoryview]:
+    def finish(self, received: Mapping[str, ReceivedPart]) -> RecordBuffers | None:
+        """(the fetch's mlx thread, every block received: ``received`` by block key) The
+        record's buffers, the blocks received before them copied in (their parts then view the
+        buffers, so their own are freed: ``received`` is updated); None when a block was
+        refused or missing, or the buffers could not be made (raised here)."""
+        if self._refused or self._placed != set(self.spans):
+            return None
+        if self._made is not None:
+            self._made.result()
+        if not self._ready or not set(self._early) <= received.keys():
+            return None
+        updated = {}
+        for key, entries in self._early.items():
+            part = received[key]
+            data = part.runs[0] if len(part.runs) == 1 else memoryview(b"".join(part.runs))
+            runs = self._runs(entries, self.spans[key])
+            at = 0
+            for run in runs:  # the part's data in its byte order, as the runs take it
+                run[:] = data[at : at + len(run)]
+                at += len(run)
+            updated[key] = replace(
+                part, runs=tuple(runs), held=self._views(entries, self.spans[key])
+            )
+        if isinstance(received, dict):
+            received.update(updated)
+        return RecordBuffers(dict(self._arrays), dict(self._bytes), self.n_tokens, self.capacity)
+
+    def _runs(self, entries: list, span: tuple[int, int]) -> list[memoryview]:
         start, end = span
+        runs = []
         for e in entries:
-            if e.name not in self._bytes:
-                on_mlx_thread(self._make, e.name)
             row = e.shape[-1] * DTYPES[e.dtype][1]  # one token's bytes in one leading row
             whole = self._bytes[e.name]
             for lead in range(math.prod(e.shape[:-2])):
                 at = (lead * self.capacity + start) * row
-                yield whole[at : at + (end - start) * row]
-        views.update(on_mlx_thread(self._views, [e.name for e in entries], start, end))
+                runs.append(whole[at : at + (end - start) * row])
+        return runs
+
+    def _views(self, entries: list, span: tuple[int, int]) -> dict:
+        import mlx.core as mx
+
+        views = {e.name: self._arrays[e.name][..., span[0] : span[1], :] for e in entries}
+        mx.eval(list(views.values()))
+        return views
 
     def _fits(self, e: TensorEntry, span: tuple[int, int]) -> bool:
         if (
@@ -142,36 +201,19 @@ class ChainLayout:
             return False
         return self._forms.get(e.name, _form(e)) == _form(e)
 
-    def _make(self, name: str) -> None:
-        """The record's buffer for tensor ``name`` (mlx thread), zeroed by mlx: its bytes and
-        a typed view of them."""
+    def _make_all(self) -> None:
+        """Every tensor's buffer (an mlx thread), zeroed by mlx: its bytes and a typed view."""
         import mlx.core as mx
 
-        if name in self._bytes:  # another block's thread asked first
-            return
-        lead, dim, dtype = self._forms[name]
-        mlx_name, size = DTYPES[dtype]
-        shape = (*lead, self.capacity, dim)
-        buf = mx.zeros((max(1, math.prod(shape) * size),), dtype=mx.uint8)
-        typed = buf.view(getattr(mx, mlx_name)).reshape(shape)
-        mx.eval(buf, typed)
-        self._arrays[name] = typed
-        self._bytes[name] = memoryview(buf)  # type: ignore[arg-type]
-
-    def _views(self, names: list[str], start: int, end: int) -> dict:
-        import mlx.core as mx
-
-        views = {name: self._arrays[name][..., start:end, :] for name in names}
-        mx.eval(list(views.values()))
-        return views
-
-    @property
-    def buffers(self) -> RecordBuffers | None:
-        """The record's buffers once every block was placed here and filled (None otherwise:
-        a block received elsewhere left its tokens' place unfilled)."""
-        if self._refused or self._placed != set(self.spans) or set(self._bytes) != set(self._forms):
-            return None
-        return RecordBuffers(dict(self._arrays), dict(self._bytes), self.n_tokens, self.capacity)
+        for name, (lead, dim, dtype) in self._forms.items():
+            mlx_name, size = DTYPES[dtype]
+            shape = (*lead, self.capacity, dim)
+            buf = mx.zeros((max(1, math.prod(shape) * size),), dtype=mx.uint8)
+            typed = buf.view(getattr(mx, mlx_name)).reshape(shape)
+            mx.eval(buf, typed)
+            self._arrays[name] = typed
+            self._bytes[name] = memoryview(buf)  # type: ignore[arg-type]
+        self._ready = True
 
 
 def _form(e: TensorEntry) -> tuple:

@@ -270,7 +270,7 @@ def test_a_received_part_flipped_truncated_or_foreign_is_refused(built):
 # --- a record's blocks received into one buffer per tensor (store/tier_layout) ------------------
 
 
-def _receive_all(store, info, layout) -> dict:
+def _receive_all(store, info, layout, stop_after: int | None = None, skip: int = 0) -> dict:
     """Every block of ``info`` received from its sealed value through ``layout`` (a block it
     refuses into a buffer of its own, as the shared tier does)."""
     from kvsnap.store.fileio import unfilled_tensors
@@ -278,7 +278,7 @@ def _receive_all(store, info, layout) -> dict:
     from kvsnap.store.tier_values import BLOCK, receive_part
 
     received = {}
-    for key, _, _ in chain_of(info).blocks:
+    for key, _, _ in chain_of(info).blocks[skip:stop_after]:
         data = part_path(store, BLOCK_KIND, key).read_bytes()
 
         def place(header, key=key):
@@ -294,6 +294,14 @@ def _receive_all(store, info, layout) -> dict:
     return received
 
 
+def _finish(layout, received: dict):
+    """``layout.finish`` of the received blocks (``received`` updated as the tier's is)."""
+    blocks = {key: part for (kind, key), part in received.items() if kind == BLOCK_KIND}
+    buffers = layout.finish(blocks)
+    received.update({(BLOCK_KIND, key): part for key, part in blocks.items()})
+    return buffers
+
+
 def test_a_records_blocks_received_into_one_buffer_per_tensor_are_views_of_it(built):
     """A fetch of every block of a record receives each block's tensors into their tokens'
     place in one buffer per tensor: the blocks load as views of it (the same values as the
@@ -306,7 +314,7 @@ def test_a_records_blocks_received_into_one_buffer_per_tensor_are_views_of_it(bu
     spans = chain_of(info).blocks
     layout = ChainLayout(spans, info.n_tokens, room=64)
     received = _receive_all(store, info, layout)
-    buffers = layout.buffers
+    buffers = _finish(layout, received)
     assert buffers is not None and buffers.arrays.keys() == from_files.blocks[0][2].arrays.keys()
     assert buffers.n == info.n_tokens and buffers.capacity == info.n_tokens + 64
     checkpoints = (
@@ -332,6 +340,59 @@ def test_a_records_blocks_received_into_one_buffer_per_tensor_are_views_of_it(bu
     assert not mx.array_equal(block.arrays[first], old).item()
 
 
+def test_blocks_received_before_the_buffers_are_made_are_copied_in(built):
+    """The buffers are made on a thread of their own beside the receiving: the blocks that
+    arrive first go into buffers of their own and are copied in at the end (their parts then
+    view the record's buffers), the rest straight into place; the record is whole either way
+    and holds the files' values."""
+    import concurrent.futures
+
+    from kvsnap.store.tier_layout import ChainLayout
+
+    store, info = built
+    from_files, _ = load_composed(store, info, BlockPool())
+    spans = chain_of(info).blocks
+    gate = threading.Event()
+    made = []
+
+    def allocate(fn):
+        def later():
+            gate.wait(20)
+            fn()
+            made.append(True)
+
+        return pool.submit(later)
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        layout = ChainLayout(spans, info.n_tokens, allocate=allocate)
+        early = _receive_all(store, info, layout, stop_after=2)  # before the buffers exist
+        gate.set()
+        while not made:
+            time.sleep(0.01)
+        later = _receive_all(store, info, layout, skip=2)
+        received = {**early, **later}
+        buffers = _finish(layout, received)
+    assert buffers is not None
+    for i, ((start, end, want), (key, _, _)) in enumerate(zip(from_files.blocks, spans)):
+        part = received[(BLOCK_KIND, key)]
+        for name, array in want.arrays.items():
+            assert mx.array_equal(buffers.arrays[name][..., start:end, :], array).item(), i
+            assert mx.array_equal(part.held[name], array).item(), i
+        assert (
+            b"".join(bytes(r) for r in part.runs)
+            == part_path(store, BLOCK_KIND, key).read_bytes()[len(part.head) :]
+        )  # what the keeper writes
+    # the early parts now view the record's buffers: a byte written there shows in them
+    first = next(iter(buffers.arrays))
+    start, end, _ = from_files.blocks[0]
+    part = received[(BLOCK_KIND, spans[0][0])]
+    old = part.held[first] + 0
+    mx.eval(old)
+    row = buffers.arrays[first].shape[-1] * buffers.arrays[first].itemsize
+    buffers._bytes[first][start * row : (start + 1) * row] = b"\x7f" * row
+    assert not mx.array_equal(part.held[first], old).item()
+
+
 def test_a_fetched_records_buffers_take_the_tokens_that_continue_it_once(built):
     """The room after a fetched record's tokens takes the KV of the request that continues
     it: the kept prefix is views of the buffers (its values the concatenation's), a longer
@@ -341,8 +402,7 @@ def test_a_fetched_records_buffers_take_the_tokens_that_continue_it_once(built):
 
     store, info = built
     layout = ChainLayout(chain_of(info).blocks, info.n_tokens, room=16)
-    _receive_all(store, info, layout)
-    buffers = layout.buffers
+    buffers = _finish(layout, _receive_all(store, info, layout))
     assert buffers is not None
     n = buffers.n
 
@@ -379,9 +439,8 @@ def test_a_record_with_a_block_received_elsewhere_has_no_buffers(built):
     store, info = built
     spans = chain_of(info).blocks
     layout = ChainLayout(spans[1:], info.n_tokens)  # the first block is not the layout's
-    _receive_all(store, info, layout)
-    assert layout.buffers is None
-    assert ChainLayout(spans, info.n_tokens).buffers is None  # nothing placed yet
+    assert _finish(layout, _receive_all(store, info, layout)) is None
+    assert ChainLayout(spans, info.n_tokens).finish({}) is None  # nothing placed yet
 
 
 def test_a_fetched_record_read_as_a_shared_prefix_copies_nothing(demo_models, tmp_path):
@@ -397,7 +456,7 @@ def test_a_fetched_record_read_as_a_shared_prefix_copies_nothing(demo_models, tm
     from_files, _ = load_composed(store, info, BlockPool())
     layout = ChainLayout(chain_of(info).blocks, info.n_tokens)
     received = _receive_all(store, info, layout)
-    buffers = layout.buffers
+    buffers = _finish(layout, received)
     assert buffers is not None
     loaded, _ = load_composed(store, info, BlockPool(), in_memory=received, buffers=buffers)
     nbytes = sum(a.nbytes for a in buffers.head(info.n_tokens).values())

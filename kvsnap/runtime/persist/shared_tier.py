@@ -229,6 +229,10 @@ class SharedTier:
         self._keeper = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="kvsnap-keep", initializer=_lowest_priority
         )
+        # makes a fetched record's buffers (mlx zeros, its own stream) beside the receiving
+        self._allocator = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="kvsnap-tier-alloc"
+        )
         self._thread = threading.Thread(target=self._run, name="kvsnap-tier-push", daemon=True)
         self._thread.start()
 
@@ -523,7 +527,7 @@ class SharedTier:
         if not self._worth_it(n, nbytes, attempt.deadline):
             self.stats.skipped_slower += 1
             return 0
-        layout = _layout_for(info, wanted)
+        layout = _layout_for(info, wanted, self._allocator.submit)
         try:
             parts = self._fetch_parts(names, wanted, attempt, layout)
         except _Missed as missed:
@@ -532,7 +536,11 @@ class SharedTier:
                 log.warning("[kvsnap] shared tier: %s not used: %s", missed.what, missed.why)
             return 0
         got = sum(p.nbytes for p in parts.values())
-        buffers = layout.buffers if layout is not None else None
+        buffers = None
+        if layout is not None:  # the blocks received before the buffers were made: copied in
+            blocks = {key: part for (kind, key), part in parts.items() if kind == BLOCK_KIND}
+            buffers = layout.finish(blocks)
+            parts.update({(BLOCK_KIND, key): part for key, part in blocks.items()})
         fetched = FetchedRecord(namespace, info, data, parts, buffers)
         with self._inflight_lock:
             self._fresh[local_key] = fetched
@@ -691,6 +699,7 @@ class SharedTier:
             self._queue.clear()
             self._queued_bytes = 0
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._allocator.shutdown(wait=False, cancel_futures=True)
         # what was fetched is stored before the process ends (bounded by the fetches' size)
         self._release(taken_only=False)
         self._keeper.shutdown(wait=True)
@@ -698,15 +707,18 @@ class SharedTier:
         return left
 
 
-def _layout_for(info: SnapshotInfo, wanted: list) -> ChainLayout | None:
+def _layout_for(info: SnapshotInfo, wanted: list, allocate) -> ChainLayout | None:
     """Where a record's blocks are received: one buffer per tensor for all its tokens when
-    every block is fetched (``tier_layout``: the engine then reads it as one prefix), else
-    None (each part its own buffer; the blocks held here fill their tokens' place)."""
+    every block is fetched (``tier_layout``: the engine then reads it as one prefix; the
+    buffers made by ``allocate``'s thread beside the receiving), else None (each part its own
+    buffer; the blocks held here fill their tokens' place)."""
     if info.chain is None:
         return None
     spans = [(key, start, end) for key, start, end, _ in info.chain.spans(info.n_tokens)]
     fetched = {key for kind, key in wanted if kind == BLOCK_KIND}
-    return ChainLayout(spans, info.n_tokens) if {s[0] for s in spans} <= fetched else None
+    if not {s[0] for s in spans} <= fetched:
+        return None
+    return ChainLayout(spans, info.n_tokens, allocate=allocate)
 
 
 def _place(layout: ChainLayout | None, key: str, header) -> tuple:
