@@ -14,9 +14,10 @@ Failover (the Qwen3-0.6B shape, fp32, made locally; one redis-server on 127.0.0.
   (a') disk hit    with --disk-hit: turn k+1 to D, a replica started on a copy of A's store
                    (no tier): the same replica restarted, its conversation on its own disk
   (b) tier fetch   turn k+1 to B: a fresh replica, its own empty store, the same tier
-                   (started per repetition: one fetch each). B first answers one short
-                   unrelated request, as a replica of a running fleet has (its weights,
-                   read after /health since d6776df, are then read); --cold-b: measured
+                   (started per repetition: one fetch each). B first serves a short
+                   conversation of its own (two turns of ~400 tokens, the second a hit), as
+                   a replica of a running fleet has: its weights (read after /health since
+                   d6776df) are read and the hit's code has run once; --cold-b: measured
                    right after /health, as runs 1-10 of docs/benchmarks.md were
   (c) full prefill turn k+1 to C: kvsnap serve M --continuous-batching (no store, no tier)
 
@@ -294,8 +295,9 @@ def profile_summary(path: Path, depth: int = 3, top: int = 8) -> dict:
     }
 
 
-# B's one request before the measure: short, no prefix of the conversation (a tier miss)
-WARM_B = "Warm-up: say hello."
+# B's warm-up before the measure: a short conversation of its own (no prefix of the measured
+# one), two turns, the second a hit on the first (the shared-prefix path's first run)
+WARM_B_TOKENS = 400
 
 
 def turn(history: list, tag: str) -> list:
@@ -320,6 +322,7 @@ def failover(args, out: dict, save) -> None:
     )
     tokenizer = AutoTokenizer.from_pretrained(str(model))
     system = system_prompt_of(tokenizer, args.tokens - 40, salt="Fleet failover.")
+    warm_b = system_prompt_of(tokenizer, WARM_B_TOKENS, salt="A warm-up of B's own.")
     env = kvsnap_env(args.workdir)
     redis = Redis(work / "redis")
     common = ["--continuous-batching"]
@@ -380,7 +383,13 @@ def failover(args, out: dict, save) -> None:
             servers.append(b)
             try:
                 if not args.cold_b:  # a running replica: weights read, kernels run
-                    ask(b, [{"role": "user", "content": WARM_B}], 2)
+                    talk = [
+                        {"role": "system", "content": warm_b},
+                        {"role": "user", "content": "Hi."},
+                    ]
+                    reply = ask(b, talk, 2)
+                    talk += [{"role": "assistant", "content": reply.pop("text")}]
+                    ask(b, [*talk, {"role": "user", "content": "And then?"}], 2)
                     settle(b, timeout=60)
                 before, rcpu = persist(b)["shared_tier"], redis.cpu_s()
                 spy = work / f"profile-tier{rep}.txt" if args.profile else None
