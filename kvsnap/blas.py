@@ -51,17 +51,27 @@ def preload_openblas() -> str | None:
     return path
 
 
-def loaded_openblas_path() -> str | None:
-    """The OpenBLAS library mapped into this process (Linux: /proc/self/maps), or None."""
+def mapped_openblas_paths() -> list[str]:
+    """The OpenBLAS libraries mapped into this process (Linux: /proc/self/maps), in map order."""
+    paths: list[str] = []
     try:
         with open("/proc/self/maps") as maps:
             for line in maps:
                 path = line.split(maxsplit=5)[-1].strip()
-                if "libopenblas" in os.path.basename(path):
-                    return path
+                if "libopenblas" in os.path.basename(path) and path not in paths:
+                    paths.append(path)
     except OSError:
-        return None
-    return None
+        return []
+    return paths
+
+
+def loaded_openblas_path() -> str | None:
+    """The OpenBLAS mapped into this process, the one kvsnap preloads first; None without one."""
+    paths = mapped_openblas_paths()
+    ours = find_openblas()
+    if ours is not None and os.path.realpath(ours) in paths:
+        return os.path.realpath(ours)
+    return paths[0] if paths else None
 
 
 def openblas_loaded() -> bool:
@@ -91,16 +101,25 @@ class BlasThreads:
 
 def openblas_threads() -> BlasThreads | None:
     """The thread control of the OpenBLAS in this process; None without one (macOS, Linux with
-    mlx's own BLAS) or when it lacks the calls."""
+    mlx's own BLAS), or where setting it between calls is not a plain count: an OpenMP build
+    (the count is the calling thread's own) or one that pins threads to cores (a change
+    re-pins the caller)."""
     path = loaded_openblas_path()
-    if path is None:
+    if path is None or path.endswith(" (deleted)"):  # upgraded on disk since it was mapped
         return None
-    library = ctypes.CDLL(path)  # the mapped library again: dlopen returns the same handle
-    if not all(
-        hasattr(library, f) for f in ("openblas_set_num_threads", "openblas_get_num_threads")
-    ):
+    try:  # the mapped library again (dlopen returns its handle), never a second copy
+        library = ctypes.CDLL(path, mode=getattr(os, "RTLD_NOLOAD", 0))
+    except OSError:
+        return None
+    calls = ("openblas_set_num_threads", "openblas_get_num_threads", "openblas_get_parallel")
+    if not all(hasattr(library, f) for f in calls) or not hasattr(library, "openblas_get_config"):
         return None
     library.openblas_get_num_threads.restype = ctypes.c_int
+    library.openblas_get_parallel.restype = ctypes.c_int
+    library.openblas_get_config.restype = ctypes.c_char_p
+    config = library.openblas_get_config() or b""
+    if library.openblas_get_parallel() != 1 or b"NO_AFFINITY" not in config:
+        return None
     try:  # the pool OpenBLAS made at load, which a lower count set since does not shrink
         pool = ctypes.c_int.in_dll(library, "blas_num_threads").value
     except ValueError:  # not exported by this build: the count now

@@ -48,7 +48,14 @@ def comma_list(text: str) -> list[str]:
 
 def threads_or_auto(text: str) -> int | None:
     """An argparse type: ``auto`` (None) or a thread count, 0 or more."""
-    return None if text.strip().lower() == "auto" else non_negative_int(text)
+    if text.strip().lower() == "auto":
+        return None
+    try:
+        return non_negative_int(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is neither auto nor a whole number of threads (0: OpenBLAS's own count)"
+        ) from None
 
 
 def non_negative_int(text: str) -> int:

@@ -133,6 +133,7 @@ class BatchRunner:
         gen = self.gen
         if not self.sched.active:
             self._prefixes.clear()  # no row reads them any more
+        self.threads.before_step(decoding_only=False)  # a shared prefix may be computed here
         computed, discard = self.caches.prefill_shared_prefixes(self.sched.next_batch())
         self.shared_prefills += computed
         while (state := self.sched.next_to_admit()) is not None:

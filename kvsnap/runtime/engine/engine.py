@@ -320,6 +320,8 @@ class Engine:
             else:
                 self.warm.set()
         finally:
+            if self._serving is not None:  # OpenBLAS's count is the process's, not this engine's
+                self._serving.threads.restore()
             self.serving_started.set()
             self.stopped.set()
 

@@ -11,9 +11,11 @@ ahead, so a switch lags by up to one step).
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 from kvsnap.blas import BlasThreads
 
@@ -59,9 +61,25 @@ def our_cpus() -> frozenset[int] | None:
         return None
 
 
+def cgroup_cpu_quota(path: str = "/sys/fs/cgroup/cpu.max") -> float | None:
+    """Cores' worth of CPU a cgroup v2 quota allows this process (``docker --cpus``), or None
+    where there is none or it cannot be read."""
+    try:
+        with open(path) as f:
+            quota, period = f.read().split()[:2]
+    except (OSError, ValueError):
+        return None
+    if quota == "max" or float(period) <= 0:
+        return None
+    return float(quota) / float(period)
+
+
 def usable_cores() -> int:
+    """The cores this process may use: its cpuset, capped by a cgroup CPU quota."""
     cpus = our_cpus()
-    return len(cpus) if cpus else (os.cpu_count() or 1)
+    cores = len(cpus) if cpus else (os.cpu_count() or 1)
+    quota = cgroup_cpu_quota()
+    return cores if quota is None else max(1, min(cores, math.ceil(quota)))
 
 
 def threads_for_idle_cores(cores: int, others: float, most: int) -> int:
@@ -78,17 +96,20 @@ class OthersLoad:
     interval: float = 0.5
     # the cores watched: those this process may run on (others elsewhere do not slow it)
     cpus: frozenset[int] | None = field(default_factory=our_cpus)
+    stat_path: str = PROC_STAT
+    own_seconds: Callable[[], float] = own_cpu_seconds
+    clock: Callable[[], float] = time.monotonic
     _last: tuple[float, float, float] | None = None  # (monotonic, their busy s, own s)
     _value: float = 0.0
 
     def read(self) -> float | None:
-        now = time.monotonic()
+        now = self.clock()
         if self._last is not None and now - self._last[0] < self.interval:
             return self._value
-        busy = busy_seconds(self.cpus)
+        busy = busy_seconds(self.cpus, self.stat_path)
         if busy is None:
             return None
-        own = own_cpu_seconds()
+        own = self.own_seconds()
         if self._last is not None:
             then, busy0, own0 = self._last
             # ticks are coarse: a sample can see this process's seconds before the host's
@@ -106,15 +127,14 @@ class StepThreads:
     decode: int | None = None
     cores: int = field(default_factory=usable_cores)
     others: OthersLoad = field(default_factory=OthersLoad)
-    _now: int = -1  # the count last set (-1: never set here)
 
     def before_step(self, decoding_only: bool) -> None:
         if self.blas is None:
             return
         want = self.decoding_threads() if decoding_only else self.blas.default
-        if want != self._now:
+        # the count is the process's: read it back, as another engine may have set it
+        if want != self.blas.current():
             self.blas.use(want)
-            self._now = want
 
     def decoding_threads(self) -> int:
         assert self.blas is not None

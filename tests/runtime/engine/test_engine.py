@@ -1038,6 +1038,7 @@ def test_a_step_that_only_decodes_runs_on_one_blas_thread_and_prompts_on_all_iss
     blas = openblas_threads()
     if blas is None or blas.default < 2:
         pytest.skip("OpenBLAS runs one thread here")
+    blas.use(0)  # whatever an earlier test left
     world = worlds("dense")
     engine = engines.start(world, decode_blas_threads=decode_threads)
     first, second = world.request(0, QUESTIONS[0]), world.request(1, QUESTIONS[1])
@@ -1072,6 +1073,7 @@ def test_the_sequential_path_decodes_on_the_decode_threads_issue_41(worlds, engi
     blas = openblas_threads()
     if blas is None or blas.default < 2:
         pytest.skip("OpenBLAS runs one thread here")
+    blas.use(0)  # every thread before: only the sequential path's own setting makes it 1
     world = worlds("dense")
     engine = engines.start(world, continuous_batching=False, decode_blas_threads=1)
     tokens = world.request(0, QUESTIONS[1])
@@ -1079,3 +1081,5 @@ def test_the_sequential_path_decodes_on_the_decode_threads_issue_41(worlds, engi
     state = submit(engine, tokens, on_event=lambda s, k, p: seen.append(blas.current()))
     assert answer_of(finish(state)) == oracle(world, tokens)
     assert set(seen) == {1}, seen
+    engine.shutdown()
+    assert blas.current() == blas.default  # a stopped engine leaves OpenBLAS's own count

@@ -15,6 +15,7 @@ from kvsnap.blas import find_openblas, openblas_threads, preload_openblas
 from kvsnap.runtime.engine.step_threads import (
     OthersLoad,
     StepThreads,
+    cgroup_cpu_quota,
     threads_for_idle_cores,
     usable_cores,
 )
@@ -131,3 +132,61 @@ def test_others_load_watches_only_the_cores_it_is_given():
         proc.wait()
     # a core the host does not have: unknown, and the caller keeps OpenBLAS's own count
     assert OthersLoad(cpus=frozenset({10_000})).read() is None
+
+
+def stat_file(path, per_cpu_ticks: list[int]) -> None:
+    """A /proc/stat: the total line, then one line per core (user nice system idle ... steal)."""
+    lines = [f"cpu  {sum(per_cpu_ticks)} 0 0 999999 50 0 0 0 0 0"]
+    lines += [f"cpu{i} {t} 0 0 99999 5 0 0 0 0 0" for i, t in enumerate(per_cpu_ticks)]
+    path.write_text("\n".join(lines) + "\nintr 1 2 3\nctxt 4\n")
+
+
+def test_others_load_is_the_cores_busy_time_less_this_process_s_over_the_wall(tmp_path):
+    from kvsnap.runtime.engine.step_threads import TICKS
+
+    stat, clock, own = tmp_path / "stat", [100.0], [10.0]
+    load = OthersLoad(
+        interval=0.5,
+        cpus=frozenset({0, 1}),
+        stat_path=str(stat),
+        own_seconds=lambda: own[0],
+        clock=lambda: clock[0],
+    )
+    stat_file(stat, [0, 0, 0])
+    assert load.read() == 0.0  # the first reading: nothing to compare yet
+    # 2 s later: cores 0 and 1 busy 3.0 s in all, 0.8 s of it ours; core 2 (not ours) 2 s more
+    stat_file(stat, [int(1.5 * TICKS), int(1.5 * TICKS), 2 * TICKS])
+    clock[0], own[0] = 102.0, 10.8
+    assert load.read() == pytest.approx((3.0 - 0.8) / 2.0)
+    clock[0] = 102.3  # within the interval: the same reading, the file not read again
+    stat.unlink()
+    assert load.read() == pytest.approx(1.1)
+    clock[0] = 103.0
+    assert load.read() is None  # unreadable: the caller keeps OpenBLAS's own count
+
+
+def test_a_cgroup_quota_caps_the_cores(tmp_path):
+    quota = tmp_path / "cpu.max"
+    quota.write_text("150000 100000\n")
+    assert cgroup_cpu_quota(str(quota)) == 1.5
+    quota.write_text("max 100000\n")
+    assert cgroup_cpu_quota(str(quota)) is None
+    quota.write_text("garbage")
+    assert cgroup_cpu_quota(str(quota)) is None
+    assert cgroup_cpu_quota(str(tmp_path / "absent")) is None
+
+
+@needs_openblas
+def test_the_count_is_read_back_so_two_engines_do_not_fight():
+    """The count is the process's: a StepThreads must not trust what it set last."""
+    blas = openblas_threads()
+    if blas is None or blas.default < 2:
+        pytest.skip("OpenBLAS runs one thread here")
+    a, b = StepThreads(blas, 1), StepThreads(blas, 0)
+    try:
+        a.before_step(decoding_only=True)
+        b.before_step(decoding_only=True)  # another engine decodes on every thread
+        a.before_step(decoding_only=True)
+        assert blas.current() == 1
+    finally:
+        blas.use(0)
