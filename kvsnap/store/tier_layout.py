@@ -19,18 +19,25 @@ the receiving (``ChainLayout``), and zeroed by mlx (a fetch runs beside the engi
 
 from __future__ import annotations
 
+import logging
 import math
+import time
 from concurrent.futures import Future
 from dataclasses import replace
 from typing import Any, Callable, Mapping, Sequence
 
-from kvsnap.snapshot.file import Header, TensorEntry
+from kvsnap.snapshot.file import FormatError, Header, TensorEntry
 from kvsnap.snapshot.format import DTYPES
 from kvsnap.store.tier_values import ReceivedPart
+
+log = logging.getLogger("kvsnap.tier")
 
 # Tokens of room after a fetched record's in its buffers: the next turn's prompt and reply
 # (a longer one copies the KV as before). 1,024 fp32 tokens of the Qwen3-0.6B shape: 235 MB.
 ROOM_TOKENS = 1024
+# How long past the fetch's deadline ``finish`` waits for the buffers before serving the
+# record block by block (its blocks are all in buffers of their own by then).
+FINISH_SLACK_S = 0.5
 
 
 class RecordBuffers:
@@ -90,13 +97,21 @@ class RecordBuffers:
 class ChainLayout:
     """Where the blocks of one record (``spans``: ``(key, start, end)`` tiling [0,
     ``n_tokens``)) are received. ``place`` is called once per block on the fetch's mlx
-    thread; ``finish`` once every block was received.
+    thread; ``finish`` once every block was received and checked (``abandon`` instead when the
+    fetch failed).
 
     The buffers are made (zeroed: ~1 s per 2 GB on these cores) by ``allocate`` (a function
     that runs a call on an mlx thread of its own and returns its Future) once the first block
     names the tensors, beside the receiving; the blocks placed before they are ready are
     received into buffers of their own and copied in by ``finish`` (the receiving never waits
-    for the zeroing). Without ``allocate`` the first block makes them, there and then."""
+    for the zeroing). Without ``allocate`` the first block makes them, there and then.
+
+    A block's header is not authenticated until its data's MAC is checked, after ``place``:
+    ``sizes`` (block key -> its file's size, from the record's sealed header) bound what a
+    header may make here. A block whose file is not its sealed size is refused (FormatError),
+    and no buffers are made past what the sealed sizes imply for ``n_tokens`` + room (a forged
+    header would have a replica zero gigabytes). ``deadline`` (monotonic) bounds ``finish``'s
+    wait for the buffers; ``record`` names the record in its warning."""
 
     def __init__(
         self,
@@ -104,11 +119,17 @@ class ChainLayout:
         n_tokens: int,
         room: int = ROOM_TOKENS,
         allocate: Callable[[Callable[[], None]], Future] | None = None,
+        sizes: Mapping[str, int] | None = None,
+        deadline: float | None = None,
+        record: str = "a fetched record",
     ):
         self.spans = {key: (start, end) for key, start, end in spans}
         self.n_tokens = n_tokens
         self.capacity = n_tokens + max(0, room)
         self._allocate = allocate
+        self._sizes = sizes
+        self._deadline = deadline
+        self._record = record
         self._made: Future | None = None
         self._ready = False  # every buffer made
         self._forms: dict[str, tuple] = {}  # tensor name -> (leading shape, dim, dtype)
@@ -122,15 +143,26 @@ class ChainLayout:
         """Block ``key``'s data as runs of the record's buffers, in the data's byte order, and
         its tensors as views of them (evaluated); None when the buffers are not made yet (the
         caller receives it into a buffer of its own; ``finish`` copies it in) or it does not
-        fit (another span, tensor, dtype or shape: the record then has no buffers)."""
+        fit (another span, tensor, dtype or shape, or buffers past what the sealed sizes
+        imply: the record then has no buffers). FormatError when its file is not the size its
+        record sealed (it is not the block the record names)."""
+        sealed = None if self._sizes is None else self._sizes.get(key)
+        if sealed is not None and header.file_size != sealed:
+            self._refused = True
+            raise FormatError(
+                f"block {key} of {self._record} is a {header.file_size}-byte file, its record "
+                f"sealed {sealed} bytes (not the block the record names)"
+            )
         span = self.spans.get(key)
         entries = sorted(header.tensors.values(), key=lambda e: e.start)
         if (
             span is None
             or key in self._placed
+            or (self._sizes is not None and sealed is None)
             or not entries
             or not all(self._fits(e, span) for e in entries)
             or (self._forms and {e.name for e in entries} != self._forms.keys())
+            or (not self._forms and not self._within_sealed(entries))
         ):
             self._refused = True
             return None
@@ -146,15 +178,37 @@ class ChainLayout:
             return None
         return self._runs(entries, span), self._views(entries, span)
 
+    def abandon(self) -> None:
+        """The fetch failed or gave up: the buffers are not made if not started yet."""
+        if self._made is not None:
+            self._made.cancel()
+
     def finish(self, received: Mapping[str, ReceivedPart]) -> RecordBuffers | None:
-        """(the fetch's mlx thread, every block received: ``received`` by block key) The
-        record's buffers, the blocks received before them copied in (their parts then view the
-        buffers, so their own are freed: ``received`` is updated); None when a block was
-        refused or missing, or the buffers could not be made (raised here)."""
-        if self._refused or self._placed != set(self.spans):
+        """(the fetch's mlx thread, every block received and checked: ``received`` by block
+        key) The record's buffers, the blocks received before them copied in (their parts then
+        view the buffers, so their own are freed: ``received`` is updated); None when a block
+        was refused, missing or not received, or the buffers could not be made by the
+        deadline (+ FINISH_SLACK_S): the record is then served block by block, each block in
+        its own buffers (a warning names the record and why)."""
+        if self._refused or not set(self.spans) <= self._placed & set(received):
+            self.abandon()
             return None
         if self._made is not None:
-            self._made.result()
+            wait = None
+            if self._deadline is not None:
+                wait = max(0.0, self._deadline - time.monotonic()) + FINISH_SLACK_S
+            try:
+                self._made.result(timeout=wait)
+            # made on another thread: out of memory, cancelled at shutdown, past the deadline
+            except Exception as exc:
+                self.abandon()
+                log.warning(
+                    "[kvsnap] shared tier: %s's buffers were not made (%s); it is served "
+                    "block by block",
+                    self._record,
+                    f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__,
+                )
+                return None
         if not self._ready or not set(self._early) <= received.keys():
             return None
         updated = {}
@@ -172,6 +226,15 @@ class ChainLayout:
         if isinstance(received, dict):
             received.update(updated)
         return RecordBuffers(dict(self._arrays), dict(self._bytes), self.n_tokens, self.capacity)
+
+    def _within_sealed(self, entries: list) -> bool:
+        """The buffers ``entries`` imply (their tokens' bytes x capacity) are no more than the
+        record's sealed block sizes imply (their sum x capacity / ``n_tokens``): always so for
+        the record's own blocks, whose data is less than their files."""
+        if self._sizes is None:
+            return True
+        per_token = sum(math.prod(e.shape[:-2]) * e.shape[-1] * DTYPES[e.dtype][1] for e in entries)
+        return per_token * self.n_tokens <= sum(self._sizes.get(key, 0) for key in self.spans)
 
     def _runs(self, entries: list, span: tuple[int, int]) -> list[memoryview]:
         start, end = span

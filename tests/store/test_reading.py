@@ -7,8 +7,11 @@ Real tiny models, the real build pipeline, real files.
 
 from __future__ import annotations
 
+import io
 import json
+import math
 import random
+import struct
 import threading
 import time
 from pathlib import Path
@@ -472,3 +475,216 @@ def test_a_fetched_record_read_as_a_shared_prefix_copies_nothing(demo_models, tm
         assert p.n == len(tokens)
         assert mx.array_equal(p.keys, c.keys[..., : p.n, :]).item()
         assert mx.array_equal(p.values, c.values[..., : p.n, :]).item()
+
+
+# --- a fetched record's buffers: what may go wrong (store/tier_layout) -------------------------
+
+
+def _sealed_sizes(store, info) -> dict:
+    """Each block's file size, as the record's sealed header names them (``parts``)."""
+    return {
+        key: part_path(store, BLOCK_KIND, key).stat().st_size for key, _, _ in chain_of(info).blocks
+    }
+
+
+def _receive_one(store, info, layout, key: str, value: bytes):
+    """Block ``key`` received from ``value`` through ``layout`` (into a buffer of its own when
+    the layout refuses it), checked under the fleet's SECRET."""
+    from kvsnap.store.fileio import unfilled_tensors
+    from kvsnap.store.tier_backends import BytesValue
+    from kvsnap.store.tier_values import BLOCK, receive_part
+
+    def place(header):
+        return layout.place(key, header) or unfilled_tensors(header)
+
+    reader = BytesValue(memoryview(value), "test")
+    path = part_path(store, BLOCK_KIND, key)
+    return receive_part(
+        reader, SECRET, MODEL_NAME + key, BLOCK, info.model_digest, "block", path, place
+    )
+
+
+def _forged_block(store, key: str, widen: int) -> bytes:
+    """Block ``key``'s file with its tensors ``widen`` times as many leading rows (its fields,
+    so its key and name, kept; no checksum): what anyone who can write to the tier, without
+    the fleet's secret, can plant under the block's name."""
+    from kvsnap.snapshot.file import read_header
+    from kvsnap.snapshot.format import CHECKSUM_KEY
+
+    header = read_header(part_path(store, BLOCK_KIND, key))
+    doc: dict = {"__metadata__": {k: v for k, v in header.metadata.items() if k != CHECKSUM_KEY}}
+    at = 0
+    for e in sorted(header.tensors.values(), key=lambda e: e.start):
+        shape = (
+            [*e.shape[:-3], e.shape[-3] * widen, *e.shape[-2:]] if len(e.shape) >= 3 else e.shape
+        )
+        n = e.nbytes // max(1, int(math.prod(e.shape))) * int(math.prod(shape))
+        doc[e.name] = {"dtype": e.dtype, "shape": list(shape), "data_offsets": [at, at + n]}
+        at += n
+    raw = json.dumps(doc).encode()
+    raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw + bytes(at)
+
+
+def _immediate(asked: list):
+    """An ``allocate`` that records each call and makes the buffers there and then."""
+    import concurrent.futures
+
+    def allocate(fn):
+        asked.append(fn)
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        fn()
+        done.set_result(None)
+        return done
+
+    return allocate
+
+
+def test_a_forged_block_header_makes_no_buffers_past_what_its_record_sealed(built):
+    """A block's header is read before its MAC can be checked: a header planted in the tier
+    by anyone without the fleet's secret must not size the record's buffers. A block whose
+    file is not the size the record sealed is refused before any buffer is made (the fetch
+    counts a bad value and prefills), and a block that would make more than the sealed sizes
+    imply makes none (it is received into a buffer of its own, no larger than its value, and
+    the MAC refuses it); the record's own blocks still make its buffers."""
+    from kvsnap.snapshot.file import FormatError, parse_header
+    from kvsnap.store.tier_layout import ROOM_TOKENS, ChainLayout
+    from kvsnap.store.tier_values import BLOCK, seal
+
+    store, info = built
+    spans = chain_of(info).blocks
+    sizes = _sealed_sizes(store, info)
+    key = spans[0][0]
+    forged = _forged_block(store, key, widen=64)
+    # what the forged header would have this replica zero: its tokens' bytes x capacity
+    data_len = parse_header(io.BytesIO(forged), len(forged)).data_len
+    would = data_len // (spans[0][2] - spans[0][1]) * (info.n_tokens + ROOM_TOKENS)
+    assert would > 10 * sum(sizes.values()), (would, sizes)
+    value = seal(b"attacker" * 4, MODEL_NAME + key, BLOCK, info.model_digest, forged)
+    asked: list = []
+    layout = ChainLayout(spans, info.n_tokens, allocate=_immediate(asked), sizes=sizes)
+    with pytest.raises(FormatError, match="sealed"):
+        _receive_one(store, info, layout, key, value)
+    assert asked == [] and layout._arrays == {}
+    assert layout.finish({}) is None
+
+    # the sealed sizes bound the buffers whatever the block's file size: a record that sealed
+    # less than a block's header implies gets no buffers (its own blocks always fit)
+    small = {k: (size if k == key else 1) for k, size in sizes.items()}
+    asked = []
+    layout = ChainLayout(spans, info.n_tokens, allocate=_immediate(asked), sizes=small)
+    data = part_path(store, BLOCK_KIND, key).read_bytes()
+    part = _receive_one(store, info, layout, key, _sealed(info, key, data))
+    assert asked == [] and len(part.runs) == 1 and len(part.runs[0]) == part.header.data_len
+
+    asked = []
+    layout = ChainLayout(spans, info.n_tokens, allocate=_immediate(asked), sizes=sizes)
+    received = _receive_all(store, info, layout)
+    assert len(asked) == 1 and _finish(layout, received) is not None
+
+
+def test_a_placed_block_flipped_or_foreign_leaves_its_record_without_buffers(
+    built,
+):
+    """A block received straight into the record's buffers is checked as one received into
+    its own: a flipped byte, or a sound file sealed without the fleet's secret, fails the MAC,
+    and the record whose block was refused never yields its buffers (their bytes of that block
+    are the refused ones)."""
+    from kvsnap.snapshot.file import FormatError
+    from kvsnap.store.tier_layout import ChainLayout
+    from kvsnap.store.tier_values import BLOCK, seal
+
+    store, info = built
+    spans = chain_of(info).blocks
+    layout = ChainLayout(spans, info.n_tokens, sizes=_sealed_sizes(store, info))
+    received = _receive_all(store, info, layout, stop_after=1)  # makes the buffers
+    assert layout._ready
+    flipped_key, foreign_key = spans[1][0], spans[2][0]
+    value = bytearray(
+        _sealed(info, flipped_key, part_path(store, BLOCK_KIND, flipped_key).read_bytes())
+    )
+    value[-100] ^= 0x01
+    with pytest.raises(FormatError, match="MAC"):
+        _receive_one(store, info, layout, flipped_key, bytes(value))
+    data = part_path(store, BLOCK_KIND, foreign_key).read_bytes()
+    foreign = seal(b"attacker" * 4, MODEL_NAME + foreign_key, BLOCK, info.model_digest, data)
+    with pytest.raises(FormatError, match="MAC"):
+        _receive_one(store, info, layout, foreign_key, foreign)
+    received.update(_receive_all(store, info, layout, skip=3))
+    assert set(layout._placed) == {key for key, _, _ in spans}  # every block went into place
+    assert _finish(layout, received) is None
+
+
+def test_a_record_whose_buffers_were_not_made_is_served_block_by_block(built, caplog):
+    """The buffers are made on a thread of their own: when that fails (out of memory), is
+    cancelled (shutdown) or is not done by the fetch's deadline, every block already sits
+    checked in a buffer of its own: the record is served from them (a warning names it),
+    never thrown away for the buffers."""
+    import concurrent.futures
+
+    from kvsnap.store.tier_layout import FINISH_SLACK_S, ChainLayout
+
+    store, info = built
+    from_files, _ = load_composed(store, info, BlockPool())
+    spans = chain_of(info).blocks
+    checkpoints = (
+        {("checkpoint", p.stem): p.read_bytes() for p in (store.root / "checkpoints").rglob("*")}
+        if (store.root / "checkpoints").is_dir()
+        else {}
+    )
+    gate = threading.Event()
+
+    def out_of_memory():
+        raise MemoryError("mx.zeros of 1.9 GB")
+
+    def held():
+        gate.wait(30)
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        for how, allocate, deadline in (
+            ("failed", lambda fn: pool.submit(out_of_memory), None),
+            ("late", lambda fn: pool.submit(held), time.monotonic()),
+        ):
+            layout = ChainLayout(
+                spans, info.n_tokens, allocate=allocate, deadline=deadline, record=f"rec-{how}"
+            )
+            received = _receive_all(store, info, layout)
+            caplog.clear()
+            started = time.monotonic()
+            with caplog.at_level("WARNING", logger="kvsnap.tier"):
+                assert _finish(layout, received) is None, how
+            assert time.monotonic() - started < FINISH_SLACK_S + 5, how
+            warned = [r.getMessage() for r in caplog.records]
+            assert len(warned) == 1 and f"rec-{how}" in warned[0], warned
+            assert ("MemoryError" if how == "failed" else "TimeoutError") in warned[0], warned
+            loaded, _ = load_composed(
+                store, info, BlockPool(), in_memory={**received, **checkpoints}
+            )
+            for (_, _, block), (_, _, want) in zip(loaded.blocks, from_files.blocks):
+                for name, array in block.arrays.items():
+                    assert mx.array_equal(array, want.arrays[name]).item(), (how, name)
+        gate.set()
+
+
+def test_an_abandoned_fetch_never_makes_its_records_buffers(built, caplog):
+    """A fetch that missed a part or ran past its budget abandons its layout: buffers not
+    started yet are never made (zeroing 1.9 GB for nothing beside the engine), and a
+    ``finish`` after that serves nothing from them."""
+    import concurrent.futures
+
+    from kvsnap.store.tier_layout import ChainLayout
+
+    store, info = built
+    spans = chain_of(info).blocks
+    gate = threading.Event()
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        pool.submit(gate.wait, 30)  # the allocating thread is busy: the buffers wait
+        layout = ChainLayout(spans, info.n_tokens, allocate=pool.submit)
+        received = _receive_all(store, info, layout, stop_after=2)
+        assert layout._made is not None and not layout._made.done()
+        layout.abandon()
+        gate.set()
+    assert layout._made.cancelled() and not layout._ready and layout._arrays == {}
+    received.update(_receive_all(store, info, layout, skip=2))
+    with caplog.at_level("WARNING", logger="kvsnap.tier"):
+        assert _finish(layout, received) is None

@@ -527,14 +527,21 @@ class SharedTier:
         if not self._worth_it(n, nbytes, attempt.deadline):
             self.stats.skipped_slower += 1
             return 0
-        layout = _layout_for(info, wanted, self._allocator.submit)
+        layout = _layout_for(
+            info, wanted, self._allocator.submit, sizes, attempt.deadline, f"tier record {tier_key}"
+        )
+        fetched_all = False
         try:
             parts = self._fetch_parts(names, wanted, attempt, layout)
+            fetched_all = True
         except _Missed as missed:
             setattr(self.stats, missed.counter, getattr(self.stats, missed.counter) + 1)
             if missed.why:
                 log.warning("[kvsnap] shared tier: %s not used: %s", missed.what, missed.why)
             return 0
+        finally:
+            if layout is not None and not fetched_all:  # a miss, past the budget, the tier
+                layout.abandon()  # failed: its buffers are not zeroed for nothing
         got = sum(p.nbytes for p in parts.values())
         buffers = None
         if layout is not None:  # the blocks received before the buffers were made: copied in
@@ -707,18 +714,25 @@ class SharedTier:
         return left
 
 
-def _layout_for(info: SnapshotInfo, wanted: list, allocate) -> ChainLayout | None:
+def _layout_for(
+    info: SnapshotInfo, wanted: list, allocate, sizes: dict, deadline: float, record: str
+) -> ChainLayout | None:
     """Where a record's blocks are received: one buffer per tensor for all its tokens when
-    every block is fetched (``tier_layout``: the engine then reads it as one prefix; the
-    buffers made by ``allocate``'s thread beside the receiving), else None (each part its own
-    buffer; the blocks held here fill their tokens' place)."""
+    every block is fetched and its size is sealed in the record (``sizes``, by (tier kind,
+    key): they bound the buffers a block's unauthenticated header may make), else None (each
+    part its own buffer; the blocks held here fill their tokens' place). ``tier_layout``: the
+    engine then reads it as one prefix; the buffers made by ``allocate``'s thread beside the
+    receiving, waited for until ``deadline``."""
     if info.chain is None:
         return None
     spans = [(key, start, end) for key, start, end, _ in info.chain.spans(info.n_tokens)]
     fetched = {key for kind, key in wanted if kind == BLOCK_KIND}
-    if not {s[0] for s in spans} <= fetched:
+    sealed = {s[0]: sizes[(BLOCK, s[0])] for s in spans if (BLOCK, s[0]) in sizes}
+    if not {s[0] for s in spans} <= fetched or sealed.keys() != {s[0] for s in spans}:
         return None
-    return ChainLayout(spans, info.n_tokens, allocate=allocate)
+    return ChainLayout(
+        spans, info.n_tokens, allocate=allocate, sizes=sealed, deadline=deadline, record=record
+    )
 
 
 def _place(layout: ChainLayout | None, key: str, header) -> tuple:
