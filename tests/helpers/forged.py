@@ -96,3 +96,25 @@ def forge_long_record(root: Path, n_tokens: int) -> Path:
     with open(path, "wb") as f:
         write_snapshot(f, [OutTensor("tokens", "I32", (n_tokens,), memoryview(raw))], meta)
     return path
+
+
+def widened_block(path: Path, widen: int) -> bytes:
+    """The block file at ``path`` with its tensors ``widen`` times as many leading rows (its
+    fields, so its key and name, kept; no checksum): what anyone who can write to a shared
+    tier, without the fleet's secret, can plant under the block's name. Its data is zeros."""
+    import math
+    import struct
+
+    header = read_header(path)
+    doc: dict = {"__metadata__": {k: v for k, v in header.metadata.items() if k != CHECKSUM_KEY}}
+    at = 0
+    for e in sorted(header.tensors.values(), key=lambda e: e.start):
+        shape = list(e.shape)
+        if len(shape) >= 3:
+            shape[-3] *= widen
+        n = e.nbytes // max(1, math.prod(e.shape)) * math.prod(shape)
+        doc[e.name] = {"dtype": e.dtype, "shape": shape, "data_offsets": [at, at + n]}
+        at += n
+    raw = json.dumps(doc).encode()
+    raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw + bytes(at)

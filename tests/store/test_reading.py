@@ -9,15 +9,14 @@ from __future__ import annotations
 
 import io
 import json
-import math
 import random
-import struct
 import threading
 import time
 from pathlib import Path
 
 import mlx.core as mx
 import pytest
+from helpers.forged import widened_block
 
 import kvsnap.store.reading as store_reading
 from kvsnap.build.pipeline import build_snapshots
@@ -504,28 +503,6 @@ def _receive_one(store, info, layout, key: str, value: bytes):
     )
 
 
-def _forged_block(store, key: str, widen: int) -> bytes:
-    """Block ``key``'s file with its tensors ``widen`` times as many leading rows (its fields,
-    so its key and name, kept; no checksum): what anyone who can write to the tier, without
-    the fleet's secret, can plant under the block's name."""
-    from kvsnap.snapshot.file import read_header
-    from kvsnap.snapshot.format import CHECKSUM_KEY
-
-    header = read_header(part_path(store, BLOCK_KIND, key))
-    doc: dict = {"__metadata__": {k: v for k, v in header.metadata.items() if k != CHECKSUM_KEY}}
-    at = 0
-    for e in sorted(header.tensors.values(), key=lambda e: e.start):
-        shape = (
-            [*e.shape[:-3], e.shape[-3] * widen, *e.shape[-2:]] if len(e.shape) >= 3 else e.shape
-        )
-        n = e.nbytes // max(1, int(math.prod(e.shape))) * int(math.prod(shape))
-        doc[e.name] = {"dtype": e.dtype, "shape": list(shape), "data_offsets": [at, at + n]}
-        at += n
-    raw = json.dumps(doc).encode()
-    raw += b" " * (-len(raw) % 8)
-    return struct.pack("<Q", len(raw)) + raw + bytes(at)
-
-
 def _immediate(asked: list):
     """An ``allocate`` that records each call and makes the buffers there and then."""
     import concurrent.futures
@@ -555,7 +532,7 @@ def test_a_forged_block_header_makes_no_buffers_past_what_its_record_sealed(buil
     spans = chain_of(info).blocks
     sizes = _sealed_sizes(store, info)
     key = spans[0][0]
-    forged = _forged_block(store, key, widen=64)
+    forged = widened_block(part_path(store, BLOCK_KIND, key), widen=64)
     # what the forged header would have this replica zero: its tokens' bytes x capacity
     data_len = parse_header(io.BytesIO(forged), len(forged)).data_len
     would = data_len // (spans[0][2] - spans[0][1]) * (info.n_tokens + ROOM_TOKENS)
