@@ -26,15 +26,17 @@ AGENTS = [
 ]
 
 
-def build_store(lm, root: Path, agents: list, agents_file: Path | None = None) -> Path:
-    """What `kvsnap build AGENTS --model M --out ROOT` does, in-process (the model stays loaded)."""
+def build_store(lm, root: Path, agents: list, agents_file: Path | None = None, blocks=None) -> Path:
+    """What `kvsnap build AGENTS --model M --out ROOT` does, in-process (the model stays loaded);
+    ``blocks``: the build's BlockSettings (None: its default)."""
     from kvsnap.build.pipeline import build_snapshots
     from kvsnap.prompts import load_warm_prompts
 
     agents_file = agents_file or root.parent / f"{root.name}-agents.json"
     agents_file.write_text(json.dumps(agents))
+    extra = {} if blocks is None else {"blocks": blocks}
     report = build_snapshots(
-        lm, load_warm_prompts(agents_file), Store.open(root, create=True), str(agents_file)
+        lm, load_warm_prompts(agents_file), Store.open(root, create=True), str(agents_file), **extra
     )
     assert report.ok, report
     return root

@@ -9,6 +9,7 @@ import threading
 import time
 
 import pytest
+from helpers.shared_tier import open_shared_tier
 from helpers.snapshot_meta import fixed_identity
 
 from kvsnap.runtime.persist.options import TierOptions
@@ -160,15 +161,7 @@ def make_tier(tmp_path, monkeypatch):
     def make(backend: MemoryTier, **options) -> SharedTier:
         store = tmp_path / f"store-{len(made)}"
         store.mkdir()
-        tier = SharedTier(
-            backend,
-            TierOptions("memory://test", **options),
-            IDENTITY,
-            store,
-            local_conv_digest=lambda ns: "d" * 32,
-            local_tenant=lambda ns: "",
-            on_fetched=lambda: None,
-        )
+        tier = open_shared_tier(backend, TierOptions("memory://test", **options), IDENTITY, store)
         made.append(tier)
         return tier
 

@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 from helpers.forged import widened_block
+from helpers.shared_tier import open_shared_tier
+from helpers.stores import build_store
 
-from kvsnap.build.pipeline import build_snapshots
 from kvsnap.key import tokens_digest
-from kvsnap.prompts import load_warm_prompts
 from kvsnap.runtime.persist.options import TierOptions
 from kvsnap.runtime.persist.shared_tier import SharedTier, TierPush
 from kvsnap.snapshot.blocks import BlockSettings
@@ -74,16 +74,10 @@ def pair(demo_models, tmp_path, monkeypatch):
     lm = demo_models.load("dense")
     rng = random.Random(11)
     text = " ".join(rng.choice(WORDS) for _ in range(150))
-    agents = tmp_path / "agents.json"
-    agents.write_text(
-        json.dumps([{"name": "a", "messages": [{"role": "system", "content": text}]}])
-    )
-    store = Store.open(tmp_path / "a", create=True)
-    report = build_snapshots(
-        lm, load_warm_prompts(agents), store, str(agents), blocks=BlockSettings(32, 64)
-    )
-    assert report.ok, report.entries
-    info = store.inspect(store.path_for(report.entries[0].key))
+    agents = [{"name": "a", "messages": [{"role": "system", "content": text}]}]
+    store = Store.open(build_store(lm, tmp_path / "a", agents, blocks=BlockSettings(32, 64)))
+    (entry,) = store.snapshot_files()
+    info = store.inspect(entry)
     assert len(chain_of(info).blocks) >= 4
     local = record_path(store.root, info.path.stem)  # as a persisted conversation's record
     local.parent.mkdir(parents=True, exist_ok=True)
@@ -93,14 +87,11 @@ def pair(demo_models, tmp_path, monkeypatch):
 
     def tier(root: Path) -> SharedTier:
         root.mkdir(exist_ok=True)
-        t = SharedTier(
+        t = open_shared_tier(
             FolderTier.open(tmp_path / "tier"),
             TierOptions(str(tmp_path / "tier")),
             lm.identity(),
             root,
-            local_conv_digest=lambda ns: "d" * 32,
-            local_tenant=lambda ns: "",
-            on_fetched=lambda: None,
         )
         made.append(t)
         return t
