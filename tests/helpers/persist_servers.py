@@ -292,6 +292,8 @@ def settle(server, root: Path, written: int, key: str | None = None, timeout=60.
         time.sleep(0.05)
     with Store.open(root).lock():  # the writer's last write (and supersede) is done
         pass
+    # read again: "written" counts a record before its supersede, under the same lock
+    st = persist_status(server, key)
     assert st["failed"] == st["skipped"] == st["dropped"] == 0, st
     return st
 
