@@ -1840,7 +1840,7 @@ BREAKAGES = (
             Patch(
                 "kvsnap.runtime.engine.step_threads",
                 "threads_for_idle_cores",
-                "    return max(1, min(most, round(cores - others)))\n",
+                "    return max(1, min(most, round(idle)))\n",
                 "    return most\n",
             ),
         ),

@@ -11,7 +11,6 @@ ahead, so a switch lags by up to one step).
 
 from __future__ import annotations
 
-import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -75,17 +74,17 @@ def cgroup_cpu_quota(path: str = "/sys/fs/cgroup/cpu.max") -> float | None:
 
 
 def usable_cores() -> int:
-    """The cores this process may use: its cpuset, capped by a cgroup CPU quota."""
+    """The cores this process may run on: its cpuset."""
     cpus = our_cpus()
-    cores = len(cpus) if cpus else (os.cpu_count() or 1)
-    quota = cgroup_cpu_quota()
-    return cores if quota is None else max(1, min(cores, math.ceil(quota)))
+    return len(cpus) if cpus else (os.cpu_count() or 1)
 
 
-def threads_for_idle_cores(cores: int, others: float, most: int) -> int:
+def threads_for_idle_cores(cores: int, others: float, most: int, quota: float | None = None) -> int:
     """Threads for a decode step: the cores ``others`` (cores' worth of other processes' work)
-    leave idle, rounded, at least 1 and at most ``most``."""
-    return max(1, min(most, round(cores - others)))
+    leave idle, no more than a CPU ``quota`` allows, rounded, at least 1 and at most ``most``.
+    (Other cgroups' processes spend no part of our quota, so the two bounds stay apart.)"""
+    idle = cores - others if quota is None else min(cores - others, quota)
+    return max(1, min(most, round(idle)))
 
 
 @dataclass
@@ -126,6 +125,7 @@ class StepThreads:
     blas: BlasThreads | None  # None: no OpenBLAS in this process (macOS, mlx's own BLAS)
     decode: int | None = None
     cores: int = field(default_factory=usable_cores)
+    quota: float | None = field(default_factory=cgroup_cpu_quota)  # docker --cpus, cgroup v2
     others: OthersLoad = field(default_factory=OthersLoad)
 
     def before_step(self, decoding_only: bool) -> None:
@@ -143,7 +143,7 @@ class StepThreads:
         others = self.others.read()
         if others is None:  # no /proc/stat: OpenBLAS's own count
             return self.blas.default
-        return threads_for_idle_cores(self.cores, others, self.blas.default)
+        return threads_for_idle_cores(self.cores, others, self.blas.default, self.quota)
 
     def restore(self) -> None:
         """OpenBLAS's own count again, for work outside the batch (the rewarmer's prefills)."""

@@ -30,19 +30,22 @@ SPIN = "import time\nend = time.time() + 30\nwhile time.time() < end: pass"
 
 
 @pytest.mark.parametrize(
-    ("cores", "others", "most", "threads"),
+    ("cores", "others", "most", "quota", "threads"),
     [
-        (2, 0.0, 2, 2),  # idle host: every thread
-        (2, 0.4, 2, 2),  # a light neighbour leaves ~1.6 cores
-        (2, 0.7, 2, 1),
-        (2, 2.0, 2, 1),  # both cores busy: one thread, never 0
-        (2, 5.0, 2, 1),
-        (16, 3.2, 16, 13),
-        (16, 0.0, 8, 8),  # never more than OpenBLAS has
+        (2, 0.0, 2, None, 2),  # idle host: every thread
+        (2, 0.4, 2, None, 2),  # a light neighbour leaves ~1.6 cores
+        (2, 0.7, 2, None, 1),
+        (2, 2.0, 2, None, 1),  # both cores busy: one thread, never 0
+        (2, 5.0, 2, None, 1),
+        (16, 3.2, 16, None, 13),
+        (16, 0.0, 8, None, 8),  # never more than OpenBLAS has
+        (16, 0.0, 16, 2.0, 2),  # docker --cpus 2 on an idle 16-core host
+        (16, 10.0, 16, 2.0, 2),  # other cgroups' work spends none of our quota
+        (16, 15.5, 16, 2.0, 1),  # but a full host still leaves us no idle core
     ],
 )
-def test_threads_for_idle_cores(cores, others, most, threads):
-    assert threads_for_idle_cores(cores, others, most) == threads
+def test_threads_for_idle_cores(cores, others, most, quota, threads):
+    assert threads_for_idle_cores(cores, others, most, quota) == threads
 
 
 def spinners(n: int) -> list[subprocess.Popen]:
