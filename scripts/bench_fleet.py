@@ -144,7 +144,7 @@ class Redis:
     def indexes(self) -> dict[bytes, bytes]:
         """DUMP of each kvsnap index (the sorted sets of records) now."""
         c = self.client()
-        return {k: c.dump(k) for k in c.scan_iter(match="kvsnap:t1:*:records", count=1000)}
+        return {k: c.dump(k) for k in c.scan_iter(match="kvsnap:t?:*:records", count=1000)}
 
     def restore(self, dumps: dict[bytes, bytes]) -> None:
         c = self.client()

@@ -2966,6 +2966,12 @@ BREAKAGES = (
                 "                layout.abandon()  # failed",
                 "                pass  # failed",
             ),
+            Patch(
+                "kvsnap.runtime.persist.shared_tier",
+                "SharedTier._fetch_part",
+                "                layout.abandon()\n            raise\n",
+                "                pass\n            raise\n",
+            ),
         ),
         (
             "tests/runtime/persist/test_shared_tier_fetch.py::"
@@ -2981,11 +2987,46 @@ BREAKAGES = (
             Patch(
                 "kvsnap.store.tier_layout",
                 "ChainLayout.abandon",
-                "            self._made.cancel()\n",
+                "            made.cancel()\n",
                 "            pass\n",
             ),
         ),
         ("tests/store/test_reading.py::test_an_abandoned_fetch_never_makes_its_records_buffers",),
+    ),
+    Breakage(
+        "fetched-blocks-zeroed-twice",
+        "shared tier: a failover's fetch pays for its memory once (issue 40)",
+        "a fetched record's blocks are received into buffers of their own while the record's "
+        "buffers are made (the same fresh pages paid twice on the same cores, then a copy)",
+        (
+            Patch(
+                "kvsnap.runtime.persist.shared_tier",
+                "_layout_for",
+                "        wait=True,\n",
+                "        wait=False,\n",
+            ),
+        ),
+        (
+            "tests/runtime/persist/test_shared_tier_fetch.py::"
+            "test_blocks_wait_for_the_records_buffers_instead_of_zeroing_their_own",
+        ),
+    ),
+    Breakage(
+        "ranged-read-past-an-eviction",
+        "shared tier: a value evicted while read is a miss (issue 40)",
+        "a GETRANGE shorter than asked (the value evicted mid-read) is taken as its bytes",
+        (
+            Patch(
+                "kvsnap.store.tier_backends",
+                "_RangedValue._next_range",
+                "        if got != wanted:\n",
+                "        if got is None:\n",
+            ),
+        ),
+        (
+            "tests/store/test_tier_backends.py::"
+            "test_a_redis_value_evicted_while_read_in_ranges_is_a_miss",
+        ),
     ),
     Breakage(
         "partial-match-copies-whole-entry",

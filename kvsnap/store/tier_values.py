@@ -3,10 +3,11 @@
 Every value is one key holding its payload, its identity and its MAC together (never a
 payload in one key and its metadata in another, which an LRU can evict apart):
 
-    KVSNAPT1 | u32 big-endian header length | header JSON | payload
+    KVSNAPT2 | u32 big-endian header length | header JSON | payload
 
-The header names the value's full key, kind, model digest and size; its ``mac`` is an
-HMAC-SHA256 under the fleet's secret over the header (``mac`` left out) and the payload, so
+The header names the value's full key, kind, model digest and size; its ``mac`` is a keyed
+BLAKE3 (its key derived from the fleet's secret) over the header (``mac`` left out) and the
+payload, so
 a value copied under another key, flipped, truncated, or planted by someone without the
 secret opens as ``None`` (a miss), never as data. A name carries the model identity, the KV
 settings and the namespace's tag, so two tenants' (or models') key sets never meet.
@@ -42,8 +43,11 @@ from kvsnap.snapshot.file import (
 )
 from kvsnap.snapshot.format import CHECKSUM_KEY, TENANT, TOKENS
 
-MAGIC = b"KVSNAPT1"
-PREFIX = "kvsnap:t1"  # every name starts so: an operator's KEYS/SCAN pattern, a folder's name
+# t2: values MAC'd with keyed BLAKE3 (t1's HMAC-SHA256 took 1.1 of a fetch's ~4 CPU seconds
+# per 1.9 GB); another prefix, so replicas of either format see the other's values as misses
+MAGIC = b"KVSNAPT2"
+PREFIX = "kvsnap:t2"  # every name starts so: an operator's KEYS/SCAN pattern, a folder's name
+MAC_CONTEXT = "kvsnap 2026-12 shared tier value MAC"  # BLAKE3 derive_key context
 MAX_HEADER = 64 << 10
 HASH_CHUNK = 1 << 20  # a received part is MAC-ed and checksummed this much at a time (in L2)
 RECORD, BLOCK, CHECKPOINT = "record", "block", "checkpoint"
@@ -98,9 +102,15 @@ def namespace_tag(secret: bytes, namespace: str) -> str:
 
 
 def _mac_state(secret: bytes, header: dict):
-    """The MAC's state over the header (``mac`` left out), to be fed the payload."""
+    """The MAC's state over the header (``mac`` left out), to be fed the payload: keyed
+    BLAKE3 (2.5x HMAC-SHA256's speed on one core here, and it lets go of the GIL)."""
+    import blake3
+
     body = json.dumps({k: v for k, v in header.items() if k != "mac"}, sort_keys=True)
-    return hmac.new(secret, body.encode(), hashlib.sha256)
+    key = blake3.blake3(secret, derive_key_context=MAC_CONTEXT).digest()
+    state = blake3.blake3(key=key)
+    state.update(body.encode())
+    return state
 
 
 def _mac(secret: bytes, header: dict, payload: bytes | memoryview) -> str:
@@ -129,7 +139,7 @@ def unseal(
     """The value stored under ``name``, checked: FormatError (why) unless it is whole, was
     sealed under this name, kind and model, and its MAC holds."""
     if not isinstance(value, (bytes, bytearray)) or value[: len(MAGIC)] != MAGIC:
-        raise FormatError("not a kvsnap tier value (no KVSNAPT1 magic)")
+        raise FormatError("not a kvsnap tier value (no KVSNAPT2 magic)")
     if len(value) < len(MAGIC) + 4:
         raise FormatError("truncated before its header")
     (n,) = struct.unpack(">I", value[len(MAGIC) : len(MAGIC) + 4])
@@ -214,7 +224,7 @@ def receive_part(
         raise FormatError("truncated before its header")
     first = read(fixed)
     if first[: len(MAGIC)] != MAGIC:
-        raise FormatError("not a kvsnap tier value (no KVSNAPT1 magic)")
+        raise FormatError("not a kvsnap tier value (no KVSNAPT2 magic)")
     (n,) = struct.unpack(">I", first[len(MAGIC) :])
     if n > MAX_HEADER or fixed + n > size:
         raise FormatError(f"its header length {n} runs past the value ({size} bytes)")

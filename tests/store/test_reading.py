@@ -180,7 +180,7 @@ def test_parts_held_in_memory_load_as_read_from_their_files_and_are_checked_the_
 # --- parts received from a shared tier into mlx memory ------------------------------------------
 
 SECRET = b"s" * 32
-MODEL_NAME = "kvsnap:t1:m:kv:ns:block:"
+MODEL_NAME = "kvsnap:t2:m:kv:ns:block:"
 
 
 def _receive(store, info, key: str, value: bytes, placed: list, size: int | None = None):
@@ -658,10 +658,11 @@ def test_an_abandoned_fetch_never_makes_its_records_buffers(built, caplog):
         pool.submit(gate.wait, 30)  # the allocating thread is busy: the buffers wait
         layout = ChainLayout(spans, info.n_tokens, allocate=pool.submit)
         received = _receive_all(store, info, layout, stop_after=2)
-        assert layout._made is not None and not layout._made.done()
+        assert layout._made and not any(made.done() for made in layout._made)
         layout.abandon()
         gate.set()
-    assert layout._made.cancelled() and not layout._ready and layout._arrays == {}
+    assert all(made.cancelled() for made in layout._made)
+    assert not layout._ready and layout._arrays == {}
     received.update(_receive_all(store, info, layout, skip=2))
     with caplog.at_level("WARNING", logger="kvsnap.tier"):
         assert _finish(layout, received) is None

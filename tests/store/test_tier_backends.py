@@ -15,6 +15,7 @@ from helpers.cli import no_traceback, run_kvsnap
 from helpers.fleet import RedisServer
 
 from kvsnap.errors import UsageError
+from kvsnap.store import tier_backends
 from kvsnap.store.fileio import TMP_PREFIX
 from kvsnap.store.tier_backends import (
     PASSWORD_ENV,
@@ -24,6 +25,7 @@ from kvsnap.store.tier_backends import (
     FolderTier,
     RedisTier,
     TierUnavailable,
+    ValueGone,
     fleet_secret_from_env,
     open_backend,
     read_get_reply,
@@ -63,8 +65,8 @@ def test_a_folder_tier_puts_gets_and_lists_what_is_missing(folder, tmp_path):
     assert folder.missing([]) == []
     folder.put(block, b"value two")  # replaced whole
     assert folder.get(block) == b"value two"
-    # one file per value, under kvsnap-t1/<model>/<kv>/<namespace>/<kind>/<key>
-    path = tmp_path / "shared" / "kvsnap-t1" / ("a" * 32) / ("b" * 8) / ("c" * 32)
+    # one file per value, under kvsnap-t2/<model>/<kv>/<namespace>/<kind>/<key>
+    path = tmp_path / "shared" / "kvsnap-t2" / ("a" * 32) / ("b" * 8) / ("c" * 32)
     assert (path / "block" / KEYS[0]).read_bytes() == b"value two"
     left = [p for p in (tmp_path / "shared").rglob("*") if p.name.startswith(TMP_PREFIX)]
     assert left == []
@@ -100,7 +102,7 @@ def test_a_torn_temp_file_in_a_folder_tier_is_not_a_value(folder):
     name = record(KEYS[0])
     path = folder._path(name)
     path.parent.mkdir(parents=True)
-    (path.parent / f"{TMP_PREFIX}{KEYS[0]}.x1y2").write_bytes(b"KVSNAPT1\x00\x00")
+    (path.parent / f"{TMP_PREFIX}{KEYS[0]}.x1y2").write_bytes(b"KVSNAPT2\x00\x00")
     assert folder.get(name) is None
     assert folder.missing([name]) == [name]
     assert folder.index_members(NAMES.index) == set()
@@ -120,12 +122,12 @@ def test_a_folder_tier_that_cannot_write_is_unavailable_not_an_error(folder):
 @pytest.mark.parametrize(
     "name",
     [
-        "kvsnap:t1:..:..:..:record:k",
-        "kvsnap:t1:a:b:c:record:../../x",
-        "kvsnap:t1:a:b:c/d:record:k",
-        "kvsnap:t1:a:b:c:record:",
+        "kvsnap:t2:..:..:..:record:k",
+        "kvsnap:t2:a:b:c:record:../../x",
+        "kvsnap:t2:a:b:c/d:record:k",
+        "kvsnap:t2:a:b:c:record:",
         "other:t1:a:b:c:record:k",
-        "kvsnap:t1:a:b",
+        "kvsnap:t2:a:b",
     ],
 )
 def test_a_folder_tier_refuses_a_name_that_is_not_a_tier_name(folder, name):
@@ -219,6 +221,61 @@ def test_a_redis_get_receives_a_large_value_into_one_buffer_of_its_size(tier, re
     got = tier.get(record(KEYS[0]))
     assert isinstance(got, bytearray) and got == value
     assert tier.get(record(KEYS[1])) is None
+    assert tier.get(record(KEYS[0])) == value
+
+
+@pytest.mark.parametrize("size", [0, 1, 6, 7, 8, 13, 14, 15, 7 * 5 + 3])
+def test_a_redis_value_read_in_ranges_arrives_whole_in_pieces_of_any_size(
+    tier, redis_server, monkeypatch, size
+):
+    """Ranges of 7 bytes, 2 in flight (1 MiB and 4 in the product): a value of any length
+    around their edges arrives byte for byte, read in pieces of any size, and the connection
+    serves the next value, also when a reader stopped early (its ranges drained)."""
+    monkeypatch.setattr(tier_backends, "RANGE_BYTES", 7)
+    monkeypatch.setattr(tier_backends, "RANGES_AHEAD", 2)
+    value = bytes((i * 37 + 11) % 256 for i in range(size))
+    redis_server.client().set(record(KEYS[0]), value)
+    for piece in (1, 3, 7, 10, max(1, size)):
+        with tier.open_value(record(KEYS[0])) as reader:
+            assert reader is not None and reader.size == size
+            out = bytearray(size)
+            for at in range(0, size, piece):
+                reader.read_into(memoryview(out)[at : at + piece])
+        assert bytes(out) == value, piece
+    with tier.open_value(record(KEYS[0])) as reader:  # stops after 2 bytes
+        reader.read_into(memoryview(bytearray(min(2, size))))
+    assert tier.get(record(KEYS[0])) == value and tier.get(record(KEYS[1])) is None
+    assert len(tier.client.connection_pool._available_connections) == 1  # the same one
+
+
+def test_a_redis_value_evicted_while_read_in_ranges_is_a_miss(tier, redis_server, monkeypatch):
+    """A value removed between two of its ranges (an LRU eviction, a FLUSHALL) is ValueGone
+    mid-read (a miss for the fetch, never a short value or a failure of the tier): ``get``
+    answers None; its connection is closed, not reused mid-reply, and the next get works."""
+    monkeypatch.setattr(tier_backends, "RANGE_BYTES", 1 << 10)
+    monkeypatch.setattr(tier_backends, "RANGES_AHEAD", 1)
+    value = os.urandom(64 << 10)
+    redis_server.client().set(record(KEYS[0]), value)
+    with pytest.raises(ValueGone, match="evicted or replaced"):
+        with tier.open_value(record(KEYS[0])) as reader:
+            out = memoryview(bytearray(len(value)))
+            reader.read_into(out[: 4 << 10])
+            redis_server.client().delete(record(KEYS[0]))
+            reader.read_into(out[4 << 10 :])
+    redis_server.client().set(record(KEYS[0]), value)
+    real_next = tier_backends._RangedValue._next_range
+    ranges: list = []
+
+    def next_range_then_delete(self) -> None:  # the key goes after the value's third range
+        ranges.append(self.done)
+        if len(ranges) == 2:
+            redis_server.client().delete(record(KEYS[0]))
+        real_next(self)
+
+    monkeypatch.setattr(tier_backends._RangedValue, "_next_range", next_range_then_delete)
+    assert tier.get(record(KEYS[0])) is None and len(ranges) >= 3
+    assert tier.get(record(KEYS[1])) is None
+    redis_server.client().set(record(KEYS[0]), value)
     assert tier.get(record(KEYS[0])) == value
 
 

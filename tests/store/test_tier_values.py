@@ -107,7 +107,7 @@ def test_a_header_length_past_the_value_is_a_format_error_not_a_crash():
         unseal(SECRET, NAME, BLOCK, MODEL, bytes(value))
 
 
-@pytest.mark.parametrize("value", [b"", b"KVSNAPT", b"plain bytes", "KVSNAPT1 text", None])
+@pytest.mark.parametrize("value", [b"", b"KVSNAPT", b"plain bytes", "KVSNAPT2 text", None])
 def test_what_is_not_a_sealed_value_is_a_format_error(value):
     with pytest.raises(FormatError):
         unseal(SECRET, NAME, BLOCK, MODEL, value)  # type: ignore[arg-type]

@@ -135,7 +135,7 @@ def wait_for(ok, timeout: float = 30.0) -> bool:
 
 
 def keys_by_kind(keys: set[str]) -> dict[str, set[str]]:
-    """kvsnap:t1:<model>:<kv>:<namespace>:<kind>:<key> (and …:<namespace>:records) by kind."""
+    """kvsnap:t2:<model>:<kv>:<namespace>:<kind>:<key> (and …:<namespace>:records) by kind."""
     out: dict[str, set[str]] = {}
     for k in keys:
         fields = k.split(":")
@@ -546,14 +546,14 @@ def test_a_replica_started_after_a_flush_still_shares_with_the_fleet(
     demo_models, scenario, tmp_path
 ):
     """Without KVSNAP_SHARED_TIER_SECRET the first replica stores a random secret in the
-    tier (kvsnap:t1:secret). A FLUSHALL (or an LRU eviction of that key, or a Redis restarted
+    tier (kvsnap:t2:secret). A FLUSHALL (or an LRU eviction of that key, or a Redis restarted
     without persistence) removes it: replicas running keep theirs, a replica started after
     must still end up with the same one, or it never finds the fleet's conversations."""
     model = demo_models.path(MODEL)
     sc = scenario("secret-flushed")
     with Fleet(model, tmp_path, env=NO_SECRET_ENV) as f:
         turn(f.a, sc, 1)  # A's first request: the secret is made and kept
-        assert f.redis.client().exists("kvsnap:t1:secret")
+        assert f.redis.client().exists("kvsnap:t2:secret")
         wait_settled(f.a, 1)
         f.redis.client().flushall()
         c = launch(model, tmp_path / "c", tmp_path / "c.log", f.redis.url, NO_SECRET_ENV)
@@ -579,7 +579,7 @@ def test_a_shared_folder_tier_carries_a_conversation_and_refuses_a_flipped_file(
     shared.mkdir()
 
     def files() -> set[Path]:
-        return {p for p in (shared / "kvsnap-t1").rglob("*") if p.is_file()}
+        return {p for p in (shared / "kvsnap-t2").rglob("*") if p.is_file()}
 
     with Fleet(demo_models.path(MODEL), tmp_path, tier_url=str(shared)) as f:
         for n in (1, 2, 3):
