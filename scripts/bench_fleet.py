@@ -96,6 +96,15 @@ def load() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
 
 
+def mem_available_mb() -> int:
+    """The kernel's MemAvailable: a fetch's fresh pages cost more when it is low (reclaim)."""
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) // 1024
+    return -1
+
+
 def pctl(values: list[float], q: float) -> float:
     """Nearest-rank percentile."""
     ordered = sorted(values)
@@ -237,7 +246,7 @@ def ask(
 ) -> dict:
     """One streamed chat turn: TTFT, usage, the server's CPU seconds over it; with
     ``profile``, py-spy's raw stacks of the server's threads over the request there."""
-    cpu0, load0 = tree_cpu_s(server.proc.pid), load()
+    cpu0, load0, mem0 = tree_cpu_s(server.proc.pid), load(), mem_available_mb()
     spy = spy_on(server, profile) if profile is not None else None
     try:
         with httpx.Client(timeout=httpx.Timeout(limit_s, connect=10)) as client:
@@ -256,6 +265,7 @@ def ask(
         "completion_tokens": r.usage.get("completion_tokens"),
         "server_cpu_s": round(tree_cpu_s(server.proc.pid) - cpu0, 2),
         "load_before": load0,
+        "mem_available_mb_before": mem0,
         "text": r.text,
     }
 
@@ -446,7 +456,14 @@ def failover(args, out: dict, save) -> None:
             plan += pair if rep % 2 else pair[::-1]
             if rep == 1 and not args.skip_prefill:
                 plan.append(("prefill", 1))
+        if args.kill_a:  # a failover as it happens: A's turns first, then A gone, then B's
+            plan = [p for p in plan if p[0] == "local"] + [p for p in plan if p[0] != "local"]
+        res["a_killed_before_tier"] = args.kill_a
         for kind, rep in plan:
+            if args.kill_a and kind != "local" and a.proc.poll() is None:
+                print("A killed (-9): its memory freed, as in the failover measured", flush=True)
+                os.killpg(a.proc.pid, signal.SIGKILL)
+                a.proc.wait(30)
             print(f"{kind} {rep} (load {load()}) ...", flush=True)
             run = {"local": local, "tier": tier, "disk": disk}
             row = run[kind](rep) if kind != "prefill" else prefill()
@@ -813,6 +830,12 @@ def main() -> int:
         action="store_true",
         help="(b) right after B's /health, without its warm-up request (its weights still "
         "being read)",
+    )
+    p.add_argument(
+        "--kill-a",
+        action="store_true",
+        help="(a) runs first, then A is killed -9 before every (b), as in a failover: B's fetch "
+        "does not share the machine's memory with a live A (a 24 GiB box holds A, B and Redis)",
     )
     p.add_argument("--down-size", default="tiny", help="demo size of the tier-down model")
     p.add_argument("--conversations", type=int, default=60, help="tier down: 2 turns each")
