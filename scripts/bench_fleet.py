@@ -96,13 +96,16 @@ def load() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
 
 
-def mem_available_mb() -> int:
-    """The kernel's MemAvailable: a fetch's fresh pages cost more when it is low (reclaim)."""
+def memory_mb() -> dict:
+    """The kernel's MemFree and MemAvailable (MiB): a fetch's fresh pages cost more when free
+    memory is low (the page cache reclaimed page by page, on the fetching process's CPU)."""
+    out = {}
     with open("/proc/meminfo") as f:
         for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) // 1024
-    return -1
+            key, _, rest = line.partition(":")
+            if key in ("MemFree", "MemAvailable"):
+                out[key] = int(rest.split()[0]) // 1024
+    return out
 
 
 def pctl(values: list[float], q: float) -> float:
@@ -246,7 +249,7 @@ def ask(
 ) -> dict:
     """One streamed chat turn: TTFT, usage, the server's CPU seconds over it; with
     ``profile``, py-spy's raw stacks of the server's threads over the request there."""
-    cpu0, load0, mem0 = tree_cpu_s(server.proc.pid), load(), mem_available_mb()
+    cpu0, load0, mem0 = tree_cpu_s(server.proc.pid), load(), memory_mb()
     spy = spy_on(server, profile) if profile is not None else None
     try:
         with httpx.Client(timeout=httpx.Timeout(limit_s, connect=10)) as client:
@@ -265,7 +268,7 @@ def ask(
         "completion_tokens": r.usage.get("completion_tokens"),
         "server_cpu_s": round(tree_cpu_s(server.proc.pid) - cpu0, 2),
         "load_before": load0,
-        "mem_available_mb_before": mem0,
+        "memory_mb_before": mem0,
         "text": r.text,
     }
 

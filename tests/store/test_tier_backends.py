@@ -279,6 +279,37 @@ def test_a_redis_value_evicted_while_read_in_ranges_is_a_miss(tier, redis_server
     assert tier.get(record(KEYS[0])) == value
 
 
+def test_a_redis_user_with_only_the_commands_fleet_md_lists_runs_every_call(redis_server):
+    """docs/fleet.md's ACL (these commands on kvsnap:t2:* keys, nothing else) is enough for
+    every call a replica makes, a value read in ranges included; a key outside the prefix is
+    refused (the user can touch nothing else)."""
+    admin = redis_server.client()
+    admin.flushall()
+    admin.execute_command(
+        "ACL SETUSER kvsnapuser on >pw-0123456789 ~kvsnap:t2:* resetchannels -@all +get +set "
+        "+exists +strlen +getrange +zadd +zremrangebyrank +zrem +zrange +multi +exec"
+    )
+    try:
+        url = redis_server.url.replace("redis://", "redis://kvsnapuser:pw-0123456789@")
+        backend = open_backend(url, TIMEOUT_S)
+        try:
+            value = os.urandom(3 << 20)  # three ranges
+            backend.put(record(KEYS[0]), value)
+            assert backend.get(record(KEYS[0])) == value
+            assert backend.get(record(KEYS[1])) is None
+            assert backend.missing([record(KEYS[0]), record(KEYS[1])]) == [record(KEYS[1])]
+            backend.index_add(NAMES.index, KEYS[0], limit=3)
+            assert backend.index_members(NAMES.index) == {KEYS[0]}
+            backend.index_remove(NAMES.index, [KEYS[0]])
+            assert len(backend.shared_secret()) == SECRET_BYTES
+            with pytest.raises(TierUnavailable, match="NOPERM"):
+                backend.get("elsewhere")
+        finally:
+            backend.close()
+    finally:
+        admin.execute_command("ACL DELUSER kvsnapuser")
+
+
 def test_a_redis_error_reply_to_a_get_is_unavailable_and_the_next_get_works(tier, redis_server):
     redis_server.client().zadd(record(KEYS[0]), {"member": 1.0})  # GET of a sorted set: an error
     with pytest.raises(TierUnavailable, match="WRONGTYPE"):
