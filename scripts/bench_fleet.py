@@ -707,7 +707,12 @@ def plot(out: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 5.4), width_ratios=[3, 2])
+    down = out.get("tier_down", {}).get("summary", {})
+    if "down" in down and "p50_s" in down["down"]:
+        fig, (left, right) = plt.subplots(1, 2, figsize=(12, 5.4), width_ratios=[3, 2])
+    else:  # the tier-down part was not run: the failover alone
+        fig, left = plt.subplots(figsize=(7.5, 5.4))
+        right = None
     s = out.get("failover", {}).get("summary", {})
     kinds = [k for k in LABELS if k in s]
     if kinds:
@@ -728,10 +733,8 @@ def plot(out: dict, path: Path) -> None:
             f"{out.get('cores')} cores\n{ratios(s)}; bars: median, dots: each run",
             fontsize=9,
         )
-    d = out.get("tier_down", {}).get("summary", {})
-    if "down" not in d or "p50_s" not in d["down"]:
-        right.set_visible(False)  # the tier-down part was not run
-    else:
+    d = down
+    if right is not None:
         names = [("none", "no tier"), ("down", "tier down")]
         x = range(len(names))
         for off, (q, color) in zip((-0.2, 0.2), (("p50_s", "C0"), ("p99_s", "C1"))):

@@ -374,8 +374,8 @@ class _RangedValue:
     straight into the caller's buffers. A GET has Redis copy the whole value into one fresh
     reply buffer (58 MB per 8k-token fp32 block, its pages faulted anew every time): ranged,
     Redis spent 0.94 instead of 1.44 CPU s sending 1.88 GB here, and nothing is asked past
-    what the caller reads (a planted length costs nothing). The value's length comes first
-    (STRLEN, in the same round trip as the first range); a range shorter than asked means it
+    what the caller reads (a planted length costs nothing). Its existence, length and first
+    range come in one MULTI/EXEC (one round trip); a later range shorter than asked means it
     was evicted or replaced while read (``ValueGone``). Reads nothing past its replies."""
 
     def __init__(self, stream: _ReplyStream, name: str, size: int):
