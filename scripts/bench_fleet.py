@@ -26,9 +26,12 @@ not reuse one another. A replica's record of a branch supersedes turn k's record
 tier's index (only its index entry goes; the values stay), so before each (a) and (b) the
 index is put back as it was once turn k was written behind (Redis DUMP/RESTORE of that one
 key): each measure sees the tier of "a failover right after turn k". Order: a1 b1 c b2 a2 ...
-(c once: it is a full prefill). Per measure: TTFT (request -> first streamed content token),
-the server's CPU seconds (its process tree, /proc) over the request, the 1-minute load
-average before it, and for (b) B's shared_tier counters and redis-server's CPU seconds.
+(c once: it is a full prefill). ``--kill-a``: every (a) first, then A is killed -9 before
+the first (b), as in the failover measured (B's fetch then does not share the box's memory
+with a live A: docs/benchmarks.md "The fetch at this machine's floor"). Per measure: TTFT
+(request -> first streamed content token), the server's CPU seconds (its process tree,
+/proc) over the request, the 1-minute load average and free memory before it, and for (b)
+B's shared_tier counters and redis-server's CPU seconds.
 ``--probe-default-budget`` also starts a replica with the default budget (10 s) and reads
 its counters once the budget has passed (then kills it: it would prefill).
 
