@@ -153,9 +153,8 @@ class RedisTier:
         by redis-py) in ranges (``_RangedValue``), received by the caller straight into its
         own buffers (``ValueReader``): hiredis would receive it into its buffer and copy it
         into a bytes, two more passes over a value of tens of MB. None when there is no such
-        value, or it was evicted as its reading began; ``ValueGone`` when it is evicted
-        while the caller reads it. A connection left mid-reply (a failure, or a caller that
-        stopped reading) is closed, never reused."""
+        value; ``ValueGone`` when it is evicted while the caller reads it. A connection left
+        mid-reply (a failure, or a caller that stopped reading) is closed, never reused."""
         pool = self.client.connection_pool
         conn = self._call(_pool_connection, pool)
         done = False
@@ -167,10 +166,7 @@ class RedisTier:
                 yield None if got is None else BytesValue(memoryview(got), self.where)
             else:
                 self._call(conn.check_health)  # what send_command did before a command
-                try:
-                    value = self._call(_RangedValue.start, sock, self.where, name)
-                except ValueGone:
-                    value = None
+                value = self._call(_RangedValue.start, sock, self.where, name)
                 yield value
                 if value is not None:
                     value.finish()
@@ -403,13 +399,12 @@ class _RangedValue:
             raise TierUnavailable(
                 f"{where} sent {first} bytes of a {size}-byte value's first range"
             )
-        if not exists:
+        if first == 0:  # no such value, or an empty one: the reply's CRLF is all there is
             stream.end_of_bulk(0)
+        if not exists:
             return None
         value = cls(stream, name, size)
         value.asked = value.left = first
-        if first == 0:
-            stream.end_of_bulk(0)
         value._ask()
         return value
 
